@@ -1,0 +1,88 @@
+/* backend.h: where the attention math runs (CPU worker threads or a CUDA device).
+ *
+ * The engine owns sessions and block tables; a backend owns the KV pool memory
+ * (all layers), the static scales' copies it needs, and execution. The engine
+ * submits jobs on the loop thread; the backend runs them off the loop and calls
+ * job->done_cb on the loop thread (uv_async_t + queue, or uv_queue_work).
+ *
+ * Ordering contract: jobs of the same layer run in submission order, each
+ * finished (its writes visible) before the next one of that layer starts; jobs
+ * of different layers may run concurrently. COPY jobs (copy-on-write of whole
+ * blocks) are submitted once per layer, so they order with that layer's steps.
+ * A job holds no reference of its own: the engine keeps the blocks a job reads
+ * or writes referenced until done_cb. */
+#ifndef ATTND_BACKEND_H
+#define ATTND_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "attnd_kernels.h"
+
+typedef struct attnd_backend_s attnd_backend_t;
+typedef struct attnd_job_s attnd_job_t;
+
+typedef enum { ATTND_JOB_STEP = 0, ATTND_JOB_COPY = 1 } attnd_job_kind_t;
+
+struct attnd_job_s {
+  attnd_job_kind_t kind;
+  int layer;
+  /* STEP: the batch with HOST pointers for items, meta, q, k, v, out and lse;
+   * the backend fills cache, block_bytes and the static-scale pointers itself.
+   * out and lse are engine-allocated host buffers the backend writes into. */
+  attnd_kbatch_t batch;
+  size_t nmeta;              /* int32 elements in batch.meta */
+  size_t q_bytes, kv_bytes;  /* bytes of q, and of k (== bytes of v) */
+  size_t out_bytes, lse_bytes;
+  /* COPY: ncopies (src, dst) physical block pairs, this layer only. */
+  const int32_t *copies;
+  int ncopies;
+  /* Filled by the backend. */
+  int status;                /* 0 or a negative ATTND_E* */
+  char message[128];
+  uint64_t t_submit_us, t_start_us, t_end_us; /* uv_hrtime()/1000 */
+  void (*done_cb)(attnd_job_t *job);          /* on the loop thread */
+  void *user;
+};
+
+typedef struct {
+  const char *name;          /* "cpu" | "cuda" */
+  /* Runs the job asynchronously; returns 0, or a negative ATTND_E* (then
+   * done_cb is never called). */
+  int (*submit)(attnd_backend_t *b, attnd_job_t *job);
+  /* Sets a layer's static scales (fp32, host pointers, copied). Only called
+   * when no job of that layer is in flight. */
+  int (*set_scales)(attnd_backend_t *b, int layer, const float *k_scale, const float *v_scale,
+                    const float *k_zero, const float *v_zero, int per_channel);
+  /* Jobs in flight (submitted, done_cb not yet called). */
+  int (*inflight)(attnd_backend_t *b);
+  /* Device name, memory and compute capability for Health. */
+  void (*describe)(attnd_backend_t *b, char *device, size_t len, uint64_t *mem, int *cc);
+  /* Frees everything; only called with nothing in flight. */
+  void (*destroy)(attnd_backend_t *b);
+} attnd_backend_ops_t;
+
+struct attnd_backend_s {
+  const attnd_backend_ops_t *ops;
+  attnd_kshape_t shape;
+  int layers;
+  uint32_t num_blocks;       /* per layer */
+  size_t block_bytes;        /* attnd_kv_block_bytes(&shape) */
+};
+
+/* Creates the CPU backend with a pool of num_blocks blocks per layer.
+ * threads = 0 uses every core. */
+int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
+                             int layers, uint64_t kv_memory, int threads, char *err,
+                             size_t errlen);
+/* 1 when a usable CUDA device exists (any error from cudaGetDeviceCount: 0).
+ * Always 0 in builds without CUDA. */
+int attnd_backend_cuda_available(void);
+/* Creates the CUDA backend on a device; kv_memory 0 = 90% of free memory.
+ * ATTND_EUNAVAIL in builds without CUDA or with no usable device. */
+int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
+                              int layers, uint64_t kv_memory, int device, char *err,
+                              size_t errlen);
+
+#endif /* ATTND_BACKEND_H */

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages attnd needs to build and test, when missing.
+# As root it runs apt-get; otherwise it prints the exact command to run.
+set -euo pipefail
+PKGS=(
+  build-essential cmake pkg-config
+  libuv1-dev            # event loop: sockets, timers, signals, worker pool
+  libnanopb-dev nanopb protobuf-compiler  # wire protocol (C side) and its generator
+  libcmocka-dev         # unit tests
+  libinih-dev           # config file parser
+  libxxhash-dev         # xxh3-128 block hashes for the prefix cache
+  libsystemd-dev        # sd_notify (READY, WATCHDOG, STOPPING)
+  libhttp-parser-dev    # parses /metrics HTTP requests
+  python3 python3-protobuf python3-numpy  # Python client and end-to-end tests
+  valgrind
+)
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+if [ "$(id -u)" -eq 0 ]; then
+  echo "deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y --no-install-recommends "${missing[@]}"; then
+    apt-get update
+    apt-get install -y --no-install-recommends "${missing[@]}"
+  fi
+else
+  echo "deps: missing Debian packages. Run:" >&2
+  echo "  sudo apt-get install -y ${missing[*]}" >&2
+  exit 1
+fi
