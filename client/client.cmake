@@ -1,0 +1,11 @@
+# libattnclient (C client library) and attnctl (CLI). Included from
+# client/CMakeLists.txt, so the binaries land in $BUILD/client/.
+add_library(attnd_client STATIC ${CMAKE_CURRENT_SOURCE_DIR}/attnclient.c)
+target_include_directories(attnd_client PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(attnd_client PUBLIC attnd_proto)
+
+add_executable(attnctl ${CMAKE_CURRENT_SOURCE_DIR}/attnctl.c)
+target_link_libraries(attnctl PRIVATE attnd_client m)
+install(TARGETS attnctl RUNTIME DESTINATION bin)
+install(FILES ${CMAKE_CURRENT_SOURCE_DIR}/attnclient.h DESTINATION include/attnd)
+install(TARGETS attnd_client ARCHIVE DESTINATION lib)
