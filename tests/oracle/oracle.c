@@ -216,10 +216,14 @@ void oracle_quantize_row(const attnd_kshape_t *s, const oracle_scales_t *sc, int
   *dyn_scale = 0.0f;
   switch (s->kv) {
   case ATTND_KV_BF16:
-  case ATTND_KV_FP16:
+  case ATTND_KV_FP16: {
+    /* Identity when the cache type matches the activation dtype; a cache of
+     * the other 16-bit type rounds once more, to what it can hold. */
+    attnd_dtype_t cdt = s->kv == ATTND_KV_BF16 ? ATTND_DT_BF16 : ATTND_DT_FP16;
     for (int d = 0; d < D; d++)
-      q[d] = x[d];
+      q[d] = oracle_round(cdt, x[d]);
     return;
+  }
   case ATTND_KV_INT8:
   case ATTND_KV_FP8: {
     const float *scale = is_v ? sc->v_scale : sc->k_scale;
