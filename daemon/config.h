@@ -42,6 +42,11 @@ typedef struct {
   int max_plans;            /* live plans per connection (oldest ends first) */
   int threads;              /* CPU backend worker parts, 0 = number of cores */
   int prefix_cache;         /* 1: prefix caching on (default) */
+
+  /* Actions asked on the command line (not config-file keys). */
+  int check_config;         /* --check-config: validate, then exit 0 or 2 */
+  int show_help;            /* --help */
+  int show_version;         /* --version */
 } attnd_config_t;
 
 /* Fills built-in defaults (environment-dependent paths included). */
@@ -51,5 +56,10 @@ void attnd_config_defaults(attnd_config_t *c);
 int attnd_config_parse(attnd_config_t *c, int argc, char **argv, char *err, size_t errlen);
 /* Checks cross-field constraints; fills derived values (softmax scale, rotary_dim). */
 int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen);
+
+/* Splits "HOST:PORT" or "[V6HOST]:PORT" into host and port (0..65535). */
+int attnd_config_hostport(const char *s, char *host, size_t hostlen, int *port);
+/* The --help text. */
+const char *attnd_config_usage(void);
 
 #endif /* ATTND_CONFIG_H */

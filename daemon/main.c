@@ -1,0 +1,161 @@
+/* main.c: attnd's entry point.
+ *
+ * Exit codes: 0 after --help, --version, a good --check-config or a clean
+ * drain; 2 for a bad configuration; 1 when the daemon cannot start. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <systemd/sd-daemon.h>
+#include <uv.h>
+
+#include "config.h"
+#include "engine.h"
+#include "errors.h"
+#include "log.h"
+#include "metrics.h"
+#include "server.h"
+
+typedef struct {
+  uv_loop_t loop;
+  attnd_config_t cfg;
+  attnd_engine_t *engine;
+  attnd_server_t *server;
+  attnd_metrics_t *metrics;
+  uv_signal_t sigterm, sigint;
+  uv_timer_t watchdog;
+  int watchdog_on;
+  int stopping;
+  int exit_code;
+} daemon_t;
+
+static void close_rest(daemon_t *d) {
+  uv_close((uv_handle_t *)&d->sigterm, NULL);
+  uv_close((uv_handle_t *)&d->sigint, NULL);
+  if (d->watchdog_on)
+    uv_close((uv_handle_t *)&d->watchdog, NULL);
+  if (d->metrics) {
+    attnd_metrics_close(d->metrics, NULL, NULL);
+    d->metrics = NULL;
+  }
+}
+
+static void engine_closed_cb(void *arg) {
+  daemon_t *d = arg;
+  d->engine = NULL;
+  ATTND_LOGI("engine_closed", "%s", "");
+  close_rest(d);
+}
+
+static void server_drained_cb(void *arg) {
+  daemon_t *d = arg;
+  d->server = NULL;
+  ATTND_LOGI("drained", "%s", "");
+  /* The metrics endpoint reads engine stats: close it before the engine. */
+  if (d->metrics) {
+    attnd_metrics_close(d->metrics, NULL, NULL);
+    d->metrics = NULL;
+  }
+  attnd_engine_close(d->engine, engine_closed_cb, d);
+}
+
+static void signal_cb(uv_signal_t *h, int signum) {
+  daemon_t *d = h->data;
+  if (d->stopping) {
+    ATTND_LOGW("signal_ignored", "signal=%s reason=already_draining", strsignal(signum));
+    return;
+  }
+  d->stopping = 1;
+  ATTND_LOGI("stopping", "signal=%s", strsignal(signum));
+  sd_notify(0, "STOPPING=1\nSTATUS=draining");
+  attnd_server_drain(d->server, server_drained_cb, d);
+}
+
+static void watchdog_cb(uv_timer_t *t) { sd_notify(0, "WATCHDOG=1"); }
+
+int main(int argc, char **argv) {
+  static daemon_t d;
+  char err[512] = "";
+  int rc;
+
+  attnd_config_defaults(&d.cfg);
+  if ((rc = attnd_config_parse(&d.cfg, argc, argv, err, sizeof(err))) != 0) {
+    fprintf(stderr, "attnd: %s\n", err);
+    return 2;
+  }
+  if (d.cfg.show_help) {
+    fputs(attnd_config_usage(), stdout);
+    return 0;
+  }
+  if (d.cfg.show_version) {
+    printf("attnd %s\n", ATTND_VERSION);
+    return 0;
+  }
+  if ((rc = attnd_config_validate(&d.cfg, err, sizeof(err))) != 0) {
+    fprintf(stderr, "attnd: %s\n", err);
+    return 2;
+  }
+  if (d.cfg.check_config) {
+    printf("attnd: configuration ok\n");
+    return 0;
+  }
+  attnd_log_set_level((attnd_log_level_t)attnd_log_level_parse(d.cfg.log_level));
+  /* Writes to a client that went away must fail with EPIPE, not kill us. */
+  signal(SIGPIPE, SIG_IGN);
+
+  if ((rc = uv_loop_init(&d.loop)) != 0) {
+    ATTND_LOGE("start_failed", "reason=\"uv_loop_init: %s\"", uv_strerror(rc));
+    return 1;
+  }
+  if ((rc = attnd_engine_init(&d.engine, &d.loop, &d.cfg, err, sizeof(err))) != 0) {
+    ATTND_LOGE("start_failed", "stage=engine err=\"%s\" reason=\"%s\"", attnd_strerror(rc), err);
+    return 1;
+  }
+  if ((rc = attnd_server_start(&d.server, &d.loop, &d.cfg, d.engine, err, sizeof(err))) != 0) {
+    ATTND_LOGE("start_failed", "stage=listen reason=\"%s\"", err);
+    uv_run(&d.loop, UV_RUN_DEFAULT);
+    return 1;
+  }
+  attnd_rpc_t *rpc = attnd_server_rpc(d.server);
+  if (d.cfg.metrics[0] &&
+      (rc = attnd_metrics_start(&d.metrics, &d.loop, d.cfg.metrics, &rpc->counters, d.engine,
+                                rpc->start_ns, err, sizeof(err))) != 0) {
+    ATTND_LOGE("start_failed", "stage=metrics reason=\"%s\"", err);
+    return 1;
+  }
+  uv_signal_init(&d.loop, &d.sigterm);
+  uv_signal_init(&d.loop, &d.sigint);
+  d.sigterm.data = d.sigint.data = &d;
+  uv_signal_start(&d.sigterm, signal_cb, SIGTERM);
+  uv_signal_start(&d.sigint, signal_cb, SIGINT);
+
+  uint64_t wd_usec = 0;
+  if (sd_watchdog_enabled(0, &wd_usec) > 0 && wd_usec > 0) {
+    /* Half the interval, as sd_watchdog_enabled(3) recommends. */
+    uint64_t ms = wd_usec / 2000;
+    if (ms == 0)
+      ms = 1;
+    uv_timer_init(&d.loop, &d.watchdog);
+    uv_timer_start(&d.watchdog, watchdog_cb, ms, ms);
+    d.watchdog_on = 1;
+  }
+
+  attnd_engine_info_t info;
+  memset(&info, 0, sizeof(info));
+  attnd_engine_info(d.engine, &info);
+  ATTND_LOGI("ready", "version=%s backend=%s device=\"%s\" epoch=%016llx tcp_port=%d socket=%s",
+             ATTND_VERSION, info.backend ? info.backend : "?", info.device,
+             (unsigned long long)rpc->epoch, attnd_server_tcp_port(d.server),
+             d.cfg.socket_path[0] ? d.cfg.socket_path : "-");
+  sd_notifyf(0, "READY=1\nSTATUS=serving backend=%s tcp_port=%d", info.backend ? info.backend : "?",
+             attnd_server_tcp_port(d.server));
+
+  uv_run(&d.loop, UV_RUN_DEFAULT);
+  rc = uv_loop_close(&d.loop);
+  if (rc != 0) {
+    ATTND_LOGE("exit", "reason=\"loop still has open handles\"");
+    return 1;
+  }
+  ATTND_LOGI("exit", "code=0");
+  return 0;
+}

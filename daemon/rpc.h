@@ -1,0 +1,96 @@
+/* rpc.h: one request frame in, one response frame out (DESIGN.md section 7).
+ *
+ * rpc.c decodes attnd.v1.Request with nanopb (tensor bytes are not copied: the
+ * engine gets pointers into the request frame, which the request keeps until
+ * the engine's done callback), answers Hello, Health and Stats on the loop
+ * thread, maps everything else to daemon/engine.h calls, and encodes the
+ * Response (epoch and timings included). It knows nothing about sockets: the
+ * transport (server.c) embeds an attnd_rpc_conn_t per connection and gives it
+ * a send function.
+ *
+ * Lifetime: every request holds its connection. When the transport closes,
+ * attnd_rpc_conn_closed() makes the results of requests still in flight be
+ * dropped; the transport may free the connection only when no request holds
+ * it any more (attnd_rpc_conn_closed() returns 1, or the released callback
+ * runs later). */
+#ifndef ATTND_RPC_H
+#define ATTND_RPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "config.h"
+#include "engine.h"
+#include "metrics.h"
+
+/* Identities (DESIGN.md section 6): a Unix peer's uid as is (< 2^32); the
+ * shared identity of loopback TCP clients that send no Hello; a token's
+ * identity is a hash of the token with the top bit set. */
+#define ATTND_IDENTITY_ANON 0x4000000000000000ull
+#define ATTND_IDENTITY_TOKEN_BIT 0x8000000000000000ull
+
+typedef struct attnd_rpc_s attnd_rpc_t;
+typedef struct attnd_rpc_conn_s attnd_rpc_conn_t;
+typedef struct attnd_rpc_req_s attnd_rpc_req_t;
+
+struct attnd_rpc_s {
+  uv_loop_t *loop;
+  attnd_engine_t *engine;
+  const attnd_config_t *cfg;
+  attnd_counters_t counters;
+  uint64_t epoch;          /* random, drawn at init */
+  uint64_t start_ns;       /* uv_hrtime() at init */
+  int draining;            /* new calls answer UNAVAILABLE (Health and Stats still answer) */
+  int tcp_port;            /* bound TCP port for Health, 0 when off */
+  uint64_t inflight;       /* requests in flight on all connections */
+  uint64_t next_conn_id;
+  /* Runs when inflight drops to 0 while draining. */
+  void (*idle_cb)(void *arg);
+  void *idle_arg;
+  /* Accepted Hello tokens (from --token-file); never logged. */
+  char **tokens;
+  size_t ntokens;
+};
+
+struct attnd_rpc_conn_s {
+  attnd_rpc_t *rpc;
+  uint64_t id;             /* names the connection to the engine (plans end with it) */
+  uint64_t identity;
+  int need_hello;          /* off-loopback TCP: a valid Hello must come first */
+  int closed;              /* the transport is gone: results are dropped */
+  uint32_t pending;        /* requests in flight */
+  uint64_t req_bytes;      /* bytes of request frames held by requests in flight */
+  attnd_rpc_req_t *reqs;   /* requests in flight (for duplicate ids) */
+  /* Plans made on this connection and whether they are decode steps, for the
+   * step latency histograms (a ring of the last max_plans). */
+  uint64_t *plan_ids;
+  uint8_t *plan_decode;
+  uint32_t plan_cap, plan_next;
+  /* Sends a whole response frame (header included; ownership of buf passes).
+   * close_after: close the connection once it is written. */
+  void (*send)(attnd_rpc_conn_t *c, uint8_t *buf, size_t len, int close_after);
+  /* A request completed: the transport may resume reading (backpressure). */
+  void (*progress)(attnd_rpc_conn_t *c);
+  /* The last request let go of a closed connection: the owner may free it. */
+  void (*released)(attnd_rpc_conn_t *c);
+};
+
+/* Draws the epoch and reads the token file. */
+int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
+                   const attnd_config_t *cfg, char *err, size_t errlen);
+void attnd_rpc_free(attnd_rpc_t *r);
+
+void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity, int need_hello);
+/* Handles one request frame; takes ownership of frame (malloc'ed). */
+void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len);
+/* Sends a Response with no result (framing errors use id 0). */
+void attnd_rpc_send_status(attnd_rpc_conn_t *c, uint64_t id, int code, const char *msg,
+                           int close_after);
+/* The transport closed. Returns 1 when no request holds the connection. */
+int attnd_rpc_conn_closed(attnd_rpc_conn_t *c);
+
+/* Constant-time comparison of a token against the accepted ones: 1 if accepted. */
+int attnd_rpc_token_ok(const attnd_rpc_t *r, const char *token);
+
+#endif /* ATTND_RPC_H */
