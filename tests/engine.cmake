@@ -1,0 +1,3 @@
+# Engine area: block pool, prefix index, static scales, and the engine itself
+# (sessions, plans, steps on the CPU backend, checked against the oracle).
+attnd_add_test(test_blocks SOURCES test_blocks.c LIBS attnd_core TIMEOUT 60)
