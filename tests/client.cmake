@@ -1,0 +1,35 @@
+# Client-side tests: libattnclient and attnctl (cmocka), the Python end-to-end
+# tests (tests/e2e, run with /usr/bin/python3's unittest), the tiny Llama
+# example, and the systemd units. Tests that need the daemon start the real
+# one ($BUILD/daemon/attnd) and skip (ctest "Skipped", exit 77) until it exists
+# or while the engine answers UNIMPLEMENTED.
+if(TARGET attnctl)
+  attnd_add_test(test_client SOURCES test_client.c LIBS attnd_client TIMEOUT 120 LABELS client)
+  add_dependencies(test_client attnctl)
+endif()
+
+set(ATTND_E2E_ENV
+    "ATTND_BUILD_DIR=${PROJECT_BINARY_DIR}"
+    "ATTND_SOURCE_DIR=${PROJECT_SOURCE_DIR}"
+    "PYTHONPATH=${PROJECT_BINARY_DIR}/python:${PROJECT_SOURCE_DIR}/client/python"
+    "PYTHONDONTWRITEBYTECODE=1")
+
+# attnd_add_e2e(name module...): one ctest running those unittest modules.
+function(attnd_add_e2e name)
+  add_test(NAME ${name}
+           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/e2e/run.py ${ARGN}
+           WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/e2e)
+  set_tests_properties(${name} PROPERTIES ENVIRONMENT "${ATTND_E2E_ENV}" SKIP_RETURN_CODE 77
+                       TIMEOUT 300 LABELS "e2e;client")
+endfunction()
+
+attnd_add_e2e(e2e_client_fake test_client_fake)
+attnd_add_e2e(e2e_health test_health)
+attnd_add_e2e(e2e_sessions test_sessions)
+attnd_add_e2e(e2e_systemd test_systemd)
+
+add_test(NAME e2e_tiny_llama
+         COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/client/python/examples/tiny_llama.py
+                 --spawn ${PROJECT_BINARY_DIR}/daemon/attnd)
+set_tests_properties(e2e_tiny_llama PROPERTIES ENVIRONMENT "${ATTND_E2E_ENV}" SKIP_RETURN_CODE 77
+                     TIMEOUT 300 LABELS "e2e;client")

@@ -1,0 +1,109 @@
+"""An independent numpy reference of attnd's attention semantics (DESIGN.md section 5).
+
+Written from the design text, not from the daemon's code: RoPE with fp32 angles,
+rotated q and k rounded to the activation dtype, attention in float64 over what
+the cache holds, output rounded to the activation dtype. Only the bf16/fp16
+cache types (no quantization), which is what the end-to-end tests use.
+"""
+import numpy as np
+
+
+def bf16_round(x):
+    """Rounds to bf16 (nearest even) and returns float32."""
+    a = np.ascontiguousarray(x, dtype=np.float32)
+    u = a.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return r.astype(np.uint32).view(np.float32).reshape(a.shape)
+
+
+def act_round(x, dtype):
+    if dtype == "fp16":
+        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+    return bf16_round(x)
+
+
+def rope(x, pos, rope_kind, theta, rotary_dim):
+    """Applies RoPE to x [T, H, D] (float32) at absolute positions pos [T]."""
+    if rope_kind == "none" or rotary_dim == 0:
+        return np.asarray(x, dtype=np.float32)
+    x = np.asarray(x, dtype=np.float32)
+    half = rotary_dim // 2
+    inv = (float(theta) ** (-2.0 * np.arange(half, dtype=np.float64) / rotary_dim)).astype(np.float32)
+    ang = (np.asarray(pos, dtype=np.float32)[:, None] * inv[None, :]).astype(np.float32)
+    cos = np.cos(ang.astype(np.float64)).astype(np.float32)[:, None, :]
+    sin = np.sin(ang.astype(np.float64)).astype(np.float32)[:, None, :]
+    out = x.copy()
+    if rope_kind == "neox":
+        x1, x2 = x[..., :half], x[..., half:rotary_dim]
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half:rotary_dim] = x2 * cos + x1 * sin
+    elif rope_kind == "interleaved":
+        x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+        out[..., 0:rotary_dim:2] = x1 * cos - x2 * sin
+        out[..., 1:rotary_dim:2] = x2 * cos + x1 * sin
+    else:
+        raise ValueError(rope_kind)
+    return out
+
+
+def attend(q, K, V, qpos, scale, want_lse=False):
+    """Causal GQA attention in float64.
+
+    q [Tq, Hq, D] (rotated, rounded), K and V [L, Hkv, D] as the cache holds them,
+    qpos [Tq] absolute positions. Returns out [Tq, Hq, D] float64 (and lse [Tq, Hq]).
+    """
+    q = np.asarray(q, dtype=np.float64)
+    K = np.asarray(K, dtype=np.float64)
+    V = np.asarray(V, dtype=np.float64)
+    Tq, Hq, D = q.shape
+    L, Hkv, _ = K.shape
+    group = Hq // Hkv
+    out = np.zeros((Tq, Hq, D))
+    lse = np.full((Tq, Hq), -np.inf)
+    keys = np.arange(L)
+    for h in range(Hq):
+        kh = h // group
+        s = (q[:, h, :] @ K[:, kh, :].T) * float(scale)
+        visible = keys[None, :] <= np.asarray(qpos)[:, None]
+        s = np.where(visible, s, -np.inf)
+        m = s.max(axis=1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        p = np.where(visible, np.exp(s - m), 0.0)
+        z = p.sum(axis=1, keepdims=True)
+        out[:, h, :] = np.where(z > 0, (p @ V[:, kh, :]) / np.where(z > 0, z, 1), 0.0)
+        lse[:, h] = np.where(z[:, 0] > 0, np.log(np.where(z[:, 0] > 0, z[:, 0], 1)) + m[:, 0], -np.inf)
+    return (out, lse) if want_lse else out
+
+
+class RefSession:
+    """What the daemon holds for one session, per layer: rotated, rounded K and V."""
+
+    def __init__(self, model):
+        self.m = model
+        L = model.layers
+        self.K = [np.zeros((0, model.kv_heads, model.head_dim), np.float32) for _ in range(L)]
+        self.V = [np.zeros((0, model.kv_heads, model.head_dim), np.float32) for _ in range(L)]
+
+    def step(self, layer, start, q, k, v):
+        """Writes k, v at start.. and returns the activation-dtype output for q (float32)."""
+        m = self.m
+        n = k.shape[0]
+        pos = np.arange(start, start + n)
+        scale = m.softmax_scale if m.softmax_scale else 1.0 / np.sqrt(m.head_dim)
+        rd = m.rotary_dim if m.rotary_dim else m.head_dim
+        kr = act_round(rope(act_round(k, m.dtype), pos, m.rope, m.rope_theta, rd), m.dtype)
+        vr = act_round(v, m.dtype)
+        self.K[layer] = np.concatenate([self.K[layer][:start], kr])
+        self.V[layer] = np.concatenate([self.V[layer][:start], vr])
+        if q is None:
+            return None
+        qr = act_round(rope(act_round(q, m.dtype), pos, m.rope, m.rope_theta, rd), m.dtype)
+        out = attend(qr, self.K[layer], self.V[layer], pos, scale)
+        return act_round(out, m.dtype)
+
+
+def rel_l2(a, b):
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    d = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (d if d > 0 else 1.0))
