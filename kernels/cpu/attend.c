@@ -1,0 +1,405 @@
+/* attend.c: phase 2 of the CPU backend (attnd_cpu_attend).
+ *
+ * Flash-style: a work unit is (item, kv head, q-head subgroup, query-row tile)
+ * with at most KC_QT query vectors (rows x q heads of one GQA group). It walks
+ * the visible keys in chunks that never cross a block, dequantizes each K and
+ * V chunk ONCE into fp32 for all its query vectors, and keeps an online softmax
+ * (running max, sum, output accumulator) in fp32. Scores are kept in log2 units
+ * (softmax_scale * log2(e) folded into q) so the exponentials are exp2.
+ *
+ * Fully masked rows never touch the accumulator: they end with sum 0 and give
+ * exactly 0 and lse = -inf, never 0/0.
+ *
+ * Parts: unit u belongs to part u % nparts, so a single decode session splits
+ * over kv heads and causal prefill tiles (of unequal cost) spread evenly.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "attnd_kernels.h"
+#include "cpu_internal.h"
+#include "cpu_numeric.h"
+
+#define KC_QT 16            /* query vectors per unit */
+#define KC_CHUNK_FLOATS 4096 /* keys per chunk * head_dim */
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define KC_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define KC_HOT
+#endif
+
+#define KC_INLINE static inline __attribute__((always_inline))
+
+/* Static per-layer quantization as the dequantizer needs it for one kv head. */
+typedef struct {
+  const float *scale; /* [D] per channel, or NULL */
+  float scale1;       /* per-head scale */
+  const float *zero;  /* int4: [D] */
+} kc_deq_t;
+
+/* Dequantizes rows [slot0, slot0 + cn) of kv head h of one block into dst[cn][D]. */
+KC_INLINE void dequant_chunk(attnd_kv_type_t kv, int D, const uint8_t *src, const float *dyn,
+                             const kc_deq_t *q, int cn, float *restrict dst) {
+  const int n = cn * D;
+  switch (kv) {
+  case ATTND_KV_BF16: {
+    const uint16_t *h = (const uint16_t *)src;
+    for (int i = 0; i < n; i++)
+      dst[i] = kc_u2f((uint32_t)h[i] << 16);
+    break;
+  }
+  case ATTND_KV_FP16: {
+    const uint16_t *h = (const uint16_t *)src;
+    for (int i = 0; i < n; i++)
+      dst[i] = kc_fp16_to_f32(h[i]);
+    break;
+  }
+  case ATTND_KV_INT8: {
+    const int8_t *v = (const int8_t *)src;
+    if (q->scale) {
+      for (int c = 0; c < cn; c++)
+        for (int d = 0; d < D; d++)
+          dst[c * D + d] = (float)v[c * D + d] * q->scale[d];
+    } else {
+      for (int i = 0; i < n; i++)
+        dst[i] = (float)v[i] * q->scale1;
+    }
+    break;
+  }
+  case ATTND_KV_FP8:
+    if (q->scale) {
+      for (int c = 0; c < cn; c++)
+        for (int d = 0; d < D; d++)
+          dst[c * D + d] = kc_e4m3_table[src[c * D + d]] * q->scale[d];
+    } else {
+      for (int i = 0; i < n; i++)
+        dst[i] = kc_e4m3_table[src[i]] * q->scale1;
+    }
+    break;
+  case ATTND_KV_INT8_DYNAMIC: {
+    const int8_t *v = (const int8_t *)src;
+    for (int c = 0; c < cn; c++) {
+      float sc = dyn[c];
+      for (int d = 0; d < D; d++)
+        dst[c * D + d] = (float)v[c * D + d] * sc;
+    }
+    break;
+  }
+  case ATTND_KV_FP8_DYNAMIC:
+    for (int c = 0; c < cn; c++) {
+      float sc = dyn[c];
+      for (int d = 0; d < D; d++)
+        dst[c * D + d] = kc_e4m3_table[src[c * D + d]] * sc;
+    }
+    break;
+  case ATTND_KV_INT4:
+    for (int c = 0; c < cn; c++) {
+      const uint8_t *p = src + (size_t)c * (D / 2);
+      float *o = dst + c * D;
+      for (int d = 0; d < D / 2; d++) {
+        o[2 * d] = ((float)(p[d] & 15u) - q->zero[2 * d]) * q->scale[2 * d];
+        o[2 * d + 1] = ((float)(p[d] >> 4) - q->zero[2 * d + 1]) * q->scale[2 * d + 1];
+      }
+    }
+    break;
+  default:
+    break;
+  }
+}
+
+/* 16 partial sums so the reduction vectorizes without reassociation flags. */
+KC_INLINE float dot(const float *restrict a, const float *restrict b, int D) {
+  float acc[16] = {0};
+  for (int d = 0; d < D; d += 16)
+    for (int k = 0; k < 16; k++)
+      acc[k] += a[d + k] * b[d + k];
+  for (int k = 0; k < 8; k++)
+    acc[k] += acc[k + 8];
+  for (int k = 0; k < 4; k++)
+    acc[k] += acc[k + 4];
+  return (acc[0] + acc[2]) + (acc[1] + acc[3]);
+}
+
+/* 2^x in place for x <= 0 (or -inf -> 0): Cody-Waite split and a degree-7
+ * polynomial, relative error ~1e-7. The clamp at -126 and the flush to 0 are
+ * integer operations on the bits: a float select here keeps GCC (which must
+ * assume trapping math) from vectorizing the loop. */
+KC_INLINE void exp2_neg(float *restrict x, int n) {
+  for (int i = 0; i < n; i++) {
+    uint32_t mag = kc_f2u(x[i]) & 0x7fffffffu; /* |x|; x <= 0 */
+    uint32_t keep = 0u - (uint32_t)(mag < 0x42fc0000u); /* |x| < 126 */
+    float tc = -kc_u2f(mag < 0x42fc0000u ? mag : 0x42fc0000u);
+    float k = (tc + 12582912.0f) - 12582912.0f; /* rint: 1.5 * 2^23 */
+    float y = (tc - k) * 0.693147180559945309f;
+    float p = 1.0f / 5040.0f;
+    p = p * y + 1.0f / 720.0f;
+    p = p * y + 1.0f / 120.0f;
+    p = p * y + 1.0f / 24.0f;
+    p = p * y + 1.0f / 6.0f;
+    p = p * y + 0.5f;
+    p = p * y + 1.0f;
+    p = p * y + 1.0f;
+    float two_k = kc_u2f(((uint32_t)((int32_t)k + 127) << 23) & keep);
+    x[i] = p * two_k;
+  }
+}
+
+static inline float exp2_one(float t) {
+  float x[1] = {t};
+  exp2_neg(x, 1);
+  return x[0];
+}
+
+static inline int visible(const attnd_kitem_t *it, const int32_t *iv, int kv_len, int p, int j) {
+  switch (it->mask_kind) {
+  case ATTND_MASK_CAUSAL:
+    return j <= p;
+  case ATTND_MASK_FULL:
+    return 1;
+  case ATTND_MASK_SLIDING:
+    return j <= p && j > p - it->mask_param;
+  case ATTND_MASK_PREFIX_LM:
+    return j < it->mask_param || j <= p;
+  default: /* INTERVALS */
+    if (it->causal && j > p)
+      return 0;
+    if (!iv)
+      return 1;
+    return !((iv[j] <= p && p < iv[kv_len + j]) || (iv[2 * kv_len + j] <= p && p < iv[3 * kv_len + j]));
+  }
+}
+
+/* 1 when every key in [j0, j1) is visible to every row in [pmin, pmax]. */
+static inline int chunk_all_visible(const attnd_kitem_t *it, int pmin, int pmax, int j0, int j1) {
+  switch (it->mask_kind) {
+  case ATTND_MASK_CAUSAL:
+    return j1 - 1 <= pmin;
+  case ATTND_MASK_FULL:
+    return 1;
+  case ATTND_MASK_SLIDING:
+    return j1 - 1 <= pmin && j0 > pmax - it->mask_param;
+  case ATTND_MASK_PREFIX_LM:
+    return j1 - 1 < it->mask_param || j1 - 1 <= pmin;
+  default:
+    return 0;
+  }
+}
+
+typedef struct {
+  const attnd_kshape_t *s;
+  const attnd_kbatch_t *b;
+  kc_layout_t L;
+  int G; /* q heads per kv head */
+} kc_ctx_t;
+
+/* One unit: item `it`, kv head h, q heads h*G + g0 .. + gn-1, rows r0 .. r0+rn-1. */
+KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int h, int g0, int gn,
+                               int r0, int rn) {
+  const attnd_kshape_t *s = cx->s;
+  const attnd_kbatch_t *b = cx->b;
+  const int D = s->head_dim, QH = s->q_heads, bs = s->block_size;
+  const int nq = gn * rn;
+  const int kv_len = it->start + it->n;
+  const int32_t *table = b->meta + it->block_table;
+  const int32_t *iv = it->mask_kind == ATTND_MASK_INTERVALS && it->intervals >= 0
+                          ? b->meta + it->intervals
+                          : NULL;
+
+  float Q[KC_QT * 256];
+  float acc[KC_QT * 256];
+  float buf[KC_CHUNK_FLOATS]; /* K chunk, then V chunk */
+  float S[KC_QT * 128];       /* scores, then probabilities, [nq][C] */
+  float m[KC_QT], l[KC_QT];
+  int pos[KC_QT];
+
+  /* q in log2 units, fp32. */
+  const float qscale = s->softmax_scale * 1.44269504088896341f;
+  for (int ri = 0; ri < rn; ri++)
+    for (int gi = 0; gi < gn; gi++) {
+      int qi = ri * gn + gi;
+      const uint16_t *q = (const uint16_t *)b->q +
+                          ((size_t)(it->q_row + r0 + ri) * QH + (size_t)h * cx->G + g0 + gi) * D;
+      float *Qi = Q + qi * D;
+      if (s->dtype == ATTND_DT_BF16)
+        for (int d = 0; d < D; d++)
+          Qi[d] = kc_u2f((uint32_t)q[d] << 16) * qscale;
+      else
+        for (int d = 0; d < D; d++)
+          Qi[d] = kc_fp16_to_f32(q[d]) * qscale;
+      m[qi] = -INFINITY;
+      l[qi] = 0.0f;
+      pos[qi] = it->start + r0 + ri;
+    }
+  memset(acc, 0, sizeof(float) * (size_t)nq * D);
+  const int pmin = it->start + r0, pmax = it->start + r0 + rn - 1;
+
+  /* Keys no row of this unit can see are skipped before any load. */
+  int jlo = 0, jhi = kv_len;
+  switch (it->mask_kind) {
+  case ATTND_MASK_CAUSAL:
+    jhi = pmax + 1;
+    break;
+  case ATTND_MASK_SLIDING:
+    jhi = pmax + 1;
+    jlo = pmin - it->mask_param + 1;
+    break;
+  case ATTND_MASK_PREFIX_LM:
+    jhi = pmax + 1 > it->mask_param ? pmax + 1 : it->mask_param;
+    break;
+  case ATTND_MASK_INTERVALS:
+    if (it->causal)
+      jhi = pmax + 1;
+    break;
+  default:
+    break;
+  }
+  if (jlo < 0)
+    jlo = 0;
+  if (jhi > kv_len)
+    jhi = kv_len;
+
+  /* Static quantization of this kv head, for the types that have it only. */
+  kc_deq_t kq = {0}, vq = {0};
+  if (s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8) {
+    if (b->scale_per_channel) {
+      kq.scale = b->k_scale + (size_t)h * D;
+      vq.scale = b->v_scale + (size_t)h * D;
+    } else {
+      kq.scale1 = b->k_scale[h];
+      vq.scale1 = b->v_scale[h];
+    }
+  } else if (s->kv == ATTND_KV_INT4) {
+    kq.scale = b->k_scale + (size_t)h * D;
+    vq.scale = b->v_scale + (size_t)h * D;
+    kq.zero = b->k_zero + (size_t)h * D;
+    vq.zero = b->v_zero + (size_t)h * D;
+  }
+
+  const kc_layout_t *L = &cx->L;
+  int C = KC_CHUNK_FLOATS / D;
+  if (C > bs)
+    C = bs;
+  for (int j0 = jlo; j0 < jhi;) {
+    const int slot0 = j0 % bs;
+    int cn = bs - slot0;
+    if (cn > C)
+      cn = C;
+    if (cn > jhi - j0)
+      cn = jhi - j0;
+    const uint8_t *blk = b->cache + (size_t)table[j0 / bs] * b->block_bytes;
+    const size_t row = (size_t)h * bs + slot0;
+    const float *kdyn = L->dynamic ? (const float *)(blk + L->ks_off) + row : NULL;
+    const float *vdyn = L->dynamic ? (const float *)(blk + L->vs_off) + row : NULL;
+
+    dequant_chunk(s->kv, D, blk + L->k_off + row * L->row_bytes, kdyn, &kq, cn, buf);
+    for (int qi = 0; qi < nq; qi++)
+      for (int c = 0; c < cn; c++)
+        S[qi * C + c] = dot(Q + qi * D, buf + c * D, D);
+    if (!chunk_all_visible(it, pmin, pmax, j0, j0 + cn))
+      for (int qi = 0; qi < nq; qi++)
+        for (int c = 0; c < cn; c++)
+          if (!visible(it, iv, kv_len, pos[qi], j0 + c))
+            S[qi * C + c] = -INFINITY;
+
+    /* Online softmax update; rows with nothing visible in the chunk skip it. */
+    int need_v = 0;
+    int live[KC_QT];
+    for (int qi = 0; qi < nq; qi++) {
+      float *Si = S + qi * C;
+      float mx = -INFINITY;
+      for (int c = 0; c < cn; c++)
+        mx = Si[c] > mx ? Si[c] : mx;
+      live[qi] = mx != -INFINITY;
+      if (!live[qi])
+        continue;
+      need_v = 1;
+      float mnew = mx > m[qi] ? mx : m[qi];
+      if (mnew > m[qi] && m[qi] != -INFINITY) {
+        float corr = exp2_one(m[qi] - mnew);
+        l[qi] *= corr;
+        float *Ai = acc + qi * D;
+        for (int d = 0; d < D; d++)
+          Ai[d] *= corr;
+      }
+      m[qi] = mnew;
+      for (int c = 0; c < cn; c++)
+        Si[c] -= mnew;
+      exp2_neg(Si, cn);
+      float sum = 0.0f;
+      for (int c = 0; c < cn; c++)
+        sum += Si[c];
+      l[qi] += sum;
+    }
+    if (need_v) {
+      dequant_chunk(s->kv, D, blk + L->v_off + row * L->row_bytes, vdyn, &vq, cn, buf);
+      for (int qi = 0; qi < nq; qi++) {
+        if (!live[qi])
+          continue;
+        float *restrict Ai = acc + qi * D;
+        const float *Si = S + qi * C;
+        for (int c = 0; c < cn; c++) {
+          const float p = Si[c];
+          const float *restrict Vc = buf + c * D;
+          for (int d = 0; d < D; d++)
+            Ai[d] += p * Vc[d];
+        }
+      }
+    }
+    j0 += cn;
+  }
+
+  /* Normalize and store; fully masked rows (l == 0) store exact zeros. */
+  for (int ri = 0; ri < rn; ri++)
+    for (int gi = 0; gi < gn; gi++) {
+      int qi = ri * gn + gi;
+      size_t orow = (size_t)(it->q_row + r0 + ri) * QH + (size_t)h * cx->G + g0 + gi;
+      float inv = l[qi] > 0.0f ? 1.0f / l[qi] : 0.0f;
+      const float *Ai = acc + qi * D;
+      if (b->out_fp32) {
+        float *o = (float *)b->out + orow * D;
+        for (int d = 0; d < D; d++)
+          o[d] = Ai[d] * inv;
+      } else if (s->dtype == ATTND_DT_BF16) {
+        uint16_t *o = (uint16_t *)b->out + orow * D;
+        for (int d = 0; d < D; d++)
+          o[d] = kc_f32_to_bf16(Ai[d] * inv);
+      } else {
+        uint16_t *o = (uint16_t *)b->out + orow * D;
+        for (int d = 0; d < D; d++)
+          o[d] = kc_f32_to_fp16(Ai[d] * inv);
+      }
+      if (b->lse)
+        b->lse[orow] = l[qi] > 0.0f ? (m[qi] + log2f(l[qi])) * 0.693147180559945309f : -INFINITY;
+    }
+}
+
+int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, int nparts) {
+  if (kc_batch_check(s, b) != 0 || nparts <= 0 || part < 0 || part >= nparts)
+    return -1;
+  kc_ctx_t cx = {.s = s, .b = b, .L = kc_layout(s), .G = s->q_heads / s->kv_heads};
+  const int H = s->kv_heads;
+  const int gsub = cx.G < KC_QT ? cx.G : KC_QT;
+  const int ngroups = (cx.G + gsub - 1) / gsub;
+  const int rt = KC_QT / gsub;
+  int64_t u = 0;
+  for (int i = 0; i < b->nitems; i++) {
+    const attnd_kitem_t *it = &b->items[i];
+    if (it->q_row < 0)
+      continue;
+    for (int r0 = 0; r0 < it->n; r0 += rt) {
+      int rn = it->n - r0 < rt ? it->n - r0 : rt;
+      for (int h = 0; h < H; h++)
+        for (int g = 0; g < ngroups; g++, u++) {
+          if (u % nparts != part)
+            continue;
+          int g0 = g * gsub;
+          int gn = cx.G - g0 < gsub ? cx.G - g0 : gsub;
+          attend_unit(&cx, it, h, g0, gn, r0, rn);
+        }
+    }
+  }
+  return 0;
+}
