@@ -1,0 +1,153 @@
+/* test_scales.c: static scales: validation, versions, atomic persistence. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "errors.h"
+#include "scales.h"
+
+static attnd_kshape_t shape(attnd_kv_type_t kv) {
+  attnd_kshape_t s = {.q_heads = 4, .kv_heads = 2, .head_dim = 64, .block_size = 16,
+                      .dtype = ATTND_DT_BF16, .kv = kv};
+  return s;
+}
+
+static float buf[4][128];
+
+static attnd_tensor_t ft(float *p, int ndim, uint32_t a, uint32_t b) {
+  attnd_tensor_t t = {.present = 1, .dtype = ATTND_DT_FP32, .ndim = ndim, .data = (uint8_t *)p};
+  t.shape[0] = a;
+  t.shape[1] = b;
+  t.nbytes = (size_t)a * (ndim == 2 ? b : 1) * 4;
+  return t;
+}
+
+static void fill(float v, float z) {
+  for (int i = 0; i < 128; i++) {
+    buf[0][i] = buf[1][i] = v + 0.001f * (float)i;
+    buf[2][i] = buf[3][i] = z;
+  }
+}
+
+static void test_validate(void **state) {
+  char msg[256];
+  attnd_scales_t s;
+  attnd_kshape_t sh = shape(ATTND_KV_INT8);
+  assert_int_equal(attnd_scales_init(&s, &sh, 3, NULL), 0);
+  fill(0.5f, 3.0f);
+  attnd_scales_req_t r = {.layer = 1, .k_scale = ft(buf[0], 1, 2, 0), .v_scale = ft(buf[1], 1, 2, 0)};
+  assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), 0);
+  r.layer = 3;
+  assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), ATTND_EINVAL);
+  r.layer = 0;
+  buf[0][1] = 0.0f; /* scale must be > 0 */
+  assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), ATTND_EINVAL);
+  assert_non_null(strstr(msg, "k_scale[1]"));
+  buf[0][1] = 1.0f / 0.0f;
+  assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), ATTND_EINVAL);
+  fill(0.5f, 3.0f);
+  r.k_zero = ft(buf[2], 2, 2, 64); /* zero points for a type without them */
+  assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), ATTND_EINVAL);
+  r.k_zero.present = 0;
+  r.v_scale = ft(buf[1], 2, 2, 64); /* mixed shapes */
+  assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), ATTND_EINVAL);
+  r.k_scale = ft(buf[0], 2, 2, 64);
+  assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), 0);
+  r.k_scale.dtype = ATTND_DT_BF16;
+  assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), ATTND_EINVAL);
+  attnd_scales_free(&s);
+
+  /* int4: per channel with zero points in [0, 15]. */
+  sh = shape(ATTND_KV_INT4);
+  assert_int_equal(attnd_scales_init(&s, &sh, 1, NULL), 0);
+  attnd_scales_req_t q = {.k_scale = ft(buf[0], 2, 2, 64), .v_scale = ft(buf[1], 2, 2, 64)};
+  assert_int_equal(attnd_scales_validate(&s, &q, msg, sizeof(msg)), ATTND_EINVAL); /* no zeros */
+  q.k_zero = ft(buf[2], 2, 2, 64);
+  q.v_zero = ft(buf[3], 2, 2, 64);
+  assert_int_equal(attnd_scales_validate(&s, &q, msg, sizeof(msg)), 0);
+  buf[3][7] = 16.0f;
+  assert_int_equal(attnd_scales_validate(&s, &q, msg, sizeof(msg)), ATTND_EINVAL);
+  buf[3][7] = 0.0f;
+  q.k_scale = ft(buf[0], 1, 2, 0);
+  q.v_scale = ft(buf[1], 1, 2, 0);
+  assert_int_equal(attnd_scales_validate(&s, &q, msg, sizeof(msg)), ATTND_EINVAL); /* per head */
+  attnd_scales_free(&s);
+
+  /* Types without static scales refuse SetScales. */
+  sh = shape(ATTND_KV_INT8_DYNAMIC);
+  assert_int_equal(attnd_scales_init(&s, &sh, 1, NULL), 0);
+  assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), ATTND_EINVAL);
+  attnd_scales_free(&s);
+}
+
+static void test_persist(void **state) {
+  char dir[] = "/tmp/attnd-scales-XXXXXX", sub[128], err[256];
+  assert_non_null(mkdtemp(dir));
+  snprintf(sub, sizeof(sub), "%s/state/deeper", dir);
+  attnd_kshape_t sh = shape(ATTND_KV_INT4);
+  attnd_scales_t s;
+  assert_int_equal(attnd_scales_init(&s, &sh, 3, sub), 0);
+  assert_int_equal(attnd_scales_load(&s, err, sizeof(err)), 0); /* no file yet */
+  fill(0.25f, 7.0f);
+  attnd_scales_req_t q = {.layer = 2, .k_scale = ft(buf[0], 2, 2, 64), .v_scale = ft(buf[1], 2, 2, 64),
+                          .k_zero = ft(buf[2], 2, 2, 64), .v_zero = ft(buf[3], 2, 2, 64)};
+  assert_int_equal(attnd_scales_validate(&s, &q, err, sizeof(err)), 0);
+  assert_int_equal(attnd_scales_apply(&s, &q), 1);
+  q.layer = 0;
+  assert_int_equal(attnd_scales_apply(&s, &q), 2);
+  uint8_t *b;
+  size_t len;
+  assert_int_equal(attnd_scales_serialize(&s, &b, &len), 0);
+  assert_int_equal(attnd_scales_write_file(s.path, b, len), 0);
+  free(b);
+  char tmp[600];
+  snprintf(tmp, sizeof(tmp), "%s.tmp", s.path);
+  assert_int_not_equal(access(tmp, F_OK), 0); /* renamed, no temp left */
+
+  attnd_scales_t r;
+  assert_int_equal(attnd_scales_init(&r, &sh, 3, sub), 0);
+  assert_int_equal(attnd_scales_load(&r, err, sizeof(err)), 0);
+  assert_int_equal(r.l[2].present, 1);
+  assert_int_equal(r.l[1].present, 0);
+  assert_int_equal(r.l[2].version, 1);
+  assert_int_equal(r.l[0].version, 2);
+  assert_memory_equal(r.l[2].k_scale, s.l[2].k_scale, 128 * 4);
+  assert_memory_equal(r.l[2].v_zero, s.l[2].v_zero, 128 * 4);
+  /* Versions keep growing across restarts. */
+  assert_int_equal(attnd_scales_apply(&r, &q), 3);
+  attnd_scales_free(&r);
+
+  /* Another shape ignores the file; a corrupt file is ignored too. */
+  attnd_kshape_t other = shape(ATTND_KV_INT8);
+  assert_int_equal(attnd_scales_init(&r, &other, 3, sub), 0);
+  assert_int_equal(attnd_scales_load(&r, err, sizeof(err)), 1);
+  assert_int_equal(r.l[2].present, 0);
+  attnd_scales_free(&r);
+  FILE *f = fopen(s.path, "r+b");
+  assert_non_null(f);
+  fseek(f, 40, SEEK_SET);
+  fputc(0x5a, f);
+  fclose(f);
+  assert_int_equal(attnd_scales_init(&r, &sh, 3, sub), 0);
+  assert_int_equal(attnd_scales_load(&r, err, sizeof(err)), 1);
+  assert_non_null(strstr(err, "checksum"));
+  attnd_scales_free(&r);
+  attnd_scales_free(&s);
+  char cmd[300];
+  snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_validate),
+      cmocka_unit_test(test_persist),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
