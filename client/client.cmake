@@ -7,5 +7,8 @@ target_link_libraries(attnd_client PUBLIC attnd_proto)
 add_executable(attnctl ${CMAKE_CURRENT_SOURCE_DIR}/attnctl.c)
 target_link_libraries(attnctl PRIVATE attnd_client m)
 install(TARGETS attnctl RUNTIME DESTINATION bin)
-install(FILES ${CMAKE_CURRENT_SOURCE_DIR}/attnclient.h DESTINATION include/attnd)
-install(TARGETS attnd_client ARCHIVE DESTINATION lib)
+# The C library for other programs: its header includes the generated attnd.pb.h,
+# and it links attnd_proto and Debian's nanopb (libnanopb-dev).
+install(FILES ${CMAKE_CURRENT_SOURCE_DIR}/attnclient.h ${PROJECT_BINARY_DIR}/proto/attnd.pb.h
+        DESTINATION include/attnd)
+install(TARGETS attnd_client attnd_proto ARCHIVE DESTINATION lib)
