@@ -646,6 +646,7 @@ static int cmd_bench(attnd_client_t *c, const opts_t *o) {
   int tty = isatty(2);
   lat_t prefill = {0}, decode = {0}, prefill_steps = {0};
   double t_prefill = 0, t_decode = 0;
+  uint32_t prefill_rows = 0;
 
   for (; opened < S; opened++) {
     rc = attnd_client_open_session(c, &tokens[(size_t)opened * ntok], P, &sess[opened],
@@ -669,6 +670,7 @@ static int cmd_bench(attnd_client_t *c, const opts_t *o) {
       rows += items[n].n;
       n++;
     }
+    prefill_rows = rows;
     double t0 = now_s();
     if (n > 0 && (exit_code = bench_pass(&b, items, n, rows, &prefill)) != 0)
       goto out;
@@ -714,7 +716,9 @@ static int cmd_bench(attnd_client_t *c, const opts_t *o) {
     json_ku("depth", (uint64_t)o->depth, &f);
     json_kf("prefill_s", t_prefill, &f);
     json_kf("decode_s", t_decode, &f);
-    json_lat("prefill_layer_step", &prefill_steps, t_prefill, 0, &f);
+    json_ku("prefill_tokens", prefill_rows, &f);
+    json_lat("prefill", &prefill, t_prefill, (double)prefill_rows, &f);
+    json_lat("prefill_layer_step", &prefill_steps, t_prefill, (double)prefill_rows / L, &f);
     json_lat("decode_layer_step", &b.step_lat, t_decode, (double)S / L, &f);
     json_lat("decode_token", &decode, t_decode, (double)S, &f);
     printf("}\n");
@@ -724,7 +728,8 @@ static int cmd_bench(attnd_client_t *c, const opts_t *o) {
            o->use_plan ? "plan" : "inline items");
     printf("%-16s %8s %10s %10s %10s %10s %12s\n", "phase", "count", "p50 ms", "p99 ms", "max ms",
            "per s", "tokens/s");
-    print_lat_row("prefill layer", &prefill_steps, t_prefill, 0);
+    print_lat_row("prefill", &prefill, t_prefill, (double)prefill_rows);
+    print_lat_row("prefill layer", &prefill_steps, t_prefill, (double)prefill_rows / L);
     print_lat_row("decode layer", &b.step_lat, t_decode, (double)S / L);
     print_lat_row("decode token", &decode, t_decode, (double)S);
   }
