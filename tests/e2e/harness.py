@@ -38,12 +38,15 @@ def attnctl_binary():
 class Daemon:
     """One attnd process in its own temporary directory."""
 
-    def __init__(self, extra_args=(), env=None, socket_arg=True, state_arg=True, shape=SMALL_SHAPE):
+    def __init__(self, extra_args=(), env=None, socket_arg=True, state_arg=True, shape=SMALL_SHAPE,
+                 tmp=None):
         binary = daemon_binary()
         if binary is None:
             raise unittest.SkipTest(
                 f"attnd is not built yet ({os.path.join(BUILD_DIR or '$ATTND_BUILD_DIR', 'daemon', 'attnd')} missing)")
-        self.tmp = tempfile.mkdtemp(prefix="attnd-e2e-")
+        # tmp: reuse a directory (and its state) from an earlier Daemon; the caller removes it.
+        self.own_tmp = tmp is None
+        self.tmp = tempfile.mkdtemp(prefix="attnd-e2e-") if tmp is None else tmp
         self.socket = os.path.join(self.tmp, "attnd.sock")
         self.log_path = os.path.join(self.tmp, "attnd.log")
         args = [binary]
@@ -111,7 +114,8 @@ class Daemon:
                 self.proc.wait()
         finally:
             self.log.close()
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            if self.own_tmp:
+                shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 class DaemonTestCase(unittest.TestCase):

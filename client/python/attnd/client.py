@@ -201,7 +201,8 @@ class Client:
     tuple, or None for the default socket. token: sent in Hello (needed on TCP
     off loopback). on_epoch_change: "raise" (EpochChanged on the first response
     from a restarted daemon), "flag" (only sets .epoch_changed) or a callable
-    taking (old, new). bf16: how bf16 outputs come back: "auto" (ml_dtypes
+    taking (old, new). epoch: the epoch a previous connection saw, so that a
+    reconnect to a restarted daemon is noticed too. bf16: how bf16 outputs come back: "auto" (ml_dtypes
     bfloat16 if installed, else uint16 bits), "uint16" or "float32".
 
     Blocking calls (health(), step(), ...) and pipelined ones (step_send() many,
@@ -210,11 +211,11 @@ class Client:
     """
 
     def __init__(self, address=None, token=None, timeout=None, on_epoch_change="raise",
-                 bf16="auto"):
+                 bf16="auto", epoch=0):
         self.address = address if address is not None else default_socket()
         self.on_epoch_change = on_epoch_change
         self.bf16 = bf16
-        self.epoch = 0
+        self.epoch = int(epoch)
         self.epoch_changed = False
         self._next_id = 1
         self._pending = {}
