@@ -4,6 +4,7 @@
  * same in both places and is checked the same way. The file is read first and
  * flags applied after it, whatever their order on the command line, so that
  * flags always win. */
+#include <errno.h>
 #include <ini.h>
 #include <math.h>
 #include <stdio.h>
@@ -112,9 +113,12 @@ static int parse_int(const char *v, long lo, long hi, long *out) {
 /* Bytes with an optional binary suffix: 512M, 1G, 64k, 1GiB, 100 (bytes). */
 static int parse_size(const char *v, uint64_t *out) {
   char *end;
-  if (!v[0] || v[0] == '-')
+  if (!v[0] || v[0] < '0' || v[0] > '9')
     return -1;
+  errno = 0;
   unsigned long long x = strtoull(v, &end, 10);
+  if (errno == ERANGE || end == v)
+    return -1;
   uint64_t mul = 1;
   if (*end) {
     switch (*end) {
@@ -129,7 +133,7 @@ static int parse_size(const char *v, uint64_t *out) {
     if (strcasecmp(end, "") != 0 && strcasecmp(end, "b") != 0 && strcasecmp(end, "ib") != 0)
       return -1;
   }
-  if (end == v || (mul > 1 && x > UINT64_MAX / mul))
+  if (mul > 1 && x > UINT64_MAX / mul)
     return -1;
   *out = (uint64_t)x * mul;
   return 0;
@@ -176,14 +180,14 @@ int attnd_config_hostport(const char *s, char *host, size_t hostlen, int *port) 
 
 /* The one place that knows every key. name has no leading dashes; '_' and '-'
  * are equivalent so that file keys may use either. */
-static int set_option(attnd_config_t *c, const char *name_in, const char *v, char *err,
-                      size_t errlen) {
+static int set_option(attnd_config_t *c, const char *prefix, const char *name_in, const char *v,
+                      char *err, size_t errlen) {
   char name[64];
   long x;
   uint64_t u;
   double d;
   if (copy_str(name, sizeof(name), name_in))
-    ERR("unknown option '%s'", name_in);
+    ERR("unknown option '%s%s'", prefix, name_in);
   for (char *p = name; *p; p++)
     if (*p == '_')
       *p = '-';
@@ -301,7 +305,7 @@ static int set_option(attnd_config_t *c, const char *name_in, const char *v, cha
       ERR("prefix-cache: '%s' is not a boolean (true/false)", v);
     return 0;
   }
-  ERR("unknown option '%s'", name_in);
+  ERR("unknown option '%s%s'", prefix, name_in);
 #undef STR
 #undef INT
 #undef SIZE
@@ -332,7 +336,7 @@ static int ini_cb(void *user, const char *section, const char *name, const char 
       snprintf(x->reason, sizeof(x->reason), "'%s' is a command-line flag, not a file key", name);
     return 0;
   }
-  if (set_option(x->c, name, value, e, sizeof(e))) {
+  if (set_option(x->c, "", name, value, e, sizeof(e))) {
     if (!x->reason[0])
       snprintf(x->reason, sizeof(x->reason), "%s", e);
     return 0;
@@ -390,7 +394,7 @@ int attnd_config_parse(attnd_config_t *c, int argc, char **argv, char *err, size
   for (int i = 1; i < argc; i++) {
     if ((r = next_flag(argc, argv, &i, name, sizeof(name), &v, err, errlen)))
       return r;
-    if (strcmp(name, "config") == 0 && (r = set_option(c, name, v, err, errlen)))
+    if (strcmp(name, "config") == 0 && (r = set_option(c, "--", name, v, err, errlen)))
       return r;
   }
   if (c->config_file[0] && (r = load_file(c, c->config_file, err, errlen)))
@@ -408,7 +412,7 @@ int attnd_config_parse(attnd_config_t *c, int argc, char **argv, char *err, size
       c->show_help = 1;
     else if (strcmp(name, "version") == 0)
       c->show_version = 1;
-    else if ((r = set_option(c, name, v, err, errlen)))
+    else if ((r = set_option(c, "--", name, v, err, errlen)))
       return r;
   }
   return 0;
