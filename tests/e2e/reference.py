@@ -10,10 +10,11 @@ import numpy as np
 
 def bf16_round(x):
     """Rounds to bf16 (nearest even) and returns float32."""
+    shape = np.shape(x)
     a = np.ascontiguousarray(x, dtype=np.float32)
     u = a.view(np.uint32).astype(np.uint64)
     r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-    return r.astype(np.uint32).view(np.float32).reshape(a.shape)
+    return r.astype(np.uint32).view(np.float32).reshape(shape)
 
 
 def act_round(x, dtype):

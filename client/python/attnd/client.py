@@ -41,6 +41,7 @@ _MAX_FRAME = (1 << 31) - 1
 
 def f32_to_bf16(x) -> np.ndarray:
     """Rounds float values to bf16 (round to nearest even); returns the bits as uint16."""
+    shape = np.shape(x)  # ascontiguousarray makes 0-d inputs 1-d; give back the caller's shape
     a = np.ascontiguousarray(x, dtype=np.float32)
     u = a.view(np.uint32)
     r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
@@ -48,15 +49,16 @@ def f32_to_bf16(x) -> np.ndarray:
     nan = np.isnan(a)
     if nan.any():
         r[nan] = 0x7FC0
-    return r
+    return r.reshape(shape)
 
 
 def bf16_to_f32(bits) -> np.ndarray:
     """Widens bf16 (uint16 bits or an ml_dtypes.bfloat16 array) to float32 exactly."""
+    shape = np.shape(bits)
     b = np.ascontiguousarray(bits)
     if BFLOAT16 is not None and b.dtype == BFLOAT16:
-        return b.astype(np.float32)
-    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return b.astype(np.float32).reshape(shape)
+    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(shape)
 
 
 def round_bf16(x) -> np.ndarray:
