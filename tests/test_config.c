@@ -319,6 +319,31 @@ static void test_binary_exit_codes(void **state) {
   assert_int_equal(run_attnd(nostart), 1);
 }
 
+/* deploy/attnd.conf documents every option with its default: loading it must
+ * give exactly the built-in defaults. */
+static void test_example_config(void **state) {
+  const char *sd = getenv("ATTND_SOURCE_DIR");
+  if (!sd) {
+    skip();
+    return;
+  }
+  char path[512], arg[600];
+  snprintf(path, sizeof(path), "%s/deploy/attnd.conf", sd);
+  snprintf(arg, sizeof(arg), "--config=%s", path);
+  attnd_config_t def, c;
+  attnd_config_defaults(&def);
+  assert_int_equal(attnd_config_validate(&def, err, sizeof(err)), 0);
+  const char *a[] = {arg, NULL};
+  if (parse_validate(&c, a) != 0)
+    fail_msg("%s", err);
+  memset(c.config_file, 0, sizeof(c.config_file));
+  assert_memory_equal(&c, &def, sizeof(c));
+  if (getenv("ATTND_BUILD_DIR")) {
+    const char *chk[] = {arg, "--check-config", NULL};
+    assert_int_equal(run_attnd(chk), 0);
+  }
+}
+
 static int cleanup(void **state) {
   if (tmpdir[0]) {
     char cmd[128];
@@ -335,6 +360,7 @@ int main(void) {
       cmocka_unit_test(test_flags_both_forms), cmocka_unit_test(test_sizes),
       cmocka_unit_test(test_errors),         cmocka_unit_test(test_file_and_precedence),
       cmocka_unit_test(test_hostport),       cmocka_unit_test(test_binary_exit_codes),
+      cmocka_unit_test(test_example_config),
   };
   return cmocka_run_group_tests(tests, NULL, cleanup);
 }
