@@ -159,4 +159,10 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
 /* The connection closed: its plans end. In-flight steps still complete. */
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);
 
+/* Checks the engine's bookkeeping: the block pool's invariants, every
+ * block's table references against the sessions' block tables, published
+ * prefixes and, with nothing in flight, that only tables hold blocks.
+ * 0, or -1 with a reason in err. For tests; O(blocks + sessions). */
+int attnd_engine_check(attnd_engine_t *e, char *err, size_t errlen);
+
 #endif /* ATTND_ENGINE_H */

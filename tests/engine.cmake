@@ -3,3 +3,4 @@
 attnd_add_test(test_blocks SOURCES test_blocks.c LIBS attnd_core TIMEOUT 60)
 attnd_add_test(test_prefix SOURCES test_prefix.c LIBS attnd_core TIMEOUT 60)
 attnd_add_test(test_scales SOURCES test_scales.c LIBS attnd_core TIMEOUT 60)
+attnd_add_test(test_engine SOURCES test_engine.c LIBS attnd_core attnd_oracle TIMEOUT 120)

@@ -1,0 +1,1141 @@
+/* test_engine.c: the engine against the float64 oracle, on a real uv loop
+ * with the CPU backend (no sockets).
+ *
+ * The test keeps, per session and layer, a dense oracle session holding what
+ * the cache must hold. Every successful step is replayed on the oracle and
+ * each item's output compared (relative L2, per-cache-type bound of DESIGN.md
+ * section 5); every failed call leaves the oracle alone, so continuing the
+ * session afterwards proves the failure changed nothing. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "engine.h"
+#include "errors.h"
+#include "oracle.h"
+#include "prefix.h"
+
+enum { LAYERS = 3, QH = 4, KVH = 2, HD = 64, BS = 16, MAXCTX = 1024, MAXSIM = 8 };
+
+typedef struct {
+  uint64_t id;
+  oracle_session_t o[LAYERS];
+  uint32_t tokens[MAXCTX];
+} sim_t;
+
+typedef struct {
+  uv_loop_t loop;
+  attnd_engine_t *e;
+  attnd_config_t cfg;
+  attnd_kshape_t sh;
+  float ks[LAYERS][KVH * HD], vs[LAYERS][KVH * HD], kz[LAYERS][KVH * HD], vz[LAYERS][KVH * HD];
+  int per_channel;
+  uint64_t rng;
+  double worst;
+  char state_dir[64];
+} fx_t;
+
+typedef struct {
+  int done;
+  attnd_result_t r;
+  uint8_t *out;
+  float *lse;
+} res_t;
+
+static void on_done(void *arg, const attnd_result_t *r) {
+  res_t *x = arg;
+  x->r = *r;
+  x->r.out = NULL;
+  x->r.lse = NULL;
+  free(x->out);
+  free(x->lse);
+  x->out = NULL;
+  x->lse = NULL;
+  if (r->out_bytes) {
+    x->out = malloc(r->out_bytes);
+    memcpy(x->out, r->out, r->out_bytes);
+  }
+  if (r->lse_bytes) {
+    x->lse = malloc(r->lse_bytes);
+    memcpy(x->lse, r->lse, r->lse_bytes);
+  }
+  x->done = 1;
+}
+
+static void res_free(res_t *x) {
+  free(x->out);
+  free(x->lse);
+  memset(x, 0, sizeof(*x));
+}
+
+static void wait_res(fx_t *f, res_t *x) {
+  while (!x->done)
+    if (uv_run(&f->loop, UV_RUN_ONCE) == 0 && !x->done)
+      fail_msg("loop ran dry before the call completed");
+}
+
+static void check_engine(fx_t *f) {
+  char err[256];
+  if (attnd_engine_check(f->e, err, sizeof(err)) != 0)
+    fail_msg("engine bookkeeping: %s", err);
+}
+
+static double tol_for(attnd_kv_type_t kv) {
+  switch (kv) {
+  case ATTND_KV_BF16:
+  case ATTND_KV_FP16:
+    return 1e-2;
+  case ATTND_KV_INT8_DYNAMIC:
+  case ATTND_KV_FP8_DYNAMIC:
+    return 2e-2;
+  case ATTND_KV_INT4:
+    return 1e-1;
+  default:
+    return 3e-2;
+  }
+}
+
+static void fx_config(fx_t *f, attnd_kv_type_t kv, uint32_t blocks) {
+  memset(&f->cfg, 0, sizeof(f->cfg));
+  attnd_kshape_t s = {.q_heads = QH, .kv_heads = KVH, .head_dim = HD, .block_size = BS,
+                      .dtype = ATTND_DT_BF16, .kv = kv, .rope = ATTND_ROPE_NEOX,
+                      .rope_theta = 10000.0, .rotary_dim = HD, .softmax_scale = 0.125f};
+  f->cfg.shape = s;
+  f->sh = s;
+  f->cfg.layers = LAYERS;
+  f->cfg.backend = ATTND_BACKEND_CPU;
+  f->cfg.max_context = MAXCTX;
+  f->cfg.kv_memory = (uint64_t)blocks * attnd_kv_block_bytes(&s) * LAYERS;
+  f->cfg.prefix_cache = 1;
+  f->cfg.max_plans = 4;
+  f->cfg.threads = 2;
+  snprintf(f->cfg.model_id, sizeof(f->cfg.model_id), "test-model");
+  snprintf(f->cfg.state_dir, sizeof(f->cfg.state_dir), "%s", f->state_dir);
+}
+
+static void fx_start(fx_t *f) {
+  char err[256];
+  int rc = attnd_engine_init(&f->e, &f->loop, &f->cfg, err, sizeof(err));
+  if (rc)
+    fail_msg("engine init: %s", err);
+}
+
+static void closed_cb(void *arg) { *(int *)arg = 1; }
+
+static void fx_stop(fx_t *f) {
+  int closed = 0;
+  attnd_engine_close(f->e, closed_cb, &closed);
+  while (!closed)
+    uv_run(&f->loop, UV_RUN_ONCE);
+  f->e = NULL;
+}
+
+static fx_t *fx_new(attnd_kv_type_t kv, uint32_t blocks) {
+  fx_t *f = calloc(1, sizeof(*f));
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  f->rng = (uint64_t)time(NULL) * 2654435761u ^ (uint64_t)getpid();
+  fx_config(f, kv, blocks);
+  fx_start(f);
+  return f;
+}
+
+static void fx_free(fx_t *f) {
+  if (f->e)
+    fx_stop(f);
+  uv_run(&f->loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&f->loop), 0);
+  free(f);
+}
+
+/* ---- sessions and scales ---------------------------------------------- */
+
+static sim_t *sim_new(void) {
+  sim_t *s = calloc(1, sizeof(*s));
+  return s;
+}
+
+static void sim_init_oracle(fx_t *f, sim_t *s) {
+  for (int l = 0; l < LAYERS; l++)
+    oracle_session_init(&s->o[l], &f->sh, MAXCTX);
+}
+
+static void sim_free(sim_t *s) {
+  for (int l = 0; l < LAYERS; l++)
+    oracle_session_free(&s->o[l]);
+  free(s);
+}
+
+static uint32_t open_session(fx_t *f, sim_t *s, uint32_t ntokens, const uint8_t *salt, size_t sl) {
+  res_t x = {0};
+  attnd_engine_open_session(f->e, 1, ntokens ? s->tokens : NULL, ntokens, salt, sl, on_done, &x);
+  wait_res(f, &x);
+  assert_int_equal(x.r.status, 0);
+  s->id = x.r.session;
+  sim_init_oracle(f, s);
+  return x.r.cached_len;
+}
+
+static int simple_call(fx_t *f, int which, uint64_t session, uint32_t arg, uint64_t *out) {
+  res_t x = {0};
+  if (which == 0)
+    attnd_engine_close_session(f->e, 1, session, on_done, &x);
+  else if (which == 1)
+    attnd_engine_fork(f->e, 1, session, on_done, &x);
+  else
+    attnd_engine_truncate(f->e, 1, session, arg, on_done, &x);
+  wait_res(f, &x);
+  if (out)
+    *out = x.r.session;
+  return x.r.status;
+}
+
+static attnd_tensor_t ftensor(float *p, int ndim, uint32_t a, uint32_t b) {
+  attnd_tensor_t t = {.present = 1, .dtype = ATTND_DT_FP32, .ndim = ndim, .data = (uint8_t *)p};
+  t.shape[0] = a;
+  t.shape[1] = b;
+  t.nbytes = (size_t)a * (ndim == 2 ? b : 1) * 4;
+  return t;
+}
+
+/* Static scales that fit N(0,1) data after RoPE. */
+static int set_scales(fx_t *f, int layer, int drop, uint64_t *version) {
+  attnd_kv_type_t kv = f->sh.kv;
+  int pc = kv == ATTND_KV_INT4 || f->per_channel;
+  size_t n = pc ? KVH * HD : KVH;
+  double qmax = kv == ATTND_KV_FP8 ? 448.0 : kv == ATTND_KV_INT4 ? 7.0 : 127.0;
+  for (size_t i = 0; i < n; i++) {
+    double amax = 3.5 + 1.5 * oracle_rng_uniform(&f->rng);
+    f->ks[layer][i] = (float)(amax / qmax);
+    f->vs[layer][i] = (float)((amax + 0.5) / qmax);
+    f->kz[layer][i] = 8.0f;
+    f->vz[layer][i] = 7.0f;
+  }
+  attnd_scales_req_t r = {.layer = (uint32_t)layer, .drop_cached_kv = drop};
+  r.k_scale = ftensor(f->ks[layer], pc ? 2 : 1, KVH, HD);
+  r.v_scale = ftensor(f->vs[layer], pc ? 2 : 1, KVH, HD);
+  if (kv == ATTND_KV_INT4) {
+    r.k_zero = ftensor(f->kz[layer], 2, KVH, HD);
+    r.v_zero = ftensor(f->vz[layer], 2, KVH, HD);
+  }
+  res_t x = {0};
+  attnd_engine_set_scales(f->e, &r, on_done, &x);
+  wait_res(f, &x);
+  if (version)
+    *version = x.r.version;
+  return x.r.status;
+}
+
+static void set_all_scales(fx_t *f) {
+  if (!attnd_kv_type_static(f->sh.kv))
+    return;
+  for (int l = 0; l < LAYERS; l++)
+    assert_int_equal(set_scales(f, l, 0, NULL), 0);
+}
+
+static oracle_scales_t oscales(fx_t *f, int layer) {
+  oracle_scales_t sc = {0};
+  attnd_kv_type_t kv = f->sh.kv;
+  if (attnd_kv_type_static(kv)) {
+    sc.k_scale = f->ks[layer];
+    sc.v_scale = f->vs[layer];
+    sc.per_channel = kv == ATTND_KV_INT4 || f->per_channel;
+    if (kv == ATTND_KV_INT4) {
+      sc.k_zero = f->kz[layer];
+      sc.v_zero = f->vz[layer];
+    }
+  }
+  return sc;
+}
+
+/* ---- steps ------------------------------------------------------------- */
+
+typedef struct {
+  sim_t *sim;
+  uint32_t start, n;
+  int kv_only;
+  int mask; /* ATTND_WMASK_* */
+  uint32_t param;
+  int bidirectional;
+  int32_t docs[4];
+  int ndocs;
+  int32_t *intervals; /* CUSTOM: [4][kv_len], test-owned */
+  int stream; /* > 0: k/v are a function of (stream, position, layer), like a
+               * real model's KV is of the token prefix, so equal prefixes of
+               * different sessions hold equal KV */
+} spec_t;
+
+/* Deterministic k and v rows of a stream at a position and layer. */
+static void det_kv(int stream, uint32_t pos, int layer, uint16_t *k, uint16_t *v) {
+  uint64_t st = (uint64_t)stream * 1000003ull + (uint64_t)pos * 7919ull + (uint64_t)layer * 31ull + 1;
+  for (size_t i = 0; i < KVH * HD; i++) {
+    oracle_to_dtype(ATTND_DT_BF16, k, i, oracle_rng_normal(&st));
+    oracle_to_dtype(ATTND_DT_BF16, v, i, oracle_rng_normal(&st));
+  }
+}
+
+typedef struct {
+  attnd_item_t items[MAXSIM];
+  int32_t docbuf[MAXSIM][4];
+} itembuf_t;
+
+static void build_items(const spec_t *sp, int n, itembuf_t *ib) {
+  memset(ib, 0, sizeof(*ib));
+  for (int i = 0; i < n; i++) {
+    attnd_item_t *it = &ib->items[i];
+    it->session = sp[i].sim->id;
+    it->start = sp[i].start;
+    it->n = sp[i].n;
+    it->kv_only = sp[i].kv_only;
+    it->mask_kind = sp[i].mask;
+    it->window = sp[i].param;
+    it->prefix_len = sp[i].param;
+    it->bidirectional = sp[i].bidirectional;
+    it->tokens = &sp[i].sim->tokens[sp[i].start];
+    it->ntokens = sp[i].n;
+    if (sp[i].mask == ATTND_WMASK_DOCUMENT) {
+      memcpy(ib->docbuf[i], sp[i].docs, sizeof(sp[i].docs));
+      it->doc_lengths = (attnd_tensor_t){.present = 1, .dtype = ATTND_DT_INT32, .ndim = 1,
+                                         .data = (uint8_t *)ib->docbuf[i],
+                                         .nbytes = 4 * (size_t)sp[i].ndocs};
+      it->doc_lengths.shape[0] = (uint32_t)sp[i].ndocs;
+    }
+    if (sp[i].mask == ATTND_WMASK_CUSTOM) {
+      uint32_t kv = sp[i].start + sp[i].n;
+      it->intervals = (attnd_tensor_t){.present = 1, .dtype = ATTND_DT_INT32, .ndim = 2,
+                                       .data = (uint8_t *)sp[i].intervals, .nbytes = 16 * kv};
+      it->intervals.shape[0] = 4;
+      it->intervals.shape[1] = kv;
+    }
+  }
+}
+
+static int make_plan(fx_t *f, const spec_t *sp, int n, uint64_t conn, uint64_t *plan, char *msg) {
+  itembuf_t ib;
+  build_items(sp, n, &ib);
+  res_t x = {0};
+  attnd_engine_plan(f->e, 1, conn, ib.items, (uint32_t)n, on_done, &x);
+  wait_res(f, &x);
+  *plan = x.r.plan;
+  if (msg)
+    snprintf(msg, 256, "%s", x.r.message);
+  return x.r.status;
+}
+
+static void rand_bf16(fx_t *f, uint16_t *p, size_t n, double scale) {
+  for (size_t i = 0; i < n; i++)
+    oracle_to_dtype(ATTND_DT_BF16, p, i, scale * oracle_rng_normal(&f->rng));
+}
+
+/* Oracle mask of one item, kernel form: kind, param, causal, intervals. */
+static void oracle_mask(const spec_t *s, int *kind, int *param, int *causal, int32_t **iv) {
+  uint32_t kv = s->start + s->n;
+  *iv = NULL;
+  *causal = 1;
+  *param = 0;
+  switch (s->mask) {
+  case ATTND_WMASK_CAUSAL:
+    *kind = ATTND_MASK_CAUSAL;
+    break;
+  case ATTND_WMASK_FULL:
+    *kind = ATTND_MASK_FULL;
+    break;
+  case ATTND_WMASK_SLIDING_WINDOW:
+    *kind = ATTND_MASK_SLIDING;
+    *param = (int)s->param;
+    break;
+  case ATTND_WMASK_PREFIX_LM:
+    *kind = ATTND_MASK_PREFIX_LM;
+    *param = (int)s->param;
+    break;
+  case ATTND_WMASK_DOCUMENT: {
+    /* Independent of the engine's expansion: mask row p from key j when
+     * they lie in different documents (causal handles the rest), written as
+     * one interval per key: rows from the key's document end onwards. */
+    *kind = ATTND_MASK_INTERVALS;
+    *iv = calloc(4 * kv, sizeof(int32_t));
+    uint32_t pos = 0;
+    for (int d = 0; d < s->ndocs; d++) {
+      for (uint32_t j = pos; j < pos + (uint32_t)s->docs[d]; j++) {
+        (*iv)[j] = (int32_t)(pos + (uint32_t)s->docs[d]);
+        (*iv)[kv + j] = INT32_MAX;
+      }
+      pos += (uint32_t)s->docs[d];
+    }
+    break;
+  }
+  case ATTND_WMASK_CUSTOM:
+    *kind = ATTND_MASK_INTERVALS;
+    *causal = !s->bidirectional;
+    *iv = calloc(4 * kv, sizeof(int32_t));
+    memcpy(*iv, s->intervals, 16 * (size_t)kv);
+    break;
+  }
+}
+
+typedef struct {
+  int fp32_out, want_lse;
+  int corrupt; /* 1: NaN in k of the last item */
+  int wrong_token_item; /* >= 0: give this item a wrong token id (inline) */
+  int bad_dtype;
+} stepopt_t;
+
+/* Runs one step (inline when plan == 0) with fresh random q/k/v; on success
+ * replays it on the oracle and checks every item. Returns the status; msg
+ * gets the message. out_copy (optional) receives the output bytes. */
+static int step_ex(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan, uint64_t conn,
+                   const stepopt_t *opt, char *msg, uint8_t **out_copy) {
+  stepopt_t o0 = {.wrong_token_item = -1};
+  if (!opt)
+    opt = &o0;
+  uint32_t T = 0, Tq = 0;
+  for (int i = 0; i < n; i++) {
+    T += sp[i].n;
+    if (!sp[i].kv_only)
+      Tq += sp[i].n;
+  }
+  size_t kvrow = KVH * HD, qrow = QH * HD;
+  uint16_t *k = malloc(T * kvrow * 2), *v = malloc(T * kvrow * 2);
+  uint16_t *q = malloc((Tq ? Tq : 1) * qrow * 2), *q0 = malloc((Tq ? Tq : 1) * qrow * 2);
+  rand_bf16(f, k, T * kvrow, 1.0);
+  rand_bf16(f, v, T * kvrow, 1.0);
+  rand_bf16(f, q, Tq * qrow, 1.0);
+  memcpy(q0, q, Tq * qrow * 2);
+  for (int i = 0, r0 = 0; i < n; r0 += (int)sp[i].n, i++)
+    if (sp[i].stream)
+      for (uint32_t t = 0; t < sp[i].n; t++)
+        det_kv(sp[i].stream, sp[i].start + t, layer, k + (r0 + t) * kvrow, v + (r0 + t) * kvrow);
+  if (opt->corrupt)
+    k[(T - 1) * kvrow + 3] = 0x7fc0; /* bf16 NaN */
+  itembuf_t ib;
+  build_items(sp, n, &ib);
+  uint32_t saved_tok = 0;
+  if (opt->wrong_token_item >= 0) {
+    saved_tok = sp[opt->wrong_token_item].sim->tokens[sp[opt->wrong_token_item].start];
+    sp[opt->wrong_token_item].sim->tokens[sp[opt->wrong_token_item].start] = saved_tok + 1;
+  }
+  attnd_step_req_t r = {.layer = (uint32_t)layer, .plan = plan, .want_lse = opt->want_lse,
+                        .fp32_out = opt->fp32_out};
+  if (!plan) {
+    r.items = ib.items;
+    r.nitems = (uint32_t)n;
+  }
+  r.k = (attnd_tensor_t){.present = 1, .dtype = opt->bad_dtype ? ATTND_DT_FP16 : ATTND_DT_BF16,
+                         .ndim = 3, .data = (uint8_t *)k, .nbytes = T * kvrow * 2};
+  r.k.shape[0] = T;
+  r.k.shape[1] = KVH;
+  r.k.shape[2] = HD;
+  r.v = r.k;
+  r.v.dtype = ATTND_DT_BF16;
+  r.v.data = (uint8_t *)v;
+  if (Tq) {
+    r.q = (attnd_tensor_t){.present = 1, .dtype = ATTND_DT_BF16, .ndim = 3, .data = (uint8_t *)q,
+                           .nbytes = Tq * qrow * 2};
+    r.q.shape[0] = Tq;
+    r.q.shape[1] = QH;
+    r.q.shape[2] = HD;
+  }
+  res_t x = {0};
+  attnd_engine_step(f->e, 1, conn, &r, on_done, &x);
+  wait_res(f, &x);
+  if (opt->wrong_token_item >= 0)
+    sp[opt->wrong_token_item].sim->tokens[sp[opt->wrong_token_item].start] = saved_tok;
+  if (msg)
+    snprintf(msg, 256, "%s", x.r.message);
+  int status = x.r.status;
+  if (status == 0) {
+    assert_int_equal(x.r.out_rows, Tq);
+    assert_int_equal(x.r.out_bytes, Tq * qrow * (opt->fp32_out ? 4 : 2));
+    oracle_scales_t sc = oscales(f, layer);
+    uint32_t kr = 0, qr = 0;
+    double tol = tol_for(f->sh.kv);
+    for (int i = 0; i < n; i++) {
+      oracle_session_t *os = &sp[i].sim->o[layer];
+      oracle_session_write(&f->sh, os, (int)sp[i].start, (int)sp[i].n, k + kr * kvrow,
+                           v + kr * kvrow, &sc);
+      if (!sp[i].kv_only) {
+        int kind = 0, param = 0, causal = 1;
+        int32_t *iv;
+        oracle_mask(&sp[i], &kind, &param, &causal, &iv);
+        double *ref = malloc(sp[i].n * qrow * sizeof(double));
+        double *lse = malloc(sp[i].n * QH * sizeof(double));
+        oracle_session_attend(&f->sh, os, (int)sp[i].start, (int)sp[i].n, q0 + qr * qrow, kind,
+                              param, causal, iv, ref, lse);
+        double err = oracle_rel_l2(ref, opt->fp32_out ? ATTND_DT_FP32 : ATTND_DT_BF16,
+                                   x.out + qr * qrow * (opt->fp32_out ? 4 : 2), sp[i].n * qrow);
+        if (!(err <= tol))
+          fail_msg("layer %d item %d (start %u n %u mask %d): rel L2 %g > %g", layer, i,
+                   sp[i].start, sp[i].n, sp[i].mask, err, tol);
+        if (err > f->worst)
+          f->worst = err;
+        if (opt->want_lse) {
+          for (uint32_t rr = 0; rr < sp[i].n * QH; rr++) {
+            double got = x.lse[qr * QH + rr];
+            if (isinf(lse[rr]) ? !isinf(got) : fabs(got - lse[rr]) > 2e-2 * (1 + fabs(lse[rr])))
+              fail_msg("item %d lse[%u] = %g, oracle %g", i, rr, got, lse[rr]);
+          }
+        }
+        free(ref);
+        free(lse);
+        free(iv);
+        qr += sp[i].n;
+      }
+      kr += sp[i].n;
+    }
+    if (out_copy) {
+      *out_copy = x.out;
+      x.out = NULL;
+    }
+  }
+  res_free(&x);
+  free(k);
+  free(v);
+  free(q);
+  free(q0);
+  return status;
+}
+
+static int step(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan) {
+  return step_ex(f, layer, sp, n, plan, 1, NULL, NULL, NULL);
+}
+
+/* Plan + every layer, all checked. */
+static void plan_all_layers(fx_t *f, const spec_t *sp, int n) {
+  uint64_t plan;
+  char msg[256];
+  int rc = make_plan(f, sp, n, 1, &plan, msg);
+  if (rc)
+    fail_msg("plan: %s", msg);
+  for (int l = 0; l < LAYERS; l++) {
+    rc = step_ex(f, l, sp, n, plan, 1, NULL, msg, NULL);
+    if (rc)
+      fail_msg("layer %d: %d %s", l, rc, msg);
+  }
+  check_engine(f);
+}
+
+static void fill_tokens(fx_t *f, sim_t *s, uint32_t from, uint32_t to) {
+  for (uint32_t i = from; i < to; i++)
+    s->tokens[i] = (uint32_t)(oracle_rng_next(&f->rng) % 50000);
+}
+
+/* ---- tests ------------------------------------------------------------- */
+
+/* A session grown over many steps across block boundaries, every layer, for
+ * one cache type; plans reused over layers; then rewrites. */
+static void grow_one(attnd_kv_type_t kv) {
+  fx_t *f = fx_new(kv, 64);
+  set_all_scales(f);
+  sim_t *a = sim_new();
+  fill_tokens(f, a, 0, 200);
+  assert_int_equal(open_session(f, a, 0, NULL, 0), 0);
+  uint32_t pos = 0;
+  uint32_t chunks[] = {20, 1, 1, 13, 1, 17, 1, 1, 40, 3};
+  for (size_t c = 0; c < sizeof(chunks) / sizeof(chunks[0]); c++) {
+    spec_t sp = {.sim = a, .start = pos, .n = chunks[c]};
+    plan_all_layers(f, &sp, 1);
+    pos += chunks[c];
+  }
+  /* Rewrite the last 5 positions (rejected drafts) with new tokens. */
+  fill_tokens(f, a, pos - 5, pos);
+  spec_t rw = {.sim = a, .start = pos - 5, .n = 3};
+  plan_all_layers(f, &rw, 1);
+  /* Inline steps, fp32 output and lse. */
+  stepopt_t o = {.fp32_out = 1, .want_lse = 1, .wrong_token_item = -1};
+  spec_t d = {.sim = a, .start = pos - 2, .n = 2};
+  for (int l = 0; l < LAYERS; l++)
+    assert_int_equal(step_ex(f, l, &d, 1, 0, 1, &o, NULL, NULL), 0);
+  check_engine(f);
+  print_message("  %s: %u positions, worst rel L2 %.3g\n", attnd_kv_type_name(kv), pos, f->worst);
+  sim_free(a);
+  fx_free(f);
+}
+
+static void test_grow_bf16(void **state) { grow_one(ATTND_KV_BF16); }
+static void test_grow_fp16(void **state) { grow_one(ATTND_KV_FP16); }
+static void test_grow_int8(void **state) { grow_one(ATTND_KV_INT8); }
+static void test_grow_fp8(void **state) { grow_one(ATTND_KV_FP8); }
+static void test_grow_int8_dynamic(void **state) { grow_one(ATTND_KV_INT8_DYNAMIC); }
+static void test_grow_fp8_dynamic(void **state) { grow_one(ATTND_KV_FP8_DYNAMIC); }
+static void test_grow_int4(void **state) { grow_one(ATTND_KV_INT4); }
+
+/* Several sessions interleaved, mixed prefill and decode in one step, items
+ * without q, every mask kind. */
+static void test_mixed_batch(void **state) {
+  fx_t *f = fx_new(ATTND_KV_BF16, 96);
+  sim_t *s[4];
+  for (int i = 0; i < 4; i++) {
+    s[i] = sim_new();
+    fill_tokens(f, s[i], 0, 300);
+    open_session(f, s[i], 0, NULL, 0);
+  }
+  /* Prefill with different masks in one plan. */
+  spec_t p[4] = {
+      {.sim = s[0], .start = 0, .n = 37},
+      {.sim = s[1], .start = 0, .n = 20, .mask = ATTND_WMASK_SLIDING_WINDOW, .param = 7},
+      {.sim = s[2], .start = 0, .n = 33, .mask = ATTND_WMASK_DOCUMENT, .ndocs = 3,
+       .docs = {10, 15, 8}},
+      {.sim = s[3], .start = 0, .n = 18, .kv_only = 1},
+  };
+  plan_all_layers(f, p, 4);
+  /* Decode + prefill mixed, prefix-LM, full and custom intervals. */
+  int32_t *iv = calloc(4 * 64, sizeof(int32_t));
+  uint32_t kv3 = 18 + 9;
+  for (uint32_t j = 0; j < kv3; j++) {
+    uint32_t a = (uint32_t)(oracle_rng_next(&f->rng) % (kv3 + 1));
+    uint32_t b = a + (uint32_t)(oracle_rng_next(&f->rng) % 5);
+    iv[j] = (int32_t)a;
+    iv[kv3 + j] = (int32_t)b;
+    iv[2 * kv3 + j] = (int32_t)kv3 - 2;
+    iv[3 * kv3 + j] = (int32_t)kv3;
+  }
+  for (int round = 0; round < 3; round++) {
+    spec_t m[4] = {
+        {.sim = s[0], .start = 37 + (uint32_t)round, .n = 1},
+        {.sim = s[1], .start = 20 + 5 * (uint32_t)round, .n = 5, .mask = ATTND_WMASK_PREFIX_LM,
+         .param = 12},
+        {.sim = s[2], .start = 33 + (uint32_t)round, .n = 1, .mask = ATTND_WMASK_FULL},
+        {.sim = s[3], .start = 18, .n = 9, .mask = ATTND_WMASK_CUSTOM, .intervals = iv,
+         .bidirectional = round == 1},
+    };
+    plan_all_layers(f, m, 4);
+  }
+  /* Layers may move unevenly: layer 0 ahead of the others. */
+  spec_t d0 = {.sim = s[0], .start = 40, .n = 1};
+  assert_int_equal(step(f, 0, &d0, 1, 0), 0);
+  spec_t d1 = {.sim = s[0], .start = 41, .n = 1};
+  assert_int_equal(step(f, 0, &d1, 1, 0), 0);
+  spec_t both = {.sim = s[0], .start = 40, .n = 2};
+  for (int l = 1; l < LAYERS; l++)
+    assert_int_equal(step(f, l, &both, 1, 0), 0);
+  check_engine(f);
+  print_message("  mixed batch worst rel L2 %.3g\n", f->worst);
+  free(iv);
+  for (int i = 0; i < 4; i++)
+    sim_free(s[i]);
+  fx_free(f);
+}
+
+static void expect(fx_t *f, int got, int want, const char *msg, const char *needle) {
+  if (got != want)
+    fail_msg("status %d (%s), expected %d", got, msg, want);
+  if (needle && !strstr(msg, needle))
+    fail_msg("message '%s' lacks '%s'", msg, needle);
+  check_engine(f);
+}
+
+/* Every invalid case fails as specified and changes nothing: the sessions
+ * continue afterwards and still match the oracle. */
+static void test_invalid_leave_state(void **state) {
+  fx_t *f = fx_new(ATTND_KV_INT8, 64);
+  char msg[256];
+  sim_t *a = sim_new(), *b = sim_new();
+  fill_tokens(f, a, 0, 300);
+  fill_tokens(f, b, 0, 300);
+  open_session(f, a, 0, NULL, 0);
+  open_session(f, b, 0, NULL, 0);
+  spec_t pre[2] = {{.sim = a, .start = 0, .n = 12}, {.sim = b, .start = 0, .n = 5}};
+  /* Static type without scales: FAILED_PRECONDITION. */
+  expect(f, step_ex(f, 0, pre, 2, 0, 1, NULL, msg, NULL), ATTND_EPRECOND, msg, "scales");
+  set_all_scales(f);
+  plan_all_layers(f, pre, 2);
+  stepopt_t none = {.wrong_token_item = -1};
+  spec_t good = {.sim = b, .start = 5, .n = 2};
+  /* start > len, naming the item. */
+  spec_t s1[2] = {good, {.sim = a, .start = 17, .n = 1}};
+  expect(f, step_ex(f, 0, s1, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1: start 17 > len 12");
+  /* Session twice. */
+  spec_t s2[2] = {{.sim = a, .start = 12, .n = 1}, {.sim = a, .start = 12, .n = 1}};
+  expect(f, step_ex(f, 0, s2, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
+  /* Beyond max_context. */
+  spec_t s3[2] = {good, {.sim = a, .start = 12, .n = MAXCTX}};
+  expect(f, step_ex(f, 0, s3, 2, 0, 1, NULL, msg, NULL), ATTND_ERANGE, msg, "item 1");
+  /* Layer out of range. */
+  spec_t s4 = good;
+  expect(f, step_ex(f, LAYERS, &s4, 1, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "layer");
+  /* Layer 1 past layer 0. */
+  spec_t good1 = {.sim = b, .start = 3, .n = 2};
+  spec_t s5[2] = {good1, {.sim = a, .start = 12, .n = 1}};
+  expect(f, step_ex(f, 1, s5, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
+  /* Token ids that differ from layer 0's. */
+  spec_t s6[2] = {{.sim = b, .start = 3, .n = 2}, {.sim = a, .start = 10, .n = 2}};
+  stepopt_t wt = {.wrong_token_item = 1};
+  expect(f, step_ex(f, 1, s6, 2, 0, 1, &wt, msg, NULL), ATTND_EINVAL, msg, "item 1");
+  /* Non-finite k. */
+  stepopt_t nan = {.corrupt = 1, .wrong_token_item = -1};
+  spec_t s7[2] = {good, {.sim = a, .start = 12, .n = 3}};
+  expect(f, step_ex(f, 0, s7, 2, 0, 1, &nan, msg, NULL), ATTND_EINVAL, msg, "item 1");
+  /* Wrong dtype. */
+  stepopt_t bd = {.bad_dtype = 1, .wrong_token_item = -1};
+  expect(f, step_ex(f, 0, s7, 2, 0, 1, &bd, msg, NULL), ATTND_EINVAL, msg, "dtype");
+  /* Masks: window 0, documents not summing to kv_len, intervals start > end. */
+  spec_t s8[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_SLIDING_WINDOW}};
+  expect(f, step_ex(f, 0, s8, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
+  spec_t s9[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_DOCUMENT, .ndocs = 2,
+                         .docs = {5, 5}}};
+  expect(f, step_ex(f, 0, s9, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
+  int32_t iv[4 * 14] = {0};
+  iv[3] = 5; /* lts[3] = 5 > lte[3] = 0 */
+  spec_t s10[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_CUSTOM, .intervals = iv}};
+  expect(f, step_ex(f, 0, s10, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
+  /* Unknown session, other identity. */
+  sim_t ghost = {.id = 0x1234};
+  memcpy(ghost.tokens, a->tokens, sizeof(ghost.tokens));
+  spec_t s11[2] = {good, {.sim = &ghost, .start = 0, .n = 1}};
+  expect(f, step_ex(f, 0, s11, 2, 0, 1, NULL, msg, NULL), ATTND_ENOTFOUND, msg, "item 1");
+  res_t x = {0};
+  attnd_engine_close_session(f->e, 2, a->id, on_done, &x);
+  wait_res(f, &x);
+  assert_int_equal(x.r.status, ATTND_EPERM);
+  /* Fork/Truncate need equal lengths; truncate beyond len. */
+  spec_t ahead = {.sim = a, .start = 12, .n = 2};
+  assert_int_equal(step(f, 0, &ahead, 1, 0), 0);
+  assert_int_equal(simple_call(f, 1, a->id, 0, NULL), ATTND_EPRECOND);
+  assert_int_equal(simple_call(f, 2, a->id, 3, NULL), ATTND_EPRECOND);
+  for (int l = 1; l < LAYERS; l++)
+    assert_int_equal(step(f, l, &ahead, 1, 0), 0);
+  assert_int_equal(simple_call(f, 2, a->id, 99, NULL), ATTND_EINVAL);
+  /* Ended and unknown plans. */
+  uint64_t p1, p2;
+  spec_t pa = {.sim = a, .start = 14, .n = 1};
+  assert_int_equal(make_plan(f, &pa, 1, 1, &p1, msg), 0);
+  assert_int_equal(make_plan(f, &pa, 1, 1, &p2, msg), 0); /* ends p1 */
+  expect(f, step_ex(f, 0, &pa, 1, p1, 1, NULL, msg, NULL), ATTND_EPRECOND, msg, "plan");
+  attnd_engine_conn_closed(f->e, 1);
+  expect(f, step_ex(f, 0, &pa, 1, p2, 1, &none, msg, NULL), ATTND_EPRECOND, msg, "plan");
+  /* Plans per connection: the oldest ends first (max_plans = 4). */
+  sim_t *c[5];
+  uint64_t pc[5];
+  for (int i = 0; i < 5; i++) {
+    c[i] = sim_new();
+    fill_tokens(f, c[i], 0, 10);
+    open_session(f, c[i], 0, NULL, 0);
+    spec_t ps = {.sim = c[i], .start = 0, .n = 3};
+    assert_int_equal(make_plan(f, &ps, 1, 7, &pc[i], msg), 0);
+  }
+  spec_t ps0 = {.sim = c[0], .start = 0, .n = 3}, ps1 = {.sim = c[1], .start = 0, .n = 3};
+  expect(f, step_ex(f, 0, &ps0, 1, pc[0], 7, NULL, msg, NULL), ATTND_EPRECOND, msg, "plan");
+  assert_int_equal(step_ex(f, 0, &ps1, 1, pc[1], 7, NULL, msg, NULL), 0);
+  /* Everything above left a and b intact: continue them, all layers. */
+  spec_t cont[2] = {{.sim = a, .start = 14, .n = 3}, {.sim = b, .start = 5, .n = 4}};
+  plan_all_layers(f, cont, 2);
+  spec_t dec[2] = {{.sim = a, .start = 17, .n = 1}, {.sim = b, .start = 9, .n = 1}};
+  plan_all_layers(f, dec, 2);
+  for (int i = 0; i < 5; i++)
+    sim_free(c[i]);
+  sim_free(a);
+  sim_free(b);
+  fx_free(f);
+}
+
+/* Copies the oracle state of one session into another (fork). */
+static void sim_copy(sim_t *dst, const sim_t *src) {
+  for (int l = 0; l < LAYERS; l++) {
+    dst->o[l].len = src->o[l].len;
+    memcpy(dst->o[l].K, src->o[l].K, sizeof(double) * MAXCTX * KVH * HD);
+    memcpy(dst->o[l].V, src->o[l].V, sizeof(double) * MAXCTX * KVH * HD);
+  }
+  memcpy(dst->tokens, src->tokens, sizeof(dst->tokens));
+}
+
+/* Prefix hits give the same outputs as a cold session (fp32, rel L2 <= 1e-3):
+ * a and c compute the same prefix from the same k/v (c under a salt, so it
+ * never shares); b hits a's blocks; b and c then take the same steps. */
+static void test_prefix_hit_equals_miss(void **state) {
+  fx_t *f = fx_new(ATTND_KV_BF16, 64);
+  sim_t *a = sim_new(), *b = sim_new(), *c = sim_new();
+  fill_tokens(f, a, 0, 100);
+  memcpy(b->tokens, a->tokens, sizeof(a->tokens));
+  memcpy(c->tokens, a->tokens, sizeof(a->tokens));
+  const uint8_t salt[3] = {1, 2, 3};
+  open_session(f, a, 0, NULL, 0);
+  assert_int_equal(open_session(f, c, 50, salt, 3), 0);
+  uint64_t seed0 = f->rng;
+  spec_t pa = {.sim = a, .start = 0, .n = 40};
+  plan_all_layers(f, &pa, 1);
+  f->rng = seed0;
+  spec_t pc = {.sim = c, .start = 0, .n = 40};
+  plan_all_layers(f, &pc, 1);
+  attnd_engine_stats_t st;
+  attnd_engine_stats(f->e, &st);
+  assert_int_equal(st.blocks_used, 6);
+  /* b asks for 50 tokens: 32 cached (whole blocks of a). */
+  assert_int_equal(open_session(f, b, 50, NULL, 0), 32);
+  sim_copy(b, a);
+  for (int l = 0; l < LAYERS; l++)
+    b->o[l].len = 32;
+  attnd_engine_stats(f->e, &st);
+  assert_int_equal(st.prefix_queries, 2);
+  assert_int_equal(st.prefix_hit_tokens, 32);
+  assert_int_equal(st.prefix_miss_tokens, 50 + 18);
+  /* c rolls back to the same point. */
+  assert_int_equal(simple_call(f, 2, c->id, 32, NULL), 0);
+  for (int l = 0; l < LAYERS; l++)
+    c->o[l].len = 32;
+  uint64_t seed1 = f->rng, plan;
+  char msg[256];
+  stepopt_t o32 = {.fp32_out = 1, .wrong_token_item = -1};
+  uint8_t *outb[LAYERS], *outc[LAYERS];
+  spec_t sb = {.sim = b, .start = 32, .n = 18};
+  assert_int_equal(make_plan(f, &sb, 1, 1, &plan, msg), 0);
+  for (int l = 0; l < LAYERS; l++)
+    assert_int_equal(step_ex(f, l, &sb, 1, plan, 1, &o32, msg, &outb[l]), 0);
+  f->rng = seed1;
+  spec_t sc = {.sim = c, .start = 32, .n = 18};
+  assert_int_equal(make_plan(f, &sc, 1, 1, &plan, msg), 0);
+  for (int l = 0; l < LAYERS; l++)
+    assert_int_equal(step_ex(f, l, &sc, 1, plan, 1, &o32, msg, &outc[l]), 0);
+  for (int l = 0; l < LAYERS; l++) {
+    double num = 0, den = 0;
+    const float *x = (const float *)outb[l], *y = (const float *)outc[l];
+    for (size_t i = 0; i < 18 * QH * HD; i++) {
+      num += ((double)x[i] - y[i]) * ((double)x[i] - y[i]);
+      den += (double)y[i] * y[i];
+    }
+    double rel = sqrt(num / den);
+    print_message("  layer %d: hit vs no-hit rel L2 %.3g\n", l, rel);
+    assert_true(rel <= 1e-3);
+    free(outb[l]);
+    free(outc[l]);
+  }
+  check_engine(f);
+  sim_free(a);
+  sim_free(b);
+  sim_free(c);
+  fx_free(f);
+}
+
+/* With every hash equal, lookups still hit only on equal tokens. */
+static void test_forced_collision(void **state) {
+  attnd_prefix_test_force_collision = 1;
+  fx_t *f = fx_new(ATTND_KV_FP8_DYNAMIC, 64);
+  sim_t *a = sim_new(), *b = sim_new(), *c = sim_new();
+  fill_tokens(f, a, 0, 100);
+  open_session(f, a, 0, NULL, 0);
+  spec_t pa = {.sim = a, .start = 0, .n = 33};
+  plan_all_layers(f, &pa, 1);
+  fill_tokens(f, b, 0, 100); /* different tokens */
+  assert_int_equal(open_session(f, b, 40, NULL, 0), 0);
+  memcpy(c->tokens, a->tokens, sizeof(c->tokens));
+  c->tokens[20] ^= 1; /* first block equal, second differs */
+  assert_int_equal(open_session(f, c, 40, NULL, 0), 16);
+  sim_copy(c, a);
+  c->tokens[20] ^= 1;
+  for (int l = 0; l < LAYERS; l++)
+    c->o[l].len = 16;
+  spec_t pc = {.sim = c, .start = 16, .n = 8};
+  plan_all_layers(f, &pc, 1);
+  spec_t pb = {.sim = b, .start = 0, .n = 20};
+  plan_all_layers(f, &pb, 1);
+  attnd_prefix_test_force_collision = 0;
+  sim_free(a);
+  sim_free(b);
+  sim_free(c);
+  fx_free(f);
+}
+
+/* Fork shares blocks, both continue differently (copy-on-write); truncate
+ * rolls back and the session continues. */
+static void test_fork_truncate(void **state) {
+  fx_t *f = fx_new(ATTND_KV_INT8_DYNAMIC, 64);
+  sim_t *a = sim_new(), *b = sim_new();
+  fill_tokens(f, a, 0, 200);
+  open_session(f, a, 0, NULL, 0);
+  spec_t pa = {.sim = a, .start = 0, .n = 24};
+  plan_all_layers(f, &pa, 1);
+  uint64_t bid;
+  assert_int_equal(simple_call(f, 1, a->id, 0, &bid), 0);
+  b->id = bid;
+  sim_init_oracle(f, b);
+  sim_copy(b, a);
+  fill_tokens(f, b, 24, 200);
+  attnd_engine_stats_t st0, st1;
+  attnd_engine_stats(f->e, &st0);
+  /* Both write into the shared partial block 1 (positions 16..23 held). */
+  spec_t two[2] = {{.sim = a, .start = 24, .n = 5}, {.sim = b, .start = 24, .n = 3}};
+  plan_all_layers(f, two, 2);
+  attnd_engine_stats(f->e, &st1);
+  assert_true(st1.cow_copies > st0.cow_copies);
+  /* b rewrites inside the shared block 0 region too. */
+  spec_t rw = {.sim = b, .start = 10, .n = 4};
+  fill_tokens(f, b, 10, 14);
+  plan_all_layers(f, &rw, 1);
+  spec_t da = {.sim = a, .start = 29, .n = 1};
+  plan_all_layers(f, &da, 1);
+  /* Truncate a to 20 and continue. */
+  assert_int_equal(simple_call(f, 2, a->id, 20, NULL), 0);
+  for (int l = 0; l < LAYERS; l++)
+    a->o[l].len = 20;
+  fill_tokens(f, a, 20, 40);
+  spec_t ta = {.sim = a, .start = 20, .n = 6};
+  plan_all_layers(f, &ta, 1);
+  spec_t tb = {.sim = b, .start = 14, .n = 2};
+  plan_all_layers(f, &tb, 1);
+  assert_int_equal(simple_call(f, 0, a->id, 0, NULL), 0);
+  check_engine(f);
+  spec_t tb2 = {.sim = b, .start = 16, .n = 1};
+  plan_all_layers(f, &tb2, 1);
+  sim_free(a);
+  sim_free(b);
+  fx_free(f);
+}
+
+/* A small pool: cached prefixes are evicted leaf first; when all blocks are
+ * referenced a step fails with RESOURCE_EXHAUSTED and changes nothing. */
+static void test_eviction_pressure(void **state) {
+  fx_t *f = fx_new(ATTND_KV_BF16, 8);
+  sim_t *a = sim_new(), *b = sim_new(), *c = sim_new();
+  fill_tokens(f, a, 0, 200);
+  open_session(f, a, 0, NULL, 0);
+  spec_t pa = {.sim = a, .start = 0, .n = 64}; /* 4 blocks, all published */
+  plan_all_layers(f, &pa, 1);
+  assert_int_equal(simple_call(f, 0, a->id, 0, NULL), 0);
+  attnd_engine_stats_t st;
+  attnd_engine_stats(f->e, &st);
+  assert_int_equal(st.blocks_cached, 4);
+  fill_tokens(f, b, 0, 200);
+  open_session(f, b, 0, NULL, 0);
+  spec_t pb = {.sim = b, .start = 0, .n = 80}; /* 5 blocks: evicts one cached */
+  plan_all_layers(f, &pb, 1);
+  attnd_engine_stats(f->e, &st);
+  assert_int_equal(st.evictions, 1);
+  /* The evicted block was a's leaf: a's first 3 blocks still hit. */
+  memcpy(c->tokens, a->tokens, sizeof(c->tokens));
+  assert_int_equal(open_session(f, c, 100, NULL, 0), 48);
+  /* Now every block is referenced (b: 5, c: 3): b cannot grow a block. */
+  char msg[256];
+  spec_t grow = {.sim = b, .start = 80, .n = 1};
+  uint64_t plan;
+  expect(f, make_plan(f, &grow, 1, 1, &plan, msg), ATTND_ENOSPC, msg, NULL);
+  expect(f, step_ex(f, 0, &grow, 1, 0, 1, NULL, msg, NULL), ATTND_ENOSPC, msg, NULL);
+  attnd_session_info_t info[8];
+  assert_int_equal(attnd_engine_list_sessions(f->e, 1, NULL, 0), 2);
+  assert_int_equal(attnd_engine_list_sessions(f->e, 1, info, 8), 2);
+  /* Closing c leaves a's 3 blocks cached (evictable): b grows, and its
+   * outputs still match the oracle, so the failures changed nothing. */
+  assert_int_equal(simple_call(f, 0, c->id, 0, NULL), 0);
+  plan_all_layers(f, &grow, 1);
+  attnd_engine_stats(f->e, &st);
+  assert_true(st.evictions >= 2);
+  sim_free(a);
+  sim_free(b);
+  sim_free(c);
+  fx_free(f);
+}
+
+/* Random operations, bookkeeping checked after every one (a few seconds). */
+static void test_random_ops(void **state) {
+  fx_t *f = fx_new(ATTND_KV_BF16, 14);
+  enum { NS = 6 };
+  sim_t *s[NS] = {0};
+  uint32_t len[NS] = {0};
+  /* Few distinct token streams, so prefixes repeat and hit. */
+  uint32_t streams[3][MAXCTX];
+  for (int i = 0; i < 3; i++)
+    for (int j = 0; j < MAXCTX; j++)
+      streams[i][j] = (uint32_t)(oracle_rng_next(&f->rng) % 7) + (uint32_t)i * 100;
+  uint64_t t0 = uv_hrtime();
+  int ops = 0, enospc = 0, hits = 0;
+  int stream_of[NS] = {0};
+  while (uv_hrtime() - t0 < 3000000000ull && ops < 3000) {
+    ops++;
+    int i = (int)(oracle_rng_next(&f->rng) % NS);
+    int op = (int)(oracle_rng_next(&f->rng) % 10);
+    if (!s[i]) {
+      s[i] = sim_new();
+      int st = (int)(oracle_rng_next(&f->rng) % 3);
+      stream_of[i] = st + 1;
+      memcpy(s[i]->tokens, streams[st], sizeof(s[i]->tokens));
+      uint32_t cached = open_session(f, s[i], 1 + (uint32_t)(oracle_rng_next(&f->rng) % 90), NULL, 0);
+      hits += cached > 0;
+      /* The cached KV is the stream's: the oracle gets the same rows. */
+      uint16_t kr[KVH * HD], vr[KVH * HD];
+      for (int l = 0; l < LAYERS; l++) {
+        oracle_scales_t sc = oscales(f, l);
+        for (uint32_t p = 0; p < cached; p++) {
+          det_kv(stream_of[i], p, l, kr, vr);
+          oracle_session_write(&f->sh, &s[i]->o[l], (int)p, 1, kr, vr, &sc);
+        }
+      }
+      len[i] = cached;
+    } else if (op < 6) {
+      uint32_t n = 1 + (uint32_t)(oracle_rng_next(&f->rng) % (op < 3 ? 3 : 20));
+      uint32_t start = len[i] > 0 && op == 5 ? len[i] - 1 : len[i];
+      if (start + n > 200)
+        continue;
+      spec_t sp = {.sim = s[i], .start = start, .n = n, .stream = stream_of[i]};
+      uint64_t plan;
+      char msg[256];
+      int rc = make_plan(f, &sp, 1, 1, &plan, msg);
+      if (rc == ATTND_ENOSPC) {
+        enospc++;
+        check_engine(f);
+        continue;
+      }
+      assert_int_equal(rc, 0);
+      for (int l = 0; l < LAYERS; l++) {
+        assert_int_equal(step_ex(f, l, &sp, 1, plan, 1, NULL, msg, NULL), 0);
+        check_engine(f);
+      }
+      len[i] = start + n;
+    } else if (op == 6) {
+      uint32_t to = len[i] ? (uint32_t)(oracle_rng_next(&f->rng) % (len[i] + 1)) : 0;
+      assert_int_equal(simple_call(f, 2, s[i]->id, to, NULL), 0);
+      for (int l = 0; l < LAYERS; l++)
+        s[i]->o[l].len = (int)to;
+      len[i] = to;
+    } else if (op == 7) {
+      int j = (i + 1) % NS;
+      if (s[j])
+        continue;
+      uint64_t id;
+      int rc = simple_call(f, 1, s[i]->id, 0, &id);
+      assert_int_equal(rc, 0);
+      s[j] = sim_new();
+      stream_of[j] = stream_of[i];
+      s[j]->id = id;
+      sim_init_oracle(f, s[j]);
+      sim_copy(s[j], s[i]);
+      len[j] = len[i];
+    } else {
+      assert_int_equal(simple_call(f, 0, s[i]->id, 0, NULL), 0);
+      sim_free(s[i]);
+      s[i] = NULL;
+    }
+    check_engine(f);
+  }
+  attnd_engine_stats_t st;
+  attnd_engine_stats(f->e, &st);
+  print_message("  %d ops, %d RESOURCE_EXHAUSTED, %d prefix hits, %llu evictions, %llu COW, "
+                "worst rel L2 %.3g\n",
+                ops, enospc, hits, (unsigned long long)st.evictions,
+                (unsigned long long)st.cow_copies, f->worst);
+  for (int i = 0; i < NS; i++)
+    if (s[i])
+      sim_free(s[i]);
+  fx_free(f);
+}
+
+/* Scales survive a restart: same inputs, identical outputs. SetScales on a
+ * layer holding KV needs drop_cached_kv. */
+static void test_scales_persist(void **state) {
+  fx_t *f = calloc(1, sizeof(*f));
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  snprintf(f->state_dir, sizeof(f->state_dir), "/tmp/attnd-eng-XXXXXX");
+  assert_non_null(mkdtemp(f->state_dir));
+  f->rng = 99;
+  fx_config(f, ATTND_KV_INT4, 32);
+  fx_start(f);
+  set_all_scales(f);
+  uint64_t seed = f->rng;
+  uint8_t *out1[LAYERS], *out2[LAYERS];
+  sim_t *a = sim_new();
+  fill_tokens(f, a, 0, 100);
+  open_session(f, a, 0, NULL, 0);
+  spec_t sp = {.sim = a, .start = 0, .n = 21};
+  uint64_t plan;
+  char msg[256];
+  assert_int_equal(make_plan(f, &sp, 1, 1, &plan, msg), 0);
+  for (int l = 0; l < LAYERS; l++)
+    assert_int_equal(step_ex(f, l, &sp, 1, plan, 1, NULL, msg, &out1[l]), 0);
+  /* The layer holds KV: a change needs drop_cached_kv, which zeroes len[1]. */
+  uint64_t v1, v2;
+  assert_int_equal(set_scales(f, 1, 0, &v1), ATTND_EPRECOND);
+  float keep_k[KVH * HD], keep_v[KVH * HD];
+  memcpy(keep_k, f->ks[1], sizeof(keep_k));
+  memcpy(keep_v, f->vs[1], sizeof(keep_v));
+  assert_int_equal(set_scales(f, 1, 1, &v2), 0);
+  assert_true(v2 > 3);
+  spec_t l1 = {.sim = a, .start = 0, .n = 21};
+  a->o[1].len = 0;
+  assert_int_equal(step(f, 1, &l1, 1, 0), 0); /* layer 1 recomputed under new scales */
+  spec_t bad = {.sim = a, .start = 21, .n = 1};
+  fill_tokens(f, a, 21, 22);
+  (void)bad;
+  sim_free(a);
+  fx_stop(f);
+  /* Restart on the same state dir; put back layer 1's first scales through
+   * the test's copy only, the engine must restore everything itself. */
+  float new_k[KVH * HD], new_v[KVH * HD];
+  memcpy(new_k, f->ks[1], sizeof(new_k));
+  memcpy(new_v, f->vs[1], sizeof(new_v));
+  fx_start(f);
+  a = sim_new();
+  f->rng = seed;
+  fill_tokens(f, a, 0, 100);
+  open_session(f, a, 0, NULL, 0);
+  /* Replaying the same inputs: layers 0 and 2 must match bit for bit; layer 1
+   * now has the new scales, so compare it with the oracle only. */
+  spec_t sp2 = {.sim = a, .start = 0, .n = 21};
+  assert_int_equal(make_plan(f, &sp2, 1, 1, &plan, msg), 0);
+  for (int l = 0; l < LAYERS; l++)
+    assert_int_equal(step_ex(f, l, &sp2, 1, plan, 1, NULL, msg, &out2[l]), 0);
+  assert_memory_equal(out1[0], out2[0], 21 * QH * HD * 2);
+  assert_memory_equal(out1[2], out2[2], 21 * QH * HD * 2);
+  for (int l = 0; l < LAYERS; l++) {
+    free(out1[l]);
+    free(out2[l]);
+  }
+  (void)keep_k;
+  (void)keep_v;
+  (void)new_k;
+  (void)new_v;
+  sim_free(a);
+  char cmd[128];
+  snprintf(cmd, sizeof(cmd), "rm -rf %s", f->state_dir);
+  assert_int_equal(system(cmd), 0);
+  fx_free(f);
+}
+
+/* Sessions close after --session-idle without calls. */
+static void noop_timer(uv_timer_t *t) {}
+
+static void test_idle_close(void **state) {
+  fx_t *f = calloc(1, sizeof(*f));
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  fx_config(f, ATTND_KV_BF16, 16);
+  f->cfg.session_idle_s = 1;
+  fx_start(f);
+  sim_t *a = sim_new();
+  open_session(f, a, 0, NULL, 0);
+  uv_timer_t t;
+  uv_timer_init(&f->loop, &t);
+  uv_timer_start(&t, noop_timer, 1400, 0);
+  uv_run(&f->loop, UV_RUN_DEFAULT);
+  uv_close((uv_handle_t *)&t, NULL);
+  attnd_engine_stats_t st;
+  attnd_engine_stats(f->e, &st);
+  assert_int_equal(st.sessions, 0);
+  assert_int_equal(simple_call(f, 0, a->id, 0, NULL), ATTND_ENOTFOUND);
+  sim_free(a);
+  fx_free(f);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_grow_bf16),
+      cmocka_unit_test(test_grow_fp16),
+      cmocka_unit_test(test_grow_int8),
+      cmocka_unit_test(test_grow_fp8),
+      cmocka_unit_test(test_grow_int8_dynamic),
+      cmocka_unit_test(test_grow_fp8_dynamic),
+      cmocka_unit_test(test_grow_int4),
+      cmocka_unit_test(test_mixed_batch),
+      cmocka_unit_test(test_invalid_leave_state),
+      cmocka_unit_test(test_prefix_hit_equals_miss),
+      cmocka_unit_test(test_forced_collision),
+      cmocka_unit_test(test_fork_truncate),
+      cmocka_unit_test(test_eviction_pressure),
+      cmocka_unit_test(test_random_ops),
+      cmocka_unit_test(test_scales_persist),
+      cmocka_unit_test(test_idle_close),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
