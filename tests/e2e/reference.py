@@ -47,8 +47,28 @@ def rope(x, pos, rope_kind, theta, rotary_dim):
     return out
 
 
-def attend(q, K, V, qpos, scale, want_lse=False):
-    """Causal GQA attention in float64.
+def visible(qpos, L, mask=None):
+    """[Tq, L] bool: which keys each query row sees. mask is None (causal) or a tuple
+    ("full",), ("sliding", w), ("prefix_lm", n), ("document", lengths)."""
+    p = np.asarray(qpos)[:, None]
+    j = np.arange(L)[None, :]
+    kind = mask[0] if mask else "causal"
+    if kind == "causal":
+        return j <= p
+    if kind == "full":
+        return np.broadcast_to(j < L, (p.shape[0], L))
+    if kind == "sliding":
+        return (j <= p) & (j >= np.maximum(0, p - mask[1] + 1))
+    if kind == "prefix_lm":
+        return (j < mask[1]) | (j <= p)
+    if kind == "document":
+        doc = np.repeat(np.arange(len(mask[1])), mask[1])  # document id of every position
+        return (j <= p) & (doc[j] == doc[p])
+    raise ValueError(kind)
+
+
+def attend(q, K, V, qpos, scale, want_lse=False, mask=None):
+    """GQA attention in float64 (causal unless mask says otherwise, see visible()).
 
     q [Tq, Hq, D] (rotated, rounded), K and V [L, Hkv, D] as the cache holds them,
     qpos [Tq] absolute positions. Returns out [Tq, Hq, D] float64 (and lse [Tq, Hq]).
@@ -61,15 +81,14 @@ def attend(q, K, V, qpos, scale, want_lse=False):
     group = Hq // Hkv
     out = np.zeros((Tq, Hq, D))
     lse = np.full((Tq, Hq), -np.inf)
-    keys = np.arange(L)
+    vis = visible(qpos, L, mask)
     for h in range(Hq):
         kh = h // group
         s = (q[:, h, :] @ K[:, kh, :].T) * float(scale)
-        visible = keys[None, :] <= np.asarray(qpos)[:, None]
-        s = np.where(visible, s, -np.inf)
+        s = np.where(vis, s, -np.inf)
         m = s.max(axis=1, keepdims=True)
         m = np.where(np.isfinite(m), m, 0.0)
-        p = np.where(visible, np.exp(s - m), 0.0)
+        p = np.where(vis, np.exp(s - m), 0.0)
         z = p.sum(axis=1, keepdims=True)
         out[:, h, :] = np.where(z > 0, (p @ V[:, kh, :]) / np.where(z > 0, z, 1), 0.0)
         lse[:, h] = np.where(z[:, 0] > 0, np.log(np.where(z[:, 0] > 0, z[:, 0], 1)) + m[:, 0], -np.inf)
@@ -85,8 +104,9 @@ class RefSession:
         self.K = [np.zeros((0, model.kv_heads, model.head_dim), np.float32) for _ in range(L)]
         self.V = [np.zeros((0, model.kv_heads, model.head_dim), np.float32) for _ in range(L)]
 
-    def step(self, layer, start, q, k, v):
-        """Writes k, v at start.. and returns the activation-dtype output for q (float32)."""
+    def step(self, layer, start, q, k, v, mask=None, want_lse=False):
+        """Writes k, v at start.. and returns the activation-dtype output for q (float32),
+        with the fp32 lse when want_lse (then as a pair, out unrounded fp64)."""
         m = self.m
         n = k.shape[0]
         pos = np.arange(start, start + n)
@@ -99,7 +119,9 @@ class RefSession:
         if q is None:
             return None
         qr = act_round(rope(act_round(q, m.dtype), pos, m.rope, m.rope_theta, rd), m.dtype)
-        out = attend(qr, self.K[layer], self.V[layer], pos, scale)
+        if want_lse:
+            return attend(qr, self.K[layer], self.V[layer], pos, scale, True, mask)
+        out = attend(qr, self.K[layer], self.V[layer], pos, scale, mask=mask)
         return act_round(out, m.dtype)
 
 

@@ -124,6 +124,37 @@ class SessionsTest(DaemonTestCase):
         self.c.close_session(child)
         self.c.close_session(sid)
 
+    def test_prefix_cache_hit_gives_the_same_outputs(self):
+        m = self.m
+        rng = np.random.default_rng(16)
+        n = 2 * m.block_size + 8
+        tokens = rng.integers(0, 1 << 20, size=n).tolist()
+        salt = rng.bytes(8)
+        data = [tuple(self.rand(rng, n, h) for h in (m.q_heads, m.kv_heads, m.kv_heads))
+                for _ in range(m.layers)]
+        with self.engine_needed("OpenSession"):
+            a, cached = self.c.open_session(tokens, salt=salt)
+        self.assertEqual(cached, 0)
+        plan = self.c.plan([attnd.Item(a, 0, n, tokens=tokens)])
+        full = [attnd.bf16_to_f32(self.c.step(l, *data[l], plan=plan).out) for l in range(m.layers)]
+        b, cached = self.c.open_session(tokens, salt=salt)
+        if cached == 0:
+            self.c.close_session(a)
+            self.c.close_session(b)
+            self.skipTest("no prefix cache hit (prefix caching off or not landed)")
+        self.assertEqual(cached % m.block_size, 0)
+        self.assertLessEqual(cached, n - 1)
+        plan = self.c.plan([attnd.Item(b, cached, n - cached, tokens=tokens[cached:])])
+        for l in range(m.layers):
+            q, k, v = (x[cached:] for x in data[l])
+            out = attnd.bf16_to_f32(self.c.step(l, q, k, v, plan=plan).out)
+            np.testing.assert_array_equal(out, full[l][cached:])
+        st = self.c.stats()
+        self.assertGreaterEqual(st.prefix_hit_tokens, cached)
+        self.c.close_session(a)
+        self.c.close_session(b)
+        print(f"prefix cache: {cached} of {n} tokens cached, outputs identical")
+
     def test_errors_are_typed(self):
         rng = np.random.default_rng(14)
         m = self.m
@@ -159,3 +190,54 @@ class SessionsTest(DaemonTestCase):
         r = self.attnctl("--socket", self.daemon.socket, "bench", "--sessions", "2", "--prompt", "16",
                          "--steps", "5", "--inline", check=0, timeout=120)
         self.assertIn("decode token", r.stdout)
+
+
+class MasksTest(DaemonTestCase):
+    """Each mask preset and the lse/fp32 outputs through the wire, against reference.py."""
+
+    def setUp(self):
+        self.c = self.daemon.client(bf16="float32")
+        self.m = self.c.model
+
+    def tearDown(self):
+        self.c.close()
+
+    def check(self, rng, n, wire_mask, ref_mask, prefill=0):
+        m = self.m
+        with self.engine_needed("OpenSession"):
+            sid, _ = self.c.open_session(salt=rng.bytes(8))
+        ref = RefSession(m)
+        if prefill:  # causal history first, then the masked rows on top of it
+            toks = list(range(prefill))
+            for layer in range(m.layers):
+                q, k, v = (rng.standard_normal((prefill, h, m.head_dim)).astype(np.float32)
+                           for h in (m.q_heads, m.kv_heads, m.kv_heads))
+                self.c.step(layer, q, k, v, items=[attnd.Item(sid, 0, prefill, tokens=toks)])
+                ref.step(layer, 0, q, k, v)
+        item = attnd.Item(sid, prefill, n, tokens=list(range(n)), mask=wire_mask)
+        worst = 0.0
+        for layer in range(m.layers):
+            q, k, v = (rng.standard_normal((n, h, m.head_dim)).astype(np.float32)
+                       for h in (m.q_heads, m.kv_heads, m.kv_heads))
+            res = self.c.step(layer, q, k, v, items=[item], want_lse=True, fp32_out=True)
+            out_ref, lse_ref = ref.step(layer, prefill, q, k, v, mask=ref_mask, want_lse=True)
+            self.assertEqual(res.out.dtype, np.float32)
+            self.assertEqual(res.lse.shape, (n, m.q_heads))
+            err = rel_l2(res.out, out_ref)
+            worst = max(worst, err)
+            self.assertLess(err, TOL, f"{ref_mask} layer {layer}")
+            np.testing.assert_allclose(res.lse, lse_ref, rtol=0, atol=2e-2, err_msg=str(ref_mask))
+        self.c.close_session(sid)
+        return worst
+
+    def test_presets(self):
+        rng = np.random.default_rng(31)
+        results = {}
+        results["full"] = self.check(rng, 20, attnd.Mask.full(), ("full",))
+        results["sliding(5)"] = self.check(rng, 20, attnd.Mask.sliding_window(5), ("sliding", 5))
+        results["prefix_lm(7)"] = self.check(rng, 20, attnd.Mask.prefix_lm(7), ("prefix_lm", 7))
+        results["document(6,9,5)"] = self.check(rng, 20, attnd.Mask.document([6, 9, 5]), ("document", [6, 9, 5]))
+        results["causal over 33 cached"] = self.check(rng, 4, None, None, prefill=33)
+        results["sliding(8) over 33 cached"] = self.check(rng, 4, attnd.Mask.sliding_window(8), ("sliding", 8), prefill=33)
+        print("masks, worst rel L2 (fp32 out, with lse): " +
+              ", ".join(f"{k} {v:.1e}" for k, v in results.items()))
