@@ -26,7 +26,12 @@
 #define KC_CHUNK_FLOATS 4096 /* keys per chunk * head_dim */
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define KC_HOT __attribute__((target_clones("avx2", "default")))
+/* x86-64-v3 (AVX2 + FMA) and a baseline clone, picked at load time by CPU
+ * features, so one binary runs on any x86-64. Contraction into FMA is allowed
+ * here only: attention has no bit-exact contract (write.c does, and keeps
+ * the ISO C default, no contraction). */
+#define KC_HOT                                                                                     \
+  __attribute__((target_clones("arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
 #else
 #define KC_HOT
 #endif
@@ -110,17 +115,103 @@ KC_INLINE void dequant_chunk(attnd_kv_type_t kv, int D, const uint8_t *src, cons
   }
 }
 
-/* 16 partial sums so the reduction vectorizes without reassociation flags. */
-KC_INLINE float dot(const float *restrict a, const float *restrict b, int D) {
-  float acc[16] = {0};
-  for (int d = 0; d < D; d += 16)
-    for (int k = 0; k < 16; k++)
-      acc[k] += a[d + k] * b[d + k];
-  for (int k = 0; k < 8; k++)
-    acc[k] += acc[k + 8];
-  for (int k = 0; k < 4; k++)
-    acc[k] += acc[k + 4];
-  return (acc[0] + acc[2]) + (acc[1] + acc[3]);
+/* The inner products are written with GCC vector types (8 floats): the AVX2
+ * clone maps one to a ymm register, the baseline clone to two xmm registers.
+ * Plain loops left the choice to the vectorizer, which split them badly.
+ * Vectors never cross a function boundary (always_inline), so no ABI change. */
+typedef float kc_v8 __attribute__((vector_size(32)));
+
+#define KC_LD(v, p) memcpy(&(v), (p), sizeof(kc_v8))
+#define KC_ST(p, v) memcpy((p), &(v), sizeof(kc_v8))
+
+KC_INLINE float hsum8(const kc_v8 *v) {
+  kc_v8 a = *v;
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+/* Score of one query row q against one key row k. */
+KC_INLINE float dot(const float *restrict q, const float *restrict k, int D) {
+  kc_v8 a0 = {0}, a1 = {0}, x, y;
+  for (int d = 0; d < D; d += 16) {
+    KC_LD(x, q + d);
+    KC_LD(y, k + d);
+    a0 += x * y;
+    KC_LD(x, q + d + 8);
+    KC_LD(y, k + d + 8);
+    a1 += x * y;
+  }
+  a0 += a1;
+  return hsum8(&a0);
+}
+
+/* Scores of 4 query rows (Q, stride D) against one key row: the key loads once. */
+KC_INLINE void dot4(const float *restrict Q, int D, const float *restrict k, float *restrict out) {
+  kc_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, kv, x;
+  for (int d = 0; d < D; d += 8) {
+    KC_LD(kv, k + d);
+    KC_LD(x, Q + d);
+    a0 += x * kv;
+    KC_LD(x, Q + D + d);
+    a1 += x * kv;
+    KC_LD(x, Q + 2 * D + d);
+    a2 += x * kv;
+    KC_LD(x, Q + 3 * D + d);
+    a3 += x * kv;
+  }
+  out[0] = hsum8(&a0);
+  out[1] = hsum8(&a1);
+  out[2] = hsum8(&a2);
+  out[3] = hsum8(&a3);
+}
+
+/* A[q][:] += sum_c P[q][c] * V[c][:] for 4 query rows (P stride C): the
+ * accumulators stay in registers over the chunk and each V row loads once. */
+KC_INLINE void axpy4(float *restrict A, int D, const float *restrict P, int C, int cn,
+                     const float *restrict V) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    kc_v8 a[4][2], v0, v1;
+    for (int q = 0; q < 4; q++) {
+      KC_LD(a[q][0], A + q * D + d0);
+      KC_LD(a[q][1], A + q * D + d0 + 8);
+    }
+    for (int c = 0; c < cn; c++) {
+      KC_LD(v0, V + (size_t)c * D + d0);
+      KC_LD(v1, V + (size_t)c * D + d0 + 8);
+      for (int q = 0; q < 4; q++) {
+        float p = P[q * C + c];
+        a[q][0] += p * v0;
+        a[q][1] += p * v1;
+      }
+    }
+    for (int q = 0; q < 4; q++) {
+      KC_ST(A + q * D + d0, a[q][0]);
+      KC_ST(A + q * D + d0 + 8, a[q][1]);
+    }
+  }
+}
+
+/* The one-row version, for what is left of a unit after groups of 4. */
+KC_INLINE void axpy1(float *restrict A, int D, const float *restrict P, int cn,
+                     const float *restrict V) {
+  for (int d0 = 0; d0 < D; d0 += 32) {
+    kc_v8 a[4], v;
+    for (int k = 0; k < 4; k++)
+      KC_LD(a[k], A + d0 + 8 * k);
+    for (int c = 0; c < cn; c++) {
+      float p = P[c];
+      for (int k = 0; k < 4; k++) {
+        KC_LD(v, V + (size_t)c * D + d0 + 8 * k);
+        a[k] += p * v;
+      }
+    }
+    for (int k = 0; k < 4; k++)
+      KC_ST(A + d0 + 8 * k, a[k]);
+  }
+}
+
+static inline void prefetch_rows(const uint8_t *p, size_t bytes) {
+  for (size_t off = 0; off < bytes; off += 64)
+    __builtin_prefetch(p + off, 0, 3);
 }
 
 /* 2^x in place for x <= 0 (or -inf -> 0): Cody-Waite split and a degree-7
@@ -294,8 +385,24 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
     const float *kdyn = L->dynamic ? (const float *)(blk + L->ks_off) + row : NULL;
     const float *vdyn = L->dynamic ? (const float *)(blk + L->vs_off) + row : NULL;
 
+    /* Ask for the next chunk's K and V now, so the loads overlap this chunk's math. */
+    if (j0 + cn < jhi) {
+      int jn = j0 + cn, sn = jn % bs, nn = bs - sn < C ? bs - sn : C;
+      const uint8_t *nb = b->cache + (size_t)table[jn / bs] * b->block_bytes;
+      size_t nrow = (size_t)h * bs + sn;
+      prefetch_rows(nb + L->k_off + nrow * L->row_bytes, (size_t)nn * L->row_bytes);
+      prefetch_rows(nb + L->v_off + nrow * L->row_bytes, (size_t)nn * L->row_bytes);
+    }
     dequant_chunk(s->kv, D, blk + L->k_off + row * L->row_bytes, kdyn, &kq, cn, buf);
-    for (int qi = 0; qi < nq; qi++)
+    int q4 = nq & ~3;
+    for (int qi = 0; qi < q4; qi += 4)
+      for (int c = 0; c < cn; c++) {
+        float t[4];
+        dot4(Q + qi * D, D, buf + c * D, t);
+        for (int i = 0; i < 4; i++)
+          S[(qi + i) * C + c] = t[i];
+      }
+    for (int qi = q4; qi < nq; qi++)
       for (int c = 0; c < cn; c++)
         S[qi * C + c] = dot(Q + qi * D, buf + c * D, D);
     if (!chunk_all_visible(it, pmin, pmax, j0, j0 + cn))
@@ -335,18 +442,19 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
     }
     if (need_v) {
       dequant_chunk(s->kv, D, blk + L->v_off + row * L->row_bytes, vdyn, &vq, cn, buf);
-      for (int qi = 0; qi < nq; qi++) {
-        if (!live[qi])
+      int qi = 0;
+      for (; qi + 4 <= nq; qi += 4) {
+        if (live[qi] && live[qi + 1] && live[qi + 2] && live[qi + 3]) {
+          axpy4(acc + qi * D, D, S + qi * C, C, cn, buf);
           continue;
-        float *restrict Ai = acc + qi * D;
-        const float *Si = S + qi * C;
-        for (int c = 0; c < cn; c++) {
-          const float p = Si[c];
-          const float *restrict Vc = buf + c * D;
-          for (int d = 0; d < D; d++)
-            Ai[d] += p * Vc[d];
         }
+        for (int i = qi; i < qi + 4; i++)
+          if (live[i])
+            axpy1(acc + i * D, D, S + i * C, cn, buf);
       }
+      for (; qi < nq; qi++)
+        if (live[qi])
+          axpy1(acc + qi * D, D, S + qi * C, cn, buf);
     }
     j0 += cn;
   }
