@@ -34,6 +34,7 @@ typedef struct {
   int use_plan;
   int want_lse;
   unsigned seed;
+  const char *token; /* from --token-file, for reconnects */
 } opts_t;
 
 static const char *const usage_main =
@@ -66,7 +67,8 @@ static const char *const usage_stats =
     "usage: attnctl [global options] stats [--watch SECONDS] [--count N]\n"
     "Prints the daemon's counters as tables (or JSON with --json). With --watch it\n"
     "prints them every SECONDS with per-second rates since the previous sample,\n"
-    "until interrupted or N samples (--count) have been printed.\n";
+    "until interrupted or N samples (--count) have been printed. When the daemon\n"
+    "goes away it reconnects every SECONDS and reports a restart (new epoch).\n";
 static const char *const usage_sessions =
     "usage: attnctl [global options] sessions\n"
     "Lists the sessions of the calling identity: id, length (layer 0), blocks, idle time.\n";
@@ -379,13 +381,48 @@ static void print_stats(const attnd_v1_StatsResponse *s, const attnd_v1_StatsRes
   fflush(stdout);
 }
 
-static int cmd_stats(attnd_client_t *c, const opts_t *o) {
+static void sleep_s(double s) {
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+/* With --watch a daemon restart is not the end: reconnect every interval until it
+ * answers again, say so, and start the rates afresh (the counters restarted too). */
+static int cmd_stats(attnd_client_t *c0, const opts_t *o) {
   attnd_v1_StatsResponse cur, prev;
+  attnd_client_t *c = c0;
   double tprev = 0;
+  int have_prev = 0, rc = 0;
+  uint64_t epoch = 0;
   for (int n = 0;; n++) {
-    int rc = attnd_client_stats(c, &cur);
+    rc = c ? attnd_client_stats(c, &cur) : ATTND_CLIENT_ECONNECT;
+    if (rc && o->watch > 0 && rc != ATTND_CLIENT_ESTATUS) {
+      fprintf(stderr, "attnctl: %s; retrying every %gs\n",
+              c ? attnd_client_errmsg(c) : "not connected", o->watch);
+      if (c && c != c0)
+        attnd_client_free(c);
+      c = NULL;
+      for (;;) {
+        sleep_s(o->watch);
+        attnd_client_t *nc = NULL;
+        if (attnd_client_connect(&nc, attnd_client_addr(c0)) == 0 &&
+            (!o->token || attnd_client_hello(nc, o->token) == 0)) {
+          c = nc;
+          break;
+        }
+        attnd_client_free(nc);
+      }
+      have_prev = 0;
+      n--;
+      continue;
+    }
     if (rc)
-      return report(c, rc, "stats");
+      break;
+    if (epoch && attnd_client_epoch(c) != epoch)
+      fprintf(stderr, "attnctl: attnd restarted (epoch %016" PRIx64 " -> %016" PRIx64 ")\n", epoch,
+              attnd_client_epoch(c));
+    epoch = attnd_client_epoch(c);
     double t = now_s();
     if (o->watch > 0 && !o->json) {
       time_t wall = time(NULL);
@@ -393,15 +430,18 @@ static int cmd_stats(attnd_client_t *c, const opts_t *o) {
       strftime(ts, sizeof(ts), "%Y-%m-%d %H:%M:%S", localtime(&wall));
       printf("%s=== %s  %s ===\n", n ? "\n" : "", ts, attnd_client_addr(c));
     }
-    print_stats(&cur, n ? &prev : NULL, t - tprev, o);
+    print_stats(&cur, have_prev ? &prev : NULL, t - tprev, o);
     if (o->watch <= 0 || (o->watch_count > 0 && n + 1 >= o->watch_count))
-      return EXIT_OK;
+      break;
     prev = cur;
     tprev = t;
-    struct timespec ts = {(time_t)o->watch, (long)((o->watch - (double)(time_t)o->watch) * 1e9)};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
+    have_prev = 1;
+    sleep_s(o->watch);
   }
+  int code = rc ? report(c, rc, "stats") : EXIT_OK;
+  if (c && c != c0)
+    attnd_client_free(c);
+  return code;
 }
 
 /* ---- sessions ---- */
@@ -865,6 +905,8 @@ int main(int argc, char **argv) {
   char token[512] = "";
   if (o.token_file && read_token(o.token_file, token, sizeof(token)))
     return EXIT_USAGE;
+  if (o.token_file)
+    o.token = token;
 
   attnd_client_t *c = NULL;
   int rc = attnd_client_connect(&c, o.tcp ? o.tcp : o.socket_path);

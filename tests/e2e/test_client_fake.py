@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import numpy as np
@@ -162,6 +163,22 @@ class AttnctlFakeTest(FakeCase):
         self.assertIn("p99 ms", r.stdout)
         # bench closes what it opened
         self.assertEqual(json.loads(self.run_ctl("--json", "sessions", check=0).stdout)["count"], 0)
+
+    def test_watch_survives_a_restart(self):
+        exe = attnctl_binary()
+        if exe is None:
+            self.skipTest("attnctl is not built")
+        p = subprocess.Popen([exe, "--socket", self.path, "--json", "stats", "--watch", "0.2", "--count", "4"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.3)
+        self.fake.close()  # the daemon goes away ...
+        time.sleep(0.5)
+        self.fake = FakeAttnd(self.path)  # ... and comes back with a new epoch
+        out, err = p.communicate(timeout=30)
+        self.assertEqual(p.returncode, 0, err)
+        self.assertEqual(len(out.splitlines()), 4)
+        self.assertIn("retrying", err)
+        self.assertIn("restarted", err)
 
     def test_daemon_error_is_exit_1(self):
         self.fake.token = "secret"
