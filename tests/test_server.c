@@ -600,6 +600,128 @@ static void test_backpressure(void **state) {
   h_down(h);
 }
 
+
+/* ---- steps through the real engine ------------------------------------------- */
+
+static uint16_t bf16_rand(void) {
+  float f = (float)rand() / (float)RAND_MAX - 0.5f;
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (uint16_t)(u >> 16);
+}
+
+/* Request{id, step{layer 0, one inline item (session, start 0, n tokens), q, k, v}}. */
+static void build_step(pbw_t *w, uint64_t id, uint64_t session, uint32_t n) {
+  pbw_t st, it, tok;
+  pbw_init(&st);
+  pbw_init(&it);
+  pbw_init(&tok);
+  pbw_uint(&st, 1, 0);
+  pbw_fixed64(&it, 1, session);
+  pbw_uint(&it, 2, 0);
+  pbw_uint(&it, 3, n);
+  for (uint32_t i = 0; i < n; i++)
+    pbw_varint(&tok, 1000 + i);
+  pbw_sub(&it, 6, &tok);
+  pbw_sub(&st, 3, &it);
+  size_t qn = (size_t)n * 4 * 64, kn = (size_t)n * 2 * 64;
+  uint16_t *q = malloc(qn * 2), *k = malloc(kn * 2), *v = malloc(kn * 2);
+  for (size_t i = 0; i < qn; i++)
+    q[i] = bf16_rand();
+  for (size_t i = 0; i < kn; i++) {
+    k[i] = bf16_rand();
+    v[i] = bf16_rand();
+  }
+  uint32_t qs[3] = {n, 4, 64}, ks[3] = {n, 2, 64};
+  pbw_tensor(&st, 4, attnd_v1_DType_DTYPE_BF16, qs, 3, q, qn * 2);
+  pbw_tensor(&st, 5, attnd_v1_DType_DTYPE_BF16, ks, 3, k, kn * 2);
+  pbw_tensor(&st, 6, attnd_v1_DType_DTYPE_BF16, ks, 3, v, kn * 2);
+  free(q);
+  free(k);
+  free(v);
+  pbw_init(w);
+  pbw_uint(w, 1, id);
+  pbw_sub(w, attnd_v1_Request_step_tag, &st);
+}
+
+static uint64_t open_session(int fd, uint64_t id) {
+  attnd_v1_Response r;
+  send_call(fd, id, attnd_v1_Request_open_session_tag);
+  assert_int_equal(recv_resp(fd, &r), 0);
+  assert_int_equal(r.status.code, 0);
+  assert_int_equal(r.which_result, attnd_v1_Response_open_session_tag);
+  return r.result.open_session.session;
+}
+
+static void append_frame(pbw_t *all, pbw_t *w) {
+  uint8_t hdr[4];
+  attnd_frame_put_header(hdr, (uint32_t)w->n);
+  pbw_raw(all, hdr, 4);
+  pbw_raw(all, w->b, w->n);
+  pbw_free(w);
+}
+
+/* Real steps over a real socket: a step answers with its output; the same id
+ * sent again while the first is in flight answers INVALID_ARGUMENT; a client
+ * that leaves with a step in flight hurts nobody. */
+static void test_steps_real_engine(void **state) {
+  harness_t *h = h_up(NULL);
+  attnd_v1_Response r;
+  int c = connect_unix(h->cfg.socket_path);
+  uint64_t s1 = open_session(c, 1);
+  uint64_t s2 = open_session(c, 2);
+  /* Two steps with the same id in one write: the second finds the first in
+   * flight (the engine completes steps off the loop thread). */
+  pbw_t all, w;
+  pbw_init(&all);
+  build_step(&w, 50, s1, 4);
+  append_frame(&all, &w);
+  build_step(&w, 50, s2, 4);
+  append_frame(&all, &w);
+  write_all(c, all.b, all.n);
+  pbw_free(&all);
+  int ok = 0, dup = 0;
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(recv_resp(c, &r), 0);
+    assert_int_equal(r.id, 50);
+    if (r.status.code == 0) {
+      ok++;
+      assert_int_equal(r.which_result, attnd_v1_Response_step_tag);
+      assert_true(r.result.step.has_out);
+      assert_int_equal(r.result.step.out.shape[0], 4);
+      assert_int_equal(r.result.step.out.shape[1], 4);
+      assert_int_equal(r.result.step.out.shape[2], 64);
+      assert_true(r.timing.total_us >= r.timing.computing_us);
+    } else {
+      dup++;
+      assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+      assert_non_null(strstr(r.status.message, "already in flight"));
+    }
+  }
+  assert_int_equal(ok, 1);
+  assert_int_equal(dup, 1);
+
+  /* A client that sends a step and leaves at once. */
+  int d = connect_unix(h->cfg.socket_path);
+  build_step(&w, 60, s2, 8);
+  send_raw_frame(d, w.b, w.n);
+  pbw_free(&w);
+  close(d);
+  /* The first connection still works, and the orphaned step completes. */
+  uint64_t steps = 0;
+  for (int tries = 0; tries < 100; tries++) {
+    send_call(c, 70 + (uint64_t)tries, attnd_v1_Request_stats_tag);
+    assert_int_equal(recv_resp(c, &r), 0);
+    steps = r.result.stats.steps;
+    if (steps >= 2 && r.result.stats.connections == 1)
+      break;
+    usleep(10000);
+  }
+  assert_int_equal(steps, 2);
+  close(c);
+  h_down(h);
+}
+
 /* Plain HTTP/1.0 GET; returns the whole reply (malloc'ed). */
 static char *http_get(int port, const char *path) {
   int fd = connect_tcp_addr("127.0.0.1", port);
@@ -784,6 +906,7 @@ int main(void) {
       cmocka_unit_test(test_pipelining),
       cmocka_unit_test(test_max_connections),
       cmocka_unit_test(test_backpressure),
+      cmocka_unit_test(test_steps_real_engine),
       cmocka_unit_test(test_metrics_scrape),
       cmocka_unit_test(test_tcp_hello_off_loopback),
       cmocka_unit_test(test_sigterm_drain),
