@@ -776,6 +776,7 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
   }
 
   pb_istream_t cs = pb_istream_from_buffer(call_ptr, call_len);
+  uint64_t t0;
   const char *mname = attnd_method_name(q->method);
   bool ok = true;
   switch (q->method) {
@@ -791,16 +792,19 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
     break;
   }
   case ATTND_M_HEALTH:
+    t0 = q->t0_ns;
     req_free(q);
-    answer_health(c, id, now_ns());
+    answer_health(c, id, t0);
     return;
   case ATTND_M_STATS:
+    t0 = q->t0_ns;
     req_free(q);
-    answer_stats(c, id, now_ns());
+    answer_stats(c, id, t0);
     return;
   case ATTND_M_LIST_SESSIONS:
+    t0 = q->t0_ns;
     req_free(q);
-    answer_list_sessions(c, id, now_ns());
+    answer_list_sessions(c, id, t0);
     return;
   case ATTND_M_OPEN_SESSION: {
     attnd_v1_OpenSessionRequest o = attnd_v1_OpenSessionRequest_init_zero;

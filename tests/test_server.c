@@ -896,6 +896,73 @@ static void test_sigterm_drain(void **state) {
   assert_int_equal(system(cmd), 0);
 }
 
+
+/* sd_notify: READY=1 once serving, WATCHDOG=1 at half of WATCHDOG_USEC, and
+ * STOPPING=1 on SIGTERM, on the datagram socket systemd names in NOTIFY_SOCKET. */
+static int recv_notify(int fd, const char *want, int timeout_ms) {
+  char buf[512];
+  for (;;) {
+    struct pollfd pf = {fd, POLLIN, 0};
+    if (poll(&pf, 1, timeout_ms) <= 0)
+      return -1;
+    ssize_t n = recv(fd, buf, sizeof(buf) - 1, 0);
+    if (n <= 0)
+      return -1;
+    buf[n] = 0;
+    if (strstr(buf, want))
+      return 0;
+  }
+}
+
+static void test_sd_notify(void **state) {
+  const char *bd = getenv("ATTND_BUILD_DIR");
+  if (!bd) {
+    skip();
+    return;
+  }
+  char bin[512], dir[64], sock[128], nsock[128], statedir[128];
+  snprintf(bin, sizeof(bin), "%s/daemon/attnd", bd);
+  snprintf(dir, sizeof(dir), "/tmp/attnd-test-notify-XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  snprintf(sock, sizeof(sock), "%s/attnd.sock", dir);
+  snprintf(nsock, sizeof(nsock), "%s/notify", dir);
+  snprintf(statedir, sizeof(statedir), "%s/state", dir);
+  int nfd = socket(AF_UNIX, SOCK_DGRAM, 0);
+  struct sockaddr_un a;
+  sun_set(&a, nsock);
+  assert_int_equal(bind(nfd, (struct sockaddr *)&a, sizeof(a)), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    setenv("NOTIFY_SOCKET", nsock, 1);
+    setenv("WATCHDOG_USEC", "100000", 1);
+    unsetenv("WATCHDOG_PID");
+    execl(bin, bin, "--socket", sock, "--listen", "", "--metrics", "", "--state-dir", statedir,
+          "--backend", "cpu", "--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim",
+          "64", "--block-size", "16", "--kv-memory", "4M", "--threads", "1", "--log-level", "warn",
+          (char *)NULL);
+    _exit(127);
+  }
+  assert_true(pid > 0);
+  assert_int_equal(recv_notify(nfd, "READY=1", 10000), 0);
+  /* The socket answers once READY has been sent. */
+  int c = connect_unix(sock);
+  attnd_v1_Response r;
+  health_ok(c, 1, &r);
+  close(c);
+  assert_int_equal(recv_notify(nfd, "WATCHDOG=1", 2000), 0);
+  assert_int_equal(recv_notify(nfd, "WATCHDOG=1", 2000), 0);
+  assert_int_equal(kill(pid, SIGTERM), 0);
+  assert_int_equal(recv_notify(nfd, "STOPPING=1", 5000), 0);
+  int status = 0;
+  assert_int_equal(waitpid(pid, &status, 0), pid);
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 0);
+  close(nfd);
+  char cmd[128];
+  snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
@@ -910,6 +977,7 @@ int main(void) {
       cmocka_unit_test(test_metrics_scrape),
       cmocka_unit_test(test_tcp_hello_off_loopback),
       cmocka_unit_test(test_sigterm_drain),
+      cmocka_unit_test(test_sd_notify),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
