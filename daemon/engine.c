@@ -599,6 +599,8 @@ static void publish(attnd_engine_t *e, attnd_session_t *s) {
     int32_t parent = b == 0 ? -1 : s->table[b - 1];
     int32_t got = attnd_prefix_publish(e->px, s->table[b], h, parent, s->identity, s->salt,
                                        s->saltlen, tok);
+    if (got < 0)
+      break; /* the block belongs to another chain: publishing stops here */
     if (got != s->table[b]) {
       /* Someone published the same tokens first: share theirs, so the chain
        * continues through one block per prefix. */

@@ -145,7 +145,7 @@ int32_t attnd_prefix_publish(attnd_prefix_t *px, int32_t id, attnd_h128_t h, int
   if (dup >= 0)
     return dup;
   if (px->pool->b[id].published)
-    return id;
+    return -1; /* immutable and indexed under another chain */
   entry_t *e = &px->ent[id];
   e->h = h;
   e->fp = px->fp;

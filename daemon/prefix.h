@@ -47,7 +47,8 @@ int32_t attnd_prefix_find(const attnd_prefix_t *px, attnd_h128_t h, int32_t pare
                           uint64_t identity, const uint8_t *salt, size_t saltlen,
                           const uint32_t *tokens);
 /* Publishes block id. If an equal block is already published, nothing changes
- * and that block's id is returned; else id. */
+ * and that block's id is returned; if id itself is published under another
+ * chain, -1; else id. */
 int32_t attnd_prefix_publish(attnd_prefix_t *px, int32_t id, attnd_h128_t h, int32_t parent,
                              uint64_t identity, const uint8_t *salt, size_t saltlen,
                              const uint32_t *tokens);

@@ -205,6 +205,10 @@ static attnd_tensor_t ftensor(float *p, int ndim, uint32_t a, uint32_t b) {
   return t;
 }
 
+/* Multiplies the scales set_scales() draws: 0.1 clamps most of N(0,1), so a
+ * step run with the wrong scales is far off the oracle. */
+static double g_scale_mult = 1.0;
+
 /* Static scales that fit N(0,1) data after RoPE. */
 static int set_scales(fx_t *f, int layer, int drop, uint64_t *version) {
   attnd_kv_type_t kv = f->sh.kv;
@@ -212,7 +216,7 @@ static int set_scales(fx_t *f, int layer, int drop, uint64_t *version) {
   size_t n = pc ? KVH * HD : KVH;
   double qmax = kv == ATTND_KV_FP8 ? 448.0 : kv == ATTND_KV_INT4 ? 7.0 : 127.0;
   for (size_t i = 0; i < n; i++) {
-    double amax = 3.5 + 1.5 * oracle_rng_uniform(&f->rng);
+    double amax = (3.5 + 1.5 * oracle_rng_uniform(&f->rng)) * g_scale_mult;
     f->ks[layer][i] = (float)(amax / qmax);
     f->vs[layer][i] = (float)((amax + 0.5) / qmax);
     f->kz[layer][i] = 8.0f;
@@ -387,23 +391,49 @@ typedef struct {
   int bad_dtype;
 } stepopt_t;
 
-/* Runs one step (inline when plan == 0) with fresh random q/k/v; on success
- * replays it on the oracle and checks every item. Returns the status; msg
- * gets the message. out_copy (optional) receives the output bytes. */
-static int step_ex(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan, uint64_t conn,
-                   const stepopt_t *opt, char *msg, uint8_t **out_copy) {
+/* One step in flight: its inputs, kept to replay it on the oracle. */
+typedef struct {
+  int layer;
+  spec_t sp[MAXSIM];
+  int n;
+  stepopt_t opt;
+  uint32_t T, Tq;
+  uint16_t *k, *v, *q, *q0;
+  float ks[KVH * HD], vs[KVH * HD], kz[KVH * HD], vz[KVH * HD]; /* scales at submission */
+  res_t x;
+} pend_t;
+
+/* Submits one step (inline when plan == 0) with fresh random q/k/v. */
+static void step_submit(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan, uint64_t conn,
+                        const stepopt_t *opt, pend_t *pd) {
   stepopt_t o0 = {.wrong_token_item = -1};
-  if (!opt)
-    opt = &o0;
+  memset(pd, 0, sizeof(*pd));
+  pd->opt = opt ? *opt : o0;
+  opt = &pd->opt;
+  pd->layer = layer;
+  pd->n = n;
+  if (layer < LAYERS) {
+    memcpy(pd->ks, f->ks[layer], sizeof(pd->ks));
+    memcpy(pd->vs, f->vs[layer], sizeof(pd->vs));
+    memcpy(pd->kz, f->kz[layer], sizeof(pd->kz));
+    memcpy(pd->vz, f->vz[layer], sizeof(pd->vz));
+  }
+  memcpy(pd->sp, sp, sizeof(spec_t) * (size_t)n);
   uint32_t T = 0, Tq = 0;
   for (int i = 0; i < n; i++) {
     T += sp[i].n;
     if (!sp[i].kv_only)
       Tq += sp[i].n;
   }
+  pd->T = T;
+  pd->Tq = Tq;
   size_t kvrow = KVH * HD, qrow = QH * HD;
   uint16_t *k = malloc(T * kvrow * 2), *v = malloc(T * kvrow * 2);
   uint16_t *q = malloc((Tq ? Tq : 1) * qrow * 2), *q0 = malloc((Tq ? Tq : 1) * qrow * 2);
+  pd->k = k;
+  pd->v = v;
+  pd->q = q;
+  pd->q0 = q0;
   rand_bf16(f, k, T * kvrow, 1.0);
   rand_bf16(f, v, T * kvrow, 1.0);
   rand_bf16(f, q, Tq * qrow, 1.0);
@@ -442,34 +472,51 @@ static int step_ex(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan, u
     r.q.shape[1] = QH;
     r.q.shape[2] = HD;
   }
-  res_t x = {0};
-  attnd_engine_step(f->e, 1, conn, &r, on_done, &x);
-  wait_res(f, &x);
+  attnd_engine_step(f->e, 1, conn, &r, on_done, &pd->x);
   if (opt->wrong_token_item >= 0)
     sp[opt->wrong_token_item].sim->tokens[sp[opt->wrong_token_item].start] = saved_tok;
+}
+
+/* Waits for a submitted step; on success replays it on the oracle and checks
+ * every item. Returns the status; msg gets the message. */
+static int step_finish(fx_t *f, pend_t *pd, char *msg, uint8_t **out_copy) {
+  wait_res(f, &pd->x);
+  const stepopt_t *opt = &pd->opt;
+  const spec_t *sp = pd->sp;
+  int n = pd->n, layer = pd->layer;
+  size_t kvrow = KVH * HD, qrow = QH * HD;
+  res_t *x = &pd->x;
   if (msg)
-    snprintf(msg, 256, "%s", x.r.message);
-  int status = x.r.status;
+    snprintf(msg, 256, "%s", x->r.message);
+  int status = x->r.status;
   if (status == 0) {
-    assert_int_equal(x.r.out_rows, Tq);
-    assert_int_equal(x.r.out_bytes, Tq * qrow * (opt->fp32_out ? 4 : 2));
+    assert_int_equal(x->r.out_rows, pd->Tq);
+    assert_int_equal(x->r.out_bytes, pd->Tq * qrow * (opt->fp32_out ? 4 : 2));
     oracle_scales_t sc = oscales(f, layer);
+    if (sc.k_scale) {
+      sc.k_scale = pd->ks;
+      sc.v_scale = pd->vs;
+    }
+    if (sc.k_zero) {
+      sc.k_zero = pd->kz;
+      sc.v_zero = pd->vz;
+    }
     uint32_t kr = 0, qr = 0;
     double tol = tol_for(f->sh.kv);
     for (int i = 0; i < n; i++) {
       oracle_session_t *os = &sp[i].sim->o[layer];
-      oracle_session_write(&f->sh, os, (int)sp[i].start, (int)sp[i].n, k + kr * kvrow,
-                           v + kr * kvrow, &sc);
+      oracle_session_write(&f->sh, os, (int)sp[i].start, (int)sp[i].n, pd->k + kr * kvrow,
+                           pd->v + kr * kvrow, &sc);
       if (!sp[i].kv_only) {
         int kind = 0, param = 0, causal = 1;
         int32_t *iv;
         oracle_mask(&sp[i], &kind, &param, &causal, &iv);
         double *ref = malloc(sp[i].n * qrow * sizeof(double));
         double *lse = malloc(sp[i].n * QH * sizeof(double));
-        oracle_session_attend(&f->sh, os, (int)sp[i].start, (int)sp[i].n, q0 + qr * qrow, kind,
-                              param, causal, iv, ref, lse);
+        oracle_session_attend(&f->sh, os, (int)sp[i].start, (int)sp[i].n, pd->q0 + qr * qrow,
+                              kind, param, causal, iv, ref, lse);
         double err = oracle_rel_l2(ref, opt->fp32_out ? ATTND_DT_FP32 : ATTND_DT_BF16,
-                                   x.out + qr * qrow * (opt->fp32_out ? 4 : 2), sp[i].n * qrow);
+                                   x->out + qr * qrow * (opt->fp32_out ? 4 : 2), sp[i].n * qrow);
         if (!(err <= tol))
           fail_msg("layer %d item %d (start %u n %u mask %d): rel L2 %g > %g", layer, i,
                    sp[i].start, sp[i].n, sp[i].mask, err, tol);
@@ -477,7 +524,7 @@ static int step_ex(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan, u
           f->worst = err;
         if (opt->want_lse) {
           for (uint32_t rr = 0; rr < sp[i].n * QH; rr++) {
-            double got = x.lse[qr * QH + rr];
+            double got = x->lse[qr * QH + rr];
             if (isinf(lse[rr]) ? !isinf(got) : fabs(got - lse[rr]) > 2e-2 * (1 + fabs(lse[rr])))
               fail_msg("item %d lse[%u] = %g, oracle %g", i, rr, got, lse[rr]);
           }
@@ -490,16 +537,25 @@ static int step_ex(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan, u
       kr += sp[i].n;
     }
     if (out_copy) {
-      *out_copy = x.out;
-      x.out = NULL;
+      *out_copy = x->out;
+      x->out = NULL;
     }
   }
-  res_free(&x);
-  free(k);
-  free(v);
-  free(q);
-  free(q0);
+  res_free(x);
+  free(pd->k);
+  free(pd->v);
+  free(pd->q);
+  free(pd->q0);
   return status;
+}
+
+static int step_ex(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan, uint64_t conn,
+                   const stepopt_t *opt, char *msg, uint8_t **out_copy) {
+  pend_t *pd = malloc(sizeof(*pd));
+  step_submit(f, layer, sp, n, plan, conn, opt, pd);
+  int rc = step_finish(f, pd, msg, out_copy);
+  free(pd);
+  return rc;
 }
 
 static int step(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan) {
@@ -1094,6 +1150,105 @@ static void test_scales_persist(void **state) {
   fx_free(f);
 }
 
+/* Steps in flight while later calls are admitted: a second plan, a fork, a
+ * close of a session whose steps still run, and SetScales on a layer with a
+ * job in flight (applied once the layer drains, before the steps behind it). */
+static void test_pipelined(void **state) {
+  fx_t *f = fx_new(ATTND_KV_INT8, 64);
+  set_all_scales(f);
+  sim_t *a = sim_new(), *b = sim_new(), *c = sim_new(), *d = sim_new();
+  fill_tokens(f, a, 0, 100);
+  fill_tokens(f, b, 0, 100);
+  fill_tokens(f, d, 0, 100);
+  open_session(f, a, 0, NULL, 0);
+  open_session(f, b, 0, NULL, 0);
+  static pend_t pd[32];
+  int np = 0;
+  uint64_t p1, p2;
+  char msg[256];
+  /* SetScales behind an in-flight job of its layer. Layer 2 must hold no KV
+   * (and no block be cached), so the session is closed while its step runs. */
+  sim_t *e2 = sim_new();
+  fill_tokens(f, e2, 0, 100);
+  open_session(f, e2, 0, NULL, 0);
+  spec_t se = {.sim = e2, .start = 0, .n = 10};
+  step_submit(f, 0, &se, 1, 0, 1, NULL, &pd[np++]);
+  step_submit(f, 2, &se, 1, 0, 1, NULL, &pd[np++]);
+  assert_int_equal(simple_call(f, 0, e2->id, 0, NULL), 0);
+  uint64_t ver;
+  g_scale_mult = 0.1;
+  assert_int_equal(set_scales(f, 2, 0, &ver), 0); /* layer 2 holds no KV now */
+  g_scale_mult = 1.0;
+  open_session(f, d, 0, NULL, 0);
+  spec_t sd = {.sim = d, .start = 0, .n = 5};
+  step_submit(f, 0, &sd, 1, 0, 1, NULL, &pd[np++]);
+  step_submit(f, 2, &sd, 1, 0, 1, NULL, &pd[np++]); /* must use the new scales */
+  for (int i = 0; i < np; i++)
+    assert_int_equal(step_finish(f, &pd[i], msg, NULL), 0);
+  np = 0;
+  assert_int_equal(simple_call(f, 0, d->id, 0, NULL), 0);
+  spec_t s1[2] = {{.sim = a, .start = 0, .n = 20}, {.sim = b, .start = 0, .n = 9}};
+  assert_int_equal(make_plan(f, s1, 2, 1, &p1, msg), 0);
+  for (int l = 0; l < LAYERS; l++)
+    step_submit(f, l, s1, 2, p1, 1, NULL, &pd[np++]);
+  spec_t s2[2] = {{.sim = a, .start = 20, .n = 1}, {.sim = b, .start = 9, .n = 3}};
+  assert_int_equal(make_plan(f, s2, 2, 1, &p2, msg), 0);
+  for (int l = 0; l < LAYERS; l++)
+    step_submit(f, l, s2, 2, p2, 1, NULL, &pd[np++]);
+  uint64_t cid;
+  assert_int_equal(simple_call(f, 1, a->id, 0, &cid), 0); /* fork while in flight */
+  assert_int_equal(simple_call(f, 0, b->id, 0, NULL), 0); /* close while in flight */
+  attnd_engine_stats_t st;
+  attnd_engine_stats(f->e, &st);
+  assert_int_equal(st.sessions, 2);
+  check_engine(f);
+  for (int i = 0; i < np; i++)
+    assert_int_equal(step_finish(f, &pd[i], msg, NULL), 0);
+  np = 0;
+  c->id = cid;
+  sim_init_oracle(f, c);
+  sim_copy(c, a);
+  fill_tokens(f, c, 21, 100);
+  spec_t s3[2] = {{.sim = a, .start = 21, .n = 2}, {.sim = c, .start = 21, .n = 4}};
+  plan_all_layers(f, s3, 2);
+
+  check_engine(f);
+  attnd_engine_stats(f->e, &st);
+  assert_int_equal(st.blocks_used, 3); /* a and c: block 0 shared, block 1 each */
+  sim_free(a);
+  sim_free(b);
+  sim_free(c);
+  sim_free(d);
+  sim_free(e2);
+  fx_free(f);
+}
+
+/* --no-prefix-cache: nothing is published, nothing hits. */
+static void test_no_prefix_cache(void **state) {
+  fx_t *f = calloc(1, sizeof(*f));
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  f->rng = 5;
+  fx_config(f, ATTND_KV_BF16, 16);
+  f->cfg.prefix_cache = 0;
+  fx_start(f);
+  sim_t *a = sim_new(), *b = sim_new();
+  fill_tokens(f, a, 0, 100);
+  memcpy(b->tokens, a->tokens, sizeof(a->tokens));
+  open_session(f, a, 0, NULL, 0);
+  spec_t pa = {.sim = a, .start = 0, .n = 40};
+  plan_all_layers(f, &pa, 1);
+  assert_int_equal(open_session(f, b, 40, NULL, 0), 0);
+  assert_int_equal(simple_call(f, 0, a->id, 0, NULL), 0);
+  attnd_engine_stats_t st;
+  attnd_engine_stats(f->e, &st);
+  assert_int_equal(st.blocks_cached, 0);
+  assert_int_equal(st.blocks_used, 0);
+  assert_int_equal(st.prefix_queries, 0);
+  sim_free(a);
+  sim_free(b);
+  fx_free(f);
+}
+
 /* Sessions close after --session-idle without calls. */
 static void noop_timer(uv_timer_t *t) {}
 
@@ -1136,6 +1291,8 @@ int main(void) {
       cmocka_unit_test(test_random_ops),
       cmocka_unit_test(test_scales_persist),
       cmocka_unit_test(test_idle_close),
+      cmocka_unit_test(test_pipelined),
+      cmocka_unit_test(test_no_prefix_cache),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
