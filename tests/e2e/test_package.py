@@ -41,8 +41,21 @@ class InstallTest(unittest.TestCase):
             self.assertTrue(os.path.exists(self.path(p)), p)
         if os.path.exists(os.path.join(BUILD_DIR, "daemon", "attnd")):
             self.assertTrue(os.access(self.path("usr/bin/attnd"), os.X_OK))
-        if os.path.exists(os.path.join(SOURCE_DIR, "deploy", "attnd.conf")):
-            self.assertTrue(os.path.exists(self.path("etc/attnd/attnd.conf")))
+        # Always shipped: the units pass --config and the daemon refuses a missing file.
+        self.assertTrue(os.path.exists(self.path("etc/attnd/attnd.conf")))
+
+    def test_shipped_config_is_accepted_by_the_daemon(self):
+        binary = os.path.join(BUILD_DIR, "daemon", "attnd")
+        if not os.access(binary, os.X_OK):
+            self.skipTest("attnd is not built yet")
+        from harness import Daemon
+        d = Daemon(["--config", self.path("etc/attnd/attnd.conf"), "--kv-memory", "64M"])
+        try:
+            h = d.wait_ready()
+            self.assertEqual(h.status, "serving")
+        finally:
+            d.stop()
+            d.close()
 
     def test_installed_python_package_is_self_contained(self):
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -72,3 +85,33 @@ class MaintainerScriptsTest(unittest.TestCase):
             text = f.read()
         self.assertIn("useradd --system", text)
         self.assertIn("groupadd --system attnd", text)
+
+    def run_postinst(self, user_exists):
+        """Runs postinst with stub user tools on PATH: checks what it would do, changing nothing."""
+        with tempfile.TemporaryDirectory() as stubs:
+            log = os.path.join(stubs, "log")
+            for tool in ("groupadd", "useradd", "usermod", "systemctl"):
+                with open(os.path.join(stubs, tool), "w") as f:
+                    f.write(f'#!/bin/sh\necho "{tool} $*" >> {log}\n')
+                os.chmod(os.path.join(stubs, tool), 0o755)
+            with open(os.path.join(stubs, "getent"), "w") as f:
+                # "video" exists, attnd exists only when asked.
+                f.write(f'#!/bin/sh\n[ "$2" = video ] && exit 0\n'
+                        f'[ "$2" = attnd ] && exit {0 if user_exists else 2}\nexit 2\n')
+            os.chmod(os.path.join(stubs, "getent"), 0o755)
+            env = {"PATH": f"{stubs}:/usr/bin:/bin"}
+            r = subprocess.run(["sh", os.path.join(SOURCE_DIR, "deploy", "debian", "postinst"), "configure"],
+                               env=env, capture_output=True, text=True, timeout=30)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            return open(log).read() if os.path.exists(log) else ""
+
+    def test_postinst_creates_the_user_once(self):
+        calls = self.run_postinst(user_exists=False)
+        self.assertIn("groupadd --system attnd", calls)
+        self.assertRegex(calls, r"useradd --system --gid attnd .*--shell /usr/sbin/nologin.* attnd")
+        self.assertIn("usermod -a -G video attnd", calls)
+        self.assertNotIn("render", calls)
+        again = self.run_postinst(user_exists=True)
+        self.assertNotIn("groupadd", again)
+        self.assertNotIn("useradd", again)
+
