@@ -158,10 +158,16 @@ KC_INLINE void dot4(const float *restrict Q, int D, const float *restrict k, flo
     KC_LD(x, Q + 3 * D + d);
     a3 += x * kv;
   }
-  out[0] = hsum8(&a0);
-  out[1] = hsum8(&a1);
-  out[2] = hsum8(&a2);
-  out[3] = hsum8(&a3);
+  /* Four horizontal sums at once: two rounds of pairwise shuffles and adds
+   * leave lanes q and q + 4 holding the two halves of query q's sum. */
+  typedef int32_t kc_i8 __attribute__((vector_size(32)));
+  const kc_i8 lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+  const kc_i8 lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  kc_v8 t0 = __builtin_shuffle(a0, a1, lo) + __builtin_shuffle(a0, a1, hi);
+  kc_v8 t1 = __builtin_shuffle(a2, a3, lo) + __builtin_shuffle(a2, a3, hi);
+  kc_v8 u = __builtin_shuffle(t0, t1, lo2) + __builtin_shuffle(t0, t1, hi2);
+  for (int q = 0; q < 4; q++)
+    out[q] = u[q] + u[q + 4];
 }
 
 /* A[q][:] += sum_c P[q][c] * V[c][:] for 4 query rows (P stride C): the
