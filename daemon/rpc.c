@@ -243,7 +243,7 @@ static void send_response(attnd_rpc_conn_t *c, attnd_v1_Response *resp, uint64_t
     attnd_v1_Response e = attnd_v1_Response_init_zero;
     e.id = resp->id;
     e.has_status = true;
-    e.status.code = attnd_v1_Status_Code_INTERNAL;
+    e.status.code = (attnd_v1_Status_Code)attnd_err_status(ATTND_EINTERNAL);
     snprintf(e.status.message, sizeof(e.status.message), "response could not be encoded");
     e.epoch = r->epoch;
     send_response(c, &e, 0, close_after);
@@ -261,11 +261,11 @@ static void send_response(attnd_rpc_conn_t *c, attnd_v1_Response *resp, uint64_t
   c->send(c, buf, sz + 4, close_after);
 }
 
-void attnd_rpc_send_status(attnd_rpc_conn_t *c, uint64_t id, int code, const char *msg,
-                           int close_after) {
+void attnd_rpc_send_error(attnd_rpc_conn_t *c, uint64_t id, int err, const char *msg,
+                          int close_after) {
   attnd_v1_Response resp = attnd_v1_Response_init_zero;
   resp.id = id;
-  resp.status.code = (attnd_v1_Status_Code)code;
+  resp.status.code = (attnd_v1_Status_Code)attnd_err_status(err);
   if (msg)
     snprintf(resp.status.message, sizeof(resp.status.message), "%s", msg);
   send_response(c, &resp, 0, close_after);
@@ -465,6 +465,10 @@ static void engine_done_cb(void *arg, const attnd_result_t *res) {
   attnd_rpc_t *r = c->rpc;
   int code = attnd_err_status(res->status);
   count(r, q->method, code);
+  ATTND_LOGD("request", "conn=%llu id=%llu method=%s code=%s queued_us=%llu computing_us=%llu%s",
+             (unsigned long long)c->id, (unsigned long long)q->id, attnd_method_name(q->method),
+             attnd_code_name(code), (unsigned long long)res->queued_us,
+             (unsigned long long)res->computing_us, c->closed ? " dropped=1" : "");
   if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP && q->step_kind >= 0)
     attnd_hist_add(&r->counters.step_latency[q->step_kind], (double)(now_ns() - q->t0_ns) / 1e3);
   if (code == ATTND_STATUS_OK && q->method == ATTND_M_PLAN && !c->closed) {
@@ -672,9 +676,9 @@ static void answer_hello(attnd_rpc_conn_t *c, uint64_t id, uint64_t t0, const ch
       c->identity = (XXH3_64bits(token, strlen(token)) | ATTND_IDENTITY_TOKEN_BIT);
     c->need_hello = 0;
   } else if (token[0] || c->need_hello) {
-    count(r, ATTND_M_HELLO, ATTND_STATUS_UNAUTHENTICATED);
+    count(r, ATTND_M_HELLO, attnd_err_status(ATTND_EUNAUTH));
     ATTND_LOGW("auth_failed", "conn=%llu", (unsigned long long)c->id);
-    attnd_rpc_send_status(c, id, ATTND_STATUS_UNAUTHENTICATED, "token not accepted", 1);
+    attnd_rpc_send_error(c, id, ATTND_EUNAUTH, "token not accepted", 1);
     return;
   }
   attnd_v1_Response resp = attnd_v1_Response_init_zero;
@@ -698,9 +702,13 @@ static void decode_error_msg(const char *method, const char *pberr, char *msg, s
     snprintf(msg, cap, "%s: cannot decode: %s", method, pberr);
 }
 
-static void fail_req(attnd_rpc_conn_t *c, attnd_rpc_req_t *q, int code, const char *msg,
+static void fail_req(attnd_rpc_conn_t *c, attnd_rpc_req_t *q, int err, const char *msg,
                      int close_after) {
+  int code = attnd_err_status(err);
   count(c->rpc, q->method, code);
+  ATTND_LOGD("request", "conn=%llu id=%llu method=%s code=%s msg=\"%s\"",
+             (unsigned long long)c->id, (unsigned long long)q->id, attnd_method_name(q->method),
+             attnd_code_name(code), msg);
   attnd_v1_Response resp = attnd_v1_Response_init_zero;
   resp.id = q->id;
   resp.status.code = (attnd_v1_Status_Code)code;
@@ -752,12 +760,12 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
   r->counters.requests[q->method]++;
 
   if (c->need_hello && q->method != ATTND_M_HELLO) {
-    fail_req(c, q, ATTND_STATUS_UNAUTHENTICATED,
+    fail_req(c, q, ATTND_EUNAUTH,
              "this connection must send Hello{token} first", 1);
     return;
   }
   if (!call_tag) {
-    fail_req(c, q, ATTND_STATUS_UNIMPLEMENTED, "missing or unknown call", 0);
+    fail_req(c, q, ATTND_ENOTIMPL, "missing or unknown call", 0);
     return;
   }
   for (attnd_rpc_req_t *p = c->reqs; p; p = p->next) {
@@ -765,13 +773,13 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
       char m[96];
       snprintf(m, sizeof(m), "id %llu is already in flight on this connection",
                (unsigned long long)id);
-      fail_req(c, q, ATTND_STATUS_INVALID_ARGUMENT, m, 0);
+      fail_req(c, q, ATTND_EINVAL, m, 0);
       return;
     }
   }
   if (r->draining && q->method != ATTND_M_HEALTH && q->method != ATTND_M_STATS &&
       q->method != ATTND_M_HELLO) {
-    fail_req(c, q, ATTND_STATUS_UNAVAILABLE, "the daemon is draining (shutting down)", 0);
+    fail_req(c, q, ATTND_EUNAVAIL, "the daemon is draining (shutting down)", 0);
     return;
   }
 
@@ -850,7 +858,7 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
     if (q->decode_failed) {
       char msg[220];
       snprintf(msg, sizeof(msg), "%s", q->msg);
-      fail_req(c, q, ATTND_STATUS_INVALID_ARGUMENT, msg, 0);
+      fail_req(c, q, ATTND_EINVAL, msg, 0);
       return;
     }
     req_link(c, q);
@@ -880,7 +888,7 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
     }
     if (bad) {
       snprintf(msg, sizeof(msg), "%s", q->msg);
-      fail_req(c, q, ATTND_STATUS_INVALID_ARGUMENT, msg, 0);
+      fail_req(c, q, ATTND_EINVAL, msg, 0);
       return;
     }
     st->layer = m.layer;
@@ -909,7 +917,7 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
         tensor_finish(&sc->v_zero, m.has_v_zero, &m.v_zero, "v_zero", q->msg, sizeof(q->msg))) {
       char msg[220];
       snprintf(msg, sizeof(msg), "%s", q->msg);
-      fail_req(c, q, ATTND_STATUS_INVALID_ARGUMENT, msg, 0);
+      fail_req(c, q, ATTND_EINVAL, msg, 0);
       return;
     }
     sc->layer = m.layer;
@@ -919,23 +927,28 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
     return;
   }
   default:
-    fail_req(c, q, ATTND_STATUS_UNIMPLEMENTED, "missing or unknown call", 0);
+    fail_req(c, q, ATTND_ENOTIMPL, "missing or unknown call", 0);
     return;
   }
   /* The call's message did not decode. */
   (void)ok;
   char msg[240];
   decode_error_msg(mname, PB_GET_ERROR(&cs), msg, sizeof(msg));
-  fail_req(c, q, ATTND_STATUS_INVALID_ARGUMENT, msg, 0);
+  fail_req(c, q, ATTND_EINVAL, msg, 0);
   return;
 
 unparsable:
   free(frame);
-  r->counters.requests[ATTND_M_UNKNOWN]++;
-  count(r, ATTND_M_UNKNOWN, ATTND_STATUS_INVALID_ARGUMENT);
-  r->counters.frame_errors++;
   ATTND_LOGI("bad_frame", "conn=%llu reason=unparsable len=%zu", (unsigned long long)c->id, len);
-  attnd_rpc_send_status(c, 0, ATTND_STATUS_INVALID_ARGUMENT, "frame is not a valid Request", 1);
+  attnd_rpc_frame_error(c, ATTND_EINVAL, "frame is not a valid Request");
+}
+
+void attnd_rpc_frame_error(attnd_rpc_conn_t *c, int err, const char *msg) {
+  attnd_rpc_t *r = c->rpc;
+  r->counters.requests[ATTND_M_UNKNOWN]++;
+  r->counters.frame_errors++;
+  count(r, ATTND_M_UNKNOWN, attnd_err_status(err));
+  attnd_rpc_send_error(c, 0, err, msg, 1);
 }
 
 int attnd_rpc_conn_closed(attnd_rpc_conn_t *c) {

@@ -84,9 +84,12 @@ void attnd_rpc_free(attnd_rpc_t *r);
 void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity, int need_hello);
 /* Handles one request frame; takes ownership of frame (malloc'ed). */
 void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len);
-/* Sends a Response with no result (framing errors use id 0). */
-void attnd_rpc_send_status(attnd_rpc_conn_t *c, uint64_t id, int code, const char *msg,
-                           int close_after);
+/* Sends a Response with no result whose status is attnd_err_status(err). */
+void attnd_rpc_send_error(attnd_rpc_conn_t *c, uint64_t id, int err, const char *msg,
+                          int close_after);
+/* A framing error (err: ATTND_EINVAL, ATTND_ENOSPC, ...): counts it, answers
+ * Response{id 0} and closes the connection once that is written. */
+void attnd_rpc_frame_error(attnd_rpc_conn_t *c, int err, const char *msg);
 /* The transport closed. Returns 1 when no request holds the connection. */
 int attnd_rpc_conn_closed(attnd_rpc_conn_t *c);
 

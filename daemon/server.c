@@ -207,22 +207,14 @@ static void feed_result(conn_t *c, int rc) {
   attnd_server_t *s = c->srv;
   char msg[160];
   if (rc == ATTND_ENOSPC) {
-    s->rpc.counters.frame_errors++;
-    s->rpc.counters.requests[ATTND_M_UNKNOWN]++;
-    s->rpc.counters.by_code[ATTND_M_UNKNOWN][ATTND_STATUS_RESOURCE_EXHAUSTED]++;
-    s->rpc.counters.errors[ATTND_M_UNKNOWN]++;
     snprintf(msg, sizeof(msg), "frame of %llu bytes exceeds --max-frame %llu",
              (unsigned long long)c->fr.bad_len, (unsigned long long)s->cfg->max_frame);
     ATTND_LOGI("bad_frame", "conn=%llu reason=too_large len=%llu", (unsigned long long)c->rc.id,
                (unsigned long long)c->fr.bad_len);
-    attnd_rpc_send_status(&c->rc, 0, ATTND_STATUS_RESOURCE_EXHAUSTED, msg, 1);
+    attnd_rpc_frame_error(&c->rc, ATTND_ENOSPC, msg);
   } else if (rc == ATTND_EINVAL) {
-    s->rpc.counters.frame_errors++;
-    s->rpc.counters.requests[ATTND_M_UNKNOWN]++;
-    s->rpc.counters.by_code[ATTND_M_UNKNOWN][ATTND_STATUS_INVALID_ARGUMENT]++;
-    s->rpc.counters.errors[ATTND_M_UNKNOWN]++;
     ATTND_LOGI("bad_frame", "conn=%llu reason=zero_length", (unsigned long long)c->rc.id);
-    attnd_rpc_send_status(&c->rc, 0, ATTND_STATUS_INVALID_ARGUMENT, "zero-length frame", 1);
+    attnd_rpc_frame_error(&c->rc, ATTND_EINVAL, "zero-length frame");
   } else {
     ATTND_LOGW("conn_error", "conn=%llu err=\"%s\"", (unsigned long long)c->rc.id, attnd_strerror(rc));
     conn_close(c);
@@ -331,8 +323,7 @@ static void conn_start(attnd_server_t *s, conn_t *c, uint64_t identity, int need
     s->rpc.counters.connections_refused++;
     ATTND_LOGW("conn_refused", "peer=%s reason=max_connections limit=%d", peer,
                s->cfg->max_connections);
-    attnd_rpc_send_status(&c->rc, 0, ATTND_STATUS_RESOURCE_EXHAUSTED,
-                          "too many connections (--max-connections)", 1);
+    attnd_rpc_send_error(&c->rc, 0, ATTND_ENOSPC, "too many connections (--max-connections)", 1);
     return;
   }
   c->counted = 1;
