@@ -476,6 +476,20 @@ static int start_unix(attnd_server_t *s, char *err, size_t errlen) {
     struct stat st;
     if (stat(dir, &st) != 0 && (rc = mkdir_private(dir, err, errlen)))
       return rc;
+    /* A directory someone else controls (a pre-created /tmp/attnd-$UID) could
+     * swap our socket for theirs: refuse it. */
+    if (lstat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+      snprintf(err, errlen, "--socket: %s is not a directory", dir);
+      return ATTND_EINVAL;
+    }
+    if (st.st_uid != geteuid() && st.st_uid != 0) {
+      snprintf(err, errlen, "--socket: %s belongs to uid %u, not to us", dir, (unsigned)st.st_uid);
+      return ATTND_EPERM;
+    }
+    if ((st.st_mode & S_IWOTH) && !(st.st_mode & S_ISVTX)) {
+      snprintf(err, errlen, "--socket: %s is world-writable", dir);
+      return ATTND_EPERM;
+    }
   }
   if ((rc = clear_stale_socket(path, err, errlen)))
     return rc;

@@ -352,6 +352,44 @@ static void test_stale_socket_removed(void **state) {
   h_down(h);
 }
 
+
+/* Refusals at start: a socket directory others may write to, and a socket a
+ * live daemon still answers on. Start failures leave nothing open. */
+static void test_start_refusals(void **state) {
+  harness_t *h = h_up(NULL);
+  char err[256];
+  uv_loop_t loop;
+  attnd_server_t *s = NULL;
+  attnd_config_t cfg = h->cfg;
+  snprintf(cfg.listen, sizeof(cfg.listen), "%s", "");
+  /* The running harness holds cfg.socket_path. */
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_not_equal(attnd_server_start(&s, &loop, &cfg, NULL, err, sizeof(err)), 0);
+  assert_non_null(strstr(err, "another daemon"));
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+  /* A world-writable directory. */
+  char dir[160];
+  snprintf(dir, sizeof(dir), "%s/open", h->dir);
+  assert_int_equal(mkdir(dir, 0777), 0);
+  assert_int_equal(chmod(dir, 0777), 0);
+  snprintf(cfg.socket_path, sizeof(cfg.socket_path), "%s/attnd.sock", dir);
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_not_equal(attnd_server_start(&s, &loop, &cfg, NULL, err, sizeof(err)), 0);
+  assert_non_null(strstr(err, "world-writable"));
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+  /* A busy TCP port. */
+  snprintf(cfg.socket_path, sizeof(cfg.socket_path), "%s", "");
+  snprintf(cfg.listen, sizeof(cfg.listen), "127.0.0.1:%d", h->tcp_port);
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_not_equal(attnd_server_start(&s, &loop, &cfg, NULL, err, sizeof(err)), 0);
+  assert_non_null(strstr(err, "--listen"));
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+  h_down(h);
+}
+
 static void test_stats_roundtrip(void **state) {
   harness_t *h = h_up(NULL);
   attnd_v1_Response r;
@@ -974,6 +1012,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_start_stop_health),
       cmocka_unit_test(test_stale_socket_removed),
+      cmocka_unit_test(test_start_refusals),
       cmocka_unit_test(test_stats_roundtrip),
       cmocka_unit_test(test_bad_inputs),
       cmocka_unit_test(test_pipelining),
