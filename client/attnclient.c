@@ -52,25 +52,45 @@ static int fail(attnd_client_t *c, int err, const char *fmt, ...) {
 
 const char *attnd_client_strerror(int err) {
   switch (err) {
-  case ATTND_CLIENT_OK: return "ok";
-  case ATTND_CLIENT_ECONNECT: return "cannot connect";
-  case ATTND_CLIENT_EIO: return "connection error";
-  case ATTND_CLIENT_EPROTO: return "protocol error";
-  case ATTND_CLIENT_ESTATUS: return "daemon answered an error";
-  case ATTND_CLIENT_EINVAL: return "invalid argument";
-  case ATTND_CLIENT_ENOMEM: return "out of memory";
-  case ATTND_CLIENT_ETIMEDOUT: return "timed out";
-  default: return "unknown error";
+  case ATTND_CLIENT_OK:
+    return "ok";
+  case ATTND_CLIENT_ECONNECT:
+    return "cannot connect";
+  case ATTND_CLIENT_EIO:
+    return "connection error";
+  case ATTND_CLIENT_EPROTO:
+    return "protocol error";
+  case ATTND_CLIENT_ESTATUS:
+    return "daemon answered an error";
+  case ATTND_CLIENT_EINVAL:
+    return "invalid argument";
+  case ATTND_CLIENT_ENOMEM:
+    return "out of memory";
+  case ATTND_CLIENT_ETIMEDOUT:
+    return "timed out";
+  default:
+    return "unknown error";
   }
 }
 
 const char *attnd_client_status_name(int code) {
-  static const char *const names[] = {
-      "OK",        "CANCELLED",        "UNKNOWN",           "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",   "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",     "UNAVAILABLE",       "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static const char *const names[] = {"OK",
+                                      "CANCELLED",
+                                      "UNKNOWN",
+                                      "INVALID_ARGUMENT",
+                                      "DEADLINE_EXCEEDED",
+                                      "NOT_FOUND",
+                                      "ALREADY_EXISTS",
+                                      "PERMISSION_DENIED",
+                                      "RESOURCE_EXHAUSTED",
+                                      "FAILED_PRECONDITION",
+                                      "ABORTED",
+                                      "OUT_OF_RANGE",
+                                      "UNIMPLEMENTED",
+                                      "INTERNAL",
+                                      "UNAVAILABLE",
+                                      "DATA_LOSS",
+                                      "UNAUTHENTICATED"};
   if (code < 0 || code >= (int)(sizeof(names) / sizeof(names[0])))
     return "UNKNOWN_CODE";
   return names[code];
@@ -127,8 +147,8 @@ static int connect_unix(attnd_client_t *c, const char *path) {
   if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
     int e = errno;
     close(fd);
-    return fail(c, ATTND_CLIENT_ECONNECT, "cannot connect to attnd at unix socket %s: %s%s",
-                path, strerror(e),
+    return fail(c, ATTND_CLIENT_ECONNECT, "cannot connect to attnd at unix socket %s: %s%s", path,
+                strerror(e),
                 e == ENOENT || e == ECONNREFUSED ? " (is attnd running? try --socket PATH)" : "");
   }
   c->fd = fd;
@@ -210,11 +230,21 @@ void attnd_client_free(attnd_client_t *c) {
   free(c);
 }
 
-const char *attnd_client_addr(const attnd_client_t *c) { return c->addr; }
-const char *attnd_client_errmsg(const attnd_client_t *c) { return c->errmsg; }
-int attnd_client_status(const attnd_client_t *c) { return c->status; }
-uint64_t attnd_client_epoch(const attnd_client_t *c) { return c->epoch; }
-void attnd_client_set_timeout(attnd_client_t *c, int ms) { c->timeout_ms = ms < 0 ? 0 : ms; }
+const char *attnd_client_addr(const attnd_client_t *c) {
+  return c->addr;
+}
+const char *attnd_client_errmsg(const attnd_client_t *c) {
+  return c->errmsg;
+}
+int attnd_client_status(const attnd_client_t *c) {
+  return c->status;
+}
+uint64_t attnd_client_epoch(const attnd_client_t *c) {
+  return c->epoch;
+}
+void attnd_client_set_timeout(attnd_client_t *c, int ms) {
+  c->timeout_ms = ms < 0 ? 0 : ms;
+}
 
 /* ---- encoding helpers (callback fields) ---- */
 
@@ -647,8 +677,8 @@ int attnd_client_plan(attnd_client_t *c, const attnd_client_item_t *items, size_
   return rc;
 }
 
-static void set_tensor(attnd_v1_Tensor *t, bytes_arg_t *b, int dtype, uint32_t rows,
-                       uint32_t heads, uint32_t dim, const void *data) {
+static void set_tensor(attnd_v1_Tensor *t, bytes_arg_t *b, int dtype, uint32_t rows, uint32_t heads,
+                       uint32_t dim, const void *data) {
   t->dtype = (attnd_v1_DType)dtype;
   t->shape_count = 3;
   t->shape[0] = rows;

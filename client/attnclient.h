@@ -97,8 +97,7 @@ int attnd_client_resp_sessions(const attnd_client_resp_t *resp, attnd_v1_Session
 int attnd_client_hello(attnd_client_t *c, const char *token);
 int attnd_client_health(attnd_client_t *c, attnd_v1_HealthResponse *out);
 int attnd_client_stats(attnd_client_t *c, attnd_v1_StatsResponse *out);
-int attnd_client_list_sessions(attnd_client_t *c, attnd_v1_SessionInfo *out, size_t max,
-                               size_t *n);
+int attnd_client_list_sessions(attnd_client_t *c, attnd_v1_SessionInfo *out, size_t max, size_t *n);
 int attnd_client_open_session(attnd_client_t *c, const uint32_t *tokens, size_t ntokens,
                               uint64_t *session, uint32_t *cached_len);
 int attnd_client_close_session(attnd_client_t *c, uint64_t session);

@@ -24,8 +24,8 @@ typedef struct {
   const char *token_file;
   int json;
   int help;
-  double watch;     /* stats --watch N seconds, 0 = once */
-  int watch_count;  /* stats --count N: stop after N samples (tests) */
+  double watch;    /* stats --watch N seconds, 0 = once */
+  int watch_count; /* stats --count N: stop after N samples (tests) */
   /* bench */
   int sessions;
   int prompt;
@@ -38,7 +38,8 @@ typedef struct {
 } opts_t;
 
 static const char *const usage_main =
-    "usage: attnctl [--socket PATH | --tcp HOST:PORT] [--token-file FILE] [--json] COMMAND [options]\n"
+    "usage: attnctl [--socket PATH | --tcp HOST:PORT] [--token-file FILE] [--json] COMMAND "
+    "[options]\n"
     "\n"
     "Talks to a running attnd. Without --socket or --tcp it looks for the socket in\n"
     "$RUNTIME_DIRECTORY, /run/attnd (root), $XDG_RUNTIME_DIR, /tmp/attnd-$UID, then /run/attnd.\n"
@@ -219,8 +220,7 @@ static int cmd_health(attnd_client_t *c, const opts_t *o) {
   printf("attnd %s: %s\n", h.version, h.status);
   printf("  %-14s %s (%s)\n", "backend", h.backend, h.device);
   if (h.compute_capability)
-    printf("  %-14s %u.%u\n", "compute cap.", h.compute_capability / 10,
-           h.compute_capability % 10);
+    printf("  %-14s %u.%u\n", "compute cap.", h.compute_capability / 10, h.compute_capability % 10);
   if (h.device_memory_bytes)
     printf("  %-14s %s\n", "device memory", human_bytes(h.device_memory_bytes, b1, sizeof(b1)));
   printf("  %-14s %016" PRIx64 "\n", "epoch", h.epoch);
@@ -359,7 +359,8 @@ static void print_stats(const attnd_v1_StatsResponse *s, const attnd_v1_StatsRes
   printf("%-16s %12" PRIu64 " %14" PRIu64 " %12s %12s\n", "total", s->steps, s->tokens_written,
          human_bytes(s->bytes_in, b1, sizeof(b1)), human_bytes(s->bytes_out, b2, sizeof(b2)));
   if (rates) {
-    printf("%-16s %12.1f %14.1f %10s/s %10s/s\n", "per second", (double)(s->steps - prev->steps) / dt,
+    printf("%-16s %12.1f %14.1f %10s/s %10s/s\n", "per second",
+           (double)(s->steps - prev->steps) / dt,
            (double)(s->tokens_written - prev->tokens_written) / dt,
            human_bytes((uint64_t)((double)(s->bytes_in - prev->bytes_in) / dt), b1, sizeof(b1)),
            human_bytes((uint64_t)((double)(s->bytes_out - prev->bytes_out) / dt), b2, sizeof(b2)));
@@ -540,7 +541,7 @@ typedef struct {
   const attnd_v1_HealthResponse *h;
   const uint16_t *pool; /* random bf16 values */
   size_t pool_elems;
-  lat_t step_lat;       /* one layer step, seconds */
+  lat_t step_lat; /* one layer step, seconds */
 } bench_t;
 
 static const uint16_t *pool_at(bench_t *b, size_t elems) {
@@ -573,7 +574,8 @@ static int bench_pass(bench_t *b, const attnd_client_item_t *items, size_t nitem
       s.plan = plan;
       s.items = items;
       s.nitems = nitems;
-      s.dtype = strcmp(m->dtype, "fp16") == 0 ? attnd_v1_DType_DTYPE_FP16 : attnd_v1_DType_DTYPE_BF16;
+      s.dtype =
+          strcmp(m->dtype, "fp16") == 0 ? attnd_v1_DType_DTYPE_FP16 : attnd_v1_DType_DTYPE_BF16;
       s.q_heads = m->q_heads;
       s.kv_heads = m->kv_heads;
       s.head_dim = m->head_dim;
@@ -617,14 +619,16 @@ static int bench_pass(bench_t *b, const attnd_client_item_t *items, size_t nitem
 }
 
 static void print_lat_row(const char *name, lat_t *l, double wall, double tokens_per_unit) {
-  qsort(l->v, l->n, sizeof(double), cmp_double);
+  if (l->n) /* qsort(NULL, 0) is undefined */
+    qsort(l->v, l->n, sizeof(double), cmp_double);
   printf("%-16s %8zu %10.3f %10.3f %10.3f %10.1f %12.1f\n", name, l->n, lat_pct(l, 50) * 1e3,
-         lat_pct(l, 99) * 1e3, l->n ? l->v[l->n - 1] * 1e3 : NAN, wall > 0 ? (double)l->n / wall : 0,
-         wall > 0 ? tokens_per_unit * (double)l->n / wall : 0);
+         lat_pct(l, 99) * 1e3, l->n ? l->v[l->n - 1] * 1e3 : NAN,
+         wall > 0 ? (double)l->n / wall : 0, wall > 0 ? tokens_per_unit * (double)l->n / wall : 0);
 }
 
 static void json_lat(const char *name, lat_t *l, double wall, double tokens_per_unit, int *first) {
-  qsort(l->v, l->n, sizeof(double), cmp_double);
+  if (l->n) /* qsort(NULL, 0) is undefined */
+    qsort(l->v, l->n, sizeof(double), cmp_double);
   printf("%s\"%s\":{", *first ? "" : ",", name);
   int f = 1;
   json_ku("count", l->n, &f);
@@ -763,8 +767,8 @@ static int cmd_bench(attnd_client_t *c, const opts_t *o) {
     json_lat("decode_token", &decode, t_decode, (double)S, &f);
     printf("}\n");
   } else {
-    printf("bench: %d sessions, prompt %u, %d decode steps, %u layers, %s %s, depth %d, %s\n", S,
-           P, o->steps, m->layers, m->dtype, m->kv_cache, o->depth,
+    printf("bench: %d sessions, prompt %u, %d decode steps, %u layers, %s %s, depth %d, %s\n", S, P,
+           o->steps, m->layers, m->dtype, m->kv_cache, o->depth,
            o->use_plan ? "plan" : "inline items");
     printf("%-16s %8s %10s %10s %10s %10s %12s\n", "phase", "count", "p50 ms", "p99 ms", "max ms",
            "per s", "tokens/s");

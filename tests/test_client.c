@@ -66,10 +66,9 @@ static int start_daemon(void **state) {
     FILE *f = freopen(log, "w", stdout);
     (void)f;
     dup2(1, 2);
-    execl(exe, exe, "--socket", sock_path, "--listen", "127.0.0.1:0", "--metrics", "",
-          "--backend", "cpu", "--kv-memory", "64M", "--layers", "2", "--q-heads", "4",
-          "--kv-heads", "2", "--head-dim", "64", "--block-size", "16", "--state-dir", tmpdir,
-          (char *)NULL);
+    execl(exe, exe, "--socket", sock_path, "--listen", "127.0.0.1:0", "--metrics", "", "--backend",
+          "cpu", "--kv-memory", "64M", "--layers", "2", "--q-heads", "4", "--kv-heads", "2",
+          "--head-dim", "64", "--block-size", "16", "--state-dir", tmpdir, (char *)NULL);
     _exit(127);
   }
   daemon_pid = pid;
@@ -346,9 +345,10 @@ static void test_attnctl_against_daemon(void **state) {
   for (size_t i = 0; i < 3; i++) {
     char cmd[1200], exe[600];
     path_of(exe, sizeof(exe), "client/attnctl");
-    snprintf(cmd, sizeof(cmd),
-             "%s --socket %s --json %s | /usr/bin/python3 -c 'import json,sys; json.load(sys.stdin)'",
-             exe, sock_path, cmds[i]);
+    snprintf(
+        cmd, sizeof(cmd),
+        "%s --socket %s --json %s | /usr/bin/python3 -c 'import json,sys; json.load(sys.stdin)'",
+        exe, sock_path, cmds[i]);
     int st = system(cmd);
     assert_true(WIFEXITED(st));
     assert_int_equal(WEXITSTATUS(st), 0);
