@@ -20,6 +20,10 @@
 
 typedef struct run_s run_t;
 
+/* Test hook: when set, the next STEP job fails with ATTND_EABORTED after its
+ * parts ran, as a device fault would. Never set outside tests. */
+int attnd_backend_cpu_fail_next = 0;
+
 typedef struct {
   uv_work_t w;
   run_t *run;
@@ -46,6 +50,7 @@ struct run_s {
   int nparts;
   int remaining;
   int rc;
+  int inject; /* attnd_backend_cpu_fail_next was set when this job started */
   part_t *parts;
 };
 
@@ -89,7 +94,7 @@ static void run_finish(run_t *r) {
   job->t_end_us = now_us();
   job->status = r->rc;
   if (r->rc)
-    snprintf(job->message, sizeof(job->message), "cpu kernels refused the batch (%d)", r->rc);
+    snprintf(job->message, sizeof(job->message), "cpu backend: %s", attnd_strerror(r->rc));
   /* Pop before the callback so a job submitted from it queues behind. */
   q->head = r->next;
   if (!q->head)
@@ -111,6 +116,8 @@ static void part_done(uv_work_t *w, int status) {
     r->rc = ATTND_EINTERNAL;
   if (p->rc != 0 && !r->rc)
     r->rc = ATTND_EINTERNAL;
+  if (r->inject && !r->rc)
+    r->rc = ATTND_EABORTED;
   if (--r->remaining > 0)
     return;
   /* Attention only after every part of the write phase is back, so every
@@ -170,6 +177,8 @@ static void run_start(run_t *r) {
     }
     r->phase = 0;
     r->nparts = be->nparts;
+    r->inject = attnd_backend_cpu_fail_next;
+    attnd_backend_cpu_fail_next = 0;
   }
   submit_phase(r);
 }

@@ -85,6 +85,8 @@ struct ejob_s {
   void *qbuf, *kbuf, *vbuf; /* aligned copies when the request's were not */
   int out_dtype;
   int32_t *copies;
+  uint64_t *sessions; /* EJ_STEP: the items' sessions, marked broken on failure */
+  uint32_t nsessions;
   /* EJ_SCALES: a snapshot for the backend */
   float *sk, *sv, *zk, *zv;
   int per_channel;
@@ -214,6 +216,12 @@ static int plan_build(attnd_engine_t *e, uint64_t identity, const attnd_item_t *
       snprintf(msg, msglen, "item %u: session %016llx belongs to another identity", i,
                (unsigned long long)it->session);
       rc = ATTND_EPERM;
+      goto fail;
+    }
+    if (s->broken) {
+      snprintf(msg, msglen, "item %u: session %016llx lost its KV in a backend fault; close it", i,
+               (unsigned long long)it->session);
+      rc = ATTND_EABORTED;
       goto fail;
     }
     if (s->mark == gen) {
@@ -366,6 +374,7 @@ static void ejob_free(ejob_t *j) {
   free(j->kbuf);
   free(j->vbuf);
   free(j->copies);
+  free(j->sessions);
   free(j->sk);
   free(j->sv);
   free(j->zk);
@@ -373,10 +382,27 @@ static void ejob_free(ejob_t *j) {
   free(j);
 }
 
+/* A step the backend could not finish left its sessions' KV unknown: those
+ * sessions answer ABORTED from now on, and since the failed write may sit in
+ * published blocks, the whole prefix index is dropped (a rare event; cached
+ * KV is only an optimization). */
+static void step_failed(attnd_engine_t *e, ejob_t *j) {
+  for (uint32_t i = 0; i < j->nsessions; i++) {
+    attnd_session_t *s = attnd_idmap_get(&e->sessions, j->sessions[i]);
+    if (s)
+      s->broken = 1;
+  }
+  attnd_prefix_drop_all(e->px);
+  for (attnd_session_t *s = e->shead; s; s = s->next)
+    s->npub = 0;
+}
+
 static void job_done(attnd_job_t *job) {
   ejob_t *j = (ejob_t *)job;
   attnd_engine_t *e = j->e;
   e->lay[j->layer].inflight--;
+  if (job->status != 0 && j->kind == EJ_STEP)
+    step_failed(e, j);
   if (j->cb) {
     attnd_result_t r;
     memset(&r, 0, sizeof(r));
@@ -631,6 +657,15 @@ static attnd_session_t *session_get(attnd_engine_t *e, uint64_t identity, uint64
   return s;
 }
 
+/* Fork and Truncate refuse a session whose KV a backend fault left unknown. */
+static int session_usable(attnd_session_t *s, attnd_engine_done_cb cb, void *arg) {
+  if (!s->broken)
+    return 1;
+  answer(cb, arg, ATTND_EABORTED, "session %016llx lost its KV in a backend fault; close it",
+         (unsigned long long)s->id);
+  return 0;
+}
+
 static attnd_session_t *session_create(attnd_engine_t *e, uint64_t identity) {
   attnd_session_t *s = attnd_session_new(e->layers);
   if (!s)
@@ -768,6 +803,8 @@ void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
     answer(cb, arg, rc, "%s", msg);
     return;
   }
+  if (!session_usable(s, cb, arg))
+    return;
   if (!attnd_session_lens_equal(s)) {
     answer(cb, arg, ATTND_EPRECOND, "session %016llx: layers hold different lengths",
            (unsigned long long)session);
@@ -821,6 +858,8 @@ void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t sessio
     answer(cb, arg, rc, "%s", msg);
     return;
   }
+  if (!session_usable(s, cb, arg))
+    return;
   if (!attnd_session_lens_equal(s)) {
     answer(cb, arg, ATTND_EPRECOND, "session %016llx: layers hold different lengths",
            (unsigned long long)session);
@@ -1076,6 +1115,10 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     nrefs += nblocks_for(e, kv_len);
   }
   j->kitems = xcalloc(p->nitems, sizeof(attnd_kitem_t));
+  j->sessions = xcalloc(p->nitems, sizeof(uint64_t));
+  j->nsessions = p->nitems;
+  for (uint32_t i = 0; i < p->nitems; i++)
+    j->sessions[i] = p->items[i].s->id;
   j->meta = xcalloc(nmeta, sizeof(int32_t));
   j->refs = xcalloc(nrefs, sizeof(int32_t));
   attnd_kbatch_t *b = &j->job.batch;

@@ -1223,6 +1223,42 @@ static void test_pipelined(void **state) {
   fx_free(f);
 }
 
+extern int attnd_backend_cpu_fail_next; /* backend_cpu.c test hook */
+
+/* A step the backend fails answers its error; its sessions answer ABORTED
+ * afterwards (their KV is unknown), others carry on, and nothing cached that
+ * the failed step might have touched is reused. */
+static void test_backend_fault(void **state) {
+  fx_t *f = fx_new(ATTND_KV_BF16, 32);
+  sim_t *a = sim_new(), *b = sim_new(), *c = sim_new();
+  fill_tokens(f, a, 0, 100);
+  fill_tokens(f, b, 0, 100);
+  memcpy(c->tokens, a->tokens, sizeof(a->tokens));
+  open_session(f, a, 0, NULL, 0);
+  open_session(f, b, 0, NULL, 0);
+  spec_t pa = {.sim = a, .start = 0, .n = 20};
+  plan_all_layers(f, &pa, 1);
+  spec_t pb = {.sim = b, .start = 0, .n = 4};
+  plan_all_layers(f, &pb, 1);
+  spec_t da = {.sim = a, .start = 20, .n = 1};
+  char msg[256];
+  assert_int_equal(step_ex(f, 0, &da, 1, 0, 1, NULL, msg, NULL), 0);
+  attnd_backend_cpu_fail_next = 1;
+  expect(f, step_ex(f, 1, &da, 1, 0, 1, NULL, msg, NULL), ATTND_EABORTED, msg, NULL);
+  expect(f, step_ex(f, 1, &da, 1, 0, 1, NULL, msg, NULL), ATTND_EABORTED, msg, "item 0");
+  assert_int_equal(simple_call(f, 1, a->id, 0, NULL), ATTND_EABORTED);
+  assert_int_equal(simple_call(f, 2, a->id, 0, NULL), ATTND_EABORTED);
+  assert_int_equal(open_session(f, c, 40, NULL, 0), 0); /* index dropped */
+  spec_t db = {.sim = b, .start = 4, .n = 2};
+  plan_all_layers(f, &db, 1);
+  assert_int_equal(simple_call(f, 0, a->id, 0, NULL), 0);
+  check_engine(f);
+  sim_free(a);
+  sim_free(b);
+  sim_free(c);
+  fx_free(f);
+}
+
 /* --no-prefix-cache: nothing is published, nothing hits. */
 static void test_no_prefix_cache(void **state) {
   fx_t *f = calloc(1, sizeof(*f));
@@ -1293,6 +1329,7 @@ int main(void) {
       cmocka_unit_test(test_idle_close),
       cmocka_unit_test(test_pipelined),
       cmocka_unit_test(test_no_prefix_cache),
+      cmocka_unit_test(test_backend_fault),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
