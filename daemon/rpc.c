@@ -587,9 +587,12 @@ static void answer_health(attnd_rpc_conn_t *c, uint64_t id, uint64_t t0) {
   attnd_rpc_t *r = c->rpc;
   attnd_v1_Response resp = attnd_v1_Response_init_zero;
   attnd_v1_HealthResponse *h = &resp.result.health;
-  attnd_engine_info_t info;
-  memset(&info, 0, sizeof(info));
-  attnd_engine_info(r->engine, &info);
+  if (!r->have_info) {
+    memset(&r->info, 0, sizeof(r->info));
+    attnd_engine_info(r->engine, &r->info);
+    r->have_info = 1;
+  }
+  const attnd_engine_info_t info = r->info;
   resp.id = id;
   resp.which_result = attnd_v1_Response_health_tag;
   snprintf(h->status, sizeof(h->status), "%s", r->draining ? "draining" : "serving");

@@ -48,6 +48,10 @@ struct attnd_rpc_s {
   /* Runs when inflight drops to 0 while draining. */
   void (*idle_cb)(void *arg);
   void *idle_arg;
+  /* The engine's static facts, fetched at the first Health (the backend may
+   * read files to describe its device: not on every call). */
+  attnd_engine_info_t info;
+  int have_info;
   /* Accepted Hello tokens (from --token-file); never logged. */
   char **tokens;
   size_t ntokens;

@@ -766,6 +766,87 @@ static void test_steps_real_engine(void **state) {
   h_down(h);
 }
 
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static void tweak_big_frames(attnd_config_t *c) {
+  c->max_frame = 80 << 20;
+  c->max_inflight = 256 << 20;
+}
+
+/* Numbers for the report, with loose floors so a loaded machine still passes:
+ * Health round trips, pipelined Health throughput, and large-frame ingest
+ * (a 64 MiB frame is read straight into its own buffer). */
+static void test_throughput(void **state) {
+  harness_t *h = h_up(tweak_big_frames);
+  attnd_v1_Response r;
+  int c = connect_unix(h->cfg.socket_path);
+  /* Round trips. */
+  enum { RT = 1000 };
+  static double lat[RT];
+  for (int i = 0; i < RT; i++) {
+    double t0 = now_s();
+    health_ok(c, (uint64_t)i + 1, &r);
+    lat[i] = (now_s() - t0) * 1e6;
+  }
+  qsort(lat, RT, sizeof(double), cmp_double);
+  /* Pipelined. */
+  enum { PN = 20000 };
+  pbw_t all;
+  pbw_init(&all);
+  for (int i = 0; i < PN; i++) {
+    pbw_t w;
+    pbw_init(&w);
+    pbw_uint(&w, 1, (uint64_t)i + 1);
+    pbw_bytes(&w, attnd_v1_Request_health_tag, "", 0);
+    append_frame(&all, &w);
+  }
+  double t0 = now_s();
+  write_all(c, all.b, all.n);
+  pbw_free(&all);
+  for (int i = 0; i < PN; i++)
+    assert_int_equal(recv_resp(c, &r), 0);
+  double pipe_s = now_s() - t0;
+  /* Large frames: Health plus a 64 MiB field the server skips. */
+  size_t big = 64u << 20;
+  uint8_t *payload = malloc(big);
+  memset(payload, 0x5a, big);
+  pbw_t w;
+  pbw_init(&w);
+  pbw_uint(&w, 1, 1);
+  pbw_bytes(&w, attnd_v1_Request_health_tag, "", 0);
+  pbw_bytes(&w, 99, payload, big);
+  free(payload);
+  uint8_t hdr[4];
+  attnd_frame_put_header(hdr, (uint32_t)w.n);
+  t0 = now_s();
+  for (int i = 0; i < 4; i++) {
+    write_all(c, hdr, 4);
+    write_all(c, w.b, w.n);
+    assert_int_equal(recv_resp(c, &r), 0);
+    assert_int_equal(r.status.code, 0);
+  }
+  double big_s = now_s() - t0;
+  pbw_free(&w);
+  fprintf(stderr,
+          "throughput: health round trip p50 %.1f us p99 %.1f us; pipelined %.0f req/s; "
+          "64 MiB frames %.2f GB/s\n",
+          lat[RT / 2], lat[RT * 99 / 100], PN / pipe_s, 4.0 * (double)big / big_s / 1e9);
+  assert_true(lat[RT / 2] < 5000);
+  assert_true(PN / pipe_s > 10000);
+  close(c);
+  h_down(h);
+}
+
 /* Plain HTTP/1.0 GET; returns the whole reply (malloc'ed). */
 static char *http_get(int port, const char *path) {
   int fd = connect_tcp_addr("127.0.0.1", port);
@@ -1019,6 +1100,7 @@ int main(void) {
       cmocka_unit_test(test_max_connections),
       cmocka_unit_test(test_backpressure),
       cmocka_unit_test(test_steps_real_engine),
+      cmocka_unit_test(test_throughput),
       cmocka_unit_test(test_metrics_scrape),
       cmocka_unit_test(test_tcp_hello_off_loopback),
       cmocka_unit_test(test_sigterm_drain),
