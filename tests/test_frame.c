@@ -200,12 +200,57 @@ static void test_pause_resume(void **state) {
   attnd_frame_reader_free(&r);
 }
 
+
+/* Random chunking of a random stream of frames, read half the time through
+ * the reader's own buffer: what comes out is what went in. */
+static void test_random_chunks(void **state) {
+  srand(777);
+  for (int round = 0; round < 200; round++) {
+    size_t lens[12];
+    int nf = 1 + rand() % 12;
+    size_t total = 0;
+    for (int i = 0; i < nf; i++) {
+      lens[i] = 1 + (size_t)(rand() % 3000);
+      total += 4 + lens[i];
+    }
+    uint8_t *buf = malloc(total);
+    size_t n = build(buf, lens, nf);
+    assert_int_equal(n, total);
+    attnd_frame_reader_t r;
+    sink_t s = {0};
+    attnd_frame_reader_init(&r, 3000);
+    size_t off = 0;
+    while (off < n) {
+      size_t chunk = 1 + (size_t)(rand() % 5000);
+      if (chunk > n - off)
+        chunk = n - off;
+      /* Half the time read through the reader's own buffer, as libuv does. */
+      if (rand() & 1) {
+        uint8_t *base;
+        size_t len;
+        assert_int_equal(attnd_frame_reader_buf(&r, &base, &len), 0);
+        if (chunk > len)
+          chunk = len;
+        memcpy(base, buf + off, chunk);
+        assert_int_equal(attnd_frame_reader_feed(&r, base, chunk, sink_cb, &s), 0);
+      } else {
+        assert_int_equal(attnd_frame_reader_feed(&r, buf + off, chunk, sink_cb, &s), 0);
+      }
+      off += chunk;
+    }
+    check(&s, lens, nf);
+    sink_free(&s);
+    attnd_frame_reader_free(&r);
+    free(buf);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_coalesced),      cmocka_unit_test(test_split_every_byte),
       cmocka_unit_test(test_split_anywhere), cmocka_unit_test(test_zero_copy_body),
       cmocka_unit_test(test_zero_length),    cmocka_unit_test(test_limits),
-      cmocka_unit_test(test_pause_resume),
+      cmocka_unit_test(test_pause_resume),   cmocka_unit_test(test_random_chunks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -163,11 +163,13 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     r.out_rows = req->q.shape[0];
   }
   if (req->want_lse) {
-    static float lse[64];
-    for (int i = 0; i < 64; i++)
+    static float lse[4096];
+    for (int i = 0; i < 4096; i++)
       lse[i] = (float)i;
     r.lse = lse;
     r.lse_bytes = r.out_rows * 2 * sizeof(float);
+    if (r.lse_bytes > sizeof(lse))
+      r.lse_bytes = sizeof(lse);
   }
   finish(cb, arg, &r);
 }
@@ -795,6 +797,60 @@ static void test_stats_and_list(void **state) {
   tconn_free(&t);
 }
 
+
+/* Mutated and truncated requests never crash and always get exactly one
+ * well-formed answer (or the frame is declared unparsable and the connection
+ * is told to close). Run under ASan/UBSan (ATTND_SANITIZE=ON) to mean more. */
+static void test_fuzz_requests(void **state) {
+  fix_t *f = *state;
+  srand(12345);
+  /* A valid step to mutate. */
+  static uint16_t q[2 * 4 * 64], kv[2 * 2 * 64];
+  uint32_t qs[3] = {2, 4, 64}, ks[3] = {2, 2, 64};
+  pbw_t st;
+  pbw_init(&st);
+  pbw_uint(&st, 1, 1);
+  put_item(&st, 3, 0x1, 0, 2, 1);
+  pbw_tensor(&st, 4, attnd_v1_DType_DTYPE_BF16, qs, 3, q, sizeof(q));
+  pbw_tensor(&st, 5, attnd_v1_DType_DTYPE_BF16, ks, 3, kv, sizeof(kv));
+  pbw_tensor(&st, 6, attnd_v1_DType_DTYPE_BF16, ks, 3, kv, sizeof(kv));
+  pbw_t base;
+  pbw_init(&base);
+  pbw_uint(&base, 1, 5);
+  pbw_sub(&base, attnd_v1_Request_step_tag, &st);
+  int answered = 0, closed = 0;
+  for (int iter = 0; iter < 3000; iter++) {
+    tconn_t t;
+    tconn_init(f, &t, 1000, 0);
+    pbw_t w;
+    pbw_init(&w);
+    size_t n = base.n;
+    if (iter % 3 == 0)
+      n = (size_t)rand() % base.n + 1; /* truncated */
+    pbw_raw(&w, base.b, n);
+    int flips = 1 + rand() % 4;
+    for (int k = 0; k < flips; k++)
+      w.b[(size_t)rand() % w.n] = (uint8_t)rand();
+    send_frame(&t, &w);
+    assert_int_equal(t.nout, 1);
+    attnd_v1_Response r;
+    resp(&t, 0, &r);
+    assert_true(r.has_status);
+    if (t.close_after[0]) {
+      assert_int_equal(r.id, 0);
+      closed++;
+    } else {
+      answered++;
+    }
+    assert_int_equal(t.rc.pending, 0);
+    tconn_free(&t);
+  }
+  pbw_free(&base);
+  fprintf(stderr, "fuzz: 3000 mutated steps, %d answered, %d unparsable\n", answered, closed);
+  assert_true(answered > 0);
+  assert_int_equal(f->rpc.inflight, 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_health, setup, teardown),
@@ -809,6 +865,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
       cmocka_unit_test_setup_teardown(test_disconnect_mid_request, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stats_and_list, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_fuzz_requests, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
