@@ -3,6 +3,8 @@ with the independent numpy reference (reference.py). Skips with a message while
 the engine is the placeholder that answers UNIMPLEMENTED."""
 import copy
 import json
+import os
+import tempfile
 
 import numpy as np
 
@@ -241,3 +243,46 @@ class MasksTest(DaemonTestCase):
         results["sliding(8) over 33 cached"] = self.check(rng, 4, attnd.Mask.sliding_window(8), ("sliding", 8), prefill=33)
         print("masks, worst rel L2 (fp32 out, with lse): " +
               ", ".join(f"{k} {v:.1e}" for k, v in results.items()))
+
+
+class IdentityTest(DaemonTestCase):
+    """Sessions belong to the identity that opened them (DESIGN.md section 6): a TCP
+    token, the anonymous loopback identity, or the Unix peer uid."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tokdir = tempfile.TemporaryDirectory()
+        path = os.path.join(cls.tokdir.name, "tokens")
+        with open(path, "w") as f:
+            f.write("tok-a\ntok-b\n")
+        cls.extra_args = ("--token-file", path)
+        try:
+            super().setUpClass()
+        except BaseException:
+            cls.tokdir.cleanup()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        try:
+            super().tearDownClass()
+        finally:
+            cls.tokdir.cleanup()
+
+    def test_sessions_are_private_to_their_identity(self):
+        addr = f"127.0.0.1:{self.daemon.tcp_port}"
+        with self.assertRaises(attnd.Unauthenticated):
+            attnd.Client(addr, token="not-a-token", timeout=10)
+        with attnd.Client(addr, token="tok-a", timeout=10) as a, \
+                attnd.Client(addr, token="tok-b", timeout=10) as b, \
+                attnd.Client(addr, timeout=10) as anon, self.daemon.client() as unix:
+            with self.engine_needed("OpenSession"):
+                sid, _ = a.open_session([1, 2, 3])
+            self.assertIn(sid, [s.session for s in a.list_sessions()])
+            for other in (b, anon, unix):
+                self.assertNotIn(sid, [s.session for s in other.list_sessions()])
+                with self.assertRaises((attnd.NotFound, attnd.PermissionDenied)):
+                    other.close_session(sid)
+                with self.assertRaises((attnd.NotFound, attnd.PermissionDenied)):
+                    other.plan([attnd.Item(sid, 0, 1, tokens=[1])])
+            a.close_session(sid)

@@ -227,7 +227,11 @@ class Client:
         self._session_epoch = {}
         self._sock = self._connect(self.address, timeout)
         if token is not None:
-            self.hello(token)
+            try:
+                self.hello(token)
+            except BaseException:
+                self.close()
+                raise
 
     # -- connection --
 
