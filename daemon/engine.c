@@ -992,9 +992,11 @@ static int check_tensor(const attnd_tensor_t *t, const char *name, int dtype, ui
   return 0;
 }
 
-/* Returns p (aligned) or an aligned copy stored in *keep. */
+/* The kernels read 16-bit elements through typed pointers, so tensor bytes
+ * decoded in place from a frame (any offset) are copied once when they are
+ * not 2-byte aligned. Returns p or the copy, stored in *keep. */
 static void *aligned_data(uint8_t *p, size_t n, void **keep) {
-  if (((uintptr_t)p & 15) == 0)
+  if (((uintptr_t)p & 1) == 0)
     return p;
   *keep = aligned_alloc(64, (n + 63) & ~(size_t)63);
   if (!*keep)

@@ -389,6 +389,8 @@ typedef struct {
   int corrupt; /* 1: NaN in k of the last item */
   int wrong_token_item; /* >= 0: give this item a wrong token id (inline) */
   int bad_dtype;
+  int bad_rows; /* k claims one row more than the items have */
+  int odd_offset; /* tensor bytes at an odd address (decoded in place from a frame) */
 } stepopt_t;
 
 /* One step in flight: its inputs, kept to replay it on the oracle. */
@@ -400,6 +402,7 @@ typedef struct {
   uint32_t T, Tq;
   uint16_t *k, *v, *q, *q0;
   float ks[KVH * HD], vs[KVH * HD], kz[KVH * HD], vz[KVH * HD]; /* scales at submission */
+  uint8_t *kodd;
   res_t x;
 } pend_t;
 
@@ -465,6 +468,16 @@ static void step_submit(fx_t *f, int layer, const spec_t *sp, int n, uint64_t pl
   r.v = r.k;
   r.v.dtype = ATTND_DT_BF16;
   r.v.data = (uint8_t *)v;
+  if (opt->bad_rows) {
+    r.k.shape[0] = T + 1;
+    r.k.nbytes += kvrow * 2;
+  }
+  if (opt->odd_offset) {
+    /* Shift k into an odd-aligned buffer the step owns until done. */
+    pd->kodd = malloc(T * kvrow * 2 + 1);
+    memcpy(pd->kodd + 1, k, T * kvrow * 2);
+    r.k.data = pd->kodd + 1;
+  }
   if (Tq) {
     r.q = (attnd_tensor_t){.present = 1, .dtype = ATTND_DT_BF16, .ndim = 3, .data = (uint8_t *)q,
                            .nbytes = Tq * qrow * 2};
@@ -542,6 +555,7 @@ static int step_finish(fx_t *f, pend_t *pd, char *msg, uint8_t **out_copy) {
     }
   }
   res_free(x);
+  free(pd->kodd);
   free(pd->k);
   free(pd->v);
   free(pd->q);
@@ -603,8 +617,8 @@ static void grow_one(attnd_kv_type_t kv) {
   fill_tokens(f, a, pos - 5, pos);
   spec_t rw = {.sim = a, .start = pos - 5, .n = 3};
   plan_all_layers(f, &rw, 1);
-  /* Inline steps, fp32 output and lse. */
-  stepopt_t o = {.fp32_out = 1, .want_lse = 1, .wrong_token_item = -1};
+  /* Inline steps, fp32 output and lse, k at an odd address. */
+  stepopt_t o = {.fp32_out = 1, .want_lse = 1, .wrong_token_item = -1, .odd_offset = 1};
   spec_t d = {.sim = a, .start = pos - 2, .n = 2};
   for (int l = 0; l < LAYERS; l++)
     assert_int_equal(step_ex(f, l, &d, 1, 0, 1, &o, NULL, NULL), 0);
@@ -731,6 +745,9 @@ static void test_invalid_leave_state(void **state) {
   /* Wrong dtype. */
   stepopt_t bd = {.bad_dtype = 1, .wrong_token_item = -1};
   expect(f, step_ex(f, 0, s7, 2, 0, 1, &bd, msg, NULL), ATTND_EINVAL, msg, "dtype");
+  /* k with more rows than the items. */
+  stepopt_t br = {.bad_rows = 1, .wrong_token_item = -1};
+  expect(f, step_ex(f, 0, s7, 2, 0, 1, &br, msg, NULL), ATTND_EINVAL, msg, "shape");
   /* Masks: window 0, documents not summing to kv_len, intervals start > end. */
   spec_t s8[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_SLIDING_WINDOW}};
   expect(f, step_ex(f, 0, s8, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
@@ -741,6 +758,23 @@ static void test_invalid_leave_state(void **state) {
   iv[3] = 5; /* lts[3] = 5 > lte[3] = 0 */
   spec_t s10[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_CUSTOM, .intervals = iv}};
   expect(f, step_ex(f, 0, s10, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
+  /* Intervals of the wrong length (for kv_len 13 instead of 14). */
+  {
+    itembuf_t ib;
+    spec_t s12[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_CUSTOM, .intervals = iv}};
+    build_items(s12, 2, &ib);
+    ib.items[1].intervals.shape[1] = 13;
+    ib.items[1].intervals.nbytes = 16 * 13;
+    res_t x = {0};
+    attnd_engine_plan(f->e, 1, 1, ib.items, 2, on_done, &x);
+    wait_res(f, &x);
+    expect(f, x.r.status, ATTND_EINVAL, x.r.message, "item 1: intervals");
+    /* Steps of another identity. */
+    res_t y = {0};
+    attnd_engine_plan(f->e, 2, 1, ib.items, 1, on_done, &y);
+    wait_res(f, &y);
+    expect(f, y.r.status, ATTND_EPERM, y.r.message, "item 0");
+  }
   /* Unknown session, other identity. */
   sim_t ghost = {.id = 0x1234};
   memcpy(ghost.tokens, a->tokens, sizeof(ghost.tokens));
