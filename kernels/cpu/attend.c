@@ -2,10 +2,23 @@
  *
  * Flash-style: a work unit is (item, kv head, q-head subgroup, query-row tile)
  * with at most KC_QT query vectors (rows x q heads of one GQA group). It walks
- * the visible keys in chunks that never cross a block, dequantizes each K and
- * V chunk ONCE into fp32 for all its query vectors, and keeps an online softmax
+ * the visible keys in chunks that never cross a block, decodes each K and V
+ * chunk ONCE into fp32 for all its query vectors, and keeps an online softmax
  * (running max, sum, output accumulator) in fp32. Scores are kept in log2 units
  * (softmax_scale * log2(e) folded into q) so the exponentials are exp2.
+ *
+ * Quantization scales never enter the inner loops; the chunk holds the stored
+ * codes as floats and the scales are applied where they cost least:
+ *   static K scale s_d:   folded into q (q_d * s_d), once per unit;
+ *   static V scale s_d:   applied to the normalized output;
+ *   int4 zero points z_d: K: q.(u - z)s = (q*s).u - (q*s).z, and the second
+ *                         term is the same for every key, so softmax ignores
+ *                         it and only lse subtracts it; V: out_d = s_d *
+ *                         (sum p u / l - z_d);
+ *   dynamic scales s_j:   K: the score of key j times s_j; V: p_j * s_j.
+ * int4 chunks are unpacked channel-permuted (all low nibbles, then all high
+ * nibbles) so the unpack vectorizes; q is permuted the same way and the output
+ * un-permuted, and a dot product does not care about order.
  *
  * Fully masked rows never touch the accumulator: they end with sum 0 and give
  * exactly 0 and lse = -inf, never 0/0.
@@ -38,16 +51,22 @@
 
 #define KC_INLINE static inline __attribute__((always_inline))
 
-/* Static per-layer quantization as the dequantizer needs it for one kv head. */
-typedef struct {
-  const float *scale; /* [D] per channel, or NULL */
-  float scale1;       /* per-head scale */
-  const float *zero;  /* int4: [D] */
-} kc_deq_t;
+/* e4m3 code -> fp32 without a table (a gather does not vectorize): normals
+ * rebias the exponent by an integer add, subnormals (exponent 0) are m * 2^-9.
+ * 0x7f/0xff (NaN) never occur: the quantizer saturates. */
+KC_INLINE float e4m3_to_f32(uint8_t b) {
+  uint32_t mag = b & 0x7fu;
+  uint32_t normal = (mag << 20) + (120u << 23);
+  float sub = (float)(int32_t)(b & 7u) * 0x1p-9f;
+  uint32_t is_sub = 0u - (uint32_t)((b & 0x78u) == 0);
+  uint32_t bits = (kc_f2u(sub) & is_sub) | (normal & ~is_sub);
+  return kc_u2f(bits | ((uint32_t)(b & 0x80u) << 24));
+}
 
-/* Dequantizes rows [slot0, slot0 + cn) of kv head h of one block into dst[cn][D]. */
-KC_INLINE void dequant_chunk(attnd_kv_type_t kv, int D, const uint8_t *src, const float *dyn,
-                             const kc_deq_t *q, int cn, float *restrict dst) {
+/* Decodes rows [slot0, slot0 + cn) of one kv head of one block into dst[cn][D]:
+ * the stored codes as floats, no scale (see the header comment). */
+KC_INLINE void decode_chunk(attnd_kv_type_t kv, int D, const uint8_t *src, int cn,
+                            float *restrict dst) {
   const int n = cn * D;
   switch (kv) {
   case ATTND_KV_BF16: {
@@ -62,57 +81,38 @@ KC_INLINE void dequant_chunk(attnd_kv_type_t kv, int D, const uint8_t *src, cons
       dst[i] = kc_fp16_to_f32(h[i]);
     break;
   }
-  case ATTND_KV_INT8: {
+  case ATTND_KV_INT8:
+  case ATTND_KV_INT8_DYNAMIC: {
     const int8_t *v = (const int8_t *)src;
-    if (q->scale) {
-      for (int c = 0; c < cn; c++)
-        for (int d = 0; d < D; d++)
-          dst[c * D + d] = (float)v[c * D + d] * q->scale[d];
-    } else {
-      for (int i = 0; i < n; i++)
-        dst[i] = (float)v[i] * q->scale1;
-    }
+    for (int i = 0; i < n; i++)
+      dst[i] = (float)v[i];
     break;
   }
   case ATTND_KV_FP8:
-    if (q->scale) {
-      for (int c = 0; c < cn; c++)
-        for (int d = 0; d < D; d++)
-          dst[c * D + d] = kc_e4m3_table[src[c * D + d]] * q->scale[d];
-    } else {
-      for (int i = 0; i < n; i++)
-        dst[i] = kc_e4m3_table[src[i]] * q->scale1;
-    }
-    break;
-  case ATTND_KV_INT8_DYNAMIC: {
-    const int8_t *v = (const int8_t *)src;
-    for (int c = 0; c < cn; c++) {
-      float sc = dyn[c];
-      for (int d = 0; d < D; d++)
-        dst[c * D + d] = (float)v[c * D + d] * sc;
-    }
-    break;
-  }
   case ATTND_KV_FP8_DYNAMIC:
-    for (int c = 0; c < cn; c++) {
-      float sc = dyn[c];
-      for (int d = 0; d < D; d++)
-        dst[c * D + d] = kc_e4m3_table[src[c * D + d]] * sc;
-    }
+    for (int i = 0; i < n; i++)
+      dst[i] = e4m3_to_f32(src[i]);
     break;
-  case ATTND_KV_INT4:
+  case ATTND_KV_INT4: {
+    const int H = D / 2;
     for (int c = 0; c < cn; c++) {
-      const uint8_t *p = src + (size_t)c * (D / 2);
-      float *o = dst + c * D;
-      for (int d = 0; d < D / 2; d++) {
-        o[2 * d] = ((float)(p[d] & 15u) - q->zero[2 * d]) * q->scale[2 * d];
-        o[2 * d + 1] = ((float)(p[d] >> 4) - q->zero[2 * d + 1]) * q->scale[2 * d + 1];
+      const uint8_t *p = src + (size_t)c * H;
+      float *o = dst + (size_t)c * D;
+      for (int i = 0; i < H; i++) {
+        o[i] = (float)(int32_t)(p[i] & 15u);
+        o[H + i] = (float)(int32_t)(p[i] >> 4);
       }
     }
     break;
+  }
   default:
     break;
   }
+}
+
+/* Channel d's position in a decoded row (int4 rows are permuted). */
+static inline int chan_pos(int int4, int D, int d) {
+  return int4 ? (d & 1) * (D / 2) + d / 2 : d;
 }
 
 /* The inner products are written with GCC vector types (8 floats): the AVX2
@@ -304,15 +304,35 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
   const int32_t *iv = it->mask_kind == ATTND_MASK_INTERVALS && it->intervals >= 0
                           ? b->meta + it->intervals
                           : NULL;
+  const int int4 = s->kv == ATTND_KV_INT4;
+  const int stat = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8;
 
   float Q[KC_QT * 256];
   float acc[KC_QT * 256];
   float buf[KC_CHUNK_FLOATS]; /* K chunk, then V chunk */
   float S[KC_QT * 128];       /* scores, then probabilities, [nq][C] */
-  float m[KC_QT], l[KC_QT];
+  float m[KC_QT], l[KC_QT], kbias[KC_QT];
   int pos[KC_QT];
 
-  /* q in log2 units, fp32. */
+  /* Static scales (and zero points) of this kv head: only for the types
+   * that have them, never looked at otherwise. */
+  const float *ks = NULL, *vs = NULL, *kz = NULL, *vz = NULL;
+  float ks1 = 1.0f, vs1 = 1.0f;
+  if (stat && b->scale_per_channel) {
+    ks = b->k_scale + (size_t)h * D;
+    vs = b->v_scale + (size_t)h * D;
+  } else if (stat) {
+    ks1 = b->k_scale[h];
+    vs1 = b->v_scale[h];
+  } else if (int4) {
+    ks = b->k_scale + (size_t)h * D;
+    vs = b->v_scale + (size_t)h * D;
+    kz = b->k_zero + (size_t)h * D;
+    vz = b->v_zero + (size_t)h * D;
+  }
+
+  /* q in log2 units, fp32, with the static K scale folded in (and permuted
+   * like an int4 row). kbias: the int4 zero-point term, for lse only. */
   const float qscale = s->softmax_scale * 1.44269504088896341f;
   for (int ri = 0; ri < rn; ri++)
     for (int gi = 0; gi < gn; gi++) {
@@ -320,12 +340,15 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
       const uint16_t *q = (const uint16_t *)b->q +
                           ((size_t)(it->q_row + r0 + ri) * QH + (size_t)h * cx->G + g0 + gi) * D;
       float *Qi = Q + qi * D;
-      if (s->dtype == ATTND_DT_BF16)
-        for (int d = 0; d < D; d++)
-          Qi[d] = kc_u2f((uint32_t)q[d] << 16) * qscale;
-      else
-        for (int d = 0; d < D; d++)
-          Qi[d] = kc_fp16_to_f32(q[d]) * qscale;
+      float kb = 0.0f;
+      for (int d = 0; d < D; d++) {
+        float x = s->dtype == ATTND_DT_BF16 ? kc_bf16_to_f32(q[d]) : kc_fp16_to_f32(q[d]);
+        x *= qscale * (ks ? ks[d] : ks1);
+        if (kz)
+          kb += x * kz[d];
+        Qi[chan_pos(int4, D, d)] = x;
+      }
+      kbias[qi] = kb;
       m[qi] = -INFINITY;
       l[qi] = 0.0f;
       pos[qi] = it->start + r0 + ri;
@@ -358,23 +381,6 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
   if (jhi > kv_len)
     jhi = kv_len;
 
-  /* Static quantization of this kv head, for the types that have it only. */
-  kc_deq_t kq = {0}, vq = {0};
-  if (s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8) {
-    if (b->scale_per_channel) {
-      kq.scale = b->k_scale + (size_t)h * D;
-      vq.scale = b->v_scale + (size_t)h * D;
-    } else {
-      kq.scale1 = b->k_scale[h];
-      vq.scale1 = b->v_scale[h];
-    }
-  } else if (s->kv == ATTND_KV_INT4) {
-    kq.scale = b->k_scale + (size_t)h * D;
-    vq.scale = b->v_scale + (size_t)h * D;
-    kq.zero = b->k_zero + (size_t)h * D;
-    vq.zero = b->v_zero + (size_t)h * D;
-  }
-
   const kc_layout_t *L = &cx->L;
   int C = KC_CHUNK_FLOATS / D;
   if (C > bs)
@@ -399,7 +405,7 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
       prefetch_rows(nb + L->k_off + nrow * L->row_bytes, (size_t)nn * L->row_bytes);
       prefetch_rows(nb + L->v_off + nrow * L->row_bytes, (size_t)nn * L->row_bytes);
     }
-    dequant_chunk(s->kv, D, blk + L->k_off + row * L->row_bytes, kdyn, &kq, cn, buf);
+    decode_chunk(s->kv, D, blk + L->k_off + row * L->row_bytes, cn, buf);
     int q4 = nq & ~3;
     for (int qi = 0; qi < q4; qi += 4)
       for (int c = 0; c < cn; c++) {
@@ -411,6 +417,10 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
     for (int qi = q4; qi < nq; qi++)
       for (int c = 0; c < cn; c++)
         S[qi * C + c] = dot(Q + qi * D, buf + c * D, D);
+    if (kdyn)
+      for (int qi = 0; qi < nq; qi++)
+        for (int c = 0; c < cn; c++)
+          S[qi * C + c] *= kdyn[c];
     if (!chunk_all_visible(it, pmin, pmax, j0, j0 + cn))
       for (int qi = 0; qi < nq; qi++)
         for (int c = 0; c < cn; c++)
@@ -445,9 +455,12 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
       for (int c = 0; c < cn; c++)
         sum += Si[c];
       l[qi] += sum;
+      if (vdyn)
+        for (int c = 0; c < cn; c++)
+          Si[c] *= vdyn[c];
     }
     if (need_v) {
-      dequant_chunk(s->kv, D, blk + L->v_off + row * L->row_bytes, vdyn, &vq, cn, buf);
+      decode_chunk(s->kv, D, blk + L->v_off + row * L->row_bytes, cn, buf);
       int qi = 0;
       for (; qi + 4 <= nq; qi += 4) {
         if (live[qi] && live[qi + 1] && live[qi + 2] && live[qi + 3]) {
@@ -465,28 +478,39 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
     j0 += cn;
   }
 
-  /* Normalize and store; fully masked rows (l == 0) store exact zeros. */
+  /* Normalize, apply the V scale (and zero point), store; fully masked rows
+   * (l == 0) store exact zeros. */
   for (int ri = 0; ri < rn; ri++)
     for (int gi = 0; gi < gn; gi++) {
       int qi = ri * gn + gi;
       size_t orow = (size_t)(it->q_row + r0 + ri) * QH + (size_t)h * cx->G + g0 + gi;
-      float inv = l[qi] > 0.0f ? 1.0f / l[qi] : 0.0f;
-      const float *Ai = acc + qi * D;
+      const int dead = !(l[qi] > 0.0f);
+      const float inv = dead ? 0.0f : 1.0f / l[qi];
+      float *Ai = acc + qi * D;
+      if (int4) {
+        float o[256];
+        for (int d = 0; d < D; d++)
+          o[d] = dead ? 0.0f : vs[d] * (Ai[chan_pos(1, D, d)] * inv - vz[d]);
+        memcpy(Ai, o, sizeof(float) * (size_t)D);
+      } else {
+        for (int d = 0; d < D; d++)
+          Ai[d] *= inv * (vs ? vs[d] : vs1);
+      }
       if (b->out_fp32) {
         float *o = (float *)b->out + orow * D;
-        for (int d = 0; d < D; d++)
-          o[d] = Ai[d] * inv;
+        memcpy(o, Ai, sizeof(float) * (size_t)D);
       } else if (s->dtype == ATTND_DT_BF16) {
         uint16_t *o = (uint16_t *)b->out + orow * D;
         for (int d = 0; d < D; d++)
-          o[d] = kc_f32_to_bf16(Ai[d] * inv);
+          o[d] = kc_f32_to_bf16(Ai[d]);
       } else {
         uint16_t *o = (uint16_t *)b->out + orow * D;
         for (int d = 0; d < D; d++)
-          o[d] = kc_f32_to_fp16(Ai[d] * inv);
+          o[d] = kc_f32_to_fp16(Ai[d]);
       }
       if (b->lse)
-        b->lse[orow] = l[qi] > 0.0f ? (m[qi] + log2f(l[qi])) * 0.693147180559945309f : -INFINITY;
+        b->lse[orow] =
+            dead ? -INFINITY : (m[qi] + log2f(l[qi]) - kbias[qi]) * 0.693147180559945309f;
     }
 }
 
