@@ -662,6 +662,66 @@ int attnd_client_close_session(attnd_client_t *c, uint64_t session) {
   return rc;
 }
 
+int attnd_client_fork(attnd_client_t *c, uint64_t session, uint64_t *child) {
+  attnd_v1_Request req = attnd_v1_Request_init_zero;
+  attnd_client_resp_t r;
+  req.which_call = attnd_v1_Request_fork_tag;
+  req.call.fork.session = session;
+  int rc = attnd_client_call(c, &req, &r);
+  if (rc == 0 && (rc = expect(c, &r, attnd_v1_Response_fork_tag)) == 0)
+    *child = r.msg.result.fork.session;
+  attnd_client_resp_free(&r);
+  return rc;
+}
+
+int attnd_client_truncate(attnd_client_t *c, uint64_t session, uint32_t len) {
+  attnd_v1_Request req = attnd_v1_Request_init_zero;
+  attnd_client_resp_t r;
+  req.which_call = attnd_v1_Request_truncate_tag;
+  req.call.truncate.session = session;
+  req.call.truncate.len = len;
+  int rc = attnd_client_call(c, &req, &r);
+  attnd_client_resp_free(&r);
+  return rc;
+}
+
+static void set_f32(attnd_v1_Tensor *t, bool *has, bytes_arg_t *b, const float *v, uint32_t heads,
+                    uint32_t dim) {
+  if (!v)
+    return;
+  *has = true;
+  t->dtype = attnd_v1_DType_DTYPE_FP32;
+  t->shape_count = dim ? 2 : 1;
+  t->shape[0] = heads;
+  t->shape[1] = dim;
+  b->p = v; /* the wire is little-endian, like every host attnd runs on */
+  b->n = (size_t)heads * (dim ? dim : 1) * sizeof(float);
+  t->data.funcs.encode = enc_bytes_cb;
+  t->data.arg = b;
+}
+
+int attnd_client_set_scales(attnd_client_t *c, uint32_t layer, const float *k_scale,
+                            const float *v_scale, const float *k_zero, const float *v_zero,
+                            uint32_t kv_heads, uint32_t dim, int drop_cached_kv,
+                            uint64_t *version) {
+  attnd_v1_Request req = attnd_v1_Request_init_zero;
+  attnd_client_resp_t r;
+  bytes_arg_t b[4];
+  req.which_call = attnd_v1_Request_set_scales_tag;
+  attnd_v1_SetScalesRequest *s = &req.call.set_scales;
+  s->layer = layer;
+  set_f32(&s->k_scale, &s->has_k_scale, &b[0], k_scale, kv_heads, dim);
+  set_f32(&s->v_scale, &s->has_v_scale, &b[1], v_scale, kv_heads, dim);
+  set_f32(&s->k_zero, &s->has_k_zero, &b[2], k_zero, kv_heads, dim);
+  set_f32(&s->v_zero, &s->has_v_zero, &b[3], v_zero, kv_heads, dim);
+  s->drop_cached_kv = drop_cached_kv != 0;
+  int rc = attnd_client_call(c, &req, &r);
+  if (rc == 0 && (rc = expect(c, &r, attnd_v1_Response_set_scales_tag)) == 0 && version)
+    *version = r.msg.result.set_scales.version;
+  attnd_client_resp_free(&r);
+  return rc;
+}
+
 int attnd_client_plan(attnd_client_t *c, const attnd_client_item_t *items, size_t nitems,
                       uint64_t *plan) {
   attnd_v1_Request req = attnd_v1_Request_init_zero;

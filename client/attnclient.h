@@ -101,6 +101,16 @@ int attnd_client_list_sessions(attnd_client_t *c, attnd_v1_SessionInfo *out, siz
 int attnd_client_open_session(attnd_client_t *c, const uint32_t *tokens, size_t ntokens,
                               uint64_t *session, uint32_t *cached_len);
 int attnd_client_close_session(attnd_client_t *c, uint64_t session);
+/* Forks a session (the child shares all its blocks); the child's id goes to *child. */
+int attnd_client_fork(attnd_client_t *c, uint64_t session, uint64_t *child);
+/* Rolls a session back to len tokens. */
+int attnd_client_truncate(attnd_client_t *c, uint64_t session, uint32_t len);
+/* Sets a layer's static KV scales: fp32, n = kv_heads (per head) or kv_heads *
+ * head_dim (per channel, with dim = head_dim; 0 for per head). zeros may be NULL
+ * (int4 only). The new version goes to *version (may be NULL). */
+int attnd_client_set_scales(attnd_client_t *c, uint32_t layer, const float *k_scale,
+                            const float *v_scale, const float *k_zero, const float *v_zero,
+                            uint32_t kv_heads, uint32_t dim, int drop_cached_kv, uint64_t *version);
 
 /* One item of a Plan or an inline Step, causal mask. tokens has n entries
  * (may be NULL: no token ids are sent). */

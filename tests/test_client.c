@@ -317,10 +317,33 @@ static void test_session_steps(void **state) {
     }
     start += n;
   }
+  /* Fork shares the blocks; truncate rolls the child back; both then list. */
+  uint64_t child = 0;
+  assert_int_equal(attnd_client_fork(c, sid, &child), 0);
+  assert_true(child != 0 && child != sid);
+  assert_int_equal(attnd_client_truncate(c, child, 17), 0);
   attnd_v1_SessionInfo si[16];
   size_t ns = 0;
   assert_int_equal(attnd_client_list_sessions(c, si, 16, &ns), 0);
   int found = 0;
+  for (size_t i = 0; i < ns && i < 16; i++)
+    if (si[i].session == child) {
+      found = 1;
+      assert_int_equal(si[i].len, 17);
+    }
+  assert_true(found);
+  assert_int_equal(attnd_client_close_session(c, child), 0);
+  /* A bf16 cache has no static scales: asking for them is an error, not a crash. */
+  float ks[64];
+  for (int i = 0; i < 64; i++)
+    ks[i] = 0.01f;
+  assert_true(Hkv <= 64);
+  rc = attnd_client_set_scales(c, 0, ks, ks, NULL, NULL, Hkv, 0, 0, NULL);
+  if (strcmp(h.model.kv_cache, "bf16") == 0)
+    assert_int_equal(rc, ATTND_CLIENT_ESTATUS);
+
+  assert_int_equal(attnd_client_list_sessions(c, si, 16, &ns), 0);
+  found = 0;
   for (size_t i = 0; i < ns && i < 16; i++)
     if (si[i].session == sid) {
       found = 1;
