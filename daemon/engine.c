@@ -1037,6 +1037,8 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   }
   const attnd_kshape_t *sh = &e->shape;
   cowlist_t cow = {0};
+  void *out = NULL;
+  float *lse = NULL;
   if ((rc = check_tensor(&req->k, "k", sh->dtype, p->T, sh->kv_heads, sh->head_dim, msg,
                          sizeof(msg))) ||
       (rc = check_tensor(&req->v, "v", sh->dtype, p->T, sh->kv_heads, sh->head_dim, msg,
@@ -1092,6 +1094,19 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     kv_row += it->n;
     if (it->has_q)
       q_row += it->n;
+  }
+  /* Output buffers before the reservation: a large prefill's output may not
+   * fit in memory, which must fail the call before it changes anything. */
+  size_t out_bytes = (size_t)p->Tq * qrow * (req->fp32_out ? 4 : 2);
+  size_t lse_bytes = req->want_lse ? (size_t)p->Tq * sh->q_heads * sizeof(float) : 0;
+  if (out_bytes) {
+    out = aligned_alloc(64, (out_bytes + 63) & ~(size_t)63);
+    lse = lse_bytes ? calloc(1, lse_bytes) : NULL;
+    if (!out || (lse_bytes && !lse)) {
+      snprintf(msg, sizeof(msg), "cannot allocate %zu bytes of output", out_bytes + lse_bytes);
+      rc = ATTND_ENOMEM;
+      goto fail;
+    }
   }
   if ((rc = plan_reserve(e, p, &cow, msg, sizeof(msg))) != 0)
     goto fail;
@@ -1207,17 +1222,11 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   b->q = p->Tq ? aligned_data(req->q.data, j->job.q_bytes, &j->qbuf) : NULL;
   b->out_fp32 = req->fp32_out != 0;
   j->out_dtype = req->fp32_out ? ATTND_DT_FP32 : sh->dtype;
-  j->job.out_bytes = (size_t)p->Tq * qrow * (req->fp32_out ? 4 : 2);
-  if (p->Tq) {
-    j->out = aligned_alloc(64, (j->job.out_bytes + 63) & ~(size_t)63);
-    if (!j->out)
-      abort();
-  }
+  j->job.out_bytes = out_bytes;
+  j->out = out;
   b->out = j->out;
-  if (req->want_lse && p->Tq) {
-    j->job.lse_bytes = (size_t)p->Tq * sh->q_heads * sizeof(float);
-    j->lse = xcalloc(j->job.lse_bytes, 1);
-  }
+  j->job.lse_bytes = lse ? lse_bytes : 0;
+  j->lse = lse;
   b->lse = j->lse;
   e->st.steps++;
   e->st.tokens_written += p->T;
@@ -1229,6 +1238,8 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   layer_submit(e, j);
   return;
 fail:
+  free(out);
+  free(lse);
   plan_free(inl);
   answer(cb, arg, rc, "%s", msg);
 }
