@@ -268,6 +268,21 @@ static void send_raw_frame(int fd, const void *body, size_t n) {
     write_all(fd, body, n);
 }
 
+/* Like send_call, but a peer that already closed is not a failure: -1. */
+static int try_send_call(int fd, uint64_t id, uint32_t call) {
+  pbw_t w;
+  pbw_init(&w);
+  pbw_uint(&w, 1, id);
+  pbw_bytes(&w, call, "", 0);
+  uint8_t buf[64];
+  attnd_frame_put_header(buf, (uint32_t)w.n);
+  memcpy(buf + 4, w.b, w.n);
+  ssize_t n = send(fd, buf, w.n + 4, MSG_NOSIGNAL);
+  int ok = n == (ssize_t)(w.n + 4);
+  pbw_free(&w);
+  return ok ? 0 : -1;
+}
+
 static void send_call(int fd, uint64_t id, uint32_t call) {
   pbw_t w;
   pbw_init(&w);
@@ -1022,6 +1037,117 @@ static void test_sigterm_drain(void **state) {
 }
 
 
+
+static pid_t spawn_attnd(const char *sock, const char *statedir) {
+  const char *bd = getenv("ATTND_BUILD_DIR");
+  char bin[512];
+  snprintf(bin, sizeof(bin), "%s/daemon/attnd", bd);
+  pid_t pid = fork();
+  if (pid == 0) {
+    execl(bin, bin, "--socket", sock, "--listen", "", "--metrics", "", "--state-dir", statedir,
+          "--backend", "cpu", "--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim",
+          "64", "--block-size", "16", "--kv-memory", "16M", "--threads", "1", "--log-level",
+          "warn", (char *)NULL);
+    _exit(127);
+  }
+  assert_true(pid > 0);
+  return pid;
+}
+
+static int connect_retry(const char *sock) {
+  for (int i = 0; i < 400; i++) {
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un a;
+    sun_set(&a, sock);
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0)
+      return fd;
+    close(fd);
+    usleep(25000);
+  }
+  fail_msg("daemon did not come up on %s", sock);
+  return -1;
+}
+
+/* SIGTERM while a step is in flight: the step still completes and is
+ * answered, calls arriving meanwhile get UNAVAILABLE, then the connection
+ * closes and the daemon exits 0. */
+static void test_sigterm_inflight(void **state) {
+  if (!getenv("ATTND_BUILD_DIR")) {
+    skip();
+    return;
+  }
+  char dir[64], sock[128], statedir[128];
+  snprintf(dir, sizeof(dir), "/tmp/attnd-test-drain-XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  snprintf(sock, sizeof(sock), "%s/attnd.sock", dir);
+  snprintf(statedir, sizeof(statedir), "%s/state", dir);
+  pid_t pid = spawn_attnd(sock, statedir);
+  int c = connect_retry(sock);
+  uint64_t s1 = open_session(c, 1);
+  /* A prefill long enough to be running when the signal lands; the Health
+   * behind it proves the step was admitted (frames are handled in order). */
+  pbw_t w;
+  build_step(&w, 2, s1, 1024);
+  send_raw_frame(c, w.b, w.n);
+  pbw_free(&w);
+  attnd_v1_Response r;
+  send_call(c, 3, attnd_v1_Request_health_tag);
+  int got_step = 0, got_health = 0, unavailable = 0;
+  assert_int_equal(recv_resp(c, &r), 0);
+  if (r.id == 2)
+    got_step = 1;
+  else
+    got_health = 1;
+  assert_int_equal(kill(pid, SIGTERM), 0);
+  int step_was_inflight = !got_step;
+  /* Health still answers while draining; once it says so, new calls must get
+   * UNAVAILABLE for as long as the step keeps the daemon draining. */
+  int draining = 0;
+  for (uint64_t id = 10; !got_step && id < 500; id++) {
+    if (try_send_call(c, id, draining ? attnd_v1_Request_open_session_tag
+                                      : attnd_v1_Request_health_tag) != 0)
+      break;
+    if (recv_resp(c, &r) != 0)
+      break;
+    for (;;) {
+      if (r.id == 2) {
+        assert_int_equal(r.status.code, 0);
+        assert_int_equal(r.result.step.out.shape[0], 1024);
+        got_step = 1;
+      } else if (r.id == 3) {
+        got_health = 1;
+      } else if (r.id == id && !draining) {
+        draining = strcmp(r.result.health.status, "draining") == 0;
+      } else if (r.id == id) {
+        assert_int_equal(r.status.code, ATTND_STATUS_UNAVAILABLE);
+        unavailable = 1;
+      }
+      if (r.id == id || recv_resp(c, &r) != 0)
+        break;
+    }
+    usleep(1000);
+  }
+  while (recv_resp(c, &r) == 0) {
+    if (r.id == 2) {
+      assert_int_equal(r.status.code, 0);
+      got_step = 1;
+    } else if (r.id == 3) {
+      got_health = 1;
+    }
+  }
+  close(c);
+  assert_true(got_step && got_health);
+  int status = 0;
+  assert_int_equal(waitpid(pid, &status, 0), pid);
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 0);
+  fprintf(stderr, "drain: step in flight at SIGTERM: %s, later call answered UNAVAILABLE: %s\n",
+          step_was_inflight ? "yes" : "no", unavailable ? "yes" : "no");
+  char cmd[128];
+  snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
 /* sd_notify: READY=1 once serving, WATCHDOG=1 at half of WATCHDOG_USEC, and
  * STOPPING=1 on SIGTERM, on the datagram socket systemd names in NOTIFY_SOCKET. */
 static int recv_notify(int fd, const char *want, int timeout_ms) {
@@ -1105,6 +1231,7 @@ int main(void) {
       cmocka_unit_test(test_tcp_hello_off_loopback),
       cmocka_unit_test(test_sigterm_drain),
       cmocka_unit_test(test_sd_notify),
+      cmocka_unit_test(test_sigterm_inflight),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
