@@ -1,7 +1,7 @@
 /* attend.c: phase 2 of the CPU backend (attnd_cpu_attend).
  *
  * Flash-style: a work unit is (item, kv head, q-head subgroup, query-row tile)
- * with at most KC_QT query vectors (rows x q heads of one GQA group). It walks
+ * with at most kc_qmax(D) query vectors (rows x q heads of one GQA group). It walks
  * the visible keys in chunks that never cross a block, decodes each K and V
  * chunk ONCE into fp32 for all its query vectors, and keeps an online softmax
  * (running max, sum, output accumulator) in fp32. Scores are kept in log2 units
@@ -35,7 +35,8 @@
 #include "cpu_internal.h"
 #include "cpu_numeric.h"
 
-#define KC_QT 16            /* query vectors per unit */
+#define KC_QT 64            /* most query vectors per unit */
+#define KC_Q_FLOATS 8192     /* query vectors per unit * head_dim (stack: q and acc) */
 #define KC_CHUNK_FLOATS 4096 /* keys per chunk * head_dim */
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
@@ -307,10 +308,10 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
   const int int4 = s->kv == ATTND_KV_INT4;
   const int stat = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8;
 
-  float Q[KC_QT * 256];
-  float acc[KC_QT * 256];
+  float Q[KC_Q_FLOATS];
+  float acc[KC_Q_FLOATS];
   float buf[KC_CHUNK_FLOATS]; /* K chunk, then V chunk */
-  float S[KC_QT * 128];       /* scores, then probabilities, [nq][C] */
+  float S[KC_QT * 64];        /* scores, then probabilities, [nq][C]; C <= 64 */
   float m[KC_QT], l[KC_QT], kbias[KC_QT];
   int pos[KC_QT];
 
@@ -519,9 +520,14 @@ int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part,
     return -1;
   kc_ctx_t cx = {.s = s, .b = b, .L = kc_layout(s), .G = s->q_heads / s->kv_heads};
   const int H = s->kv_heads;
-  const int gsub = cx.G < KC_QT ? cx.G : KC_QT;
+  /* Larger units read each K/V chunk for more queries (prefill rows); the
+   * stack budget caps them at 64 query vectors (32 for d 256). At most 16 q
+   * heads share a unit, so even a decode step of an MQA model (one kv head)
+   * has units for more than one thread. */
+  const int qmax = KC_Q_FLOATS / s->head_dim < KC_QT ? KC_Q_FLOATS / s->head_dim : KC_QT;
+  const int gsub = cx.G < 16 ? cx.G : 16;
   const int ngroups = (cx.G + gsub - 1) / gsub;
-  const int rt = KC_QT / gsub;
+  const int rt = qmax / gsub;
   int64_t u = 0;
   for (int i = 0; i < b->nitems; i++) {
     const attnd_kitem_t *it = &b->items[i];
