@@ -45,6 +45,8 @@ void attnd_log(attnd_log_level_t level, const char *event, const char *fmt, ...)
     va_end(ap);
     if (m > 0)
       n += m;
+    else
+      n--; /* no fields: drop the separator */
   }
   if ((size_t)n > sizeof(line) - 2)
     n = (int)sizeof(line) - 2;
