@@ -203,11 +203,14 @@ struct attnd_metrics_s {
   uint64_t start_ns;
   int port;
   int open_handles;   /* listener + connections not yet closed */
+  int nconns;         /* open HTTP connections */
   int closing;
   struct hconn_s *conns;
   void (*close_cb)(void *arg);
   void *close_arg;
 };
+
+#define ATTND_METRICS_MAX_CONNS 64
 
 typedef struct hconn_s {
   uv_tcp_t tcp;
@@ -241,6 +244,7 @@ static void handle_closed(attnd_metrics_t *m) {
 static void hconn_close_cb(uv_handle_t *h) {
   hconn_t *c = h->data;
   attnd_metrics_t *m = c->m;
+  m->nconns--;
   free(c);
   handle_closed(m);
 }
@@ -364,11 +368,18 @@ static void on_http_conn(uv_stream_t *server, int status) {
   uv_tcp_init(m->loop, &c->tcp);
   c->tcp.data = c;
   m->open_handles++;
+  m->nconns++;
   c->next = m->conns;
   if (m->conns)
     m->conns->prev = c;
   m->conns = c;
   if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) {
+    hconn_close(c);
+    return;
+  }
+  /* Scrapers send one request and leave; a pile of idle connections is
+   * someone else, and is not served. */
+  if (m->nconns > ATTND_METRICS_MAX_CONNS) {
     hconn_close(c);
     return;
   }
