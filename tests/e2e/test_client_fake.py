@@ -84,6 +84,23 @@ class PythonClientTest(FakeCase):
             c.health()
         self.assertEqual(len(seen), 1)
 
+    def test_session_context_manager(self):
+        with attnd.Client(self.path, timeout=10) as c:
+            with c.session([1, 2, 3]) as s:
+                self.assertEqual(s.cached_len, 0)
+                self.assertIn(s.id, [x.session for x in c.list_sessions()])
+                child = s.fork()
+                child.truncate(1)
+                child.close()
+                child.close()  # idempotent
+            self.assertEqual(c.list_sessions(), [])
+        with attnd.Client(self.path, timeout=10, on_epoch_change="flag") as c:
+            s = c.session([1])
+            self.fake.restart()
+            c.health()
+            self.assertTrue(s.stale())
+            s.close()  # a stale session is not closed on the new daemon
+
     def test_numpy_in_and_out(self):
         m = self.fake.m
         rng = np.random.default_rng(3)

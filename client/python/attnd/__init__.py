@@ -9,7 +9,7 @@
             out = c.step(layer, q, k, v, plan=plan).out
 """
 from .client import (BFLOAT16, DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, Client, Item,
-                     Mask, StepResult, bf16_to_f32, default_socket, f32_to_bf16, round_bf16)
+                     Mask, Session, StepResult, bf16_to_f32, default_socket, f32_to_bf16, round_bf16)
 from .errors import (Aborted, AlreadyExists, AttndConnectionError, AttndError, Cancelled, DataLoss,
                      DeadlineExceeded, EpochChanged, FailedPrecondition, Internal, InvalidArgument,
                      NotFound, OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,

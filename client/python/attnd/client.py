@@ -196,6 +196,43 @@ def _tensor_to_numpy(t, bf16="auto"):
     raise errors.AttndError(f"response tensor has unknown dtype {t.dtype}", code=13)
 
 
+class Session:
+    """A session opened by Client.session(): closes itself when used as a context
+    manager, and knows the epoch it was opened under (stale() after a restart)."""
+
+    def __init__(self, client, session, cached_len):
+        self.client = client
+        self.id = session
+        self.cached_len = cached_len
+        self.epoch = client.epoch
+        self.closed = False
+
+    def stale(self):
+        """True once the daemon restarted: the session is gone, replay its tokens."""
+        return self.client.epoch != self.epoch
+
+    def fork(self):
+        return Session(self.client, self.client.fork(self.id), 0)
+
+    def truncate(self, length):
+        self.client.truncate(self.id, length)
+
+    def close(self):
+        if not self.closed and not self.stale():
+            self.closed = True
+            self.client.close_session(self.id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.close()
+        except errors.AttndError:
+            if exc[0] is None:
+                raise
+
+
 class Client:
     """One connection to attnd.
 
@@ -386,6 +423,11 @@ class Client:
         r = self.call(req).open_session
         self._session_epoch[r.session] = self.epoch
         return r.session, r.cached_len
+
+    def session(self, tokens=None, salt=b""):
+        """Opens a session and returns it as a Session (a context manager)."""
+        sid, cached = self.open_session(tokens, salt)
+        return Session(self, sid, cached)
 
     def session_epoch(self, session):
         """The epoch a session was opened under (None when the daemon restarted since)."""
