@@ -20,19 +20,24 @@ BUILD_DIR = os.environ.get("ATTND_BUILD_DIR", "")
 SOURCE_DIR = os.environ.get("ATTND_SOURCE_DIR",
                             os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-# Small shapes so every test runs in seconds on the CPU backend.
-SMALL_SHAPE = ["--backend", "cpu", "--kv-memory", "64M", "--layers", "2", "--q-heads", "4",
+# Small shapes so every test runs in seconds on the CPU backend. ATTND_E2E_BACKEND=cuda
+# runs the same suite on a GPU (ATTND_BIN and ATTND_ATTNCTL name binaries built elsewhere).
+BACKEND = os.environ.get("ATTND_E2E_BACKEND", "cpu")
+SMALL_SHAPE = ["--backend", BACKEND, "--kv-memory", "64M", "--layers", "2", "--q-heads", "4",
                "--kv-heads", "2", "--head-dim", "64", "--block-size", "16"]
 
 
+def _exe(env, *rel):
+    p = os.environ.get(env) or (os.path.join(BUILD_DIR, *rel) if BUILD_DIR else "")
+    return p if p and os.access(p, os.X_OK) else None
+
+
 def daemon_binary():
-    p = os.environ.get("ATTND_BIN") or os.path.join(BUILD_DIR, "daemon", "attnd")
-    return p if BUILD_DIR and os.access(p, os.X_OK) else None
+    return _exe("ATTND_BIN", "daemon", "attnd")
 
 
 def attnctl_binary():
-    p = os.path.join(BUILD_DIR, "client", "attnctl")
-    return p if BUILD_DIR and os.access(p, os.X_OK) else None
+    return _exe("ATTND_ATTNCTL", "client", "attnctl")
 
 
 class Daemon:

@@ -9,7 +9,7 @@ import tempfile
 import attnd
 from attnd.client import pb
 
-from harness import DaemonTestCase
+from harness import BACKEND, DaemonTestCase
 
 
 class HealthTest(DaemonTestCase):
@@ -17,7 +17,7 @@ class HealthTest(DaemonTestCase):
         with self.daemon.client() as c:
             h = c.health()
         self.assertEqual(h.status, "serving")
-        self.assertEqual(h.backend, "cpu")
+        self.assertEqual(h.backend, BACKEND)
         m = h.model
         self.assertEqual((m.layers, m.q_heads, m.kv_heads, m.head_dim, m.block_size), (2, 4, 2, 64, 16))
         self.assertIn(m.dtype, ("bf16", "fp16"))

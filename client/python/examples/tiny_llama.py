@@ -226,17 +226,18 @@ def generate(client, prompt_len=12, new_tokens=24, seed=0, verbose=True):
     return res
 
 
-SMALL = ["--backend", "cpu", "--kv-memory", "64M", "--layers", "2", "--q-heads", "4",
+SMALL = ["--kv-memory", "64M", "--layers", "2", "--q-heads", "4",
          "--kv-heads", "2", "--head-dim", "64", "--block-size", "16"]
 
 
-def spawn(binary):
+def spawn(binary, backend="cpu"):
     """Starts a small daemon in a temporary directory; returns (process, socket, tmpdir)."""
     tmp = tempfile.mkdtemp(prefix="tiny-llama-")
     sock = os.path.join(tmp, "attnd.sock")
     log = open(os.path.join(tmp, "attnd.log"), "wb")
     proc = subprocess.Popen([binary, "--socket", sock, "--listen", "127.0.0.1:0", "--metrics", "",
-                             "--state-dir", tmp] + SMALL, stdout=log, stderr=subprocess.STDOUT)
+                             "--state-dir", tmp, "--backend", backend] + SMALL,
+                            stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -259,6 +260,7 @@ def main(argv=None):
     g.add_argument("--socket", help="attnd's Unix socket (default: the standard lookup)")
     g.add_argument("--tcp", help="attnd's HOST:PORT")
     g.add_argument("--spawn", metavar="ATTND", help="start this attnd binary with a small shape")
+    ap.add_argument("--backend", default="cpu", help="backend of a --spawn'ed daemon (cpu|cuda)")
     ap.add_argument("--prompt", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
@@ -269,7 +271,7 @@ def main(argv=None):
         if not os.access(a.spawn, os.X_OK):
             print(f"SKIP: {a.spawn} is not built yet")
             return SKIP
-        proc, addr, tmp = spawn(a.spawn)
+        proc, addr, tmp = spawn(a.spawn, a.backend)
     try:
         with attnd.Client(addr, timeout=60) as c:
             generate(c, a.prompt, a.tokens, a.seed)
