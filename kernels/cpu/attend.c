@@ -39,7 +39,8 @@
 #define KC_Q_FLOATS 8192     /* query vectors per unit * head_dim (stack: q and acc) */
 #define KC_CHUNK_FLOATS 4096 /* keys per chunk * head_dim */
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) &&                          \
+    !defined(__SANITIZE_ADDRESS__) && !defined(ATTND_KC_BASELINE)
 /* x86-64-v3 (AVX2 + FMA) and a baseline clone, picked at load time by CPU
  * features, so one binary runs on any x86-64. Contraction into FMA is allowed
  * here only: attention has no bit-exact contract (write.c does, and keeps
