@@ -541,7 +541,9 @@ typedef struct {
   const attnd_v1_HealthResponse *h;
   const uint16_t *pool; /* random bf16 values */
   size_t pool_elems;
-  lat_t step_lat; /* one layer step, seconds */
+  lat_t step_lat;    /* one layer step, seconds */
+  lat_t srv_total;   /* the daemon's Timing.total_us of each decode layer step, seconds */
+  lat_t srv_compute; /* its Timing.computing_us */
 } bench_t;
 
 static const uint16_t *pool_at(bench_t *b, size_t elems) {
@@ -606,6 +608,10 @@ static int bench_pass(bench_t *b, const attnd_client_item_t *items, size_t nitem
         return EXIT_DAEMON;
       }
       lat_add(&b->step_lat, now_s() - sent[done]);
+      if (r.msg.has_timing) {
+        lat_add(&b->srv_total, (double)r.msg.timing.total_us * 1e-6);
+        lat_add(&b->srv_compute, (double)r.msg.timing.computing_us * 1e-6);
+      }
     }
     attnd_client_resp_free(&r);
     done++;
@@ -621,9 +627,12 @@ static int bench_pass(bench_t *b, const attnd_client_item_t *items, size_t nitem
 static void print_lat_row(const char *name, lat_t *l, double wall, double tokens_per_unit) {
   if (l->n) /* qsort(NULL, 0) is undefined */
     qsort(l->v, l->n, sizeof(double), cmp_double);
-  printf("%-16s %8zu %10.3f %10.3f %10.3f %10.1f %12.1f\n", name, l->n, lat_pct(l, 50) * 1e3,
-         lat_pct(l, 99) * 1e3, l->n ? l->v[l->n - 1] * 1e3 : NAN,
-         wall > 0 ? (double)l->n / wall : 0, wall > 0 ? tokens_per_unit * (double)l->n / wall : 0);
+  printf("%-16s %8zu %10.3f %10.3f %10.3f", name, l->n, lat_pct(l, 50) * 1e3, lat_pct(l, 99) * 1e3,
+         l->n ? l->v[l->n - 1] * 1e3 : NAN);
+  if (wall > 0) /* rates only for rows measured against the wall clock */
+    printf(" %10.1f %12.1f\n", (double)l->n / wall, tokens_per_unit * (double)l->n / wall);
+  else
+    printf(" %10s %12s\n", "-", "-");
 }
 
 static void json_lat(const char *name, lat_t *l, double wall, double tokens_per_unit, int *first) {
@@ -721,6 +730,7 @@ static int cmd_bench(attnd_client_t *c, const opts_t *o) {
     t_prefill = now_s() - t0;
     prefill_steps = b.step_lat;
     memset(&b.step_lat, 0, sizeof(b.step_lat));
+    b.srv_total.n = b.srv_compute.n = 0; /* server timings are reported for decode only */
     if (tty)
       fprintf(stderr, "prefill: %d sessions x %u tokens in %.3f s\n", S, P, t_prefill);
   }
@@ -764,6 +774,8 @@ static int cmd_bench(attnd_client_t *c, const opts_t *o) {
     json_lat("prefill", &prefill, t_prefill, (double)prefill_rows, &f);
     json_lat("prefill_layer_step", &prefill_steps, t_prefill, (double)prefill_rows / L, &f);
     json_lat("decode_layer_step", &b.step_lat, t_decode, (double)S / L, &f);
+    json_lat("decode_layer_server_total", &b.srv_total, t_decode, (double)S / L, &f);
+    json_lat("decode_layer_server_compute", &b.srv_compute, t_decode, (double)S / L, &f);
     json_lat("decode_token", &decode, t_decode, (double)S, &f);
     printf("}\n");
   } else {
@@ -775,6 +787,11 @@ static int cmd_bench(attnd_client_t *c, const opts_t *o) {
     print_lat_row("prefill", &prefill, t_prefill, (double)prefill_rows);
     print_lat_row("prefill layer", &prefill_steps, t_prefill, (double)prefill_rows / L);
     print_lat_row("decode layer", &b.step_lat, t_decode, (double)S / L);
+    if (b.srv_total.n) {
+      /* Where the time goes: the daemon's own view of the same steps. */
+      print_lat_row("  in daemon", &b.srv_total, 0, 0);
+      print_lat_row("  computing", &b.srv_compute, 0, 0);
+    }
     print_lat_row("decode token", &decode, t_decode, (double)S);
   }
 
@@ -785,6 +802,8 @@ out:
   free(decode.v);
   free(prefill_steps.v);
   free(b.step_lat.v);
+  free(b.srv_total.v);
+  free(b.srv_compute.v);
   free(pool);
   free(sess);
   free(cached);
