@@ -1064,6 +1064,12 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   for (uint32_t i = 0; i < p->nitems; i++) {
     pitem_t *it = &p->items[i];
     attnd_session_t *s = it->s;
+    if (s->broken) {
+      snprintf(msg, sizeof(msg), "item %u: session %016llx lost its KV in a backend fault", i,
+               (unsigned long long)s->id);
+      rc = ATTND_EABORTED;
+      goto fail;
+    }
     if (it->start > s->len[layer]) {
       snprintf(msg, sizeof(msg), "item %u: start %u > len %u", i, it->start, s->len[layer]);
       rc = ATTND_EINVAL;

@@ -1276,9 +1276,13 @@ static void test_backend_fault(void **state) {
   plan_all_layers(f, &pb, 1);
   spec_t da = {.sim = a, .start = 20, .n = 1};
   char msg[256];
-  assert_int_equal(step_ex(f, 0, &da, 1, 0, 1, NULL, msg, NULL), 0);
+  uint64_t pl;
+  assert_int_equal(make_plan(f, &da, 1, 1, &pl, msg), 0);
+  assert_int_equal(step_ex(f, 0, &da, 1, pl, 1, NULL, msg, NULL), 0);
   attnd_backend_cpu_fail_next = 1;
-  expect(f, step_ex(f, 1, &da, 1, 0, 1, NULL, msg, NULL), ATTND_EABORTED, msg, NULL);
+  expect(f, step_ex(f, 1, &da, 1, pl, 1, NULL, msg, NULL), ATTND_EABORTED, msg, NULL);
+  /* The plan is still live; its next layer finds the session broken. */
+  expect(f, step_ex(f, 2, &da, 1, pl, 1, NULL, msg, NULL), ATTND_EABORTED, msg, "item 0");
   expect(f, step_ex(f, 1, &da, 1, 0, 1, NULL, msg, NULL), ATTND_EABORTED, msg, "item 0");
   assert_int_equal(simple_call(f, 1, a->id, 0, NULL), ATTND_EABORTED);
   assert_int_equal(simple_call(f, 2, a->id, 0, NULL), ATTND_EABORTED);
