@@ -96,6 +96,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->max_plans = 64;
   c->threads = 0;
   c->prefix_cache = 1;
+  c->hello_timeout_ms = 10000;
 }
 
 /* Integer in [lo, hi]. */
@@ -254,6 +255,7 @@ static int set_option(attnd_config_t *c, const char *prefix, const char *name_in
   INT("max-sessions", max_sessions, 1, 1 << 30)
   INT("max-plans", max_plans, 1, 1 << 16)
   INT("threads", threads, 0, 4096)
+  INT("hello-timeout", hello_timeout_ms, 1, 1 << 30)
   SIZE("kv-memory", kv_memory)
   SIZE("max-frame", max_frame)
   SIZE("max-inflight", max_inflight)
@@ -473,6 +475,7 @@ const char *attnd_config_usage(void) {
          "  --max-frame BYTES      largest frame, default 512M (< 2G)\n"
          "  --max-inflight BYTES   in-flight bytes per connection before reading stops, default 1G\n"
          "  --max-connections N    default 1024\n"
+         "  --hello-timeout MS     off-loopback TCP clients must send Hello within this, default 10000\n"
          "Engine:\n"
          "  --backend auto|cpu|cuda  --device N  --threads N (CPU workers, 0 = cores)\n"
          "  --kv-memory BYTES      KV pool size (K/M/G suffix); default 1G CPU, 90% free GPU memory\n"

@@ -47,6 +47,10 @@ typedef struct {
   int check_config;         /* --check-config: validate, then exit 0 or 2 */
   int show_help;            /* --help */
   int show_version;         /* --version */
+
+  /* Off-loopback TCP connections that send no Hello within this many
+   * milliseconds are closed, so they cannot hold --max-connections slots. */
+  int hello_timeout_ms;     /* --hello-timeout, default 10000 */
 } attnd_config_t;
 
 /* Fills built-in defaults (environment-dependent paths included). */

@@ -45,6 +45,7 @@ struct conn_s {
   int in_feed;              /* inside the frame reader: no re-entry */
   int close_when_flushed;   /* close once every queued response is written */
   int counted;              /* counts against --max-connections */
+  uint64_t accepted_ms;     /* uv_now() at accept, for the Hello deadline */
 };
 
 typedef struct {
@@ -68,7 +69,8 @@ struct attnd_server_s {
   int open;                 /* listeners + connections not yet freed */
   int draining, finishing, done;
   uv_timer_t drain_timer;
-  int timer_active;
+  uv_timer_t hello_timer;   /* closes off-loopback connections that never say Hello */
+  int has_hello_timer;
   void (*drain_cb)(void *arg);
   void *drain_arg;
   attnd_server_stats_t st;
@@ -303,6 +305,7 @@ static conn_t *conn_new(attnd_server_t *s, int is_tcp) {
   else
     uv_pipe_init(s->loop, &c->h.pipe, 0);
   c->h.handle.data = c;
+  c->accepted_ms = uv_now(s->loop);
   attnd_frame_reader_init(&c->fr, s->cfg->max_frame);
   s->open++;
   c->next = s->conns;
@@ -401,6 +404,23 @@ static void on_tcp_conn(uv_stream_t *server, int status) {
   }
   /* Off loopback, Hello{token} must come first (DESIGN.md section 7). */
   conn_start(s, c, ATTND_IDENTITY_ANON, !loop, name);
+}
+
+/* Off-loopback connections get --hello-timeout to authenticate; after that
+ * they are told so and closed. */
+static void hello_sweep_cb(uv_timer_t *t) {
+  attnd_server_t *s = t->data;
+  uint64_t now = uv_now(s->loop);
+  conn_t *c = s->conns;
+  while (c) {
+    conn_t *next = c->next;
+    if (c->rc.need_hello && !c->close_when_flushed &&
+        now - c->accepted_ms >= (uint64_t)s->cfg->hello_timeout_ms) {
+      ATTND_LOGI("hello_timeout", "conn=%llu", (unsigned long long)c->rc.id);
+      attnd_rpc_send_error(&c->rc, 0, ATTND_EUNAUTH, "no Hello{token} in time", 1);
+    }
+    c = next;
+  }
 }
 
 /* ---- listeners ------------------------------------------------------------------ */
@@ -546,6 +566,16 @@ static int start_tcp(attnd_server_t *s, char *err, size_t errlen) {
   s->tcp_port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
                                                   : ((struct sockaddr_in *)&bound)->sin_port);
   s->rpc.tcp_port = s->tcp_port;
+  uint64_t period = (uint64_t)s->cfg->hello_timeout_ms / 4;
+  if (period < 10)
+    period = 10;
+  if (period > 1000)
+    period = 1000;
+  uv_timer_init(s->loop, &s->hello_timer);
+  s->hello_timer.data = s;
+  s->has_hello_timer = 1;
+  s->open++;
+  uv_timer_start(&s->hello_timer, hello_sweep_cb, period, period);
   ATTND_LOGI("listening", "tcp=%s port=%d", host, s->tcp_port);
   return 0;
 }
@@ -560,6 +590,10 @@ static void close_listeners(attnd_server_t *s) {
   if (s->has_tcp) {
     s->has_tcp = 0;
     uv_close((uv_handle_t *)&s->tcp_l, listener_close_cb);
+  }
+  if (s->has_hello_timer) {
+    s->has_hello_timer = 0;
+    uv_close((uv_handle_t *)&s->hello_timer, listener_close_cb);
   }
 }
 

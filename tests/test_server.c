@@ -922,6 +922,7 @@ static char nonloop_ip[64];
 static void tweak_any(attnd_config_t *c) {
   snprintf(c->listen, sizeof(c->listen), "0.0.0.0:0");
   snprintf(c->token_file, sizeof(c->token_file), "/tmp/attnd-test-srv-token");
+  c->hello_timeout_ms = 200;
 }
 
 static void test_tcp_hello_off_loopback(void **state) {
@@ -969,8 +970,17 @@ static void test_tcp_hello_off_loopback(void **state) {
   assert_int_equal(r.status.code, 0);
   health_ok(c, 3, &r);
   close(c);
-  /* Loopback needs no Hello. */
+  /* Loopback needs no Hello, even after the Hello deadline. */
   c = connect_tcp_addr("127.0.0.1", h->tcp_port);
+  /* Silence off loopback: closed at the Hello deadline. */
+  int idle = connect_tcp_addr(nonloop_ip, h->tcp_port);
+  double t0 = now_s();
+  assert_int_equal(recv_resp(idle, &r), 0);
+  assert_int_equal(r.status.code, ATTND_STATUS_UNAUTHENTICATED);
+  expect_eof(idle);
+  double waited = now_s() - t0;
+  assert_true(waited > 0.1 && waited < 2.0);
+  close(idle);
   health_ok(c, 4, &r);
   close(c);
   h_down(h);
