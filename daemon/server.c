@@ -391,6 +391,8 @@ static void on_tcp_conn(uv_stream_t *server, int status) {
     return;
   }
   uv_tcp_nodelay(&c->h.tcp, 1);
+  /* A peer that vanished without a FIN is noticed, and its slot freed. */
+  uv_tcp_keepalive(&c->h.tcp, 1, 60);
   struct sockaddr_storage peer;
   int pl = sizeof(peer);
   int loop = 0;
