@@ -64,7 +64,9 @@ struct cpu_backend_s {
   int inflight;
 };
 
-static uint64_t now_us(void) { return uv_hrtime() / 1000; }
+static uint64_t now_us(void) {
+  return uv_hrtime() / 1000;
+}
 
 static void run_start(run_t *r);
 
@@ -232,7 +234,9 @@ static int cpu_set_scales(attnd_backend_t *base, int layer, const float *k_scale
   return 0;
 }
 
-static int cpu_inflight(attnd_backend_t *base) { return ((cpu_backend_t *)base)->inflight; }
+static int cpu_inflight(attnd_backend_t *base) {
+  return ((cpu_backend_t *)base)->inflight;
+}
 
 static void cpu_describe(attnd_backend_t *base, char *device, size_t len, uint64_t *mem, int *cc) {
   char model[96] = "cpu";

@@ -118,7 +118,9 @@ int32_t attnd_blocks_lru_leaf(const attnd_blocks_t *p) {
   return -1;
 }
 
-uint32_t attnd_blocks_used(const attnd_blocks_t *p) { return p->n - p->nfree - p->nlru; }
+uint32_t attnd_blocks_used(const attnd_blocks_t *p) {
+  return p->n - p->nfree - p->nlru;
+}
 
 int attnd_blocks_check(const attnd_blocks_t *p, char *err, size_t errlen) {
   uint8_t *seen = calloc(p->n ? p->n : 1, 1);

@@ -151,7 +151,9 @@ static uint32_t nblocks_for(const attnd_engine_t *e, uint64_t len) {
   return (uint32_t)((len + e->bs - 1) / e->bs);
 }
 
-static uint64_t now_ms(attnd_engine_t *e) { return uv_now(e->loop); }
+static uint64_t now_ms(attnd_engine_t *e) {
+  return uv_now(e->loop);
+}
 
 /* ---- plans --------------------------------------------------------------- */
 
@@ -238,8 +240,8 @@ static int plan_build(attnd_engine_t *e, uint64_t identity, const attnd_item_t *
     }
     uint64_t kv_len = (uint64_t)it->start + it->n;
     if (kv_len > (uint64_t)e->cfg.max_context) {
-      snprintf(msg, msglen, "item %u: start+n %llu > max_context %d", i,
-               (unsigned long long)kv_len, e->cfg.max_context);
+      snprintf(msg, msglen, "item %u: start+n %llu > max_context %d", i, (unsigned long long)kv_len,
+               e->cfg.max_context);
       rc = ATTND_ERANGE;
       goto fail;
     }
@@ -620,11 +622,11 @@ static void publish(attnd_engine_t *e, attnd_session_t *s) {
   while (s->npub < nfull) {
     uint32_t b = s->npub;
     const uint32_t *tok = &s->tokens[(size_t)b * e->bs];
-    attnd_h128_t h = attnd_prefix_hash(e->px, parent_hash(e, s, b), s->identity, s->salt,
-                                       s->saltlen, tok);
+    attnd_h128_t h =
+        attnd_prefix_hash(e->px, parent_hash(e, s, b), s->identity, s->salt, s->saltlen, tok);
     int32_t parent = b == 0 ? -1 : s->table[b - 1];
-    int32_t got = attnd_prefix_publish(e->px, s->table[b], h, parent, s->identity, s->salt,
-                                       s->saltlen, tok);
+    int32_t got =
+        attnd_prefix_publish(e->px, s->table[b], h, parent, s->identity, s->salt, s->saltlen, tok);
     if (got < 0)
       break; /* the block belongs to another chain: publishing stops here */
     if (got != s->table[b]) {
@@ -1298,8 +1300,8 @@ static void persist_done(uv_work_t *w, int status) {
 static void update_fingerprint(attnd_engine_t *e) {
   uint64_t *v = xcalloc((size_t)e->layers, sizeof(uint64_t));
   attnd_scales_versions(&e->sc, v);
-  attnd_prefix_set_fingerprint(
-      e->px, attnd_prefix_fingerprint(&e->shape, e->layers, e->cfg.model_id, v));
+  attnd_prefix_set_fingerprint(e->px,
+                               attnd_prefix_fingerprint(&e->shape, e->layers, e->cfg.model_id, v));
   free(v);
 }
 
@@ -1394,8 +1396,8 @@ static void idle_cb(uv_timer_t *t) {
 
 /* ---- lifetime ------------------------------------------------------------ */
 
-int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_t *cfg,
-                      char *err, size_t errlen) {
+int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_t *cfg, char *err,
+                      size_t errlen) {
   attnd_engine_t *e = calloc(1, sizeof(*e));
   if (!e)
     return ATTND_ENOMEM;
@@ -1424,11 +1426,11 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
     goto fail_shape;
   }
   if (use_cuda)
-    rc = attnd_backend_cuda_create(&e->be, loop, &e->shape, e->layers, cfg->kv_memory,
-                                   cfg->device, err, errlen);
+    rc = attnd_backend_cuda_create(&e->be, loop, &e->shape, e->layers, cfg->kv_memory, cfg->device,
+                                   err, errlen);
   else
-    rc = attnd_backend_cpu_create(&e->be, loop, &e->shape, e->layers, cfg->kv_memory,
-                                  cfg->threads, err, errlen);
+    rc = attnd_backend_cpu_create(&e->be, loop, &e->shape, e->layers, cfg->kv_memory, cfg->threads,
+                                  err, errlen);
   if (rc)
     goto fail_shape;
   if ((rc = attnd_blocks_init(&e->pool, e->be->num_blocks)) != 0)
@@ -1542,8 +1544,8 @@ void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st) {
   st->blocks_cached = e->pool.nlru;
 }
 
-uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity,
-                                    attnd_session_info_t *out, uint32_t max) {
+uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_session_info_t *out,
+                                    uint32_t max) {
   uint32_t n = 0;
   uint64_t now = now_ms(e);
   for (attnd_session_t *s = e->shead; s; s = s->next) {
@@ -1619,8 +1621,7 @@ int attnd_engine_check(attnd_engine_t *e, char *err, size_t errlen) {
     }
   }
   if (npub != attnd_prefix_count(e->px)) {
-    snprintf(err, errlen, "%u published blocks, index holds %u", npub,
-             attnd_prefix_count(e->px));
+    snprintf(err, errlen, "%u published blocks, index holds %u", npub, attnd_prefix_count(e->px));
     goto out;
   }
   rc = 0;

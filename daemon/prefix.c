@@ -13,8 +13,8 @@ int attnd_prefix_test_force_collision = 0;
 typedef struct {
   attnd_h128_t h;
   attnd_h128_t fp;
-  int32_t parent;   /* -1: first block of a sequence */
-  int32_t next;     /* next entry in the same bucket */
+  int32_t parent; /* -1: first block of a sequence */
+  int32_t next;   /* next entry in the same bucket */
   uint64_t identity;
   uint8_t saltlen;
   uint8_t salt[ATTND_PREFIX_MAX_SALT];
@@ -75,8 +75,11 @@ attnd_h128_t attnd_prefix_fingerprint(const attnd_kshape_t *s, int layers, const
     abort();
   XXH3_128bits_reset(st);
   /* Field by field, so struct padding never enters the hash. */
-  int32_t f[10] = {layers,         s->q_heads,      s->kv_heads, s->head_dim, s->block_size,
-                   (int32_t)s->dtype, (int32_t)s->kv, (int32_t)s->rope, s->rotary_dim, 0};
+  int32_t f[10] = {layers,         s->q_heads,
+                   s->kv_heads,    s->head_dim,
+                   s->block_size,  (int32_t)s->dtype,
+                   (int32_t)s->kv, (int32_t)s->rope,
+                   s->rotary_dim,  0};
   XXH3_128bits_update(st, f, sizeof(f));
   XXH3_128bits_update(st, &s->rope_theta, sizeof(s->rope_theta));
   XXH3_128bits_update(st, &s->softmax_scale, sizeof(s->softmax_scale));
@@ -90,7 +93,9 @@ attnd_h128_t attnd_prefix_fingerprint(const attnd_kshape_t *s, int layers, const
   return h;
 }
 
-void attnd_prefix_set_fingerprint(attnd_prefix_t *px, attnd_h128_t fp) { px->fp = fp; }
+void attnd_prefix_set_fingerprint(attnd_prefix_t *px, attnd_h128_t fp) {
+  px->fp = fp;
+}
 
 attnd_h128_t attnd_prefix_hash(const attnd_prefix_t *px, attnd_h128_t parent, uint64_t identity,
                                const uint8_t *salt, size_t saltlen, const uint32_t *tokens) {
@@ -111,19 +116,19 @@ attnd_h128_t attnd_prefix_hash(const attnd_prefix_t *px, attnd_h128_t parent, ui
   return to_h(XXH3_128bits_digest(&st));
 }
 
-static int h_eq(attnd_h128_t a, attnd_h128_t b) { return a.lo == b.lo && a.hi == b.hi; }
+static int h_eq(attnd_h128_t a, attnd_h128_t b) {
+  return a.lo == b.lo && a.hi == b.hi;
+}
 
 static uint32_t bucket_of(const attnd_prefix_t *px, attnd_h128_t h) {
   return (uint32_t)(h.lo ^ (h.hi >> 7)) & (px->nbuckets - 1);
 }
 
 static int matches(const attnd_prefix_t *px, int32_t id, attnd_h128_t h, int32_t parent,
-                   uint64_t identity, const uint8_t *salt, size_t saltlen,
-                   const uint32_t *tokens) {
+                   uint64_t identity, const uint8_t *salt, size_t saltlen, const uint32_t *tokens) {
   const entry_t *e = &px->ent[id];
-  return h_eq(e->h, h) && h_eq(e->fp, px->fp) && e->parent == parent &&
-         e->identity == identity && e->saltlen == saltlen &&
-         (saltlen == 0 || memcmp(e->salt, salt, saltlen) == 0) &&
+  return h_eq(e->h, h) && h_eq(e->fp, px->fp) && e->parent == parent && e->identity == identity &&
+         e->saltlen == saltlen && (saltlen == 0 || memcmp(e->salt, salt, saltlen) == 0) &&
          memcmp(&px->tokens[(size_t)id * px->bs], tokens, sizeof(uint32_t) * px->bs) == 0;
 }
 
@@ -165,7 +170,9 @@ int32_t attnd_prefix_publish(attnd_prefix_t *px, int32_t id, attnd_h128_t h, int
   return id;
 }
 
-attnd_h128_t attnd_prefix_block_hash(const attnd_prefix_t *px, int32_t id) { return px->ent[id].h; }
+attnd_h128_t attnd_prefix_block_hash(const attnd_prefix_t *px, int32_t id) {
+  return px->ent[id].h;
+}
 
 /* Takes id out of its bucket chain and out of its parent's child count. */
 static void unlink_entry(attnd_prefix_t *px, int32_t id) {
@@ -207,4 +214,6 @@ void attnd_prefix_drop_all(attnd_prefix_t *px) {
   px->count = 0;
 }
 
-uint32_t attnd_prefix_count(const attnd_prefix_t *px) { return px->count; }
+uint32_t attnd_prefix_count(const attnd_prefix_t *px) {
+  return px->count;
+}

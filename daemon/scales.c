@@ -190,8 +190,12 @@ static void put(wbuf_t *w, const void *d, size_t n) {
   w->len += n;
 }
 
-static void put_u32(wbuf_t *w, uint32_t x) { put(w, &x, sizeof(x)); }
-static void put_u64(wbuf_t *w, uint64_t x) { put(w, &x, sizeof(x)); }
+static void put_u32(wbuf_t *w, uint32_t x) {
+  put(w, &x, sizeof(x));
+}
+static void put_u64(wbuf_t *w, uint64_t x) {
+  put(w, &x, sizeof(x));
+}
 
 int attnd_scales_serialize(const attnd_scales_t *s, uint8_t **buf, size_t *len) {
   wbuf_t w = {0};

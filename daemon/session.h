@@ -30,10 +30,10 @@ struct attnd_session_s {
   uint8_t salt[64];
   uint32_t saltlen;
   uint64_t last_used_ms;
-  void *plan; /* the live plan touching this session (at most one) */
-  uint32_t ntok;  /* token ids known: positions 0..ntok-1 (may exceed len[0]) */
-  uint64_t mark;  /* scratch for the engine: finds a session named twice in one call */
-  int broken;     /* a step on it failed in the backend: its KV is unknown (ABORTED) */
+  void *plan;    /* the live plan touching this session (at most one) */
+  uint32_t ntok; /* token ids known: positions 0..ntok-1 (may exceed len[0]) */
+  uint64_t mark; /* scratch for the engine: finds a session named twice in one call */
+  int broken;    /* a step on it failed in the backend: its KV is unknown (ABORTED) */
   attnd_session_t *prev, *next; /* the engine's list of sessions */
 };
 

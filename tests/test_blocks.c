@@ -39,7 +39,8 @@ static void test_alloc_free(void **state) {
 static void test_lru(void **state) {
   attnd_blocks_t p;
   assert_int_equal(attnd_blocks_init(&p, 3), 0);
-  int32_t a = attnd_blocks_alloc(&p, 1), b = attnd_blocks_alloc(&p, 1), c = attnd_blocks_alloc(&p, 1);
+  int32_t a = attnd_blocks_alloc(&p, 1), b = attnd_blocks_alloc(&p, 1),
+          c = attnd_blocks_alloc(&p, 1);
   attnd_blocks_set_published(&p, a, 1);
   attnd_blocks_set_published(&p, b, 1);
   p.b[a].nchildren = 1; /* b continues a */

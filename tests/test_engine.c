@@ -105,9 +105,16 @@ static double tol_for(attnd_kv_type_t kv) {
 
 static void fx_config(fx_t *f, attnd_kv_type_t kv, uint32_t blocks) {
   memset(&f->cfg, 0, sizeof(f->cfg));
-  attnd_kshape_t s = {.q_heads = QH, .kv_heads = KVH, .head_dim = HD, .block_size = BS,
-                      .dtype = ATTND_DT_BF16, .kv = kv, .rope = ATTND_ROPE_NEOX,
-                      .rope_theta = 10000.0, .rotary_dim = HD, .softmax_scale = 0.125f};
+  attnd_kshape_t s = {.q_heads = QH,
+                      .kv_heads = KVH,
+                      .head_dim = HD,
+                      .block_size = BS,
+                      .dtype = ATTND_DT_BF16,
+                      .kv = kv,
+                      .rope = ATTND_ROPE_NEOX,
+                      .rope_theta = 10000.0,
+                      .rotary_dim = HD,
+                      .softmax_scale = 0.125f};
   f->cfg.shape = s;
   f->sh = s;
   f->cfg.layers = LAYERS;
@@ -128,7 +135,9 @@ static void fx_start(fx_t *f) {
     fail_msg("engine init: %s", err);
 }
 
-static void closed_cb(void *arg) { *(int *)arg = 1; }
+static void closed_cb(void *arg) {
+  *(int *)arg = 1;
+}
 
 static void fx_stop(fx_t *f) {
   int closed = 0;
@@ -271,14 +280,15 @@ typedef struct {
   int32_t docs[4];
   int ndocs;
   int32_t *intervals; /* CUSTOM: [4][kv_len], test-owned */
-  int stream; /* > 0: k/v are a function of (stream, position, layer), like a
-               * real model's KV is of the token prefix, so equal prefixes of
-               * different sessions hold equal KV */
+  int stream;         /* > 0: k/v are a function of (stream, position, layer), like a
+                       * real model's KV is of the token prefix, so equal prefixes of
+                       * different sessions hold equal KV */
 } spec_t;
 
 /* Deterministic k and v rows of a stream at a position and layer. */
 static void det_kv(int stream, uint32_t pos, int layer, uint16_t *k, uint16_t *v) {
-  uint64_t st = (uint64_t)stream * 1000003ull + (uint64_t)pos * 7919ull + (uint64_t)layer * 31ull + 1;
+  uint64_t st =
+      (uint64_t)stream * 1000003ull + (uint64_t)pos * 7919ull + (uint64_t)layer * 31ull + 1;
   for (size_t i = 0; i < KVH * HD; i++) {
     oracle_to_dtype(ATTND_DT_BF16, k, i, oracle_rng_normal(&st));
     oracle_to_dtype(ATTND_DT_BF16, v, i, oracle_rng_normal(&st));
@@ -306,15 +316,20 @@ static void build_items(const spec_t *sp, int n, itembuf_t *ib) {
     it->ntokens = sp[i].n;
     if (sp[i].mask == ATTND_WMASK_DOCUMENT) {
       memcpy(ib->docbuf[i], sp[i].docs, sizeof(sp[i].docs));
-      it->doc_lengths = (attnd_tensor_t){.present = 1, .dtype = ATTND_DT_INT32, .ndim = 1,
+      it->doc_lengths = (attnd_tensor_t){.present = 1,
+                                         .dtype = ATTND_DT_INT32,
+                                         .ndim = 1,
                                          .data = (uint8_t *)ib->docbuf[i],
                                          .nbytes = 4 * (size_t)sp[i].ndocs};
       it->doc_lengths.shape[0] = (uint32_t)sp[i].ndocs;
     }
     if (sp[i].mask == ATTND_WMASK_CUSTOM) {
       uint32_t kv = sp[i].start + sp[i].n;
-      it->intervals = (attnd_tensor_t){.present = 1, .dtype = ATTND_DT_INT32, .ndim = 2,
-                                       .data = (uint8_t *)sp[i].intervals, .nbytes = 16 * kv};
+      it->intervals = (attnd_tensor_t){.present = 1,
+                                       .dtype = ATTND_DT_INT32,
+                                       .ndim = 2,
+                                       .data = (uint8_t *)sp[i].intervals,
+                                       .nbytes = 16 * kv};
       it->intervals.shape[0] = 4;
       it->intervals.shape[1] = kv;
     }
@@ -386,10 +401,10 @@ static void oracle_mask(const spec_t *s, int *kind, int *param, int *causal, int
 
 typedef struct {
   int fp32_out, want_lse;
-  int corrupt; /* 1: NaN in k of the last item */
+  int corrupt;          /* 1: NaN in k of the last item */
   int wrong_token_item; /* >= 0: give this item a wrong token id (inline) */
   int bad_dtype;
-  int bad_rows; /* k claims one row more than the items have */
+  int bad_rows;   /* k claims one row more than the items have */
   int odd_offset; /* tensor bytes at an odd address (decoded in place from a frame) */
 } stepopt_t;
 
@@ -454,14 +469,17 @@ static void step_submit(fx_t *f, int layer, const spec_t *sp, int n, uint64_t pl
     saved_tok = sp[opt->wrong_token_item].sim->tokens[sp[opt->wrong_token_item].start];
     sp[opt->wrong_token_item].sim->tokens[sp[opt->wrong_token_item].start] = saved_tok + 1;
   }
-  attnd_step_req_t r = {.layer = (uint32_t)layer, .plan = plan, .want_lse = opt->want_lse,
-                        .fp32_out = opt->fp32_out};
+  attnd_step_req_t r = {
+      .layer = (uint32_t)layer, .plan = plan, .want_lse = opt->want_lse, .fp32_out = opt->fp32_out};
   if (!plan) {
     r.items = ib.items;
     r.nitems = (uint32_t)n;
   }
-  r.k = (attnd_tensor_t){.present = 1, .dtype = opt->bad_dtype ? ATTND_DT_FP16 : ATTND_DT_BF16,
-                         .ndim = 3, .data = (uint8_t *)k, .nbytes = T * kvrow * 2};
+  r.k = (attnd_tensor_t){.present = 1,
+                         .dtype = opt->bad_dtype ? ATTND_DT_FP16 : ATTND_DT_BF16,
+                         .ndim = 3,
+                         .data = (uint8_t *)k,
+                         .nbytes = T * kvrow * 2};
   r.k.shape[0] = T;
   r.k.shape[1] = KVH;
   r.k.shape[2] = HD;
@@ -479,7 +497,10 @@ static void step_submit(fx_t *f, int layer, const spec_t *sp, int n, uint64_t pl
     r.k.data = pd->kodd + 1;
   }
   if (Tq) {
-    r.q = (attnd_tensor_t){.present = 1, .dtype = ATTND_DT_BF16, .ndim = 3, .data = (uint8_t *)q,
+    r.q = (attnd_tensor_t){.present = 1,
+                           .dtype = ATTND_DT_BF16,
+                           .ndim = 3,
+                           .data = (uint8_t *)q,
                            .nbytes = Tq * qrow * 2};
     r.q.shape[0] = Tq;
     r.q.shape[1] = QH;
@@ -526,8 +547,8 @@ static int step_finish(fx_t *f, pend_t *pd, char *msg, uint8_t **out_copy) {
         oracle_mask(&sp[i], &kind, &param, &causal, &iv);
         double *ref = malloc(sp[i].n * qrow * sizeof(double));
         double *lse = malloc(sp[i].n * QH * sizeof(double));
-        oracle_session_attend(&f->sh, os, (int)sp[i].start, (int)sp[i].n, pd->q0 + qr * qrow,
-                              kind, param, causal, iv, ref, lse);
+        oracle_session_attend(&f->sh, os, (int)sp[i].start, (int)sp[i].n, pd->q0 + qr * qrow, kind,
+                              param, causal, iv, ref, lse);
         double err = oracle_rel_l2(ref, opt->fp32_out ? ATTND_DT_FP32 : ATTND_DT_BF16,
                                    x->out + qr * qrow * (opt->fp32_out ? 4 : 2), sp[i].n * qrow);
         if (!(err <= tol))
@@ -628,13 +649,27 @@ static void grow_one(attnd_kv_type_t kv) {
   fx_free(f);
 }
 
-static void test_grow_bf16(void **state) { grow_one(ATTND_KV_BF16); }
-static void test_grow_fp16(void **state) { grow_one(ATTND_KV_FP16); }
-static void test_grow_int8(void **state) { grow_one(ATTND_KV_INT8); }
-static void test_grow_fp8(void **state) { grow_one(ATTND_KV_FP8); }
-static void test_grow_int8_dynamic(void **state) { grow_one(ATTND_KV_INT8_DYNAMIC); }
-static void test_grow_fp8_dynamic(void **state) { grow_one(ATTND_KV_FP8_DYNAMIC); }
-static void test_grow_int4(void **state) { grow_one(ATTND_KV_INT4); }
+static void test_grow_bf16(void **state) {
+  grow_one(ATTND_KV_BF16);
+}
+static void test_grow_fp16(void **state) {
+  grow_one(ATTND_KV_FP16);
+}
+static void test_grow_int8(void **state) {
+  grow_one(ATTND_KV_INT8);
+}
+static void test_grow_fp8(void **state) {
+  grow_one(ATTND_KV_FP8);
+}
+static void test_grow_int8_dynamic(void **state) {
+  grow_one(ATTND_KV_INT8_DYNAMIC);
+}
+static void test_grow_fp8_dynamic(void **state) {
+  grow_one(ATTND_KV_FP8_DYNAMIC);
+}
+static void test_grow_int4(void **state) {
+  grow_one(ATTND_KV_INT4);
+}
 
 /* Several sessions interleaved, mixed prefill and decode in one step, items
  * without q, every mask kind. */
@@ -650,7 +685,11 @@ static void test_mixed_batch(void **state) {
   spec_t p[4] = {
       {.sim = s[0], .start = 0, .n = 37},
       {.sim = s[1], .start = 0, .n = 20, .mask = ATTND_WMASK_SLIDING_WINDOW, .param = 7},
-      {.sim = s[2], .start = 0, .n = 33, .mask = ATTND_WMASK_DOCUMENT, .ndocs = 3,
+      {.sim = s[2],
+       .start = 0,
+       .n = 33,
+       .mask = ATTND_WMASK_DOCUMENT,
+       .ndocs = 3,
        .docs = {10, 15, 8}},
       {.sim = s[3], .start = 0, .n = 18, .kv_only = 1},
   };
@@ -669,10 +708,17 @@ static void test_mixed_batch(void **state) {
   for (int round = 0; round < 3; round++) {
     spec_t m[4] = {
         {.sim = s[0], .start = 37 + (uint32_t)round, .n = 1},
-        {.sim = s[1], .start = 20 + 5 * (uint32_t)round, .n = 5, .mask = ATTND_WMASK_PREFIX_LM,
+        {.sim = s[1],
+         .start = 20 + 5 * (uint32_t)round,
+         .n = 5,
+         .mask = ATTND_WMASK_PREFIX_LM,
          .param = 12},
         {.sim = s[2], .start = 33 + (uint32_t)round, .n = 1, .mask = ATTND_WMASK_FULL},
-        {.sim = s[3], .start = 18, .n = 9, .mask = ATTND_WMASK_CUSTOM, .intervals = iv,
+        {.sim = s[3],
+         .start = 18,
+         .n = 9,
+         .mask = ATTND_WMASK_CUSTOM,
+         .intervals = iv,
          .bidirectional = round == 1},
     };
     plan_all_layers(f, m, 4);
@@ -720,7 +766,8 @@ static void test_invalid_leave_state(void **state) {
   spec_t good = {.sim = b, .start = 5, .n = 2};
   /* start > len, naming the item. */
   spec_t s1[2] = {good, {.sim = a, .start = 17, .n = 1}};
-  expect(f, step_ex(f, 0, s1, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1: start 17 > len 12");
+  expect(f, step_ex(f, 0, s1, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg,
+         "item 1: start 17 > len 12");
   /* Session twice. */
   spec_t s2[2] = {{.sim = a, .start = 12, .n = 1}, {.sim = a, .start = 12, .n = 1}};
   expect(f, step_ex(f, 0, s2, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
@@ -751,17 +798,20 @@ static void test_invalid_leave_state(void **state) {
   /* Masks: window 0, documents not summing to kv_len, intervals start > end. */
   spec_t s8[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_SLIDING_WINDOW}};
   expect(f, step_ex(f, 0, s8, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
-  spec_t s9[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_DOCUMENT, .ndocs = 2,
-                         .docs = {5, 5}}};
+  spec_t s9[2] = {
+      good,
+      {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_DOCUMENT, .ndocs = 2, .docs = {5, 5}}};
   expect(f, step_ex(f, 0, s9, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
   int32_t iv[4 * 14] = {0};
   iv[3] = 5; /* lts[3] = 5 > lte[3] = 0 */
-  spec_t s10[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_CUSTOM, .intervals = iv}};
+  spec_t s10[2] = {good,
+                   {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_CUSTOM, .intervals = iv}};
   expect(f, step_ex(f, 0, s10, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
   /* Intervals of the wrong length (for kv_len 13 instead of 14). */
   {
     itembuf_t ib;
-    spec_t s12[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_CUSTOM, .intervals = iv}};
+    spec_t s12[2] = {good,
+                     {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_CUSTOM, .intervals = iv}};
     build_items(s12, 2, &ib);
     ib.items[1].intervals.shape[1] = 13;
     ib.items[1].intervals.nbytes = 16 * 13;
@@ -1043,7 +1093,8 @@ static void test_random_ops(void **state) {
       int st = (int)(oracle_rng_next(&f->rng) % 3);
       stream_of[i] = st + 1;
       memcpy(s[i]->tokens, streams[st], sizeof(s[i]->tokens));
-      uint32_t cached = open_session(f, s[i], 1 + (uint32_t)(oracle_rng_next(&f->rng) % 90), NULL, 0);
+      uint32_t cached =
+          open_session(f, s[i], 1 + (uint32_t)(oracle_rng_next(&f->rng) % 90), NULL, 0);
       hits += cached > 0;
       /* The cached KV is the stream's: the oracle gets the same rows. */
       uint16_t kr[KVH * HD], vr[KVH * HD];
@@ -1349,24 +1400,15 @@ static void test_idle_close(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_grow_bf16),
-      cmocka_unit_test(test_grow_fp16),
-      cmocka_unit_test(test_grow_int8),
-      cmocka_unit_test(test_grow_fp8),
-      cmocka_unit_test(test_grow_int8_dynamic),
-      cmocka_unit_test(test_grow_fp8_dynamic),
-      cmocka_unit_test(test_grow_int4),
-      cmocka_unit_test(test_mixed_batch),
-      cmocka_unit_test(test_invalid_leave_state),
-      cmocka_unit_test(test_prefix_hit_equals_miss),
-      cmocka_unit_test(test_forced_collision),
-      cmocka_unit_test(test_fork_truncate),
-      cmocka_unit_test(test_eviction_pressure),
-      cmocka_unit_test(test_random_ops),
-      cmocka_unit_test(test_scales_persist),
-      cmocka_unit_test(test_idle_close),
-      cmocka_unit_test(test_pipelined),
-      cmocka_unit_test(test_no_prefix_cache),
+      cmocka_unit_test(test_grow_bf16),           cmocka_unit_test(test_grow_fp16),
+      cmocka_unit_test(test_grow_int8),           cmocka_unit_test(test_grow_fp8),
+      cmocka_unit_test(test_grow_int8_dynamic),   cmocka_unit_test(test_grow_fp8_dynamic),
+      cmocka_unit_test(test_grow_int4),           cmocka_unit_test(test_mixed_batch),
+      cmocka_unit_test(test_invalid_leave_state), cmocka_unit_test(test_prefix_hit_equals_miss),
+      cmocka_unit_test(test_forced_collision),    cmocka_unit_test(test_fork_truncate),
+      cmocka_unit_test(test_eviction_pressure),   cmocka_unit_test(test_random_ops),
+      cmocka_unit_test(test_scales_persist),      cmocka_unit_test(test_idle_close),
+      cmocka_unit_test(test_pipelined),           cmocka_unit_test(test_no_prefix_cache),
       cmocka_unit_test(test_backend_fault),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

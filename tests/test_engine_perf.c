@@ -40,7 +40,9 @@ static void wait_res(uv_loop_t *loop, res_t *x) {
       fail_msg("loop ran dry");
 }
 
-static void closed_cb(void *arg) { *(int *)arg = 1; }
+static void closed_cb(void *arg) {
+  *(int *)arg = 1;
+}
 
 static int cmp_u64(const void *a, const void *b) {
   uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -62,9 +64,15 @@ static void test_decode_latency(void **state) {
   assert_int_equal(uv_loop_init(&loop), 0);
   attnd_config_t cfg;
   memset(&cfg, 0, sizeof(cfg));
-  attnd_kshape_t s = {.q_heads = QH, .kv_heads = KVH, .head_dim = HD, .block_size = BS,
-                      .dtype = ATTND_DT_BF16, .kv = ATTND_KV_BF16, .rope = ATTND_ROPE_NEOX,
-                      .rope_theta = 500000.0, .rotary_dim = HD,
+  attnd_kshape_t s = {.q_heads = QH,
+                      .kv_heads = KVH,
+                      .head_dim = HD,
+                      .block_size = BS,
+                      .dtype = ATTND_DT_BF16,
+                      .kv = ATTND_KV_BF16,
+                      .rope = ATTND_ROPE_NEOX,
+                      .rope_theta = 500000.0,
+                      .rotary_dim = HD,
                       .softmax_scale = 0.08838834764831845f};
   cfg.shape = s;
   cfg.layers = LAYERS;
@@ -107,8 +115,12 @@ static void test_decode_latency(void **state) {
   for (int i = 0; i < g_b; i++)
     for (uint32_t pos = 0; pos < (uint32_t)g_c; pos += (uint32_t)chunk) {
       uint32_t n = (uint32_t)g_c - pos < chunk ? (uint32_t)g_c - pos : (uint32_t)chunk;
-      attnd_item_t it = {.session = ids[i], .start = pos, .n = n, .kv_only = 1,
-                         .tokens = tokens + pos, .ntokens = n};
+      attnd_item_t it = {.session = ids[i],
+                         .start = pos,
+                         .n = n,
+                         .kv_only = 1,
+                         .tokens = tokens + pos,
+                         .ntokens = n};
       for (int l = 0; l < LAYERS; l++) {
         attnd_step_req_t r = {.layer = (uint32_t)l, .items = &it, .nitems = 1};
         r.k = t3(k, n, KVH, HD);
@@ -125,13 +137,17 @@ static void test_decode_latency(void **state) {
   uint16_t *q = malloc((size_t)g_b * qrow * 2), *kv = malloc((size_t)g_b * kvrow * 2);
   for (size_t i = 0; i < (size_t)g_b * qrow; i++)
     q[i] = k[i % (chunk * kvrow)];
-  memcpy(kv, k, (size_t)g_b * kvrow * 2 < chunk * kvrow * 2 ? (size_t)g_b * kvrow * 2 : chunk * kvrow * 2);
+  memcpy(kv, k,
+         (size_t)g_b * kvrow * 2 < chunk * kvrow * 2 ? (size_t)g_b * kvrow * 2 : chunk * kvrow * 2);
   uint64_t *lat = calloc((size_t)g_iters * LAYERS, sizeof(uint64_t));
   int nl = 0;
   for (int it = 0; it < g_iters; it++) {
     for (int i = 0; i < g_b; i++)
-      items[i] = (attnd_item_t){.session = ids[i], .start = (uint32_t)(g_c + it), .n = 1,
-                                .tokens = tokens + g_c + it, .ntokens = 1};
+      items[i] = (attnd_item_t){.session = ids[i],
+                                .start = (uint32_t)(g_c + it),
+                                .n = 1,
+                                .tokens = tokens + g_c + it,
+                                .ntokens = 1};
     res_t x = {0};
     attnd_engine_plan(e, 1, 1, items, (uint32_t)g_b, on_done, &x);
     assert_int_equal(x.status, 0);

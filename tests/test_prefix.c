@@ -21,8 +21,12 @@ static int setup(void **state) {
   memset(&f, 0, sizeof(f));
   if (attnd_blocks_init(&f.pool, 16) || attnd_prefix_init(&f.px, &f.pool, BS))
     return -1;
-  attnd_kshape_t s = {.q_heads = 4, .kv_heads = 2, .head_dim = 64, .block_size = BS,
-                      .dtype = ATTND_DT_BF16, .kv = ATTND_KV_BF16};
+  attnd_kshape_t s = {.q_heads = 4,
+                      .kv_heads = 2,
+                      .head_dim = 64,
+                      .block_size = BS,
+                      .dtype = ATTND_DT_BF16,
+                      .kv = ATTND_KV_BF16};
   uint64_t v[2] = {0, 0};
   attnd_prefix_set_fingerprint(f.px, attnd_prefix_fingerprint(&s, 2, "m", v));
   *state = &f;
@@ -91,8 +95,12 @@ static void test_hits(void **state) {
   int32_t other = attnd_blocks_alloc(&f->pool, 1);
   assert_int_equal(attnd_prefix_publish(f->px, other, h, -1, 7, NULL, 0, a), ids[0]);
   /* A new fingerprint (scales changed) hides everything. */
-  attnd_kshape_t s = {.q_heads = 4, .kv_heads = 2, .head_dim = 64, .block_size = BS,
-                      .dtype = ATTND_DT_BF16, .kv = ATTND_KV_INT8};
+  attnd_kshape_t s = {.q_heads = 4,
+                      .kv_heads = 2,
+                      .head_dim = 64,
+                      .block_size = BS,
+                      .dtype = ATTND_DT_BF16,
+                      .kv = ATTND_KV_INT8};
   uint64_t v[2] = {1, 0};
   attnd_prefix_set_fingerprint(f->px, attnd_prefix_fingerprint(&s, 2, "m", v));
   assert_int_equal(lookup(f, 7, NULL, 0, a, 3), 0);

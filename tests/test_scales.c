@@ -13,8 +13,12 @@
 #include "scales.h"
 
 static attnd_kshape_t shape(attnd_kv_type_t kv) {
-  attnd_kshape_t s = {.q_heads = 4, .kv_heads = 2, .head_dim = 64, .block_size = 16,
-                      .dtype = ATTND_DT_BF16, .kv = kv};
+  attnd_kshape_t s = {.q_heads = 4,
+                      .kv_heads = 2,
+                      .head_dim = 64,
+                      .block_size = 16,
+                      .dtype = ATTND_DT_BF16,
+                      .kv = kv};
   return s;
 }
 
@@ -41,7 +45,8 @@ static void test_validate(void **state) {
   attnd_kshape_t sh = shape(ATTND_KV_INT8);
   assert_int_equal(attnd_scales_init(&s, &sh, 3, NULL), 0);
   fill(0.5f, 3.0f);
-  attnd_scales_req_t r = {.layer = 1, .k_scale = ft(buf[0], 1, 2, 0), .v_scale = ft(buf[1], 1, 2, 0)};
+  attnd_scales_req_t r = {
+      .layer = 1, .k_scale = ft(buf[0], 1, 2, 0), .v_scale = ft(buf[1], 1, 2, 0)};
   assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), 0);
   r.layer = 3;
   assert_int_equal(attnd_scales_validate(&s, &r, msg, sizeof(msg)), ATTND_EINVAL);
@@ -95,8 +100,11 @@ static void test_persist(void **state) {
   assert_int_equal(attnd_scales_init(&s, &sh, 3, sub), 0);
   assert_int_equal(attnd_scales_load(&s, err, sizeof(err)), 0); /* no file yet */
   fill(0.25f, 7.0f);
-  attnd_scales_req_t q = {.layer = 2, .k_scale = ft(buf[0], 2, 2, 64), .v_scale = ft(buf[1], 2, 2, 64),
-                          .k_zero = ft(buf[2], 2, 2, 64), .v_zero = ft(buf[3], 2, 2, 64)};
+  attnd_scales_req_t q = {.layer = 2,
+                          .k_scale = ft(buf[0], 2, 2, 64),
+                          .v_scale = ft(buf[1], 2, 2, 64),
+                          .k_zero = ft(buf[2], 2, 2, 64),
+                          .v_zero = ft(buf[3], 2, 2, 64)};
   assert_int_equal(attnd_scales_validate(&s, &q, err, sizeof(err)), 0);
   assert_int_equal(attnd_scales_apply(&s, &q), 1);
   q.layer = 0;
