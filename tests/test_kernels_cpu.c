@@ -70,8 +70,13 @@ typedef struct {
 static void env_init(env_t *e, int D, int bs, int kvh, int group, attnd_dtype_t dt,
                      attnd_kv_type_t kv, attnd_rope_t rope, int nblocks) {
   memset(e, 0, sizeof(*e));
-  e->s = (attnd_kshape_t){.q_heads = kvh * group, .kv_heads = kvh, .head_dim = D,
-                          .block_size = bs, .dtype = dt, .kv = kv, .rope = rope,
+  e->s = (attnd_kshape_t){.q_heads = kvh * group,
+                          .kv_heads = kvh,
+                          .head_dim = D,
+                          .block_size = bs,
+                          .dtype = dt,
+                          .kv = kv,
+                          .rope = rope,
                           .rope_theta = rnd(2) ? 10000.0 : 500000.0,
                           .rotary_dim = rnd(3) == 0 ? D / 2 : 0,
                           .softmax_scale = (float)(1.0 / sqrt((double)D))};
@@ -234,8 +239,8 @@ static void check_cache_rows(env_t *e, const titem_t *it, const uint16_t *k, con
         for (int d = 0; d < D; d++)
           if (stored_value(s, row, d) != q[d])
             fail_msg("%s cache %s[pos %d head %d dim %d] = %.9g, oracle %.9g",
-                     attnd_kv_type_name(s->kv), isv ? "V" : "K", pos, h, d,
-                     stored_value(s, row, d), q[d]);
+                     attnd_kv_type_name(s->kv), isv ? "V" : "K", pos, h, d, stored_value(s, row, d),
+                     q[d]);
         if (attnd_kv_type_dynamic(s->kv)) {
           float got;
           memcpy(&got, blk + 2 * rows * rb + (isv ? rows * 4 : 0) + r * 4, 4);
@@ -295,10 +300,15 @@ static double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
         memset(k + ((size_t)(row + t) * H) * D, 0, 2 * (size_t)D);
         memset(v + ((size_t)(row + t) * H) * D, 0, 2 * (size_t)D);
       }
-    ki[i] = (attnd_kitem_t){.start = it->start, .n = it->n, .q_row = it->has_q ? qrow : -1,
-                            .kv_row = row, .mask_kind = it->mask_kind,
-                            .mask_param = it->mask_param, .causal = it->causal,
-                            .intervals = -1, .block_table = m};
+    ki[i] = (attnd_kitem_t){.start = it->start,
+                            .n = it->n,
+                            .q_row = it->has_q ? qrow : -1,
+                            .kv_row = row,
+                            .mask_kind = it->mask_kind,
+                            .mask_param = it->mask_param,
+                            .causal = it->causal,
+                            .intervals = -1,
+                            .block_table = m};
     int nbt = (kv_len + bs - 1) / bs;
     memcpy(meta + m, it->se->table, sizeof(int32_t) * (size_t)nbt);
     m += nbt;
@@ -310,11 +320,25 @@ static double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
     row += it->n;
     qrow += it->has_q ? it->n : 0;
   }
-  attnd_kbatch_t b = {.items = ki, .nitems = ni, .meta = meta, .total_q = Tq, .total_kv = T,
-                      .max_kv_len = max_kv, .max_n = max_n, .q = q, .k = k, .v = v,
-                      .out = out, .out_fp32 = opt.out_fp32, .lse = opt.want_lse ? lse : NULL,
-                      .cache = e->cache, .block_bytes = e->bb, .k_scale = e->ks,
-                      .v_scale = e->vs, .k_zero = e->kz, .v_zero = e->vz,
+  attnd_kbatch_t b = {.items = ki,
+                      .nitems = ni,
+                      .meta = meta,
+                      .total_q = Tq,
+                      .total_kv = T,
+                      .max_kv_len = max_kv,
+                      .max_n = max_n,
+                      .q = q,
+                      .k = k,
+                      .v = v,
+                      .out = out,
+                      .out_fp32 = opt.out_fp32,
+                      .lse = opt.want_lse ? lse : NULL,
+                      .cache = e->cache,
+                      .block_bytes = e->bb,
+                      .k_scale = e->ks,
+                      .v_scale = e->vs,
+                      .k_zero = e->kz,
+                      .v_zero = e->vz,
                       .scale_per_channel = e->per_channel};
 
   /* Parts run in reverse order: none may depend on another having run. */
@@ -505,8 +529,7 @@ static void test_masks(void **state) {
     for (int mk = 0; mk <= ATTND_MASK_INTERVALS; mk++)
       for (int causal = 0; causal < (mk == ATTND_MASK_INTERVALS ? 2 : 1); causal++) {
         env_t e;
-        env_init(&e, 64, 32, 2, 2, ATTND_DT_BF16, (attnd_kv_type_t)kv,
-                 (attnd_rope_t)rnd(3), 32);
+        env_init(&e, 64, 32, 2, 2, ATTND_DT_BF16, (attnd_kv_type_t)kv, (attnd_rope_t)rnd(3), 32);
         sess_t a, c;
         sess_init(&e, &a, 120);
         sess_init(&e, &c, 120);
@@ -570,8 +593,10 @@ static void test_saturation(void **state) {
     for (int pos = 0; pos < 33; pos++)
       for (int h = 0; h < 2; h++)
         for (int d = 0; d < 64; d++) {
-          uint8_t c = e.cache[(size_t)se.table[pos / 16] * e.bb + ((size_t)h * 16 + pos % 16) * 64 + d];
-          sat += kv == ATTND_KV_INT8 ? ((int8_t)c == 127 || (int8_t)c == -127) : ((c & 0x7f) == 0x7e);
+          uint8_t c =
+              e.cache[(size_t)se.table[pos / 16] * e.bb + ((size_t)h * 16 + pos % 16) * 64 + d];
+          sat +=
+              kv == ATTND_KV_INT8 ? ((int8_t)c == 127 || (int8_t)c == -127) : ((c & 0x7f) == 0x7e);
         }
     assert_true(sat > 33 * 2 * 64 / 2);
     sess_free(&se);
@@ -614,10 +639,21 @@ static void test_refuses_bad_batches(void **state) {
   attnd_kitem_t ki = {.start = 0, .n = 1, .q_row = 0, .block_table = 0};
   int32_t meta[1] = {0};
   uint16_t q[64] = {0}, k[64] = {0}, v[64] = {0}, out[64];
-  attnd_kbatch_t b = {.items = &ki, .nitems = 1, .meta = meta, .total_q = 1, .total_kv = 1,
-                      .q = q, .k = k, .v = v, .out = out, .cache = e.cache,
-                      .block_bytes = e.bb, .k_scale = e.ks, .v_scale = e.vs,
-                      .k_zero = NULL, .v_zero = e.vz};
+  attnd_kbatch_t b = {.items = &ki,
+                      .nitems = 1,
+                      .meta = meta,
+                      .total_q = 1,
+                      .total_kv = 1,
+                      .q = q,
+                      .k = k,
+                      .v = v,
+                      .out = out,
+                      .cache = e.cache,
+                      .block_bytes = e.bb,
+                      .k_scale = e.ks,
+                      .v_scale = e.vs,
+                      .k_zero = NULL,
+                      .v_zero = e.vz};
   assert_true(attnd_cpu_write(&e.s, &b, 0, 1) < 0); /* int4 without k zero points */
   b.k_zero = e.kz;
   assert_int_equal(attnd_cpu_write(&e.s, &b, 0, 1), 0);
@@ -684,9 +720,15 @@ static void test_speed_decode_4k(void **state) {
   skip(); /* the baseline build is for correctness; speed is the dispatched build's */
 #endif
   enum { CTX = 4096, NCACHE = 3, ITERS = 30 };
-  attnd_kshape_t s = {.q_heads = 32, .kv_heads = 8, .head_dim = 128, .block_size = 64,
-                      .dtype = ATTND_DT_BF16, .kv = ATTND_KV_BF16, .rope = ATTND_ROPE_NEOX,
-                      .rope_theta = 500000.0, .softmax_scale = (float)(1.0 / sqrt(128.0))};
+  attnd_kshape_t s = {.q_heads = 32,
+                      .kv_heads = 8,
+                      .head_dim = 128,
+                      .block_size = 64,
+                      .dtype = ATTND_DT_BF16,
+                      .kv = ATTND_KV_BF16,
+                      .rope = ATTND_ROPE_NEOX,
+                      .rope_theta = 500000.0,
+                      .softmax_scale = (float)(1.0 / sqrt(128.0))};
   size_t bb = attnd_kv_block_bytes(&s);
   int nb = CTX / s.block_size;
   /* Several 16 MiB caches in turn, so a run does not find its KV in cache. */
@@ -702,11 +744,26 @@ static void test_speed_decode_4k(void **state) {
   float lse[32];
   fill_random(ATTND_DT_BF16, q, 32 * 128, 1.0);
   fill_random(ATTND_DT_BF16, kv, 8 * 128, 1.0);
-  attnd_kitem_t it = {.start = CTX - 1, .n = 1, .q_row = 0, .kv_row = 0,
-                      .mask_kind = ATTND_MASK_CAUSAL, .intervals = -1, .block_table = 0};
-  attnd_kbatch_t b = {.items = &it, .nitems = 1, .meta = meta, .total_q = 1, .total_kv = 1,
-                      .max_kv_len = CTX, .max_n = 1, .q = q, .k = kv, .v = kv, .out = out,
-                      .lse = lse, .block_bytes = bb};
+  attnd_kitem_t it = {.start = CTX - 1,
+                      .n = 1,
+                      .q_row = 0,
+                      .kv_row = 0,
+                      .mask_kind = ATTND_MASK_CAUSAL,
+                      .intervals = -1,
+                      .block_table = 0};
+  attnd_kbatch_t b = {.items = &it,
+                      .nitems = 1,
+                      .meta = meta,
+                      .total_q = 1,
+                      .total_kv = 1,
+                      .max_kv_len = CTX,
+                      .max_n = 1,
+                      .q = q,
+                      .k = kv,
+                      .v = kv,
+                      .out = out,
+                      .lse = lse,
+                      .block_bytes = bb};
   double t_attend[ITERS], t_write[ITERS];
   for (int i = 0; i < ITERS; i++) {
     b.cache = cache[i % NCACHE];

@@ -35,7 +35,7 @@ static void test_bf16_rounding(void **state) {
   assert_int_equal(bits16(ATTND_DT_BF16, 0x1p-133), 0x0001);
   assert_int_equal(bits16(ATTND_DT_BF16, 0x1p-134), 0x0000);
   assert_int_equal(bits16(ATTND_DT_BF16, 0x1.8p-133), 0x0002); /* 1.5 ulp -> 2 (even) */
-  uint16_t b = 0x3fc0; /* 1.5 */
+  uint16_t b = 0x3fc0;                                         /* 1.5 */
   assert_true(oracle_from_dtype(ATTND_DT_BF16, &b, 0) == 1.5);
   assert_true(oracle_round(ATTND_DT_BF16, 1.0 + 0x1p-8) == 1.0);
 }
@@ -77,16 +77,23 @@ static void test_fp8_e4m3(void **state) {
   assert_true(oracle_fp8_e4m3(INFINITY) == 448.0);
   /* Subnormals: quantum 2^-9. */
   assert_true(oracle_fp8_e4m3(0x1p-9f) == 0x1p-9);
-  assert_true(oracle_fp8_e4m3(0x1p-10f) == 0.0);       /* tie to 0 */
-  assert_true(oracle_fp8_e4m3(0x1.8p-9f) == 0x1p-8);   /* tie to even (2 quanta) */
-  assert_true(oracle_fp8_e4m3(0x1.fp-7f) == 0x1p-6);   /* up into the normals */
+  assert_true(oracle_fp8_e4m3(0x1p-10f) == 0.0);     /* tie to 0 */
+  assert_true(oracle_fp8_e4m3(0x1.8p-9f) == 0x1p-8); /* tie to even (2 quanta) */
+  assert_true(oracle_fp8_e4m3(0x1.fp-7f) == 0x1p-6); /* up into the normals */
   assert_true(isnan(oracle_fp8_e4m3(NAN)));
 }
 
 static attnd_kshape_t shape(int D, attnd_rope_t rope, attnd_kv_type_t kv) {
-  attnd_kshape_t s = {.q_heads = 1, .kv_heads = 1, .head_dim = D, .block_size = 16,
-                      .dtype = ATTND_DT_BF16, .kv = kv, .rope = rope, .rope_theta = 10000.0,
-                      .rotary_dim = 0, .softmax_scale = 1.0f};
+  attnd_kshape_t s = {.q_heads = 1,
+                      .kv_heads = 1,
+                      .head_dim = D,
+                      .block_size = 16,
+                      .dtype = ATTND_DT_BF16,
+                      .kv = kv,
+                      .rope = rope,
+                      .rope_theta = 10000.0,
+                      .rotary_dim = 0,
+                      .softmax_scale = 1.0f};
   return s;
 }
 
@@ -226,7 +233,8 @@ static void test_quantizers(void **state) {
     s4[d] = 1.0f;
     z4[d] = 7.5f;
   }
-  oracle_scales_t sc4 = {.k_scale = s4, .v_scale = s4, .k_zero = z4, .v_zero = z4, .per_channel = 1};
+  oracle_scales_t sc4 = {
+      .k_scale = s4, .v_scale = s4, .k_zero = z4, .v_zero = z4, .per_channel = 1};
   double w[64] = {0};
   w[1] = -100.0;
   w[2] = 100.0;

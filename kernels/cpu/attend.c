@@ -35,11 +35,11 @@
 #include "cpu_internal.h"
 #include "cpu_numeric.h"
 
-#define KC_QT 64            /* most query vectors per unit */
+#define KC_QT 64             /* most query vectors per unit */
 #define KC_Q_FLOATS 8192     /* query vectors per unit * head_dim (stack: q and acc) */
 #define KC_CHUNK_FLOATS 4096 /* keys per chunk * head_dim */
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) &&                          \
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) &&                             \
     !defined(__SANITIZE_ADDRESS__) && !defined(ATTND_KC_BASELINE)
 /* x86-64-v3 (AVX2 + FMA) and a baseline clone, picked at load time by CPU
  * features, so one binary runs on any x86-64. Contraction into FMA is allowed
@@ -228,7 +228,7 @@ static inline void prefetch_rows(const uint8_t *p, size_t bytes) {
  * assume trapping math) from vectorizing the loop. */
 KC_INLINE void exp2_neg(float *restrict x, int n) {
   for (int i = 0; i < n; i++) {
-    uint32_t mag = kc_f2u(x[i]) & 0x7fffffffu; /* |x|; x <= 0 */
+    uint32_t mag = kc_f2u(x[i]) & 0x7fffffffu;          /* |x|; x <= 0 */
     uint32_t keep = 0u - (uint32_t)(mag < 0x42fc0000u); /* |x| < 126 */
     float tc = -kc_u2f(mag < 0x42fc0000u ? mag : 0x42fc0000u);
     float k = (tc + 12582912.0f) - 12582912.0f; /* rint: 1.5 * 2^23 */
@@ -267,7 +267,8 @@ static inline int visible(const attnd_kitem_t *it, const int32_t *iv, int kv_len
       return 0;
     if (!iv)
       return 1;
-    return !((iv[j] <= p && p < iv[kv_len + j]) || (iv[2 * kv_len + j] <= p && p < iv[3 * kv_len + j]));
+    return !((iv[j] <= p && p < iv[kv_len + j]) ||
+             (iv[2 * kv_len + j] <= p && p < iv[3 * kv_len + j]));
   }
 }
 
@@ -303,9 +304,8 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
   const int nq = gn * rn;
   const int kv_len = it->start + it->n;
   const int32_t *table = b->meta + it->block_table;
-  const int32_t *iv = it->mask_kind == ATTND_MASK_INTERVALS && it->intervals >= 0
-                          ? b->meta + it->intervals
-                          : NULL;
+  const int32_t *iv =
+      it->mask_kind == ATTND_MASK_INTERVALS && it->intervals >= 0 ? b->meta + it->intervals : NULL;
   const int int4 = s->kv == ATTND_KV_INT4;
   const int stat = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8;
 

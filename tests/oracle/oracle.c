@@ -210,8 +210,8 @@ static float static_at(const float *a, int per_channel, int h, int d, int D) {
   return per_channel ? a[(size_t)h * D + d] : a[h];
 }
 
-void oracle_quantize_row(const attnd_kshape_t *s, const oracle_scales_t *sc, int kv_head,
-                         int is_v, const double *x, double *q, float *dyn_scale) {
+void oracle_quantize_row(const attnd_kshape_t *s, const oracle_scales_t *sc, int kv_head, int is_v,
+                         const double *x, double *q, float *dyn_scale) {
   int D = s->head_dim;
   *dyn_scale = 0.0f;
   switch (s->kv) {
@@ -277,8 +277,8 @@ void oracle_quantize_row(const attnd_kshape_t *s, const oracle_scales_t *sc, int
 }
 
 /* Dequantized value of a stored row (what attention must read). */
-static void dequant_row(const attnd_kshape_t *s, const oracle_scales_t *sc, int kv_head,
-                        int is_v, const double *q, float dyn_scale, double *out) {
+static void dequant_row(const attnd_kshape_t *s, const oracle_scales_t *sc, int kv_head, int is_v,
+                        const double *q, float dyn_scale, double *out) {
   int D = s->head_dim;
   for (int d = 0; d < D; d++) {
     switch (s->kv) {
@@ -299,8 +299,8 @@ static void dequant_row(const attnd_kshape_t *s, const oracle_scales_t *sc, int 
     case ATTND_KV_INT4: {
       const float *scale = is_v ? sc->v_scale : sc->k_scale;
       const float *zero = is_v ? sc->v_zero : sc->k_zero;
-      out[d] = (q[d] - (double)zero[(size_t)kv_head * D + d]) *
-               (double)scale[(size_t)kv_head * D + d];
+      out[d] =
+          (q[d] - (double)zero[(size_t)kv_head * D + d]) * (double)scale[(size_t)kv_head * D + d];
       break;
     }
     default:

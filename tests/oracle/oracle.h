@@ -21,10 +21,10 @@ extern "C" {
 
 /* Conversions (round-to-nearest-even; fp8 = e4m3 with saturation to +-448).
  * dt is bf16, fp16, fp32 or int32 (int32 stores round to nearest, ties even). */
-double oracle_from_dtype(attnd_dtype_t dt, const void *p, size_t i);   /* element i */
-void oracle_to_dtype(attnd_dtype_t dt, void *p, size_t i, double x);   /* RNE store */
-double oracle_round(attnd_dtype_t dt, double x); /* bf16/fp16/fp32 rounding */
-double oracle_fp8_e4m3(float x);                 /* e4m3 satfinite value of x */
+double oracle_from_dtype(attnd_dtype_t dt, const void *p, size_t i); /* element i */
+void oracle_to_dtype(attnd_dtype_t dt, void *p, size_t i, double x); /* RNE store */
+double oracle_round(attnd_dtype_t dt, double x);                     /* bf16/fp16/fp32 rounding */
+double oracle_fp8_e4m3(float x);                                     /* e4m3 satfinite value of x */
 
 /* RoPE of one head vector at absolute position pos, result rounded to s->dtype.
  * in and out are [head_dim] and may not alias. rope NONE: out = in rounded. */
@@ -83,8 +83,8 @@ int oracle_mask_visible(int mask_kind, int mask_param, int causal, const int32_t
  *   the e4m3 value;  int4: the unsigned nibble u in 0..15.
  * *dyn_scale gets the per-token fp32 scale of dynamic types (0 otherwise).
  * is_v picks v_scale/v_zero. Lets a test check a backend's cache bytes exactly. */
-void oracle_quantize_row(const attnd_kshape_t *s, const oracle_scales_t *sc, int kv_head,
-                         int is_v, const double *x, double *q, float *dyn_scale);
+void oracle_quantize_row(const attnd_kshape_t *s, const oracle_scales_t *sc, int kv_head, int is_v,
+                         const double *x, double *q, float *dyn_scale);
 
 /* Uniform double in [0, 1). */
 double oracle_rng_uniform(uint64_t *state);
