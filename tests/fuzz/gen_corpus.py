@@ -1,0 +1,264 @@
+#!/usr/bin/python3
+"""Writes the seed corpus of fuzz_rpc (tests/fuzz/corpus/): valid request
+streams for every RPC on the harness's tiny model (2 layers, 4 q / 2 kv heads,
+head_dim 64, blocks of 16, context 256).
+
+One seed is what one client sends on one connection: frames of a 4-byte
+big-endian length and an attnd.v1.Request. The harness makes the daemon's ids
+deterministic per input (1, 2, 3, ... in the order sessions and plans are
+made), so a seed names session 1, plan 2, ... directly.
+
+Usage: gen_corpus.py BUILD_DIR/python OUT_DIR
+"""
+import os
+import struct
+import sys
+
+import numpy as np
+
+sys.path.insert(0, sys.argv[1])
+import attnd_pb2 as pb  # noqa: E402
+
+QH, KVH, D, BS = 4, 2, 64, 16
+rng = np.random.default_rng(1234)
+
+
+def bf16(shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    return ((x.view(np.uint32) + 0x8000) >> 16).astype(np.uint16).tobytes()
+
+
+def tensor(t, dtype, shape, data):
+    t.dtype = dtype
+    t.shape.extend(shape)
+    t.data = data
+
+
+class Seed:
+    def __init__(self):
+        self.frames = []
+        self.next = 1
+
+    def req(self):
+        r = pb.Request()
+        r.id = self.next
+        self.next += 1
+        return r
+
+    def add(self, r):
+        b = r.SerializeToString()
+        self.frames.append(struct.pack(">I", len(b)) + b)
+
+    def raw(self, b):
+        self.frames.append(b)
+
+    def bytes(self):
+        return b"".join(self.frames)
+
+
+def item(it, session, start, n, tokens=None, kv_only=False, mask=None):
+    it.session = session
+    it.start = start
+    it.n = n
+    it.kv_only = kv_only
+    if tokens is not None:
+        it.tokens.extend(tokens)
+    if mask:
+        kind = mask[0]
+        it.mask.kind = kind
+        if kind == pb.Mask.SLIDING_WINDOW:
+            it.mask.window = mask[1]
+        elif kind == pb.Mask.PREFIX_LM:
+            it.mask.prefix_len = mask[1]
+        elif kind == pb.Mask.DOCUMENT:
+            ls = mask[1]
+            tensor(it.mask.doc_lengths, pb.DTYPE_INT32, [len(ls)], np.array(ls, np.int32).tobytes())
+        elif kind == pb.Mask.CUSTOM:
+            kv_len = start + n
+            iv = np.zeros((4, kv_len), np.int32)
+            iv[0, :] = 0
+            iv[1, :] = np.arange(kv_len) // 2  # rows before j/2 cannot see key j
+            tensor(it.mask.intervals, pb.DTYPE_INT32, [4, kv_len], iv.tobytes())
+            it.mask.bidirectional = mask[1]
+
+
+def open_(s, tokens=None, salt=b""):
+    r = s.req()
+    r.open_session.SetInParent()
+    if tokens:
+        r.open_session.tokens.extend(tokens)
+    if salt:
+        r.open_session.salt = salt
+    s.add(r)
+
+
+def step(s, layer, items, rows_q=None, plan=0, lse=False, fp32=False, dtype=pb.DTYPE_BF16):
+    """items: list of (session, start, n, tokens, kv_only, mask)."""
+    r = s.req()
+    st = r.step
+    st.layer = layer
+    st.plan = plan
+    T = 0
+    Tq = 0
+    for (sess, start, n, tokens, kv_only, mask) in items:
+        if not plan:
+            item(st.items.add(), sess, start, n, tokens, kv_only, mask)
+        T += n
+        Tq += 0 if kv_only else n
+    if rows_q is not None:
+        Tq = rows_q
+    if Tq:
+        tensor(st.q, dtype, [Tq, QH, D], bf16((Tq, QH, D)))
+    tensor(st.k, dtype, [T, KVH, D], bf16((T, KVH, D)))
+    tensor(st.v, dtype, [T, KVH, D], bf16((T, KVH, D)))
+    st.want_lse = lse
+    st.fp32_out = fp32
+    s.add(r)
+
+
+def plan(s, items):
+    r = s.req()
+    for (sess, start, n, tokens, kv_only, mask) in items:
+        item(r.plan.items.add(), sess, start, n, tokens, kv_only, mask)
+    s.add(r)
+
+
+def simple(s, field, **kw):
+    r = s.req()
+    getattr(r, field).SetInParent()
+    for k, v in kw.items():
+        setattr(getattr(r, field), k, v)
+    s.add(r)
+
+
+def seeds():
+    out = {}
+    toks = list(range(100, 100 + 40))
+
+    s = Seed()
+    simple(s, "health")
+    simple(s, "stats")
+    simple(s, "list_sessions")
+    out["health_stats_list"] = s
+
+    s = Seed()
+    r = s.req()
+    r.hello.token = "not-a-token"
+    s.add(r)
+    simple(s, "health")
+    out["hello"] = s
+
+    # Prefill 3 tokens on both layers inline, then two decode steps, then close.
+    s = Seed()
+    open_(s)
+    for layer in (0, 1):
+        step(s, layer, [(1, 0, 3, [1, 2, 3], False, None)])
+    for pos in (3, 4):
+        for layer in (0, 1):
+            step(s, layer, [(1, pos, 1, [pos + 1], False, None)], lse=True)
+    simple(s, "close_session", session=1)
+    out["inline_prefill_decode"] = s
+
+    # A plan over two sessions, stepped on both layers; fp32 out and lse.
+    s = Seed()
+    open_(s, toks[:20])
+    open_(s)
+    plan(s, [(1, 0, 20, toks[:20], False, None), (2, 0, 4, [7, 8, 9, 10], False, None)])
+    for layer in (0, 1):
+        step(s, layer, [(1, 0, 20, None, False, None), (2, 0, 4, None, False, None)], plan=3,
+             lse=True, fp32=True)
+    out["plan_two_sessions"] = s
+
+    # Prefix sharing: 40 tokens written, a second session finds 32 cached,
+    # forks, truncates and decodes (copy-on-write of a shared block).
+    s = Seed()
+    open_(s, toks)
+    for layer in (0, 1):
+        step(s, layer, [(1, 0, 40, toks, False, None)])
+    open_(s, toks)  # session 2, cached_len 32
+    for layer in (0, 1):
+        step(s, layer, [(2, 32, 8, toks[32:], False, None)])
+    r = s.req()
+    r.fork.session = 2
+    s.add(r)  # session 3
+    r = s.req()
+    r.truncate.session = 3
+    r.truncate.len = 20
+    s.add(r)
+    for layer in (0, 1):
+        step(s, layer, [(3, 20, 1, [5], False, None)])
+    simple(s, "close_session", session=1)
+    out["prefix_fork_truncate"] = s
+
+    # Every mask kind, one session each.
+    s = Seed()
+    masks = [(pb.Mask.FULL,), (pb.Mask.SLIDING_WINDOW, 3), (pb.Mask.PREFIX_LM, 4),
+             (pb.Mask.DOCUMENT, [2, 3, 3]), (pb.Mask.CUSTOM, False), (pb.Mask.CUSTOM, True)]
+    for i, m in enumerate(masks):
+        open_(s)
+        step(s, 0, [(i + 1, 0, 8, list(range(8)), False, m)], lse=True)
+    out["masks"] = s
+
+    # kv_only import then attention over it; several items in one step.
+    s = Seed()
+    open_(s)
+    open_(s)
+    step(s, 0, [(1, 0, 5, list(range(5)), True, None), (2, 0, 2, [1, 2], False, None)])
+    step(s, 0, [(1, 5, 1, [9], False, None)])
+    out["kv_only_multi_item"] = s
+
+    # Scales: per head and per channel (bf16 cache: refused, int8: accepted).
+    s = Seed()
+    r = s.req()
+    r.set_scales.layer = 0
+    tensor(r.set_scales.k_scale, pb.DTYPE_FP32, [KVH], np.full(KVH, 0.05, np.float32).tobytes())
+    tensor(r.set_scales.v_scale, pb.DTYPE_FP32, [KVH], np.full(KVH, 0.05, np.float32).tobytes())
+    s.add(r)
+    r = s.req()
+    r.set_scales.layer = 1
+    r.set_scales.drop_cached_kv = True
+    for t in (r.set_scales.k_scale, r.set_scales.v_scale, r.set_scales.k_zero, r.set_scales.v_zero):
+        tensor(t, pb.DTYPE_FP32, [KVH, D], np.full(KVH * D, 0.5, np.float32).tobytes())
+    s.add(r)
+    open_(s)
+    step(s, 0, [(1, 0, 2, [1, 2], False, None)])
+    out["set_scales"] = s
+
+    # Pipelined decode: eight sessions, steps sent back to back.
+    s = Seed()
+    for i in range(4):
+        open_(s)
+    for pos in range(3):
+        for layer in (0, 1):
+            step(s, layer, [(i + 1, pos, 1, [pos], False, None) for i in range(4)])
+    out["pipelined_decode"] = s
+
+    # Salted sessions, a close of an unknown session, a step at a gap.
+    s = Seed()
+    open_(s, toks[:17], salt=b"tenant-a")
+    simple(s, "close_session", session=99)
+    step(s, 0, [(1, 5, 1, [1], False, None)])
+    step(s, 1, [(1, 0, 1, [1], False, None)])
+    out["errors"] = s
+
+    # Framing: a zero-length frame; a frame over the limit.
+    s = Seed()
+    simple(s, "health")
+    s.raw(b"\x00\x00\x00\x00")
+    out["zero_frame"] = s
+    s = Seed()
+    s.raw(b"\x7f\x00\x00\x00" + b"\x08\x01")
+    out["huge_frame"] = s
+    return out
+
+
+def main():
+    outdir = sys.argv[2]
+    os.makedirs(outdir, exist_ok=True)
+    for name, s in seeds().items():
+        with open(os.path.join(outdir, name + ".bin"), "wb") as f:
+            f.write(s.bytes())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+# Reliability and security: bad input over every RPC, load, faults, limits and
+# access (end-to-end against the real daemon), and the libFuzzer harness.
+set(ATTND_REL_DIR ${CMAKE_CURRENT_SOURCE_DIR})
+
+# The fuzz harness needs clang's libFuzzer: configure a separate build with
+#   CC=clang cmake -S . -B build-fuzz -DATTND_FUZZ=ON -DATTND_CUDA=OFF
+# (`make fuzz` does it). The whole tree is then compiled with
+# -fsanitize=fuzzer-no-link,address,undefined so coverage reaches the daemon code.
+option(ATTND_FUZZ "Build the libFuzzer harnesses (clang only)" OFF)
+if(ATTND_FUZZ)
+  if(NOT CMAKE_C_COMPILER_ID MATCHES "Clang")
+    message(FATAL_ERROR "ATTND_FUZZ=ON needs clang (CC=clang)")
+  endif()
+  # kernels/cpu/attend.c uses GCC's __builtin_shuffle: give clang a stand-in.
+  set_source_files_properties(${PROJECT_SOURCE_DIR}/kernels/cpu/attend.c
+    DIRECTORY ${PROJECT_SOURCE_DIR}/kernels
+    PROPERTIES COMPILE_OPTIONS "-include;${ATTND_REL_DIR}/fuzz/clang_compat.h")
+  add_executable(fuzz_rpc ${ATTND_REL_DIR}/fuzz/fuzz_rpc.c)
+  target_link_libraries(fuzz_rpc PRIVATE attnd_core)
+  # Deterministic session and plan ids within one input (see fuzz_rpc.c).
+  target_link_options(fuzz_rpc PRIVATE -fsanitize=fuzzer -Wl,--wrap=attnd_random_id)
+endif()
