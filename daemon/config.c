@@ -17,10 +17,10 @@
 #include "errors.h"
 #include "log.h"
 
-#define ERR(...)                                                                   \
-  do {                                                                             \
-    snprintf(err, errlen, __VA_ARGS__);                                            \
-    return ATTND_EINVAL;                                                           \
+#define ERR(...)                                                                                   \
+  do {                                                                                             \
+    snprintf(err, errlen, __VA_ARGS__);                                                            \
+    return ATTND_EINVAL;                                                                           \
   } while (0)
 
 static int copy_str(char *dst, size_t cap, const char *v) {
@@ -83,7 +83,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->shape.kv = ATTND_KV_BF16;
   c->shape.rope = ATTND_ROPE_NEOX;
   c->shape.rope_theta = 500000.0;
-  c->shape.rotary_dim = 0;      /* = head_dim, filled by validate */
+  c->shape.rotary_dim = 0;       /* = head_dim, filled by validate */
   c->shape.softmax_scale = 0.0f; /* = 1/sqrt(head_dim), filled by validate */
   c->max_context = 131072;
   snprintf(c->model_id, sizeof(c->model_id), "llama-3-8b");
@@ -123,12 +123,29 @@ static int parse_size(const char *v, uint64_t *out) {
   uint64_t mul = 1;
   if (*end) {
     switch (*end) {
-    case 'k': case 'K': mul = 1ull << 10; break;
-    case 'm': case 'M': mul = 1ull << 20; break;
-    case 'g': case 'G': mul = 1ull << 30; break;
-    case 't': case 'T': mul = 1ull << 40; break;
-    case 'b': case 'B': mul = 1; end--; break;
-    default: return -1;
+    case 'k':
+    case 'K':
+      mul = 1ull << 10;
+      break;
+    case 'm':
+    case 'M':
+      mul = 1ull << 20;
+      break;
+    case 'g':
+    case 'G':
+      mul = 1ull << 30;
+      break;
+    case 't':
+    case 'T':
+      mul = 1ull << 40;
+      break;
+    case 'b':
+    case 'B':
+      mul = 1;
+      end--;
+      break;
+    default:
+      return -1;
     }
     end++;
     if (strcasecmp(end, "") != 0 && strcasecmp(end, "b") != 0 && strcasecmp(end, "ib") != 0)
@@ -193,25 +210,25 @@ static int set_option(attnd_config_t *c, const char *prefix, const char *name_in
     if (*p == '_')
       *p = '-';
 
-#define STR(key, field)                                                            \
-  if (strcmp(name, key) == 0) {                                                    \
-    if (copy_str(c->field, sizeof(c->field), v))                                   \
-      ERR("--%s: value longer than %zu bytes", key, sizeof(c->field) - 1);         \
-    return 0;                                                                      \
+#define STR(key, field)                                                                            \
+  if (strcmp(name, key) == 0) {                                                                    \
+    if (copy_str(c->field, sizeof(c->field), v))                                                   \
+      ERR("--%s: value longer than %zu bytes", key, sizeof(c->field) - 1);                         \
+    return 0;                                                                                      \
   }
-#define INT(key, field, lo, hi)                                                    \
-  if (strcmp(name, key) == 0) {                                                    \
-    if (parse_int(v, lo, hi, &x))                                                  \
-      ERR("--%s: '%s' is not an integer in [%ld, %ld]", key, v, (long)(lo), (long)(hi)); \
-    c->field = (int)x;                                                             \
-    return 0;                                                                      \
+#define INT(key, field, lo, hi)                                                                    \
+  if (strcmp(name, key) == 0) {                                                                    \
+    if (parse_int(v, lo, hi, &x))                                                                  \
+      ERR("--%s: '%s' is not an integer in [%ld, %ld]", key, v, (long)(lo), (long)(hi));           \
+    c->field = (int)x;                                                                             \
+    return 0;                                                                                      \
   }
-#define SIZE(key, field)                                                           \
-  if (strcmp(name, key) == 0) {                                                    \
-    if (parse_size(v, &u))                                                         \
-      ERR("--%s: '%s' is not a size (bytes, or a number with K, M, G or T)", key, v); \
-    c->field = u;                                                                  \
-    return 0;                                                                      \
+#define SIZE(key, field)                                                                           \
+  if (strcmp(name, key) == 0) {                                                                    \
+    if (parse_size(v, &u))                                                                         \
+      ERR("--%s: '%s' is not a size (bytes, or a number with K, M, G or T)", key, v);              \
+    c->field = u;                                                                                  \
+    return 0;                                                                                      \
   }
 
   STR("socket", socket_path)
@@ -271,7 +288,8 @@ static int set_option(attnd_config_t *c, const char *prefix, const char *name_in
   if (strcmp(name, "kv-cache") == 0) {
     int t = attnd_kv_type_parse(v);
     if (t < 0)
-      ERR("--kv-cache: '%s' is not one of bf16, fp16, int8, fp8, int8_dynamic, fp8_dynamic, int4", v);
+      ERR("--kv-cache: '%s' is not one of bf16, fp16, int8, fp8, int8_dynamic, fp8_dynamic, int4",
+          v);
     c->shape.kv = (attnd_kv_type_t)t;
     return 0;
   }
@@ -299,9 +317,11 @@ static int set_option(attnd_config_t *c, const char *prefix, const char *name_in
     return 0;
   }
   if (strcmp(name, "prefix-cache") == 0) {
-    if (strcmp(v, "true") == 0 || strcmp(v, "1") == 0 || strcmp(v, "yes") == 0 || strcmp(v, "on") == 0)
+    if (strcmp(v, "true") == 0 || strcmp(v, "1") == 0 || strcmp(v, "yes") == 0 ||
+        strcmp(v, "on") == 0)
       c->prefix_cache = 1;
-    else if (strcmp(v, "false") == 0 || strcmp(v, "0") == 0 || strcmp(v, "no") == 0 || strcmp(v, "off") == 0)
+    else if (strcmp(v, "false") == 0 || strcmp(v, "0") == 0 || strcmp(v, "no") == 0 ||
+             strcmp(v, "off") == 0)
       c->prefix_cache = 0;
     else
       ERR("prefix-cache: '%s' is not a boolean (true/false)", v);
@@ -469,16 +489,20 @@ const char *attnd_config_usage(void) {
          "\n"
          "Listeners:\n"
          "  --socket PATH          Unix socket (default per systemd/XDG, see DESIGN.md)\n"
-         "  --listen HOST:PORT     TCP listener, default 127.0.0.1:7411; port 0 picks one; empty disables\n"
+         "  --listen HOST:PORT     TCP listener, default 127.0.0.1:7411; port 0 picks one; empty "
+         "disables\n"
          "  --metrics HOST:PORT    Prometheus /metrics, default 127.0.0.1:7412; empty disables\n"
          "  --token-file FILE      tokens accepted in Hello (one per line); needed off loopback\n"
          "  --max-frame BYTES      largest frame, default 512M (< 2G)\n"
-         "  --max-inflight BYTES   in-flight bytes per connection before reading stops, default 1G\n"
+         "  --max-inflight BYTES   in-flight bytes per connection before reading stops, default "
+         "1G\n"
          "  --max-connections N    default 1024\n"
-         "  --hello-timeout MS     off-loopback TCP clients must send Hello within this, default 10000\n"
+         "  --hello-timeout MS     off-loopback TCP clients must send Hello within this, default "
+         "10000\n"
          "Engine:\n"
          "  --backend auto|cpu|cuda  --device N  --threads N (CPU workers, 0 = cores)\n"
-         "  --kv-memory BYTES      KV pool size (K/M/G suffix); default 1G CPU, 90% free GPU memory\n"
+         "  --kv-memory BYTES      KV pool size (K/M/G suffix); default 1G CPU, 90% free GPU "
+         "memory\n"
          "  --max-sessions N       default 65536\n"
          "  --session-idle SECONDS default 600\n"
          "  --no-prefix-cache      disable prefix sharing\n"

@@ -55,7 +55,9 @@ static int finish(attnd_frame_reader_t *r, attnd_frame_cb cb, void *arg) {
   return cb(arg, f, n);
 }
 
-int attnd_frame_reader_paused(const attnd_frame_reader_t *r) { return r->pend != NULL; }
+int attnd_frame_reader_paused(const attnd_frame_reader_t *r) {
+  return r->pend != NULL;
+}
 
 /* Keeps the unparsed rest after a pause (it may live in scratch, which the
  * next read would overwrite, so it is copied). */

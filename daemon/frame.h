@@ -29,13 +29,13 @@ typedef struct {
   uint64_t max_frame;
   uint8_t hdr[4];
   size_t hdr_got;
-  uint8_t *body;       /* frame in progress, NULL between frames */
+  uint8_t *body; /* frame in progress, NULL between frames */
   size_t body_len;
   size_t body_got;
-  uint8_t *scratch;    /* ATTND_FRAME_SCRATCH bytes, allocated lazily */
-  int err;             /* sticky: ATTND_EINVAL (N == 0), ATTND_ENOSPC (N > max) */
-  uint64_t bad_len;    /* the rejected length, for the log */
-  uint8_t *pend;       /* bytes received but not parsed because of a pause */
+  uint8_t *scratch; /* ATTND_FRAME_SCRATCH bytes, allocated lazily */
+  int err;          /* sticky: ATTND_EINVAL (N == 0), ATTND_ENOSPC (N > max) */
+  uint64_t bad_len; /* the rejected length, for the log */
+  uint8_t *pend;    /* bytes received but not parsed because of a pause */
   size_t pend_len;
 } attnd_frame_reader_t;
 

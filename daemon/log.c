@@ -20,9 +20,13 @@ int attnd_log_level_parse(const char *name) {
   return -1;
 }
 
-void attnd_log_set_level(attnd_log_level_t level) { cur_level = (int)level; }
+void attnd_log_set_level(attnd_log_level_t level) {
+  cur_level = (int)level;
+}
 
-int attnd_log_enabled(attnd_log_level_t level) { return (int)level <= cur_level; }
+int attnd_log_enabled(attnd_log_level_t level) {
+  return (int)level <= cur_level;
+}
 
 void attnd_log(attnd_log_level_t level, const char *event, const char *fmt, ...) {
   if (!attnd_log_enabled(level))
@@ -33,8 +37,8 @@ void attnd_log(attnd_log_level_t level, const char *event, const char *fmt, ...)
   clock_gettime(CLOCK_REALTIME, &ts);
   gmtime_r(&ts.tv_sec, &tm);
   int n = snprintf(line, sizeof(line), "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ level=%s event=%s",
-                   tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
-                   tm.tm_sec, ts.tv_nsec / 1000000, level_names[level], event);
+                   tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+                   ts.tv_nsec / 1000000, level_names[level], event);
   if (n < 0)
     return;
   if (fmt && fmt[0] && (size_t)n < sizeof(line) - 2) {

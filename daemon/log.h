@@ -28,10 +28,10 @@ void attnd_log(attnd_log_level_t level, const char *event, const char *fmt, ...)
 #define ATTND_LOGE(ev, ...) attnd_log(ATTND_LOG_ERROR, ev, __VA_ARGS__)
 #define ATTND_LOGW(ev, ...) attnd_log(ATTND_LOG_WARN, ev, __VA_ARGS__)
 #define ATTND_LOGI(ev, ...) attnd_log(ATTND_LOG_INFO, ev, __VA_ARGS__)
-#define ATTND_LOGD(ev, ...)                                                        \
-  do {                                                                             \
-    if (attnd_log_enabled(ATTND_LOG_DEBUG))                                        \
-      attnd_log(ATTND_LOG_DEBUG, ev, __VA_ARGS__);                                 \
+#define ATTND_LOGD(ev, ...)                                                                        \
+  do {                                                                                             \
+    if (attnd_log_enabled(ATTND_LOG_DEBUG))                                                        \
+      attnd_log(ATTND_LOG_DEBUG, ev, __VA_ARGS__);                                                 \
   } while (0)
 
 #endif /* ATTND_LOG_H */

@@ -71,7 +71,9 @@ static void signal_cb(uv_signal_t *h, int signum) {
   attnd_server_drain(d->server, server_drained_cb, d);
 }
 
-static void watchdog_cb(uv_timer_t *t) { sd_notify(0, "WATCHDOG=1"); }
+static void watchdog_cb(uv_timer_t *t) {
+  sd_notify(0, "WATCHDOG=1");
+}
 
 int main(int argc, char **argv) {
   static daemon_t d;

@@ -42,15 +42,28 @@ const double attnd_hist_bounds_us[ATTND_HIST_BUCKETS] = {
 };
 
 static const char *const method_names[ATTND_M_COUNT] = {
-    "unknown", "hello",    "health", "stats",      "open_session", "close_session",
-    "fork",    "truncate", "plan",   "step",       "set_scales",   "list_sessions",
+    "unknown", "hello",    "health", "stats", "open_session", "close_session",
+    "fork",    "truncate", "plan",   "step",  "set_scales",   "list_sessions",
 };
 
 static const char *const code_names[ATTND_CODE_COUNT] = {
-    "OK",        "CANCELLED",         "UNKNOWN",      "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
-    "NOT_FOUND", "ALREADY_EXISTS",    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",      "INTERNAL",
-    "UNAVAILABLE", "DATA_LOSS",       "UNAUTHENTICATED",
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
 };
 
 const char *attnd_method_name(int m) {
@@ -131,17 +144,17 @@ int attnd_metrics_render(const attnd_counters_t *c, attnd_engine_t *engine, doub
     sb_printf(&b, "attnd_errors_total{method=\"%s\"} %llu\n", method_names[m],
               (unsigned long long)c->errors[m]);
 
-#define SIMPLE(name, type, help, val)                                              \
-  do {                                                                             \
-    head(&b, name, type, help);                                                    \
-    sb_printf(&b, "%s %llu\n", name, (unsigned long long)(val));                   \
+#define SIMPLE(name, type, help, val)                                                              \
+  do {                                                                                             \
+    head(&b, name, type, help);                                                                    \
+    sb_printf(&b, "%s %llu\n", name, (unsigned long long)(val));                                   \
   } while (0)
   SIMPLE("attnd_received_bytes_total", "counter", "Request frame bytes received.", c->bytes_in);
   SIMPLE("attnd_sent_bytes_total", "counter", "Response frame bytes sent.", c->bytes_out);
   SIMPLE("attnd_connections", "gauge", "Open RPC connections.", c->connections);
   SIMPLE("attnd_connections_total", "counter", "Accepted RPC connections.", c->connections_total);
-  SIMPLE("attnd_connections_refused_total", "counter", "Connections refused over --max-connections.",
-         c->connections_refused);
+  SIMPLE("attnd_connections_refused_total", "counter",
+         "Connections refused over --max-connections.", c->connections_refused);
   SIMPLE("attnd_frame_errors_total", "counter", "Framing errors that closed a connection.",
          c->frame_errors);
   SIMPLE("attnd_sessions", "gauge", "Open sessions.", es.sessions);
@@ -202,8 +215,8 @@ struct attnd_metrics_s {
   attnd_engine_t *engine;
   uint64_t start_ns;
   int port;
-  int open_handles;   /* listener + connections not yet closed */
-  int nconns;         /* open HTTP connections */
+  int open_handles; /* listener + connections not yet closed */
+  int nconns;       /* open HTTP connections */
   int closing;
   struct hconn_s *conns;
   void (*close_cb)(void *arg);
@@ -272,11 +285,15 @@ static void hwrite_cb(uv_write_t *req, int status) {
 }
 
 static void respond(hconn_t *c, int code, const char *ctype, const char *body, size_t blen) {
-  const char *reason = code == 200 ? "OK" : code == 404 ? "Not Found" : code == 405 ? "Method Not Allowed" : "Bad Request";
+  const char *reason = code == 200   ? "OK"
+                       : code == 404 ? "Not Found"
+                       : code == 405 ? "Method Not Allowed"
+                                     : "Bad Request";
   char hdr[256];
-  int hl = snprintf(hdr, sizeof(hdr),
-                    "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n",
-                    code, reason, ctype, blen);
+  int hl = snprintf(
+      hdr, sizeof(hdr),
+      "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n",
+      code, reason, ctype, blen);
   hwrite_t *w = malloc(sizeof(*w));
   char *buf = malloc((size_t)hl + blen);
   if (!w || !buf) {
@@ -388,7 +405,9 @@ static void on_http_conn(uv_stream_t *server, int status) {
   uv_read_start((uv_stream_t *)&c->tcp, h_alloc_cb, h_read_cb);
 }
 
-static void listener_close_cb(uv_handle_t *h) { handle_closed(h->data); }
+static void listener_close_cb(uv_handle_t *h) {
+  handle_closed(h->data);
+}
 
 int attnd_metrics_start(attnd_metrics_t **out, uv_loop_t *loop, const char *hostport,
                         const attnd_counters_t *counters, attnd_engine_t *engine, uint64_t start_ns,
@@ -438,7 +457,9 @@ int attnd_metrics_start(attnd_metrics_t **out, uv_loop_t *loop, const char *host
   return 0;
 }
 
-int attnd_metrics_port(const attnd_metrics_t *m) { return m->port; }
+int attnd_metrics_port(const attnd_metrics_t *m) {
+  return m->port;
+}
 
 void attnd_metrics_close(attnd_metrics_t *m, void (*cb)(void *arg), void *arg) {
   m->closing = 1;

@@ -49,11 +49,11 @@ typedef struct {
   uint64_t by_code[ATTND_M_COUNT][ATTND_CODE_COUNT];
   uint64_t bytes_in;
   uint64_t bytes_out;
-  uint32_t connections;          /* open now */
-  uint64_t connections_total;    /* accepted since start */
-  uint64_t connections_refused;  /* over --max-connections */
-  uint64_t frame_errors;         /* framing errors that closed a connection */
-  attnd_hist_t step_latency[2];  /* ATTND_STEP_PREFILL, ATTND_STEP_DECODE */
+  uint32_t connections;         /* open now */
+  uint64_t connections_total;   /* accepted since start */
+  uint64_t connections_refused; /* over --max-connections */
+  uint64_t frame_errors;        /* framing errors that closed a connection */
+  attnd_hist_t step_latency[2]; /* ATTND_STEP_PREFILL, ATTND_STEP_DECODE */
 } attnd_counters_t;
 
 /* "health", "open_session", ... ("unknown" for 0 or out of range). */

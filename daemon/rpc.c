@@ -44,15 +44,15 @@ struct attnd_rpc_req_s {
   int method;
   uint8_t *frame;
   size_t frame_len;
-  uint64_t t0_ns;          /* frame decoded */
-  int step_kind;           /* ATTND_STEP_*, or -1 when not known */
+  uint64_t t0_ns; /* frame decoded */
+  int step_kind;  /* ATTND_STEP_*, or -1 when not known */
   /* Decoded call; tensor and mask data point into frame. */
   attnd_item_t *items;
   uint32_t nitems, cap_items;
   u32vec_t open_tokens;
   attnd_step_req_t step;
   attnd_scales_req_t scales;
-  int decode_failed;       /* a callback failed for a reason of ours (message set) */
+  int decode_failed; /* a callback failed for a reason of ours (message set) */
   char msg[200];
 };
 
@@ -74,7 +74,9 @@ static void *xrealloc(void *p, size_t n) {
   return p;
 }
 
-static uint64_t now_ns(void) { return uv_hrtime(); }
+static uint64_t now_ns(void) {
+  return uv_hrtime();
+}
 
 /* ---- tokens ------------------------------------------------------------- */
 
@@ -89,7 +91,8 @@ static int load_tokens(attnd_rpc_t *r, const char *path, char *err, size_t errle
   while (fgets(line, sizeof(line), f)) {
     lineno++;
     size_t n = strlen(line);
-    while (n && (line[n - 1] == '\n' || line[n - 1] == '\r' || line[n - 1] == ' ' || line[n - 1] == '\t'))
+    while (n && (line[n - 1] == '\n' || line[n - 1] == '\r' || line[n - 1] == ' ' ||
+                 line[n - 1] == '\t'))
       line[--n] = 0;
     char *s = line;
     while (*s == ' ' || *s == '\t')
@@ -210,7 +213,8 @@ static bool enc_sessions_cb(pb_ostream_t *s, const pb_field_t *f, void *const *a
     si.len = ss->v[i].len;
     si.blocks = ss->v[i].blocks;
     si.idle_s = ss->v[i].idle_s;
-    if (!pb_encode_tag_for_field(s, f) || !pb_encode_submessage(s, attnd_v1_SessionInfo_fields, &si))
+    if (!pb_encode_tag_for_field(s, f) ||
+        !pb_encode_submessage(s, attnd_v1_SessionInfo_fields, &si))
       return false;
   }
   return true;
@@ -253,7 +257,8 @@ static void send_response(attnd_rpc_conn_t *c, attnd_v1_Response *resp, uint64_t
   pb_ostream_t os = pb_ostream_from_buffer(buf + 4, sz);
   if (!pb_encode(&os, attnd_v1_Response_fields, resp)) {
     free(buf);
-    ATTND_LOGE("encode_failed", "conn=%llu err=\"%s\"", (unsigned long long)c->id, PB_GET_ERROR(&os));
+    ATTND_LOGE("encode_failed", "conn=%llu err=\"%s\"", (unsigned long long)c->id,
+               PB_GET_ERROR(&os));
     return;
   }
   attnd_frame_put_header(buf, (uint32_t)sz);
@@ -314,11 +319,16 @@ static size_t dtype_size(int dt) {
 
 static const char *dtype_name(int dt) {
   switch (dt) {
-  case attnd_v1_DType_DTYPE_BF16: return "BF16";
-  case attnd_v1_DType_DTYPE_FP16: return "FP16";
-  case attnd_v1_DType_DTYPE_FP32: return "FP32";
-  case attnd_v1_DType_DTYPE_INT32: return "INT32";
-  default: return "UNSPECIFIED";
+  case attnd_v1_DType_DTYPE_BF16:
+    return "BF16";
+  case attnd_v1_DType_DTYPE_FP16:
+    return "FP16";
+  case attnd_v1_DType_DTYPE_FP32:
+    return "FP32";
+  case attnd_v1_DType_DTYPE_INT32:
+    return "INT32";
+  default:
+    return "UNSPECIFIED";
   }
 }
 
@@ -396,14 +406,12 @@ static bool dec_item_cb(pb_istream_t *s, const pb_field_t *f, void **arg) {
   x->doc_lengths = doc;
   x->intervals = iv;
   snprintf(name, sizeof(name), "item %u: mask doc_lengths", q->nitems - 1);
-  if (!q->decode_failed &&
-      tensor_finish(&x->doc_lengths, it.has_mask && it.mask.has_doc_lengths, &it.mask.doc_lengths,
-                    name, q->msg, sizeof(q->msg)))
+  if (!q->decode_failed && tensor_finish(&x->doc_lengths, it.has_mask && it.mask.has_doc_lengths,
+                                         &it.mask.doc_lengths, name, q->msg, sizeof(q->msg)))
     q->decode_failed = 1;
   snprintf(name, sizeof(name), "item %u: mask intervals", q->nitems - 1);
-  if (!q->decode_failed &&
-      tensor_finish(&x->intervals, it.has_mask && it.mask.has_intervals, &it.mask.intervals, name,
-                    q->msg, sizeof(q->msg)))
+  if (!q->decode_failed && tensor_finish(&x->intervals, it.has_mask && it.mask.has_intervals,
+                                         &it.mask.intervals, name, q->msg, sizeof(q->msg)))
     q->decode_failed = 1;
   return true;
 }
@@ -572,7 +580,9 @@ static void fill_shape(attnd_rpc_t *r, attnd_v1_ModelShape *m) {
   snprintf(m->dtype, sizeof(m->dtype), "%s", s->dtype == ATTND_DT_FP16 ? "fp16" : "bf16");
   snprintf(m->kv_cache, sizeof(m->kv_cache), "%s", attnd_kv_type_name(s->kv));
   snprintf(m->rope, sizeof(m->rope), "%s",
-           s->rope == ATTND_ROPE_NEOX ? "neox" : s->rope == ATTND_ROPE_INTERLEAVED ? "interleaved" : "none");
+           s->rope == ATTND_ROPE_NEOX          ? "neox"
+           : s->rope == ATTND_ROPE_INTERLEAVED ? "interleaved"
+                                               : "none");
   m->rope_theta = s->rope_theta;
   m->rotary_dim = (uint32_t)s->rotary_dim;
   m->softmax_scale = s->softmax_scale;
@@ -709,9 +719,8 @@ static void fail_req(attnd_rpc_conn_t *c, attnd_rpc_req_t *q, int err, const cha
                      int close_after) {
   int code = attnd_err_status(err);
   count(c->rpc, q->method, code);
-  ATTND_LOGD("request", "conn=%llu id=%llu method=%s code=%s msg=\"%s\"",
-             (unsigned long long)c->id, (unsigned long long)q->id, attnd_method_name(q->method),
-             attnd_code_name(code), msg);
+  ATTND_LOGD("request", "conn=%llu id=%llu method=%s code=%s msg=\"%s\"", (unsigned long long)c->id,
+             (unsigned long long)q->id, attnd_method_name(q->method), attnd_code_name(code), msg);
   attnd_v1_Response resp = attnd_v1_Response_init_zero;
   resp.id = q->id;
   resp.status.code = (attnd_v1_Status_Code)code;
@@ -763,8 +772,7 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
   r->counters.requests[q->method]++;
 
   if (c->need_hello && q->method != ATTND_M_HELLO) {
-    fail_req(c, q, ATTND_EUNAUTH,
-             "this connection must send Hello{token} first", 1);
+    fail_req(c, q, ATTND_EUNAUTH, "this connection must send Hello{token} first", 1);
     return;
   }
   if (!call_tag) {
@@ -885,7 +893,8 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
             tensor_finish(&st->k, m.has_k, &m.k, "k", q->msg, sizeof(q->msg)) ||
             tensor_finish(&st->v, m.has_v, &m.v, "v", q->msg, sizeof(q->msg));
     if (!bad && m.plan != 0 && q->nitems != 0) {
-      snprintf(q->msg, sizeof(q->msg), "step: names plan %llu and carries %u inline items; give one",
+      snprintf(q->msg, sizeof(q->msg),
+               "step: names plan %llu and carries %u inline items; give one",
                (unsigned long long)m.plan, q->nitems);
       bad = 1;
     }

@@ -39,11 +39,11 @@ struct attnd_rpc_s {
   attnd_engine_t *engine;
   const attnd_config_t *cfg;
   attnd_counters_t counters;
-  uint64_t epoch;          /* random, drawn at init */
-  uint64_t start_ns;       /* uv_hrtime() at init */
-  int draining;            /* new calls answer UNAVAILABLE (Health and Stats still answer) */
-  int tcp_port;            /* bound TCP port for Health, 0 when off */
-  uint64_t inflight;       /* requests in flight on all connections */
+  uint64_t epoch;    /* random, drawn at init */
+  uint64_t start_ns; /* uv_hrtime() at init */
+  int draining;      /* new calls answer UNAVAILABLE (Health and Stats still answer) */
+  int tcp_port;      /* bound TCP port for Health, 0 when off */
+  uint64_t inflight; /* requests in flight on all connections */
   uint64_t next_conn_id;
   /* Runs when inflight drops to 0 while draining. */
   void (*idle_cb)(void *arg);
@@ -59,13 +59,13 @@ struct attnd_rpc_s {
 
 struct attnd_rpc_conn_s {
   attnd_rpc_t *rpc;
-  uint64_t id;             /* names the connection to the engine (plans end with it) */
+  uint64_t id; /* names the connection to the engine (plans end with it) */
   uint64_t identity;
-  int need_hello;          /* off-loopback TCP: a valid Hello must come first */
-  int closed;              /* the transport is gone: results are dropped */
-  uint32_t pending;        /* requests in flight */
-  uint64_t req_bytes;      /* bytes of request frames held by requests in flight */
-  attnd_rpc_req_t *reqs;   /* requests in flight (for duplicate ids) */
+  int need_hello;        /* off-loopback TCP: a valid Hello must come first */
+  int closed;            /* the transport is gone: results are dropped */
+  uint32_t pending;      /* requests in flight */
+  uint64_t req_bytes;    /* bytes of request frames held by requests in flight */
+  attnd_rpc_req_t *reqs; /* requests in flight (for duplicate ids) */
   /* Plans made on this connection and whether they are decode steps, for the
    * step latency histograms (a ring of the last max_plans). */
   uint64_t *plan_ids;

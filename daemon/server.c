@@ -38,14 +38,14 @@ struct conn_s {
   attnd_rpc_conn_t rc;
   attnd_frame_reader_t fr;
   conn_t *next, *prev;
-  uint64_t write_bytes;     /* response bytes queued, not yet written */
+  uint64_t write_bytes; /* response bytes queued, not yet written */
   int reading;
   int closing;
   int handle_closed;
-  int in_feed;              /* inside the frame reader: no re-entry */
-  int close_when_flushed;   /* close once every queued response is written */
-  int counted;              /* counts against --max-connections */
-  uint64_t accepted_ms;     /* uv_now() at accept, for the Hello deadline */
+  int in_feed;            /* inside the frame reader: no re-entry */
+  int close_when_flushed; /* close once every queued response is written */
+  int counted;            /* counts against --max-connections */
+  uint64_t accepted_ms;   /* uv_now() at accept, for the Hello deadline */
 };
 
 typedef struct {
@@ -66,17 +66,17 @@ struct attnd_server_s {
   char unix_path[256];
   int tcp_port;
   conn_t *conns;
-  int open;                 /* listeners + connections not yet freed */
+  int open; /* listeners + connections not yet freed */
   int draining, finishing, done;
   uv_timer_t drain_timer;
-  uv_timer_t hello_timer;   /* closes off-loopback connections that never say Hello */
+  uv_timer_t hello_timer; /* closes off-loopback connections that never say Hello */
   int has_hello_timer;
   void (*drain_cb)(void *arg);
   void *drain_arg;
   attnd_server_stats_t st;
 };
 
-#define CONN_OF(rcp) ((conn_t *)((char *)(rcp) - offsetof(conn_t, rc)))
+#define CONN_OF(rcp) ((conn_t *)((char *)(rcp)-offsetof(conn_t, rc)))
 
 static void flow_update(conn_t *c);
 static void conn_close(conn_t *c);
@@ -124,9 +124,13 @@ static void conn_close(conn_t *c) {
   uv_close(&c->h.handle, conn_close_cb);
 }
 
-static void rc_released(attnd_rpc_conn_t *rc) { conn_maybe_free(CONN_OF(rc)); }
+static void rc_released(attnd_rpc_conn_t *rc) {
+  conn_maybe_free(CONN_OF(rc));
+}
 
-static void rc_progress(attnd_rpc_conn_t *rc) { flow_update(CONN_OF(rc)); }
+static void rc_progress(attnd_rpc_conn_t *rc) {
+  flow_update(CONN_OF(rc));
+}
 
 /* ---- writing ---------------------------------------------------------------- */
 
@@ -218,7 +222,8 @@ static void feed_result(conn_t *c, int rc) {
     ATTND_LOGI("bad_frame", "conn=%llu reason=zero_length", (unsigned long long)c->rc.id);
     attnd_rpc_frame_error(&c->rc, ATTND_EINVAL, "zero-length frame");
   } else {
-    ATTND_LOGW("conn_error", "conn=%llu err=\"%s\"", (unsigned long long)c->rc.id, attnd_strerror(rc));
+    ATTND_LOGW("conn_error", "conn=%llu err=\"%s\"", (unsigned long long)c->rc.id,
+               attnd_strerror(rc));
     conn_close(c);
   }
 }
@@ -357,8 +362,7 @@ static void on_unix_conn(uv_stream_t *server, int status) {
   struct ucred cred;
   socklen_t cl = sizeof(cred);
   uint64_t identity = ATTND_IDENTITY_ANON;
-  if (uv_fileno(&c->h.handle, &fd) == 0 &&
-      getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0)
+  if (uv_fileno(&c->h.handle, &fd) == 0 && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0)
     identity = (uint64_t)cred.uid;
   char peer[32];
   snprintf(peer, sizeof(peer), "uid:%llu", (unsigned long long)identity);
@@ -627,11 +631,17 @@ fail:
   return rc;
 }
 
-attnd_rpc_t *attnd_server_rpc(attnd_server_t *s) { return &s->rpc; }
+attnd_rpc_t *attnd_server_rpc(attnd_server_t *s) {
+  return &s->rpc;
+}
 
-int attnd_server_tcp_port(const attnd_server_t *s) { return s->tcp_port; }
+int attnd_server_tcp_port(const attnd_server_t *s) {
+  return s->tcp_port;
+}
 
-void attnd_server_stats(const attnd_server_t *s, attnd_server_stats_t *st) { *st = s->st; }
+void attnd_server_stats(const attnd_server_t *s, attnd_server_stats_t *st) {
+  *st = s->st;
+}
 
 /* ---- drain ------------------------------------------------------------------------ */
 

@@ -27,8 +27,8 @@ typedef struct attnd_server_s attnd_server_t;
 
 typedef struct {
   uint32_t connections;
-  uint64_t peak_conn_inflight;  /* largest in-flight bytes seen on one connection */
-  uint64_t reads_paused;        /* times a connection stopped reading for backpressure */
+  uint64_t peak_conn_inflight; /* largest in-flight bytes seen on one connection */
+  uint64_t reads_paused;       /* times a connection stopped reading for backpressure */
 } attnd_server_stats_t;
 
 /* Binds the listeners named by cfg (which must outlive the server). On error

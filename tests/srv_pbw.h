@@ -47,7 +47,9 @@ static inline void pbw_varint(pbw_t *w, uint64_t v) {
   pbw_raw(w, t, (size_t)k);
 }
 
-static inline void pbw_tag(pbw_t *w, uint32_t field, int wt) { pbw_varint(w, ((uint64_t)field << 3) | (uint64_t)wt); }
+static inline void pbw_tag(pbw_t *w, uint32_t field, int wt) {
+  pbw_varint(w, ((uint64_t)field << 3) | (uint64_t)wt);
+}
 
 static inline void pbw_uint(pbw_t *w, uint32_t field, uint64_t v) {
   pbw_tag(w, field, 0);

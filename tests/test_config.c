@@ -96,14 +96,44 @@ static void test_default_paths(void **state) {
 
 static void test_flags_both_forms(void **state) {
   attnd_config_t c;
-  const char *a[] = {"--layers", "4",           "--q-heads=16",  "--kv-heads", "4",
-                     "--head-dim=64", "--block-size", "16",    "--dtype=fp16", "--kv-cache",
-                     "int8_dynamic", "--rope=interleaved", "--rope-theta", "10000",
-                     "--rotary-dim=32", "--softmax-scale", "0.5", "--max-context=8192",
-                     "--model-id", "tiny", "--session-idle=5", "--max-connections", "7",
-                     "--max-sessions=9", "--threads", "3", "--backend=cpu", "--device", "1",
-                     "--socket=/tmp/x/a.sock", "--listen", "", "--metrics=127.0.0.1:0",
-                     "--log-level", "debug", "--no-prefix-cache", "--max-plans=8", NULL};
+  const char *a[] = {"--layers",
+                     "4",
+                     "--q-heads=16",
+                     "--kv-heads",
+                     "4",
+                     "--head-dim=64",
+                     "--block-size",
+                     "16",
+                     "--dtype=fp16",
+                     "--kv-cache",
+                     "int8_dynamic",
+                     "--rope=interleaved",
+                     "--rope-theta",
+                     "10000",
+                     "--rotary-dim=32",
+                     "--softmax-scale",
+                     "0.5",
+                     "--max-context=8192",
+                     "--model-id",
+                     "tiny",
+                     "--session-idle=5",
+                     "--max-connections",
+                     "7",
+                     "--max-sessions=9",
+                     "--threads",
+                     "3",
+                     "--backend=cpu",
+                     "--device",
+                     "1",
+                     "--socket=/tmp/x/a.sock",
+                     "--listen",
+                     "",
+                     "--metrics=127.0.0.1:0",
+                     "--log-level",
+                     "debug",
+                     "--no-prefix-cache",
+                     "--max-plans=8",
+                     NULL};
   assert_int_equal(parse_validate(&c, a), 0);
   assert_int_equal(c.layers, 4);
   assert_int_equal(c.shape.q_heads, 16);
@@ -313,9 +343,16 @@ static void test_binary_exit_codes(void **state) {
   const char *help[] = {"--help", NULL};
   assert_int_equal(run_attnd(help), 0);
   /* A socket path that cannot be created: a start failure, exit 1. */
-  const char *nostart[] = {"--socket", "/proc/nope/attnd.sock", "--listen", "", "--metrics", "",
-                           "--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim",
-                           "64", "--kv-memory", "4M", "--backend", "cpu", NULL};
+  const char *nostart[] = {"--socket",    "/proc/nope/attnd.sock",
+                           "--listen",    "",
+                           "--metrics",   "",
+                           "--layers",    "2",
+                           "--q-heads",   "4",
+                           "--kv-heads",  "2",
+                           "--head-dim",  "64",
+                           "--kv-memory", "4M",
+                           "--backend",   "cpu",
+                           NULL};
   assert_int_equal(run_attnd(nostart), 1);
 }
 
@@ -356,10 +393,10 @@ static int cleanup(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_defaults),       cmocka_unit_test(test_default_paths),
+      cmocka_unit_test(test_defaults),         cmocka_unit_test(test_default_paths),
       cmocka_unit_test(test_flags_both_forms), cmocka_unit_test(test_sizes),
-      cmocka_unit_test(test_errors),         cmocka_unit_test(test_file_and_precedence),
-      cmocka_unit_test(test_hostport),       cmocka_unit_test(test_binary_exit_codes),
+      cmocka_unit_test(test_errors),           cmocka_unit_test(test_file_and_precedence),
+      cmocka_unit_test(test_hostport),         cmocka_unit_test(test_binary_exit_codes),
       cmocka_unit_test(test_example_config),
   };
   return cmocka_run_group_tests(tests, NULL, cleanup);

@@ -200,7 +200,6 @@ static void test_pause_resume(void **state) {
   attnd_frame_reader_free(&r);
 }
 
-
 /* Random chunking of a random stream of frames, read half the time through
  * the reader's own buffer: what comes out is what went in. */
 static void test_random_chunks(void **state) {

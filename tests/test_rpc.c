@@ -30,7 +30,7 @@ typedef struct {
 } held_t;
 
 static struct {
-  int hold;                  /* 1: calls wait for fake_complete() */
+  int hold; /* 1: calls wait for fake_complete() */
   held_t held[16];
   int nheld;
   /* What the last step saw. */
@@ -152,8 +152,8 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
       fe.tokens[i][t] = req->items[i].tokens[t];
   }
   /* Zero copy: tensor bytes must point into the request frame. */
-  fe.step_in_frame = !req->q.present ||
-                     (req->q.data >= fe.frame_lo && req->q.data + req->q.nbytes <= fe.frame_hi);
+  fe.step_in_frame =
+      !req->q.present || (req->q.data >= fe.frame_lo && req->q.data + req->q.nbytes <= fe.frame_hi);
   if (req->q.present) {
     /* Echo q as the output. */
     memcpy(fe.echo, req->q.data, req->q.nbytes);
@@ -180,7 +180,9 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
   r.version = 5;
   finish(cb, arg, &r);
 }
-void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) { fe.closed_conn = conn; }
+void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) {
+  fe.closed_conn = conn;
+}
 
 /* ---- fake transport ---------------------------------------------------------- */
 
@@ -198,15 +200,20 @@ static void t_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_aft
   tconn_t *t = (tconn_t *)rc;
   assert_true(t->nout < 32);
   assert_true(len >= 4);
-  uint32_t n = ((uint32_t)buf[0] << 24) | ((uint32_t)buf[1] << 16) | ((uint32_t)buf[2] << 8) | buf[3];
+  uint32_t n =
+      ((uint32_t)buf[0] << 24) | ((uint32_t)buf[1] << 16) | ((uint32_t)buf[2] << 8) | buf[3];
   assert_int_equal(n, len - 4);
   t->out[t->nout] = buf;
   t->outlen[t->nout] = len;
   t->close_after[t->nout] = close_after;
   t->nout++;
 }
-static void t_released(attnd_rpc_conn_t *rc) { ((tconn_t *)rc)->released++; }
-static void t_progress(attnd_rpc_conn_t *rc) { ((tconn_t *)rc)->progress++; }
+static void t_released(attnd_rpc_conn_t *rc) {
+  ((tconn_t *)rc)->released++;
+}
+static void t_progress(attnd_rpc_conn_t *rc) {
+  ((tconn_t *)rc)->progress++;
+}
 
 typedef struct {
   uv_loop_t loop;
@@ -626,7 +633,8 @@ static void test_step_wire_checks(void **state) {
   resp(&t, 1, &r);
   assert_int_equal(r.id, 22);
   assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
-  assert_non_null(strstr(r.status.message, "k: shape [2, 4, 64] of BF16 needs 1024 bytes, data has 128"));
+  assert_non_null(
+      strstr(r.status.message, "k: shape [2, 4, 64] of BF16 needs 1024 bytes, data has 128"));
   /* Unknown dtype. */
   pbw_init(&st);
   pbw_tensor(&st, 6, 9, s3, 3, d, sizeof(d));
@@ -702,7 +710,9 @@ static void test_hello_auth(void **state) {
 }
 
 static int idle_calls;
-static void on_idle(void *arg) { idle_calls++; }
+static void on_idle(void *arg) {
+  idle_calls++;
+}
 
 static void test_drain(void **state) {
   fix_t *f = *state;
@@ -796,7 +806,6 @@ static void test_stats_and_list(void **state) {
   assert_int_equal(si.len, 20);
   tconn_free(&t);
 }
-
 
 /* Mutated and truncated requests never crash and always get exactly one
  * well-formed answer (or the frame is declared unparsable and the connection

@@ -300,7 +300,8 @@ static int recv_resp(int fd, attnd_v1_Response *r) {
   assert_int_not_equal(rc, -1);
   if (rc)
     return 1;
-  uint32_t n = ((uint32_t)hdr[0] << 24) | ((uint32_t)hdr[1] << 16) | ((uint32_t)hdr[2] << 8) | hdr[3];
+  uint32_t n =
+      ((uint32_t)hdr[0] << 24) | ((uint32_t)hdr[1] << 16) | ((uint32_t)hdr[2] << 8) | hdr[3];
   uint8_t *b = malloc(n ? n : 1);
   assert_int_equal(read_all(fd, b, n, 5000), 0);
   memset(r, 0, sizeof(*r));
@@ -366,7 +367,6 @@ static void test_stale_socket_removed(void **state) {
   close(u);
   h_down(h);
 }
-
 
 /* Refusals at start: a socket directory others may write to, and a socket a
  * live daemon still answers on. Start failures leave nothing open. */
@@ -551,7 +551,9 @@ static void test_pipelining(void **state) {
   h_down(h);
 }
 
-static void tweak_maxconn(attnd_config_t *c) { c->max_connections = 2; }
+static void tweak_maxconn(attnd_config_t *c) {
+  c->max_connections = 2;
+}
 
 static void test_max_connections(void **state) {
   harness_t *h = h_up(tweak_maxconn);
@@ -631,7 +633,8 @@ static void test_backpressure(void **state) {
   }
   h_call(h, snap_stats);
   uint64_t peak = h->stats.peak_conn_inflight;
-  fprintf(stderr, "backpressure: sent %ld requests, peak in-flight %llu bytes (bound %llu), paused %llu\n",
+  fprintf(stderr,
+          "backpressure: sent %ld requests, peak in-flight %llu bytes (bound %llu), paused %llu\n",
           sent, (unsigned long long)peak, (unsigned long long)h->cfg.max_inflight,
           (unsigned long long)h->stats.reads_paused);
   assert_true(h->stats.reads_paused >= 1);
@@ -658,7 +661,6 @@ static void test_backpressure(void **state) {
   close(c);
   h_down(h);
 }
-
 
 /* ---- steps through the real engine ------------------------------------------- */
 
@@ -781,7 +783,6 @@ static void test_steps_real_engine(void **state) {
   h_down(h);
 }
 
-
 static double now_s(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
@@ -899,10 +900,12 @@ static void test_metrics_scrape(void **state) {
   assert_non_null(strstr(body, "HTTP/1.1 200 OK"));
   assert_non_null(strstr(body, "text/plain; version=0.0.4"));
   assert_non_null(strstr(body, "attnd_requests_total{method=\"health\",code=\"OK\"} 3\n"));
-  assert_non_null(strstr(body, "attnd_requests_total{method=\"unknown\",code=\"UNIMPLEMENTED\"} 1\n"));
+  assert_non_null(
+      strstr(body, "attnd_requests_total{method=\"unknown\",code=\"UNIMPLEMENTED\"} 1\n"));
   assert_non_null(strstr(body, "attnd_connections 1\n"));
   assert_non_null(strstr(body, "attnd_blocks{state=\"total\"}"));
-  assert_non_null(strstr(body, "attnd_step_latency_seconds_bucket{kind=\"decode\",le=\"+Inf\"} 0\n"));
+  assert_non_null(
+      strstr(body, "attnd_step_latency_seconds_bucket{kind=\"decode\",le=\"+Inf\"} 0\n"));
   assert_non_null(strstr(body, "attnd_prefix_queries_total"));
   assert_non_null(strstr(body, "attnd_uptime_seconds"));
   free(body);
@@ -1003,10 +1006,10 @@ static void test_sigterm_drain(void **state) {
   snprintf(statedir, sizeof(statedir), "%s/state", dir);
   pid_t pid = fork();
   if (pid == 0) {
-    execl(bin, bin, "--socket", sock, "--listen", "127.0.0.1:0", "--metrics", "",
-          "--state-dir", statedir, "--backend", "cpu", "--layers", "2", "--q-heads", "4",
-          "--kv-heads", "2", "--head-dim", "64", "--block-size", "16", "--kv-memory", "4M",
-          "--threads", "1", "--log-level", "warn", (char *)NULL);
+    execl(bin, bin, "--socket", sock, "--listen", "127.0.0.1:0", "--metrics", "", "--state-dir",
+          statedir, "--backend", "cpu", "--layers", "2", "--q-heads", "4", "--kv-heads", "2",
+          "--head-dim", "64", "--block-size", "16", "--kv-memory", "4M", "--threads", "1",
+          "--log-level", "warn", (char *)NULL);
     _exit(127);
   }
   assert_true(pid > 0);
@@ -1046,8 +1049,6 @@ static void test_sigterm_drain(void **state) {
   assert_int_equal(system(cmd), 0);
 }
 
-
-
 static pid_t spawn_attnd(const char *sock, const char *statedir) {
   const char *bd = getenv("ATTND_BUILD_DIR");
   char bin[512];
@@ -1056,8 +1057,8 @@ static pid_t spawn_attnd(const char *sock, const char *statedir) {
   if (pid == 0) {
     execl(bin, bin, "--socket", sock, "--listen", "", "--metrics", "", "--state-dir", statedir,
           "--backend", "cpu", "--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim",
-          "64", "--block-size", "16", "--kv-memory", "16M", "--threads", "1", "--log-level",
-          "warn", (char *)NULL);
+          "64", "--block-size", "16", "--kv-memory", "16M", "--threads", "1", "--log-level", "warn",
+          (char *)NULL);
     _exit(127);
   }
   assert_true(pid > 0);
@@ -1114,8 +1115,8 @@ static void test_sigterm_inflight(void **state) {
    * UNAVAILABLE for as long as the step keeps the daemon draining. */
   int draining = 0;
   for (uint64_t id = 10; !got_step && id < 500; id++) {
-    if (try_send_call(c, id, draining ? attnd_v1_Request_open_session_tag
-                                      : attnd_v1_Request_health_tag) != 0)
+    if (try_send_call(
+            c, id, draining ? attnd_v1_Request_open_session_tag : attnd_v1_Request_health_tag) != 0)
       break;
     if (recv_resp(c, &r) != 0)
       break;
@@ -1227,20 +1228,13 @@ static void test_sd_notify(void **state) {
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_start_stop_health),
-      cmocka_unit_test(test_stale_socket_removed),
-      cmocka_unit_test(test_start_refusals),
-      cmocka_unit_test(test_stats_roundtrip),
-      cmocka_unit_test(test_bad_inputs),
-      cmocka_unit_test(test_pipelining),
-      cmocka_unit_test(test_max_connections),
-      cmocka_unit_test(test_backpressure),
-      cmocka_unit_test(test_steps_real_engine),
-      cmocka_unit_test(test_throughput),
-      cmocka_unit_test(test_metrics_scrape),
-      cmocka_unit_test(test_tcp_hello_off_loopback),
-      cmocka_unit_test(test_sigterm_drain),
-      cmocka_unit_test(test_sd_notify),
+      cmocka_unit_test(test_start_stop_health), cmocka_unit_test(test_stale_socket_removed),
+      cmocka_unit_test(test_start_refusals),    cmocka_unit_test(test_stats_roundtrip),
+      cmocka_unit_test(test_bad_inputs),        cmocka_unit_test(test_pipelining),
+      cmocka_unit_test(test_max_connections),   cmocka_unit_test(test_backpressure),
+      cmocka_unit_test(test_steps_real_engine), cmocka_unit_test(test_throughput),
+      cmocka_unit_test(test_metrics_scrape),    cmocka_unit_test(test_tcp_hello_off_loopback),
+      cmocka_unit_test(test_sigterm_drain),     cmocka_unit_test(test_sd_notify),
       cmocka_unit_test(test_sigterm_inflight),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
