@@ -1039,7 +1039,7 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   }
   const attnd_kshape_t *sh = &e->shape;
   cowlist_t cow = {0};
-  void *out = NULL;
+  void *out = NULL, *kbuf = NULL, *vbuf = NULL, *qbuf = NULL;
   float *lse = NULL;
   if ((rc = check_tensor(&req->k, "k", sh->dtype, p->T, sh->kv_heads, sh->head_dim, msg,
                          sizeof(msg))) ||
@@ -1062,6 +1062,11 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     goto fail;
   }
   size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
+  size_t kv_bytes = (size_t)p->T * kvrow * 2, q_bytes = (size_t)p->Tq * qrow * 2;
+  /* Aligned views first: the finite scan below reads 16-bit elements too. */
+  const uint8_t *kd = aligned_data(req->k.data, kv_bytes, &kbuf);
+  const uint8_t *vd = aligned_data(req->v.data, kv_bytes, &vbuf);
+  uint8_t *qd = p->Tq ? aligned_data(req->q.data, q_bytes, &qbuf) : NULL;
   uint32_t kv_row = 0, q_row = 0;
   for (uint32_t i = 0; i < p->nitems; i++) {
     pitem_t *it = &p->items[i];
@@ -1091,10 +1096,9 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
           rc = ATTND_EINVAL;
           goto fail;
         }
-    if (!attnd_cpu_all_finite(sh->dtype, req->k.data + kv_row * kvrow * 2, it->n * kvrow) ||
-        !attnd_cpu_all_finite(sh->dtype, req->v.data + kv_row * kvrow * 2, it->n * kvrow) ||
-        (it->has_q &&
-         !attnd_cpu_all_finite(sh->dtype, req->q.data + q_row * qrow * 2, it->n * qrow))) {
+    if (!attnd_cpu_all_finite(sh->dtype, kd + kv_row * kvrow * 2, it->n * kvrow) ||
+        !attnd_cpu_all_finite(sh->dtype, vd + kv_row * kvrow * 2, it->n * kvrow) ||
+        (it->has_q && !attnd_cpu_all_finite(sh->dtype, qd + q_row * qrow * 2, it->n * qrow))) {
       snprintf(msg, sizeof(msg), "item %u: q, k or v holds a non-finite value", i);
       rc = ATTND_EINVAL;
       goto fail;
@@ -1225,9 +1229,12 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   b->total_kv = (int32_t)p->T;
   j->job.kv_bytes = (size_t)p->T * kvrow * 2;
   j->job.q_bytes = (size_t)p->Tq * qrow * 2;
-  b->k = aligned_data(req->k.data, j->job.kv_bytes, &j->kbuf);
-  b->v = aligned_data(req->v.data, j->job.kv_bytes, &j->vbuf);
-  b->q = p->Tq ? aligned_data(req->q.data, j->job.q_bytes, &j->qbuf) : NULL;
+  b->k = kd;
+  b->v = vd;
+  b->q = qd;
+  j->kbuf = kbuf;
+  j->vbuf = vbuf;
+  j->qbuf = qbuf;
   b->out_fp32 = req->fp32_out != 0;
   j->out_dtype = req->fp32_out ? ATTND_DT_FP32 : sh->dtype;
   j->job.out_bytes = out_bytes;
@@ -1248,6 +1255,9 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
 fail:
   free(out);
   free(lse);
+  free(kbuf);
+  free(vbuf);
+  free(qbuf);
   plan_free(inl);
   answer(cb, arg, rc, "%s", msg);
 }
