@@ -352,6 +352,36 @@ static void test_start_stop_health(void **state) {
   h_down(h);
 }
 
+static void tweak_v6(attnd_config_t *c) {
+  snprintf(c->listen, sizeof(c->listen), "[::1]:0");
+}
+
+/* An IPv6 loopback listener: bound, reported, and loopback (no Hello). */
+static void test_ipv6_loopback(void **state) {
+  int probe = socket(AF_INET6, SOCK_STREAM, 0);
+  struct sockaddr_in6 a;
+  memset(&a, 0, sizeof(a));
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_loopback;
+  int can = probe >= 0 && bind(probe, (struct sockaddr *)&a, sizeof(a)) == 0;
+  if (probe >= 0)
+    close(probe);
+  if (!can) {
+    skip();
+    return;
+  }
+  harness_t *h = h_up(tweak_v6);
+  assert_true(h->tcp_port > 0);
+  int c = socket(AF_INET6, SOCK_STREAM, 0);
+  a.sin6_port = htons((uint16_t)h->tcp_port);
+  assert_int_equal(connect(c, (struct sockaddr *)&a, sizeof(a)), 0);
+  attnd_v1_Response r;
+  health_ok(c, 1, &r);
+  assert_int_equal(r.result.health.tcp_port, (uint32_t)h->tcp_port);
+  close(c);
+  h_down(h);
+}
+
 static void test_stale_socket_removed(void **state) {
   harness_t *h = h_new(NULL);
   /* A socket file nobody listens on, as a crashed daemon leaves it. */
@@ -1228,13 +1258,21 @@ static void test_sd_notify(void **state) {
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_start_stop_health), cmocka_unit_test(test_stale_socket_removed),
-      cmocka_unit_test(test_start_refusals),    cmocka_unit_test(test_stats_roundtrip),
-      cmocka_unit_test(test_bad_inputs),        cmocka_unit_test(test_pipelining),
-      cmocka_unit_test(test_max_connections),   cmocka_unit_test(test_backpressure),
-      cmocka_unit_test(test_steps_real_engine), cmocka_unit_test(test_throughput),
-      cmocka_unit_test(test_metrics_scrape),    cmocka_unit_test(test_tcp_hello_off_loopback),
-      cmocka_unit_test(test_sigterm_drain),     cmocka_unit_test(test_sd_notify),
+      cmocka_unit_test(test_start_stop_health),
+      cmocka_unit_test(test_stale_socket_removed),
+      cmocka_unit_test(test_ipv6_loopback),
+      cmocka_unit_test(test_start_refusals),
+      cmocka_unit_test(test_stats_roundtrip),
+      cmocka_unit_test(test_bad_inputs),
+      cmocka_unit_test(test_pipelining),
+      cmocka_unit_test(test_max_connections),
+      cmocka_unit_test(test_backpressure),
+      cmocka_unit_test(test_steps_real_engine),
+      cmocka_unit_test(test_throughput),
+      cmocka_unit_test(test_metrics_scrape),
+      cmocka_unit_test(test_tcp_hello_off_loopback),
+      cmocka_unit_test(test_sigterm_drain),
+      cmocka_unit_test(test_sd_notify),
       cmocka_unit_test(test_sigterm_inflight),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
