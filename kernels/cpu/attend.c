@@ -35,8 +35,8 @@
 #include "cpu_internal.h"
 #include "cpu_numeric.h"
 
-#define KC_QT 64             /* most query vectors per unit */
-#define KC_Q_FLOATS 8192     /* query vectors per unit * head_dim (stack: q and acc) */
+#define KC_QT 32             /* most query vectors per unit */
+#define KC_Q_FLOATS 4096     /* query vectors per unit * head_dim (stack: q and acc) */
 #define KC_CHUNK_FLOATS 4096 /* keys per chunk * head_dim */
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) &&                             \
@@ -521,8 +521,10 @@ int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part,
     return -1;
   kc_ctx_t cx = {.s = s, .b = b, .L = kc_layout(s), .G = s->q_heads / s->kv_heads};
   const int H = s->kv_heads;
-  /* Larger units read each K/V chunk for more queries (prefill rows); the
-   * stack budget caps them at 64 query vectors (32 for d 256). At most 16 q
+  /* Larger units decode each K/V chunk for more queries (prefill rows), but
+   * past 32 query vectors (16 for d 256) q and the accumulators leave L1 and
+   * prefill gets slower again (measured on 2 cores: 16 -> 32 took 512 rows
+   * over 4k keys from ~590 to ~420 ms, 64 was back at ~540). At most 16 q
    * heads share a unit, so even a decode step of an MQA model (one kv head)
    * has units for more than one thread. */
   const int qmax = KC_Q_FLOATS / s->head_dim < KC_QT ? KC_Q_FLOATS / s->head_dim : KC_QT;
