@@ -893,6 +893,43 @@ static void test_throughput(void **state) {
   h_down(h);
 }
 
+/* Many clients at once, each pipelining: every request on every connection is
+ * answered, on its own connection. */
+static void test_many_connections(void **state) {
+  harness_t *h = h_up(NULL);
+  enum { NC = 200, PER = 20 };
+  static int fds[NC];
+  for (int i = 0; i < NC; i++)
+    fds[i] =
+        (i % 2) ? connect_unix(h->cfg.socket_path) : connect_tcp_addr("127.0.0.1", h->tcp_port);
+  for (int i = 0; i < NC; i++) {
+    pbw_t all;
+    pbw_init(&all);
+    for (int k = 0; k < PER; k++) {
+      pbw_t w;
+      pbw_init(&w);
+      pbw_uint(&w, 1, (uint64_t)i * 1000 + (uint64_t)k);
+      pbw_bytes(&w, k % 3 ? attnd_v1_Request_health_tag : attnd_v1_Request_stats_tag, "", 0);
+      append_frame(&all, &w);
+    }
+    write_all(fds[i], all.b, all.n);
+    pbw_free(&all);
+  }
+  attnd_v1_Response r;
+  for (int i = 0; i < NC; i++) {
+    for (int k = 0; k < PER; k++) {
+      assert_int_equal(recv_resp(fds[i], &r), 0);
+      assert_int_equal(r.id, (uint64_t)i * 1000 + (uint64_t)k);
+    }
+  }
+  send_call(fds[0], 1, attnd_v1_Request_stats_tag);
+  assert_int_equal(recv_resp(fds[0], &r), 0);
+  assert_int_equal(r.result.stats.connections, NC);
+  for (int i = 0; i < NC; i++)
+    close(fds[i]);
+  h_down(h);
+}
+
 /* Plain HTTP/1.0 GET; returns the whole reply (malloc'ed). */
 static char *http_get(int port, const char *path) {
   int fd = connect_tcp_addr("127.0.0.1", port);
@@ -1258,21 +1295,14 @@ static void test_sd_notify(void **state) {
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_start_stop_health),
-      cmocka_unit_test(test_stale_socket_removed),
-      cmocka_unit_test(test_ipv6_loopback),
-      cmocka_unit_test(test_start_refusals),
-      cmocka_unit_test(test_stats_roundtrip),
-      cmocka_unit_test(test_bad_inputs),
-      cmocka_unit_test(test_pipelining),
-      cmocka_unit_test(test_max_connections),
-      cmocka_unit_test(test_backpressure),
-      cmocka_unit_test(test_steps_real_engine),
-      cmocka_unit_test(test_throughput),
-      cmocka_unit_test(test_metrics_scrape),
-      cmocka_unit_test(test_tcp_hello_off_loopback),
-      cmocka_unit_test(test_sigterm_drain),
-      cmocka_unit_test(test_sd_notify),
+      cmocka_unit_test(test_start_stop_health), cmocka_unit_test(test_stale_socket_removed),
+      cmocka_unit_test(test_ipv6_loopback),     cmocka_unit_test(test_start_refusals),
+      cmocka_unit_test(test_stats_roundtrip),   cmocka_unit_test(test_bad_inputs),
+      cmocka_unit_test(test_pipelining),        cmocka_unit_test(test_max_connections),
+      cmocka_unit_test(test_backpressure),      cmocka_unit_test(test_steps_real_engine),
+      cmocka_unit_test(test_throughput),        cmocka_unit_test(test_many_connections),
+      cmocka_unit_test(test_metrics_scrape),    cmocka_unit_test(test_tcp_hello_off_loopback),
+      cmocka_unit_test(test_sigterm_drain),     cmocka_unit_test(test_sd_notify),
       cmocka_unit_test(test_sigterm_inflight),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
