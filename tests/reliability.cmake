@@ -20,3 +20,7 @@ if(ATTND_FUZZ)
   # Deterministic session and plan ids within one input (see fuzz_rpc.c).
   target_link_options(fuzz_rpc PRIVATE -fsanitize=fuzzer -Wl,--wrap=attnd_random_id)
 endif()
+
+# End-to-end reliability tests against the real daemon (tests/e2e, unittest).
+attnd_add_e2e(e2e_rel_badinput test_reliability_badinput)
+set_tests_properties(e2e_rel_badinput PROPERTIES LABELS "e2e;reliability")
