@@ -24,3 +24,5 @@ endif()
 # End-to-end reliability tests against the real daemon (tests/e2e, unittest).
 attnd_add_e2e(e2e_rel_badinput test_reliability_badinput)
 set_tests_properties(e2e_rel_badinput PROPERTIES LABELS "e2e;reliability")
+attnd_add_e2e(e2e_rel_load test_reliability_load)
+set_tests_properties(e2e_rel_load PROPERTIES LABELS "e2e;reliability")
