@@ -1,0 +1,70 @@
+/* attnd_cuda.h: the CUDA kernels behind attnd_kernels.h, as a C API.
+ *
+ * Same function as attnd_cpu_write / attnd_cpu_attend over the same canonical
+ * block layout, but every pointer in the shape's batch (items and meta
+ * included) is DEVICE memory, and work is enqueued on a stream (a
+ * cudaStream_t passed as void * so that C callers need no CUDA header).
+ * Nothing here synchronizes the device or allocates memory.
+ *
+ * Errors: 0, or a negative code whose values match daemon/errors.h:
+ *   ATTND_CUDA_EINVAL  (-1)  a shape or batch the kernels cannot run;
+ *   ATTND_CUDA_ECUDA   (-15) a CUDA call or launch failed;
+ *   ATTND_CUDA_EDEVICE (-16) the failure is sticky (illegal address, launch
+ *                            failure, ...): the context is unusable.
+ * attnd_cuda_last_error() then names the call site ("write_cache.cu:120:
+ * cudaLaunchKernel: an illegal memory access ..."); it is per calling thread.
+ */
+#ifndef ATTND_CUDA_H
+#define ATTND_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "attnd_kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+  ATTND_CUDA_EINVAL = -1,
+  ATTND_CUDA_ECUDA = -15,
+  ATTND_CUDA_EDEVICE = -16,
+};
+
+/* Devices usable by this process; any error from cudaGetDeviceCount (no driver,
+ * no device, a driver older than the runtime) counts as 0. */
+int attnd_cuda_device_count(void);
+
+/* Name, total memory and compute capability of a device, for Health. */
+int attnd_cuda_device_info(int device, char *name, size_t len, uint64_t *total_mem,
+                           int *cc_major, int *cc_minor);
+
+/* Message of the last error returned on this thread ("" if none). */
+const char *attnd_cuda_last_error(void);
+
+/* Phase 1: RoPE on q (in place) and the new k, rounding to the activation
+ * dtype, quantization and paged write of k and v: one fused kernel. */
+int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream);
+
+/* Bytes of device scratch that attnd_cuda_attend can use to split long
+ * contexts (split-KV) for batches of up to total_q query rows. Passing less
+ * (even 0) is valid: the kernels then split less or not at all. */
+size_t attnd_cuda_attend_workspace(const attnd_kshape_t *s, int32_t total_q);
+
+/* Phase 2: attention of every item with q over its paged cache (decode and
+ * prefill rows alike), must be enqueued after attnd_cuda_write of the same
+ * batch on the same stream (or after an event of it). */
+int attnd_cuda_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
+                      size_t workspace_bytes, void *stream);
+
+/* Splits the attend kernel would use for this batch (for benchmarks and tests
+ * that want to know which path ran). */
+int attnd_cuda_attend_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b,
+                             size_t workspace_bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ATTND_CUDA_H */

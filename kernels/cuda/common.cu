@@ -1,0 +1,84 @@
+// common.cu: device detection and the per-thread error message of the C API.
+#include <stdio.h>
+#include <string.h>
+
+#include "common.cuh"
+
+namespace attnd {
+
+static thread_local char g_err[256];
+
+static bool sticky(cudaError_t e) {
+  switch (e) {
+  case cudaErrorIllegalAddress:
+  case cudaErrorLaunchFailure:
+  case cudaErrorIllegalInstruction:
+  case cudaErrorMisalignedAddress:
+  case cudaErrorInvalidAddressSpace:
+  case cudaErrorInvalidPc:
+  case cudaErrorHardwareStackError:
+  case cudaErrorAssert:
+  case cudaErrorECCUncorrectable:
+  case cudaErrorLaunchTimeout:
+  case cudaErrorContextIsDestroyed:
+    return true;
+  default:
+    return false;
+  }
+}
+
+static const char *base(const char *file) {
+  const char *s = strrchr(file, '/');
+  return s ? s + 1 : file;
+}
+
+int set_error(const char *file, int line, const char *what, cudaError_t e) {
+  cudaGetLastError(); // a non-sticky error must not resurface at the next, unrelated check
+  snprintf(g_err, sizeof g_err, "%s:%d: %s: %s", base(file), line, what, cudaGetErrorString(e));
+  return sticky(e) ? ATTND_CUDA_EDEVICE : ATTND_CUDA_ECUDA;
+}
+
+int set_invalid(const char *file, int line, const char *what) {
+  snprintf(g_err, sizeof g_err, "%s:%d: %s", base(file), line, what);
+  return ATTND_CUDA_EINVAL;
+}
+
+int num_sms() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+    cudaGetLastError();
+    return 132;
+  }
+  return n;
+}
+
+} // namespace attnd
+
+extern "C" int attnd_cuda_device_count(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError(); // not sticky; clear it so later calls start clean
+    return 0;
+  }
+  return n < 0 ? 0 : n;
+}
+
+extern "C" int attnd_cuda_device_info(int device, char *name, size_t len, uint64_t *total_mem,
+                                      int *cc_major, int *cc_minor) {
+  cudaDeviceProp p;
+  ATTND_CU(cudaGetDeviceProperties(&p, device));
+  if (name && len) {
+    strncpy(name, p.name, len - 1);
+    name[len - 1] = 0;
+  }
+  if (total_mem)
+    *total_mem = p.totalGlobalMem;
+  if (cc_major)
+    *cc_major = p.major;
+  if (cc_minor)
+    *cc_minor = p.minor;
+  return 0;
+}
+
+extern "C" const char *attnd_cuda_last_error(void) { return attnd::g_err; }

@@ -1,0 +1,519 @@
+// flash_impl.cuh: the body of the tiled attention kernel (see flash.cuh).
+// Included only by the flash_inst_*.cu explicit instantiation files.
+#pragma once
+
+#include <math.h>
+
+#include "flash.cuh"
+
+namespace attnd {
+
+__device__ __forceinline__ void ldsm_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
+                                        const void *p) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
+                                          const void *p) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(a));
+}
+template <int DT>
+__device__ __forceinline__ void mma16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1) {
+  if constexpr (DT == ATTND_DT_BF16)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Storage facts of a cache type.
+template <int KV> struct KvT {
+  static constexpr int kElemPerChunk = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 8
+                                       : KV == ATTND_KV_INT4                       ? 32
+                                                                                   : 16;
+  static constexpr bool kDyn = KV == ATTND_KV_INT8_DYNAMIC || KV == ATTND_KV_FP8_DYNAMIC;
+  static constexpr bool kStatic = KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8 || KV == ATTND_KV_INT4;
+};
+
+// Element e of a 16-byte chunk as a float, before scaling (int4: u - z is done by the caller).
+template <int KV> __device__ __forceinline__ float chunk_elem(const uint4 &c, int e) {
+  const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+  if constexpr (KV == ATTND_KV_BF16) {
+    uint32_t v = w[e >> 1] >> ((e & 1) * 16);
+    return __uint_as_float((v & 0xffffu) << 16);
+  } else if constexpr (KV == ATTND_KV_FP16) {
+    uint32_t v = (w[e >> 1] >> ((e & 1) * 16)) & 0xffffu;
+    return __half2float(__ushort_as_half((unsigned short)v));
+  } else if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_INT8_DYNAMIC) {
+    return (float)(int8_t)((w[e >> 2] >> ((e & 3) * 8)) & 0xffu);
+  } else if constexpr (KV == ATTND_KV_FP8 || KV == ATTND_KV_FP8_DYNAMIC) {
+    return fp8_to_f((uint8_t)((w[e >> 2] >> ((e & 3) * 8)) & 0xffu));
+  } else { // int4: channel 2c low nibble, 2c+1 high nibble
+    return (float)((w[e >> 3] >> ((e & 7) * 4)) & 0xfu);
+  }
+}
+
+__device__ __forceinline__ bool visible(int kind, int param, int causal, const int32_t *iv, int kv_len,
+                                        int p, int j) {
+  if (j >= kv_len)
+    return false;
+  switch (kind) {
+  case ATTND_MASK_CAUSAL:
+    return j <= p;
+  case ATTND_MASK_FULL:
+    return true;
+  case ATTND_MASK_SLIDING:
+    return j <= p && j >= p - param + 1;
+  case ATTND_MASK_PREFIX_LM:
+    return j < param || j <= p;
+  default: {
+    if (causal && j > p)
+      return false;
+    const int a = iv[j], bb = iv[kv_len + j], c = iv[2 * kv_len + j], dd = iv[3 * kv_len + j];
+    return !((a <= p && p < bb) || (c <= p && p < dd));
+  }
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+  const int n = valid ? 16 : 0; // 0: nothing is read, the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async4(void *smem, const void *gmem, bool valid) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+constexpr int kMaxTileFlags = 4096; // key tiles with precomputed interval flags (256K keys)
+
+// Shared-memory layout of one instantiation (bytes).
+template <int D, int DT, int KV> struct FlashSmem {
+  static constexpr int BN = D == 256 ? 32 : 64; // keys per tile (shared memory bound at D=256)
+  static constexpr bool kDirect = (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) ||
+                                  (KV == ATTND_KV_FP16 && DT == ATTND_DT_FP16);
+  static constexpr int LD = D + 8; // padded operand row (elements): conflict-free ldmatrix
+  static constexpr int RB = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 2 * D : KV == ATTND_KV_INT4 ? D / 2 : D;
+  static constexpr int RAWLD = kDirect ? 2 * LD : RB + 16; // staged raw row stride (bytes)
+  static constexpr size_t kQ = 0;
+  static constexpr size_t kRaw = kQ + (size_t)kBM * LD * 2;          // [2 stages][K,V][BN][RAWLD]
+  static constexpr size_t kOp = kRaw + (size_t)2 * 2 * BN * RAWLD;  // [K,V][BN][LD] when !kDirect
+  static constexpr size_t kDs = kOp + (kDirect ? 0 : (size_t)2 * BN * LD * 2); // [2][K,V][BN] fp32
+  static constexpr size_t kScale = kDs + (size_t)2 * 2 * BN * 4;    // [4][D] fp32
+  static constexpr size_t kFlags = kScale + (size_t)4 * D * 4;       // [kMaxTileFlags] u8
+  static constexpr size_t kBytes = kFlags + kMaxTileFlags;
+};
+
+template <int D, int DT, int KV>
+__global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant__ FlashParams P) {
+  using A = Act<DT>;
+  using T = typename A::T;
+  using L = FlashSmem<D, DT, KV>;
+  constexpr int LD = L::LD, RB = L::RB, RAWLD = L::RAWLD, BN = L::BN;
+  constexpr int CPR = RB / 16;                 // 16-byte chunks per row
+  constexpr int EPC = KvT<KV>::kElemPerChunk;  // elements per chunk
+  constexpr int CHUNKS = BN * CPR / kThreadsF; // per thread per tensor per tile
+  constexpr int NT = D / 8;                    // O n-tiles per warp
+  static_assert(CHUNKS >= 1 && (BN * CPR) % kThreadsF == 0, "tile split");
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  T *sQ = reinterpret_cast<T *>(smem + L::kQ);
+  uint8_t *sRaw = smem + L::kRaw;
+  T *sOp = reinterpret_cast<T *>(smem + L::kOp);
+  float *sDs = reinterpret_cast<float *>(smem + L::kDs);
+  float *sScale = reinterpret_cast<float *>(smem + L::kScale); // ks, vs, kz, vz
+  uint8_t *sFlags = smem + L::kFlags;                          // bit0: skip, bit1: needs mask
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int item = blockIdx.x / P.kv_heads, kvh = blockIdx.x % P.kv_heads;
+  const attnd_kitem_t it = P.items[item];
+  if (it.q_row < 0)
+    return;
+  const int G = P.group;
+  const int nvec = it.n * G;
+  const int v0 = (gridDim.y - 1 - blockIdx.y) * kBM; // heaviest (last) tiles first
+  if (v0 >= nvec)
+    return;
+  const int split = blockIdx.z;
+  const int kv_len = it.start + it.n;
+  const int vend = min(v0 + kBM, nvec);
+  const int pmin = it.start + v0 / G, pmax = it.start + (vend - 1) / G;
+  const int kind = it.mask_kind, mp = it.mask_param;
+  const int32_t *iv = kind == ATTND_MASK_INTERVALS ? P.meta + it.intervals : nullptr;
+  const int32_t *bt = P.meta + it.block_table;
+
+  // Keys any row of this tile may see.
+  int lo = 0, hi = kv_len - 1;
+  if (kind == ATTND_MASK_CAUSAL || (kind == ATTND_MASK_INTERVALS && it.causal))
+    hi = min(hi, pmax);
+  else if (kind == ATTND_MASK_SLIDING) {
+    hi = min(hi, pmax);
+    lo = max(0, pmin - mp + 1);
+  } else if (kind == ATTND_MASK_PREFIX_LM)
+    hi = min(hi, max(pmax, mp - 1));
+  if (P.nsplit > 1) {
+    lo = max(lo, split * P.split_keys);
+    hi = min(hi, (split + 1) * P.split_keys - 1);
+  }
+  const int jfirst = (lo / BN) * BN;
+  const bool dbg_no_load = P.debug & 1, dbg_no_compute = P.debug & 2; // timing experiments only
+
+  // Q tile -> smem (rows past nvec zero) and the static scales of this kv head.
+  for (int c = tid; c < kBM * (D / 8); c += kThreadsF) {
+    const int v = c / (D / 8), col = (c % (D / 8)) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (v0 + v < nvec) {
+      const int vv = v0 + v, r = vv / G, h = kvh * G + vv % G;
+      val = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(P.q) +
+                                             ((size_t)(it.q_row + r) * P.q_heads + h) * D + col);
+    }
+    *reinterpret_cast<uint4 *>(sQ + v * LD + col) = val;
+  }
+  if constexpr (KvT<KV>::kStatic) {
+    for (int i = tid; i < D; i += kThreadsF) {
+      const bool pc = KV == ATTND_KV_INT4 || P.per_channel;
+      sScale[i] = pc ? P.k_scale[kvh * D + i] : P.k_scale[kvh];
+      sScale[D + i] = pc ? P.v_scale[kvh * D + i] : P.v_scale[kvh];
+      if constexpr (KV == ATTND_KV_INT4) {
+        sScale[2 * D + i] = P.k_zero[kvh * D + i];
+        sScale[3 * D + i] = P.v_zero[kvh * D + i];
+      }
+    }
+  }
+  // FlashMask intervals: classify every key tile once. A tile is skipped when
+  // each of its keys is masked for every row of this query tile (causal, or an
+  // interval covering [pmin, pmax]); it needs no per-element mask when no key
+  // is masked for any row. One warp per tile, two keys per lane.
+  const int ntiles = hi >= jfirst ? (hi - jfirst) / BN + 1 : 0;
+  if (kind == ATTND_MASK_INTERVALS) {
+    for (int t = warp; t < min(ntiles, kMaxTileFlags); t += kWarpsF) {
+      bool masked_all = true, vis_all = true;
+      for (int h2 = 0; h2 < BN / 32; h2++) {
+        const int j = jfirst + t * BN + h2 * 32 + lane;
+        if (j < kv_len && j >= lo && j <= hi) {
+          const int a = iv[j], bb = iv[kv_len + j], c = iv[2 * kv_len + j], dd = iv[3 * kv_len + j];
+          const bool cov1 = a <= pmin && pmax < bb, cov2 = c <= pmin && pmax < dd;
+          const bool cov12 = a <= pmin && c <= bb && pmax < dd; // the union covers
+          masked_all &= (it.causal && j > pmax) || cov1 || cov2 || cov12;
+          const bool hit1 = a < bb && a <= pmax && pmin < bb, hit2 = c < dd && c <= pmax && pmin < dd;
+          vis_all &= !(it.causal && j > pmin) && !hit1 && !hit2;
+        } else {
+          vis_all = false;
+        }
+      }
+      masked_all = __all_sync(0xffffffffu, masked_all);
+      vis_all = __all_sync(0xffffffffu, vis_all);
+      if (lane == 0)
+        sFlags[t] = (masked_all ? 1 : 0) | (vis_all ? 0 : 2);
+    }
+  }
+  __syncthreads();
+
+  auto tile_skip = [&](int t) -> bool {
+    return kind == ATTND_MASK_INTERVALS && t < kMaxTileFlags && (sFlags[t] & 1);
+  };
+  auto next_tile = [&](int t) -> int { // first live tile index >= t, or ntiles
+    while (t < ntiles && tile_skip(t))
+      t++;
+    return t;
+  };
+  const size_t v_region = (size_t)P.kv_heads * P.bs * RB;
+  const size_t scale_region = 2 * v_region;
+  // Issues the paged cp.async copies of key tile t into stage st (zero-filled
+  // past kv_len or hi, so masked keys hold finite values).
+  auto issue = [&](int t, int st) {
+    const int j0 = jfirst + t * BN;
+    if (dbg_no_load) {
+      cp_async_commit();
+      return;
+    }
+#pragma unroll
+    for (int which = 0; which < 2; which++) {
+      uint8_t *dst = sRaw + (size_t)(st * 2 + which) * BN * RAWLD;
+#pragma unroll
+      for (int i = 0; i < CHUNKS; i++) {
+        const int c = tid + i * kThreadsF, key = c / CPR, cc = c % CPR, j = j0 + key;
+        const bool ok = j < kv_len && j <= hi;
+        const uint8_t *src = P.cache;
+        if (ok)
+          src = P.cache + (size_t)bt[j / P.bs] * P.block_bytes + which * v_region +
+                (size_t)(kvh * P.bs + j % P.bs) * RB + cc * 16;
+        cp_async16(dst + key * RAWLD + cc * 16, src, ok);
+      }
+    }
+    if constexpr (KvT<KV>::kDyn) {
+      if (tid < 2 * BN) {
+        const int which = tid / BN, key = tid % BN, j = j0 + key;
+        const bool ok = j < kv_len && j <= hi;
+        const uint8_t *src = P.cache;
+        if (ok)
+          src = P.cache + (size_t)bt[j / P.bs] * P.block_bytes + scale_region +
+                ((size_t)which * P.kv_heads * P.bs + kvh * P.bs + j % P.bs) * 4;
+        cp_async4(sDs + (st * 2 + which) * BN + key, src, ok);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // Per-thread softmax state for rows lane/4 and lane/4 + 8 of this warp's 16.
+  float o[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; i++)
+    o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f};
+  const int wv0 = v0 + warp * 16; // first vector of this warp
+  const bool warp_live = wv0 < vend;
+  int prow[2];
+  bool rvalid[2];
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    const int vv = wv0 + (lane >> 2) + i * 8;
+    rvalid[i] = vv < vend;
+    prow[i] = it.start + min(vv, vend - 1) / G;
+  }
+  const float sl2 = P.scale_log2;
+
+  int t = next_tile(0), stage = 0;
+  if (t < ntiles)
+    issue(t, 0);
+  while (t < ntiles) {
+    const int tn = next_tile(t + 1);
+    if (tn < ntiles) {
+      issue(tn, stage ^ 1); // prefetch the next live tile while this one computes
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int j0 = jfirst + t * BN;
+    bool need_mask;
+    if (kind == ATTND_MASK_INTERVALS) {
+      need_mask = t >= kMaxTileFlags || (sFlags[t] & 2);
+    } else {
+      need_mask = j0 < lo || j0 + BN - 1 > hi || j0 + BN > kv_len;
+      if (kind == ATTND_MASK_CAUSAL || kind == ATTND_MASK_SLIDING)
+        need_mask = need_mask || j0 + BN - 1 > pmin;
+      if (kind == ATTND_MASK_SLIDING)
+        need_mask = need_mask || j0 < pmax - mp + 1;
+      if (kind == ATTND_MASK_PREFIX_LM)
+        need_mask = need_mask || (j0 + BN - 1 > pmin && j0 + BN - 1 >= mp);
+    }
+    const T *sK, *sV;
+    if constexpr (L::kDirect) {
+      sK = reinterpret_cast<const T *>(sRaw + (size_t)(stage * 2) * BN * RAWLD);
+      sV = reinterpret_cast<const T *>(sRaw + (size_t)(stage * 2 + 1) * BN * RAWLD);
+    } else {
+      // Dequantize the staged raw tile into the operand tiles (registers in
+      // between; the cache itself is never copied dequantized).
+#pragma unroll
+      for (int which = 0; which < 2; which++) {
+        const uint8_t *raw = sRaw + (size_t)(stage * 2 + which) * BN * RAWLD;
+        T *dst = sOp + which * BN * LD;
+#pragma unroll
+        for (int i = 0; i < CHUNKS; i++) {
+          const int c = tid + i * kThreadsF, key = c / CPR, col = (c % CPR) * EPC;
+          const uint4 rv = *reinterpret_cast<const uint4 *>(raw + key * RAWLD + (c % CPR) * 16);
+          const float dsc = KvT<KV>::kDyn ? sDs[(stage * 2 + which) * BN + key] : 1.f;
+          const bool live = j0 + key < kv_len && j0 + key <= hi;
+          uint32_t packed[EPC / 2];
+#pragma unroll
+          for (int e = 0; e < EPC; e += 2) {
+            float x0 = chunk_elem<KV>(rv, e), x1 = chunk_elem<KV>(rv, e + 1);
+            if constexpr (KvT<KV>::kDyn) {
+              x0 *= dsc;
+              x1 *= dsc;
+            } else if constexpr (KV == ATTND_KV_INT4) {
+              const float *s = sScale + which * D, *z = sScale + (2 + which) * D;
+              x0 = live ? (x0 - z[col + e]) * s[col + e] : 0.f;
+              x1 = live ? (x1 - z[col + e + 1]) * s[col + e + 1] : 0.f;
+            } else if constexpr (KvT<KV>::kStatic) {
+              const float *s = sScale + which * D;
+              x0 *= s[col + e];
+              x1 *= s[col + e + 1];
+            }
+            packed[e / 2] = A::pack2(x0, x1);
+          }
+#pragma unroll
+          for (int q4 = 0; q4 < EPC / 8; q4++)
+            reinterpret_cast<uint4 *>(dst + key * LD + col)[q4] =
+                make_uint4(packed[q4 * 4], packed[q4 * 4 + 1], packed[q4 * 4 + 2], packed[q4 * 4 + 3]);
+        }
+      }
+      __syncthreads();
+      sK = sOp;
+      sV = sOp + BN * LD;
+    }
+
+    if (warp_live && !dbg_no_compute) {
+      // S = Q K^T for this warp's 16 vectors x BN keys.
+      float s[BN / 8][4];
+#pragma unroll
+      for (int i = 0; i < BN / 8; i++)
+        s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+      for (int kd = 0; kd < D; kd += 16) {
+        uint32_t a[4];
+        ldsm_x4(a[0], a[1], a[2], a[3], sQ + (warp * 16 + (lane & 15)) * LD + kd + (lane >> 4) * 8);
+#pragma unroll
+        for (int n0 = 0; n0 < BN; n0 += 16) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(b0, b1, b2, b3, sK + (n0 + (lane & 7) + (lane >> 4) * 8) * LD + kd + ((lane >> 3) & 1) * 8);
+          mma16816<DT>(s[n0 / 8], a, b0, b1);
+          mma16816<DT>(s[n0 / 8 + 1], a, b2, b3);
+        }
+      }
+      // Scale into the exp2 domain, mask, online softmax.
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          float x = s[nt][e] * sl2;
+          if (need_mask) {
+            const int jj = nt * 8 + (lane & 3) * 2 + (e & 1), j = j0 + jj, ri = e >> 1;
+            bool vis;
+            if (kind == ATTND_MASK_INTERVALS) {
+              vis = j >= lo && j <= hi && visible(kind, mp, it.causal, iv, kv_len, prow[ri], j);
+            } else {
+              vis = j >= lo && j <= hi && visible(kind, mp, 0, nullptr, kv_len, prow[ri], j);
+            }
+            if (!vis)
+              x = -INFINITY;
+          }
+          s[nt][e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+      }
+      float alpha[2];
+#pragma unroll
+      for (int ri = 0; ri < 2; ri++) {
+        mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
+        mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
+        const float mnew = fmaxf(m_r[ri], mx[ri]);
+        // A row with nothing visible so far keeps m = -inf; exp2(-inf - -inf)
+        // would be NaN, so use 0 as the reference and every p is exp2(-inf) = 0.
+        const float mref = mnew == -INFINITY ? 0.f : mnew;
+        alpha[ri] = exp2f(m_r[ri] - mref);
+        m_r[ri] = mnew;
+        mx[ri] = mref;
+      }
+      float rs[2] = {0.f, 0.f};
+      uint32_t pa[BN / 16][4];
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; nt++) {
+        const float p0 = exp2f(s[nt][0] - mx[0]), p1 = exp2f(s[nt][1] - mx[0]);
+        const float p2 = exp2f(s[nt][2] - mx[1]), p3 = exp2f(s[nt][3] - mx[1]);
+        rs[0] += p0 + p1;
+        rs[1] += p2 + p3;
+        pa[nt / 2][(nt & 1) * 2 + 0] = A::pack2(p0, p1);
+        pa[nt / 2][(nt & 1) * 2 + 1] = A::pack2(p2, p3);
+      }
+#pragma unroll
+      for (int ri = 0; ri < 2; ri++)
+        l_r[ri] = l_r[ri] * alpha[ri] + rs[ri];
+#pragma unroll
+      for (int i = 0; i < NT; i++) {
+        o[i][0] *= alpha[0];
+        o[i][1] *= alpha[0];
+        o[i][2] *= alpha[1];
+        o[i][3] *= alpha[1];
+      }
+      // O += P V
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; kk++) {
+#pragma unroll
+        for (int n0 = 0; n0 < D; n0 += 16) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(b0, b1, b2, b3, sV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8);
+          mma16816<DT>(o[n0 / 8], pa[kk], b0, b1);
+          mma16816<DT>(o[n0 / 8 + 1], pa[kk], b2, b3);
+        }
+      }
+    }
+    __syncthreads(); // the stage and operand tiles are rewritten next
+    t = tn;
+    stage ^= 1;
+  }
+
+  if (!warp_live)
+    return;
+  // Finish: full row sums across the quad, normalize, write.
+#pragma unroll
+  for (int ri = 0; ri < 2; ri++) {
+    l_r[ri] += __shfl_xor_sync(0xffffffffu, l_r[ri], 1);
+    l_r[ri] += __shfl_xor_sync(0xffffffffu, l_r[ri], 2);
+  }
+#pragma unroll
+  for (int ri = 0; ri < 2; ri++) {
+    if (!rvalid[ri])
+      continue;
+    const int vv = wv0 + (lane >> 2) + ri * 8;
+    const int row = it.q_row + vv / G, h = kvh * G + vv % G;
+    const bool any = l_r[ri] > 0.f;
+    const float inv = any ? 1.f / l_r[ri] : 0.f;
+    const float lse = any ? (m_r[ri] + log2f(l_r[ri])) * 0.69314718055994531f : -INFINITY;
+    const size_t ob = ((size_t)row * P.q_heads + h) * D + (lane & 3) * 2;
+    if (P.nsplit > 1) {
+      float *dst = P.ws_o + (size_t)split * P.total_q * P.q_heads * D + ob;
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++)
+        *reinterpret_cast<float2 *>(dst + nt * 8) = make_float2(o[nt][ri * 2] * inv, o[nt][ri * 2 + 1] * inv);
+      if ((lane & 3) == 0)
+        P.ws_lse[((size_t)split * P.total_q + row) * P.q_heads + h] = lse;
+    } else {
+      if (P.out_fp32) {
+        float *dst = reinterpret_cast<float *>(P.out) + ob;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+          *reinterpret_cast<float2 *>(dst + nt * 8) = make_float2(o[nt][ri * 2] * inv, o[nt][ri * 2 + 1] * inv);
+      } else {
+        uint32_t *dst = reinterpret_cast<uint32_t *>(reinterpret_cast<T *>(P.out) + ob);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+          dst[nt * 4] = A::pack2(o[nt][ri * 2] * inv, o[nt][ri * 2 + 1] * inv);
+      }
+      if (P.lse && (lane & 3) == 0)
+        P.lse[(size_t)row * P.q_heads + h] = lse;
+    }
+  }
+}
+
+template <int D, int DT, int KV>
+cudaError_t launch_flash(const FlashParams &p, int nitems, int tiles, cudaStream_t st) {
+  const size_t smem = FlashSmem<D, DT, KV>::kBytes;
+  static bool attr_done = false; // per instantiation; benign race: both set the same value
+  if (!attr_done) {
+    cudaError_t e = cudaFuncSetAttribute(flash_kernel<D, DT, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess)
+      return e;
+    attr_done = true;
+  }
+  dim3 grid((unsigned)(nitems * p.kv_heads), (unsigned)tiles, (unsigned)p.nsplit);
+  flash_kernel<D, DT, KV><<<grid, kThreadsF, smem, st>>>(p);
+  return cudaGetLastError();
+}
+
+#define ATTND_FLASH_INST(KVT)                                                                          \
+  template cudaError_t launch_flash<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, cudaStream_t);  \
+  template cudaError_t launch_flash<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, cudaStream_t); \
+  template cudaError_t launch_flash<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, cudaStream_t); \
+  template cudaError_t launch_flash<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, cudaStream_t);  \
+  template cudaError_t launch_flash<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, cudaStream_t); \
+  template cudaError_t launch_flash<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, cudaStream_t);
+
+} // namespace attnd

@@ -1,0 +1,100 @@
+// prefill.cu: attnd_cuda_attend, the entry of phase 2. Every item with q,
+// decode or prefill, runs through the tiled tensor-core kernel (flash.cuh);
+// batches too small to fill the GPU are split over their keys (decode.cu).
+// Runtime shape values become template arguments here: head dim, activation
+// dtype and cache type; block size, scale mode and masks stay runtime values.
+#include <math.h>
+#include <stdlib.h>
+
+#include "decode.cuh"
+
+namespace attnd {
+namespace {
+
+template <int D, int DT>
+cudaError_t dispatch_kv(int kv, const FlashParams &p, int nitems, int tiles, cudaStream_t st) {
+  switch (kv) {
+  case ATTND_KV_BF16: return launch_flash<D, DT, ATTND_KV_BF16>(p, nitems, tiles, st);
+  case ATTND_KV_FP16: return launch_flash<D, DT, ATTND_KV_FP16>(p, nitems, tiles, st);
+  case ATTND_KV_INT8: return launch_flash<D, DT, ATTND_KV_INT8>(p, nitems, tiles, st);
+  case ATTND_KV_FP8: return launch_flash<D, DT, ATTND_KV_FP8>(p, nitems, tiles, st);
+  case ATTND_KV_INT8_DYNAMIC: return launch_flash<D, DT, ATTND_KV_INT8_DYNAMIC>(p, nitems, tiles, st);
+  case ATTND_KV_FP8_DYNAMIC: return launch_flash<D, DT, ATTND_KV_FP8_DYNAMIC>(p, nitems, tiles, st);
+  case ATTND_KV_INT4: return launch_flash<D, DT, ATTND_KV_INT4>(p, nitems, tiles, st);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+template <int D>
+cudaError_t dispatch_dt(int dt, int kv, const FlashParams &p, int nitems, int tiles, cudaStream_t st) {
+  return dt == ATTND_DT_BF16 ? dispatch_kv<D, ATTND_DT_BF16>(kv, p, nitems, tiles, st)
+                             : dispatch_kv<D, ATTND_DT_FP16>(kv, p, nitems, tiles, st);
+}
+
+} // namespace
+} // namespace attnd
+
+using namespace attnd;
+
+extern "C" int attnd_cuda_attend_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes) {
+  int keys;
+  return plan_splits(s, b, ws_bytes, &keys);
+}
+
+extern "C" int attnd_cuda_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
+                                 size_t workspace_bytes, void *stream) {
+  if (attnd_kshape_check(s) != 0)
+    return set_invalid(__FILE__, __LINE__, "unsupported shape");
+  if (b->total_q <= 0 || b->nitems <= 0 || b->max_n <= 0)
+    return 0;
+  if (!b->cache || !b->items || !b->meta || !b->q || !b->out)
+    return set_invalid(__FILE__, __LINE__, "batch without cache, items, meta, q or out");
+  if (attnd_kv_type_static(s->kv) && (!b->k_scale || !b->v_scale))
+    return set_invalid(__FILE__, __LINE__, "static cache type without scales");
+  if (s->kv == ATTND_KV_INT4 && (!b->k_zero || !b->v_zero))
+    return set_invalid(__FILE__, __LINE__, "int4 cache without zero points");
+  cudaStream_t st = (cudaStream_t)stream;
+  FlashParams p;
+  p.items = b->items;
+  p.meta = b->meta;
+  p.q = b->q;
+  p.out = b->out;
+  p.lse = b->lse;
+  p.out_fp32 = b->out_fp32;
+  p.cache = b->cache;
+  p.block_bytes = b->block_bytes;
+  p.k_scale = b->k_scale;
+  p.v_scale = b->v_scale;
+  p.k_zero = b->k_zero;
+  p.v_zero = b->v_zero;
+  p.per_channel = b->scale_per_channel;
+  p.q_heads = s->q_heads;
+  p.kv_heads = s->kv_heads;
+  p.group = s->q_heads / s->kv_heads;
+  p.bs = s->block_size;
+  p.scale_log2 = s->softmax_scale * 1.4426950408889634f;
+  p.total_q = b->total_q;
+  static const int debug = getenv("ATTND_FLASH_DEBUG") ? atoi(getenv("ATTND_FLASH_DEBUG")) : 0;
+  p.debug = debug;
+  p.nsplit = plan_splits(s, b, workspace ? workspace_bytes : 0, &p.split_keys);
+  p.ws_o = nullptr;
+  p.ws_lse = nullptr;
+  if (p.nsplit > 1) {
+    p.ws_o = reinterpret_cast<float *>(workspace);
+    p.ws_lse = p.ws_o + (size_t)p.nsplit * b->total_q * s->q_heads * s->head_dim;
+  }
+  const long tiles = ((long)b->max_n * p.group + kBM - 1) / kBM;
+  if (tiles > 65535)
+    return set_invalid(__FILE__, __LINE__, "too many query rows in one item");
+  cudaError_t e;
+  switch (s->head_dim) {
+  case 64: e = dispatch_dt<64>(s->dtype, s->kv, p, b->nitems, (int)tiles, st); break;
+  case 128: e = dispatch_dt<128>(s->dtype, s->kv, p, b->nitems, (int)tiles, st); break;
+  default: e = dispatch_dt<256>(s->dtype, s->kv, p, b->nitems, (int)tiles, st); break;
+  }
+  if (e != cudaSuccess)
+    return set_error(__FILE__, __LINE__, "flash_kernel launch", e);
+  if (p.nsplit > 1)
+    return launch_merge(s, b, p, st);
+  return 0;
+}

@@ -1,0 +1,208 @@
+// write_cache.cu: phase 1, fused. For every new token: RoPE on its q heads (in
+// place) and k heads, rounding to the activation dtype, quantization to the
+// cache type and the paged store of k and v (DESIGN.md 4 and 5).
+//
+// One CTA per new token (row of k/v), one warp per head row. A lane holds
+// D/32 consecutive channels, so an int4 byte (channels 2c, 2c+1) stays in one
+// lane and the dynamic scale is one warp reduction. Not templated: the kernel
+// moves a few bytes per token and is far from any roofline; runtime switches
+// keep the compile time for the op small.
+#include <math.h>
+
+#include "common.cuh"
+
+namespace attnd {
+namespace {
+
+constexpr int kWarps = 8;
+
+struct WriteParams {
+  attnd_kbatch_t b;
+  int q_heads, kv_heads, d, bs, dt, kv, rope, rd;
+  float inv_freq[128]; // theta^(-2i/rd), fp64 rounded to fp32 (DESIGN.md 5)
+};
+
+// The item whose k/v rows hold row t: the last one with kv_row <= t (items
+// are packed in order, so kv_row increases).
+__device__ int find_item(const attnd_kitem_t *items, int nitems, int t) {
+  int lo = 0, hi = nitems - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (items[mid].kv_row <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constant__ WriteParams P) {
+  __shared__ float buf[kWarps][256];
+  const int t = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const attnd_kbatch_t &b = P.b;
+  const attnd_kitem_t it = b.items[find_item(b.items, b.nitems, t)];
+  const int r = t - it.kv_row;
+  const int pos = it.start + r;
+  const int d = P.d, epl = d / 32, c0 = lane * epl;
+  const bool has_q = it.q_row >= 0;
+  const int units = (has_q ? P.q_heads : 0) + 2 * P.kv_heads;
+  const int32_t *bt = b.meta + it.block_table;
+  uint8_t *blk = b.cache + (size_t)bt[pos / P.bs] * b.block_bytes;
+  const int off = pos % P.bs;
+  const int rb = kv_row_bytes(P.kv, d);
+
+  for (int u = warp; u < units; u += kWarps) {
+    // Unit order: q heads, then k heads, then v heads.
+    int kind, h;
+    if (has_q && u < P.q_heads) {
+      kind = 0;
+      h = u;
+    } else {
+      int w = u - (has_q ? P.q_heads : 0);
+      kind = w < P.kv_heads ? 1 : 2;
+      h = kind == 1 ? w : w - P.kv_heads;
+    }
+    const void *src;
+    size_t base;
+    if (kind == 0) {
+      src = b.q;
+      base = ((size_t)(it.q_row + r) * P.q_heads + h) * d;
+    } else {
+      src = kind == 1 ? b.k : b.v;
+      base = ((size_t)t * P.kv_heads + h) * d;
+    }
+    float x[8];
+    for (int e = 0; e < epl; e++)
+      x[e] = load_dt(P.dt, src, base + c0 + e);
+    if (kind != 2 && P.rope != ATTND_ROPE_NONE) {
+      for (int e = 0; e < epl; e++)
+        buf[warp][c0 + e] = x[e];
+      __syncwarp();
+      const int half = P.rd / 2;
+      for (int e = 0; e < epl; e++) {
+        const int i = c0 + e;
+        if (i >= P.rd)
+          continue;
+        int f;
+        float other, sign;
+        if (P.rope == ATTND_ROPE_NEOX) {
+          f = i < half ? i : i - half;
+          other = i < half ? buf[warp][i + half] : buf[warp][i - half];
+          sign = i < half ? -1.f : 1.f;
+        } else {
+          f = i >> 1;
+          other = (i & 1) ? buf[warp][i - 1] : buf[warp][i + 1];
+          sign = (i & 1) ? 1.f : -1.f;
+        }
+        // fp32 angle and accurate sin/cos; no contraction into fma, so the
+        // result is the correctly rounded fp32 expression of DESIGN.md 5.
+        const float ang = __fmul_rn((float)pos, P.inv_freq[f]);
+        float sn, cs;
+        sincosf(ang, &sn, &cs);
+        x[e] = __fadd_rn(__fmul_rn(x[e], cs), sign * __fmul_rn(other, sn));
+      }
+      __syncwarp();
+    }
+    for (int e = 0; e < epl; e++)
+      x[e] = round_dt(P.dt, x[e]);
+    if (kind == 0) {
+      for (int e = 0; e < epl; e++)
+        store_dt(P.dt, b.q, base + c0 + e, x[e]);
+      continue;
+    }
+    const bool isv = kind == 2;
+    uint8_t *row = blk + (size_t)(isv ? P.kv_heads * P.bs : 0) * rb + ((size_t)h * P.bs + off) * rb;
+    const float *sc = isv ? b.v_scale : b.k_scale;
+    switch (P.kv) {
+    case ATTND_KV_BF16:
+      for (int e = 0; e < epl; e++)
+        reinterpret_cast<__nv_bfloat16 *>(row)[c0 + e] = __float2bfloat16_rn(x[e]);
+      break;
+    case ATTND_KV_FP16:
+      for (int e = 0; e < epl; e++)
+        reinterpret_cast<__half *>(row)[c0 + e] = __float2half_rn(x[e]);
+      break;
+    case ATTND_KV_INT8:
+    case ATTND_KV_FP8:
+      for (int e = 0; e < epl; e++) {
+        const float s = b.scale_per_channel ? sc[h * d + c0 + e] : sc[h];
+        const float y = __fdiv_rn(x[e], s);
+        if (P.kv == ATTND_KV_INT8)
+          row[c0 + e] = (uint8_t)(int8_t)max(-127, min(127, __float2int_rn(y)));
+        else
+          row[c0 + e] = f_to_fp8(y);
+      }
+      break;
+    case ATTND_KV_INT8_DYNAMIC:
+    case ATTND_KV_FP8_DYNAMIC: {
+      float m = 0.f;
+      for (int e = 0; e < epl; e++)
+        m = fmaxf(m, fabsf(x[e]));
+      for (int o = 16; o; o >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      const bool i8 = P.kv == ATTND_KV_INT8_DYNAMIC;
+      const float s = __fdiv_rn(m, i8 ? 127.f : 448.f);
+      for (int e = 0; e < epl; e++) {
+        uint8_t qv = 0;
+        if (s > 0.f) {
+          const float y = __fdiv_rn(x[e], s);
+          qv = i8 ? (uint8_t)(int8_t)max(-127, min(127, __float2int_rn(y))) : f_to_fp8(y);
+        }
+        row[c0 + e] = qv;
+      }
+      if (lane == 0) {
+        float *scales = reinterpret_cast<float *>(blk + (size_t)2 * P.kv_heads * P.bs * rb);
+        scales[(isv ? P.kv_heads * P.bs : 0) + h * P.bs + off] = s;
+      }
+      break;
+    }
+    case ATTND_KV_INT4: {
+      const float *zp = isv ? b.v_zero : b.k_zero;
+      for (int e = 0; e < epl; e += 2) {
+        int u2[2];
+        for (int j = 0; j < 2; j++) {
+          const int c = h * d + c0 + e + j;
+          const float y = __fadd_rn(__fdiv_rn(x[e + j], sc[c]), zp[c]);
+          u2[j] = max(0, min(15, __float2int_rn(y)));
+        }
+        row[(c0 + e) >> 1] = (uint8_t)(u2[0] | (u2[1] << 4));
+      }
+      break;
+    }
+    }
+  }
+}
+
+} // namespace
+} // namespace attnd
+
+using namespace attnd;
+
+extern "C" int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream) {
+  if (attnd_kshape_check(s) != 0)
+    return set_invalid(__FILE__, __LINE__, "unsupported shape");
+  if (b->total_kv <= 0 || b->nitems <= 0)
+    return 0;
+  if (!b->cache || !b->items || !b->meta || !b->k || !b->v)
+    return set_invalid(__FILE__, __LINE__, "batch without cache, items, meta, k or v");
+  if (attnd_kv_type_static(s->kv) && (!b->k_scale || !b->v_scale))
+    return set_invalid(__FILE__, __LINE__, "static cache type without scales");
+  if (s->kv == ATTND_KV_INT4 && (!b->k_zero || !b->v_zero))
+    return set_invalid(__FILE__, __LINE__, "int4 cache without zero points");
+  WriteParams P;
+  P.b = *b;
+  P.q_heads = s->q_heads;
+  P.kv_heads = s->kv_heads;
+  P.d = s->head_dim;
+  P.bs = s->block_size;
+  P.dt = s->dtype;
+  P.kv = s->kv;
+  P.rope = s->rope;
+  P.rd = s->rotary_dim ? s->rotary_dim : s->head_dim;
+  for (int i = 0; i < 128; i++)
+    P.inv_freq[i] = i < P.rd / 2 ? (float)pow(s->rope_theta, -2.0 * i / (double)P.rd) : 0.f;
+  write_kernel<<<b->total_kv, kWarps * 32, 0, (cudaStream_t)stream>>>(P);
+  ATTND_CU_LAUNCH("write_kernel launch");
+  return 0;
+}

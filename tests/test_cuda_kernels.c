@@ -1,0 +1,453 @@
+/* test_cuda_kernels.c: the CUDA kernels (kernels/cuda) against the float64
+ * oracle (tests/oracle), on fresh random inputs, outputs poisoned first.
+ *
+ * Each case is one shape (cache type, head dim, block size, GQA group,
+ * activation dtype, RoPE) and one mixed batch over four sessions whose cached
+ * histories were written by an earlier write-only batch: a decode row over a
+ * long history, a prefill item under a random mask (causal, full, sliding,
+ * prefix-LM, FlashMask intervals with fully masked rows), a write-only item
+ * and a rewrite of the last tokens. The matrix covers every cache type x head
+ * dim x block size, with GQA 1/4/8/16, dtype and RoPE kinds cycling (pairwise).
+ * ATTND_GPU_TEST_PAIRWISE=1 runs a small subset (one case per cache type), for
+ * compute-sanitizer. Skips when no GPU answers. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+#include <cuda_runtime_api.h>
+
+#include "attnd_cuda.h"
+#include "attnd_kernels.h"
+#include "oracle.h"
+
+#define CK(call)                                                                        \
+  do {                                                                                  \
+    cudaError_t e_ = (call);                                                            \
+    if (e_ != cudaSuccess)                                                              \
+      fail_msg("%s:%d %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(e_));     \
+  } while (0)
+
+static uint64_t g_rng;
+static double g_max_err[ATTND_KV_COUNT_];
+static int g_cases[ATTND_KV_COUNT_];
+
+static double bound_for(attnd_kv_type_t kv) {
+  switch (kv) {
+  case ATTND_KV_BF16:
+  case ATTND_KV_FP16:
+    return 1e-2;
+  case ATTND_KV_INT8_DYNAMIC:
+  case ATTND_KV_FP8_DYNAMIC:
+    return 2e-2;
+  case ATTND_KV_INT4:
+    return 1e-1;
+  default:
+    return 3e-2;
+  }
+}
+
+static int rnd(int n) { return (int)(oracle_rng_next(&g_rng) % (uint64_t)n); }
+
+typedef struct {
+  int start, n, has_q, mask_kind, mask_param, causal, hist;
+} tcase_item_t;
+
+/* Fills an interval mask for one item: random column intervals, plus rows
+ * [start+1, start+3) masked from every key (fully masked rows). */
+static void make_intervals(int32_t *iv, int kv_len, int start, int n) {
+  for (int j = 0; j < kv_len; j++) {
+    int a = start + rnd(n + 1), b = a + rnd(n / 2 + 1);
+    iv[j] = a;
+    iv[kv_len + j] = b;
+    if (n >= 4) {
+      iv[2 * kv_len + j] = start + 1;
+      iv[3 * kv_len + j] = start + 3;
+    } else {
+      iv[2 * kv_len + j] = 0;
+      iv[3 * kv_len + j] = 0;
+    }
+  }
+}
+
+static size_t dt_size(attnd_dtype_t dt) { return dt == ATTND_DT_FP32 ? 4 : 2; }
+
+static void fill_random(attnd_dtype_t dt, void *p, size_t count, double sd) {
+  for (size_t i = 0; i < count; i++)
+    oracle_to_dtype(dt, p, i, sd * oracle_rng_normal(&g_rng));
+}
+
+static void *dev_copy(const void *h, size_t bytes) {
+  void *d = NULL;
+  CK(cudaMalloc(&d, bytes ? bytes : 16));
+  if (bytes)
+    CK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+  return d;
+}
+
+/* Runs one case; returns the worst relative L2 error over its items. */
+static double run_case(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems, int out_fp32,
+                       int use_ws, int per_channel) {
+  const int D = s->head_dim, KVH = s->kv_heads, QH = s->q_heads, bs = s->block_size;
+  const size_t es = dt_size(s->dtype);
+  const size_t bb = attnd_kv_block_bytes(s);
+  /* Blocks: each session gets its own, in shuffled physical order. */
+  int total_blocks = 0;
+  for (int i = 0; i < nitems; i++)
+    total_blocks += (ti[i].start + ti[i].n + bs - 1) / bs;
+  total_blocks += 3;
+  int32_t *perm = malloc(sizeof(int32_t) * total_blocks);
+  for (int i = 0; i < total_blocks; i++)
+    perm[i] = i;
+  for (int i = total_blocks - 1; i > 0; i--) {
+    int j = rnd(i + 1), t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  uint8_t *d_cache;
+  CK(cudaMalloc((void **)&d_cache, bb * total_blocks));
+  CK(cudaMemset(d_cache, 0xff, bb * total_blocks)); /* poison: NaN in every float format */
+
+  /* Static scales. */
+  float *ks = NULL, *vs = NULL, *kz = NULL, *vz = NULL;
+  const int nsc = (s->kv == ATTND_KV_INT4 || per_channel) ? KVH * D : KVH;
+  if (attnd_kv_type_static(s->kv)) {
+    ks = malloc(sizeof(float) * nsc);
+    vs = malloc(sizeof(float) * nsc);
+    for (int i = 0; i < nsc; i++) {
+      double base = s->kv == ATTND_KV_INT4 ? 0.45 : s->kv == ATTND_KV_INT8 ? 3.5 / 127 : 3.0 / 448;
+      ks[i] = (float)(base * (0.8 + 0.4 * oracle_rng_uniform(&g_rng)));
+      vs[i] = (float)(base * (0.8 + 0.4 * oracle_rng_uniform(&g_rng)));
+    }
+    if (s->kv == ATTND_KV_INT4) {
+      kz = malloc(sizeof(float) * nsc);
+      vz = malloc(sizeof(float) * nsc);
+      for (int i = 0; i < nsc; i++) {
+        kz[i] = (float)(7.0 + oracle_rng_uniform(&g_rng));
+        vz[i] = (float)(7.0 + oracle_rng_uniform(&g_rng));
+      }
+    }
+  }
+  oracle_scales_t sc = {ks, vs, kz, vz, s->kv == ATTND_KV_INT4 ? 1 : per_channel};
+  float *d_ks = ks ? dev_copy(ks, sizeof(float) * nsc) : NULL;
+  float *d_vs = vs ? dev_copy(vs, sizeof(float) * nsc) : NULL;
+  float *d_kz = kz ? dev_copy(kz, sizeof(float) * nsc) : NULL;
+  float *d_vz = vz ? dev_copy(vz, sizeof(float) * nsc) : NULL;
+
+  /* Meta: block tables then intervals. */
+  size_t nmeta = 0;
+  int bt_off[8], iv_off[8];
+  for (int i = 0; i < nitems; i++) {
+    bt_off[i] = (int)nmeta;
+    nmeta += (ti[i].start + ti[i].n + bs - 1) / bs;
+  }
+  for (int i = 0; i < nitems; i++) {
+    iv_off[i] = -1;
+    if (ti[i].mask_kind == ATTND_MASK_INTERVALS) {
+      iv_off[i] = (int)nmeta;
+      nmeta += 4 * (size_t)(ti[i].start + ti[i].n);
+    }
+  }
+  int32_t *meta = malloc(sizeof(int32_t) * (nmeta + 1));
+  int pb = 0;
+  for (int i = 0; i < nitems; i++)
+    for (int l = 0; l < (ti[i].start + ti[i].n + bs - 1) / bs; l++)
+      meta[bt_off[i] + l] = perm[pb++];
+  for (int i = 0; i < nitems; i++)
+    if (iv_off[i] >= 0)
+      make_intervals(meta + iv_off[i], ti[i].start + ti[i].n, ti[i].start, ti[i].n);
+  int32_t *d_meta = dev_copy(meta, sizeof(int32_t) * nmeta);
+
+  oracle_session_t *os = calloc(nitems, sizeof *os);
+  for (int i = 0; i < nitems; i++)
+    oracle_session_init(&os[i], s, ti[i].start + ti[i].n + 1);
+
+  /* 1. History: one write-only batch of positions 0 .. hist-1 per session. */
+  {
+    attnd_kitem_t items[8];
+    int T = 0, maxl = 1;
+    for (int i = 0; i < nitems; i++) {
+      items[i] = (attnd_kitem_t){.start = 0, .n = ti[i].hist, .q_row = -1, .kv_row = T,
+                                 .block_table = bt_off[i]};
+      T += ti[i].hist;
+      if (ti[i].hist > maxl)
+        maxl = ti[i].hist;
+    }
+    void *k = malloc(es * T * KVH * D), *v = malloc(es * T * KVH * D);
+    fill_random(s->dtype, k, (size_t)T * KVH * D, 1.0);
+    fill_random(s->dtype, v, (size_t)T * KVH * D, 1.0);
+    for (int i = 0; i < nitems; i++)
+      oracle_session_write(s, &os[i], 0, ti[i].hist, (uint8_t *)k + es * items[i].kv_row * KVH * D,
+                           (uint8_t *)v + es * items[i].kv_row * KVH * D, &sc);
+    attnd_kitem_t *d_items = dev_copy(items, sizeof(attnd_kitem_t) * nitems);
+    void *d_k = dev_copy(k, es * T * KVH * D), *d_v = dev_copy(v, es * T * KVH * D);
+    attnd_kbatch_t b = {.items = d_items, .nitems = nitems, .meta = d_meta, .total_q = 0, .total_kv = T,
+                        .max_kv_len = maxl, .max_n = maxl, .k = d_k, .v = d_v, .cache = d_cache,
+                        .block_bytes = bb, .k_scale = d_ks, .v_scale = d_vs, .k_zero = d_kz,
+                        .v_zero = d_vz, .scale_per_channel = per_channel};
+    int rc = attnd_cuda_write(s, &b, NULL);
+    if (rc)
+      fail_msg("history write: %d %s", rc, attnd_cuda_last_error());
+    CK(cudaDeviceSynchronize());
+    cudaFree(d_items);
+    cudaFree(d_k);
+    cudaFree(d_v);
+    free(k);
+    free(v);
+  }
+
+  /* 2. The step: write + attend over the mixed batch. */
+  attnd_kitem_t items[8];
+  int T = 0, Tq = 0, maxl = 1, maxn = 1;
+  for (int i = 0; i < nitems; i++) {
+    items[i] = (attnd_kitem_t){.start = ti[i].start, .n = ti[i].n, .q_row = ti[i].has_q ? Tq : -1,
+                               .kv_row = T, .mask_kind = ti[i].mask_kind, .mask_param = ti[i].mask_param,
+                               .causal = ti[i].causal, .intervals = iv_off[i] < 0 ? 0 : iv_off[i],
+                               .block_table = bt_off[i]};
+    T += ti[i].n;
+    if (ti[i].has_q)
+      Tq += ti[i].n;
+    if (ti[i].start + ti[i].n > maxl)
+      maxl = ti[i].start + ti[i].n;
+    if (ti[i].n > maxn)
+      maxn = ti[i].n;
+  }
+  void *q = malloc(es * Tq * QH * D + 16), *k = malloc(es * T * KVH * D), *v = malloc(es * T * KVH * D);
+  fill_random(s->dtype, q, (size_t)Tq * QH * D, 1.5);
+  fill_random(s->dtype, k, (size_t)T * KVH * D, 1.0);
+  fill_random(s->dtype, v, (size_t)T * KVH * D, 1.0);
+  const attnd_dtype_t odt = out_fp32 ? ATTND_DT_FP32 : s->dtype;
+  const size_t out_bytes = dt_size(odt) * Tq * QH * D;
+  void *out = malloc(out_bytes + 16);
+  float *lse = malloc(sizeof(float) * Tq * QH + 16);
+  attnd_kitem_t *d_items = dev_copy(items, sizeof(attnd_kitem_t) * nitems);
+  void *d_q = dev_copy(q, es * Tq * QH * D), *d_k = dev_copy(k, es * T * KVH * D),
+       *d_v = dev_copy(v, es * T * KVH * D);
+  void *d_out, *d_lse, *d_ws = NULL;
+  CK(cudaMalloc(&d_out, out_bytes + 16));
+  CK(cudaMalloc(&d_lse, sizeof(float) * Tq * QH + 16));
+  CK(cudaMemset(d_out, 0xff, out_bytes)); /* poison: an unwritten element is NaN */
+  CK(cudaMemset(d_lse, 0xff, sizeof(float) * Tq * QH));
+  size_t ws_bytes = use_ws ? attnd_cuda_attend_workspace(s, Tq) : 0;
+  if (ws_bytes) {
+    CK(cudaMalloc(&d_ws, ws_bytes));
+    CK(cudaMemset(d_ws, 0xff, ws_bytes));
+  }
+  attnd_kbatch_t b = {.items = d_items, .nitems = nitems, .meta = d_meta, .total_q = Tq, .total_kv = T,
+                      .max_kv_len = maxl, .max_n = maxn, .q = d_q, .k = d_k, .v = d_v, .out = d_out,
+                      .out_fp32 = out_fp32, .lse = d_lse, .cache = d_cache, .block_bytes = bb,
+                      .k_scale = d_ks, .v_scale = d_vs, .k_zero = d_kz, .v_zero = d_vz,
+                      .scale_per_channel = per_channel};
+  int rc = attnd_cuda_write(s, &b, NULL);
+  if (rc)
+    fail_msg("write: %d %s", rc, attnd_cuda_last_error());
+  const int splits = attnd_cuda_attend_splits(s, &b, ws_bytes);
+  rc = attnd_cuda_attend(s, &b, d_ws, ws_bytes, NULL);
+  if (rc)
+    fail_msg("attend: %d %s", rc, attnd_cuda_last_error());
+  CK(cudaDeviceSynchronize());
+  CK(cudaMemcpy(out, d_out, out_bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(lse, d_lse, sizeof(float) * Tq * QH, cudaMemcpyDeviceToHost));
+
+  double worst = 0.0;
+  for (int i = 0; i < nitems; i++) {
+    oracle_session_write(s, &os[i], ti[i].start, ti[i].n, (uint8_t *)k + es * items[i].kv_row * KVH * D,
+                         (uint8_t *)v + es * items[i].kv_row * KVH * D, &sc);
+    if (!ti[i].has_q)
+      continue;
+    const size_t cnt = (size_t)ti[i].n * QH * D;
+    double *ref = malloc(sizeof(double) * cnt), *rl = malloc(sizeof(double) * ti[i].n * QH);
+    oracle_session_attend(s, &os[i], ti[i].start, ti[i].n, (uint8_t *)q + es * items[i].q_row * QH * D,
+                          ti[i].mask_kind, ti[i].mask_param, ti[i].causal,
+                          iv_off[i] >= 0 ? meta + iv_off[i] : NULL, ref, rl);
+    const void *got = (uint8_t *)out + dt_size(odt) * items[i].q_row * QH * D;
+    double err = oracle_rel_l2(ref, odt, got, cnt);
+    if (!(err <= bound_for(s->kv)))
+      fail_msg("case %d kv %s D %d bs %d G %d item %d (start %d n %d mask %d) splits %d: rel L2 %g > %g", ncase,
+               attnd_kv_type_name(s->kv), D, bs, QH / KVH, i, ti[i].start, ti[i].n, ti[i].mask_kind, splits, err,
+               bound_for(s->kv));
+    if (err > worst)
+      worst = err;
+    for (int r = 0; r < ti[i].n * QH; r++) {
+      const float g = lse[items[i].q_row * QH + r];
+      if (isinf(rl[r])) {
+        if (!(isinf(g) && g < 0))
+          fail_msg("case %d item %d row %d: lse %g, want -inf", ncase, i, r, g);
+        for (int e = 0; e < D; e++)
+          if (oracle_from_dtype(odt, got, (size_t)r * D + e) != 0.0)
+            fail_msg("case %d item %d: fully masked row %d not zero", ncase, i, r);
+      } else if (!(fabs(g - rl[r]) <= 2e-2 + 1e-3 * fabs(rl[r]))) {
+        fail_msg("case %d kv %s item %d row %d: lse %g, oracle %g", ncase, attnd_kv_type_name(s->kv), i, r, g,
+                 rl[r]);
+      }
+    }
+    free(ref);
+    free(rl);
+  }
+  for (int i = 0; i < nitems; i++)
+    oracle_session_free(&os[i]);
+  free(os);
+  cudaFree(d_items);
+  cudaFree(d_q);
+  cudaFree(d_k);
+  cudaFree(d_v);
+  cudaFree(d_out);
+  cudaFree(d_lse);
+  cudaFree(d_ws);
+  cudaFree(d_meta);
+  cudaFree(d_cache);
+  cudaFree(d_ks);
+  cudaFree(d_vs);
+  cudaFree(d_kz);
+  cudaFree(d_vz);
+  free(q);
+  free(k);
+  free(v);
+  free(out);
+  free(lse);
+  free(meta);
+  free(perm);
+  free(ks);
+  free(vs);
+  free(kz);
+  free(vz);
+  return worst;
+}
+
+static int skip_without_gpu(void) {
+  if (attnd_cuda_device_count() == 0) {
+    print_message("no CUDA device: skipping\n");
+    return 1;
+  }
+  return 0;
+}
+
+static int pairwise_mode(void) {
+  const char *e = getenv("ATTND_GPU_TEST_PAIRWISE");
+  return e && *e && strcmp(e, "0") != 0;
+}
+
+static void record(attnd_kv_type_t kv, double err) {
+  if (err > g_max_err[kv])
+    g_max_err[kv] = err;
+  g_cases[kv]++;
+}
+
+static void test_matrix(void **state) {
+  (void)state;
+  if (skip_without_gpu()) {
+    skip();
+    return;
+  }
+  static const int dims[3] = {64, 128, 256}, bss[4] = {16, 32, 64, 128}, groups[4] = {1, 4, 8, 16};
+  static const int masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING, ATTND_MASK_PREFIX_LM,
+                               ATTND_MASK_FULL};
+  const int pw = pairwise_mode();
+  int ncase = 0;
+  for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
+    for (int di = 0; di < 3; di++)
+      for (int bi = 0; bi < 4; bi++) {
+        if (pw && (di + bi + kv) % 12 != 0 && !(bi == kv % 4 && di == kv % 3))
+          continue;
+        const int G = groups[(bi + di + kv) % 4];
+        attnd_kshape_t s = {.kv_heads = G >= 8 ? 1 : 2, .head_dim = dims[di], .block_size = bss[bi],
+                            .dtype = (ncase & 1) ? ATTND_DT_FP16 : ATTND_DT_BF16, .kv = (attnd_kv_type_t)kv,
+                            .rope = (attnd_rope_t)(ncase % 3), .rope_theta = 10000.0 + 490000.0 * (ncase & 1),
+                            .rotary_dim = (ncase % 4 == 3) ? dims[di] / 2 : 0};
+        s.q_heads = s.kv_heads * G;
+        s.softmax_scale = (float)(1.0 / sqrt((double)s.head_dim));
+        const int mk = masks[ncase % 5];
+        tcase_item_t ti[4] = {
+            /* decode over a long history */
+            {.hist = 200 + rnd(600), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
+            /* prefill chunk under a mask */
+            {.hist = rnd(150), .n = 20 + rnd(110), .has_q = 1, .mask_kind = mk, .mask_param = 1 + rnd(90),
+             .causal = rnd(2)},
+            /* write-only */
+            {.hist = rnd(50), .n = 1 + rnd(30), .has_q = 0},
+            /* rewrite of the last two tokens plus one more */
+            {.hist = 40 + rnd(100), .n = 3, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
+        };
+        for (int i = 0; i < 4; i++)
+          ti[i].start = ti[i].hist;
+        ti[3].start = ti[3].hist - 2;
+        if (mk == ATTND_MASK_PREFIX_LM)
+          ti[1].mask_param = rnd(ti[1].hist + ti[1].n + 1);
+        const double e = run_case(&s, ncase, ti, 4, ncase % 4 == 2, ncase % 3 != 1, (ncase >> 1) & 1);
+        record(s.kv, e);
+        ncase++;
+      }
+}
+
+/* New tokens over long cached histories of the int8/fp8 and dynamic types,
+ * with the zero-point pointers NULL (only int4 has them), decode and a short
+ * prefill chunk: the split-KV path with many parts. */
+static void test_long_history(void **state) {
+  (void)state;
+  if (skip_without_gpu()) {
+    skip();
+    return;
+  }
+  static const attnd_kv_type_t kvs[5] = {ATTND_KV_INT8, ATTND_KV_FP8, ATTND_KV_INT8_DYNAMIC,
+                                         ATTND_KV_FP8_DYNAMIC, ATTND_KV_BF16};
+  const int n = pairwise_mode() ? 2 : 5;
+  for (int c = 0; c < n; c++) {
+    attnd_kshape_t s = {.q_heads = 32, .kv_heads = 8, .head_dim = 128, .block_size = 64,
+                        .dtype = ATTND_DT_BF16, .kv = kvs[c], .rope = ATTND_ROPE_NEOX,
+                        .rope_theta = 500000.0, .rotary_dim = 0};
+    s.softmax_scale = (float)(1.0 / sqrt(128.0));
+    tcase_item_t ti[3] = {
+        {.hist = 6000 + rnd(3000), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
+        {.hist = 3000 + rnd(3000), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_SLIDING, .mask_param = 1024},
+        {.hist = 2000 + rnd(1000), .n = 4, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
+    };
+    for (int i = 0; i < 3; i++)
+      ti[i].start = ti[i].hist;
+    record(s.kv, run_case(&s, 1000 + c, ti, 3, 0, 1, c & 1));
+  }
+}
+
+static void test_report(void **state) {
+  (void)state;
+  if (skip_without_gpu()) {
+    skip();
+    return;
+  }
+  for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
+    print_message("kv %-13s cases %3d  max rel L2 %.3e  (bound %.0e)\n", attnd_kv_type_name(kv), g_cases[kv],
+                  g_max_err[kv], bound_for(kv));
+}
+
+static void test_device_count(void **state) {
+  (void)state;
+  /* Must never fail or crash, GPU or not. */
+  int n = attnd_cuda_device_count();
+  assert_true(n >= 0);
+  if (n > 0) {
+    char name[128];
+    uint64_t mem = 0;
+    int ma = 0, mi = 0;
+    assert_int_equal(attnd_cuda_device_info(0, name, sizeof name, &mem, &ma, &mi), 0);
+    print_message("device 0: %s, %.1f GiB, cc %d.%d\n", name, mem / 1073741824.0, ma, mi);
+    assert_true(mem > 0);
+  }
+}
+
+int main(void) {
+  const char *seed = getenv("ATTND_TEST_SEED");
+  g_rng = seed ? strtoull(seed, NULL, 0) : ((uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull) | 1;
+  print_message("seed %llu\n", (unsigned long long)g_rng);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_device_count),
+      cmocka_unit_test(test_matrix),
+      cmocka_unit_test(test_long_history),
+      cmocka_unit_test(test_report),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
