@@ -27,6 +27,10 @@
 
 typedef struct conn_s conn_t;
 
+/* Responses produced while one read's frames are handled go out in one
+ * writev (pipelined small calls would otherwise cost a syscall each). */
+#define WRITE_BATCH 64
+
 struct conn_s {
   union {
     uv_handle_t handle;
@@ -42,17 +46,21 @@ struct conn_s {
   int reading;
   int closing;
   int handle_closed;
-  int in_feed;            /* inside the frame reader: no re-entry */
-  int close_when_flushed; /* close once every queued response is written */
-  int counted;            /* counts against --max-connections */
-  uint64_t accepted_ms;   /* uv_now() at accept, for the Hello deadline */
+  int in_feed;                 /* inside the frame reader: no re-entry */
+  int close_when_flushed;      /* close once every queued response is written */
+  int counted;                 /* counts against --max-connections */
+  uint64_t accepted_ms;        /* uv_now() at accept, for the Hello deadline */
+  uv_buf_t batch[WRITE_BATCH]; /* responses waiting for the end of the read */
+  unsigned nbatch;
+  size_t batch_len;
 };
 
 typedef struct {
   uv_write_t req;
   conn_t *conn;
-  uint8_t *buf;
-  size_t len;
+  size_t len; /* bytes in all buffers */
+  unsigned n;
+  uv_buf_t bufs[]; /* owned: freed when written */
 } wreq_t;
 
 struct attnd_server_s {
@@ -80,6 +88,7 @@ struct attnd_server_s {
 
 static void flow_update(conn_t *c);
 static void conn_close(conn_t *c);
+static void flush_batch(conn_t *c);
 static void check_done(attnd_server_t *s);
 
 /* ---- connection lifetime --------------------------------------------------- */
@@ -105,6 +114,7 @@ static void conn_close(conn_t *c) {
     return;
   attnd_server_t *s = c->srv;
   c->closing = 1;
+  flush_batch(c); /* frees what was never sent */
   if (c->reading)
     uv_read_stop(&c->h.stream);
   c->reading = 0;
@@ -138,7 +148,8 @@ static void write_cb(uv_write_t *req, int status) {
   wreq_t *w = (wreq_t *)req;
   conn_t *c = w->conn;
   c->write_bytes -= w->len;
-  free(w->buf);
+  for (unsigned i = 0; i < w->n; i++)
+    free(w->bufs[i].base);
   free(w);
   if (c->closing)
     return;
@@ -159,18 +170,46 @@ static void note_inflight(conn_t *c) {
     c->srv->st.peak_conn_inflight = inflight;
 }
 
+static void submit(conn_t *c, const uv_buf_t *bufs, unsigned n, size_t len) {
+  wreq_t *w = malloc(sizeof(*w) + n * sizeof(uv_buf_t));
+  if (!w)
+    abort();
+  w->conn = c;
+  w->len = len;
+  w->n = n;
+  memcpy(w->bufs, bufs, n * sizeof(uv_buf_t));
+  if (uv_write(&w->req, &c->h.stream, w->bufs, n, write_cb) != 0) {
+    c->write_bytes -= len;
+    for (unsigned i = 0; i < n; i++)
+      free(w->bufs[i].base);
+    free(w);
+    conn_close(c);
+  }
+}
+
+/* Sends the responses batched during a read (or drops them once closing). */
+static void flush_batch(conn_t *c) {
+  unsigned n = c->nbatch;
+  size_t len = c->batch_len;
+  if (n == 0)
+    return;
+  c->nbatch = 0;
+  c->batch_len = 0;
+  if (c->closing) {
+    c->write_bytes -= len;
+    for (unsigned i = 0; i < n; i++)
+      free(c->batch[i].base);
+    return;
+  }
+  submit(c, c->batch, n, len);
+}
+
 static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_after) {
   conn_t *c = CONN_OF(rc);
   if (c->closing) {
     free(buf);
     return;
   }
-  wreq_t *w = malloc(sizeof(*w));
-  if (!w)
-    abort();
-  w->conn = c;
-  w->buf = buf;
-  w->len = len;
   uv_buf_t ub = uv_buf_init((char *)buf, (unsigned)len);
   c->write_bytes += len;
   note_inflight(c);
@@ -180,13 +219,14 @@ static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_af
       uv_read_stop(&c->h.stream);
     c->reading = 0;
   }
-  int rc2 = uv_write(&w->req, &c->h.stream, &ub, 1, write_cb);
-  if (rc2 != 0) {
-    c->write_bytes -= len;
-    free(buf);
-    free(w);
-    conn_close(c);
+  if (c->in_feed) {
+    c->batch[c->nbatch++] = ub;
+    c->batch_len += len;
+    if (c->nbatch == WRITE_BATCH)
+      flush_batch(c);
+    return;
   }
+  submit(c, &ub, 1, len);
 }
 
 /* ---- reading ---------------------------------------------------------------- */
@@ -256,6 +296,7 @@ static void read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   c->in_feed = 1;
   int rc = attnd_frame_reader_feed(&c->fr, (const uint8_t *)buf->base, (size_t)nread, frame_cb, c);
   c->in_feed = 0;
+  flush_batch(c); /* before any framing error, to keep responses in order */
   feed_result(c, rc);
   flow_update(c);
 }
@@ -282,6 +323,7 @@ static void flow_update(conn_t *c) {
       c->in_feed = 1;
       int rc = attnd_frame_reader_resume(&c->fr, frame_cb, c);
       c->in_feed = 0;
+      flush_batch(c);
       feed_result(c, rc);
       if (c->closing || c->close_when_flushed)
         return;
