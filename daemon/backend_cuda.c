@@ -1,17 +1,54 @@
-/* backend_cuda.c: the CUDA backend (backend.h) on top of kernels/cuda.
+/* backend_cuda.c: the CUDA backend (backend.h) on top of kernels/cuda (attnd_cuda.h).
  *
- * NOTE TO THE CUDA KERNELS ENGINEER (helper-2): the backend engineer (helper-7)
- * writes this file from 20:05 on, against kernels/cuda/attnd_cuda.h. Leave it
- * to them and keep to kernels/cuda, the GPU tests and the benchmark.
- * In builds without CUDA it reports that no device is available. */
+ * Memory. One cudaMalloc holds the KV pool of every layer (layer l's blocks
+ * start at l * num_blocks * block_bytes), zeroed once at start so that no
+ * kernel can ever read uninitialized bytes as NaN. Static scales (and int4
+ * zero points) live in one small device array, [layer][k_scale, v_scale,
+ * k_zero, v_zero][kv_heads * head_dim] fp32.
+ *
+ * Ordering. A small pool of non-blocking streams; layer l always runs on
+ * stream l % nstreams, so a layer's jobs execute in submission order (a
+ * stream is FIFO) and different layers overlap on different streams. Each
+ * stream owns a device staging buffer (inputs and outputs of the job running
+ * on it) and an attention workspace; both grow on demand with the
+ * stream-ordered allocator (cudaFreeAsync + cudaMallocAsync on that stream),
+ * so growing never waits for the device and never frees memory a queued
+ * kernel of that stream still reads.
+ *
+ * A STEP job: its items, meta, q, k and v are copied once (one memcpy each)
+ * into a pinned host staging buffer taken from a pool (grown on demand; once
+ * warm, nothing is cudaHostAlloc'ed), one H2D copy moves them to the stream's
+ * device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H copy of
+ * out (+ lse) back into the pinned buffer, and a stream callback. A COPY job
+ * is one D2D cudaMemcpyAsync per block pair within the layer's pool.
+ *
+ * Completion. The stream callback (cudaStreamAddCallback, a CUDA-owned
+ * thread) copies the pinned outputs into the engine's host buffers, pushes
+ * the job onto a mutex-protected queue and wakes the loop with uv_async_send;
+ * the async callback drains the queue on the loop thread and calls done_cb.
+ * cudaStreamAddCallback, not cudaLaunchHostFunc: a host function is never
+ * called once the context has a sticky error, which would leave the engine
+ * waiting forever, while a stream callback is called exactly once, with the
+ * error. The loop thread only enqueues work; it never waits for the device
+ * during steps (set_scales enqueues too; destroy synchronizes, once).
+ *
+ * Errors. A failing CUDA call fails its job with ATTND_ECUDA and the call
+ * site in job->message. A sticky error (illegal address, launch failure, ...)
+ * fails it with ATTND_EDEVICE and marks the backend dead: every later job
+ * fails at once with ATTND_EDEVICE (wire UNAVAILABLE); the engine takes the
+ * daemon down so that its supervisor restarts it. */
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "backend.h"
 #include "errors.h"
 
 #ifndef ATTND_HAVE_CUDA
 
-int attnd_backend_cuda_available(void) { return 0; }
+int attnd_backend_cuda_available(void) {
+  return 0;
+}
 
 int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
                               int layers, uint64_t kv_memory, int device, char *err,
@@ -21,13 +58,777 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
 }
 
 #else
-/* PLACEHOLDER until the CUDA backend lands: the CUDA build serves on the CPU. */
-int attnd_backend_cuda_available(void) { return 0; }
+
+#include <cuda_runtime_api.h>
+#include <stdatomic.h>
+
+#include "attnd_cuda.h"
+
+/* Streams: enough for the layers of one step to overlap, few enough that the
+ * per-stream buffers stay small. */
+#define CU_MAX_STREAMS 8
+/* Pinned staging buffers are allocated in power-of-two sizes from this up. */
+#define CU_STAGE_MIN ((size_t)2 << 20)
+/* Device staging grows to at least this. */
+#define CU_DBUF_MIN ((size_t)4 << 20)
+/* The split-KV workspace is an optimization: past this, attend splits less. */
+#define CU_WS_MAX ((size_t)256 << 20)
+/* Alignment of every region inside a staging buffer (vector loads, DMA). */
+#define CU_ALIGN ((size_t)256)
+
+typedef struct cu_backend_s cu_backend_t;
+
+typedef struct stage_s {
+  uint8_t *p; /* pinned host memory */
+  size_t cap;
+  struct stage_s *next; /* free list */
+} stage_t;
+
+/* One unit of stream work: a job, or an internal scales upload (job NULL). */
+typedef struct run_s {
+  cu_backend_t *be;
+  attnd_job_t *job;
+  stage_t *stage;
+  int stream;
+  int status;         /* set on the loop thread when an enqueue failed */
+  char msg[128];
+  cudaError_t async;  /* set by the stream callback */
+  size_t out_off, lse_off;
+  uint64_t t_start, t_end;
+  struct run_s *next; /* done queue */
+} run_t;
+
+typedef struct {
+  cudaStream_t st;
+  uint8_t *dbuf; /* device staging: inputs then outputs of the running job */
+  size_t dcap;
+  void *ws; /* attention workspace */
+  size_t wcap;
+  uint64_t last_end_us; /* end of the last job on this stream (under mu) */
+} cu_stream_t;
+
+struct cu_backend_s {
+  attnd_backend_t base;
+  uv_loop_t *loop;
+  uv_async_t async; /* freed with the struct, in its close callback */
+  int device;
+  uint8_t *pool;      /* KV blocks of every layer */
+  size_t layer_bytes; /* num_blocks * block_bytes */
+  float *dscales;     /* [layers][4][nsc] */
+  size_t nsc;         /* kv_heads * head_dim */
+  int *scales_ok;     /* [layers] scales uploaded (loop thread) */
+  int *per_channel;   /* [layers] */
+  cu_stream_t streams[CU_MAX_STREAMS];
+  int nstreams;
+  stage_t *free_stages; /* loop thread only */
+  stage_t **owned; /* every stage ever allocated, freed at destroy */
+  size_t nowned, owned_cap;
+  uv_mutex_t mu; /* guards the done queue and streams[].last_end_us */
+  run_t *dhead, *dtail;
+  atomic_int dead; /* a sticky device error was seen */
+  int inflight;    /* jobs submitted, done_cb not yet called */
+  int internal;    /* internal runs not yet drained */
+  char devname[128];
+  uint64_t devmem;
+  int cc;
+};
+
+static uint64_t now_us(void) {
+  return uv_hrtime() / 1000;
+}
+
+static size_t align_up(size_t n) {
+  return (n + CU_ALIGN - 1) & ~(CU_ALIGN - 1);
+}
+
+/* The errors after which the CUDA context is unusable (mirrors the kernels'
+ * list in kernels/cuda/common.cu, which is private to them). */
+static int cu_sticky(cudaError_t e) {
+  switch (e) {
+  case cudaErrorIllegalAddress:
+  case cudaErrorLaunchFailure:
+  case cudaErrorIllegalInstruction:
+  case cudaErrorMisalignedAddress:
+  case cudaErrorInvalidAddressSpace:
+  case cudaErrorInvalidPc:
+  case cudaErrorHardwareStackError:
+  case cudaErrorAssert:
+  case cudaErrorECCUncorrectable:
+  case cudaErrorLaunchTimeout:
+  case cudaErrorContextIsDestroyed:
+    return 1;
+  default:
+    return 0;
+  }
+}
+
+/* Records a failed CUDA runtime call in a run (first failure wins). */
+#define RUN_CU(r, call)                                                                            \
+  do {                                                                                             \
+    cudaError_t e_ = (call);                                                                       \
+    if (e_ != cudaSuccess) {                                                                       \
+      run_fail_cuda((r), __LINE__, #call, e_);                                                     \
+      goto enqueued;                                                                               \
+    }                                                                                              \
+  } while (0)
+
+static void run_fail_cuda(run_t *r, int line, const char *what, cudaError_t e) {
+  /* A non-sticky error stays in the runtime's last-error slot otherwise and
+   * would resurface at the next, unrelated check. */
+  cudaGetLastError();
+  if (r->status)
+    return;
+  int sticky = cu_sticky(e);
+  r->status = sticky ? ATTND_EDEVICE : ATTND_ECUDA;
+  snprintf(r->msg, sizeof(r->msg), "backend_cuda.c:%d: %.60s: %s", line, what,
+           cudaGetErrorString(e));
+  if (sticky)
+    atomic_store(&r->be->dead, 1);
+}
+
+/* Records a failed attnd_cuda_* call (its codes match errors.h). */
+static void run_fail_kernel(run_t *r, int rc) {
+  if (r->status)
+    return;
+  r->status = rc == ATTND_CUDA_EDEVICE ? ATTND_EDEVICE
+              : rc == ATTND_CUDA_EINVAL ? ATTND_EINVAL
+                                        : ATTND_ECUDA;
+  snprintf(r->msg, sizeof(r->msg), "cuda: %s", attnd_cuda_last_error());
+  if (rc == ATTND_CUDA_EDEVICE)
+    atomic_store(&r->be->dead, 1);
+}
+
+/* ---- pinned staging pool (loop thread) ----------------------------------- */
+
+static stage_t *stage_get(cu_backend_t *be, size_t need, int *cerr) {
+  stage_t **pp = &be->free_stages, **best = NULL;
+  for (; *pp; pp = &(*pp)->next)
+    if ((*pp)->cap >= need && (!best || (*pp)->cap < (*best)->cap))
+      best = pp;
+  if (best) {
+    stage_t *s = *best;
+    *best = s->next;
+    s->next = NULL;
+    return s;
+  }
+  /* Warm-up (or a larger step than ever before): a new pinned buffer. Smaller
+   * free ones stay: freeing pinned memory would synchronize the device. */
+  size_t cap = CU_STAGE_MIN;
+  while (cap < need)
+    cap <<= 1;
+  stage_t *s = calloc(1, sizeof(*s));
+  if (!s) {
+    *cerr = cudaErrorMemoryAllocation;
+    return NULL;
+  }
+  cudaError_t e = cudaHostAlloc((void **)&s->p, cap, cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    free(s);
+    *cerr = e;
+    return NULL;
+  }
+  if (be->nowned == be->owned_cap) {
+    size_t nc = be->owned_cap ? 2 * be->owned_cap : 16;
+    stage_t **no = realloc(be->owned, nc * sizeof(*no));
+    if (!no) {
+      cudaFreeHost(s->p);
+      free(s);
+      *cerr = cudaErrorMemoryAllocation;
+      return NULL;
+    }
+    be->owned = no;
+    be->owned_cap = nc;
+  }
+  be->owned[be->nowned++] = s;
+  s->cap = cap;
+  return s;
+}
+
+static void stage_put(cu_backend_t *be, stage_t *s) {
+  if (!s)
+    return;
+  s->next = be->free_stages;
+  be->free_stages = s;
+}
+
+/* Grows a stream-owned device buffer, ordered on that stream. */
+static cudaError_t dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need, size_t min) {
+  if (*cap >= need)
+    return cudaSuccess;
+  size_t nc = min;
+  while (nc < need)
+    nc <<= 1;
+  if (*buf) {
+    cudaError_t e = cudaFreeAsync(*buf, cs->st);
+    if (e != cudaSuccess)
+      return e;
+    *buf = NULL;
+    *cap = 0;
+  }
+  cudaError_t e = cudaMallocAsync(buf, nc, cs->st);
+  if (e != cudaSuccess) {
+    *buf = NULL;
+    return e;
+  }
+  *cap = nc;
+  return cudaSuccess;
+}
+
+/* ---- completion ---------------------------------------------------------- */
+
+static void update_ref(cu_backend_t *be) {
+  /* The async handle keeps the loop alive only while work is out. */
+  if (uv_is_closing((uv_handle_t *)&be->async))
+    return;
+  if (be->inflight + be->internal > 0)
+    uv_ref((uv_handle_t *)&be->async);
+  else
+    uv_unref((uv_handle_t *)&be->async);
+}
+
+static void push_done(cu_backend_t *be, run_t *r) {
+  uv_mutex_lock(&be->mu);
+  cu_stream_t *cs = &be->streams[r->stream];
+  r->t_end = now_us();
+  /* The job began when the device reached it: after its submission and
+   * after the previous job of its stream ended. */
+  r->t_start = cs->last_end_us > 0 && r->job && cs->last_end_us > r->job->t_submit_us
+                   ? cs->last_end_us
+                   : (r->job ? r->job->t_submit_us : r->t_end);
+  if (r->t_start > r->t_end)
+    r->t_start = r->t_end;
+  cs->last_end_us = r->t_end;
+  r->next = NULL;
+  if (be->dtail)
+    be->dtail->next = r;
+  else
+    be->dhead = r;
+  be->dtail = r;
+  uv_mutex_unlock(&be->mu);
+  uv_async_send(&be->async);
+}
+
+/* Runs on a CUDA-owned thread after the run's stream work: no CUDA calls
+ * allowed here, only host copies and the hand-off to the loop. */
+static void CUDART_CB stream_cb(cudaStream_t st, cudaError_t status, void *arg) {
+  run_t *r = arg;
+  cu_backend_t *be = r->be;
+  r->async = status;
+  if (status != cudaSuccess && cu_sticky(status))
+    atomic_store(&be->dead, 1);
+  attnd_job_t *job = r->job;
+  if (status == cudaSuccess && !r->status && job && job->kind == ATTND_JOB_STEP) {
+    if (job->out_bytes)
+      memcpy(job->batch.out, r->stage->p + r->out_off, job->out_bytes);
+    if (job->lse_bytes && job->batch.lse)
+      memcpy(job->batch.lse, r->stage->p + r->lse_off, job->lse_bytes);
+  }
+  push_done(be, r);
+}
+
+static void finish_run(cu_backend_t *be, run_t *r) {
+  attnd_job_t *job = r->job;
+  if (!r->status && r->async != cudaSuccess) {
+    int sticky = cu_sticky(r->async);
+    r->status = sticky ? ATTND_EDEVICE : ATTND_ECUDA;
+    snprintf(r->msg, sizeof(r->msg), "cuda: layer %d: device work failed: %s",
+             job ? job->layer : -1, cudaGetErrorString(r->async));
+  }
+  stage_put(be, r->stage);
+  if (!job) {
+    be->internal--;
+    free(r);
+    return;
+  }
+  job->status = r->status;
+  if (r->status)
+    snprintf(job->message, sizeof(job->message), "%s", r->msg);
+  job->t_start_us = r->t_start;
+  job->t_end_us = r->t_end;
+  be->inflight--;
+  free(r);
+  job->done_cb(job);
+}
+
+static void async_cb(uv_async_t *h) {
+  cu_backend_t *be = h->data;
+  uv_mutex_lock(&be->mu);
+  run_t *r = be->dhead;
+  be->dhead = be->dtail = NULL;
+  uv_mutex_unlock(&be->mu);
+  while (r) {
+    run_t *next = r->next;
+    finish_run(be, r);
+    r = next;
+  }
+  update_ref(be);
+}
+
+/* Hands a run whose stream work could not be tracked by a callback to the
+ * loop. Its stream is drained first (an error path only) so that its pinned
+ * buffer is no longer read by a copy already queued. */
+static void complete_untracked(cu_backend_t *be, run_t *r) {
+  if (r->stage)
+    cudaStreamSynchronize(be->streams[r->stream].st);
+  cudaGetLastError();
+  push_done(be, r);
+}
+
+/* ---- submission (loop thread) -------------------------------------------- */
+
+static void enqueue_copy(cu_backend_t *be, run_t *r) {
+  attnd_job_t *job = r->job;
+  cu_stream_t *cs = &be->streams[r->stream];
+  uint8_t *base = be->pool + (size_t)job->layer * be->layer_bytes;
+  size_t bb = be->base.block_bytes;
+  for (int i = 0; i < job->ncopies; i++) {
+    int32_t src = job->copies[2 * i], dst = job->copies[2 * i + 1];
+    if (src < 0 || dst < 0 || (uint32_t)src >= be->base.num_blocks ||
+        (uint32_t)dst >= be->base.num_blocks) {
+      r->status = ATTND_EINVAL;
+      snprintf(r->msg, sizeof(r->msg), "copy %d: block pair (%d, %d) outside the pool", i, src,
+               dst);
+      goto enqueued;
+    }
+    RUN_CU(r, cudaMemcpyAsync(base + (size_t)dst * bb, base + (size_t)src * bb, bb,
+                              cudaMemcpyDeviceToDevice, cs->st));
+  }
+enqueued:
+  return;
+}
+
+static void enqueue_step(cu_backend_t *be, run_t *r) {
+  attnd_job_t *job = r->job;
+  const attnd_kbatch_t *hb = &job->batch;
+  const attnd_kshape_t *s = &be->base.shape;
+  cu_stream_t *cs = &be->streams[r->stream];
+  int layer = job->layer;
+
+  attnd_kbatch_t db = *hb;
+  db.cache = be->pool + (size_t)layer * be->layer_bytes;
+  db.block_bytes = be->base.block_bytes;
+  db.k_scale = db.v_scale = db.k_zero = db.v_zero = NULL;
+  db.scale_per_channel = 0;
+  if (attnd_kv_type_static(s->kv)) {
+    if (!be->scales_ok[layer]) {
+      r->status = ATTND_EPRECOND;
+      snprintf(r->msg, sizeof(r->msg), "layer %d has no static scales on the device", layer);
+      return;
+    }
+    float *ls = be->dscales + (size_t)layer * 4 * be->nsc;
+    db.k_scale = ls;
+    db.v_scale = ls + be->nsc;
+    db.scale_per_channel = be->per_channel[layer];
+    if (s->kv == ATTND_KV_INT4) {
+      db.k_zero = ls + 2 * be->nsc;
+      db.v_zero = ls + 3 * be->nsc;
+    }
+  }
+
+  /* Layout of the staging buffers (host and device alike). */
+  size_t items_bytes = (size_t)hb->nitems * sizeof(attnd_kitem_t);
+  size_t meta_bytes = job->nmeta * sizeof(int32_t);
+  size_t off_meta = align_up(items_bytes);
+  size_t off_q = off_meta + align_up(meta_bytes);
+  size_t off_k = off_q + align_up(job->q_bytes);
+  size_t off_v = off_k + align_up(job->kv_bytes);
+  size_t in_bytes = off_v + job->kv_bytes;
+  size_t off_out = align_up(in_bytes);
+  size_t off_lse = off_out + align_up(job->out_bytes);
+  size_t total = off_lse + job->lse_bytes;
+  r->out_off = off_out;
+  r->lse_off = off_lse;
+
+  int cerr = cudaSuccess;
+  r->stage = stage_get(be, total, &cerr);
+  if (!r->stage) {
+    run_fail_cuda(r, __LINE__, "cudaHostAlloc (pinned staging)", (cudaError_t)cerr);
+    return;
+  }
+  /* The one host copy of each input on its way to the device. */
+  uint8_t *hp = r->stage->p;
+  memcpy(hp, hb->items, items_bytes);
+  if (meta_bytes)
+    memcpy(hp + off_meta, hb->meta, meta_bytes);
+  if (job->q_bytes)
+    memcpy(hp + off_q, hb->q, job->q_bytes);
+  if (job->kv_bytes) {
+    memcpy(hp + off_k, hb->k, job->kv_bytes);
+    memcpy(hp + off_v, hb->v, job->kv_bytes);
+  }
+
+  RUN_CU(r, dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, total, CU_DBUF_MIN));
+  uint8_t *dp = cs->dbuf;
+  RUN_CU(r, cudaMemcpyAsync(dp, hp, in_bytes, cudaMemcpyHostToDevice, cs->st));
+  db.items = (const attnd_kitem_t *)dp;
+  db.meta = (const int32_t *)(dp + off_meta);
+  db.q = job->q_bytes ? dp + off_q : NULL;
+  db.k = dp + off_k;
+  db.v = dp + off_v;
+  db.out = job->out_bytes ? dp + off_out : NULL;
+  db.lse = job->lse_bytes && hb->lse ? (float *)(dp + off_lse) : NULL;
+
+  int rc = attnd_cuda_write(s, &db, cs->st);
+  if (rc) {
+    run_fail_kernel(r, rc);
+    goto enqueued;
+  }
+  if (db.total_q > 0 && job->out_bytes) {
+    size_t want = attnd_cuda_attend_workspace(s, db.total_q);
+    if (want > CU_WS_MAX)
+      want = CU_WS_MAX;
+    if (want && dev_reserve(cs, &cs->ws, &cs->wcap, want, (size_t)1 << 20) != cudaSuccess) {
+      /* The workspace only speeds up long contexts: run without it. */
+      cudaGetLastError();
+    }
+    rc = attnd_cuda_attend(s, &db, cs->ws, cs->ws ? cs->wcap : 0, cs->st);
+    if (rc) {
+      run_fail_kernel(r, rc);
+      goto enqueued;
+    }
+    RUN_CU(r, cudaMemcpyAsync(hp + off_out, dp + off_out, total - off_out,
+                              cudaMemcpyDeviceToHost, cs->st));
+  }
+enqueued:
+  return;
+}
+
+static int cu_submit(attnd_backend_t *base, attnd_job_t *job) {
+  cu_backend_t *be = (cu_backend_t *)base;
+  if (job->layer < 0 || job->layer >= base->layers)
+    return ATTND_EINVAL;
+  run_t *r = calloc(1, sizeof(*r));
+  if (!r)
+    return ATTND_ENOMEM;
+  r->be = be;
+  r->job = job;
+  r->stream = job->layer % be->nstreams;
+  job->status = 0;
+  job->message[0] = 0;
+  job->t_submit_us = now_us();
+  job->t_start_us = job->t_end_us = 0;
+  be->inflight++;
+  update_ref(be);
+  if (atomic_load(&be->dead)) {
+    r->status = ATTND_EDEVICE;
+    snprintf(r->msg, sizeof(r->msg), "the CUDA device is unusable after an earlier error");
+    push_done(be, r);
+    return 0;
+  }
+  cudaSetDevice(be->device);
+  if (job->kind == ATTND_JOB_COPY)
+    enqueue_copy(be, r);
+  else
+    enqueue_step(be, r);
+  /* Even a failed job gets its callback behind what it enqueued, so its
+   * pinned buffer returns to the pool only once no copy reads it. */
+  cudaError_t e = cudaStreamAddCallback(be->streams[r->stream].st, stream_cb, r, 0);
+  if (e != cudaSuccess) {
+    run_fail_cuda(r, __LINE__, "cudaStreamAddCallback", e);
+    complete_untracked(be, r);
+  }
+  return 0;
+}
+
+static int cu_set_scales(attnd_backend_t *base, int layer, const float *k_scale,
+                         const float *v_scale, const float *k_zero, const float *v_zero,
+                         int per_channel) {
+  cu_backend_t *be = (cu_backend_t *)base;
+  if (layer < 0 || layer >= base->layers || !k_scale || !v_scale)
+    return ATTND_EINVAL;
+  if (!be->dscales)
+    return 0; /* a type without static scales: nothing the kernels read */
+  be->scales_ok[layer] = 0;
+  if (atomic_load(&be->dead))
+    return ATTND_EDEVICE;
+  size_t n = (size_t)base->shape.kv_heads * (per_channel ? (size_t)base->shape.head_dim : 1);
+  run_t *r = calloc(1, sizeof(*r));
+  if (!r)
+    return ATTND_ENOMEM;
+  r->be = be;
+  r->stream = layer % be->nstreams;
+  int cerr = cudaSuccess;
+  r->stage = stage_get(be, 4 * be->nsc * sizeof(float), &cerr);
+  if (!r->stage) {
+    free(r);
+    return ATTND_ENOMEM;
+  }
+  /* Staged through pinned memory on the layer's stream: the upload is ordered
+   * before the layer's next job without the loop waiting for it. */
+  float *hp = (float *)r->stage->p;
+  memset(hp, 0, 4 * be->nsc * sizeof(float));
+  memcpy(hp, k_scale, n * sizeof(float));
+  memcpy(hp + be->nsc, v_scale, n * sizeof(float));
+  if (k_zero)
+    memcpy(hp + 2 * be->nsc, k_zero, n * sizeof(float));
+  if (v_zero)
+    memcpy(hp + 3 * be->nsc, v_zero, n * sizeof(float));
+  be->internal++;
+  update_ref(be);
+  cudaSetDevice(be->device);
+  cu_stream_t *cs = &be->streams[r->stream];
+  cudaError_t e = cudaMemcpyAsync(be->dscales + (size_t)layer * 4 * be->nsc, hp,
+                                  4 * be->nsc * sizeof(float), cudaMemcpyHostToDevice, cs->st);
+  if (e != cudaSuccess) {
+    run_fail_cuda(r, __LINE__, "cudaMemcpyAsync (scales)", e);
+  }
+  int rc = r->status;
+  cudaError_t e2 = cudaStreamAddCallback(cs->st, stream_cb, r, 0);
+  if (e2 != cudaSuccess) {
+    run_fail_cuda(r, __LINE__, "cudaStreamAddCallback", e2);
+    rc = r->status;
+    complete_untracked(be, r);
+  }
+  if (rc)
+    return rc;
+  be->scales_ok[layer] = 1;
+  be->per_channel[layer] = per_channel;
+  return 0;
+}
+
+static int cu_inflight(attnd_backend_t *base) {
+  return ((cu_backend_t *)base)->inflight;
+}
+
+static void cu_describe(attnd_backend_t *base, char *device, size_t len, uint64_t *mem, int *cc) {
+  cu_backend_t *be = (cu_backend_t *)base;
+  snprintf(device, len, "%s (cuda device %d)", be->devname, be->device);
+  *mem = be->devmem;
+  *cc = be->cc;
+}
+
+/* Frees the device and pinned memory; the struct itself goes in the async
+ * handle's close callback. */
+static void release(cu_backend_t *be) {
+  cudaSetDevice(be->device);
+  for (int i = 0; i < be->nstreams; i++) {
+    cu_stream_t *cs = &be->streams[i];
+    if (!cs->st)
+      continue;
+    if (cs->dbuf)
+      cudaFreeAsync(cs->dbuf, cs->st);
+    if (cs->ws)
+      cudaFreeAsync(cs->ws, cs->st);
+    cudaStreamSynchronize(cs->st);
+    cudaStreamDestroy(cs->st);
+    cs->st = NULL;
+    cs->dbuf = NULL;
+    cs->ws = NULL;
+  }
+  if (be->pool)
+    cudaFree(be->pool);
+  if (be->dscales)
+    cudaFree(be->dscales);
+  be->pool = NULL;
+  be->dscales = NULL;
+  for (size_t i = 0; i < be->nowned; i++) {
+    cudaFreeHost(be->owned[i]->p);
+    free(be->owned[i]);
+  }
+  free(be->owned);
+  be->owned = NULL;
+  be->nowned = 0;
+  be->free_stages = NULL;
+  free(be->scales_ok);
+  free(be->per_channel);
+  be->scales_ok = be->per_channel = NULL;
+  /* A sticky error is cleared only by a reset; nothing here reuses the
+   * context, so the last-error slot is simply cleared. */
+  cudaGetLastError();
+}
+
+static void async_closed(uv_handle_t *h) {
+  cu_backend_t *be = h->data;
+  uv_mutex_destroy(&be->mu);
+  free(be);
+}
+
+static void cu_destroy(attnd_backend_t *base) {
+  cu_backend_t *be = (cu_backend_t *)base;
+  cudaSetDevice(be->device);
+  /* Teardown is the one place that waits for the device: every stream
+   * callback has run once its stream is synchronized. */
+  for (int i = 0; i < be->nstreams; i++)
+    if (be->streams[i].st)
+      cudaStreamSynchronize(be->streams[i].st);
+  /* Nothing is in flight (contract); drain internal runs (scale uploads). */
+  uv_mutex_lock(&be->mu);
+  run_t *r = be->dhead;
+  be->dhead = be->dtail = NULL;
+  uv_mutex_unlock(&be->mu);
+  while (r) {
+    run_t *next = r->next;
+    if (r->job)
+      fprintf(stderr, "attnd: cuda backend destroyed with a job in flight (layer %d)\n",
+              r->job->layer);
+    free(r);
+    r = next;
+  }
+  release(be);
+  uv_close((uv_handle_t *)&be->async, async_closed);
+}
+
+static const attnd_backend_ops_t cu_ops = {
+    .name = "cuda",
+    .submit = cu_submit,
+    .set_scales = cu_set_scales,
+    .inflight = cu_inflight,
+    .describe = cu_describe,
+    .destroy = cu_destroy,
+};
+
+int attnd_backend_cuda_available(void) {
+  return attnd_cuda_device_count() > 0;
+}
 
 int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
                               int layers, uint64_t kv_memory, int device, char *err,
                               size_t errlen) {
-  snprintf(err, errlen, "the CUDA backend is not implemented yet");
-  return ATTND_EUNAVAIL;
+  cudaError_t e;
+  int ndev = attnd_cuda_device_count();
+  if (ndev <= 0) {
+    snprintf(err, errlen, "no usable CUDA device");
+    return ATTND_EUNAVAIL;
+  }
+  if (device < 0 || device >= ndev) {
+    snprintf(err, errlen, "--device %d but %d CUDA device(s)", device, ndev);
+    return ATTND_EINVAL;
+  }
+  if (attnd_kshape_check(s) != 0 || layers <= 0) {
+    snprintf(err, errlen, "unsupported model shape for the CUDA kernels");
+    return ATTND_EINVAL;
+  }
+  cu_backend_t *be = calloc(1, sizeof(*be));
+  if (!be)
+    return ATTND_ENOMEM;
+  be->base.ops = &cu_ops;
+  be->base.shape = *s;
+  be->base.layers = layers;
+  be->loop = loop;
+  be->device = device;
+  be->nsc = (size_t)s->kv_heads * (size_t)s->head_dim;
+  int rc = ATTND_ECUDA;
+
+  if ((e = cudaSetDevice(device)) != cudaSuccess) {
+    snprintf(err, errlen, "cudaSetDevice(%d): %s", device, cudaGetErrorString(e));
+    goto fail_dev;
+  }
+  int major = 0, minor = 0;
+  if (attnd_cuda_device_info(device, be->devname, sizeof(be->devname), &be->devmem, &major,
+                             &minor) != 0) {
+    snprintf(err, errlen, "device info: %s", attnd_cuda_last_error());
+    goto fail_dev;
+  }
+  be->cc = major * 10 + minor;
+
+  be->nstreams = layers < CU_MAX_STREAMS ? layers : CU_MAX_STREAMS;
+  for (int i = 0; i < be->nstreams; i++)
+    if ((e = cudaStreamCreateWithFlags(&be->streams[i].st, cudaStreamNonBlocking)) !=
+        cudaSuccess) {
+      snprintf(err, errlen, "cudaStreamCreateWithFlags: %s", cudaGetErrorString(e));
+      goto fail_mem;
+    }
+
+  /* Scales first (tiny), then the pool takes what the budget allows. */
+  be->scales_ok = calloc((size_t)layers, sizeof(int));
+  be->per_channel = calloc((size_t)layers, sizeof(int));
+  if (!be->scales_ok || !be->per_channel) {
+    rc = ATTND_ENOMEM;
+    snprintf(err, errlen, "out of host memory");
+    goto fail_mem;
+  }
+  if (attnd_kv_type_static(s->kv)) {
+    size_t sb = (size_t)layers * 4 * be->nsc * sizeof(float);
+    if ((e = cudaMalloc((void **)&be->dscales, sb)) != cudaSuccess ||
+        (e = cudaMemset(be->dscales, 0, sb)) != cudaSuccess) {
+      snprintf(err, errlen, "cudaMalloc (%zu bytes of scales): %s", sb, cudaGetErrorString(e));
+      goto fail_mem;
+    }
+  }
+
+  size_t free_b = 0, total_b = 0;
+  if ((e = cudaMemGetInfo(&free_b, &total_b)) != cudaSuccess) {
+    snprintf(err, errlen, "cudaMemGetInfo: %s", cudaGetErrorString(e));
+    goto fail_mem;
+  }
+  if (!kv_memory)
+    kv_memory = (uint64_t)((double)free_b * 0.9); /* the rest: staging, workspace */
+  size_t bb = attnd_kv_block_bytes(s);
+  uint64_t nb = kv_memory / ((uint64_t)bb * (uint64_t)layers);
+  if (nb == 0 || nb > INT32_MAX) {
+    rc = ATTND_EINVAL;
+    snprintf(err, errlen, "kv-memory %llu holds %llu blocks of %zu bytes x %d layers",
+             (unsigned long long)kv_memory, (unsigned long long)nb, bb, layers);
+    goto fail_mem;
+  }
+  be->base.num_blocks = (uint32_t)nb;
+  be->base.block_bytes = bb;
+  be->layer_bytes = (size_t)nb * bb;
+  size_t pool_bytes = be->layer_bytes * (size_t)layers;
+  if ((e = cudaMalloc((void **)&be->pool, pool_bytes)) != cudaSuccess) {
+    cudaGetLastError();
+    rc = ATTND_ENOMEM;
+    snprintf(err, errlen, "cudaMalloc of a %zu-byte KV pool (%zu bytes free of %zu): %s",
+             pool_bytes, free_b, total_b, cudaGetErrorString(e));
+    be->pool = NULL;
+    goto fail_mem;
+  }
+  /* Zeroed once: a kernel that loads a whole tile past kv_len then reads
+   * zeros, never stale bytes that could be NaN. */
+  if ((e = cudaMemset(be->pool, 0, pool_bytes)) != cudaSuccess ||
+      (e = cudaDeviceSynchronize()) != cudaSuccess) {
+    snprintf(err, errlen, "cudaMemset of the KV pool: %s", cudaGetErrorString(e));
+    goto fail_mem;
+  }
+
+  /* Warm pools: one pinned buffer per stream and initial device buffers, so
+   * that the first steps allocate nothing. */
+  for (int i = 0; i < be->nstreams; i++) {
+    int cerr = cudaSuccess;
+    stage_t *st = stage_get(be, CU_STAGE_MIN, &cerr);
+    if (!st) {
+      snprintf(err, errlen, "cudaHostAlloc (pinned staging): %s",
+               cudaGetErrorString((cudaError_t)cerr));
+      goto fail_mem;
+    }
+    stage_put(be, st);
+    cu_stream_t *cs = &be->streams[i];
+    if ((e = dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, CU_DBUF_MIN, CU_DBUF_MIN)) !=
+        cudaSuccess) {
+      snprintf(err, errlen, "cudaMallocAsync (device staging): %s", cudaGetErrorString(e));
+      goto fail_mem;
+    }
+  }
+  if ((e = cudaDeviceSynchronize()) != cudaSuccess) {
+    snprintf(err, errlen, "cudaDeviceSynchronize: %s", cudaGetErrorString(e));
+    goto fail_mem;
+  }
+
+  if (uv_mutex_init(&be->mu) != 0) {
+    rc = ATTND_EINTERNAL;
+    snprintf(err, errlen, "uv_mutex_init failed");
+    goto fail_mem;
+  }
+  if (uv_async_init(loop, &be->async, async_cb) != 0) {
+    rc = ATTND_EINTERNAL;
+    snprintf(err, errlen, "uv_async_init failed");
+    goto fail_mutex;
+  }
+  be->async.data = be;
+  uv_unref((uv_handle_t *)&be->async);
+  *out = &be->base;
+  return 0;
+
+fail_mutex:
+  uv_mutex_destroy(&be->mu);
+fail_mem:
+  cudaGetLastError();
+  release(be);
+fail_dev:
+  cudaGetLastError();
+  free(be);
+  return rc;
 }
-#endif
+
+#endif /* ATTND_HAVE_CUDA */
