@@ -65,6 +65,8 @@ struct plan_s {
   uint32_t T, Tq;
   plan_t *prev, *next; /* engine list, oldest first */
   int live;            /* registered (a Plan), not an inline step */
+  uint8_t *stepped;    /* [layers]: a step of this plan was admitted on the layer */
+  int nstepped;        /* layers with stepped[l] set */
 };
 
 enum { EJ_STEP = 0, EJ_COPY = 1, EJ_SCALES = 2 };
@@ -165,13 +167,20 @@ static void plan_free(plan_t *p) {
     free(p->items[i].tokens);
   }
   free(p->items);
+  free(p->stepped);
   free(p);
 }
 
+static void publish(attnd_engine_t *e, attnd_session_t *s);
+
+/* Ends a plan. Its sessions may now publish the blocks it was writing (a
+ * live plan keeps its range unpublished, see publish()). */
 static void plan_end(attnd_engine_t *e, plan_t *p) {
   for (uint32_t i = 0; i < p->nitems; i++)
-    if (p->items[i].s && p->items[i].s->plan == p)
+    if (p->items[i].s && p->items[i].s->plan == p) {
       p->items[i].s->plan = NULL;
+      publish(e, p->items[i].s);
+    }
   attnd_idmap_del(&e->plans, p->id);
   if (p->prev)
     p->prev->next = p->next;
@@ -619,6 +628,15 @@ static void publish(attnd_engine_t *e, attnd_session_t *s) {
   uint32_t nfull = (uint32_t)(full / e->bs);
   if (nfull > s->nblocks)
     nfull = s->nblocks;
+  /* Blocks a live plan will still write stay private until every layer has
+   * stepped it: published they would be immutable, and each further layer
+   * would have to copy them again. */
+  const plan_t *lp = s->plan;
+  if (lp && lp->nstepped >= e->layers)
+    lp = NULL;
+  for (uint32_t i = 0; lp && i < lp->nitems; i++)
+    if (lp->items[i].s == s && lp->items[i].start / e->bs < nfull)
+      nfull = lp->items[i].start / e->bs;
   while (s->npub < nfull) {
     uint32_t b = s->npub;
     const uint32_t *tok = &s->tokens[(size_t)b * e->bs];
@@ -926,14 +944,28 @@ void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   submit_cow(e, &cow);
   p->conn = conn;
   p->live = 1;
+  p->stepped = xcalloc((size_t)e->layers, 1);
   do
     p->id = attnd_random_id();
   while (attnd_idmap_get(&e->plans, p->id));
+  /* The new plan takes its sessions first, then the plans it replaces end:
+   * so their ending publishes nothing in the range the new plan writes. */
+  plan_t **old = xcalloc(p->nitems, sizeof(plan_t *));
+  uint32_t nold = 0;
   for (uint32_t i = 0; i < p->nitems; i++) {
-    session_end_plan(e, p->items[i].s);
-    p->items[i].s->plan = p;
-    p->items[i].s->last_used_ms = now_ms(e);
+    attnd_session_t *s = p->items[i].s;
+    plan_t *o = s->plan;
+    int seen = 0;
+    for (uint32_t k = 0; k < nold; k++)
+      seen |= old[k] == o;
+    if (o && !seen)
+      old[nold++] = o;
+    s->plan = p;
+    s->last_used_ms = now_ms(e);
   }
+  for (uint32_t k = 0; k < nold; k++)
+    plan_end(e, old[k]);
+  free(old);
   if (attnd_idmap_put(&e->plans, p->id, p) != 0)
     abort();
   p->prev = e->ptail;
@@ -1128,6 +1160,10 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   if (inl)
     for (uint32_t i = 0; i < p->nitems; i++)
       session_end_plan(e, p->items[i].s);
+  else if (!p->stepped[layer]) {
+    p->stepped[layer] = 1;
+    p->nstepped++;
+  }
 
   ejob_t *j = xcalloc(1, sizeof(*j));
   j->e = e;
