@@ -49,7 +49,7 @@ static void engine_closed_cb(void *arg) {
 
 static void server_drained_cb(void *arg) {
   daemon_t *d = arg;
-  d->server = NULL;
+  d->server = NULL; /* freed by now */
   ATTND_LOGI("drained", "%s", "");
   /* The metrics endpoint reads engine stats: close it before the engine. */
   if (d->metrics) {
@@ -138,6 +138,7 @@ int main(int argc, char **argv) {
     if (ms == 0)
       ms = 1;
     uv_timer_init(&d.loop, &d.watchdog);
+    d.watchdog.data = &d;
     uv_timer_start(&d.watchdog, watchdog_cb, ms, ms);
     d.watchdog_on = 1;
   }
