@@ -1013,9 +1013,10 @@ static void test_metrics_scrape(void **state) {
 /* Off loopback a connection must say Hello{token} first. Needs a local
  * non-loopback IPv4 address; skipped without one. */
 static char nonloop_ip[64];
+static char token_path[64];
 static void tweak_any(attnd_config_t *c) {
   snprintf(c->listen, sizeof(c->listen), "0.0.0.0:0");
-  snprintf(c->token_file, sizeof(c->token_file), "/tmp/attnd-test-srv-token");
+  snprintf(c->token_file, sizeof(c->token_file), "%s", token_path);
   c->hello_timeout_ms = 200;
 }
 
@@ -1038,7 +1039,10 @@ static void test_tcp_hello_off_loopback(void **state) {
     skip();
     return;
   }
-  FILE *f = fopen("/tmp/attnd-test-srv-token", "w");
+  snprintf(token_path, sizeof(token_path), "/tmp/attnd-test-token-XXXXXX");
+  int tfd = mkstemp(token_path);
+  assert_true(tfd >= 0);
+  FILE *f = fdopen(tfd, "w");
   fputs("tok-123\n", f);
   fclose(f);
   harness_t *h = h_up(tweak_any);
@@ -1078,7 +1082,7 @@ static void test_tcp_hello_off_loopback(void **state) {
   health_ok(c, 4, &r);
   close(c);
   h_down(h);
-  unlink("/tmp/attnd-test-srv-token");
+  unlink(token_path);
 }
 
 /* The real binary: SIGTERM drains, closes connections, removes the socket and
