@@ -125,6 +125,9 @@ struct attnd_engine_s {
   uint64_t gen;
   uv_mutex_t persist_mu;
   uint64_t persist_seq, persist_written;
+  void (*fatal_cb)(void *); /* attnd_engine_on_fatal */
+  void *fatal_arg;
+  int fatal; /* the backend reported ATTND_EDEVICE */
 };
 
 /* ---- small helpers ------------------------------------------------------- */
@@ -411,6 +414,12 @@ static void step_failed(attnd_engine_t *e, ejob_t *j) {
 static void job_done(attnd_job_t *job) {
   ejob_t *j = (ejob_t *)job;
   attnd_engine_t *e = j->e;
+  /* A sticky device error: this and every later job fail (UNAVAILABLE), and
+   * the daemon is told once, after this job is answered, so that it drains
+   * and exits non-zero for its supervisor to restart it. */
+  int fatal_now = job->status == ATTND_EDEVICE && !e->fatal;
+  if (fatal_now)
+    e->fatal = 1;
   e->lay[j->layer].inflight--;
   if (job->status != 0 && j->kind == EJ_STEP)
     step_failed(e, j);
@@ -443,6 +452,8 @@ static void job_done(attnd_job_t *job) {
   e->pending--;
   layer_pump(e, layer);
   maybe_finish_close(e);
+  if (fatal_now && e->fatal_cb)
+    e->fatal_cb(e->fatal_arg);
 }
 
 static void backend_submit(attnd_engine_t *e, ejob_t *j) {
@@ -1557,6 +1568,11 @@ static void maybe_finish_close(attnd_engine_t *e) {
     return;
   e->closing = 2;
   uv_close((uv_handle_t *)&e->idle, idle_closed);
+}
+
+void attnd_engine_on_fatal(attnd_engine_t *e, void (*cb)(void *arg), void *arg) {
+  e->fatal_cb = cb;
+  e->fatal_arg = arg;
 }
 
 void attnd_engine_close(attnd_engine_t *e, void (*cb)(void *arg), void *arg) {

@@ -129,6 +129,10 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
                       char *err, size_t errlen);
 /* Finishes in-flight work, persists state, releases the backend, then calls cb. */
 void attnd_engine_close(attnd_engine_t *e, void (*cb)(void *arg), void *arg);
+/* cb runs once, on the loop thread, when the backend reports its device
+ * unusable (a sticky CUDA error, ATTND_EDEVICE): jobs in flight and later ones
+ * fail with it (wire UNAVAILABLE); the daemon should drain and exit non-zero. */
+void attnd_engine_on_fatal(attnd_engine_t *e, void (*cb)(void *arg), void *arg);
 
 void attnd_engine_info(attnd_engine_t *e, attnd_engine_info_t *info);
 void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st);

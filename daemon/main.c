@@ -1,7 +1,8 @@
 /* main.c: attnd's entry point.
  *
  * Exit codes: 0 after --help, --version, a good --check-config or a clean
- * drain; 2 for a bad configuration; 1 when the daemon cannot start. */
+ * drain; 2 for a bad configuration; 1 when the daemon cannot start; 3 after
+ * its device became unusable (drained first; the supervisor restarts it). */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,6 +72,19 @@ static void signal_cb(uv_signal_t *h, int signum) {
   attnd_server_drain(d->server, server_drained_cb, d);
 }
 
+/* A sticky device error (engine.h, attnd_engine_on_fatal): drain as on
+ * SIGTERM, then exit 3 so that the supervisor restarts the daemon. */
+static void device_lost_cb(void *arg) {
+  daemon_t *d = arg;
+  d->exit_code = 3;
+  ATTND_LOGE("device_lost", "reason=\"%s\"", "sticky device error: draining, then exit 3");
+  if (d->stopping)
+    return;
+  d->stopping = 1;
+  sd_notify(0, "STOPPING=1\nSTATUS=device unusable, draining");
+  attnd_server_drain(d->server, server_drained_cb, d);
+}
+
 static void watchdog_cb(uv_timer_t *t) {
   sd_notify(0, "WATCHDOG=1");
 }
@@ -130,6 +144,7 @@ int main(int argc, char **argv) {
   d.sigterm.data = d.sigint.data = &d;
   uv_signal_start(&d.sigterm, signal_cb, SIGTERM);
   uv_signal_start(&d.sigint, signal_cb, SIGINT);
+  attnd_engine_on_fatal(d.engine, device_lost_cb, &d);
 
   uint64_t wd_usec = 0;
   if (sd_watchdog_enabled(0, &wd_usec) > 0 && wd_usec > 0) {
@@ -158,6 +173,10 @@ int main(int argc, char **argv) {
   if (rc != 0) {
     ATTND_LOGE("exit", "reason=\"loop still has open handles\"");
     return 1;
+  }
+  if (d.exit_code) {
+    ATTND_LOGE("exit", "code=%d", d.exit_code);
+    return d.exit_code;
   }
   ATTND_LOGI("exit", "code=0");
   return 0;
