@@ -1,0 +1,511 @@
+"""attnd.hf: runs a Hugging Face transformers model's attention in attnd.
+
+The adapter registers an attention function (default name "attnd") with
+transformers' AttentionInterface. Every attention layer of the model then sends
+the NEW tokens' q, k and v (already rotated: transformers applies RoPE before it
+calls the attention function) to attnd as one Step, one item per batch row (one
+attnd session per row), and gets the attention output back. attnd holds the KV
+cache; transformers' own cache holds nothing: pass ``past_key_values=adapter.cache()``
+(an AttndCache, which only counts tokens) or run with ``use_cache=False``.
+
+    import attnd, attnd.hf
+    client = attnd.Client("/run/attnd/attnd.sock")   # daemon started with --rope none
+    adapter = attnd.hf.AttndAdapter(client)            # and the model's shape, bf16
+    adapter.attach(model)                              # checks the shape, switches attention
+    with adapter.cache() as cache:                     # one attnd session per batch row
+        out = model.generate(input_ids, past_key_values=cache, max_new_tokens=20)
+    adapter.detach(model)                              # back to the previous attention
+
+The daemon must run with ``--rope none`` and the model's layers, q/kv heads and
+head_dim (bf16 or fp16 activations; any KV cache type). Supported: decoder models
+whose attention modules carry ``layer_idx`` and call ``past_key_values.update()``
+(Llama, Mistral, Qwen2/3, ...), causal, full (``is_causal=False``) and sliding-window
+masks, greedy/sampled generation, beam search and ``crop`` (sessions are forked and
+truncated in attnd). Not supported: padded batches (rows of different lengths) and
+custom 4D masks; both raise NotImplementedError rather than compute something else.
+
+Token ids travel with every Step (attnd keys its prefix cache on them); the adapter
+reads them from the model's ``input_ids`` through a forward pre-hook, or sends zeros
+when the model is driven with ``inputs_embeds``.
+
+This module imports torch and transformers only when the adapter is used. The
+sessions-and-steps core (AttndRunner) is plain numpy, so it is tested without them.
+"""
+
+import math
+import weakref
+
+import numpy as np
+
+from . import client as _client
+from . import errors
+
+DEFAULT_NAME = "attnd"
+_LAST_ADAPTER = None  # the attention function's fallback when a module has no adapter attribute
+
+
+# ---- the numpy core: sessions per batch row, plans, steps ----
+
+class _Sequences:
+    """The attnd sessions behind one batch of sequences: one session per row and
+    the number of tokens each layer holds. An AttndCache owns one; the adapter
+    owns one more for calls made without a cache (use_cache=False)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.sessions = []
+        self.len = {}      # layer -> tokens attnd holds for every row
+        self.plan = None   # (plan id, key) of the current forward pass
+        self.closed = False
+
+    def ensure(self, rows, start):
+        """Opens one session per row when the batch has none (or another size)."""
+        if self.closed:
+            raise RuntimeError("this AttndCache was closed; make a new one with adapter.cache()")
+        if len(self.sessions) == rows:
+            return
+        if self.sessions and start != 0:
+            raise ValueError(f"batch size changed from {len(self.sessions)} to {rows} in the middle of a "
+                             f"sequence (position {start}); start a new cache")
+        self.drop()
+        c = self.runner.client
+        self.sessions = [c.open_session()[0] for _ in range(rows)]
+        self.len = {}
+
+    def drop(self):
+        """Closes the sessions (best effort: a restarted daemon has lost them anyway)."""
+        for sid in self.sessions:
+            try:
+                self.runner.client.close_session(sid)
+            except (errors.AttndError, OSError):
+                pass
+        self.sessions = []
+        self.len = {}
+        self.plan = None
+
+    def close(self):
+        self.drop()
+        self.closed = True
+
+    def seq_length(self, layer=0):
+        return self.len.get(layer, 0)
+
+    def select(self, indices):
+        """Keeps rows `indices` (repeats fork the session, unused rows are closed):
+        beam search's reorder, num_return_sequences' repeat, contrastive's select."""
+        indices = [int(i) for i in indices]
+        if not self.sessions:
+            return
+        c = self.runner.client
+        used, new = set(), []
+        for i in indices:
+            sid = self.sessions[i]
+            new.append(c.fork(sid) if sid in used else sid)
+            used.add(sid)
+        for sid in self.sessions:
+            if sid not in used:
+                try:
+                    c.close_session(sid)
+                except errors.AttndError:
+                    pass
+        self.sessions = new
+        self.plan = None
+
+    def truncate(self, length):
+        for sid in self.sessions:
+            self.runner.client.truncate(sid, length)
+        self.len = {layer: min(n, length) for layer, n in self.len.items()}
+        self.plan = None
+
+
+class AttndRunner:
+    """Sends one layer's packed q, k, v for a batch of sequences to attnd.
+
+    The first layer of a forward pass admits a Plan (the rows' items with their
+    token ids and mask); every layer then steps with it, so the per-layer request
+    carries only tensors. A plan that attnd ended meanwhile is replaced once.
+    """
+
+    def __init__(self, client):
+        self.client = client
+        self.shape = client.health().model
+        self.steps = 0
+        self.plans = 0
+
+    def sequences(self):
+        return _Sequences(self)
+
+    def step(self, seqs, layer, q, k, v, start, tokens, mask=None, fp32_out=False):
+        """q [rows*n, q_heads, D], k and v [rows*n, kv_heads, D] (numpy, rows in order),
+        tokens: rows lists of n ids. Returns out [rows*n, q_heads, D] (numpy)."""
+        rows = len(tokens)
+        n = len(tokens[0])
+        seqs.ensure(rows, start)
+        mask_key = None if mask is None else (mask.kind, mask.window, mask.prefix_len)
+        key = (start, n, mask_key, tuple(tuple(t) for t in tokens))
+        items = [_client.Item(sid, start, n, tokens=list(t), mask=mask)
+                 for sid, t in zip(seqs.sessions, tokens)]
+        for attempt in (0, 1):
+            if seqs.plan is None or seqs.plan[1] != key:
+                seqs.plan = (self.client.plan(items), key)
+                self.plans += 1
+            try:
+                res = self.client.step(layer, q, k, v, plan=seqs.plan[0], fp32_out=fp32_out)
+                break
+            except errors.FailedPrecondition:
+                # The plan ended (too many live plans on this connection, or a
+                # Fork/Truncate touched a session): admit a fresh one, once.
+                seqs.plan = None
+                if attempt:
+                    raise
+        seqs.len[layer] = start + n
+        self.steps += 1
+        return res.out
+
+
+# ---- torch side ----
+
+def _torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        raise ImportError("attnd.hf needs PyTorch and transformers (pip install torch transformers)") from e
+    return torch
+
+
+def _to_wire(t, dtype):
+    """A torch tensor -> numpy in the daemon's activation dtype (bf16 as uint16 bits)."""
+    torch = _torch()
+    t = t.detach()
+    if dtype == "fp16":
+        return t.to(torch.float16).contiguous().cpu().numpy()
+    # torch rounds to nearest even, as attnd's own f32_to_bf16 does.
+    return t.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+
+
+def _from_wire(a, like):
+    """A step output (numpy: bf16 bits / ml_dtypes bf16, fp16 or fp32) -> torch, like `like`."""
+    torch = _torch()
+    a = np.array(a)  # np.frombuffer arrays are read-only; torch wants a writable one
+    if a.dtype == np.float32 or a.dtype == np.float16:
+        t = torch.from_numpy(a)
+    else:  # bf16 bits (uint16) or ml_dtypes.bfloat16: both 2 bytes
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return t.to(device=like.device, dtype=like.dtype)
+
+
+def _set_attn_implementation(model, name):
+    """Switches a model's attention function (transformers 4.4x .. 5.x)."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        try:
+            setter(name)
+        except Exception:  # older releases validate only built-in names; set it directly below
+            pass
+    if getattr(model.config, "_attn_implementation", None) != name:
+        model.config._attn_implementation = name
+    if getattr(model.config, "_attn_implementation", None) != name:
+        raise RuntimeError(f"could not switch the model's attention to {name!r}")
+
+
+def register(name=DEFAULT_NAME):
+    """Registers attnd_attention_forward under `name` with transformers' attention registry."""
+    try:
+        from transformers import AttentionInterface
+        AttentionInterface.register(name, attnd_attention_forward)
+    except ImportError:  # 4.48/4.49: a plain dict
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        ALL_ATTENTION_FUNCTIONS[name] = attnd_attention_forward
+
+
+def attnd_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                            is_causal=None, sliding_window=None, **kwargs):
+    """transformers' attention-function signature: query [b, q_heads, n, D], key and
+    value [b, kv_heads, n, D] (rotated, new tokens only); returns ([b, n, q_heads, D], None)."""
+    adapter = getattr(module, "_attnd_adapter", None) or _LAST_ADAPTER
+    if adapter is None:
+        raise RuntimeError("attnd attention called on a model without an adapter: "
+                           "call attnd.hf.AttndAdapter(client).attach(model) first")
+    return adapter.attention(module, query, key, value, attention_mask, dropout=dropout,
+                             scaling=scaling, is_causal=is_causal, sliding_window=sliding_window,
+                             **kwargs)
+
+
+class AttndAdapter:
+    """Runs the attention of the models attached to it in one attnd daemon.
+
+    client: an attnd.Client. name: the attention implementation's name.
+    fp32_out: ask attnd for fp32 outputs (default: when the model computes in fp32).
+    """
+
+    def __init__(self, client, name=DEFAULT_NAME, fp32_out=None):
+        self.client = client
+        self.name = name
+        self.fp32_out = fp32_out
+        self.runner = AttndRunner(client)
+        self.shape = self.runner.shape
+        self._nocache = self.runner.sequences()
+        self._pending = {}   # layer -> (sequences, start, cache): set by AttndCache.update
+        self._tokens = None  # [b, n] input ids of the current forward (CPU), or None
+        self._caches = weakref.WeakSet()
+        self._hooks = {}
+        self._prev = {}
+        self._scale_ok = set()
+        register(name)
+
+    # -- models --
+
+    def check_model(self, model):
+        """Raises ValueError when the daemon's shape does not fit the model's config."""
+        cfg = model.config
+        if hasattr(cfg, "get_text_config"):
+            cfg = cfg.get_text_config()
+        s = self.shape
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        want = dict(layers=cfg.num_hidden_layers, q_heads=heads, kv_heads=kv, head_dim=hd, rope="none")
+        have = dict(layers=s.layers, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim, rope=s.rope)
+        bad = [f"{k} {have[k]} (model: {want[k]})" for k in want if want[k] != have[k]]
+        if s.dtype not in ("bf16", "fp16"):
+            bad.append(f"dtype {s.dtype}")
+        if bad:
+            raise ValueError("attnd's shape does not fit the model: " + ", ".join(bad) +
+                             "; start attnd with --layers/--q-heads/--kv-heads/--head-dim of the model "
+                             "and --rope none (transformers rotates q and k itself)")
+
+    def attach(self, model, set_implementation=True):
+        """Checks the shape, points the model's attention modules at this adapter,
+        hooks the forward to learn token ids, and switches the attention to attnd."""
+        global _LAST_ADAPTER
+        self.check_model(model)
+        for m in model.modules():
+            if hasattr(m, "layer_idx"):
+                m._attnd_adapter = self
+        if id(model) not in self._hooks:
+            self._hooks[id(model)] = model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        if set_implementation:
+            self._prev[id(model)] = getattr(model.config, "_attn_implementation", None) or "sdpa"
+            _set_attn_implementation(model, self.name)
+        _LAST_ADAPTER = self
+        return model
+
+    def detach(self, model, implementation=None):
+        """Undoes attach(): back to `implementation` (default: the one attach replaced)."""
+        global _LAST_ADAPTER
+        h = self._hooks.pop(id(model), None)
+        if h is not None:
+            h.remove()
+        for m in model.modules():
+            if getattr(m, "_attnd_adapter", None) is self:
+                del m._attnd_adapter
+        prev = implementation or self._prev.pop(id(model), "sdpa")
+        _set_attn_implementation(model, prev)
+        if _LAST_ADAPTER is self:
+            _LAST_ADAPTER = None
+
+    def cache(self):
+        """A new AttndCache: pass it as past_key_values; close it (or use `with`) when done."""
+        c = _cache_class()(self)
+        self._caches.add(c)
+        return c
+
+    def close(self):
+        """Closes every session this adapter opened."""
+        for c in list(self._caches):
+            c.close()
+        self._nocache.drop()
+
+    def _pre_hook(self, module, args, kwargs):
+        torch = _torch()
+        ids = kwargs.get("input_ids")
+        if ids is None and args and torch.is_tensor(args[0]) and not args[0].is_floating_point():
+            ids = args[0]
+        self._tokens = ids.detach().to("cpu") if ids is not None else None
+        am = kwargs.get("attention_mask")
+        if am is None and len(args) > 1 and torch.is_tensor(args[1]):
+            am = args[1]
+        if torch.is_tensor(am) and am.dim() == 2 and not bool(am.bool().all()):
+            raise NotImplementedError("attnd.hf does not handle padded batches (attention_mask has zeros): "
+                                      "run rows of different lengths as separate batches")
+        return None
+
+    # -- the attention call --
+
+    def _row_tokens(self, b, n):
+        t = self._tokens
+        if t is not None and t.dim() == 2 and t.shape[0] == b and t.shape[1] >= n:
+            return t[:, t.shape[1] - n:].tolist()
+        return [[0] * n for _ in range(b)]
+
+    def _check_scale(self, scaling):
+        if scaling is None or scaling in self._scale_ok:
+            return
+        ds = self.shape.softmax_scale or 1.0 / math.sqrt(self.shape.head_dim)
+        if abs(float(scaling) - ds) > 1e-6 * ds:
+            raise ValueError(f"the model scales attention by {scaling}, attnd by {ds}: "
+                             f"start attnd with --softmax-scale {scaling}")
+        self._scale_ok.add(scaling)
+
+    @staticmethod
+    def _check_mask(attention_mask, start, n):
+        """Accepts a 4D mask only when it is the plain causal one (what attnd applies)."""
+        torch = _torch()
+        if not torch.is_tensor(attention_mask) or attention_mask.dim() != 4:
+            raise NotImplementedError(f"attnd.hf cannot apply a {type(attention_mask).__name__} mask")
+        kv = start + n
+        if attention_mask.shape[-1] < kv or attention_mask.shape[-2] != n:
+            raise NotImplementedError(f"attention mask of shape {tuple(attention_mask.shape)} for "
+                                      f"{n} queries at position {start}")
+        m = attention_mask[..., :kv]
+        vis = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        p = torch.arange(start, kv, device=m.device)[:, None]
+        j = torch.arange(kv, device=m.device)[None, :]
+        if not torch.equal(vis, (j <= p).expand_as(vis)):
+            raise NotImplementedError("attnd.hf applies causal masks only; this attention mask differs "
+                                      "(padding or a custom pattern)")
+
+    def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  is_causal=None, sliding_window=None, **kwargs):
+        layer = getattr(module, "layer_idx", None)
+        if layer is None:
+            raise RuntimeError(f"{type(module).__name__} has no layer_idx; attnd needs it")
+        b, hq, n, d = query.shape
+        hkv = key.shape[1]
+        pend = self._pending.pop(layer, None)
+        if pend is not None:
+            seqs, start, cache = pend
+        else:
+            seqs, cache = self._nocache, None
+            cp = kwargs.get("cache_position")
+            start = int(cp.reshape(-1)[0]) if cp is not None else 0
+        if key.shape[2] != n:
+            raise RuntimeError(f"layer {layer}: {key.shape[2]} keys for {n} queries: the model's own KV "
+                               "cache holds history; pass past_key_values=adapter.cache() or use_cache=False")
+        if dropout and module.training:
+            raise NotImplementedError("attnd.hf runs inference only (attention dropout in training mode)")
+        self._check_scale(scaling)
+        if attention_mask is not None:
+            self._check_mask(attention_mask, start, n)
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        mask = None
+        if not causal:
+            mask = _client.Mask.full()
+        elif sliding_window:
+            mask = _client.Mask.sliding_window(int(sliding_window))
+        tokens = self._row_tokens(b, n)
+        dt = self.shape.dtype
+        q = _to_wire(query.transpose(1, 2).reshape(b * n, hq, d), dt)
+        k = _to_wire(key.transpose(1, 2).reshape(b * n, hkv, d), dt)
+        v = _to_wire(value.transpose(1, 2).reshape(b * n, hkv, d), dt)
+        fp32 = self.fp32_out if self.fp32_out is not None else query.dtype == _torch().float32
+        try:
+            out = self.runner.step(seqs, layer, q, k, v, start, tokens, mask, fp32_out=fp32)
+        except BaseException:
+            if cache is not None:  # the cache counted tokens attnd did not take
+                cache._len[layer] = start
+            raise
+        return _from_wire(out, query).reshape(b, n, hq, d), None
+
+
+# ---- transformers' Cache, holding nothing but counts ----
+
+_CACHE_CLS = None
+
+
+def _cache_class():
+    """AttndCache, defined on first use so that importing attnd.hf needs no transformers."""
+    global _CACHE_CLS
+    if _CACHE_CLS is not None:
+        return _CACHE_CLS
+    from transformers.cache_utils import DynamicCache
+
+    class AttndCache(DynamicCache):
+        """A transformers Cache whose KV lives in attnd: update() stores nothing, it
+        counts each layer's tokens and tells the adapter where the new ones start, and
+        returns them unchanged, so the attention function gets only the new k and v.
+        Closing it (or leaving a `with`) closes its attnd sessions."""
+
+        def __init__(self, adapter):
+            DynamicCache.__init__(self)
+            self._adapter = adapter
+            self._seqs = adapter.runner.sequences()
+            self._len = {}
+
+        # what the models call
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+            if self._adapter._pending.get(layer_idx, (None,))[0] is self._seqs:
+                # The last update of this layer never reached attnd: the model's
+                # attention is not attnd's, and it just attended to the new tokens only.
+                raise RuntimeError("an AttndCache needs the model's attention set to attnd "
+                                   "(adapter.attach(model))")
+            start = self._len.get(layer_idx, 0)
+            self._len[layer_idx] = start + key_states.shape[-2]
+            self._adapter._pending[layer_idx] = (self._seqs, start, self)
+            return key_states, value_states
+
+        def get_seq_length(self, layer_idx=0):
+            return self._len.get(layer_idx or 0, 0)
+
+        def get_usable_length(self, new_seq_length=0, layer_idx=0):  # transformers 4.3x/4.4x
+            return self.get_seq_length(layer_idx)
+
+        def get_mask_sizes(self, cache_position, layer_idx=0):
+            return self.get_seq_length(layer_idx) + cache_position.shape[0], 0
+
+        def get_max_length(self):  # transformers 4.4x
+            return None
+
+        # what generation strategies call
+        def crop(self, max_length):
+            cur = self.get_seq_length()
+            if max_length < 0:
+                max_length = cur + max_length
+            if cur <= max_length:
+                return
+            self._seqs.truncate(max_length)
+            self._len = {layer: min(n, max_length) for layer, n in self._len.items()}
+
+        def reorder_cache(self, beam_idx):
+            self._seqs.select(beam_idx.tolist())
+
+        def batch_select_indices(self, indices):
+            if getattr(indices, "dtype", None) is not None and str(indices.dtype) == "torch.bool":
+                indices = indices.nonzero().flatten()
+            self._seqs.select(indices.tolist() if hasattr(indices, "tolist") else indices)
+
+        def batch_repeat_interleave(self, repeats):
+            rows = len(self._seqs.sessions)
+            self._seqs.select([i for i in range(rows) for _ in range(repeats)])
+
+        def reset(self):
+            self._seqs.drop()
+            self._len = {}
+
+        def to_legacy_cache(self):
+            raise NotImplementedError("an AttndCache holds no tensors: attnd keeps the KV")
+
+        # its own
+        @property
+        def sessions(self):
+            """The attnd session ids, one per batch row."""
+            return list(self._seqs.sessions)
+
+        def close(self):
+            self._seqs.close()
+            self._len = {}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
+    _CACHE_CLS = AttndCache
+    return AttndCache
+
+
+def __getattr__(name):  # attnd.hf.AttndCache, resolved lazily
+    if name == "AttndCache":
+        return _cache_class()
+    raise AttributeError(name)
