@@ -53,18 +53,6 @@
 
 #define KC_INLINE static inline __attribute__((always_inline))
 
-/* e4m3 code -> fp32 without a table (a gather does not vectorize): normals
- * rebias the exponent by an integer add, subnormals (exponent 0) are m * 2^-9.
- * 0x7f/0xff (NaN) never occur: the quantizer saturates. */
-KC_INLINE float e4m3_to_f32(uint8_t b) {
-  uint32_t mag = b & 0x7fu;
-  uint32_t normal = (mag << 20) + (120u << 23);
-  float sub = (float)(int32_t)(b & 7u) * 0x1p-9f;
-  uint32_t is_sub = 0u - (uint32_t)((b & 0x78u) == 0);
-  uint32_t bits = (kc_f2u(sub) & is_sub) | (normal & ~is_sub);
-  return kc_u2f(bits | ((uint32_t)(b & 0x80u) << 24));
-}
-
 /* Decodes rows [slot0, slot0 + cn) of one kv head of one block into dst[cn][D]:
  * the stored codes as floats, no scale (see the header comment). */
 KC_INLINE void decode_chunk(attnd_kv_type_t kv, int D, const uint8_t *src, int cn,
@@ -93,7 +81,7 @@ KC_INLINE void decode_chunk(attnd_kv_type_t kv, int D, const uint8_t *src, int c
   case ATTND_KV_FP8:
   case ATTND_KV_FP8_DYNAMIC:
     for (int i = 0; i < n; i++)
-      dst[i] = e4m3_to_f32(src[i]);
+      dst[i] = kc_e4m3_to_f32(src[i]);
     break;
   case ATTND_KV_INT4: {
     const int H = D / 2;

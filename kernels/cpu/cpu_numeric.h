@@ -83,6 +83,18 @@ static inline uint8_t kc_f32_to_e4m3(float f) {
   return sign | (uint8_t)e;
 }
 
+/* e4m3 code -> fp32 without a table (a gather does not vectorize): normals
+ * rebias the exponent by an integer add, subnormals (exponent 0) are m * 2^-9.
+ * 0x7f/0xff (NaN) never occur: the quantizer saturates. */
+static inline float kc_e4m3_to_f32(uint8_t b) {
+  uint32_t mag = b & 0x7fu;
+  uint32_t normal = (mag << 20) + (120u << 23);
+  float sub = (float)(int32_t)(b & 7u) * 0x1p-9f;
+  uint32_t is_sub = 0u - (uint32_t)((b & 0x78u) == 0);
+  uint32_t bits = (kc_f2u(sub) & is_sub) | (normal & ~is_sub);
+  return kc_u2f(bits | ((uint32_t)(b & 0x80u) << 24));
+}
+
 /* double -> float with round-to-odd: a second rounding of the result to a
  * format with at least 2 fewer significand bits (bf16, fp16) then equals one
  * direct rounding of x, so RoPE results are rounded once, like the oracle's. */
