@@ -1549,6 +1549,44 @@ static void test_no_prefix_cache(void **state) {
   fx_free(f);
 }
 
+/* --max-sessions, Health facts, salts over 64 bytes, sessions per identity. */
+static void test_limits_and_info(void **state) {
+  fx_t *f = calloc(1, sizeof(*f));
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  fx_config(f, ATTND_KV_FP8_DYNAMIC, 10);
+  f->cfg.max_sessions = 2;
+  fx_start(f);
+  attnd_engine_info_t info;
+  attnd_engine_info(f->e, &info);
+  assert_string_equal(info.backend, "cpu");
+  assert_int_equal(info.kv_blocks, 10);
+  /* fp8_dynamic: 1 byte per element plus an fp32 scale per token and head. */
+  assert_true(fabs(info.kv_bytes_per_token - LAYERS * 2.0 * KVH * (HD + 4)) < 1e-9);
+  assert_int_equal(info.kv_memory, 10ull * attnd_kv_block_bytes(&f->sh) * LAYERS);
+  sim_t *a = sim_new(), *b = sim_new();
+  open_session(f, a, 0, NULL, 0);
+  uint8_t salt[65] = {0};
+  res_t x = {0};
+  attnd_engine_open_session(f->e, 1, NULL, 0, salt, 65, on_done, &x);
+  assert_int_equal(x.r.status, ATTND_EINVAL);
+  open_session(f, b, 0, NULL, 0);
+  res_t y = {0};
+  attnd_engine_open_session(f->e, 3, NULL, 0, NULL, 0, on_done, &y);
+  assert_int_equal(y.r.status, ATTND_ENOSPC);
+  assert_int_equal(simple_call(f, 1, a->id, 0, NULL), ATTND_ENOSPC);
+  assert_int_equal(attnd_engine_list_sessions(f->e, 1, NULL, 0), 2);
+  assert_int_equal(attnd_engine_list_sessions(f->e, 3, NULL, 0), 0);
+  assert_int_equal(simple_call(f, 0, b->id, 0, NULL), 0);
+  assert_int_equal(simple_call(f, 1, a->id, 0, NULL), 0);
+  attnd_engine_stats_t st;
+  attnd_engine_stats(f->e, &st);
+  assert_int_equal(st.sessions, 2);
+  assert_int_equal(st.blocks_total, 10);
+  sim_free(a);
+  sim_free(b);
+  fx_free(f);
+}
+
 /* Sessions close after --session-idle without calls. */
 static void noop_timer(uv_timer_t *t) {}
 
@@ -1582,9 +1620,10 @@ int main(void) {
       cmocka_unit_test(test_invalid_leave_state), cmocka_unit_test(test_prefix_hit_equals_miss),
       cmocka_unit_test(test_forced_collision),    cmocka_unit_test(test_fork_truncate),
       cmocka_unit_test(test_eviction_pressure),   cmocka_unit_test(test_random_ops),
-      cmocka_unit_test(test_random_pipelined),    cmocka_unit_test(test_scales_persist),
-      cmocka_unit_test(test_idle_close),          cmocka_unit_test(test_pipelined),
-      cmocka_unit_test(test_no_prefix_cache),     cmocka_unit_test(test_backend_fault),
+      cmocka_unit_test(test_random_pipelined),    cmocka_unit_test(test_limits_and_info),
+      cmocka_unit_test(test_scales_persist),      cmocka_unit_test(test_idle_close),
+      cmocka_unit_test(test_pipelined),           cmocka_unit_test(test_no_prefix_cache),
+      cmocka_unit_test(test_backend_fault),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
