@@ -1070,7 +1070,7 @@ static void test_eviction_pressure(void **state) {
   fx_free(f);
 }
 
-/* Random operations, bookkeeping checked after every one (a few seconds). */
+/* Random operations, bookkeeping checked after every one (two seconds). */
 static void test_random_ops(void **state) {
   fx_t *f = fx_new(ATTND_KV_BF16, 14);
   enum { NS = 6 };
@@ -1084,7 +1084,7 @@ static void test_random_ops(void **state) {
   uint64_t t0 = uv_hrtime();
   int ops = 0, enospc = 0, hits = 0;
   int stream_of[NS] = {0};
-  while (uv_hrtime() - t0 < 3000000000ull && ops < 3000) {
+  while (uv_hrtime() - t0 < 2000000000ull && ops < 3000) {
     ops++;
     int i = (int)(oracle_rng_next(&f->rng) % NS);
     int op = (int)(oracle_rng_next(&f->rng) % 10);
@@ -1167,7 +1167,7 @@ static void test_random_ops(void **state) {
 /* Random multi-session plans with every layer in flight at once, layer 0
  * running ahead of the others through inline steps and catching up later,
  * forks, truncates and closes; bookkeeping checked after every operation and
- * every output against the oracle (a few seconds). */
+ * every output against the oracle (two seconds). */
 static void test_random_pipelined(void **state) {
   fx_t *f = fx_new(ATTND_KV_INT8_DYNAMIC, 20);
   enum { NS = 6, NP = 96 };
@@ -1190,7 +1190,7 @@ static void test_random_pipelined(void **state) {
     np = 0;                                                                                        \
   } while (0)
   uint64_t t0 = uv_hrtime();
-  while (uv_hrtime() - t0 < 3000000000ull && ops < 2000) {
+  while (uv_hrtime() - t0 < 2000000000ull && ops < 2000) {
     ops++;
     if (np > NP - 2 * LAYERS - 2)
       FLUSH();
