@@ -6,7 +6,9 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 ARGS ?=
 
-.PHONY: all deps configure build run test asan clean
+FUZZ_SECONDS ?= 60
+
+.PHONY: all deps configure build run test asan fuzz clean
 
 all: build
 
@@ -33,5 +35,18 @@ asan: deps
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ctest --output-on-failure -j $(JOBS) --timeout 900
 
+# libFuzzer over frame reader -> RPC dispatch -> a tiny CPU engine (clang,
+# ASan+UBSan), seeded from tests/fuzz/corpus, for FUZZ_SECONDS. New inputs go
+# to build-fuzz/corpus (the committed seeds are left alone); a crash leaves
+# build-fuzz/crash-* and fails the target: add it to tests/fuzz/regressions/.
+fuzz: deps
+	CC=clang cmake -S . -B build-fuzz -DPython3_EXECUTABLE=/usr/bin/python3 -DATTND_CUDA=OFF \
+	  -DATTND_FUZZ=ON -DATTND_SANITIZE=ON -DCMAKE_C_FLAGS=-fsanitize=fuzzer-no-link
+	cmake --build build-fuzz -j $(JOBS) --target fuzz_rpc
+	mkdir -p build-fuzz/corpus
+	build-fuzz/tests/fuzz_rpc -max_total_time=$(FUZZ_SECONDS) -timeout=20 -rss_limit_mb=3072 \
+	  -print_final_stats=1 -artifact_prefix=build-fuzz/ build-fuzz/corpus tests/fuzz/corpus \
+	  tests/fuzz/regressions
+
 clean:
-	rm -rf $(BUILD) build-asan
+	rm -rf $(BUILD) build-asan build-fuzz

@@ -14,6 +14,7 @@ PKGS=(
   python3 python3-protobuf python3-numpy  # Python client and end-to-end tests
   systemd               # systemd-analyze verify checks the units (that test skips without it)
   valgrind
+  clang libclang-rt-14-dev  # `make fuzz`: libFuzzer and clang's sanitizer runtimes
 )
 missing=()
 for p in "${PKGS[@]}"; do

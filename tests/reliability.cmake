@@ -1,12 +1,26 @@
 # Reliability and security: bad input over every RPC, load, faults, limits and
 # access (end-to-end against the real daemon), and the libFuzzer harness.
 set(ATTND_REL_DIR ${CMAKE_CURRENT_SOURCE_DIR})
+option(ATTND_FUZZ "Build the libFuzzer harnesses (clang only)" OFF)
 
 # The fuzz harness needs clang's libFuzzer: configure a separate build with
 #   CC=clang cmake -S . -B build-fuzz -DATTND_FUZZ=ON -DATTND_CUDA=OFF
 # (`make fuzz` does it). The whole tree is then compiled with
 # -fsanitize=fuzzer-no-link,address,undefined so coverage reaches the daemon code.
-option(ATTND_FUZZ "Build the libFuzzer harnesses (clang only)" OFF)
+# Every build replays the seed corpus and every input the fuzzer ever crashed
+# on (tests/fuzz/regressions/, one file per bug, named after it) through the
+# same harness without libFuzzer; under -DATTND_SANITIZE=ON that is the
+# regression test for each crash.
+if(NOT ATTND_FUZZ)
+  add_executable(fuzz_replay ${ATTND_REL_DIR}/fuzz/fuzz_rpc.c ${ATTND_REL_DIR}/fuzz/replay_main.c)
+  target_link_libraries(fuzz_replay PRIVATE attnd_core)
+  target_link_options(fuzz_replay PRIVATE -Wl,--wrap=attnd_random_id)
+  add_test(NAME fuzz_replay COMMAND fuzz_replay ${ATTND_REL_DIR}/fuzz/corpus
+           ${ATTND_REL_DIR}/fuzz/regressions)
+  set_tests_properties(fuzz_replay PROPERTIES TIMEOUT 120 LABELS reliability
+    FAIL_REGULAR_EXPRESSION "runtime error|ERROR: AddressSanitizer|ERROR: LeakSanitizer")
+endif()
+
 if(ATTND_FUZZ)
   if(NOT CMAKE_C_COMPILER_ID MATCHES "Clang")
     message(FATAL_ERROR "ATTND_FUZZ=ON needs clang (CC=clang)")
