@@ -1,0 +1,581 @@
+/* test_backend_cuda.c: the CUDA backend (daemon/backend_cuda.c) against the CPU
+ * backend on the same jobs, through a real uv loop.
+ *
+ * Every test skips when attnd_backend_cuda_available() == 0 (no GPU, or a build
+ * without CUDA). With a device: two layers, a prefill step (causal, sliding
+ * window and a write-only item, lse asked), a decode step submitted right
+ * behind it without waiting (it reads the blocks the prefill wrote: per-layer
+ * ordering), a COPY job and a step that reads the copied block, for bf16 and
+ * int8_dynamic caches. Every output must match the CPU backend's within rel L2
+ * 1e-2 (lse within 1e-3); outputs are poisoned before the run. Then: jobs of
+ * many layers in flight at once, and the loop closes cleanly.
+ *
+ * ATTND_CUDA_TEST_FAULT=1 runs only the fault test instead: a block table that
+ * points far outside the pool makes the kernel fault; the job must fail with
+ * ATTND_EDEVICE (or ATTND_ECUDA), every later job with ATTND_EDEVICE, and
+ * teardown must not hang. It leaves the CUDA context unusable, hence the
+ * separate run. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "errors.h"
+
+#define LAYERS 2
+#define QH 8
+#define KVH 2
+#define HD 128
+#define BS 16
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint64_t rng_next(void) {
+  uint64_t x = rng_state;
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  return rng_state = x;
+}
+
+static float rng_unit(void) {
+  return (float)((rng_next() >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f;
+}
+
+static uint16_t f2bf(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7fff + ((u >> 16) & 1); /* round to nearest even */
+  return (uint16_t)(u >> 16);
+}
+
+static float bf2f(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static attnd_kshape_t make_shape(attnd_kv_type_t kv) {
+  attnd_kshape_t s;
+  memset(&s, 0, sizeof(s));
+  s.q_heads = QH;
+  s.kv_heads = KVH;
+  s.head_dim = HD;
+  s.block_size = BS;
+  s.dtype = ATTND_DT_BF16;
+  s.kv = kv;
+  s.rope = ATTND_ROPE_NEOX;
+  s.rope_theta = 10000.0;
+  s.rotary_dim = HD;
+  s.softmax_scale = 1.0f / sqrtf((float)HD);
+  return s;
+}
+
+/* One item as a test describes it. */
+typedef struct {
+  int start, n, has_q, mask, param;
+  int table[4], nb;
+} titem_t;
+
+/* One job's host inputs, shared by both backends (q is copied per backend:
+ * the CPU backend rotates it in place). */
+typedef struct {
+  int kind, layer;
+  int nitems;
+  attnd_kitem_t items[4];
+  int32_t meta[16];
+  int nmeta;
+  int T, Tq, max_kv, max_n;
+  uint16_t *q, *k, *v;
+  int fp32_out, want_lse;
+  int32_t copies[2];
+} tjob_spec_t;
+
+typedef struct {
+  attnd_job_t job; /* first: done_cb gets &job */
+  int *ndone;
+  void *qcopy;
+} tjob_t;
+
+static void tjob_done(attnd_job_t *j) {
+  tjob_t *t = (tjob_t *)j;
+  (*t->ndone)++;
+}
+
+static void spec_step(tjob_spec_t *sp, int layer, const titem_t *its, int n, int fp32_out,
+                      int want_lse) {
+  memset(sp, 0, sizeof(*sp));
+  sp->kind = ATTND_JOB_STEP;
+  sp->layer = layer;
+  sp->nitems = n;
+  sp->fp32_out = fp32_out;
+  sp->want_lse = want_lse;
+  int kv_row = 0, q_row = 0;
+  for (int i = 0; i < n; i++) {
+    attnd_kitem_t *k = &sp->items[i];
+    k->start = its[i].start;
+    k->n = its[i].n;
+    k->q_row = its[i].has_q ? q_row : -1;
+    k->kv_row = kv_row;
+    k->mask_kind = its[i].mask;
+    k->mask_param = its[i].param;
+    k->block_table = sp->nmeta;
+    int kv_len = its[i].start + its[i].n;
+    int nb = (kv_len + BS - 1) / BS;
+    assert_true(nb <= its[i].nb);
+    for (int b = 0; b < nb; b++)
+      sp->meta[sp->nmeta++] = its[i].table[b];
+    if (kv_len > sp->max_kv)
+      sp->max_kv = kv_len;
+    if (its[i].n > sp->max_n)
+      sp->max_n = its[i].n;
+    kv_row += its[i].n;
+    if (its[i].has_q)
+      q_row += its[i].n;
+  }
+  sp->T = kv_row;
+  sp->Tq = q_row;
+  size_t nq = (size_t)sp->Tq * QH * HD, nkv = (size_t)sp->T * KVH * HD;
+  sp->q = malloc((nq ? nq : 1) * 2);
+  sp->k = malloc(nkv * 2);
+  sp->v = malloc(nkv * 2);
+  for (size_t i = 0; i < nq; i++)
+    sp->q[i] = f2bf(rng_unit());
+  for (size_t i = 0; i < nkv; i++) {
+    sp->k[i] = f2bf(rng_unit());
+    sp->v[i] = f2bf(rng_unit());
+  }
+}
+
+static void spec_copy(tjob_spec_t *sp, int layer, int src, int dst) {
+  memset(sp, 0, sizeof(*sp));
+  sp->kind = ATTND_JOB_COPY;
+  sp->layer = layer;
+  sp->copies[0] = src;
+  sp->copies[1] = dst;
+}
+
+static void spec_free(tjob_spec_t *sp) {
+  free(sp->q);
+  free(sp->k);
+  free(sp->v);
+}
+
+static size_t out_bytes(const tjob_spec_t *sp) {
+  return (size_t)sp->Tq * QH * HD * (sp->fp32_out ? 4 : 2);
+}
+
+static size_t lse_bytes(const tjob_spec_t *sp) {
+  return sp->want_lse ? (size_t)sp->Tq * QH * sizeof(float) : 0;
+}
+
+/* Fills a job from a spec with freshly allocated, poisoned outputs. */
+static void job_from_spec(tjob_t *t, const tjob_spec_t *sp, int *ndone) {
+  memset(t, 0, sizeof(*t));
+  attnd_job_t *j = &t->job;
+  j->kind = (attnd_job_kind_t)sp->kind;
+  j->layer = sp->layer;
+  j->done_cb = tjob_done;
+  t->ndone = ndone;
+  if (sp->kind == ATTND_JOB_COPY) {
+    j->copies = sp->copies;
+    j->ncopies = 1;
+    return;
+  }
+  attnd_kbatch_t *b = &j->batch;
+  b->items = sp->items;
+  b->nitems = sp->nitems;
+  b->meta = sp->meta;
+  j->nmeta = (size_t)sp->nmeta;
+  b->total_q = sp->Tq;
+  b->total_kv = sp->T;
+  b->max_kv_len = sp->max_kv;
+  b->max_n = sp->max_n;
+  j->q_bytes = (size_t)sp->Tq * QH * HD * 2;
+  j->kv_bytes = (size_t)sp->T * KVH * HD * 2;
+  t->qcopy = malloc(j->q_bytes ? j->q_bytes : 1);
+  memcpy(t->qcopy, sp->q, j->q_bytes);
+  b->q = j->q_bytes ? t->qcopy : NULL;
+  b->k = sp->k;
+  b->v = sp->v;
+  b->out_fp32 = sp->fp32_out;
+  j->out_bytes = out_bytes(sp);
+  j->lse_bytes = lse_bytes(sp);
+  if (j->out_bytes) {
+    b->out = malloc(j->out_bytes);
+    memset(b->out, 0xff, j->out_bytes); /* NaN in bf16 and fp32 */
+  }
+  if (j->lse_bytes) {
+    b->lse = malloc(j->lse_bytes);
+    memset(b->lse, 0xff, j->lse_bytes);
+  }
+}
+
+static void job_free(tjob_t *t) {
+  free(t->qcopy);
+  free(t->job.batch.out);
+  free(t->job.batch.lse);
+}
+
+static double out_val(const tjob_t *t, size_t i) {
+  if (t->job.batch.out_fp32)
+    return ((const float *)t->job.batch.out)[i];
+  return bf2f(((const uint16_t *)t->job.batch.out)[i]);
+}
+
+/* Submits every job back to back (nothing waits for an earlier one), then
+ * runs the loop until all are done. */
+static void run_all(uv_loop_t *loop, attnd_backend_t *be, tjob_t *jobs, int n) {
+  int ndone = 0;
+  for (int i = 0; i < n; i++) {
+    jobs[i].ndone = &ndone;
+    assert_int_equal(be->ops->submit(be, &jobs[i].job), 0);
+  }
+  while (ndone < n)
+    uv_run(loop, UV_RUN_ONCE);
+  assert_int_equal(be->ops->inflight(be), 0);
+}
+
+static double rel_l2_out(const tjob_t *a, const tjob_t *ref, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; i++) {
+    double x = out_val(a, i), y = out_val(ref, i);
+    if (!isfinite(x))
+      return INFINITY;
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+#define SKIP_WITHOUT_GPU()                                                                         \
+  do {                                                                                             \
+    if (!attnd_backend_cuda_available()) {                                                         \
+      print_message("no usable CUDA device: skipped\n");                                           \
+      skip();                                                                                      \
+    }                                                                                              \
+  } while (0)
+
+static void destroy_and_close(uv_loop_t *loop, attnd_backend_t *be) {
+  be->ops->destroy(be);
+  uv_run(loop, UV_RUN_DEFAULT);
+}
+
+/* The scenario, both layers: prefill, decode right behind it, COPY of A's
+ * first block into block 40, a step reading the copy (session C) and A's
+ * next decode token. */
+static int build_scenario(tjob_spec_t *sp) {
+  int n = 0;
+  for (int l = 0; l < LAYERS; l++) {
+    titem_t pre[3] = {
+        {.start = 0, .n = 20, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {0, 1}, .nb = 2},
+        {.start = 0, .n = 7, .has_q = 1, .mask = ATTND_MASK_SLIDING, .param = 4, .table = {4},
+         .nb = 1},
+        {.start = 0, .n = 5, .has_q = 0, .mask = ATTND_MASK_CAUSAL, .table = {6}, .nb = 1},
+    };
+    spec_step(&sp[n++], l, pre, 3, 0, 1);
+  }
+  for (int l = 0; l < LAYERS; l++) {
+    titem_t dec[2] = {
+        {.start = 20, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {0, 1}, .nb = 2},
+        {.start = 7, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {4}, .nb = 1},
+    };
+    spec_step(&sp[n++], l, dec, 2, 1, 1);
+  }
+  for (int l = 0; l < LAYERS; l++)
+    spec_copy(&sp[n++], l, 0, 40);
+  for (int l = 0; l < LAYERS; l++) {
+    titem_t rd[2] = {
+        {.start = 16, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {40, 41}, .nb = 2},
+        {.start = 21, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {0, 1}, .nb = 2},
+    };
+    spec_step(&sp[n++], l, rd, 2, 0, 0);
+  }
+  return n;
+}
+
+static void compare_backends(attnd_kv_type_t kv) {
+  SKIP_WITHOUT_GPU();
+  attnd_kshape_t s = make_shape(kv);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *cpu = NULL, *gpu = NULL;
+  uint64_t kvmem = 64ull << 20;
+  assert_int_equal(attnd_backend_cpu_create(&cpu, &loop, &s, LAYERS, kvmem, 2, err, sizeof(err)),
+                   0);
+  int rc = attnd_backend_cuda_create(&gpu, &loop, &s, LAYERS, kvmem, 0, err, sizeof(err));
+  if (rc)
+    fail_msg("attnd_backend_cuda_create: %s (%s)", attnd_strerror(rc), err);
+  assert_int_equal(gpu->num_blocks, cpu->num_blocks);
+  assert_int_equal(gpu->block_bytes, cpu->block_bytes);
+  assert_string_equal(gpu->ops->name, "cuda");
+  char dev[128];
+  uint64_t mem = 0;
+  int cc = 0;
+  gpu->ops->describe(gpu, dev, sizeof(dev), &mem, &cc);
+  print_message("device: %s, %llu bytes, cc %d, %u blocks/layer\n", dev, (unsigned long long)mem,
+                cc, gpu->num_blocks);
+  assert_true(mem > 0);
+  assert_true(cc >= 10);
+
+  tjob_spec_t sp[16];
+  int n = build_scenario(sp);
+  tjob_t jc[16], jg[16];
+  int dummy = 0;
+  for (int i = 0; i < n; i++) {
+    job_from_spec(&jc[i], &sp[i], &dummy);
+    job_from_spec(&jg[i], &sp[i], &dummy);
+  }
+  run_all(&loop, cpu, jc, n);
+  uint64_t t0 = uv_hrtime();
+  run_all(&loop, gpu, jg, n);
+  double ms = (double)(uv_hrtime() - t0) / 1e6;
+  double worst = 0, worst_lse = 0;
+  for (int i = 0; i < n; i++) {
+    if (jc[i].job.status)
+      fail_msg("cpu job %d: %s", i, jc[i].job.message);
+    if (jg[i].job.status)
+      fail_msg("cuda job %d: %s (%s)", i, jg[i].job.message, attnd_strerror(jg[i].job.status));
+    assert_true(jg[i].job.t_end_us >= jg[i].job.t_start_us);
+    assert_true(jg[i].job.t_start_us >= jg[i].job.t_submit_us);
+    if (sp[i].kind != ATTND_JOB_STEP || !sp[i].Tq)
+      continue;
+    size_t ne = (size_t)sp[i].Tq * QH * HD;
+    double r = rel_l2_out(&jg[i], &jc[i], ne);
+    print_message("%s job %d layer %d: Tq %d rel L2 %.3e\n", attnd_kv_type_name(kv), i,
+                  sp[i].layer, sp[i].Tq, r);
+    if (r > worst)
+      worst = r;
+    assert_true(r <= 1e-2);
+    if (sp[i].want_lse) {
+      double num = 0, den = 0;
+      for (size_t e = 0; e < (size_t)sp[i].Tq * QH; e++) {
+        double x = jg[i].job.batch.lse[e], y = jc[i].job.batch.lse[e];
+        assert_true(isfinite(x));
+        num += (x - y) * (x - y);
+        den += y * y;
+      }
+      double rl = sqrt(num / (den > 0 ? den : 1));
+      if (rl > worst_lse)
+        worst_lse = rl;
+      assert_true(rl <= 1e-3);
+    }
+  }
+  print_message("%s: %d jobs, worst out rel L2 %.3e, worst lse rel L2 %.3e, %.2f ms on the GPU "
+                "(first run, includes warm-up)\n",
+                attnd_kv_type_name(kv), n, worst, worst_lse, ms);
+  for (int i = 0; i < n; i++) {
+    job_free(&jc[i]);
+    job_free(&jg[i]);
+    spec_free(&sp[i]);
+  }
+  cpu->ops->destroy(cpu);
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+static void test_bf16_matches_cpu(void **state) {
+  compare_backends(ATTND_KV_BF16);
+}
+
+static void test_int8_dynamic_matches_cpu(void **state) {
+  compare_backends(ATTND_KV_INT8_DYNAMIC);
+}
+
+/* Static int8 needs its scales uploaded through set_scales; a step on a layer
+ * without them fails with ATTND_EPRECOND, never runs on zero scales. */
+static void test_int8_static_scales(void **state) {
+  SKIP_WITHOUT_GPU();
+  attnd_kshape_t s = make_shape(ATTND_KV_INT8);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *cpu = NULL, *gpu = NULL;
+  assert_int_equal(attnd_backend_cpu_create(&cpu, &loop, &s, 1, 16ull << 20, 2, err, sizeof(err)),
+                   0);
+  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, 16ull << 20, 0, err, sizeof(err)),
+                   0);
+  titem_t it = {.start = 0, .n = 9, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {3}, .nb = 1};
+  tjob_spec_t sp;
+  spec_step(&sp, 0, &it, 1, 0, 0);
+  tjob_t j0;
+  int dummy = 0;
+  job_from_spec(&j0, &sp, &dummy);
+  run_all(&loop, gpu, &j0, 1);
+  assert_int_equal(j0.job.status, ATTND_EPRECOND);
+  job_free(&j0);
+
+  float ks[KVH * HD], vs[KVH * HD];
+  for (int i = 0; i < KVH * HD; i++) {
+    ks[i] = 1.0f / 100.0f + (float)(i % 7) * 1e-3f;
+    vs[i] = 1.0f / 110.0f + (float)(i % 5) * 1e-3f;
+  }
+  assert_int_equal(cpu->ops->set_scales(cpu, 0, ks, vs, NULL, NULL, 1), 0);
+  assert_int_equal(gpu->ops->set_scales(gpu, 0, ks, vs, NULL, NULL, 1), 0);
+  tjob_t jc, jg;
+  job_from_spec(&jc, &sp, &dummy);
+  job_from_spec(&jg, &sp, &dummy);
+  run_all(&loop, cpu, &jc, 1);
+  run_all(&loop, gpu, &jg, 1);
+  assert_int_equal(jc.job.status, 0);
+  if (jg.job.status)
+    fail_msg("cuda: %s", jg.job.message);
+  double r = rel_l2_out(&jg, &jc, (size_t)sp.Tq * QH * HD);
+  print_message("int8 (static, per channel): rel L2 %.3e\n", r);
+  assert_true(r <= 1e-2);
+  job_free(&jc);
+  job_free(&jg);
+  spec_free(&sp);
+  cpu->ops->destroy(cpu);
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+/* Many layers (more than the stream pool), several decode steps per layer in
+ * flight at once: every job completes, in submission order per layer, and
+ * the loop is not kept alive once nothing is in flight. */
+typedef struct {
+  attnd_job_t job;
+  int *order;
+  int *seen;
+  int idx;
+} ojob_t;
+
+static int order_ok = 1;
+
+static void ojob_done(attnd_job_t *j) {
+  ojob_t *o = (ojob_t *)j;
+  int l = o->job.layer;
+  if (o->idx <= o->seen[l])
+    order_ok = 0;
+  o->seen[l] = o->idx;
+  (*o->order)++;
+}
+
+static void test_many_layers_in_flight(void **state) {
+  SKIP_WITHOUT_GPU();
+  enum { NL = 12, PER = 6 };
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *gpu = NULL;
+  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, NL, 64ull << 20, 0, err, sizeof(err)),
+                   0);
+  static tjob_spec_t sp[NL * PER];
+  static ojob_t oj[NL * PER];
+  int seen[NL], ndone = 0;
+  for (int l = 0; l < NL; l++)
+    seen[l] = -1;
+  int n = 0;
+  for (int k = 0; k < PER; k++)
+    for (int l = 0; l < NL; l++) {
+      titem_t it = {.start = k, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {l},
+                    .nb = 1};
+      spec_step(&sp[n], l, &it, 1, 0, 0);
+      tjob_t tmp;
+      int dummy = 0;
+      job_from_spec(&tmp, &sp[n], &dummy);
+      memset(&oj[n], 0, sizeof(oj[n]));
+      oj[n].job = tmp.job;
+      free(tmp.qcopy);
+      oj[n].job.batch.q = sp[n].q; /* the CUDA backend never writes host q */
+      oj[n].job.done_cb = ojob_done;
+      oj[n].order = &ndone;
+      oj[n].seen = seen;
+      oj[n].idx = k;
+      assert_int_equal(gpu->ops->submit(gpu, &oj[n].job), 0);
+      n++;
+    }
+  assert_int_equal(gpu->ops->inflight(gpu), n - ndone);
+  /* UV_RUN_DEFAULT returns only when nothing keeps the loop alive: the
+   * backend must hold it while jobs are out and release it after. */
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(ndone, n);
+  assert_true(order_ok);
+  for (int i = 0; i < n; i++) {
+    if (oj[i].job.status)
+      fail_msg("job %d: %s", i, oj[i].job.message);
+    const uint16_t *o = oj[i].job.batch.out;
+    for (size_t e = 0; e < (size_t)QH * HD; e++)
+      assert_true(isfinite(bf2f(o[e])));
+    free(oj[i].job.batch.out);
+    spec_free(&sp[i]);
+  }
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+/* Only under ATTND_CUDA_TEST_FAULT=1 (see the header comment). */
+static void test_device_fault(void **state) {
+  SKIP_WITHOUT_GPU();
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *gpu = NULL;
+  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, 16ull << 20, 0, err, sizeof(err)),
+                   0);
+  titem_t it = {.start = 0, .n = 3, .has_q = 1, .mask = ATTND_MASK_CAUSAL,
+                .table = {INT32_MAX / 2}, .nb = 1};
+  tjob_spec_t sp;
+  spec_step(&sp, 0, &it, 1, 0, 0);
+  tjob_t j[2];
+  int dummy = 0;
+  job_from_spec(&j[0], &sp, &dummy);
+  job_from_spec(&j[1], &sp, &dummy);
+  run_all(&loop, gpu, &j[0], 1);
+  print_message("faulting job: status %d (%s), message: %s\n", j[0].job.status,
+                attnd_strerror(j[0].job.status), j[0].job.message);
+  assert_true(j[0].job.status == ATTND_EDEVICE || j[0].job.status == ATTND_ECUDA);
+  if (j[0].job.status == ATTND_EDEVICE) {
+    run_all(&loop, gpu, &j[1], 1);
+    print_message("next job: status %d, message: %s\n", j[1].job.status, j[1].job.message);
+    assert_int_equal(j[1].job.status, ATTND_EDEVICE);
+  }
+  job_free(&j[0]);
+  job_free(&j[1]);
+  spec_free(&sp);
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+/* Without a device, create says so instead of crashing. */
+static void test_unavailable_without_device(void **state) {
+  if (attnd_backend_cuda_available())
+    skip();
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  attnd_backend_t *be = NULL;
+  char err[256] = "";
+  assert_int_equal(attnd_backend_cuda_create(&be, &loop, &s, 1, 0, 0, err, sizeof(err)),
+                   ATTND_EUNAVAIL);
+  assert_true(err[0] != 0);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+int main(void) {
+  const char *fault = getenv("ATTND_CUDA_TEST_FAULT");
+  if (fault && atoi(fault) == 1) {
+    const struct CMUnitTest t[] = {cmocka_unit_test(test_device_fault)};
+    return cmocka_run_group_tests_name("backend_cuda_fault", t, NULL, NULL);
+  }
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_unavailable_without_device),
+      cmocka_unit_test(test_bf16_matches_cpu),
+      cmocka_unit_test(test_int8_dynamic_matches_cpu),
+      cmocka_unit_test(test_int8_static_scales),
+      cmocka_unit_test(test_many_layers_in_flight),
+  };
+  return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
+}
