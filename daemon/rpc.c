@@ -360,9 +360,14 @@ static int tensor_finish(attnd_tensor_t *t, bool has, const attnd_v1_Tensor *pb,
   int dl = 0;
   for (int i = 0; i < t->ndim; i++) {
     t->shape[i] = pb->shape[i];
-    elems *= pb->shape[i]; /* 4 dims of < 2^32 each may overflow: checked below */
-    if (pb->shape[i] && elems / pb->shape[i] > UINT64_MAX / 4)
-      elems = UINT64_MAX / 8;
+    /* 4 dims of < 2^32 each may overflow 64 bits: saturate before the
+     * multiply (testing after it let a wrapped product such as
+     * [2^31, 2^31, 2^31, 8] pass as 0 elements). */
+    uint64_t d = pb->shape[i];
+    if (elems > UINT64_MAX / 8 || (d && elems > (UINT64_MAX / 8) / d))
+      elems = UINT64_MAX / 8 + 1;
+    else
+      elems *= d;
     dl += snprintf(dims + dl, sizeof(dims) - (size_t)dl, "%s%u", i ? ", " : "", pb->shape[i]);
   }
   if (elems > (UINT64_MAX / 8) || elems * es != (uint64_t)nbytes) {
