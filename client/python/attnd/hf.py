@@ -371,7 +371,6 @@ class AttndAdapter:
         if layer is None:
             raise RuntimeError(f"{type(module).__name__} has no layer_idx; attnd needs it")
         b, hq, n, d = query.shape
-        hkv = key.shape[1]
         pend = self._pending.pop(layer, None)
         if pend is not None:
             seqs, start, cache = pend
@@ -379,6 +378,19 @@ class AttndAdapter:
             seqs, cache = self._nocache, None
             cp = kwargs.get("cache_position")
             start = int(cp.reshape(-1)[0]) if cp is not None else 0
+        try:
+            out = self._step(module, layer, seqs, start, query, key, value, attention_mask, dropout,
+                             scaling, is_causal, sliding_window)
+        except BaseException:
+            if cache is not None:  # the cache counted tokens attnd did not take
+                cache._len[layer] = start
+            raise
+        return _from_wire(out, query).reshape(b, n, hq, d), None
+
+    def _step(self, module, layer, seqs, start, query, key, value, attention_mask, dropout, scaling,
+              is_causal, sliding_window):
+        b, hq, n, d = query.shape
+        hkv = key.shape[1]
         if key.shape[2] != n:
             raise RuntimeError(f"layer {layer}: {key.shape[2]} keys for {n} queries: the model's own KV "
                                "cache holds history; pass past_key_values=adapter.cache() or use_cache=False")
@@ -399,13 +411,7 @@ class AttndAdapter:
         k = _to_wire(key.transpose(1, 2).reshape(b * n, hkv, d), dt)
         v = _to_wire(value.transpose(1, 2).reshape(b * n, hkv, d), dt)
         fp32 = self.fp32_out if self.fp32_out is not None else query.dtype == _torch().float32
-        try:
-            out = self.runner.step(seqs, layer, q, k, v, start, tokens, mask, fp32_out=fp32)
-        except BaseException:
-            if cache is not None:  # the cache counted tokens attnd did not take
-                cache._len[layer] = start
-            raise
-        return _from_wire(out, query).reshape(b, n, hq, d), None
+        return self.runner.step(seqs, layer, q, k, v, start, tokens, mask, fp32_out=fp32)
 
 
 # ---- transformers' Cache, holding nothing but counts ----

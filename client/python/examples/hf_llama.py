@@ -67,7 +67,10 @@ def build_model(dtype="bf16", device=None, seed=0):
                       num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
                       max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    cfg._attn_implementation = "sdpa"
+    try:
+        cfg._attn_implementation = "sdpa"
+    except (AttributeError, ValueError):  # a release that takes it only at load time; sdpa is the default
+        pass
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(seed)
