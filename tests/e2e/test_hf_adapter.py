@@ -165,10 +165,10 @@ class HFLlamaTest(unittest.TestCase):
             except attnd.Unimplemented as e:
                 self.skipTest(f"the daemon answers UNIMPLEMENTED ({e.message})")
         tf = res["teacher_forced"]
-        self.assertLess(tf["rel_l2"], hf_llama.LOGIT_TOL)
+        self.assertLess(tf["rel_l2"], tf["tol"])
         self.assertEqual(res["attnd_sessions_len"], [hf_llama.PROMPT + hf_llama.STEPS] * hf_llama.BATCH)
         self.assertGreaterEqual(tf["agree"] + tf["near_ties"], tf["n"])
-        self.assertLess(res["no_cache_rel_l2"], hf_llama.LOGIT_TOL)
+        self.assertLess(res["no_cache_rel_l2"], tf["tol"])
 
     def test_bf16_model(self):
         self.check("bf16")

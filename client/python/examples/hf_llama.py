@@ -43,10 +43,12 @@ STEPS = 20
 PROMPT = 12
 BATCH = 2
 # Logits' relative L2 per step against sdpa. Both sides round q, k, v and the
-# attention output to bf16; two layers of that move logits by about 1e-2.
+# attention output to bf16; two layers of that move logits by about 1e-2. A bf16
+# model also rounds everything else, so there the bound is at least twice what
+# eager's exact attention already differs from sdpa's (the noise floor).
 LOGIT_TOL = 3e-2
-# A reference top-2 gap below this fraction of the logits' std is a near-tie: a
-# bf16-sized difference may pick either token there.
+# A reference top-2 gap below this fraction of the logits' std, or below twice the
+# largest logit error at that step, is a near-tie: either token may win there.
 TIE_TOL = 5e-2
 
 SHAPE = dict(layers=2, hidden=256, q_heads=4, kv_heads=2, head_dim=64, vocab=1000, inter=512)
@@ -110,31 +112,35 @@ def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def compare_logits(got, ref, what):
-    """Per step and row: rel L2, max abs error, argmax agreement (near-ties allowed)."""
+def compare_logits(got, ref, what, tol):
+    """Per step and row: rel L2, max abs error, argmax agreement (near-ties allowed).
+    Returns the measurements and abs_err [steps, rows] (for compare_tokens)."""
     worst_rel = worst_abs = 0.0
     agree = ties = 0
+    abs_err = np.zeros(ref.shape[:2])
     for t in range(ref.shape[0]):
         for r in range(ref.shape[1]):
             g, f = got[t, r], ref[t, r]
             err = rel_l2(g, f)
+            abs_err[t, r] = float(np.max(np.abs(g - f)))
             worst_rel = max(worst_rel, err)
-            worst_abs = max(worst_abs, float(np.max(np.abs(g - f))))
-            if err > LOGIT_TOL:
-                raise AssertionError(f"{what}: step {t} row {r}: logits rel L2 {err:.3e} > {LOGIT_TOL}")
+            worst_abs = max(worst_abs, abs_err[t, r])
+            if err > tol:
+                raise AssertionError(f"{what}: step {t} row {r}: logits rel L2 {err:.3e} > {tol:.3e}")
             a, b = int(np.argmax(g)), int(np.argmax(f))
             if a == b:
                 agree += 1
                 continue
-            gap = float(f[b] - f[a]) / float(np.std(f))
-            if gap > TIE_TOL:
-                raise AssertionError(f"{what}: step {t} row {r}: argmax {a}, reference {b} "
-                                     f"(gap {gap:.3e} of the logits' std)")
+            gap = float(f[b] - f[a])
+            if gap > max(TIE_TOL * float(np.std(f)), 2 * abs_err[t, r]):
+                raise AssertionError(f"{what}: step {t} row {r}: argmax {a}, reference {b} (gap {gap:.3e}, "
+                                     f"logits' std {np.std(f):.3e}, max abs error {abs_err[t, r]:.3e})")
             ties += 1
-    return dict(rel_l2=worst_rel, max_abs=worst_abs, agree=agree, near_ties=ties, n=ref.size // ref.shape[-1])
+    return dict(rel_l2=worst_rel, max_abs=worst_abs, agree=agree, near_ties=ties,
+                n=int(ref.shape[0] * ref.shape[1]), tol=tol), abs_err
 
 
-def compare_tokens(got, ref_tokens, ref_logits, what):
+def compare_tokens(got, ref_tokens, ref_logits, abs_err, what):
     """Free-running greedy tokens: equal to the reference's, or diverging first at a
     step where the reference had a near-tie (after that the sequences differ)."""
     same = 0
@@ -144,10 +150,10 @@ def compare_tokens(got, ref_tokens, ref_logits, what):
                 same += 1
                 continue
             f = ref_logits[t, r]
-            gap = float(f[ref_tokens[r, t]] - f[got[r, t]]) / float(np.std(f))
-            if gap > TIE_TOL:
+            gap = float(f[ref_tokens[r, t]] - f[got[r, t]])
+            if gap > max(TIE_TOL * float(np.std(f)), 2 * abs_err[t, r]):
                 raise AssertionError(f"{what}: row {r} step {t}: token {got[r, t]}, reference "
-                                     f"{ref_tokens[r, t]} (gap {gap:.3e} of the logits' std)")
+                                     f"{ref_tokens[r, t]} (gap {gap:.3e}, logits' std {np.std(f):.3e})")
             break  # a near-tie: the rest of this row follows another path
     return same
 
@@ -182,6 +188,7 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
     floor = max(rel_l2(eager_logits[t, r], ref_logits[t, r])
                 for t in range(steps + 1) for r in range(batch))
     res["eager_vs_sdpa_rel_l2"] = floor
+    tol = LOGIT_TOL if dtype == "fp32" else max(LOGIT_TOL, 2 * floor)
     set_impl(model, "sdpa")
 
     adapter = attnd.hf.AttndAdapter(client)
@@ -199,7 +206,7 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
             if cache.get_seq_length() != prompt + steps:
                 raise AssertionError(f"AttndCache counts {cache.get_seq_length()} tokens")
         res["attnd_s"] = time.monotonic() - t0
-        res["teacher_forced"] = compare_logits(att_logits, ref_logits, "attnd vs sdpa")
+        res["teacher_forced"], abs_err = compare_logits(att_logits, ref_logits, "attnd vs sdpa", tol)
         res["attnd_sessions_len"] = held
 
         # 4: model.generate() with an AttndCache.
@@ -210,7 +217,7 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
         gen_tok = gen[:, prompt:].cpu().numpy()
         if gen_tok.shape != ref_tok.shape:
             raise AssertionError(f"generate() made {gen_tok.shape[1]} tokens, expected {steps}")
-        res["generate_same_tokens"] = compare_tokens(gen_tok, ref_tok, ref_logits, "generate")
+        res["generate_same_tokens"] = compare_tokens(gen_tok, ref_tok, ref_logits, abs_err, "generate")
         res["generate_tokens"] = gen_tok.tolist()
 
         # 5: no cache: the whole sequence in one forward, every position's logits.
@@ -221,8 +228,8 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
             ref_full = model(input_ids=full, use_cache=False).logits.float().cpu().numpy()
             set_impl(model, adapter.name)
         err = rel_l2(att_full, ref_full)
-        if err > LOGIT_TOL:
-            raise AssertionError(f"use_cache=False: logits rel L2 {err:.3e} > {LOGIT_TOL}")
+        if err > tol:
+            raise AssertionError(f"use_cache=False: logits rel L2 {err:.3e} > {tol:.3e}")
         res["no_cache_rel_l2"] = err
     finally:
         adapter.detach(model)
@@ -237,7 +244,7 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
         print(f"  reference (sdpa) tokens: {res['ref_tokens']}")
         print(f"  eager vs sdpa: logits rel L2 {floor:.2e} (noise floor)")
         print(f"  attnd vs sdpa, teacher-forced {steps + 1} steps x {batch} rows: worst logits rel L2 "
-              f"{tf['rel_l2']:.2e} (tol {LOGIT_TOL}), max abs {tf['max_abs']:.3e}, argmax agree "
+              f"{tf['rel_l2']:.2e} (tol {tol:.1e}), max abs {tf['max_abs']:.3e}, argmax agree "
               f"{tf['agree']}/{tf['n']} (near-ties {tf['near_ties']})")
         print(f"  attnd generate(): {res['generate_same_tokens']}/{batch * steps} tokens as sdpa's")
         print(f"  attnd use_cache=False, {prompt + steps} positions: logits rel L2 {res['no_cache_rel_l2']:.2e}")
