@@ -66,10 +66,14 @@ p, s, t = hf_llama.spawn('$tmp/attnd', 'cuda'); p.terminate(); p.wait(20)" >"$ou
 
   fail=0
   summary=""
+  budget=${ATTND_HF_BUDGET:-480}  # seconds: the device tool allows 600 per command
   for b in $backends; do
     for dt in bf16 fp32; do
+      if [ "$SECONDS" -gt "$budget" ]; then
+        summary="$summary $b/$dt:NOT-RUN(time)"; fail=1; continue
+      fi
       log=$out/hf-$b-$dt.log
-      timeout 300 $py "$here/client/python/examples/hf_llama.py" --spawn "$tmp/attnd" --backend "$b" \
+      timeout -k 5 120 $py "$here/client/python/examples/hf_llama.py" --spawn "$tmp/attnd" --backend "$b" \
         --dtype "$dt" --json "$out/hf-$b-$dt.json" >"$log" 2>&1
       rc=$?
       echo "== hf_llama backend=$b dtype=$dt rc=$rc"
@@ -91,7 +95,10 @@ EOF
 )
       summary="$summary $b/$dt:${s:-FAIL(rc $rc)}"
     done
-    (cd "$here/tests/e2e" && ATTND_BIN=$tmp/attnd ATTND_E2E_BACKEND=$b timeout 400 $py run.py test_hf_adapter) \
+    if [ "$SECONDS" -gt "$budget" ]; then
+      summary="$summary e2e-$b:NOT-RUN(time)"; fail=1; continue
+    fi
+    (cd "$here/tests/e2e" && ATTND_BIN=$tmp/attnd ATTND_E2E_BACKEND=$b timeout -k 5 150 $py run.py test_hf_adapter) \
       >"$out/e2e-hf-$b.log" 2>&1
     rc=$?
     echo "== e2e test_hf_adapter backend=$b rc=$rc"
@@ -99,7 +106,7 @@ EOF
     [ $rc -eq 0 ] || fail=1
     summary="$summary e2e-$b:$([ $rc -eq 0 ] && echo ok || echo "rc$rc")"
   done
-  echo "gpu-hf:$summary => $([ $fail -eq 0 ] && echo PASS || echo FAIL)" | tee "$out/hf-summary.txt"
+  echo "gpu-hf:$summary (${SECONDS}s) => $([ $fail -eq 0 ] && echo PASS || echo FAIL)" | tee "$out/hf-summary.txt"
   exit $fail
   ;;
 *)
