@@ -9,7 +9,8 @@
 #                          linked statically, see ../shared/GPU.md; a CPU-only
 #                          build runs the CPU half and the CUDA half is skipped)
 #         lib*.so*         the daemon's libraries that Ubuntu 24.04 lacks (libuv,
-#                          libinih, libxxhash, libhttp_parser), used by the daemon only
+#                          libinih, libxxhash, libhttp_parser; libcudart if linked
+#                          dynamically), used by the daemon only
 #         attnd_pb2.py     from BUILD/python (protoc 3.21 output loads under protobuf 7)
 #       The Python client itself comes from client/python in the working tree.
 #   scripts/gpu-hf.sh run             (on the GPU machine, device tool carry
@@ -26,12 +27,13 @@ case "${1:-run}" in
 stage)
   set -e
   build=${2:-$here/build-gpu}
-  [ -x "$build/daemon/attnd" ] || { echo "gpu-hf: $build/daemon/attnd is not built" >&2; exit 1; }
-  [ -f "$build/python/attnd_pb2.py" ] || cmake --build "$build" --target attnd_proto_py >/dev/null
+  [ -f "$build/CMakeCache.txt" ] || { echo "gpu-hf: $build is not a configured build (see gpu-round.sh build)" >&2; exit 1; }
+  [ -x "$build/daemon/attnd" ] && [ -f "$build/python/attnd_pb2.py" ] ||
+    cmake --build "$build" -j2 --target attnd attnd_proto_py
   rm -rf "$dir" && mkdir -p "$dir"
   cp "$build/daemon/attnd" "$build/python/attnd_pb2.py" "$dir/"
   ldd "$build/daemon/attnd" | awk '$3 ~ /^\// {print $3}' |
-    grep -E '/lib(uv|inih|xxhash|http_parser)\.so' | while read -r lib; do
+    grep -E '/lib(uv|inih|xxhash|http_parser|cudart)\.so' | while read -r lib; do
       cp -L "$lib" "$dir/$(basename "$lib")"
     done
   ls -la "$dir" && du -sh "$dir"
