@@ -1,7 +1,32 @@
 # The CUDA backend (daemon/backend_cuda.c) judged against the CPU backend on the
-# same jobs. Built in every configuration (it links attnd_core, with or without
-# CUDA) and skipped at run time when no CUDA device answers; the GPU round runs
-# it on the H200 from build-gpu/, so it finds libcmocka and libuv beside itself.
+# same jobs.
+#
+# test_backend_cuda: the real thing. Built in every configuration (it links
+# attnd_core, with or without CUDA) and skipped at run time when no CUDA device
+# answers; the GPU round runs it on the H200 from build-gpu/, so it finds
+# libcmocka and libuv beside itself.
 attnd_add_test(test_backend_cuda SOURCES test_backend_cuda.c LIBS attnd_core TIMEOUT 300
                LABELS "gpu;backend")
 set_target_properties(test_backend_cuda PROPERTIES BUILD_RPATH "\$ORIGIN" INSTALL_RPATH "\$ORIGIN")
+
+# test_backend_cuda_mock: the same test and the real backend_cuda.c, compiled
+# with ATTND_HAVE_CUDA, over tests/cuda_mock.c (streams as host threads, the
+# CPU kernels as the "device"), so the backend's staging, stream ordering,
+# completion, sticky-error and teardown logic runs on machines without a GPU.
+# It needs only the CUDA runtime's header, not nvcc or a device.
+find_path(ATTND_CUDART_INCLUDE_DIR cuda_runtime_api.h
+          HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
+if(ATTND_CUDART_INCLUDE_DIR)
+  attnd_add_test(test_backend_cuda_mock TIMEOUT 120 LABELS backend
+                 SOURCES test_backend_cuda.c cuda_mock.c ${PROJECT_SOURCE_DIR}/daemon/backend_cuda.c
+                         ${PROJECT_SOURCE_DIR}/daemon/backend_cpu.c ${PROJECT_SOURCE_DIR}/daemon/errors.c
+                 LIBS attnd_kernels_cpu PkgConfig::LIBUV Threads::Threads)
+  target_compile_definitions(test_backend_cuda_mock PRIVATE ATTND_HAVE_CUDA=1)
+  target_include_directories(test_backend_cuda_mock PRIVATE ${PROJECT_SOURCE_DIR}/daemon
+                             ${PROJECT_SOURCE_DIR}/kernels/cuda ${ATTND_CUDART_INCLUDE_DIR})
+  # A second run: a kernel fault must fail the job and every later one with
+  # ATTND_EDEVICE, and teardown must not hang.
+  add_test(NAME test_backend_cuda_mock_fault COMMAND test_backend_cuda_mock)
+  set_tests_properties(test_backend_cuda_mock_fault PROPERTIES TIMEOUT 60 LABELS backend
+                       ENVIRONMENT "ATTND_CUDA_TEST_FAULT=1;ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
+endif()

@@ -231,14 +231,25 @@ static double out_val(const tjob_t *t, size_t i) {
   return bf2f(((const uint16_t *)t->job.batch.out)[i]);
 }
 
+/* Defined only by tests/cuda_mock.c (the GPU-less build of this test): holds
+ * the mock's streams while a batch is submitted. NULL on a real device. */
+void attnd_cuda_mock_hold(int on) __attribute__((weak));
+
+static void mock_hold(int on) {
+  if (attnd_cuda_mock_hold)
+    attnd_cuda_mock_hold(on);
+}
+
 /* Submits every job back to back (nothing waits for an earlier one), then
  * runs the loop until all are done. */
 static void run_all(uv_loop_t *loop, attnd_backend_t *be, tjob_t *jobs, int n) {
   int ndone = 0;
+  mock_hold(1);
   for (int i = 0; i < n; i++) {
     jobs[i].ndone = &ndone;
     assert_int_equal(be->ops->submit(be, &jobs[i].job), 0);
   }
+  mock_hold(0);
   while (ndone < n)
     uv_run(loop, UV_RUN_ONCE);
   assert_int_equal(be->ops->inflight(be), 0);
@@ -269,9 +280,10 @@ static void destroy_and_close(uv_loop_t *loop, attnd_backend_t *be) {
   uv_run(loop, UV_RUN_DEFAULT);
 }
 
-/* The scenario, both layers: prefill, decode right behind it, COPY of A's
- * first block into block 40, a step reading the copy (session C) and A's
- * next decode token. */
+/* The scenario, per layer in this order: prefill, a decode right behind it
+ * (it reads blocks the prefill writes), a COPY of A's first block into block
+ * 40, a step reading the copy (session C) and A's next decode token. Layers
+ * interleave irregularly in submission order. */
 static int build_scenario(tjob_spec_t *sp) {
   int n = 0;
   for (int l = 0; l < LAYERS; l++) {
@@ -282,15 +294,15 @@ static int build_scenario(tjob_spec_t *sp) {
         {.start = 0, .n = 5, .has_q = 0, .mask = ATTND_MASK_CAUSAL, .table = {6}, .nb = 1},
     };
     spec_step(&sp[n++], l, pre, 3, 0, 1);
-  }
-  for (int l = 0; l < LAYERS; l++) {
+    /* Right behind the prefill of the same layer, before the other layer's:
+     * any mapping of jobs to streams other than by layer breaks this. */
     titem_t dec[2] = {
         {.start = 20, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {0, 1}, .nb = 2},
         {.start = 7, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {4}, .nb = 1},
     };
     spec_step(&sp[n++], l, dec, 2, 1, 1);
   }
-  for (int l = 0; l < LAYERS; l++)
+  for (int l = LAYERS - 1; l >= 0; l--)
     spec_copy(&sp[n++], l, 0, 40);
   for (int l = 0; l < LAYERS; l++) {
     titem_t rd[2] = {
@@ -477,6 +489,7 @@ static void test_many_layers_in_flight(void **state) {
   for (int l = 0; l < NL; l++)
     seen[l] = -1;
   int n = 0;
+  mock_hold(1);
   for (int k = 0; k < PER; k++)
     for (int l = 0; l < NL; l++) {
       titem_t it = {.start = k, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {l},
@@ -496,6 +509,7 @@ static void test_many_layers_in_flight(void **state) {
       assert_int_equal(gpu->ops->submit(gpu, &oj[n].job), 0);
       n++;
     }
+  mock_hold(0);
   assert_int_equal(gpu->ops->inflight(gpu), n - ndone);
   /* UV_RUN_DEFAULT returns only when nothing keeps the loop alive: the
    * backend must hold it while jobs are out and release it after. */

@@ -1,0 +1,358 @@
+/* cuda_mock.c: a host-only stand-in for the CUDA runtime calls and the
+ * attnd_cuda.h API that daemon/backend_cuda.c uses, so that the backend's own
+ * logic (staging layout, pointer arithmetic, per-layer stream ordering,
+ * completion through the uv_async_t, sticky errors, teardown) runs and is
+ * judged against the CPU backend on machines without a GPU.
+ *
+ * A stream is a thread draining a FIFO of operations; "device" memory is host
+ * memory; attnd_cuda_write/attend run the CPU kernels on the stream's thread.
+ * Every operation sleeps a little at random, so that a missing ordering shows
+ * as a wrong result rather than passing by luck, and attnd_cuda_mock_hold()
+ * lets a test enqueue everything before any stream starts. ATTND_CUDA_MOCK_FAULT_BLOCK:
+ * a write whose block table names a block >= this value reports
+ * cudaErrorIllegalAddress to every later callback (a sticky fault).
+ *
+ * Linked only into test_backend_cuda_mock, never into the daemon. */
+#include <cuda_runtime_api.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "attnd_cuda.h"
+#include "attnd_kernels.h"
+
+enum { OP_COPY, OP_SET, OP_WRITE, OP_ATTEND, OP_CALLBACK, OP_FREE };
+
+typedef struct op_s {
+  int kind;
+  void *dst;
+  const void *src;
+  size_t n;
+  int value;
+  attnd_kshape_t s;
+  attnd_kbatch_t b;
+  cudaStreamCallback_t cb;
+  void *arg;
+  struct op_s *next;
+} op_t;
+
+struct CUstream_st {
+  pthread_t th;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  op_t *head, *tail;
+  int busy, stop;
+  unsigned seed;
+  struct CUstream_st *next_stream;
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct CUstream_st *g_streams;
+static atomic_int g_sticky; /* cudaErrorIllegalAddress once a fault ran */
+static atomic_int g_hold;   /* streams start no operation while set */
+
+/* Lets a test enqueue a whole batch of jobs before any stream starts, so that
+ * ordering does not depend on how fast the submitting thread happens to run. */
+void attnd_cuda_mock_hold(int on) {
+  atomic_store(&g_hold, on);
+}
+
+static void jitter(struct CUstream_st *st) {
+  struct timespec ts = {0, (long)(rand_r(&st->seed) % 300) * 1000};
+  nanosleep(&ts, NULL);
+}
+
+static int fault_block(const attnd_kbatch_t *b) {
+  const char *e = getenv("ATTND_CUDA_MOCK_FAULT_BLOCK");
+  if (!e)
+    return 0;
+  long lim = atol(e);
+  for (int i = 0; i < b->nitems; i++) {
+    const attnd_kitem_t *it = &b->items[i];
+    int nb = (it->start + it->n + 15) / 16; /* tests use block_size 16 */
+    for (int k = 0; k < nb; k++)
+      if (b->meta[it->block_table + k] >= lim)
+        return 1;
+  }
+  return 0;
+}
+
+static void run_op(struct CUstream_st *st, op_t *o) {
+  while (atomic_load(&g_hold))
+    nanosleep(&(struct timespec){0, 100000}, NULL);
+  jitter(st);
+  int sticky = atomic_load(&g_sticky);
+  switch (o->kind) {
+  case OP_COPY:
+    if (!sticky)
+      memcpy(o->dst, o->src, o->n);
+    break;
+  case OP_SET:
+    if (!sticky)
+      memset(o->dst, o->value, o->n);
+    break;
+  case OP_WRITE:
+    if (sticky)
+      break;
+    if (fault_block(&o->b)) {
+      atomic_store(&g_sticky, 1);
+      break;
+    }
+    /* Bigger work takes longer, as on a device: a prefill's write ends after
+     * a decode's attend that a wrong stream mapping would let overtake it. */
+    nanosleep(&(struct timespec){0, (long)o->b.total_kv * 50000}, NULL);
+    attnd_cpu_write(&o->s, &o->b, 0, 1);
+    break;
+  case OP_ATTEND:
+    if (!sticky)
+      attnd_cpu_attend(&o->s, &o->b, 0, 1);
+    break;
+  case OP_CALLBACK:
+    o->cb(st, atomic_load(&g_sticky) ? cudaErrorIllegalAddress : cudaSuccess, o->arg);
+    break;
+  case OP_FREE:
+    free(o->dst);
+    break;
+  }
+}
+
+static void *stream_main(void *arg) {
+  struct CUstream_st *st = arg;
+  pthread_mutex_lock(&st->mu);
+  for (;;) {
+    while (!st->head && !st->stop)
+      pthread_cond_wait(&st->cv, &st->mu);
+    if (!st->head && st->stop)
+      break;
+    op_t *o = st->head;
+    st->head = o->next;
+    if (!st->head)
+      st->tail = NULL;
+    st->busy = 1;
+    pthread_mutex_unlock(&st->mu);
+    run_op(st, o);
+    free(o);
+    pthread_mutex_lock(&st->mu);
+    st->busy = 0;
+    pthread_cond_broadcast(&st->cv);
+  }
+  pthread_mutex_unlock(&st->mu);
+  return NULL;
+}
+
+static cudaError_t push(cudaStream_t st, op_t *o) {
+  if (atomic_load(&g_sticky))
+    return (free(o), cudaErrorIllegalAddress);
+  pthread_mutex_lock(&st->mu);
+  o->next = NULL;
+  if (st->tail)
+    st->tail->next = o;
+  else
+    st->head = o;
+  st->tail = o;
+  pthread_cond_broadcast(&st->cv);
+  pthread_mutex_unlock(&st->mu);
+  return cudaSuccess;
+}
+
+static op_t *op_new(int kind) {
+  op_t *o = calloc(1, sizeof(*o));
+  if (!o)
+    abort();
+  o->kind = kind;
+  return o;
+}
+
+/* ---- attnd_cuda.h -------------------------------------------------------- */
+
+int attnd_cuda_device_count(void) {
+  return 1;
+}
+
+int attnd_cuda_device_info(int device, char *name, size_t len, uint64_t *total_mem, int *cc_major,
+                           int *cc_minor) {
+  snprintf(name, len, "mock GPU (host threads)");
+  *total_mem = 2ull << 30;
+  *cc_major = 9;
+  *cc_minor = 0;
+  return 0;
+}
+
+const char *attnd_cuda_last_error(void) {
+  return "mock: sticky fault";
+}
+
+int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream) {
+  op_t *o = op_new(OP_WRITE);
+  o->s = *s;
+  o->b = *b;
+  return push(stream, o) == cudaSuccess ? 0 : ATTND_CUDA_EDEVICE;
+}
+
+size_t attnd_cuda_attend_workspace(const attnd_kshape_t *s, int32_t total_q) {
+  return (size_t)total_q * 4096;
+}
+
+int attnd_cuda_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
+                      size_t workspace_bytes, void *stream) {
+  op_t *o = op_new(OP_ATTEND);
+  o->s = *s;
+  o->b = *b;
+  return push(stream, o) == cudaSuccess ? 0 : ATTND_CUDA_EDEVICE;
+}
+
+int attnd_cuda_attend_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b,
+                             size_t workspace_bytes) {
+  return 1;
+}
+
+/* ---- the CUDA runtime calls backend_cuda.c makes ---------------------------- */
+
+cudaError_t cudaSetDevice(int device) {
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetLastError(void) {
+  return cudaSuccess;
+}
+
+const char *cudaGetErrorString(cudaError_t error) {
+  return error == cudaErrorIllegalAddress ? "an illegal memory access (mock)" : "mock error";
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *pStream, unsigned int flags) {
+  struct CUstream_st *st = calloc(1, sizeof(*st));
+  if (!st)
+    return cudaErrorMemoryAllocation;
+  pthread_mutex_init(&st->mu, NULL);
+  pthread_cond_init(&st->cv, NULL);
+  st->seed = (unsigned)(uintptr_t)st;
+  pthread_create(&st->th, NULL, stream_main, st);
+  pthread_mutex_lock(&g_mu);
+  st->next_stream = g_streams;
+  g_streams = st;
+  pthread_mutex_unlock(&g_mu);
+  *pStream = st;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t st) {
+  pthread_mutex_lock(&st->mu);
+  while (st->head || st->busy)
+    pthread_cond_wait(&st->cv, &st->mu);
+  pthread_mutex_unlock(&st->mu);
+  return atomic_load(&g_sticky) ? cudaErrorIllegalAddress : cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize(void) {
+  pthread_mutex_lock(&g_mu);
+  for (struct CUstream_st *st = g_streams; st; st = st->next_stream)
+    cudaStreamSynchronize(st);
+  pthread_mutex_unlock(&g_mu);
+  return atomic_load(&g_sticky) ? cudaErrorIllegalAddress : cudaSuccess;
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t st) {
+  pthread_mutex_lock(&st->mu);
+  st->stop = 1;
+  pthread_cond_broadcast(&st->cv);
+  pthread_mutex_unlock(&st->mu);
+  pthread_join(st->th, NULL);
+  pthread_mutex_lock(&g_mu);
+  for (struct CUstream_st **pp = &g_streams; *pp; pp = &(*pp)->next_stream)
+    if (*pp == st) {
+      *pp = st->next_stream;
+      break;
+    }
+  pthread_mutex_unlock(&g_mu);
+  pthread_mutex_destroy(&st->mu);
+  pthread_cond_destroy(&st->cv);
+  free(st);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void **p, size_t size) {
+  *p = calloc(1, size ? size : 1);
+  return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+
+cudaError_t cudaFree(void *p) {
+  free(p);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void *p, int value, size_t count) {
+  memset(p, value, count);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {
+  *free_b = 1ull << 30;
+  *total_b = 2ull << 30;
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostAlloc(void **p, size_t size, unsigned int flags) {
+  *p = malloc(size ? size : 1);
+  if (*p)
+    memset(*p, 0xa5, size); /* garbage, as fresh pinned memory may hold */
+  return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+
+cudaError_t cudaFreeHost(void *p) {
+  free(p);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t st) {
+  *p = malloc(size ? size : 1);
+  if (*p)
+    memset(*p, 0x5a, size);
+  return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+
+cudaError_t cudaFreeAsync(void *p, cudaStream_t st) {
+  op_t *o = op_new(OP_FREE);
+  o->dst = p;
+  /* Even after a fault, memory must go (teardown). */
+  pthread_mutex_lock(&st->mu);
+  o->next = NULL;
+  if (st->tail)
+    st->tail->next = o;
+  else
+    st->head = o;
+  st->tail = o;
+  pthread_cond_broadcast(&st->cv);
+  pthread_mutex_unlock(&st->mu);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
+                            cudaStream_t st) {
+  op_t *o = op_new(OP_COPY);
+  o->dst = dst;
+  o->src = src;
+  o->n = count;
+  return push(st, o);
+}
+
+cudaError_t cudaStreamAddCallback(cudaStream_t st, cudaStreamCallback_t cb, void *arg,
+                                  unsigned int flags) {
+  op_t *o = op_new(OP_CALLBACK);
+  o->cb = cb;
+  o->arg = arg;
+  /* Callbacks are queued even after a fault: each runs once, with the error. */
+  pthread_mutex_lock(&st->mu);
+  o->next = NULL;
+  if (st->tail)
+    st->tail->next = o;
+  else
+    st->head = o;
+  st->tail = o;
+  pthread_cond_broadcast(&st->cv);
+  pthread_mutex_unlock(&st->mu);
+  return cudaSuccess;
+}
