@@ -691,6 +691,14 @@ static void test_all_finite(void **state) {
   f[0] = -INFINITY;
   assert_int_equal(attnd_cpu_all_finite(ATTND_DT_FP32, f, 37), 0);
   assert_int_equal(attnd_cpu_all_finite(ATTND_DT_FP32, f, 0), 1);
+  /* Request bytes need not be aligned: an odd address works too. */
+  uint8_t raw[2 * 37 + 1];
+  fill_random(ATTND_DT_BF16, h, 37, 1.0);
+  memcpy(raw + 1, h, sizeof(h));
+  assert_int_equal(attnd_cpu_all_finite(ATTND_DT_BF16, raw + 1, 37), 1);
+  raw[1 + 2 * 20] = 0x80; /* element 20 = 0x7f80, +inf, little-endian */
+  raw[1 + 2 * 20 + 1] = 0x7f;
+  assert_int_equal(attnd_cpu_all_finite(ATTND_DT_BF16, raw + 1, 37), 0);
 }
 
 /* ---- element conversions of the kernels against the oracle's rounding -------- */

@@ -204,23 +204,21 @@ int attnd_cpu_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, 
 
 int attnd_cpu_all_finite(attnd_dtype_t dt, const void *p, size_t count) {
   /* An OR over the exponent test, not an early exit, so the loop vectorizes.
-   * The engine checks tensors where they lie in the request frame, at any
-   * byte offset, so elements are loaded with memcpy (a typed load of an odd
-   * address is undefined behaviour; UBSan caught it); compilers turn these
-   * into plain unaligned loads. */
+   * Elements are read through memcpy: this validates raw request bytes, which
+   * need not be element-aligned. */
+  const uint8_t *c = p;
   uint32_t bad = 0;
-  const uint8_t *b = p;
   if (dt == ATTND_DT_BF16 || dt == ATTND_DT_FP16) {
     uint16_t mask = dt == ATTND_DT_BF16 ? 0x7f80u : 0x7c00u;
     for (size_t i = 0; i < count; i++) {
       uint16_t h;
-      memcpy(&h, b + 2 * i, 2);
+      memcpy(&h, c + 2 * i, 2);
       bad |= (uint32_t)((h & mask) == mask);
     }
   } else if (dt == ATTND_DT_FP32) {
     for (size_t i = 0; i < count; i++) {
       uint32_t w;
-      memcpy(&w, b + 4 * i, 4);
+      memcpy(&w, c + 4 * i, 4);
       bad |= (uint32_t)((w & 0x7f800000u) == 0x7f800000u);
     }
   } else {
