@@ -178,6 +178,13 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
     res = dict(transformers=transformers.__version__, torch=torch.__version__, dtype=dtype,
                device=str(dev), backend=h.backend, attnd_device=h.device)
 
+    def say(msg):  # as each part finishes, so a failure's log shows what passed before it
+        if verbose:
+            print(msg, flush=True)
+
+    say(f"hf_llama: transformers {res['transformers']}, torch {res['torch']}, model {dtype} on "
+        f"{res['device']}; attnd backend {res['backend']} ({res['attnd_device']})")
+
     # 1, 2: transformers' own attention and cache.
     t0 = time.monotonic()
     set_impl(model, "sdpa")
@@ -190,6 +197,8 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
     res["eager_vs_sdpa_rel_l2"] = floor
     tol = LOGIT_TOL if dtype == "fp32" else max(LOGIT_TOL, 2 * floor)
     set_impl(model, "sdpa")
+    say(f"  reference (sdpa) tokens: {ref_tok.tolist()}")
+    say(f"  eager vs sdpa: logits rel L2 {floor:.2e} (noise floor); attnd's bound {tol:.1e}")
 
     adapter = attnd.hf.AttndAdapter(client)
     adapter.attach(model)
@@ -208,6 +217,11 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
         res["attnd_s"] = time.monotonic() - t0
         res["teacher_forced"], abs_err = compare_logits(att_logits, ref_logits, "attnd vs sdpa", tol)
         res["attnd_sessions_len"] = held
+        tf = res["teacher_forced"]
+        say(f"  attnd vs sdpa, teacher-forced {steps + 1} steps x {batch} rows: worst logits rel L2 "
+            f"{tf['rel_l2']:.2e}, max abs {tf['max_abs']:.3e}, argmax agree {tf['agree']}/{tf['n']} "
+            f"(near-ties {tf['near_ties']}); attnd held {held} tokens per session; "
+            f"{res['attnd_s']:.2f} s vs sdpa {res['sdpa_s']:.2f} s")
 
         # 4: model.generate() with an AttndCache.
         with adapter.cache() as cache:
@@ -219,6 +233,7 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
             raise AssertionError(f"generate() made {gen_tok.shape[1]} tokens, expected {steps}")
         res["generate_same_tokens"] = compare_tokens(gen_tok, ref_tok, ref_logits, abs_err, "generate")
         res["generate_tokens"] = gen_tok.tolist()
+        say(f"  attnd generate(): {res['generate_same_tokens']}/{batch * steps} tokens as sdpa's")
 
         # 5: no cache: the whole sequence in one forward, every position's logits.
         full = torch.cat([ids, torch.from_numpy(ref_tok).to(dev)], 1)
@@ -231,25 +246,14 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
         if err > tol:
             raise AssertionError(f"use_cache=False: logits rel L2 {err:.3e} > {tol:.3e}")
         res["no_cache_rel_l2"] = err
+        say(f"  attnd use_cache=False, {prompt + steps} positions: logits rel L2 {err:.2e}")
     finally:
         adapter.detach(model)
         adapter.close()
     res["steps"] = adapter.runner.steps
     res["plans"] = adapter.runner.plans
     res["ref_tokens"] = ref_tok.tolist()
-    if verbose:
-        tf = res["teacher_forced"]
-        print(f"hf_llama: transformers {res['transformers']}, torch {res['torch']}, model {dtype} on "
-              f"{res['device']}; attnd backend {res['backend']} ({res['attnd_device']})")
-        print(f"  reference (sdpa) tokens: {res['ref_tokens']}")
-        print(f"  eager vs sdpa: logits rel L2 {floor:.2e} (noise floor)")
-        print(f"  attnd vs sdpa, teacher-forced {steps + 1} steps x {batch} rows: worst logits rel L2 "
-              f"{tf['rel_l2']:.2e} (tol {tol:.1e}), max abs {tf['max_abs']:.3e}, argmax agree "
-              f"{tf['agree']}/{tf['n']} (near-ties {tf['near_ties']})")
-        print(f"  attnd generate(): {res['generate_same_tokens']}/{batch * steps} tokens as sdpa's")
-        print(f"  attnd use_cache=False, {prompt + steps} positions: logits rel L2 {res['no_cache_rel_l2']:.2e}")
-        print(f"  attnd held {held} tokens per session; {res['steps']} steps, {res['plans']} plans; "
-              f"{res['attnd_s']:.2f} s vs sdpa {res['sdpa_s']:.2f} s")
+    say(f"  {res['steps']} attnd steps under {res['plans']} plans: PASS")
     return res
 
 
