@@ -214,7 +214,11 @@ def register(name=DEFAULT_NAME):
         from transformers import AttentionInterface
         AttentionInterface.register(name, attnd_attention_forward)
     except ImportError:  # 4.48/4.49: a plain dict
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        try:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        except ImportError as e:
+            raise ImportError("attnd.hf needs transformers >= 4.48 (models that call their attention "
+                              "through ALL_ATTENTION_FUNCTIONS)") from e
         ALL_ATTENTION_FUNCTIONS[name] = attnd_attention_forward
 
 
