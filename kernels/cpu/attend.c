@@ -111,6 +111,15 @@ static inline int chan_pos(int int4, int D, int d) {
  * Vectors never cross a function boundary (always_inline), so no ABI change. */
 typedef float kc_v8 __attribute__((vector_size(32)));
 
+typedef int32_t kc_i8 __attribute__((vector_size(32)));
+
+/* Two-vector shuffle with constant lane indices; GCC and clang name it differently. */
+#if defined(__clang__)
+#define KC_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define KC_SHUF(a, b, ...) __builtin_shuffle(a, b, (kc_i8){__VA_ARGS__})
+#endif
+
 #define KC_LD(v, p) memcpy(&(v), (p), sizeof(kc_v8))
 #define KC_ST(p, v) memcpy((p), &(v), sizeof(kc_v8))
 
@@ -150,12 +159,13 @@ KC_INLINE void dot4(const float *restrict Q, int D, const float *restrict k, flo
   }
   /* Four horizontal sums at once: two rounds of pairwise shuffles and adds
    * leave lanes q and q + 4 holding the two halves of query q's sum. */
-  typedef int32_t kc_i8 __attribute__((vector_size(32)));
-  const kc_i8 lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
-  const kc_i8 lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-  kc_v8 t0 = __builtin_shuffle(a0, a1, lo) + __builtin_shuffle(a0, a1, hi);
-  kc_v8 t1 = __builtin_shuffle(a2, a3, lo) + __builtin_shuffle(a2, a3, hi);
-  kc_v8 u = __builtin_shuffle(t0, t1, lo2) + __builtin_shuffle(t0, t1, hi2);
+#define KC_LO 0, 8, 1, 9, 4, 12, 5, 13
+#define KC_HI 2, 10, 3, 11, 6, 14, 7, 15
+#define KC_LO2 0, 1, 8, 9, 4, 5, 12, 13
+#define KC_HI2 2, 3, 10, 11, 6, 7, 14, 15
+  kc_v8 t0 = KC_SHUF(a0, a1, KC_LO) + KC_SHUF(a0, a1, KC_HI);
+  kc_v8 t1 = KC_SHUF(a2, a3, KC_LO) + KC_SHUF(a2, a3, KC_HI);
+  kc_v8 u = KC_SHUF(t0, t1, KC_LO2) + KC_SHUF(t0, t1, KC_HI2);
   for (int q = 0; q < 4; q++)
     out[q] = u[q] + u[q + 4];
 }
