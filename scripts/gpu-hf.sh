@@ -90,9 +90,11 @@ except (OSError, ValueError):
     print("SKIP(no torch/transformers or no engine)" if rc == 77 else "FAIL(rc %d)" % rc); sys.exit()
 tf = r["teacher_forced"]
 n = sum(len(x) for x in r["ref_tokens"])
-print("%s(relL2 %.1e floor %.1e argmax %d/%d gen %d/%d nocache %.1e)" % (
+p = r["prefix"]
+print("%s(relL2 %.1e floor %.1e argmax %d/%d gen %d/%d nocache %.1e prefix-hit %d gen %d/%d)" % (
     "PASS" if rc == 0 else "FAIL", tf["rel_l2"], r["eager_vs_sdpa_rel_l2"], tf["agree"] + tf["near_ties"],
-    tf["n"], r["generate_same_tokens"], n, r["no_cache_rel_l2"]))
+    tf["n"], r["generate_same_tokens"], n, r["no_cache_rel_l2"], p["cached_len"][0], p["same_tokens"][1],
+    len(r["ref_tokens"]) * 8))
 EOF
 )
       summary="$summary $b/$dt:${s:-FAIL(rc $rc)}"

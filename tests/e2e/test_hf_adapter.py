@@ -125,6 +125,49 @@ class RunnerTest(DaemonTestCase):
                 seqs.ensure(2, 0)
         print(f"\n  runner: worst rel L2 {worst[0]:.2e} (tol {TOL}); {self.r.steps} steps, {self.r.plans} plans")
 
+    def test_prefix_cache_hit_skips_held_positions(self):
+        rng = np.random.default_rng(7)
+        m = self.m
+        worst = [0.0]
+        salt = rng.bytes(8)
+        with self.engine_needed("sessions"):
+            toks = rng.integers(0, 1000, size=(2, 40)).tolist()
+            a = self.r.sequences(prefix=True, salt=salt)
+            refs_a = [RefSession(m) for _ in range(2)]
+            self.forward(a, refs_a, rng, 0, toks, worst)
+            self.assertEqual(a.opened_cached, [0, 0])
+            held = [copy.deepcopy(r) for r in refs_a]
+            a.close()  # its two full blocks per row stay in the prefix cache
+            b = self.r.sequences(prefix=True, salt=salt)
+            refs = []
+            for r in held:
+                r.K = [K[:32] for K in r.K]
+                r.V = [V[:32] for V in r.V]
+                refs.append(r)
+            n = 40
+            for layer in range(m.layers):
+                q = rng.standard_normal((2 * n, m.q_heads, m.head_dim)).astype(np.float32)
+                k = rng.standard_normal((2 * n, m.kv_heads, m.head_dim)).astype(np.float32)
+                v = rng.standard_normal((2 * n, m.kv_heads, m.head_dim)).astype(np.float32)
+                out = attnd.bf16_to_f32(self.r.step(b, layer, attnd.f32_to_bf16(q), attnd.f32_to_bf16(k),
+                                                    attnd.f32_to_bf16(v), 0, toks))
+                self.assertEqual(b.opened_cached, [32, 32])
+                for r in range(2):
+                    self.assertTrue((out[r * n:r * n + 32] == 0).all(), "held rows come back as zeros")
+                    sl = slice(r * n + 32, (r + 1) * n)
+                    ref = refs[r].step(layer, 32, q[sl], k[sl], v[sl])
+                    err = rel_l2(out[sl], ref)
+                    worst[0] = max(worst[0], err)
+                    self.assertLess(err, TOL, f"layer {layer} row {r}")
+            self.forward(b, refs, rng, 40, rng.integers(0, 1000, size=(2, 1)).tolist(), worst)
+            # Rewriting from 0 with other tokens sends every position again.
+            other = rng.integers(0, 1000, size=(2, 5)).tolist()
+            refs = [RefSession(m) for _ in range(2)]
+            self.forward(b, refs, rng, 0, other, worst)
+            self.assertEqual(b.cached, [0, 0])
+            b.close()
+        print(f"\n  prefix: worst rel L2 {worst[0]:.2e}")
+
     def test_batch_size_change_mid_sequence_is_refused(self):
         rng = np.random.default_rng(6)
         with self.engine_needed("sessions"):
@@ -169,6 +212,7 @@ class HFLlamaTest(unittest.TestCase):
         self.assertEqual(res["attnd_sessions_len"], [hf_llama.PROMPT + hf_llama.STEPS] * hf_llama.BATCH)
         self.assertGreaterEqual(tf["agree"] + tf["near_ties"], tf["n"])
         self.assertLess(res["no_cache_rel_l2"], tf["tol"])
+        self.assertEqual(res["prefix"]["cached_len"], [32] * hf_llama.BATCH)
 
     def test_bf16_model(self):
         self.check("bf16")

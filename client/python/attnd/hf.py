@@ -51,15 +51,21 @@ class _Sequences:
     the number of tokens each layer holds. An AttndCache owns one; the adapter
     owns one more for calls made without a cache (use_cache=False)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, prefix=False, salt=b""):
         self.runner = runner
+        self.prefix = prefix  # open sessions with their prompt: attnd's prefix cache may hold it
+        self.salt = salt
         self.sessions = []
+        self.cached = []   # per row: leading positions attnd already holds for `prompts`
+        self.opened_cached = []  # per row: cached_len as OpenSession answered
+        self.prompts = []  # per row: the token ids a session was opened with
         self.len = {}      # layer -> tokens attnd holds for every row
         self.plan = None   # (plan id, key) of the current forward pass
         self.closed = False
 
-    def ensure(self, rows, start):
-        """Opens one session per row when the batch has none (or another size)."""
+    def ensure(self, rows, start, tokens=None):
+        """Opens one session per row when the batch has none (or another size); with
+        `prefix`, each with its row's tokens, so that attnd reports what it already holds."""
         if self.closed:
             raise RuntimeError("this AttndCache was closed; make a new one with adapter.cache()")
         if len(self.sessions) == rows:
@@ -69,8 +75,28 @@ class _Sequences:
                              f"sequence (position {start}); start a new cache")
         self.drop()
         c = self.runner.client
-        self.sessions = [c.open_session()[0] for _ in range(rows)]
+        if self.prefix and start == 0 and tokens is not None:
+            opened = [c.open_session(t, salt=self.salt) for t in tokens]
+            self.sessions = [sid for sid, _ in opened]
+            self.cached = [n for _, n in opened]
+            self.opened_cached = list(self.cached)
+            self.prompts = [list(t) for t in tokens]
+        else:
+            self.sessions = [c.open_session()[0] for _ in range(rows)]
+            self.cached = [0] * rows
+            self.opened_cached = list(self.cached)
+            self.prompts = [[] for _ in range(rows)]
         self.len = {}
+
+    def held(self, r, start, tokens):
+        """The first position of row r (from `start`, with these token ids) that attnd
+        does not hold yet: past what the prefix cache gave, or past the first token
+        that differs from the prompt the session was opened with."""
+        c = self.cached[r] if r < len(self.cached) else 0
+        if c <= start:
+            return start
+        want = self.prompts[r][start:c]
+        return c if list(tokens[:len(want)]) == want else start
 
     def drop(self):
         """Closes the sessions (best effort: a restarted daemon has lost them anyway)."""
@@ -80,6 +106,8 @@ class _Sequences:
             except (errors.AttndError, OSError):
                 pass
         self.sessions = []
+        self.cached = []
+        self.prompts = []
         self.len = {}
         self.plan = None
 
@@ -108,6 +136,8 @@ class _Sequences:
                     c.close_session(sid)
                 except errors.AttndError:
                     pass
+        self.cached = [self.cached[i] for i in indices]
+        self.prompts = [self.prompts[i] for i in indices]
         self.sessions = new
         self.plan = None
 
@@ -115,6 +145,7 @@ class _Sequences:
         for sid in self.sessions:
             self.runner.client.truncate(sid, length)
         self.len = {layer: min(n, length) for layer, n in self.len.items()}
+        self.cached = [min(c, length) for c in self.cached]
         self.plan = None
 
 
@@ -132,19 +163,30 @@ class AttndRunner:
         self.steps = 0
         self.plans = 0
 
-    def sequences(self):
-        return _Sequences(self)
+    def sequences(self, prefix=False, salt=b""):
+        return _Sequences(self, prefix, salt)
 
     def step(self, seqs, layer, q, k, v, start, tokens, mask=None, fp32_out=False):
         """q [rows*n, q_heads, D], k and v [rows*n, kv_heads, D] (numpy, rows in order),
-        tokens: rows lists of n ids. Returns out [rows*n, q_heads, D] (numpy)."""
+        tokens: rows lists of n ids. Returns out [rows*n, q_heads, D] (numpy).
+
+        Rows whose leading positions attnd already holds (a prefix-cache hit of a
+        sequences(prefix=True)) send only the rest; their held rows' outputs are zeros,
+        which is right for generation (only the last position's logits count) and
+        only for it."""
         rows = len(tokens)
         n = len(tokens[0])
-        seqs.ensure(rows, start)
+        seqs.ensure(rows, start, tokens)
+        end = start + n
+        firsts = [seqs.held(r, start, tokens[r]) if mask is None else start for r in range(rows)]
+        sel = None
+        if any(f > start for f in firsts):
+            sel = np.concatenate([np.arange(r * n + f - start, (r + 1) * n) for r, f in enumerate(firsts)])
+            q, k, v = q[sel], k[sel], v[sel]
         mask_key = None if mask is None else (mask.kind, mask.window, mask.prefix_len)
-        key = (start, n, mask_key, tuple(tuple(t) for t in tokens))
-        items = [_client.Item(sid, start, n, tokens=list(t), mask=mask)
-                 for sid, t in zip(seqs.sessions, tokens)]
+        key = (start, n, tuple(firsts), mask_key, tuple(tuple(t) for t in tokens))
+        items = [_client.Item(sid, f, end - f, tokens=list(t[f - start:]), mask=mask)
+                 for sid, t, f in zip(seqs.sessions, tokens, firsts)]
         for attempt in (0, 1):
             if seqs.plan is None or seqs.plan[1] != key:
                 seqs.plan = (self.client.plan(items), key)
@@ -158,9 +200,17 @@ class AttndRunner:
                 seqs.plan = None
                 if attempt:
                     raise
-        seqs.len[layer] = start + n
+        seqs.len[layer] = end
+        for r, f in enumerate(firsts):  # what this step rewrote is no longer the prompt's
+            if r < len(seqs.cached) and f < seqs.cached[r]:
+                seqs.cached[r] = f
         self.steps += 1
-        return res.out
+        out = res.out
+        if sel is not None:
+            full = np.zeros((rows * n,) + out.shape[1:], dtype=out.dtype)
+            full[sel] = out
+            out = full
+        return out
 
 
 # ---- torch side ----
@@ -308,9 +358,15 @@ class AttndAdapter:
         if _LAST_ADAPTER is self:
             _LAST_ADAPTER = None
 
-    def cache(self):
-        """A new AttndCache: pass it as past_key_values; close it (or use `with`) when done."""
-        c = _cache_class()(self)
+    def cache(self, prefix=False, salt=b""):
+        """A new AttndCache: pass it as past_key_values; close it (or use `with`) when done.
+
+        prefix=True opens each row's session with its prompt, so attnd's prefix cache
+        may already hold its leading blocks (sessions with equal `salt` share); those
+        positions are not sent again and their outputs are zeros: the logits of the
+        prompt's cached positions are then meaningless, the last one's are exact.
+        For generation, not for scoring a prompt's every position."""
+        c = _cache_class()(self, prefix, salt)
         self._caches.add(c)
         return c
 
@@ -436,10 +492,10 @@ def _cache_class():
         returns them unchanged, so the attention function gets only the new k and v.
         Closing it (or leaving a `with`) closes its attnd sessions."""
 
-        def __init__(self, adapter):
+        def __init__(self, adapter, prefix=False, salt=b""):
             DynamicCache.__init__(self)
             self._adapter = adapter
-            self._seqs = adapter.runner.sequences()
+            self._seqs = adapter.runner.sequences(prefix, salt)
             self._len = {}
 
         # what the models call
@@ -500,6 +556,11 @@ def _cache_class():
         def sessions(self):
             """The attnd session ids, one per batch row."""
             return list(self._seqs.sessions)
+
+        @property
+        def cached_len(self):
+            """Per row: the prompt positions attnd's prefix cache held when the session opened."""
+            return list(self._seqs.opened_cached)
 
         def close(self):
             self._seqs.close()

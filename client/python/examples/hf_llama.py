@@ -16,6 +16,9 @@ same model, same prompts (a batch of 2 rows), runs
      to the first near-tie.
   5. "attnd" without a cache (use_cache=False): all positions' logits of the whole
      sequence in one forward, against sdpa's.
+  6. "attnd" generate() twice on 40-token prompts with AttndCache(prefix=True): the
+     second finds the first's full blocks in attnd's prefix cache and sends only
+     the rest; both runs' tokens against sdpa's.
 
 and checks that attnd, not transformers, holds the KV (session lengths in attnd).
 
@@ -42,6 +45,7 @@ SKIP = 77
 STEPS = 20
 PROMPT = 12
 BATCH = 2
+PREFIX_PROMPT = 40  # two full 16-token blocks for the prefix-cache part
 # Logits' relative L2 per step against sdpa. Both sides round q, k, v and the
 # attention output to bf16; two layers of that move logits by about 1e-2. A bf16
 # model also rounds everything else, so there the bound is at least twice what
@@ -247,6 +251,34 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
             raise AssertionError(f"use_cache=False: logits rel L2 {err:.3e} > {tol:.3e}")
         res["no_cache_rel_l2"] = err
         say(f"  attnd use_cache=False, {prompt + steps} positions: logits rel L2 {err:.2e}")
+
+        # 6: attnd's prefix cache under generate(): a second cache with the same
+        # (longer) prompts finds its full blocks held and sends only the rest.
+        long_ids = torch.randint(0, SHAPE["vocab"], (batch, PREFIX_PROMPT), generator=g).to(dev)
+        pre_steps = 8
+        set_impl(model, "sdpa")
+        pre_ref_tok, pre_ref_logits = greedy(model, long_ids, pre_steps)
+        set_impl(model, adapter.name)
+        salt = os.urandom(8)
+        want = (PREFIX_PROMPT - 1) // h.model.block_size * h.model.block_size
+        got, cached = [], []
+        for _ in range(2):
+            with adapter.cache(prefix=True, salt=salt) as cache:
+                with torch.no_grad():
+                    gen = model.generate(long_ids, attention_mask=torch.ones_like(long_ids),
+                                         past_key_values=cache, max_new_tokens=pre_steps, do_sample=False,
+                                         pad_token_id=0)
+                got.append(gen[:, PREFIX_PROMPT:].cpu().numpy())
+                cached.append(cache.cached_len)
+        if cached != [[0] * batch, [want] * batch]:
+            raise AssertionError(f"prefix cache: cached_len {cached}, expected {[[0] * batch, [want] * batch]}")
+        est = np.full((pre_steps + 1, batch), res["teacher_forced"]["max_abs"])
+        same = [compare_tokens(t, pre_ref_tok, pre_ref_logits, est, f"prefix run {i}") for i, t in enumerate(got)]
+        res["prefix"] = dict(prompt=PREFIX_PROMPT, cached_len=cached[1], same_tokens=same,
+                             hit_equals_miss=bool((got[0] == got[1]).all()))
+        say(f"  attnd prefix cache: prompt {PREFIX_PROMPT}, second cache found {cached[1]} positions held; "
+            f"tokens as sdpa's {same[0]}/{batch * pre_steps} (miss) and {same[1]}/{batch * pre_steps} (hit); "
+            f"hit == miss: {res['prefix']['hit_equals_miss']}")
     finally:
         adapter.detach(model)
         adapter.close()
