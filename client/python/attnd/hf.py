@@ -517,7 +517,9 @@ def _cache_class():
             return self.get_seq_length(layer_idx)
 
         def get_mask_sizes(self, cache_position, layer_idx=0):
-            return self.get_seq_length(layer_idx) + cache_position.shape[0], 0
+            # Releases pass the new positions (a tensor) or, later, just their number.
+            q = cache_position if isinstance(cache_position, int) else cache_position.shape[0]
+            return self.get_seq_length(layer_idx) + q, 0
 
         def get_max_length(self):  # transformers 4.4x
             return None
