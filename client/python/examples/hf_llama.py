@@ -242,7 +242,10 @@ def run_check(client, dtype="bf16", steps=STEPS, prompt=PROMPT, batch=BATCH, see
         # 5: no cache: the whole sequence in one forward, every position's logits.
         full = torch.cat([ids, torch.from_numpy(ref_tok).to(dev)], 1)
         with torch.no_grad():
+            before = adapter.runner.steps
             att_full = model(input_ids=full, use_cache=False).logits.float().cpu().numpy()
+            if adapter.runner.steps != before + SHAPE["layers"]:  # else sdpa ran: an empty comparison
+                raise AssertionError(f"use_cache=False made {adapter.runner.steps - before} attnd steps")
             set_impl(model, "sdpa")
             ref_full = model(input_ids=full, use_cache=False).logits.float().cpu().numpy()
             set_impl(model, adapter.name)
