@@ -41,7 +41,7 @@
 #   GPU-E2E SUMMARY: pass=N fail=M skip=K | step=result ...
 # and exits 0 only when no step failed. GPU_E2E_BUDGET (seconds, default 540)
 # skips the steps that would start after it, so the device tool's 600 s limit
-# still leaves the summary.
+# still leaves the summary. PYTHON names the interpreter (default python3).
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -131,7 +131,7 @@ pb2=$(find_file attnd_pb2.py || true)
 libdir=$(dirname "${attnd_bin:-${test_bin:-$here/build-gpu/stage/x}}")
 export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-py=python3
+py=${PYTHON:-python3} # the GPU machine's python3 has numpy and protobuf
 pydir=$out/py
 mkdir -p "$pydir"
 [ -n "$pb2" ] && cp "$pb2" "$pydir/"
@@ -279,8 +279,8 @@ if [ -n "$attnd_bin" ] && [ -n "$pb2" ]; then
       record "e2e:$m" 77
       continue
     fi
-    (cd "$here/tests/e2e" && ATTND_E2E_BACKEND=cuda ATTND_BIN=$attnd_bin \
-      ${attnctl_bin:+ATTND_ATTNCTL=$attnctl_bin} ATTND_BUILD_DIR=$libdir \
+    (cd "$here/tests/e2e" && env ATTND_E2E_BACKEND=cuda ATTND_BIN="$attnd_bin" \
+      ${attnctl_bin:+ATTND_ATTNCTL="$attnctl_bin"} ATTND_BUILD_DIR="$libdir" \
       timeout 100 $py run.py "$m") >"$out/e2e_$m.log" 2>&1
     rc=$?
     grep -E "^(Ran|OK|FAILED)|SKIPPED|rel L2|Error|error:" "$out/e2e_$m.log" | head -15

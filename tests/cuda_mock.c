@@ -8,9 +8,9 @@
  * memory; attnd_cuda_write/attend run the CPU kernels on the stream's thread.
  * Every operation sleeps a little at random, so that a missing ordering shows
  * as a wrong result rather than passing by luck, and attnd_cuda_mock_hold()
- * lets a test enqueue everything before any stream starts. ATTND_CUDA_MOCK_FAULT_BLOCK:
- * a write whose block table names a block >= this value reports
- * cudaErrorIllegalAddress to every later callback (a sticky fault).
+ * lets a test enqueue everything before any stream starts. A write whose
+ * block table names a block >= ATTND_CUDA_MOCK_FAULT_BLOCK (default 2^24)
+ * reports cudaErrorIllegalAddress to every later callback (a sticky fault).
  *
  * Linked only into test_backend_cuda_mock, never into the daemon. */
 #include <cuda_runtime_api.h>
@@ -66,10 +66,9 @@ static void jitter(struct CUstream_st *st) {
 }
 
 static int fault_block(const attnd_kbatch_t *b) {
+  /* A real device faults on any far-away address; the host would crash. */
   const char *e = getenv("ATTND_CUDA_MOCK_FAULT_BLOCK");
-  if (!e)
-    return 0;
-  long lim = atol(e);
+  long lim = e ? atol(e) : 1l << 24;
   for (int i = 0; i < b->nitems; i++) {
     const attnd_kitem_t *it = &b->items[i];
     int nb = (it->start + it->n + 15) / 16; /* tests use block_size 16 */
