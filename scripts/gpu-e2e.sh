@@ -202,6 +202,7 @@ start_daemon() {
     if ! kill -0 $dpid 2>/dev/null; then
       echo "attnd ($name) exited at start:"
       tail -20 "$out/attnd-$name.log"
+      rm -rf "$dtmp"
       return 1
     fi
     if [ -S "$dsock" ] && $py - "$dsock" >/dev/null 2>&1 <<'EOF'; then
@@ -213,7 +214,11 @@ EOF
     fi
     sleep 0.1
   done
-  echo "attnd ($name) did not answer Health within 30 s"
+  echo "attnd ($name) did not answer Health within 30 s: killing it"
+  tail -20 "$out/attnd-$name.log"
+  kill -KILL $dpid 2>/dev/null
+  wait $dpid 2>/dev/null
+  rm -rf "$dtmp"
   return 1
 }
 
