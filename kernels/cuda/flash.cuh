@@ -39,6 +39,7 @@ struct FlashParams {
   float *ws_o;                // nsplit > 1: [nsplit][Tq][q_heads][D] fp32, normalized
   float *ws_lse;              // nsplit > 1: [nsplit][Tq][q_heads] natural-log lse
   int total_q;
+  int max_vec;                // max over items of n * group (query vectors)
   int debug;                  // ATTND_FLASH_DEBUG: 1 skip loads, 2 skip math (timing only)
 };
 

@@ -119,7 +119,10 @@ template <int D, int DT, int KV> struct FlashSmem {
   static constexpr size_t kBytes = kFlags + kMaxTileFlags;
 };
 
-template <int D, int DT, int KV>
+// SPLITW (decode): every query vector of the CTA fits in one warp's 16 rows,
+// so instead of one warp computing while three wait, the four warps take a
+// quarter of each key tile each, with their own softmax state, merged at the end.
+template <int D, int DT, int KV, bool SPLITW>
 __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant__ FlashParams P) {
   using A = Act<DT>;
   using T = typename A::T;
@@ -129,6 +132,8 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
   constexpr int EPC = KvT<KV>::kElemPerChunk;  // elements per chunk
   constexpr int CHUNKS = BN * CPR / kThreadsF; // per thread per tensor per tile
   constexpr int NT = D / 8;                    // O n-tiles per warp
+  constexpr int KW = SPLITW ? BN / kWarpsF : BN; // keys of a tile per warp
+  static_assert(KW % 16 == 0, "a warp's key slice must be whole mma k-steps");
   static_assert(CHUNKS >= 1 && (BN * CPR) % kThreadsF == 0, "tile split");
 
   extern __shared__ __align__(16) uint8_t smem[];
@@ -234,6 +239,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
   };
   const size_t v_region = (size_t)P.kv_heads * P.bs * RB;
   const size_t scale_region = 2 * v_region;
+  const int bs_shift = __ffs(P.bs) - 1, bs_mask = P.bs - 1, kvh_bs = kvh * P.bs;
   // Issues the paged cp.async copies of key tile t into stage st (zero-filled
   // past kv_len or hi, so masked keys hold finite values).
   auto issue = [&](int t, int st) {
@@ -242,29 +248,35 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
       cp_async_commit();
       return;
     }
+    // Row addresses first: one block-table read per key a thread copies, all
+    // issued before any copy (no dependent load chain), K and V sharing them.
+    // Block sizes are powers of two: shifts, not divisions.
+    const uint8_t *rowp[CHUNKS];
+    bool okv[CHUNKS];
+#pragma unroll
+    for (int i = 0; i < CHUNKS; i++) {
+      const int c = tid + i * kThreadsF, key = c / CPR, cc = c % CPR, j = j0 + key;
+      okv[i] = j < kv_len && j <= hi;
+      const int jj = okv[i] ? j : 0; // bt[0] always exists
+      rowp[i] = P.cache + (size_t)bt[jj >> bs_shift] * P.block_bytes + (size_t)(kvh_bs + (jj & bs_mask)) * RB + cc * 16;
+    }
 #pragma unroll
     for (int which = 0; which < 2; which++) {
       uint8_t *dst = sRaw + (size_t)(st * 2 + which) * BN * RAWLD;
 #pragma unroll
       for (int i = 0; i < CHUNKS; i++) {
-        const int c = tid + i * kThreadsF, key = c / CPR, cc = c % CPR, j = j0 + key;
-        const bool ok = j < kv_len && j <= hi;
-        const uint8_t *src = P.cache;
-        if (ok)
-          src = P.cache + (size_t)bt[j / P.bs] * P.block_bytes + which * v_region +
-                (size_t)(kvh * P.bs + j % P.bs) * RB + cc * 16;
-        cp_async16(dst + key * RAWLD + cc * 16, src, ok);
+        const int c = tid + i * kThreadsF, key = c / CPR, cc = c % CPR;
+        cp_async16(dst + key * RAWLD + cc * 16, okv[i] ? rowp[i] + which * v_region : P.cache, okv[i]);
       }
     }
     if constexpr (KvT<KV>::kDyn) {
       if (tid < 2 * BN) {
         const int which = tid / BN, key = tid % BN, j = j0 + key;
         const bool ok = j < kv_len && j <= hi;
-        const uint8_t *src = P.cache;
-        if (ok)
-          src = P.cache + (size_t)bt[j / P.bs] * P.block_bytes + scale_region +
-                ((size_t)which * P.kv_heads * P.bs + kvh * P.bs + j % P.bs) * 4;
-        cp_async4(sDs + (st * 2 + which) * BN + key, src, ok);
+        const int jj = ok ? j : 0;
+        const uint8_t *src = P.cache + (size_t)bt[jj >> bs_shift] * P.block_bytes + scale_region +
+                             ((size_t)which * P.kv_heads * P.bs + kvh_bs + (jj & bs_mask)) * 4;
+        cp_async4(sDs + (st * 2 + which) * BN + key, ok ? src : P.cache, ok);
       }
     }
     cp_async_commit();
@@ -276,7 +288,9 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
   for (int i = 0; i < NT; i++)
     o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f};
-  const int wv0 = v0 + warp * 16; // first vector of this warp
+  const int qr0 = SPLITW ? 0 : warp * 16; // this warp's first row in sQ
+  const int kb = SPLITW ? warp * KW : 0;  // this warp's first key in each tile
+  const int wv0 = v0 + qr0;               // first vector of this warp
   const bool warp_live = wv0 < vend;
   int prow[2];
   bool rvalid[2];
@@ -361,18 +375,18 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
 
     if (warp_live && !dbg_no_compute) {
       // S = Q K^T for this warp's 16 vectors x BN keys.
-      float s[BN / 8][4];
+      float s[KW / 8][4];
 #pragma unroll
-      for (int i = 0; i < BN / 8; i++)
+      for (int i = 0; i < KW / 8; i++)
         s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
       for (int kd = 0; kd < D; kd += 16) {
         uint32_t a[4];
-        ldsm_x4(a[0], a[1], a[2], a[3], sQ + (warp * 16 + (lane & 15)) * LD + kd + (lane >> 4) * 8);
+        ldsm_x4(a[0], a[1], a[2], a[3], sQ + (qr0 + (lane & 15)) * LD + kd + (lane >> 4) * 8);
 #pragma unroll
-        for (int n0 = 0; n0 < BN; n0 += 16) {
+        for (int n0 = 0; n0 < KW; n0 += 16) {
           uint32_t b0, b1, b2, b3;
-          ldsm_x4(b0, b1, b2, b3, sK + (n0 + (lane & 7) + (lane >> 4) * 8) * LD + kd + ((lane >> 3) & 1) * 8);
+          ldsm_x4(b0, b1, b2, b3, sK + (kb + n0 + (lane & 7) + (lane >> 4) * 8) * LD + kd + ((lane >> 3) & 1) * 8);
           mma16816<DT>(s[n0 / 8], a, b0, b1);
           mma16816<DT>(s[n0 / 8 + 1], a, b2, b3);
         }
@@ -380,12 +394,12 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
       // Scale into the exp2 domain, mask, online softmax.
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; nt++) {
+      for (int nt = 0; nt < KW / 8; nt++) {
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           float x = s[nt][e] * sl2;
           if (need_mask) {
-            const int jj = nt * 8 + (lane & 3) * 2 + (e & 1), j = j0 + jj, ri = e >> 1;
+            const int jj = nt * 8 + (lane & 3) * 2 + (e & 1), j = j0 + kb + jj, ri = e >> 1;
             bool vis;
             if (kind == ATTND_MASK_INTERVALS) {
               vis = j >= lo && j <= hi && visible(kind, mp, it.causal, iv, kv_len, prow[ri], j);
@@ -413,9 +427,9 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
         mx[ri] = mref;
       }
       float rs[2] = {0.f, 0.f};
-      uint32_t pa[BN / 16][4];
+      uint32_t pa[KW / 16][4];
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; nt++) {
+      for (int nt = 0; nt < KW / 8; nt++) {
         const float p0 = exp2f(s[nt][0] - mx[0]), p1 = exp2f(s[nt][1] - mx[0]);
         const float p2 = exp2f(s[nt][2] - mx[1]), p3 = exp2f(s[nt][3] - mx[1]);
         rs[0] += p0 + p1;
@@ -435,11 +449,11 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
       }
       // O += P V
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; kk++) {
+      for (int kk = 0; kk < KW / 16; kk++) {
 #pragma unroll
         for (int n0 = 0; n0 < D; n0 += 16) {
           uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(b0, b1, b2, b3, sV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8);
+          ldsm_x4_t(b0, b1, b2, b3, sV + (kb + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8);
           mma16816<DT>(o[n0 / 8], pa[kk], b0, b1);
           mma16816<DT>(o[n0 / 8 + 1], pa[kk], b2, b3);
         }
@@ -457,6 +471,54 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
   for (int ri = 0; ri < 2; ri++) {
     l_r[ri] += __shfl_xor_sync(0xffffffffu, l_r[ri], 1);
     l_r[ri] += __shfl_xor_sync(0xffffffffu, l_r[ri], 2);
+  }
+  if constexpr (SPLITW) {
+    // Merge the four warps' states for the same 16 rows (shared memory is
+    // free now): weights 2^(m_w - M), then warp 0 sums and writes.
+    float *sm = reinterpret_cast<float *>(smem);   // [warps][16] m, then [warps][16] l
+    float *so = sm + 2 * kWarpsF * 16;             // [warps][16][D] o
+    static_assert((2 * kWarpsF * 16 + kWarpsF * 16 * D) * 4 <= L::kScale, "merge fits in shared memory");
+    if ((lane & 3) == 0) {
+#pragma unroll
+      for (int ri = 0; ri < 2; ri++) {
+        sm[warp * 16 + (lane >> 2) + ri * 8] = m_r[ri];
+        sm[kWarpsF * 16 + warp * 16 + (lane >> 2) + ri * 8] = l_r[ri];
+      }
+    }
+    __syncthreads();
+    float f[2], M[2], Lsum[2];
+#pragma unroll
+    for (int ri = 0; ri < 2; ri++) {
+      const int r = (lane >> 2) + ri * 8;
+      M[ri] = -INFINITY;
+      for (int w = 0; w < kWarpsF; w++)
+        M[ri] = fmaxf(M[ri], sm[w * 16 + r]);
+      const float mref = M[ri] == -INFINITY ? 0.f : M[ri];
+      Lsum[ri] = 0.f;
+      for (int w = 0; w < kWarpsF; w++)
+        Lsum[ri] += sm[kWarpsF * 16 + w * 16 + r] * exp2f(sm[w * 16 + r] - mref);
+      f[ri] = exp2f(m_r[ri] - mref);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        so[(warp * 16 + (lane >> 2) + (e >> 1) * 8) * D + nt * 8 + (lane & 3) * 2 + (e & 1)] = o[nt][e] * f[e >> 1];
+    __syncthreads();
+    if (warp != 0)
+      return;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int idx = ((lane >> 2) + (e >> 1) * 8) * D + nt * 8 + (lane & 3) * 2 + (e & 1);
+        o[nt][e] = so[idx] + so[16 * D + idx] + so[32 * D + idx] + so[48 * D + idx];
+      }
+#pragma unroll
+    for (int ri = 0; ri < 2; ri++) {
+      m_r[ri] = M[ri];
+      l_r[ri] = Lsum[ri];
+    }
   }
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
@@ -493,19 +555,29 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
   }
 }
 
-template <int D, int DT, int KV>
-cudaError_t launch_flash(const FlashParams &p, int nitems, int tiles, cudaStream_t st) {
+template <int D, int DT, int KV, bool SPLITW>
+static cudaError_t launch_one(const FlashParams &p, dim3 grid, cudaStream_t st) {
   const size_t smem = FlashSmem<D, DT, KV>::kBytes;
   static bool attr_done = false; // per instantiation; benign race: both set the same value
   if (!attr_done) {
-    cudaError_t e = cudaFuncSetAttribute(flash_kernel<D, DT, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    cudaError_t e = cudaFuncSetAttribute(flash_kernel<D, DT, KV, SPLITW>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess)
       return e;
     attr_done = true;
   }
-  dim3 grid((unsigned)(nitems * p.kv_heads), (unsigned)tiles, (unsigned)p.nsplit);
-  flash_kernel<D, DT, KV><<<grid, kThreadsF, smem, st>>>(p);
+  flash_kernel<D, DT, KV, SPLITW><<<grid, kThreadsF, smem, st>>>(p);
   return cudaGetLastError();
+}
+
+template <int D, int DT, int KV>
+cudaError_t launch_flash(const FlashParams &p, int nitems, int tiles, cudaStream_t st) {
+  dim3 grid((unsigned)(nitems * p.kv_heads), (unsigned)tiles, (unsigned)p.nsplit);
+  if constexpr (D <= 128) {
+    if (p.max_vec <= 16)
+      return launch_one<D, DT, KV, true>(p, grid, st);
+  }
+  return launch_one<D, DT, KV, false>(p, grid, st);
 }
 
 #define ATTND_FLASH_INST(KVT)                                                                          \

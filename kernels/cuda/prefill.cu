@@ -76,6 +76,7 @@ extern "C" int attnd_cuda_attend(const attnd_kshape_t *s, const attnd_kbatch_t *
   p.total_q = b->total_q;
   static const int debug = getenv("ATTND_FLASH_DEBUG") ? atoi(getenv("ATTND_FLASH_DEBUG")) : 0;
   p.debug = debug;
+  p.max_vec = b->max_n * p.group;
   p.nsplit = plan_splits(s, b, workspace ? workspace_bytes : 0, &p.split_keys);
   p.ws_o = nullptr;
   p.ws_lse = nullptr;
