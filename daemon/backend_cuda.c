@@ -510,19 +510,19 @@ static int cu_submit(attnd_backend_t *base, attnd_job_t *job) {
   job->t_start_us = job->t_end_us = 0;
   be->inflight++;
   update_ref(be);
+  cudaSetDevice(be->device);
   if (atomic_load(&be->dead)) {
     r->status = ATTND_EDEVICE;
     snprintf(r->msg, sizeof(r->msg), "the CUDA device is unusable after an earlier error");
-    push_done(be, r);
-    return 0;
-  }
-  cudaSetDevice(be->device);
-  if (job->kind == ATTND_JOB_COPY)
+  } else if (job->kind == ATTND_JOB_COPY) {
     enqueue_copy(be, r);
-  else
+  } else {
     enqueue_step(be, r);
+  }
   /* Even a failed job gets its callback behind what it enqueued, so its
-   * pinned buffer returns to the pool only once no copy reads it. */
+   * pinned buffer returns to the pool only once no copy reads it, and its
+   * done_cb comes after those of the layer's earlier jobs (a stream callback
+   * runs exactly once, with the error, even after a sticky one). */
   cudaError_t e = cudaStreamAddCallback(be->streams[r->stream].st, stream_cb, r, 0);
   if (e != cudaSuccess) {
     run_fail_cuda(r, __LINE__, "cudaStreamAddCallback", e);
