@@ -82,7 +82,7 @@ static attnd_kshape_t make_shape(attnd_kv_type_t kv) {
 /* One item as a test describes it. */
 typedef struct {
   int start, n, has_q, mask, param;
-  int table[4], nb;
+  int table[128], nb;
 } titem_t;
 
 /* One job's host inputs, shared by both backends (q is copied per backend:
@@ -91,7 +91,7 @@ typedef struct {
   int kind, layer;
   int nitems;
   attnd_kitem_t items[4];
-  int32_t meta[16];
+  int32_t meta[256];
   int nmeta;
   int T, Tq, max_kv, max_n;
   uint16_t *q, *k, *v;
@@ -403,6 +403,70 @@ static void test_int8_dynamic_matches_cpu(void **state) {
   compare_backends(ATTND_KV_INT8_DYNAMIC);
 }
 
+/* A long context (2000 keys written by a write-only item, then a decode
+ * batch over it and a short one): the attention may split the keys over its
+ * workspace (split-KV), which the backend sizes and passes per stream. */
+static void test_long_context_decode(void **state) {
+  SKIP_WITHOUT_GPU();
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *cpu = NULL, *gpu = NULL;
+  assert_int_equal(attnd_backend_cpu_create(&cpu, &loop, &s, 1, 64ull << 20, 2, err, sizeof(err)),
+                   0);
+  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, 64ull << 20, 0, err, sizeof(err)),
+                   0);
+  enum { LONG = 2000 };
+  titem_t w = {.start = 0, .n = LONG, .has_q = 0, .mask = ATTND_MASK_CAUSAL, .nb = 126};
+  for (int b = 0; b < 126; b++)
+    w.table[b] = 200 + b; /* not contiguous with anything else */
+  titem_t d[2] = {w, {.start = 9, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {7},
+                      .nb = 1}};
+  d[0].start = LONG;
+  d[0].n = 1;
+  d[0].has_q = 1;
+  titem_t short_w = {.start = 0, .n = 9, .has_q = 0, .mask = ATTND_MASK_CAUSAL, .table = {7},
+                     .nb = 1};
+  tjob_spec_t sp[3];
+  spec_step(&sp[0], 0, &w, 1, 0, 0);
+  spec_step(&sp[1], 0, &short_w, 1, 0, 0);
+  spec_step(&sp[2], 0, d, 2, 0, 1);
+  tjob_t jc[3], jg[3];
+  int dummy = 0;
+  for (int i = 0; i < 3; i++) {
+    job_from_spec(&jc[i], &sp[i], &dummy);
+    job_from_spec(&jg[i], &sp[i], &dummy);
+  }
+  run_all(&loop, cpu, jc, 3);
+  run_all(&loop, gpu, jg, 3);
+  for (int i = 0; i < 3; i++) {
+    if (jg[i].job.status)
+      fail_msg("cuda job %d: %s", i, jg[i].job.message);
+    assert_int_equal(jc[i].job.status, 0);
+  }
+  double r = rel_l2_out(&jg[2], &jc[2], (size_t)2 * QH * HD);
+  double worst_lse = 0;
+  for (int e = 0; e < 2 * QH; e++) {
+    double x = jg[2].job.batch.lse[e], y = jc[2].job.batch.lse[e];
+    double dl = fabs(x - y) / (fabs(y) > 1 ? fabs(y) : 1);
+    if (dl > worst_lse)
+      worst_lse = dl;
+  }
+  print_message("decode over %d keys: rel L2 %.3e, worst lse rel err %.3e\n", LONG + 1, r,
+                worst_lse);
+  assert_true(r <= 1e-2);
+  assert_true(worst_lse <= 1e-3);
+  for (int i = 0; i < 3; i++) {
+    job_free(&jc[i]);
+    job_free(&jg[i]);
+    spec_free(&sp[i]);
+  }
+  cpu->ops->destroy(cpu);
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 /* Static int8 needs its scales uploaded through set_scales; a step on a layer
  * without them fails with ATTND_EPRECOND, never runs on zero scales. */
 static void test_int8_static_scales(void **state) {
@@ -599,6 +663,7 @@ int main(void) {
       cmocka_unit_test(test_bf16_matches_cpu),
       cmocka_unit_test(test_int8_dynamic_matches_cpu),
       cmocka_unit_test(test_int8_static_scales),
+      cmocka_unit_test(test_long_context_decode),
       cmocka_unit_test(test_many_layers_in_flight),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
