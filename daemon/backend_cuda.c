@@ -17,7 +17,10 @@
  *
  * A STEP job: its items, meta, q, k and v are copied once (one memcpy each)
  * into a pinned host staging buffer taken from a pool (grown on demand; once
- * warm, nothing is cudaHostAlloc'ed), one H2D copy moves them to the stream's
+ * warm, nothing is cudaHostAlloc'ed; the pool stops growing at a cap, 1/8 of
+ * the host's memory up to 8 GiB or ATTND_CUDA_PINNED_MAX bytes, and jobs then
+ * wait, in submission order, for a buffer to come back, so a burst of large
+ * prefills cannot pin the host's memory), one H2D copy moves them to the stream's
  * device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H copy of
  * out (+ lse) back into the pinned buffer, and a stream callback. A COPY job
  * is one D2D cudaMemcpyAsync per block pair within the layer's pool.
@@ -123,6 +126,9 @@ struct cu_backend_s {
   stage_t *free_stages; /* loop thread only */
   stage_t **owned; /* every stage ever allocated, freed at destroy */
   size_t nowned, owned_cap;
+  size_t pinned_bytes, pinned_max; /* sum of owned caps; the cap on it */
+  int stages_out;                  /* stages held by runs */
+  struct run_s *whead, *wtail;     /* jobs waiting for a stage, FIFO */
   uv_mutex_t mu; /* guards the done queue and streams[].last_end_us */
   run_t *dhead, *dtail;
   atomic_int dead; /* a sticky device error was seen */
@@ -200,7 +206,27 @@ static void run_fail_kernel(run_t *r, int rc) {
 
 /* ---- pinned staging pool (loop thread) ----------------------------------- */
 
-static stage_t *stage_get(cu_backend_t *be, size_t need, int *cerr) {
+static void stage_free_unused(cu_backend_t *be) {
+  /* Rare (the pool is at its cap): cudaFreeHost may wait for the device. */
+  for (stage_t *f = be->free_stages, *next; f; f = next) {
+    next = f->next;
+    for (size_t i = 0; i < be->nowned; i++)
+      if (be->owned[i] == f) {
+        be->owned[i] = be->owned[--be->nowned];
+        break;
+      }
+    be->pinned_bytes -= f->cap;
+    cudaFreeHost(f->p);
+    free(f);
+  }
+  be->free_stages = NULL;
+}
+
+/* A pinned buffer of at least need bytes. NULL with *cerr == cudaSuccess:
+ * the pool is at its cap and buffers held by running jobs will come back
+ * (the caller waits); force ignores the cap (tiny internal uploads). */
+static stage_t *stage_get(cu_backend_t *be, size_t need, int force, int *cerr) {
+  *cerr = cudaSuccess;
   stage_t **pp = &be->free_stages, **best = NULL;
   for (; *pp; pp = &(*pp)->next)
     if ((*pp)->cap >= need && (!best || (*pp)->cap < (*best)->cap))
@@ -209,13 +235,23 @@ static stage_t *stage_get(cu_backend_t *be, size_t need, int *cerr) {
     stage_t *s = *best;
     *best = s->next;
     s->next = NULL;
+    be->stages_out++;
     return s;
   }
   /* Warm-up (or a larger step than ever before): a new pinned buffer. Smaller
-   * free ones stay: freeing pinned memory would synchronize the device. */
+   * free ones stay while under the cap: freeing pinned memory may wait for
+   * the device. */
   size_t cap = CU_STAGE_MIN;
   while (cap < need)
     cap <<= 1;
+  if (!force && be->pinned_bytes + cap > be->pinned_max) {
+    size_t free_total = 0;
+    for (stage_t *f = be->free_stages; f; f = f->next)
+      free_total += f->cap;
+    if (be->pinned_bytes - free_total + cap > be->pinned_max && be->stages_out > 0)
+      return NULL; /* wait for running jobs to return theirs */
+    stage_free_unused(be);
+  }
   stage_t *s = calloc(1, sizeof(*s));
   if (!s) {
     *cerr = cudaErrorMemoryAllocation;
@@ -242,12 +278,15 @@ static stage_t *stage_get(cu_backend_t *be, size_t need, int *cerr) {
   }
   be->owned[be->nowned++] = s;
   s->cap = cap;
+  be->pinned_bytes += cap;
+  be->stages_out++;
   return s;
 }
 
 static void stage_put(cu_backend_t *be, stage_t *s) {
   if (!s)
     return;
+  be->stages_out--;
   s->next = be->free_stages;
   be->free_stages = s;
 }
@@ -351,6 +390,8 @@ static void finish_run(cu_backend_t *be, run_t *r) {
   job->done_cb(job);
 }
 
+static void pump_waiting(cu_backend_t *be);
+
 static void async_cb(uv_async_t *h) {
   cu_backend_t *be = h->data;
   uv_mutex_lock(&be->mu);
@@ -362,6 +403,7 @@ static void async_cb(uv_async_t *h) {
     finish_run(be, r);
     r = next;
   }
+  pump_waiting(be);
   update_ref(be);
 }
 
@@ -398,7 +440,8 @@ enqueued:
   return;
 }
 
-static void enqueue_step(cu_backend_t *be, run_t *r) {
+/* 1 when the job must wait for a pinned buffer (nothing was enqueued). */
+static int enqueue_step(cu_backend_t *be, run_t *r) {
   attnd_job_t *job = r->job;
   const attnd_kbatch_t *hb = &job->batch;
   const attnd_kshape_t *s = &be->base.shape;
@@ -414,7 +457,7 @@ static void enqueue_step(cu_backend_t *be, run_t *r) {
     if (!be->scales_ok[layer]) {
       r->status = ATTND_EPRECOND;
       snprintf(r->msg, sizeof(r->msg), "layer %d has no static scales on the device", layer);
-      return;
+      return 0;
     }
     float *ls = be->dscales + (size_t)layer * 4 * be->nsc;
     db.k_scale = ls;
@@ -441,10 +484,12 @@ static void enqueue_step(cu_backend_t *be, run_t *r) {
   r->lse_off = off_lse;
 
   int cerr = cudaSuccess;
-  r->stage = stage_get(be, total, &cerr);
+  r->stage = stage_get(be, total, 0, &cerr);
   if (!r->stage) {
+    if (cerr == cudaSuccess)
+      return 1;
     run_fail_cuda(r, __LINE__, "cudaHostAlloc (pinned staging)", (cudaError_t)cerr);
-    return;
+    return 0;
   }
   /* The one host copy of each input on its way to the device. */
   uint8_t *hp = r->stage->p;
@@ -491,7 +536,53 @@ static void enqueue_step(cu_backend_t *be, run_t *r) {
                               cudaMemcpyDeviceToHost, cs->st));
   }
 enqueued:
-  return;
+  return 0;
+}
+
+/* Enqueues a job's work and its callback; 1 when it must wait for a pinned
+ * buffer instead (nothing enqueued, the caller queues it). */
+static int start_run(cu_backend_t *be, run_t *r) {
+  attnd_job_t *job = r->job;
+  cudaSetDevice(be->device);
+  if (atomic_load(&be->dead)) {
+    r->status = ATTND_EDEVICE;
+    snprintf(r->msg, sizeof(r->msg), "the CUDA device is unusable after an earlier error");
+  } else if (job->kind == ATTND_JOB_COPY) {
+    enqueue_copy(be, r);
+  } else if (enqueue_step(be, r)) {
+    return 1;
+  }
+  /* Even a failed job gets its callback behind what it enqueued, so its
+   * pinned buffer returns to the pool only once no copy reads it, and its
+   * done_cb comes after those of the layer's earlier jobs (a stream callback
+   * runs exactly once, with the error, even after a sticky one). */
+  cudaError_t e = cudaStreamAddCallback(be->streams[r->stream].st, stream_cb, r, 0);
+  if (e != cudaSuccess) {
+    run_fail_cuda(r, __LINE__, "cudaStreamAddCallback", e);
+    complete_untracked(be, r);
+  }
+  return 0;
+}
+
+/* Starts waiting jobs, oldest first, while pinned buffers are available. */
+static void pump_waiting(cu_backend_t *be) {
+  while (be->whead) {
+    /* Unlinked before it starts: once its callback is enqueued, the done
+     * queue (another thread) owns r->next. */
+    run_t *r = be->whead;
+    be->whead = r->next;
+    if (!be->whead)
+      be->wtail = NULL;
+    r->next = NULL;
+    if (start_run(be, r)) {
+      /* Still no buffer: back to the head, nothing was enqueued. */
+      r->next = be->whead;
+      be->whead = r;
+      if (!be->wtail)
+        be->wtail = r;
+      return;
+    }
+  }
 }
 
 static int cu_submit(attnd_backend_t *base, attnd_job_t *job) {
@@ -510,23 +601,15 @@ static int cu_submit(attnd_backend_t *base, attnd_job_t *job) {
   job->t_start_us = job->t_end_us = 0;
   be->inflight++;
   update_ref(be);
-  cudaSetDevice(be->device);
-  if (atomic_load(&be->dead)) {
-    r->status = ATTND_EDEVICE;
-    snprintf(r->msg, sizeof(r->msg), "the CUDA device is unusable after an earlier error");
-  } else if (job->kind == ATTND_JOB_COPY) {
-    enqueue_copy(be, r);
-  } else {
-    enqueue_step(be, r);
-  }
-  /* Even a failed job gets its callback behind what it enqueued, so its
-   * pinned buffer returns to the pool only once no copy reads it, and its
-   * done_cb comes after those of the layer's earlier jobs (a stream callback
-   * runs exactly once, with the error, even after a sticky one). */
-  cudaError_t e = cudaStreamAddCallback(be->streams[r->stream].st, stream_cb, r, 0);
-  if (e != cudaSuccess) {
-    run_fail_cuda(r, __LINE__, "cudaStreamAddCallback", e);
-    complete_untracked(be, r);
+  /* Behind any waiting job (one FIFO for all layers keeps each layer's
+   * order), or waiting itself when no pinned buffer is free. */
+  if (be->whead || start_run(be, r)) {
+    r->next = NULL;
+    if (be->wtail)
+      be->wtail->next = r;
+    else
+      be->whead = r;
+    be->wtail = r;
   }
   return 0;
 }
@@ -549,7 +632,7 @@ static int cu_set_scales(attnd_backend_t *base, int layer, const float *k_scale,
   r->be = be;
   r->stream = layer % be->nstreams;
   int cerr = cudaSuccess;
-  r->stage = stage_get(be, 4 * be->nsc * sizeof(float), &cerr);
+  r->stage = stage_get(be, 4 * be->nsc * sizeof(float), 1, &cerr);
   if (!r->stage) {
     free(r);
     return ATTND_ENOMEM;
@@ -708,6 +791,13 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
   be->loop = loop;
   be->device = device;
   be->nsc = (size_t)s->kv_heads * (size_t)s->head_dim;
+  uint64_t ram = uv_get_total_memory();
+  be->pinned_max = (size_t)(ram / 8 < (8ull << 30) ? ram / 8 : (8ull << 30));
+  if (be->pinned_max < ((size_t)256 << 20))
+    be->pinned_max = (size_t)256 << 20;
+  const char *pm = getenv("ATTND_CUDA_PINNED_MAX");
+  if (pm && *pm)
+    be->pinned_max = (size_t)strtoull(pm, NULL, 10);
   int rc = ATTND_ECUDA;
 
   if ((e = cudaSetDevice(device)) != cudaSuccess) {
@@ -782,17 +872,27 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
     goto fail_mem;
   }
 
-  /* Warm pools: one pinned buffer per stream and initial device buffers, so
-   * that the first steps allocate nothing. */
-  for (int i = 0; i < be->nstreams; i++) {
+  /* Warm pools: two pinned buffers per stream (one job running, the next
+   * being staged) and initial device buffers, so that the first steps
+   * allocate nothing. All are taken before any goes back, so that each
+   * stage_get allocates a new one. */
+  stage_t *warm[2 * CU_MAX_STREAMS];
+  int nwarm = 0;
+  for (int i = 0; i < 2 * be->nstreams; i++) {
     int cerr = cudaSuccess;
-    stage_t *st = stage_get(be, CU_STAGE_MIN, &cerr);
+    stage_t *st = stage_get(be, CU_STAGE_MIN, 1, &cerr);
     if (!st) {
+      while (nwarm > 0)
+        stage_put(be, warm[--nwarm]);
       snprintf(err, errlen, "cudaHostAlloc (pinned staging): %s",
                cudaGetErrorString((cudaError_t)cerr));
       goto fail_mem;
     }
-    stage_put(be, st);
+    warm[nwarm++] = st;
+  }
+  while (nwarm > 0)
+    stage_put(be, warm[--nwarm]);
+  for (int i = 0; i < be->nstreams; i++) {
     cu_stream_t *cs = &be->streams[i];
     if ((e = dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, CU_DBUF_MIN, CU_DBUF_MIN)) !=
         cudaSuccess) {

@@ -537,8 +537,7 @@ static void ojob_done(attnd_job_t *j) {
   (*o->order)++;
 }
 
-static void test_many_layers_in_flight(void **state) {
-  SKIP_WITHOUT_GPU();
+static void many_layers_in_flight(void) {
   enum { NL = 12, PER = 6 };
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   uv_loop_t loop;
@@ -591,6 +590,20 @@ static void test_many_layers_in_flight(void **state) {
   }
   destroy_and_close(&loop, gpu);
   assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+static void test_many_layers_in_flight(void **state) {
+  SKIP_WITHOUT_GPU();
+  many_layers_in_flight();
+}
+
+/* The same with the pinned staging pool capped at one byte: past the warm
+ * buffers, every job waits for one to come back, in submission order. */
+static void test_pinned_cap(void **state) {
+  SKIP_WITHOUT_GPU();
+  setenv("ATTND_CUDA_PINNED_MAX", "1", 1);
+  many_layers_in_flight();
+  unsetenv("ATTND_CUDA_PINNED_MAX");
 }
 
 /* Only under ATTND_CUDA_TEST_FAULT=1 (see the header comment). */
@@ -665,6 +678,7 @@ int main(void) {
       cmocka_unit_test(test_int8_static_scales),
       cmocka_unit_test(test_long_context_decode),
       cmocka_unit_test(test_many_layers_in_flight),
+      cmocka_unit_test(test_pinned_cap),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }
