@@ -38,8 +38,12 @@
  * Errors. A failing CUDA call fails its job with ATTND_ECUDA and the call
  * site in job->message. A sticky error (illegal address, launch failure, ...)
  * fails it with ATTND_EDEVICE and marks the backend dead: every later job
- * fails at once with ATTND_EDEVICE (wire UNAVAILABLE); the engine takes the
- * daemon down so that its supervisor restarts it. */
+ * fails with ATTND_EDEVICE (wire UNAVAILABLE) without touching the device,
+ * still through its stream callback so that a layer's done_cbs keep their
+ * order; the engine takes the daemon down so that its supervisor restarts it.
+ *
+ * Tested against the CPU backend by tests/test_backend_cuda.c, on a GPU and,
+ * through tests/cuda_mock.c (host threads as streams), without one. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -98,7 +102,7 @@ typedef struct run_s {
   cudaError_t async;  /* set by the stream callback */
   size_t out_off, lse_off;
   uint64_t t_start, t_end;
-  struct run_s *next; /* done queue */
+  struct run_s *next; /* wait queue (loop thread), then done queue (under mu) */
 } run_t;
 
 typedef struct {
