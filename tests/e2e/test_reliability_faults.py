@@ -111,6 +111,12 @@ class ClientDeathTest(unittest.TestCase):
 
 class SigtermUnderLoadTest(unittest.TestCase):
     def test_sigterm_under_load(self):
+        self.run_sigterm(tcp=False)
+
+    def test_sigterm_under_load_tcp(self):
+        self.run_sigterm(tcp=True)
+
+    def run_sigterm(self, tcp):
         d = Daemon(["--kv-memory", "64M", "--max-context", "4096"], shape=SHAPE)
         try:
             d.wait_ready()
@@ -120,7 +126,7 @@ class SigtermUnderLoadTest(unittest.TestCase):
             lock = threading.Lock()
 
             def worker():
-                c = RawConn(d.socket)
+                c = RawConn(("127.0.0.1", d.tcp_port) if tcp else d.socket)
                 sess = must(c.call(open_req()), "open").open_session.session
                 sent = {}  # id -> perf time sent
                 answered = {}
@@ -168,7 +174,7 @@ class SigtermUnderLoadTest(unittest.TestCase):
             inflight = [a[i][0] for s, a in stats for i, t in s.items()
                         if t < sig_at[0] and i in a and a[i][1] > sig_at[0]]
             ok_after = inflight.count(OK)
-            print(f"sigterm: {n_sent} steps sent ({n_before} before SIGTERM), {len(codes)} answered: "
+            print(f"sigterm ({'tcp' if tcp else 'unix'}): {n_sent} steps sent ({n_before} before SIGTERM), {len(codes)} answered: "
                   f"{codes.count(OK)} OK, {codes.count(UNAVAIL)} UNAVAILABLE; {len(inflight)} in flight "
                   f"at the signal, {ok_after} of them finished OK; {unread} sent just before it were never read "
                   f"(connection closed); exit {code}")
