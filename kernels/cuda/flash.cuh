@@ -18,7 +18,7 @@
 
 namespace attnd {
 
-constexpr int kBM = 64, kBN = 64, kWarpsF = 4, kThreadsF = kWarpsF * 32;
+constexpr int kBM = 64, kBN = 64, kWarpsF = 4; // kBM: decode query tile (prefill uses 128)
 
 // Shared between the launchers and the kernel. Pointers are device memory.
 struct FlashParams {
@@ -43,6 +43,6 @@ struct FlashParams {
   int debug;                  // ATTND_FLASH_DEBUG: 1 skip loads, 2 skip math (timing only)
 };
 
-template <int D, int DT, int KV> cudaError_t launch_flash(const FlashParams &p, int nitems, int tiles, cudaStream_t st);
+template <int D, int DT, int KV> cudaError_t launch_flash(const FlashParams &p, int nitems, cudaStream_t st);
 
 } // namespace attnd

@@ -36,6 +36,14 @@ __device__ __forceinline__ void mma16816(float *c, const uint32_t *a, uint32_t b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 2^x on the special-function unit (relative error ~2^-22; results below
+// 2^-126 flush to 0, which only drops weights no fp32 sum would notice).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Storage facts of a cache type.
 template <int KV> struct KvT {
   static constexpr int kElemPerChunk = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 8
@@ -55,11 +63,15 @@ template <int KV> __device__ __forceinline__ float chunk_elem(const uint4 &c, in
     uint32_t v = (w[e >> 1] >> ((e & 1) * 16)) & 0xffffu;
     return __half2float(__ushort_as_half((unsigned short)v));
   } else if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_INT8_DYNAMIC) {
-    return (float)(int8_t)((w[e >> 2] >> ((e & 3) * 8)) & 0xffu);
+    // Exact and off the (quarter-rate) conversion unit: the biased byte
+    // u = x + 128 becomes the low mantissa byte of 2^23, then 2^23 + 128 is
+    // subtracted.
+    const uint32_t u = w[e >> 2] ^ 0x80808080u;
+    return __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7650u | (unsigned)(e & 3))) - 8388736.f;
   } else if constexpr (KV == ATTND_KV_FP8 || KV == ATTND_KV_FP8_DYNAMIC) {
     return fp8_to_f((uint8_t)((w[e >> 2] >> ((e & 3) * 8)) & 0xffu));
   } else { // int4: channel 2c low nibble, 2c+1 high nibble
-    return (float)((w[e >> 3] >> ((e & 7) * 4)) & 0xfu);
+    return __uint_as_float(0x4B000000u | ((w[e >> 3] >> ((e & 7) * 4)) & 0xfu)) - 8388608.f;
   }
 }
 
@@ -103,7 +115,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 constexpr int kMaxTileFlags = 4096; // key tiles with precomputed interval flags (256K keys)
 
 // Shared-memory layout of one instantiation (bytes).
-template <int D, int DT, int KV> struct FlashSmem {
+template <int D, int DT, int KV, int NW> struct FlashSmem {
   static constexpr int BN = D == 256 ? 32 : 64; // keys per tile (shared memory bound at D=256)
   static constexpr bool kDirect = (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) ||
                                   (KV == ATTND_KV_FP16 && DT == ATTND_DT_FP16);
@@ -111,7 +123,7 @@ template <int D, int DT, int KV> struct FlashSmem {
   static constexpr int RB = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 2 * D : KV == ATTND_KV_INT4 ? D / 2 : D;
   static constexpr int RAWLD = kDirect ? 2 * LD : RB + 16; // staged raw row stride (bytes)
   static constexpr size_t kQ = 0;
-  static constexpr size_t kRaw = kQ + (size_t)kBM * LD * 2;          // [2 stages][K,V][BN][RAWLD]
+  static constexpr size_t kRaw = kQ + (size_t)16 * NW * LD * 2;         // [2 stages][K,V][BN][RAWLD]
   static constexpr size_t kOp = kRaw + (size_t)2 * 2 * BN * RAWLD;  // [K,V][BN][LD] when !kDirect
   static constexpr size_t kDs = kOp + (kDirect ? 0 : (size_t)2 * BN * LD * 2); // [2][K,V][BN] fp32
   static constexpr size_t kScale = kDs + (size_t)2 * 2 * BN * 4;    // [4][D] fp32
@@ -123,18 +135,22 @@ template <int D, int DT, int KV> struct FlashSmem {
 // so instead of one warp computing while three wait, the four warps take a
 // quarter of each key tile each, with their own softmax state, merged at the end.
 template <int D, int DT, int KV, bool SPLITW>
-__global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant__ FlashParams P) {
+__global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __grid_constant__ FlashParams P) {
   using A = Act<DT>;
   using T = typename A::T;
-  using L = FlashSmem<D, DT, KV>;
+  // Decode (SPLITW): 4 warps share the keys of one 16-row query tile.
+  // Prefill: 8 warps of 16 query rows each share every K/V tile loaded.
+  constexpr int NW = SPLITW ? 4 : 8, NTH = NW * 32, BMk = 16 * NW;
+  using L = FlashSmem<D, DT, KV, NW>;
   constexpr int LD = L::LD, RB = L::RB, RAWLD = L::RAWLD, BN = L::BN;
   constexpr int CPR = RB / 16;                 // 16-byte chunks per row
   constexpr int EPC = KvT<KV>::kElemPerChunk;  // elements per chunk
-  constexpr int CHUNKS = BN * CPR / kThreadsF; // per thread per tensor per tile
+  constexpr int CHUNKS = (BN * CPR + NTH - 1) / NTH; // per thread per tensor per tile
+  constexpr bool kGuard = (BN * CPR) % NTH != 0;      // int4 d64: fewer chunks than threads
   constexpr int NT = D / 8;                    // O n-tiles per warp
   constexpr int KW = SPLITW ? BN / kWarpsF : BN; // keys of a tile per warp
-  static_assert(KW % 16 == 0, "a warp's key slice must be whole mma k-steps");
-  static_assert(CHUNKS >= 1 && (BN * CPR) % kThreadsF == 0, "tile split");
+  static_assert(KW % 16 == 0 && (!SPLITW || NW == kWarpsF), "a warp's key slice must be whole mma k-steps");
+  static_assert(CHUNKS >= 1 && (kGuard ? CHUNKS == 1 : (BN * CPR) % NTH == 0), "tile split");
 
   extern __shared__ __align__(16) uint8_t smem[];
   T *sQ = reinterpret_cast<T *>(smem + L::kQ);
@@ -151,12 +167,12 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
     return;
   const int G = P.group;
   const int nvec = it.n * G;
-  const int v0 = (gridDim.y - 1 - blockIdx.y) * kBM; // heaviest (last) tiles first
+  const int v0 = (gridDim.y - 1 - blockIdx.y) * BMk; // heaviest (last) tiles first
   if (v0 >= nvec)
     return;
   const int split = blockIdx.z;
   const int kv_len = it.start + it.n;
-  const int vend = min(v0 + kBM, nvec);
+  const int vend = min(v0 + BMk, nvec);
   const int pmin = it.start + v0 / G, pmax = it.start + (vend - 1) / G;
   const int kind = it.mask_kind, mp = it.mask_param;
   const int32_t *iv = kind == ATTND_MASK_INTERVALS ? P.meta + it.intervals : nullptr;
@@ -179,7 +195,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
   const bool dbg_no_load = P.debug & 1, dbg_no_compute = P.debug & 2; // timing experiments only
 
   // Q tile -> smem (rows past nvec zero) and the static scales of this kv head.
-  for (int c = tid; c < kBM * (D / 8); c += kThreadsF) {
+  for (int c = tid; c < BMk * (D / 8); c += NTH) {
     const int v = c / (D / 8), col = (c % (D / 8)) * 8;
     uint4 val = make_uint4(0, 0, 0, 0);
     if (v0 + v < nvec) {
@@ -190,7 +206,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
     *reinterpret_cast<uint4 *>(sQ + v * LD + col) = val;
   }
   if constexpr (KvT<KV>::kStatic) {
-    for (int i = tid; i < D; i += kThreadsF) {
+    for (int i = tid; i < D; i += NTH) {
       const bool pc = KV == ATTND_KV_INT4 || P.per_channel;
       sScale[i] = pc ? P.k_scale[kvh * D + i] : P.k_scale[kvh];
       sScale[D + i] = pc ? P.v_scale[kvh * D + i] : P.v_scale[kvh];
@@ -206,7 +222,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
   // is masked for any row. One warp per tile, two keys per lane.
   const int ntiles = hi >= jfirst ? (hi - jfirst) / BN + 1 : 0;
   if (kind == ATTND_MASK_INTERVALS) {
-    for (int t = warp; t < min(ntiles, kMaxTileFlags); t += kWarpsF) {
+    for (int t = warp; t < min(ntiles, kMaxTileFlags); t += NW) {
       bool masked_all = true, vis_all = true;
       for (int h2 = 0; h2 < BN / 32; h2++) {
         const int j = jfirst + t * BN + h2 * 32 + lane;
@@ -255,8 +271,8 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
     bool okv[CHUNKS];
 #pragma unroll
     for (int i = 0; i < CHUNKS; i++) {
-      const int c = tid + i * kThreadsF, key = c / CPR, cc = c % CPR, j = j0 + key;
-      okv[i] = j < kv_len && j <= hi;
+      const int c = tid + i * NTH, key = c / CPR, cc = c % CPR, j = j0 + key;
+      okv[i] = j < kv_len && j <= hi && (!kGuard || c < BN * CPR);
       const int jj = okv[i] ? j : 0; // bt[0] always exists
       rowp[i] = P.cache + (size_t)bt[jj >> bs_shift] * P.block_bytes + (size_t)(kvh_bs + (jj & bs_mask)) * RB + cc * 16;
     }
@@ -265,7 +281,9 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
       uint8_t *dst = sRaw + (size_t)(st * 2 + which) * BN * RAWLD;
 #pragma unroll
       for (int i = 0; i < CHUNKS; i++) {
-        const int c = tid + i * kThreadsF, key = c / CPR, cc = c % CPR;
+        const int c = tid + i * NTH, key = c / CPR, cc = c % CPR;
+        if (kGuard && c >= BN * CPR)
+          continue;
         cp_async16(dst + key * RAWLD + cc * 16, okv[i] ? rowp[i] + which * v_region : P.cache, okv[i]);
       }
     }
@@ -340,17 +358,34 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
         T *dst = sOp + which * BN * LD;
 #pragma unroll
         for (int i = 0; i < CHUNKS; i++) {
-          const int c = tid + i * kThreadsF, key = c / CPR, col = (c % CPR) * EPC;
+          const int c = tid + i * NTH, key = c / CPR, col = (c % CPR) * EPC;
+          if (kGuard && c >= BN * CPR)
+            continue;
           const uint4 rv = *reinterpret_cast<const uint4 *>(raw + key * RAWLD + (c % CPR) * 16);
-          const float dsc = KvT<KV>::kDyn ? sDs[(stage * 2 + which) * BN + key] : 1.f;
           const bool live = j0 + key < kv_len && j0 + key <= hi;
           uint32_t packed[EPC / 2];
 #pragma unroll
           for (int e = 0; e < EPC; e += 2) {
-            float x0 = chunk_elem<KV>(rv, e), x1 = chunk_elem<KV>(rv, e + 1);
+            float x0, x1;
+            if constexpr (KV == ATTND_KV_FP8 || KV == ATTND_KV_FP8_DYNAMIC) {
+              // Two e4m3 values per conversion; e4m3 is exact in fp16.
+              const uint32_t wd = (&rv.x)[e >> 2];
+              const __half2_raw h2 =
+                  __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((wd >> ((e & 3) * 8)) & 0xffffu), __NV_E4M3);
+              if constexpr (KV == ATTND_KV_FP8_DYNAMIC && DT == ATTND_DT_FP16) {
+                packed[e / 2] = (uint32_t)h2.x | ((uint32_t)h2.y << 16);
+                continue;
+              }
+              const float2 f2 = __half22float2(__half2(h2));
+              x0 = f2.x;
+              x1 = f2.y;
+            } else {
+              x0 = chunk_elem<KV>(rv, e);
+              x1 = chunk_elem<KV>(rv, e + 1);
+            }
             if constexpr (KvT<KV>::kDyn) {
-              x0 *= dsc;
-              x1 *= dsc;
+              // Stored values are exact in the operand dtype; the per-token
+              // scales are applied to the scores (K) and to P (V) instead.
             } else if constexpr (KV == ATTND_KV_INT4) {
               const float *s = sScale + which * D, *z = sScale + (2 + which) * D;
               x0 = live ? (x0 - z[col + e]) * s[col + e] : 0.f;
@@ -398,6 +433,8 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           float x = s[nt][e] * sl2;
+          if constexpr (KvT<KV>::kDyn)
+            x *= sDs[(stage * 2) * BN + kb + nt * 8 + (lane & 3) * 2 + (e & 1)];
           if (need_mask) {
             const int jj = nt * 8 + (lane & 3) * 2 + (e & 1), j = j0 + kb + jj, ri = e >> 1;
             bool vis;
@@ -422,7 +459,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
         // A row with nothing visible so far keeps m = -inf; exp2(-inf - -inf)
         // would be NaN, so use 0 as the reference and every p is exp2(-inf) = 0.
         const float mref = mnew == -INFINITY ? 0.f : mnew;
-        alpha[ri] = exp2f(m_r[ri] - mref);
+        alpha[ri] = ex2(m_r[ri] - mref);
         m_r[ri] = mnew;
         mx[ri] = mref;
       }
@@ -430,12 +467,18 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
       uint32_t pa[KW / 16][4];
 #pragma unroll
       for (int nt = 0; nt < KW / 8; nt++) {
-        const float p0 = exp2f(s[nt][0] - mx[0]), p1 = exp2f(s[nt][1] - mx[0]);
-        const float p2 = exp2f(s[nt][2] - mx[1]), p3 = exp2f(s[nt][3] - mx[1]);
+        const float p0 = ex2(s[nt][0] - mx[0]), p1 = ex2(s[nt][1] - mx[0]);
+        const float p2 = ex2(s[nt][2] - mx[1]), p3 = ex2(s[nt][3] - mx[1]);
         rs[0] += p0 + p1;
         rs[1] += p2 + p3;
-        pa[nt / 2][(nt & 1) * 2 + 0] = A::pack2(p0, p1);
-        pa[nt / 2][(nt & 1) * 2 + 1] = A::pack2(p2, p3);
+        if constexpr (KvT<KV>::kDyn) {
+          const float *vs = sDs + (stage * 2 + 1) * BN + kb + nt * 8 + (lane & 3) * 2;
+          pa[nt / 2][(nt & 1) * 2 + 0] = A::pack2(p0 * vs[0], p1 * vs[1]);
+          pa[nt / 2][(nt & 1) * 2 + 1] = A::pack2(p2 * vs[0], p3 * vs[1]);
+        } else {
+          pa[nt / 2][(nt & 1) * 2 + 0] = A::pack2(p0, p1);
+          pa[nt / 2][(nt & 1) * 2 + 1] = A::pack2(p2, p3);
+        }
       }
 #pragma unroll
       for (int ri = 0; ri < 2; ri++)
@@ -496,8 +539,8 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
       const float mref = M[ri] == -INFINITY ? 0.f : M[ri];
       Lsum[ri] = 0.f;
       for (int w = 0; w < kWarpsF; w++)
-        Lsum[ri] += sm[kWarpsF * 16 + w * 16 + r] * exp2f(sm[w * 16 + r] - mref);
-      f[ri] = exp2f(m_r[ri] - mref);
+        Lsum[ri] += sm[kWarpsF * 16 + w * 16 + r] * ex2(sm[w * 16 + r] - mref);
+      f[ri] = ex2(m_r[ri] - mref);
     }
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -556,8 +599,9 @@ __global__ void __launch_bounds__(kThreadsF) flash_kernel(const __grid_constant_
 }
 
 template <int D, int DT, int KV, bool SPLITW>
-static cudaError_t launch_one(const FlashParams &p, dim3 grid, cudaStream_t st) {
-  const size_t smem = FlashSmem<D, DT, KV>::kBytes;
+static cudaError_t launch_one(const FlashParams &p, int nitems, cudaStream_t st) {
+  constexpr int NW = SPLITW ? 4 : 8;
+  const size_t smem = FlashSmem<D, DT, KV, NW>::kBytes;
   static bool attr_done = false; // per instantiation; benign race: both set the same value
   if (!attr_done) {
     cudaError_t e = cudaFuncSetAttribute(flash_kernel<D, DT, KV, SPLITW>,
@@ -566,26 +610,29 @@ static cudaError_t launch_one(const FlashParams &p, dim3 grid, cudaStream_t st) 
       return e;
     attr_done = true;
   }
-  flash_kernel<D, DT, KV, SPLITW><<<grid, kThreadsF, smem, st>>>(p);
+  const long tiles = ((long)p.max_vec + 16 * NW - 1) / (16 * NW);
+  if (tiles > 65535)
+    return cudaErrorInvalidConfiguration;
+  dim3 grid((unsigned)(nitems * p.kv_heads), (unsigned)tiles, (unsigned)p.nsplit);
+  flash_kernel<D, DT, KV, SPLITW><<<grid, NW * 32, smem, st>>>(p);
   return cudaGetLastError();
 }
 
 template <int D, int DT, int KV>
-cudaError_t launch_flash(const FlashParams &p, int nitems, int tiles, cudaStream_t st) {
-  dim3 grid((unsigned)(nitems * p.kv_heads), (unsigned)tiles, (unsigned)p.nsplit);
+cudaError_t launch_flash(const FlashParams &p, int nitems, cudaStream_t st) {
   if constexpr (D <= 128) {
     if (p.max_vec <= 16)
-      return launch_one<D, DT, KV, true>(p, grid, st);
+      return launch_one<D, DT, KV, true>(p, nitems, st);
   }
-  return launch_one<D, DT, KV, false>(p, grid, st);
+  return launch_one<D, DT, KV, false>(p, nitems, st);
 }
 
 #define ATTND_FLASH_INST(KVT)                                                                          \
-  template cudaError_t launch_flash<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, cudaStream_t);  \
-  template cudaError_t launch_flash<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, cudaStream_t); \
-  template cudaError_t launch_flash<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, cudaStream_t); \
-  template cudaError_t launch_flash<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, cudaStream_t);  \
-  template cudaError_t launch_flash<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, cudaStream_t); \
-  template cudaError_t launch_flash<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, cudaStream_t);
+  template cudaError_t launch_flash<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, cudaStream_t);  \
+  template cudaError_t launch_flash<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, cudaStream_t); \
+  template cudaError_t launch_flash<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, cudaStream_t); \
+  template cudaError_t launch_flash<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, cudaStream_t);  \
+  template cudaError_t launch_flash<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, cudaStream_t); \
+  template cudaError_t launch_flash<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, cudaStream_t);
 
 } // namespace attnd

@@ -12,23 +12,23 @@ namespace attnd {
 namespace {
 
 template <int D, int DT>
-cudaError_t dispatch_kv(int kv, const FlashParams &p, int nitems, int tiles, cudaStream_t st) {
+cudaError_t dispatch_kv(int kv, const FlashParams &p, int nitems, cudaStream_t st) {
   switch (kv) {
-  case ATTND_KV_BF16: return launch_flash<D, DT, ATTND_KV_BF16>(p, nitems, tiles, st);
-  case ATTND_KV_FP16: return launch_flash<D, DT, ATTND_KV_FP16>(p, nitems, tiles, st);
-  case ATTND_KV_INT8: return launch_flash<D, DT, ATTND_KV_INT8>(p, nitems, tiles, st);
-  case ATTND_KV_FP8: return launch_flash<D, DT, ATTND_KV_FP8>(p, nitems, tiles, st);
-  case ATTND_KV_INT8_DYNAMIC: return launch_flash<D, DT, ATTND_KV_INT8_DYNAMIC>(p, nitems, tiles, st);
-  case ATTND_KV_FP8_DYNAMIC: return launch_flash<D, DT, ATTND_KV_FP8_DYNAMIC>(p, nitems, tiles, st);
-  case ATTND_KV_INT4: return launch_flash<D, DT, ATTND_KV_INT4>(p, nitems, tiles, st);
+  case ATTND_KV_BF16: return launch_flash<D, DT, ATTND_KV_BF16>(p, nitems, st);
+  case ATTND_KV_FP16: return launch_flash<D, DT, ATTND_KV_FP16>(p, nitems, st);
+  case ATTND_KV_INT8: return launch_flash<D, DT, ATTND_KV_INT8>(p, nitems, st);
+  case ATTND_KV_FP8: return launch_flash<D, DT, ATTND_KV_FP8>(p, nitems, st);
+  case ATTND_KV_INT8_DYNAMIC: return launch_flash<D, DT, ATTND_KV_INT8_DYNAMIC>(p, nitems, st);
+  case ATTND_KV_FP8_DYNAMIC: return launch_flash<D, DT, ATTND_KV_FP8_DYNAMIC>(p, nitems, st);
+  case ATTND_KV_INT4: return launch_flash<D, DT, ATTND_KV_INT4>(p, nitems, st);
   default: return cudaErrorInvalidValue;
   }
 }
 
 template <int D>
-cudaError_t dispatch_dt(int dt, int kv, const FlashParams &p, int nitems, int tiles, cudaStream_t st) {
-  return dt == ATTND_DT_BF16 ? dispatch_kv<D, ATTND_DT_BF16>(kv, p, nitems, tiles, st)
-                             : dispatch_kv<D, ATTND_DT_FP16>(kv, p, nitems, tiles, st);
+cudaError_t dispatch_dt(int dt, int kv, const FlashParams &p, int nitems, cudaStream_t st) {
+  return dt == ATTND_DT_BF16 ? dispatch_kv<D, ATTND_DT_BF16>(kv, p, nitems, st)
+                             : dispatch_kv<D, ATTND_DT_FP16>(kv, p, nitems, st);
 }
 
 } // namespace
@@ -84,14 +84,11 @@ extern "C" int attnd_cuda_attend(const attnd_kshape_t *s, const attnd_kbatch_t *
     p.ws_o = reinterpret_cast<float *>(workspace);
     p.ws_lse = p.ws_o + (size_t)p.nsplit * b->total_q * s->q_heads * s->head_dim;
   }
-  const long tiles = ((long)b->max_n * p.group + kBM - 1) / kBM;
-  if (tiles > 65535)
-    return set_invalid(__FILE__, __LINE__, "too many query rows in one item");
   cudaError_t e;
   switch (s->head_dim) {
-  case 64: e = dispatch_dt<64>(s->dtype, s->kv, p, b->nitems, (int)tiles, st); break;
-  case 128: e = dispatch_dt<128>(s->dtype, s->kv, p, b->nitems, (int)tiles, st); break;
-  default: e = dispatch_dt<256>(s->dtype, s->kv, p, b->nitems, (int)tiles, st); break;
+  case 64: e = dispatch_dt<64>(s->dtype, s->kv, p, b->nitems, st); break;
+  case 128: e = dispatch_dt<128>(s->dtype, s->kv, p, b->nitems, st); break;
+  default: e = dispatch_dt<256>(s->dtype, s->kv, p, b->nitems, st); break;
   }
   if (e != cudaSuccess)
     return set_error(__FILE__, __LINE__, "flash_kernel launch", e);
