@@ -14,7 +14,7 @@ import unittest
 import numpy as np
 
 from harness import Daemon
-from test_reliability_util import (D, EXHAUSTED, KVH, OK, QH, SHAPE, UNAUTH, RawConn, bf16, must,
+from test_reliability_util import (Closed, D, EXHAUSTED, KVH, OK, QH, SHAPE, UNAUTH, RawConn, bf16, must,
                                    open_req, pb, simple, step_req)
 
 
@@ -276,6 +276,19 @@ class AccessTest(unittest.TestCase):
                     r = c.call(h)
                     self.assertEqual(r.status.code, UNAUTH)
                     self.assertTrue(c.is_closed())
+                # An over-long token (nanopb caps it at 255 bytes) is refused
+                # and authenticates nothing; it must not be logged either.
+                long_tok = "tok-LONG-7c3e" * 30
+                with RawConn((ip, port)) as c:
+                    h = pb.Request()
+                    h.hello.token = long_tok
+                    r = c.call(h)
+                    self.assertNotEqual(r.status.code, OK)
+                    try:
+                        r = c.call(simple("health"))
+                        self.assertEqual(r.status.code, UNAUTH)
+                    except (OSError, Closed):  # closed already: as good
+                        pass
                 # Silence: closed after --hello-timeout.
                 with RawConn((ip, port)) as c:
                     t0 = time.monotonic()
@@ -298,6 +311,7 @@ class AccessTest(unittest.TestCase):
                     log = f.read().decode(errors="replace")
                 self.assertNotIn(good, log, "the accepted token reached the log")
                 self.assertNotIn(bad, log, "a rejected token reached the log")
+                self.assertNotIn("tok-LONG-7c3e", log, "an over-long token reached the log")
                 self.assertIn(ip, log)  # the log did record these connections
             finally:
                 d.close()
