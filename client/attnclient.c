@@ -74,26 +74,8 @@ const char *attnd_client_strerror(int err) {
 }
 
 const char *attnd_client_status_name(int code) {
-  static const char *const names[] = {"OK",
-                                      "CANCELLED",
-                                      "UNKNOWN",
-                                      "INVALID_ARGUMENT",
-                                      "DEADLINE_EXCEEDED",
-                                      "NOT_FOUND",
-                                      "ALREADY_EXISTS",
-                                      "PERMISSION_DENIED",
-                                      "RESOURCE_EXHAUSTED",
-                                      "FAILED_PRECONDITION",
-                                      "ABORTED",
-                                      "OUT_OF_RANGE",
-                                      "UNIMPLEMENTED",
-                                      "INTERNAL",
-                                      "UNAVAILABLE",
-                                      "DATA_LOSS",
-                                      "UNAUTHENTICATED"};
-  if (code < 0 || code >= (int)(sizeof(names) / sizeof(names[0])))
-    return "UNKNOWN_CODE";
-  return names[code];
+  /* Names come from the proto (nanopb's enum_to_string option). */
+  return attnd_v1_Status_Code_name((attnd_v1_Status_Code)code);
 }
 
 static int exists(const char *path) {

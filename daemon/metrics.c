@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attnd.pb.h"
 #include "config.h"
 #include "errors.h"
 #include "log.h"
@@ -46,32 +47,15 @@ static const char *const method_names[ATTND_M_COUNT] = {
     "fork",    "truncate", "plan",   "step",  "set_scales",   "list_sessions",
 };
 
-static const char *const code_names[ATTND_CODE_COUNT] = {
-    "OK",
-    "CANCELLED",
-    "UNKNOWN",
-    "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",
-    "NOT_FOUND",
-    "ALREADY_EXISTS",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION",
-    "ABORTED",
-    "OUT_OF_RANGE",
-    "UNIMPLEMENTED",
-    "INTERNAL",
-    "UNAVAILABLE",
-    "DATA_LOSS",
-    "UNAUTHENTICATED",
-};
 
 const char *attnd_method_name(int m) {
   return (m >= 0 && m < ATTND_M_COUNT) ? method_names[m] : method_names[0];
 }
 
+/* Status code names come from the proto (nanopb's enum_to_string), so they
+ * cannot drift from attnd.proto. */
 const char *attnd_code_name(int code) {
-  return (code >= 0 && code < ATTND_CODE_COUNT) ? code_names[code] : "UNKNOWN";
+  return attnd_v1_Status_Code_name((attnd_v1_Status_Code)code);
 }
 
 void attnd_hist_add(attnd_hist_t *h, double us) {
@@ -138,7 +122,7 @@ int attnd_metrics_render(const attnd_counters_t *c, attnd_engine_t *engine, doub
     for (int k = 0; k < ATTND_CODE_COUNT; k++)
       if (c->by_code[m][k] || (k == 0 && m > 0))
         sb_printf(&b, "attnd_requests_total{method=\"%s\",code=\"%s\"} %llu\n", method_names[m],
-                  code_names[k], (unsigned long long)c->by_code[m][k]);
+                  attnd_code_name(k), (unsigned long long)c->by_code[m][k]);
   head(&b, "attnd_errors_total", "counter", "Requests answered with a non-OK status, by method.");
   for (int m = 0; m < ATTND_M_COUNT; m++)
     sb_printf(&b, "attnd_errors_total{method=\"%s\"} %llu\n", method_names[m],
