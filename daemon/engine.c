@@ -823,24 +823,35 @@ void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t s
   answer(cb, arg, 0, NULL);
 }
 
-void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
-                       attnd_engine_done_cb cb, void *arg) {
+/* The session a Fork or Truncate acts on, or NULL after answering why not:
+ * both need a usable session of this identity with equal lengths in every layer. */
+static attnd_session_t *session_for_rollback(attnd_engine_t *e, uint64_t identity,
+                                             uint64_t session, attnd_engine_done_cb cb,
+                                             void *arg) {
   if (!check_open(e, cb, arg))
-    return;
+    return NULL;
   char msg[160];
   int rc;
   attnd_session_t *s = session_get(e, identity, session, &rc, msg, sizeof(msg));
   if (!s) {
     answer(cb, arg, rc, "%s", msg);
-    return;
+    return NULL;
   }
   if (!session_usable(s, cb, arg))
-    return;
+    return NULL;
   if (!attnd_session_lens_equal(s)) {
     answer(cb, arg, ATTND_EPRECOND, "session %016llx: layers hold different lengths",
            (unsigned long long)session);
-    return;
+    return NULL;
   }
+  return s;
+}
+
+void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
+                       attnd_engine_done_cb cb, void *arg) {
+  attnd_session_t *s = session_for_rollback(e, identity, session, cb, arg);
+  if (!s)
+    return;
   if (e->cfg.max_sessions > 0 && e->nsessions >= (uint32_t)e->cfg.max_sessions) {
     answer(cb, arg, ATTND_ENOSPC, "max sessions (%d) reached", e->cfg.max_sessions);
     return;
@@ -880,22 +891,9 @@ void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
 
 void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t session, uint32_t len,
                            attnd_engine_done_cb cb, void *arg) {
-  if (!check_open(e, cb, arg))
+  attnd_session_t *s = session_for_rollback(e, identity, session, cb, arg);
+  if (!s)
     return;
-  char msg[160];
-  int rc;
-  attnd_session_t *s = session_get(e, identity, session, &rc, msg, sizeof(msg));
-  if (!s) {
-    answer(cb, arg, rc, "%s", msg);
-    return;
-  }
-  if (!session_usable(s, cb, arg))
-    return;
-  if (!attnd_session_lens_equal(s)) {
-    answer(cb, arg, ATTND_EPRECOND, "session %016llx: layers hold different lengths",
-           (unsigned long long)session);
-    return;
-  }
   if (len > s->len[0]) {
     answer(cb, arg, ATTND_EINVAL, "len %u > session len %u", len, s->len[0]);
     return;
