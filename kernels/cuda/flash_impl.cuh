@@ -112,18 +112,20 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-constexpr int kMaxTileFlags = 4096; // key tiles with precomputed interval flags (256K keys)
+constexpr int kMaxTileFlags = 2048; // key tiles with precomputed interval flags (128K keys at 64)
 
 // Shared-memory layout of one instantiation (bytes).
-template <int D, int DT, int KV, int NW> struct FlashSmem {
+template <int D, int DT, int KV, int NW, int QROWS> struct FlashSmem {
   static constexpr int BN = D == 256 ? 32 : 64; // keys per tile (shared memory bound at D=256)
   static constexpr bool kDirect = (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) ||
                                   (KV == ATTND_KV_FP16 && DT == ATTND_DT_FP16);
   static constexpr int LD = D + 8; // padded operand row (elements): conflict-free ldmatrix
   static constexpr int RB = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 2 * D : KV == ATTND_KV_INT4 ? D / 2 : D;
-  static constexpr int RAWLD = kDirect ? 2 * LD : RB + 16; // staged raw row stride (bytes)
+  // Staged raw row stride (bytes): direct tiles are the mma operands (padded);
+  // raw rows are read as whole contiguous rows, so they need no padding.
+  static constexpr int RAWLD = kDirect ? 2 * LD : RB;
   static constexpr size_t kQ = 0;
-  static constexpr size_t kRaw = kQ + (size_t)16 * NW * LD * 2;         // [2 stages][K,V][BN][RAWLD]
+  static constexpr size_t kRaw = kQ + (size_t)QROWS * LD * 2;         // [2 stages][K,V][BN][RAWLD]
   static constexpr size_t kOp = kRaw + (size_t)2 * 2 * BN * RAWLD;  // [K,V][BN][LD] when !kDirect
   static constexpr size_t kDs = kOp + (kDirect ? 0 : (size_t)2 * BN * LD * 2); // [2][K,V][BN] fp32
   static constexpr size_t kScale = kDs + (size_t)2 * 2 * BN * 4;    // [4][D] fp32
@@ -140,17 +142,15 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
   using T = typename A::T;
   // Decode (SPLITW): 4 warps share the keys of one 16-row query tile.
   // Prefill: 8 warps of 16 query rows each share every K/V tile loaded.
-  constexpr int NW = SPLITW ? 4 : 8, NTH = NW * 32, BMk = 16 * NW;
-  using L = FlashSmem<D, DT, KV, NW>;
+  constexpr int NW = SPLITW ? 4 : 8, NTH = NW * 32, BMk = SPLITW ? 16 : 16 * NW;
+  using L = FlashSmem<D, DT, KV, NW, BMk>;
   constexpr int LD = L::LD, RB = L::RB, RAWLD = L::RAWLD, BN = L::BN;
   constexpr int CPR = RB / 16;                 // 16-byte chunks per row
   constexpr int EPC = KvT<KV>::kElemPerChunk;  // elements per chunk
-  constexpr int CHUNKS = (BN * CPR + NTH - 1) / NTH; // per thread per tensor per tile
-  constexpr bool kGuard = (BN * CPR) % NTH != 0;      // int4 d64: fewer chunks than threads
   constexpr int NT = D / 8;                    // O n-tiles per warp
   constexpr int KW = SPLITW ? BN / kWarpsF : BN; // keys of a tile per warp
   static_assert(KW % 16 == 0 && (!SPLITW || NW == kWarpsF), "a warp's key slice must be whole mma k-steps");
-  static_assert(CHUNKS >= 1 && (kGuard ? CHUNKS == 1 : (BN * CPR) % NTH == 0), "tile split");
+  static_assert(BN * CPR >= 32, "a tile has at least one chunk per lane");
 
   extern __shared__ __align__(16) uint8_t smem[];
   T *sQ = reinterpret_cast<T *>(smem + L::kQ);
@@ -256,6 +256,21 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
   const size_t v_region = (size_t)P.kv_heads * P.bs * RB;
   const size_t scale_region = 2 * v_region;
   const int bs_shift = __ffs(P.bs) - 1, bs_mask = P.bs - 1, kvh_bs = kvh * P.bs;
+  // Who copies and dequantizes which keys: in SPLITW each warp its own slice
+  // of every tile, so warps never wait for each other inside the key loop;
+  // otherwise the whole CTA shares each tile.
+  constexpr int IT = SPLITW ? 32 : NTH;  // threads sharing one key range
+  constexpr int KEYS = SPLITW ? KW : BN; // keys in that range
+  constexpr int CHI = (KEYS * CPR + IT - 1) / IT;
+  constexpr bool kGuardI = (KEYS * CPR) % IT != 0;
+  const int itid = SPLITW ? lane : tid;
+  const int kbase = SPLITW ? warp * KW : 0;
+  auto barrier = [&]() {
+    if constexpr (SPLITW)
+      __syncwarp();
+    else
+      __syncthreads();
+  };
   // Issues the paged cp.async copies of key tile t into stage st (zero-filled
   // past kv_len or hi, so masked keys hold finite values).
   auto issue = [&](int t, int st) {
@@ -267,12 +282,12 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
     // Row addresses first: one block-table read per key a thread copies, all
     // issued before any copy (no dependent load chain), K and V sharing them.
     // Block sizes are powers of two: shifts, not divisions.
-    const uint8_t *rowp[CHUNKS];
-    bool okv[CHUNKS];
+    const uint8_t *rowp[CHI];
+    bool okv[CHI];
 #pragma unroll
-    for (int i = 0; i < CHUNKS; i++) {
-      const int c = tid + i * NTH, key = c / CPR, cc = c % CPR, j = j0 + key;
-      okv[i] = j < kv_len && j <= hi && (!kGuard || c < BN * CPR);
+    for (int i = 0; i < CHI; i++) {
+      const int c = itid + i * IT, key = kbase + c / CPR, cc = c % CPR, j = j0 + key;
+      okv[i] = j < kv_len && j <= hi && (!kGuardI || c < KEYS * CPR);
       const int jj = okv[i] ? j : 0; // bt[0] always exists
       rowp[i] = P.cache + (size_t)bt[jj >> bs_shift] * P.block_bytes + (size_t)(kvh_bs + (jj & bs_mask)) * RB + cc * 16;
     }
@@ -280,16 +295,16 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
     for (int which = 0; which < 2; which++) {
       uint8_t *dst = sRaw + (size_t)(st * 2 + which) * BN * RAWLD;
 #pragma unroll
-      for (int i = 0; i < CHUNKS; i++) {
-        const int c = tid + i * NTH, key = c / CPR, cc = c % CPR;
-        if (kGuard && c >= BN * CPR)
+      for (int i = 0; i < CHI; i++) {
+        const int c = itid + i * IT, key = kbase + c / CPR, cc = c % CPR;
+        if (kGuardI && c >= KEYS * CPR)
           continue;
         cp_async16(dst + key * RAWLD + cc * 16, okv[i] ? rowp[i] + which * v_region : P.cache, okv[i]);
       }
     }
     if constexpr (KvT<KV>::kDyn) {
-      if (tid < 2 * BN) {
-        const int which = tid / BN, key = tid % BN, j = j0 + key;
+      if (itid < 2 * KEYS) {
+        const int which = itid / KEYS, key = kbase + itid % KEYS, j = j0 + key;
         const bool ok = j < kv_len && j <= hi;
         const int jj = ok ? j : 0;
         const uint8_t *src = P.cache + (size_t)bt[jj >> bs_shift] * P.block_bytes + scale_region +
@@ -331,7 +346,7 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
     } else {
       cp_async_wait<0>();
     }
-    __syncthreads();
+    barrier();
     const int j0 = jfirst + t * BN;
     bool need_mask;
     if (kind == ATTND_MASK_INTERVALS) {
@@ -357,9 +372,9 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
         const uint8_t *raw = sRaw + (size_t)(stage * 2 + which) * BN * RAWLD;
         T *dst = sOp + which * BN * LD;
 #pragma unroll
-        for (int i = 0; i < CHUNKS; i++) {
-          const int c = tid + i * NTH, key = c / CPR, col = (c % CPR) * EPC;
-          if (kGuard && c >= BN * CPR)
+        for (int i = 0; i < CHI; i++) {
+          const int c = itid + i * IT, key = kbase + c / CPR, col = (c % CPR) * EPC;
+          if (kGuardI && c >= KEYS * CPR)
             continue;
           const uint4 rv = *reinterpret_cast<const uint4 *>(raw + key * RAWLD + (c % CPR) * 16);
           const bool live = j0 + key < kv_len && j0 + key <= hi;
@@ -403,7 +418,7 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
                 make_uint4(packed[q4 * 4], packed[q4 * 4 + 1], packed[q4 * 4 + 2], packed[q4 * 4 + 3]);
         }
       }
-      __syncthreads();
+      barrier();
       sK = sOp;
       sV = sOp + BN * LD;
     }
@@ -502,7 +517,7 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
         }
       }
     }
-    __syncthreads(); // the stage and operand tiles are rewritten next
+    barrier(); // the stage and operand tiles are rewritten next
     t = tn;
     stage ^= 1;
   }
@@ -521,6 +536,7 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
     float *sm = reinterpret_cast<float *>(smem);   // [warps][16] m, then [warps][16] l
     float *so = sm + 2 * kWarpsF * 16;             // [warps][16][D] o
     static_assert((2 * kWarpsF * 16 + kWarpsF * 16 * D) * 4 <= L::kScale, "merge fits in shared memory");
+    __syncthreads(); // every warp is past its last tile: sQ and the stages are free
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int ri = 0; ri < 2; ri++) {
@@ -600,8 +616,8 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
 
 template <int D, int DT, int KV, bool SPLITW>
 static cudaError_t launch_one(const FlashParams &p, int nitems, cudaStream_t st) {
-  constexpr int NW = SPLITW ? 4 : 8;
-  const size_t smem = FlashSmem<D, DT, KV, NW>::kBytes;
+  constexpr int NW = SPLITW ? 4 : 8, BM = SPLITW ? 16 : 16 * NW;
+  const size_t smem = FlashSmem<D, DT, KV, NW, BM>::kBytes;
   static bool attr_done = false; // per instantiation; benign race: both set the same value
   if (!attr_done) {
     cudaError_t e = cudaFuncSetAttribute(flash_kernel<D, DT, KV, SPLITW>,
@@ -610,7 +626,7 @@ static cudaError_t launch_one(const FlashParams &p, int nitems, cudaStream_t st)
       return e;
     attr_done = true;
   }
-  const long tiles = ((long)p.max_vec + 16 * NW - 1) / (16 * NW);
+  const long tiles = ((long)p.max_vec + BM - 1) / BM;
   if (tiles > 65535)
     return cudaErrorInvalidConfiguration;
   dim3 grid((unsigned)(nitems * p.kv_heads), (unsigned)tiles, (unsigned)p.nsplit);
