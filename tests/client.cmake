@@ -30,6 +30,7 @@ attnd_add_e2e(e2e_systemd test_systemd)
 attnd_add_e2e(e2e_package test_package)
 attnd_add_e2e(e2e_scales test_scales)
 attnd_add_e2e(e2e_hf_adapter test_hf_adapter)
+attnd_add_e2e(e2e_prefix_acceptance test_prefix_acceptance)
 
 add_test(NAME e2e_tiny_llama
          COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/client/python/examples/tiny_llama.py
