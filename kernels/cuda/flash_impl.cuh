@@ -112,7 +112,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-constexpr int kMaxTileFlags = 2048; // key tiles with precomputed interval flags (128K keys at 64)
+constexpr int kMaxTileFlags = 1024; // key tiles with precomputed interval flags (64K keys at 64)
 
 // Shared-memory layout of one instantiation (bytes).
 template <int D, int DT, int KV, int NW, int QROWS> struct FlashSmem {
@@ -129,7 +129,7 @@ template <int D, int DT, int KV, int NW, int QROWS> struct FlashSmem {
   static constexpr size_t kOp = kRaw + (size_t)2 * 2 * BN * RAWLD;  // [K,V][BN][LD] when !kDirect
   static constexpr size_t kDs = kOp + (kDirect ? 0 : (size_t)2 * BN * LD * 2); // [2][K,V][BN] fp32
   static constexpr size_t kScale = kDs + (size_t)2 * 2 * BN * 4;    // [4][D] fp32
-  static constexpr size_t kFlags = kScale + (size_t)4 * D * 4;       // [kMaxTileFlags] u8
+  static constexpr size_t kFlags = kScale + (KvT<KV>::kStatic ? (size_t)4 * D * 4 : 0); // [kMaxTileFlags] u8
   static constexpr size_t kBytes = kFlags + kMaxTileFlags;
 };
 
