@@ -202,6 +202,18 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
       const int vv = v0 + v, r = vv / G, h = kvh * G + vv % G;
       val = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(P.q) +
                                              ((size_t)(it.q_row + r) * P.q_heads + h) * D + col);
+      if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8) {
+        // Static int8/fp8: q.(k s) = (q s).k, so the K scale goes into q once
+        // per CTA (rounded to the operand dtype) and K stays as stored.
+        uint32_t *w = &val.x;
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+          const T *pr = reinterpret_cast<const T *>(&w[e / 2]);
+          const float s0 = P.per_channel ? P.k_scale[kvh * D + col + e] : P.k_scale[kvh];
+          const float s1 = P.per_channel ? P.k_scale[kvh * D + col + e + 1] : P.k_scale[kvh];
+          w[e / 2] = A::pack2(A::to_f(pr[0]) * s0, A::to_f(pr[1]) * s1);
+        }
+      }
     }
     *reinterpret_cast<uint4 *>(sQ + v * LD + col) = val;
   }
@@ -405,11 +417,8 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
               const float *s = sScale + which * D, *z = sScale + (2 + which) * D;
               x0 = live ? (x0 - z[col + e]) * s[col + e] : 0.f;
               x1 = live ? (x1 - z[col + e + 1]) * s[col + e + 1] : 0.f;
-            } else if constexpr (KvT<KV>::kStatic) {
-              const float *s = sScale + which * D;
-              x0 *= s[col + e];
-              x1 *= s[col + e + 1];
             }
+            // Static int8/fp8: no scale here (K's is in q, V's is applied to O).
             packed[e / 2] = A::pack2(x0, x1);
           }
 #pragma unroll
@@ -580,6 +589,13 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
     }
   }
 #pragma unroll
+  if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        o[nt][e] *= sScale[D + nt * 8 + (lane & 3) * 2 + (e & 1)];
+  }
   for (int ri = 0; ri < 2; ri++) {
     if (!rvalid[ri])
       continue;
