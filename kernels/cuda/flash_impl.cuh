@@ -130,7 +130,8 @@ template <int D, int DT, int KV, int NW, int QROWS> struct FlashSmem {
   static constexpr size_t kDs = kOp + (kDirect ? 0 : (size_t)2 * BN * LD * 2); // [2][K,V][BN] fp32
   static constexpr size_t kScale = kDs + (size_t)2 * 2 * BN * 4;    // [4][D] fp32
   static constexpr size_t kFlags = kScale + (KvT<KV>::kStatic ? (size_t)4 * D * 4 : 0); // [kMaxTileFlags] u8
-  static constexpr size_t kBytes = kFlags + kMaxTileFlags;
+  static constexpr size_t kC = kFlags + kMaxTileFlags;              // int4: [QROWS] fp32 q'.z_k
+  static constexpr size_t kBytes = kC + (KV == ATTND_KV_INT4 ? (size_t)QROWS * 4 : 0);
 };
 
 // SPLITW (decode): every query vector of the CTA fits in one warp's 16 rows,
@@ -202,15 +203,16 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
       const int vv = v0 + v, r = vv / G, h = kvh * G + vv % G;
       val = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(P.q) +
                                              ((size_t)(it.q_row + r) * P.q_heads + h) * D + col);
-      if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8) {
-        // Static int8/fp8: q.(k s) = (q s).k, so the K scale goes into q once
+      if constexpr (KvT<KV>::kStatic) {
+        // Static types: q.(k s) = (q s).k, so the K scale goes into q once
         // per CTA (rounded to the operand dtype) and K stays as stored.
         uint32_t *w = &val.x;
 #pragma unroll
         for (int e = 0; e < 8; e += 2) {
           const T *pr = reinterpret_cast<const T *>(&w[e / 2]);
-          const float s0 = P.per_channel ? P.k_scale[kvh * D + col + e] : P.k_scale[kvh];
-          const float s1 = P.per_channel ? P.k_scale[kvh * D + col + e + 1] : P.k_scale[kvh];
+          const bool pc = KV == ATTND_KV_INT4 || P.per_channel;
+          const float s0 = pc ? P.k_scale[kvh * D + col + e] : P.k_scale[kvh];
+          const float s1 = pc ? P.k_scale[kvh * D + col + e + 1] : P.k_scale[kvh];
           w[e / 2] = A::pack2(A::to_f(pr[0]) * s0, A::to_f(pr[1]) * s1);
         }
       }
@@ -256,6 +258,19 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
     }
   }
   __syncthreads();
+  // int4: (q s).(u - z) = (q s).u - (q s).z, and the second term is the same
+  // for every key of a row: softmax ignores it, so K is read as the stored
+  // nibbles and only the lse is corrected by it at the end.
+  float *sC = reinterpret_cast<float *>(smem + L::kC);
+  if constexpr (KV == ATTND_KV_INT4) {
+    if (tid < BMk) {
+      float c = 0.f;
+      for (int d = 0; d < D; d++)
+        c += A::to_f(sQ[tid * LD + d]) * sScale[2 * D + d];
+      sC[tid] = c;
+    }
+    __syncthreads();
+  }
 
   auto tile_skip = [&](int t) -> bool {
     return kind == ATTND_MASK_INTERVALS && t < kMaxTileFlags && (sFlags[t] & 1);
@@ -389,7 +404,6 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
           if (kGuardI && c >= KEYS * CPR)
             continue;
           const uint4 rv = *reinterpret_cast<const uint4 *>(raw + key * RAWLD + (c % CPR) * 16);
-          const bool live = j0 + key < kv_len && j0 + key <= hi;
           uint32_t packed[EPC / 2];
 #pragma unroll
           for (int e = 0; e < EPC; e += 2) {
@@ -413,12 +427,9 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
             if constexpr (KvT<KV>::kDyn) {
               // Stored values are exact in the operand dtype; the per-token
               // scales are applied to the scores (K) and to P (V) instead.
-            } else if constexpr (KV == ATTND_KV_INT4) {
-              const float *s = sScale + which * D, *z = sScale + (2 + which) * D;
-              x0 = live ? (x0 - z[col + e]) * s[col + e] : 0.f;
-              x1 = live ? (x1 - z[col + e + 1]) * s[col + e + 1] : 0.f;
             }
-            // Static int8/fp8: no scale here (K's is in q, V's is applied to O).
+            // Static types: no scale or zero point here (K's are in q and the
+            // lse, V's are applied to O).
             packed[e / 2] = A::pack2(x0, x1);
           }
 #pragma unroll
@@ -588,7 +599,6 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
       l_r[ri] = Lsum[ri];
     }
   }
-#pragma unroll
   if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -596,14 +606,28 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
       for (int e = 0; e < 4; e++)
         o[nt][e] *= sScale[D + nt * 8 + (lane & 3) * 2 + (e & 1)];
   }
+#pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     if (!rvalid[ri])
       continue;
     const int vv = wv0 + (lane >> 2) + ri * 8;
     const int row = it.q_row + vv / G, h = kvh * G + vv % G;
     const bool any = l_r[ri] > 0.f;
-    const float inv = any ? 1.f / l_r[ri] : 0.f;
-    const float lse = any ? (m_r[ri] + log2f(l_r[ri])) * 0.69314718055994531f : -INFINITY;
+    float inv = any ? 1.f / l_r[ri] : 0.f;
+    float lse = any ? (m_r[ri] + log2f(l_r[ri])) * 0.69314718055994531f : -INFINITY;
+    if constexpr (KV == ATTND_KV_INT4) {
+      // O = sum p (u - z) s / l = s (sum p u / l - z); 0 for a row with no key.
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+          const int d = nt * 8 + (lane & 3) * 2 + k;
+          o[nt][ri * 2 + k] = any ? (o[nt][ri * 2 + k] * inv - sScale[3 * D + d]) * sScale[D + d] : 0.f;
+        }
+      inv = 1.f;
+      if (any)
+        lse -= P.scale_log2 * 0.69314718055994531f * sC[(lane >> 2) + ri * 8 + qr0];
+    }
     const size_t ob = ((size_t)row * P.q_heads + h) * D + (lane & 3) * 2;
     if (P.nsplit > 1) {
       float *dst = P.ws_o + (size_t)split * P.total_q * P.q_heads * D + ob;
