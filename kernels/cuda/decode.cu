@@ -48,24 +48,42 @@ size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q) {
   return (size_t)total_q * s->q_heads * (s->head_dim + 1) * sizeof(float);
 }
 
+// Resident CTAs per SM of the attention kernel's decode variant (shared memory
+// bound): 16-bit caches stage 2x32 KB per tile, the quantized ones less.
+static int slots_per_sm(const attnd_kshape_t *s) {
+  if (s->head_dim > 128)
+    return 1;
+  return (s->kv == ATTND_KV_BF16 || s->kv == ATTND_KV_FP16) ? 2 : 3;
+}
+
 int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int *split_keys) {
   const int G = s->q_heads / s->kv_heads;
   const long tiles = ((long)b->max_n * G + kBM - 1) / kBM;
-  const long ctas = (long)b->nitems * s->kv_heads * tiles;
-  // About four resident CTAs per SM for head dims up to 128 (shared memory bound).
-  const long want_ctas = (long)num_sms() * (s->head_dim > 128 ? 2 : 4);
+  const long base = (long)b->nitems * s->kv_heads * tiles;
+  const long slots = (long)num_sms() * slots_per_sm(s);
   int nsplit = 1;
-  if (ctas < want_ctas && b->total_q > 0) {
-    long want = (want_ctas + ctas - 1) / ctas;
-    const long by_len = b->max_kv_len / (2 * kBN); // at least two key tiles per part
+  if (b->total_q > 0 && base < 4 * slots) {
+    // The fewest parts whose CTAs fill their waves to 90% (an idle slot in
+    // the last wave is time lost; every extra part costs a prologue, a shorter
+    // pipeline and merge traffic), else the best filling. Two waves measured
+    // worse than one or four on the H200 (bench/RESULTS.md): skip them.
+    long limit = b->max_kv_len / (2 * kBN); // at least two key tiles per part
     const long by_ws = (long)(ws_bytes / split_bytes_per_part(s, b->total_q));
-    if (want > by_len)
-      want = by_len;
-    if (want > by_ws)
-      want = by_ws;
-    if (want > kMaxSplits)
-      want = kMaxSplits;
-    nsplit = want < 1 ? 1 : (int)want;
+    if (limit > by_ws)
+      limit = by_ws;
+    if (limit > kMaxSplits)
+      limit = kMaxSplits;
+    double best = 0.0;
+    for (long k = 1; k <= limit; k++) {
+      const long ctas = base * k, waves = (ctas + slots - 1) / slots;
+      const double eff = (double)ctas / (double)(waves * slots);
+      if (eff > best + 0.02 && waves != 2) {
+        best = eff;
+        nsplit = (int)k;
+      }
+      if (eff >= 0.9 && waves != 2)
+        break;
+    }
   }
   int keys = (b->max_kv_len + nsplit - 1) / nsplit;
   keys = (keys + kBN - 1) / kBN * kBN;
