@@ -70,6 +70,7 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
 #include <stdatomic.h>
 
 #include "attnd_cuda.h"
+#include "cuda_sticky.h"
 
 /* Streams: enough for the layers of one step to overlap, few enough that the
  * per-stream buffers stay small. */
@@ -151,26 +152,8 @@ static size_t align_up(size_t n) {
   return (n + CU_ALIGN - 1) & ~(CU_ALIGN - 1);
 }
 
-/* The errors after which the CUDA context is unusable (mirrors the kernels'
- * list in kernels/cuda/common.cu, which is private to them). */
-static int cu_sticky(cudaError_t e) {
-  switch (e) {
-  case cudaErrorIllegalAddress:
-  case cudaErrorLaunchFailure:
-  case cudaErrorIllegalInstruction:
-  case cudaErrorMisalignedAddress:
-  case cudaErrorInvalidAddressSpace:
-  case cudaErrorInvalidPc:
-  case cudaErrorHardwareStackError:
-  case cudaErrorAssert:
-  case cudaErrorECCUncorrectable:
-  case cudaErrorLaunchTimeout:
-  case cudaErrorContextIsDestroyed:
-    return 1;
-  default:
-    return 0;
-  }
-}
+/* The errors after which the CUDA context is unusable (one list with the kernels'). */
+static int cu_sticky(cudaError_t e) { return attnd_cuda_error_sticky(e); }
 
 /* Records a failed CUDA runtime call in a run (first failure wins). */
 #define RUN_CU(r, call)                                                                            \

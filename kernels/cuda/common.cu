@@ -3,29 +3,13 @@
 #include <string.h>
 
 #include "common.cuh"
+#include "cuda_sticky.h"
 
 namespace attnd {
 
 static thread_local char g_err[256];
 
-static bool sticky(cudaError_t e) {
-  switch (e) {
-  case cudaErrorIllegalAddress:
-  case cudaErrorLaunchFailure:
-  case cudaErrorIllegalInstruction:
-  case cudaErrorMisalignedAddress:
-  case cudaErrorInvalidAddressSpace:
-  case cudaErrorInvalidPc:
-  case cudaErrorHardwareStackError:
-  case cudaErrorAssert:
-  case cudaErrorECCUncorrectable:
-  case cudaErrorLaunchTimeout:
-  case cudaErrorContextIsDestroyed:
-    return true;
-  default:
-    return false;
-  }
-}
+static bool sticky(cudaError_t e) { return attnd_cuda_error_sticky(e) != 0; }
 
 static const char *base(const char *file) {
   const char *s = strrchr(file, '/');
