@@ -198,6 +198,22 @@ int attnd_config_hostport(const char *s, char *host, size_t hostlen, int *port) 
 
 /* The one place that knows every key. name has no leading dashes; '_' and '-'
  * are equivalent so that file keys may use either. */
+/* A boolean config value: true/false, 1/0, yes/no, on/off. */
+static int parse_bool(const char *name, const char *v, int *out, char *err, size_t errlen) {
+  if (strcmp(v, "true") == 0 || strcmp(v, "1") == 0 || strcmp(v, "yes") == 0 ||
+      strcmp(v, "on") == 0) {
+    *out = 1;
+    return 0;
+  }
+  if (strcmp(v, "false") == 0 || strcmp(v, "0") == 0 || strcmp(v, "no") == 0 ||
+      strcmp(v, "off") == 0) {
+    *out = 0;
+    return 0;
+  }
+  snprintf(err, errlen, "%s: '%s' is not a boolean (true/false)", name, v);
+  return ATTND_EINVAL;
+}
+
 static int set_option(attnd_config_t *c, const char *prefix, const char *name_in, const char *v,
                       char *err, size_t errlen) {
   char name[64];
@@ -316,26 +332,21 @@ static int set_option(attnd_config_t *c, const char *prefix, const char *name_in
     c->shape.softmax_scale = (float)d;
     return 0;
   }
-  if (strcmp(name, "prefix-cache") == 0) {
-    if (strcmp(v, "true") == 0 || strcmp(v, "1") == 0 || strcmp(v, "yes") == 0 ||
-        strcmp(v, "on") == 0)
-      c->prefix_cache = 1;
-    else if (strcmp(v, "false") == 0 || strcmp(v, "0") == 0 || strcmp(v, "no") == 0 ||
-             strcmp(v, "off") == 0)
-      c->prefix_cache = 0;
-    else
-      ERR("prefix-cache: '%s' is not a boolean (true/false)", v);
-    return 0;
-  }
+  if (strcmp(name, "prefix-cache") == 0)
+    return parse_bool(name, v, &c->prefix_cache, err, errlen);
+  if (strcmp(name, "require-token") == 0)
+    return parse_bool(name, v, &c->require_token, err, errlen);
   ERR("unknown option '%s%s'", prefix, name_in);
 #undef STR
 #undef INT
 #undef SIZE
 }
 
-/* Flags that take no value. */
+/* Flags that take no value (of these only require-token is also a file key,
+ * with a boolean value there). */
 static int is_switch(const char *name) {
-  return strcmp(name, "no-prefix-cache") == 0 || strcmp(name, "check-config") == 0 ||
+  return strcmp(name, "no-prefix-cache") == 0 || strcmp(name, "require-token") == 0 ||
+         strcmp(name, "check-config") == 0 ||
          strcmp(name, "help") == 0 || strcmp(name, "version") == 0;
 }
 
@@ -353,7 +364,7 @@ static int ini_cb(void *user, const char *section, const char *name, const char 
       snprintf(x->reason, sizeof(x->reason), "unknown section [%s]", section);
     return 0;
   }
-  if (is_switch(name) || strcmp(name, "config") == 0) {
+  if ((is_switch(name) && strcmp(name, "require-token") != 0) || strcmp(name, "config") == 0) {
     if (!x->reason[0])
       snprintf(x->reason, sizeof(x->reason), "'%s' is a command-line flag, not a file key", name);
     return 0;
@@ -428,6 +439,8 @@ int attnd_config_parse(attnd_config_t *c, int argc, char **argv, char *err, size
       continue;
     if (strcmp(name, "no-prefix-cache") == 0)
       c->prefix_cache = 0;
+    else if (strcmp(name, "require-token") == 0)
+      c->require_token = 1;
     else if (strcmp(name, "check-config") == 0)
       c->check_config = 1;
     else if (strcmp(name, "help") == 0)
@@ -499,6 +512,7 @@ const char *attnd_config_usage(void) {
          "  --max-connections N    default 1024\n"
          "  --hello-timeout MS     off-loopback TCP clients must send Hello within this, default "
          "10000\n"
+         "  --require-token        every TCP client must send Hello{token}, loopback too\n"
          "Engine:\n"
          "  --backend auto|cpu|cuda  --device N  --threads N (CPU workers, 0 = cores)\n"
          "  --kv-memory BYTES      KV pool size (K/M/G suffix); default 1G CPU, 90% free GPU "

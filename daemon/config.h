@@ -51,6 +51,10 @@ typedef struct {
   /* Off-loopback TCP connections that send no Hello within this many
    * milliseconds are closed, so they cannot hold --max-connections slots. */
   int hello_timeout_ms;     /* --hello-timeout, default 10000 */
+
+  /* Require Hello{token} on every TCP connection, loopback included: on a host
+   * shared with other users, loopback proves nothing about who connects. */
+  int require_token;        /* --require-token, default false */
 } attnd_config_t;
 
 /* Fills built-in defaults (environment-dependent paths included). */

@@ -450,8 +450,9 @@ static void on_tcp_conn(uv_stream_t *server, int status) {
     else
       uv_ip6_name((struct sockaddr_in6 *)&peer, name, sizeof(name));
   }
-  /* Off loopback, Hello{token} must come first (DESIGN.md section 7). */
-  conn_start(s, c, ATTND_IDENTITY_ANON, !loop, name);
+  /* Off loopback, Hello{token} must come first (DESIGN.md section 7); with
+   * --require-token on loopback too. */
+  conn_start(s, c, ATTND_IDENTITY_ANON, !loop || s->cfg->require_token, name);
 }
 
 /* Off-loopback connections get --hello-timeout to authenticate; after that

@@ -252,6 +252,7 @@ static void test_file_and_precedence(void **state) {
                    "kv-memory = 256M\n"
                    "model-id = from-file\n"
                    "prefix-cache = false\n"
+                   "require-token = yes\n"
                    "[attnd]\n"
                    "listen = 127.0.0.1:9000\n");
   snprintf(arg, sizeof(arg), "--config=%s", path);
@@ -265,6 +266,7 @@ static void test_file_and_precedence(void **state) {
   assert_int_equal(c.kv_memory, 256ull << 20);
   assert_string_equal(c.model_id, "from-file");
   assert_int_equal(c.prefix_cache, 0);
+  assert_int_equal(c.require_token, 1);
   assert_string_equal(c.listen, "127.0.0.1:9000");
   /* Unknown keys name file and line. */
   write_file(path, "layers = 4\n\nbogus = 1\n");
@@ -288,6 +290,27 @@ static void test_file_and_precedence(void **state) {
   const char *m[] = {"--config", "/nonexistent/attnd.conf", NULL};
   assert_int_equal(parse(&c, m), ATTND_EINVAL);
   assert_non_null(strstr(err, "cannot open"));
+}
+
+/* --require-token is a switch on the command line and a boolean in the file. */
+static void test_require_token(void **state) {
+  attnd_config_t c;
+  const char *none[] = {NULL};
+  assert_int_equal(parse(&c, none), 0);
+  assert_int_equal(c.require_token, 0);
+  const char *flag[] = {"--require-token", NULL};
+  assert_int_equal(parse(&c, flag), 0);
+  assert_int_equal(c.require_token, 1);
+  char path[128];
+  snprintf(tmpdir, sizeof(tmpdir), "/tmp/attnd-test-cfg-XXXXXX");
+  assert_non_null(mkdtemp(tmpdir));
+  snprintf(path, sizeof(path), "%s/bad.conf", tmpdir);
+  write_file(path, "require-token = maybe\n");
+  const char *bad[] = {"--config", path, NULL};
+  assert_int_equal(parse(&c, bad), ATTND_EINVAL);
+  assert_non_null(strstr(err, "require-token: 'maybe' is not a boolean"));
+  unlink(path);
+  rmdir(tmpdir);
 }
 
 static void test_hostport(void **state) {
@@ -397,7 +420,7 @@ int main(void) {
       cmocka_unit_test(test_flags_both_forms), cmocka_unit_test(test_sizes),
       cmocka_unit_test(test_errors),           cmocka_unit_test(test_file_and_precedence),
       cmocka_unit_test(test_hostport),         cmocka_unit_test(test_binary_exit_codes),
-      cmocka_unit_test(test_example_config),
+      cmocka_unit_test(test_example_config),   cmocka_unit_test(test_require_token),
   };
   return cmocka_run_group_tests(tests, NULL, cleanup);
 }

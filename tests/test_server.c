@@ -10,7 +10,6 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <pb_decode.h>
@@ -1010,52 +1009,37 @@ static void test_metrics_scrape(void **state) {
   h_down(h);
 }
 
-/* Off loopback a connection must say Hello{token} first. Needs a local
- * non-loopback IPv4 address; skipped without one. */
-static char nonloop_ip[64];
+/* A connection that must authenticate says Hello{token} first. Off loopback
+ * that is every TCP connection; --require-token extends it to loopback, which
+ * is how this test reaches the same path without sending traffic anywhere but
+ * 127.0.0.1. */
 static char token_path[64];
-static void tweak_any(attnd_config_t *c) {
-  snprintf(c->listen, sizeof(c->listen), "0.0.0.0:0");
+static void tweak_require_token(attnd_config_t *c) {
+  snprintf(c->listen, sizeof(c->listen), "127.0.0.1:0");
   snprintf(c->token_file, sizeof(c->token_file), "%s", token_path);
   c->hello_timeout_ms = 200;
+  c->require_token = 1;
 }
 
-static void test_tcp_hello_off_loopback(void **state) {
-  struct ifaddrs *ifa, *p;
-  nonloop_ip[0] = 0;
-  if (getifaddrs(&ifa) == 0) {
-    for (p = ifa; p; p = p->ifa_next) {
-      if (!p->ifa_addr || p->ifa_addr->sa_family != AF_INET)
-        continue;
-      struct sockaddr_in *in = (struct sockaddr_in *)p->ifa_addr;
-      if ((ntohl(in->sin_addr.s_addr) >> 24) == 127)
-        continue;
-      inet_ntop(AF_INET, &in->sin_addr, nonloop_ip, sizeof(nonloop_ip));
-      break;
-    }
-    freeifaddrs(ifa);
-  }
-  if (!nonloop_ip[0]) {
-    skip();
-    return;
-  }
+static void test_tcp_hello_required(void **state) {
+  const char *ip = "127.0.0.1";
   snprintf(token_path, sizeof(token_path), "/tmp/attnd-test-token-XXXXXX");
   int tfd = mkstemp(token_path);
   assert_true(tfd >= 0);
   FILE *f = fdopen(tfd, "w");
   fputs("tok-123\n", f);
   fclose(f);
-  harness_t *h = h_up(tweak_any);
+  harness_t *h = h_up(tweak_require_token);
   attnd_v1_Response r;
   /* No Hello: UNAUTHENTICATED, then close. */
-  int c = connect_tcp_addr(nonloop_ip, h->tcp_port);
+  int c = connect_tcp_addr(ip, h->tcp_port);
   send_call(c, 1, attnd_v1_Request_health_tag);
   assert_int_equal(recv_resp(c, &r), 0);
   assert_int_equal(r.status.code, ATTND_STATUS_UNAUTHENTICATED);
   expect_eof(c);
   close(c);
   /* With the token: served. */
-  c = connect_tcp_addr(nonloop_ip, h->tcp_port);
+  c = connect_tcp_addr(ip, h->tcp_port);
   pbw_t w, hello;
   pbw_init(&w);
   pbw_init(&hello);
@@ -1068,10 +1052,19 @@ static void test_tcp_hello_off_loopback(void **state) {
   assert_int_equal(r.status.code, 0);
   health_ok(c, 3, &r);
   close(c);
-  /* Loopback needs no Hello, even after the Hello deadline. */
-  c = connect_tcp_addr("127.0.0.1", h->tcp_port);
-  /* Silence off loopback: closed at the Hello deadline. */
-  int idle = connect_tcp_addr(nonloop_ip, h->tcp_port);
+  /* An authenticated connection outlives the Hello deadline. */
+  c = connect_tcp_addr(ip, h->tcp_port);
+  pbw_init(&w);
+  pbw_init(&hello);
+  pbw_bytes(&hello, 1, "tok-123", 7);
+  pbw_uint(&w, 1, 5);
+  pbw_sub(&w, attnd_v1_Request_hello_tag, &hello);
+  send_raw_frame(c, w.b, w.n);
+  pbw_free(&w);
+  assert_int_equal(recv_resp(c, &r), 0);
+  assert_int_equal(r.status.code, 0);
+  /* Silence: closed at the Hello deadline. */
+  int idle = connect_tcp_addr(ip, h->tcp_port);
   double t0 = now_s();
   assert_int_equal(recv_resp(idle, &r), 0);
   assert_int_equal(r.status.code, ATTND_STATUS_UNAUTHENTICATED);
@@ -1329,7 +1322,7 @@ int main(void) {
       cmocka_unit_test(test_pipelining),        cmocka_unit_test(test_max_connections),
       cmocka_unit_test(test_backpressure),      cmocka_unit_test(test_steps_real_engine),
       cmocka_unit_test(test_throughput),        cmocka_unit_test(test_many_connections),
-      cmocka_unit_test(test_metrics_scrape),    cmocka_unit_test(test_tcp_hello_off_loopback),
+      cmocka_unit_test(test_metrics_scrape),    cmocka_unit_test(test_tcp_hello_required),
       cmocka_unit_test(test_sigterm_drain),     cmocka_unit_test(test_sd_notify),
       cmocka_unit_test(test_sigterm_inflight),
   };
