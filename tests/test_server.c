@@ -1021,6 +1021,20 @@ static void tweak_require_token(attnd_config_t *c) {
   c->require_token = 1;
 }
 
+/* Sends Hello{"tok-123"} with request id `id` and checks it is accepted. */
+static void say_hello(int c, uint64_t id, attnd_v1_Response *r) {
+  pbw_t w, hello;
+  pbw_init(&w);
+  pbw_init(&hello);
+  pbw_bytes(&hello, 1, "tok-123", 7);
+  pbw_uint(&w, 1, id);
+  pbw_sub(&w, attnd_v1_Request_hello_tag, &hello);
+  send_raw_frame(c, w.b, w.n);
+  pbw_free(&w);
+  assert_int_equal(recv_resp(c, r), 0);
+  assert_int_equal(r->status.code, 0);
+}
+
 static void test_tcp_hello_required(void **state) {
   const char *ip = "127.0.0.1";
   snprintf(token_path, sizeof(token_path), "/tmp/attnd-test-token-XXXXXX");
@@ -1040,29 +1054,12 @@ static void test_tcp_hello_required(void **state) {
   close(c);
   /* With the token: served. */
   c = connect_tcp_addr(ip, h->tcp_port);
-  pbw_t w, hello;
-  pbw_init(&w);
-  pbw_init(&hello);
-  pbw_bytes(&hello, 1, "tok-123", 7);
-  pbw_uint(&w, 1, 2);
-  pbw_sub(&w, attnd_v1_Request_hello_tag, &hello);
-  send_raw_frame(c, w.b, w.n);
-  pbw_free(&w);
-  assert_int_equal(recv_resp(c, &r), 0);
-  assert_int_equal(r.status.code, 0);
+  say_hello(c, 2, &r);
   health_ok(c, 3, &r);
   close(c);
   /* An authenticated connection outlives the Hello deadline. */
   c = connect_tcp_addr(ip, h->tcp_port);
-  pbw_init(&w);
-  pbw_init(&hello);
-  pbw_bytes(&hello, 1, "tok-123", 7);
-  pbw_uint(&w, 1, 5);
-  pbw_sub(&w, attnd_v1_Request_hello_tag, &hello);
-  send_raw_frame(c, w.b, w.n);
-  pbw_free(&w);
-  assert_int_equal(recv_resp(c, &r), 0);
-  assert_int_equal(r.status.code, 0);
+  say_hello(c, 5, &r);
   /* Silence: closed at the Hello deadline. */
   int idle = connect_tcp_addr(ip, h->tcp_port);
   double t0 = now_s();
