@@ -1,10 +1,30 @@
 /* engine.c: sessions, plans and steps on top of a backend (DESIGN.md section 6).
  *
- * Everything here runs on the loop thread. A call is validated completely
- * before anything changes (all-or-nothing): the checks run first, then the
- * blocks it needs are counted and, if the pool (free plus evictable) cannot
- * supply them, the call fails with RESOURCE_EXHAUSTED; only then does it
- * commit (allocate, copy-on-write, move len, publish) and submit its jobs.
+ * Admission runs on the loop thread. A call is validated completely before
+ * anything changes (all-or-nothing): the checks run first, then the blocks it
+ * needs are counted and, if the pool (free plus evictable) cannot supply them,
+ * the call fails with RESOURCE_EXHAUSTED; only then does it commit (allocate,
+ * copy-on-write, move len, publish) and submit its jobs.
+ *
+ * Admission queue. A Step must be rejected before it changes anything when
+ * its q, k or v hold a NaN or an infinity, and the scan for them is a linear
+ * pass over the tensors (about 20 ms for the 100 MB of an 8k-token prefill),
+ * too long for the loop thread (DESIGN.md section 2). So a Step whose tensors
+ * exceed offload_bytes (ATTND_ENGINE_OFFLOAD_BYTES) is scanned on the libuv
+ * threadpool first, together with the aligned copy of tensors decoded at odd
+ * addresses; the scan reads only the request's bytes and records the first
+ * row of each tensor holding a non-finite value. Meanwhile the call waits in
+ * an engine-wide FIFO of calls not yet admitted, and while that FIFO is not
+ * empty every later mutating call (any kind, any session, conn_closed too)
+ * waits behind it: calls are still admitted one by one in arrival order, on
+ * the loop thread, with every stateful check made at admission exactly as on
+ * the direct path, which maps the recorded rows to the item they fall in.
+ * With an empty FIFO a small call (every decode step) is admitted at once,
+ * scan included, with no extra latency. Stateless refusals (a layer out of
+ * range, a plan and inline items together, a salt too long) are answered at
+ * arrival: they change nothing, whatever runs before them. A scan cannot be
+ * cancelled once started, so a queued call counts as pending work and
+ * attnd_engine_close waits for it to be admitted (it arrived before the close).
  *
  * Choices the design leaves open, made here:
  *  - a session used by another identity answers PERMISSION_DENIED;
@@ -19,10 +39,11 @@
  *    index (the fingerprint changes anyway) and sets every session's len[l]
  *    of that layer to 0: the client recomputes that layer, nothing else;
  *  - Truncate to more than len answers INVALID_ARGUMENT;
- *  - non-finite q/k/v are found by a scan on the loop thread: it is a linear
- *    pass over bytes the RPC layer just copied and it must finish before the
- *    call is admitted, so it cannot move to the workers without giving up
- *    all-or-nothing admission.
+ *  - non-finite q/k/v are found by a scan that finishes before the call is
+ *    admitted: on the loop thread for small steps, on the threadpool (see the
+ *    admission queue above) for large ones;
+ *  - the idle sweep waits while calls are queued, so a session a queued call
+ *    names is not closed under it for being idle.
  *
  * A job holds a reference on every block it reads or writes (block tables up
  * to kv_len, both sides of a copy), dropped in its done callback. Per layer,
@@ -100,6 +121,51 @@ typedef struct {
   ejob_t *hhead, *htail;
 } layer_t;
 
+/* The finiteness scan of a step's q, k and v. */
+typedef struct {
+  const uint8_t *q, *k, *v;   /* 2-byte aligned views of the tensors (NULL: not scanned) */
+  void *qbuf, *kbuf, *vbuf;   /* copies behind the views when the request's were not aligned */
+  size_t bad_q, bad_k, bad_v; /* first row holding a non-finite value; SIZE_MAX: none */
+} scan_t;
+
+enum {
+  CALL_OPEN = 0,
+  CALL_CLOSE,
+  CALL_FORK,
+  CALL_TRUNCATE,
+  CALL_PLAN,
+  CALL_STEP,
+  CALL_SCALES,
+  CALL_CONN_CLOSED,
+};
+
+/* A mutating call waiting in the admission queue, with what it needs to be
+ * admitted later. Pointers inside requests stay the caller's (engine.h: valid
+ * until the done callback); what the caller may reuse at once (the request
+ * structs and the salt) is copied. */
+typedef struct call_s call_t;
+struct call_s {
+  uv_work_t work; /* the scan of a large step */
+  attnd_engine_t *e;
+  call_t *next;
+  int kind;
+  int scanning; /* the scan has not reported back: the call cannot be admitted yet */
+  int scanned;  /* scan holds the result (a large step) */
+  uint64_t identity, conn, session;
+  uint32_t len;           /* Truncate */
+  const uint32_t *tokens; /* OpenSession */
+  uint32_t ntokens;
+  uint8_t salt[ATTND_PREFIX_MAX_SALT];
+  size_t saltlen;
+  const attnd_item_t *items; /* Plan */
+  uint32_t nitems;
+  attnd_step_req_t step;
+  attnd_scales_req_t scales;
+  scan_t scan;
+  attnd_engine_done_cb cb;
+  void *arg;
+};
+
 struct attnd_engine_s {
   uv_loop_t *loop;
   attnd_config_t cfg;
@@ -127,7 +193,11 @@ struct attnd_engine_s {
   uint64_t persist_seq, persist_written;
   void (*fatal_cb)(void *); /* attnd_engine_on_fatal */
   void *fatal_arg;
-  int fatal; /* the backend reported ATTND_EDEVICE */
+  int fatal;             /* the backend reported ATTND_EDEVICE */
+  call_t *qhead, *qtail; /* admission queue, oldest first */
+  uint32_t nqueued;
+  int admitting;        /* queue_pump is running: a nested call leaves the work to it */
+  size_t offload_bytes; /* a step with more q+k+v bytes is scanned on the threadpool */
 };
 
 /* ---- small helpers ------------------------------------------------------- */
@@ -749,15 +819,12 @@ static int check_open(attnd_engine_t *e, attnd_engine_done_cb cb, void *arg) {
   return 1;
 }
 
-void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
-                               uint32_t ntokens, const uint8_t *salt, size_t saltlen,
-                               attnd_engine_done_cb cb, void *arg) {
-  if (!check_open(e, cb, arg))
-    return;
-  if (saltlen > ATTND_PREFIX_MAX_SALT) {
-    answer(cb, arg, ATTND_EINVAL, "salt is %zu bytes, at most %d", saltlen, ATTND_PREFIX_MAX_SALT);
-    return;
-  }
+/* The admissions below run on the loop thread, at once or from the admission
+ * queue; the public entries (in the admission queue section) check what needs no state. */
+
+static void open_admit(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
+                       uint32_t ntokens, const uint8_t *salt, size_t saltlen,
+                       attnd_engine_done_cb cb, void *arg) {
   if (e->cfg.max_sessions > 0 && e->nsessions >= (uint32_t)e->cfg.max_sessions) {
     answer(cb, arg, ATTND_ENOSPC, "max sessions (%d) reached", e->cfg.max_sessions);
     return;
@@ -808,10 +875,8 @@ void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint3
   cb(arg, &r);
 }
 
-void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t session,
-                                attnd_engine_done_cb cb, void *arg) {
-  if (!check_open(e, cb, arg))
-    return;
+static void close_admit(attnd_engine_t *e, uint64_t identity, uint64_t session,
+                        attnd_engine_done_cb cb, void *arg) {
   char msg[160];
   int rc;
   attnd_session_t *s = session_get(e, identity, session, &rc, msg, sizeof(msg));
@@ -828,8 +893,6 @@ void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t s
 static attnd_session_t *session_for_rollback(attnd_engine_t *e, uint64_t identity,
                                              uint64_t session, attnd_engine_done_cb cb,
                                              void *arg) {
-  if (!check_open(e, cb, arg))
-    return NULL;
   char msg[160];
   int rc;
   attnd_session_t *s = session_get(e, identity, session, &rc, msg, sizeof(msg));
@@ -847,7 +910,7 @@ static attnd_session_t *session_for_rollback(attnd_engine_t *e, uint64_t identit
   return s;
 }
 
-void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
+static void fork_admit(attnd_engine_t *e, uint64_t identity, uint64_t session,
                        attnd_engine_done_cb cb, void *arg) {
   attnd_session_t *s = session_for_rollback(e, identity, session, cb, arg);
   if (!s)
@@ -889,7 +952,7 @@ void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
   cb(arg, &r);
 }
 
-void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t session, uint32_t len,
+static void truncate_admit(attnd_engine_t *e, uint64_t identity, uint64_t session, uint32_t len,
                            attnd_engine_done_cb cb, void *arg) {
   attnd_session_t *s = session_for_rollback(e, identity, session, cb, arg);
   if (!s)
@@ -932,11 +995,9 @@ static int plan_reserve(attnd_engine_t *e, plan_t *p, cowlist_t *cow, char *msg,
   return 0;
 }
 
-void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+static void plan_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
                        const attnd_item_t *items, uint32_t nitems, attnd_engine_done_cb cb,
                        void *arg) {
-  if (!check_open(e, cb, arg))
-    return;
   char msg[200];
   plan_t *p = NULL;
   int rc = plan_build(e, identity, items, nitems, &p, msg, sizeof(msg));
@@ -1003,7 +1064,7 @@ void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   cb(arg, &r);
 }
 
-void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) {
+static void conn_end_plans(attnd_engine_t *e, uint64_t conn) {
   for (plan_t *q = e->phead; q;) {
     plan_t *next = q->next;
     if (q->conn == conn)
@@ -1038,7 +1099,7 @@ static int check_tensor(const attnd_tensor_t *t, const char *name, int dtype, ui
 /* The kernels read 16-bit elements through typed pointers, so tensor bytes
  * decoded in place from a frame (any offset) are copied once when they are
  * not 2-byte aligned. Returns p or the copy, stored in *keep. */
-static void *aligned_data(uint8_t *p, size_t n, void **keep) {
+static const uint8_t *aligned_data(const uint8_t *p, size_t n, void **keep) {
   if (((uintptr_t)p & 1) == 0)
     return p;
   *keep = aligned_alloc(64, (n + 63) & ~(size_t)63);
@@ -1048,40 +1109,92 @@ static void *aligned_data(uint8_t *p, size_t n, void **keep) {
   return *keep;
 }
 
-void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
-                       const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg) {
-  if (!check_open(e, cb, arg))
+/* Rows per attnd_cpu_all_finite call of the scan: large enough that the
+ * vectorized pass dominates, small enough that a bad row is found by
+ * rescanning one chunk row by row. */
+#define SCAN_CHUNK_ELEMS (64u * 1024u)
+
+/* The first row (of row_elems 16-bit elements) of n bytes holding a
+ * non-finite value, or SIZE_MAX. Elements past the last whole row count as
+ * one more row. */
+static size_t first_bad_row(attnd_dtype_t dt, const uint8_t *p, size_t n, size_t row_elems) {
+  size_t elems = n / 2, rows = (elems + row_elems - 1) / row_elems;
+  size_t per = SCAN_CHUNK_ELEMS / row_elems ? SCAN_CHUNK_ELEMS / row_elems : 1;
+  for (size_t r0 = 0; r0 < rows; r0 += per) {
+    size_t r1 = r0 + per < rows ? r0 + per : rows;
+    size_t e1 = r1 * row_elems < elems ? r1 * row_elems : elems;
+    if (attnd_cpu_all_finite(dt, p + r0 * row_elems * 2, e1 - r0 * row_elems))
+      continue;
+    for (size_t r = r0; r < r1; r++) {
+      size_t a = r * row_elems, b = a + row_elems < elems ? a + row_elems : elems;
+      if (!attnd_cpu_all_finite(dt, p + a * 2, b - a))
+        return r;
+    }
+  }
+  return SIZE_MAX;
+}
+
+/* Scans one tensor of the activation dtype: an aligned view (copying it if
+ * needed) and its first non-finite row. A tensor that is absent, empty or of
+ * another dtype is left unscanned: the step fails on its shape first. */
+static void scan_tensor(attnd_dtype_t dt, const attnd_tensor_t *t, size_t row_elems,
+                        const uint8_t **view, void **buf, size_t *bad) {
+  *view = NULL;
+  *buf = NULL;
+  *bad = SIZE_MAX;
+  if (!t->present || !t->data || t->nbytes == 0 || t->dtype != (int)dt)
     return;
+  *view = aligned_data(t->data, t->nbytes, buf);
+  *bad = first_bad_row(dt, *view, t->nbytes, row_elems);
+}
+
+/* The whole scan of a step; reads only the request and the model shape, which
+ * never changes, so it may run on a worker thread. */
+static void scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, scan_t *sc) {
+  size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
+  scan_tensor(sh->dtype, &req->q, qrow, &sc->q, &sc->qbuf, &sc->bad_q);
+  scan_tensor(sh->dtype, &req->k, kvrow, &sc->k, &sc->kbuf, &sc->bad_k);
+  scan_tensor(sh->dtype, &req->v, kvrow, &sc->v, &sc->vbuf, &sc->bad_v);
+}
+
+static int row_in(size_t row, uint32_t first, uint32_t n) {
+  return row >= first && row - first < n;
+}
+
+/* Admits a step whose layer is in range and which names a plan or carries
+ * items, not both (attnd_engine_step checked). sc is the finished scan of a
+ * queued step, whose copies this call takes over, or NULL: the step is small
+ * and is scanned here, once its tensors' shapes are known to be right. */
+static void step_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                       const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg,
+                       scan_t *sc) {
   char msg[200];
   int rc = 0;
   uint32_t layer = req->layer;
-  if (layer >= (uint32_t)e->layers) {
-    answer(cb, arg, ATTND_EINVAL, "layer %u >= layers %d", layer, e->layers);
-    return;
-  }
-  plan_t *p = NULL, *inl = NULL;
-  if (req->plan) {
-    if (req->nitems) {
-      answer(cb, arg, ATTND_EINVAL, "a step names a plan or carries items, not both");
-      return;
-    }
-    p = attnd_idmap_get(&e->plans, req->plan);
-    if (!p || p->identity != identity) {
-      answer(cb, arg, ATTND_EPRECOND, "plan %016llx has ended (or never existed)",
-             (unsigned long long)req->plan);
-      return;
-    }
-  } else {
-    if ((rc = plan_build(e, identity, req->items, req->nitems, &inl, msg, sizeof(msg))) != 0) {
-      answer(cb, arg, rc, "%s", msg);
-      return;
-    }
-    p = inl;
-  }
   const attnd_kshape_t *sh = &e->shape;
   cowlist_t cow = {0};
   void *out = NULL, *kbuf = NULL, *vbuf = NULL, *qbuf = NULL;
   float *lse = NULL;
+  scan_t local;
+  if (sc) {
+    kbuf = sc->kbuf;
+    vbuf = sc->vbuf;
+    qbuf = sc->qbuf;
+  }
+  plan_t *p = NULL, *inl = NULL;
+  if (req->plan) {
+    p = attnd_idmap_get(&e->plans, req->plan);
+    if (!p || p->identity != identity) {
+      snprintf(msg, sizeof(msg), "plan %016llx has ended (or never existed)",
+               (unsigned long long)req->plan);
+      rc = ATTND_EPRECOND;
+      goto fail;
+    }
+  } else {
+    if ((rc = plan_build(e, identity, req->items, req->nitems, &inl, msg, sizeof(msg))) != 0)
+      goto fail;
+    p = inl;
+  }
   if ((rc = check_tensor(&req->k, "k", sh->dtype, p->T, sh->kv_heads, sh->head_dim, msg,
                          sizeof(msg))) ||
       (rc = check_tensor(&req->v, "v", sh->dtype, p->T, sh->kv_heads, sh->head_dim, msg,
@@ -1103,11 +1216,16 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     goto fail;
   }
   size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
-  size_t kv_bytes = (size_t)p->T * kvrow * 2, q_bytes = (size_t)p->Tq * qrow * 2;
-  /* Aligned views first: the finite scan below reads 16-bit elements too. */
-  const uint8_t *kd = aligned_data(req->k.data, kv_bytes, &kbuf);
-  const uint8_t *vd = aligned_data(req->v.data, kv_bytes, &vbuf);
-  uint8_t *qd = p->Tq ? aligned_data(req->q.data, q_bytes, &qbuf) : NULL;
+  if (!sc) {
+    /* Small: scanned here, on the loop thread, like the checks around it. */
+    scan_step(sh, req, &local);
+    sc = &local;
+    kbuf = sc->kbuf;
+    vbuf = sc->vbuf;
+    qbuf = sc->qbuf;
+  }
+  const uint8_t *kd = sc->k, *vd = sc->v;
+  uint8_t *qd = p->Tq ? (uint8_t *)sc->q : NULL; /* the backend may rotate q in place */
   uint32_t kv_row = 0, q_row = 0;
   for (uint32_t i = 0; i < p->nitems; i++) {
     pitem_t *it = &p->items[i];
@@ -1137,9 +1255,11 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
           rc = ATTND_EINVAL;
           goto fail;
         }
-    if (!attnd_cpu_all_finite(sh->dtype, kd + kv_row * kvrow * 2, it->n * kvrow) ||
-        !attnd_cpu_all_finite(sh->dtype, vd + kv_row * kvrow * 2, it->n * kvrow) ||
-        (it->has_q && !attnd_cpu_all_finite(sh->dtype, qd + q_row * qrow * 2, it->n * qrow))) {
+    /* The scan recorded the first bad row of each tensor; no item before
+     * this one holds a bad row, so this item fails exactly when it holds
+     * that row (the same answer as scanning item by item). */
+    if (row_in(sc->bad_k, kv_row, it->n) || row_in(sc->bad_v, kv_row, it->n) ||
+        (it->has_q && row_in(sc->bad_q, q_row, it->n))) {
       snprintf(msg, sizeof(msg), "item %u: q, k or v holds a non-finite value", i);
       rc = ATTND_EINVAL;
       goto fail;
@@ -1381,10 +1501,8 @@ static void queue_backend_scales(attnd_engine_t *e, int layer) {
   layer_submit(e, j);
 }
 
-void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
-                             attnd_engine_done_cb cb, void *arg) {
-  if (!check_open(e, cb, arg))
-    return;
+static void scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
+                         void *arg) {
   char msg[200];
   int rc = attnd_scales_validate(&e->sc, req, msg, sizeof(msg));
   if (rc) {
@@ -1436,10 +1554,249 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
   e->pending++;
 }
 
+/* ---- admission queue ----------------------------------------------------- */
+
+static call_t *call_new(attnd_engine_t *e, int kind, uint64_t identity, attnd_engine_done_cb cb,
+                        void *arg) {
+  call_t *c = xcalloc(1, sizeof(*c));
+  c->e = e;
+  c->kind = kind;
+  c->identity = identity;
+  c->cb = cb;
+  c->arg = arg;
+  return c;
+}
+
+static void call_admit(attnd_engine_t *e, call_t *c) {
+  switch (c->kind) {
+  case CALL_OPEN:
+    open_admit(e, c->identity, c->tokens, c->ntokens, c->salt, c->saltlen, c->cb, c->arg);
+    break;
+  case CALL_CLOSE:
+    close_admit(e, c->identity, c->session, c->cb, c->arg);
+    break;
+  case CALL_FORK:
+    fork_admit(e, c->identity, c->session, c->cb, c->arg);
+    break;
+  case CALL_TRUNCATE:
+    truncate_admit(e, c->identity, c->session, c->len, c->cb, c->arg);
+    break;
+  case CALL_PLAN:
+    plan_admit(e, c->identity, c->conn, c->items, c->nitems, c->cb, c->arg);
+    break;
+  case CALL_STEP:
+    step_admit(e, c->identity, c->conn, &c->step, c->cb, c->arg, c->scanned ? &c->scan : NULL);
+    break;
+  case CALL_SCALES:
+    scales_admit(e, &c->scales, c->cb, c->arg);
+    break;
+  case CALL_CONN_CLOSED:
+    conn_end_plans(e, c->conn);
+    break;
+  }
+}
+
+/* Admits queued calls from the head while the head's scan is done. A call's
+ * callback may make new calls: they queue behind what is left (or, with the
+ * queue empty, run at once), and this loop admits them in turn. */
+static void queue_pump(attnd_engine_t *e) {
+  if (e->admitting)
+    return;
+  e->admitting = 1;
+  while (e->qhead && !e->qhead->scanning) {
+    call_t *c = e->qhead;
+    e->qhead = c->next;
+    if (!e->qhead)
+      e->qtail = NULL;
+    e->nqueued--;
+    call_admit(e, c);
+    free(c);
+    e->pending--;
+  }
+  e->admitting = 0;
+  maybe_finish_close(e);
+}
+
+static void call_push(attnd_engine_t *e, call_t *c) {
+  /* Pending until admitted: a close waits for queued calls and running scans. */
+  e->pending++;
+  e->nqueued++;
+  if (e->qtail)
+    e->qtail->next = c;
+  else
+    e->qhead = c;
+  e->qtail = c;
+  queue_pump(e);
+}
+
+static void scan_work(uv_work_t *w) {
+  call_t *c = (call_t *)w;
+  scan_step(&c->e->shape, &c->step, &c->scan);
+}
+
+static void scan_done(uv_work_t *w, int status) {
+  call_t *c = (call_t *)w;
+  /* status is UV_ECANCELED only after uv_cancel, which is never called. */
+  (void)status;
+  c->scanning = 0;
+  queue_pump(c->e);
+}
+
+/* 1 when earlier calls wait for admission: a new call queues behind them. */
+static int must_queue(attnd_engine_t *e) {
+  return e->qhead != NULL;
+}
+
+void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
+                               uint32_t ntokens, const uint8_t *salt, size_t saltlen,
+                               attnd_engine_done_cb cb, void *arg) {
+  if (!check_open(e, cb, arg))
+    return;
+  if (saltlen > ATTND_PREFIX_MAX_SALT) {
+    answer(cb, arg, ATTND_EINVAL, "salt is %zu bytes, at most %d", saltlen, ATTND_PREFIX_MAX_SALT);
+    return;
+  }
+  if (!must_queue(e)) {
+    open_admit(e, identity, tokens, ntokens, salt, saltlen, cb, arg);
+    return;
+  }
+  call_t *c = call_new(e, CALL_OPEN, identity, cb, arg);
+  c->tokens = tokens;
+  c->ntokens = ntokens;
+  c->saltlen = saltlen;
+  if (saltlen)
+    memcpy(c->salt, salt, saltlen);
+  call_push(e, c);
+}
+
+void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t session,
+                                attnd_engine_done_cb cb, void *arg) {
+  if (!check_open(e, cb, arg))
+    return;
+  if (!must_queue(e)) {
+    close_admit(e, identity, session, cb, arg);
+    return;
+  }
+  call_t *c = call_new(e, CALL_CLOSE, identity, cb, arg);
+  c->session = session;
+  call_push(e, c);
+}
+
+void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
+                       attnd_engine_done_cb cb, void *arg) {
+  if (!check_open(e, cb, arg))
+    return;
+  if (!must_queue(e)) {
+    fork_admit(e, identity, session, cb, arg);
+    return;
+  }
+  call_t *c = call_new(e, CALL_FORK, identity, cb, arg);
+  c->session = session;
+  call_push(e, c);
+}
+
+void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t session, uint32_t len,
+                           attnd_engine_done_cb cb, void *arg) {
+  if (!check_open(e, cb, arg))
+    return;
+  if (!must_queue(e)) {
+    truncate_admit(e, identity, session, len, cb, arg);
+    return;
+  }
+  call_t *c = call_new(e, CALL_TRUNCATE, identity, cb, arg);
+  c->session = session;
+  c->len = len;
+  call_push(e, c);
+}
+
+void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                       const attnd_item_t *items, uint32_t nitems, attnd_engine_done_cb cb,
+                       void *arg) {
+  if (!check_open(e, cb, arg))
+    return;
+  if (!must_queue(e)) {
+    plan_admit(e, identity, conn, items, nitems, cb, arg);
+    return;
+  }
+  call_t *c = call_new(e, CALL_PLAN, identity, cb, arg);
+  c->conn = conn;
+  c->items = items;
+  c->nitems = nitems;
+  call_push(e, c);
+}
+
+static size_t tensor_bytes(const attnd_tensor_t *t) {
+  return t->present && t->data ? t->nbytes : 0;
+}
+
+void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                       const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg) {
+  if (!check_open(e, cb, arg))
+    return;
+  if (req->layer >= (uint32_t)e->layers) {
+    answer(cb, arg, ATTND_EINVAL, "layer %u >= layers %d", req->layer, e->layers);
+    return;
+  }
+  if (req->plan && req->nitems) {
+    answer(cb, arg, ATTND_EINVAL, "a step names a plan or carries items, not both");
+    return;
+  }
+  size_t bytes = tensor_bytes(&req->q) + tensor_bytes(&req->k) + tensor_bytes(&req->v);
+  int large = bytes > e->offload_bytes;
+  if (!large && !must_queue(e)) {
+    step_admit(e, identity, conn, req, cb, arg, NULL);
+    return;
+  }
+  call_t *c = call_new(e, CALL_STEP, identity, cb, arg);
+  c->conn = conn;
+  c->step = *req;
+  if (large) {
+    c->scanned = 1;
+    c->scanning = 1;
+    if (uv_queue_work(e->loop, &c->work, scan_work, scan_done) != 0) {
+      /* Cannot happen with valid arguments; scan here rather than fail. */
+      scan_step(&e->shape, &c->step, &c->scan);
+      c->scanning = 0;
+    }
+  }
+  call_push(e, c);
+}
+
+void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
+                             attnd_engine_done_cb cb, void *arg) {
+  if (!check_open(e, cb, arg))
+    return;
+  if (!must_queue(e)) {
+    scales_admit(e, req, cb, arg);
+    return;
+  }
+  call_t *c = call_new(e, CALL_SCALES, 0, cb, arg);
+  c->scales = *req;
+  call_push(e, c);
+}
+
+void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) {
+  /* Behind queued calls, so that a queued Plan of this connection is admitted
+   * first and then ends here, as it would have without the queue. */
+  if (!must_queue(e)) {
+    conn_end_plans(e, conn);
+    return;
+  }
+  call_t *c = call_new(e, CALL_CONN_CLOSED, 0, NULL, NULL);
+  c->conn = conn;
+  call_push(e, c);
+}
+
+void attnd_engine_set_offload_bytes(attnd_engine_t *e, size_t bytes) {
+  e->offload_bytes = bytes;
+}
+
 /* ---- idle sessions ------------------------------------------------------- */
 
 static void idle_cb(uv_timer_t *t) {
   attnd_engine_t *e = t->data;
+  if (e->qhead)
+    return; /* a queued call may name an idle session: sweep on a later tick */
   uint64_t now = now_ms(e), idle = (uint64_t)e->cfg.session_idle_s * 1000;
   for (attnd_session_t *s = e->shead; s;) {
     attnd_session_t *next = s->next;
@@ -1466,6 +1823,10 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
     e->shape.softmax_scale = (float)(1.0 / sqrt((double)e->shape.head_dim));
   e->layers = cfg->layers;
   e->bs = (uint32_t)e->shape.block_size;
+  e->offload_bytes = ATTND_ENGINE_OFFLOAD_BYTES;
+  const char *ob = getenv("ATTND_ENGINE_OFFLOAD_BYTES");
+  if (ob && *ob)
+    e->offload_bytes = (size_t)strtoull(ob, NULL, 10);
   if (e->cfg.max_context <= 0)
     e->cfg.max_context = 131072;
   if (e->layers <= 0 || attnd_kshape_check(&e->shape) != 0) {
@@ -1602,6 +1963,7 @@ void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st) {
   st->blocks_total = e->pool.n;
   st->blocks_used = attnd_blocks_used(&e->pool);
   st->blocks_cached = e->pool.nlru;
+  st->queued = e->nqueued;
 }
 
 uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_session_info_t *out,

@@ -6,10 +6,12 @@
  * the math on its backend off the loop, and reports completion through
  * attnd_engine_done_cb on the loop thread. Nothing here blocks the loop.
  *
- * Memory: pointers inside a request (tensor data, tokens, mask arrays) belong to
- * the caller and stay valid and writable until the call's done callback has
- * run (q may be rotated in place). The result passed to the callback belongs to
- * the engine and is valid only during the callback. */
+ * Memory: pointers inside a request (tensor data, items, tokens, mask arrays)
+ * belong to the caller and stay valid, unchanged and writable until the call's
+ * done callback has run (q may be rotated in place; a call queued behind a
+ * large step is admitted after it returns). The request structs themselves and
+ * the salt may be reused once the call returns. The result passed to the
+ * callback belongs to the engine and is valid only during the callback. */
 #ifndef ATTND_ENGINE_H
 #define ATTND_ENGINE_H
 
@@ -114,6 +116,7 @@ typedef struct {
   uint64_t prefix_queries, prefix_hit_tokens, prefix_miss_tokens;
   uint64_t evictions, cow_copies;
   uint64_t steps, prefill_steps, decode_steps, tokens_written;
+  uint32_t queued; /* gauge: calls waiting for admission behind a large step's scan */
 } attnd_engine_stats_t;
 
 typedef struct {
@@ -162,6 +165,17 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
 
 /* The connection closed: its plans end. In-flight steps still complete. */
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);
+
+/* A Step whose q, k and v hold more than this many bytes together has its
+ * finiteness scan (and any aligned copy) run on the libuv threadpool before it
+ * is admitted; calls arriving meanwhile are admitted after it, in arrival
+ * order. The environment variable ATTND_ENGINE_OFFLOAD_BYTES, read by
+ * attnd_engine_init, overrides it (tests run the daemon's steps through the
+ * queue with it). */
+#define ATTND_ENGINE_OFFLOAD_BYTES ((size_t)1 << 20)
+/* Sets that threshold for this engine (tests: 0 sends every step through the
+ * threadpool scan and the admission queue). */
+void attnd_engine_set_offload_bytes(attnd_engine_t *e, size_t bytes);
 
 /* Checks the engine's bookkeeping: the block pool's invariants, every
  * block's table references against the sessions' block tables, published

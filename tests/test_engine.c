@@ -128,11 +128,17 @@ static void fx_config(fx_t *f, attnd_kv_type_t kv, uint32_t blocks) {
   snprintf(f->cfg.state_dir, sizeof(f->cfg.state_dir), "%s", f->state_dir);
 }
 
+/* Set by the queued variants of the tests: every step with tensors goes
+ * through the threadpool scan and the admission queue. */
+static int g_queued;
+
 static void fx_start(fx_t *f) {
   char err[256];
   int rc = attnd_engine_init(&f->e, &f->loop, &f->cfg, err, sizeof(err));
   if (rc)
     fail_msg("engine init: %s", err);
+  if (g_queued)
+    attnd_engine_set_offload_bytes(f->e, 0);
 }
 
 static void closed_cb(void *arg) {
@@ -406,6 +412,7 @@ typedef struct {
   int bad_dtype;
   int bad_rows;   /* k claims one row more than the items have */
   int odd_offset; /* tensor bytes at an odd address (decoded in place from a frame) */
+  int corrupt_q;  /* 1: infinity in q of the first row */
 } stepopt_t;
 
 /* One step in flight: its inputs, kept to replay it on the oracle. */
@@ -418,8 +425,24 @@ typedef struct {
   uint16_t *k, *v, *q, *q0;
   float ks[KVH * HD], vs[KVH * HD], kz[KVH * HD], vz[KVH * HD]; /* scales at submission */
   uint8_t *kodd;
+  /* The request's items and token ids: the engine reads them until the step
+   * is done (it may be admitted later, behind a large step's scan). */
+  itembuf_t ib;
+  uint32_t *tok[MAXSIM];
   res_t x;
 } pend_t;
+
+/* Frees what step_submit allocated. */
+static void pend_release(pend_t *pd) {
+  free(pd->kodd);
+  free(pd->k);
+  free(pd->v);
+  free(pd->q);
+  free(pd->q0);
+  for (int i = 0; i < MAXSIM; i++)
+    free(pd->tok[i]);
+  memset(pd->tok, 0, sizeof(pd->tok));
+}
 
 /* Submits one step (inline when plan == 0) with fresh random q/k/v. */
 static void step_submit(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan, uint64_t conn,
@@ -446,7 +469,8 @@ static void step_submit(fx_t *f, int layer, const spec_t *sp, int n, uint64_t pl
   pd->T = T;
   pd->Tq = Tq;
   size_t kvrow = KVH * HD, qrow = QH * HD;
-  uint16_t *k = malloc(T * kvrow * 2), *v = malloc(T * kvrow * 2);
+  /* k has a spare row: bad_rows claims it, and the engine may scan it. */
+  uint16_t *k = calloc((T + 1) * kvrow, 2), *v = malloc(T * kvrow * 2);
   uint16_t *q = malloc((Tq ? Tq : 1) * qrow * 2), *q0 = malloc((Tq ? Tq : 1) * qrow * 2);
   pd->k = k;
   pd->v = v;
@@ -462,17 +486,24 @@ static void step_submit(fx_t *f, int layer, const spec_t *sp, int n, uint64_t pl
         det_kv(sp[i].stream, sp[i].start + t, layer, k + (r0 + t) * kvrow, v + (r0 + t) * kvrow);
   if (opt->corrupt)
     k[(T - 1) * kvrow + 3] = 0x7fc0; /* bf16 NaN */
-  itembuf_t ib;
-  build_items(sp, n, &ib);
-  uint32_t saved_tok = 0;
-  if (opt->wrong_token_item >= 0) {
-    saved_tok = sp[opt->wrong_token_item].sim->tokens[sp[opt->wrong_token_item].start];
-    sp[opt->wrong_token_item].sim->tokens[sp[opt->wrong_token_item].start] = saved_tok + 1;
+  if (opt->corrupt_q && Tq)
+    q[5] = 0x7f80; /* bf16 +inf */
+  itembuf_t *ib = &pd->ib;
+  build_items(sp, n, ib);
+  for (int i = 0; i < n; i++) {
+    /* An item may run past MAXCTX on purpose (OUT_OF_RANGE): copy what exists. */
+    uint32_t have = sp[i].start < MAXCTX ? MAXCTX - sp[i].start : 0;
+    pd->tok[i] = calloc(sp[i].n, sizeof(uint32_t));
+    memcpy(pd->tok[i], &sp[i].sim->tokens[sp[i].start],
+           (sp[i].n < have ? sp[i].n : have) * sizeof(uint32_t));
+    ib->items[i].tokens = pd->tok[i];
   }
+  if (opt->wrong_token_item >= 0)
+    pd->tok[opt->wrong_token_item][0]++;
   attnd_step_req_t r = {
       .layer = (uint32_t)layer, .plan = plan, .want_lse = opt->want_lse, .fp32_out = opt->fp32_out};
   if (!plan) {
-    r.items = ib.items;
+    r.items = ib->items;
     r.nitems = (uint32_t)n;
   }
   r.k = (attnd_tensor_t){.present = 1,
@@ -507,8 +538,6 @@ static void step_submit(fx_t *f, int layer, const spec_t *sp, int n, uint64_t pl
     r.q.shape[2] = HD;
   }
   attnd_engine_step(f->e, 1, conn, &r, on_done, &pd->x);
-  if (opt->wrong_token_item >= 0)
-    sp[opt->wrong_token_item].sim->tokens[sp[opt->wrong_token_item].start] = saved_tok;
 }
 
 /* Waits for a submitted step; on success replays it on the oracle and checks
@@ -576,11 +605,7 @@ static int step_finish(fx_t *f, pend_t *pd, char *msg, uint8_t **out_copy) {
     }
   }
   res_free(x);
-  free(pd->kodd);
-  free(pd->k);
-  free(pd->v);
-  free(pd->q);
-  free(pd->q0);
+  pend_release(pd);
   return status;
 }
 
@@ -1264,11 +1289,7 @@ static void test_random_pipelined(void **state) {
         pd[np].x.r.status = 0;
         pd[np].x.done = 1;
         res_free(&pd[np].x);
-        free(pd[np].kodd);
-        free(pd[np].k);
-        free(pd[np].v);
-        free(pd[np].q);
-        free(pd[np].q0);
+        pend_release(&pd[np]);
         refused++;
       } else {
         np++;
@@ -1611,19 +1632,327 @@ static void test_idle_close(void **state) {
   fx_free(f);
 }
 
+/* ---- the admission queue ------------------------------------------------ */
+
+static int queued_on(void **state) {
+  g_queued = 1;
+  return 0;
+}
+
+static int queued_off(void **state) {
+  g_queued = 0;
+  return 0;
+}
+
+static uint32_t queued_now(fx_t *f) {
+  attnd_engine_stats_t st;
+  attnd_engine_stats(f->e, &st);
+  return st.queued;
+}
+
+static uint32_t session_len(fx_t *f, uint64_t id) {
+  attnd_session_info_t info[16];
+  uint32_t n = attnd_engine_list_sessions(f->e, 1, info, 16);
+  for (uint32_t i = 0; i < n && i < 16; i++)
+    if (info[i].session == id)
+      return info[i].len;
+  fail_msg("session %016llx not listed", (unsigned long long)id);
+  return 0;
+}
+
+enum { SEQ_OUTS = 16 };
+
+/* One fixed sequence of plans and steps (prefill, decode, inline steps with
+ * fp32 output, lse and k at an odd address, a rewrite) from a fixed seed;
+ * every step's output is kept. */
+static int run_sequence(int queued, uint8_t **outs, size_t *sizes) {
+  g_queued = queued;
+  fx_t *f = fx_new(ATTND_KV_INT8, 64);
+  g_queued = 0;
+  f->rng = 0x5eed;
+  set_all_scales(f);
+  sim_t *a = sim_new(), *b = sim_new();
+  fill_tokens(f, a, 0, 200);
+  fill_tokens(f, b, 0, 200);
+  open_session(f, a, 0, NULL, 0);
+  open_session(f, b, 0, NULL, 0);
+  int no = 0;
+  char msg[256];
+  spec_t pre[2] = {{.sim = a, .start = 0, .n = 37}, {.sim = b, .start = 0, .n = 20}};
+  spec_t dec[2] = {{.sim = a, .start = 37, .n = 1}, {.sim = b, .start = 20, .n = 1}};
+  const spec_t *plans[2] = {pre, dec};
+  for (int pi = 0; pi < 2; pi++) {
+    uint64_t plan;
+    assert_int_equal(make_plan(f, plans[pi], 2, 1, &plan, msg), 0);
+    for (int l = 0; l < LAYERS; l++) {
+      assert_int_equal(step_ex(f, l, plans[pi], 2, plan, 1, NULL, msg, &outs[no]), 0);
+      sizes[no++] = (pi == 0 ? 57 : 2) * QH * HD * 2;
+    }
+  }
+  stepopt_t o = {.fp32_out = 1, .want_lse = 1, .wrong_token_item = -1, .odd_offset = 1};
+  spec_t rw = {.sim = a, .start = 35, .n = 3}; /* a rewrite of the last positions */
+  for (int l = 0; l < LAYERS; l++) {
+    assert_int_equal(step_ex(f, l, &rw, 1, 0, 1, &o, msg, &outs[no]), 0);
+    sizes[no++] = 3 * QH * HD * 4;
+  }
+  check_engine(f);
+  sim_free(a);
+  sim_free(b);
+  fx_free(f);
+  return no;
+}
+
+/* Steps admitted from the queue after a threadpool scan compute exactly what
+ * steps admitted at once compute: outputs equal bit for bit. */
+static void test_queued_equals_direct(void **state) {
+  uint8_t *direct[SEQ_OUTS], *queued[SEQ_OUTS];
+  size_t sd[SEQ_OUTS], sq[SEQ_OUTS];
+  int nd = run_sequence(0, direct, sd);
+  int nq = run_sequence(1, queued, sq);
+  assert_int_equal(nd, nq);
+  for (int i = 0; i < nd; i++) {
+    assert_int_equal(sd[i], sq[i]);
+    assert_memory_equal(direct[i], queued[i], sd[i]);
+    free(direct[i]);
+    free(queued[i]);
+  }
+  print_message("  %d step outputs equal bit for bit\n", nd);
+}
+
+typedef struct {
+  int calls;
+  attnd_result_t r;
+} cnt_t;
+
+static void on_count(void *arg, const attnd_result_t *r) {
+  cnt_t *c = arg;
+  c->calls++;
+  c->r = *r;
+  c->r.out = NULL;
+  c->r.lse = NULL;
+}
+
+/* A large step followed at once, without waiting, by calls that depend on it
+ * (other layers of the same positions, which layer 0 must lead; a Truncate,
+ * which needs every layer level; a step after it; a Close; a step after the
+ * Close): each sees the effect of the calls before it, as if admitted one by
+ * one in arrival order. Run both queued and direct: the same answers. */
+static void arrival_order(int queued) {
+  g_queued = queued;
+  fx_t *f = fx_new(ATTND_KV_BF16, 64);
+  g_queued = 0;
+  sim_t *a = sim_new();
+  fill_tokens(f, a, 0, 200);
+  open_session(f, a, 0, NULL, 0);
+  spec_t pre = {.sim = a, .start = 0, .n = 20};
+  plan_all_layers(f, &pre, 1);
+  static pend_t pd[LAYERS + 2];
+  spec_t grow = {.sim = a, .start = 20, .n = 8};
+  for (int l = 0; l < LAYERS; l++)
+    step_submit(f, l, &grow, 1, 0, 1, NULL, &pd[l]);
+  if (queued)
+    assert_int_equal(queued_now(f), LAYERS); /* the first scan has not reported back */
+  cnt_t tr = {0}, cl = {0};
+  attnd_engine_truncate(f->e, 1, a->id, 24, on_count, &tr);
+  spec_t after = {.sim = a, .start = 24, .n = 2};
+  step_submit(f, 0, &after, 1, 0, 1, NULL, &pd[LAYERS]);
+  attnd_engine_close_session(f->e, 1, a->id, on_count, &cl);
+  step_submit(f, 0, &after, 1, 0, 1, NULL, &pd[LAYERS + 1]);
+  if (queued) {
+    assert_int_equal(queued_now(f), LAYERS + 4);
+    assert_int_equal(tr.calls + cl.calls, 0);
+  }
+  char msg[256];
+  for (int l = 0; l < LAYERS; l++)
+    if (step_finish(f, &pd[l], msg, NULL) != 0)
+      fail_msg("layer %d: %s", l, msg);
+  while (!tr.calls || !cl.calls)
+    uv_run(&f->loop, UV_RUN_ONCE);
+  assert_int_equal(tr.r.status, 0);
+  for (int l = 0; l < LAYERS; l++)
+    a->o[l].len = 24;
+  if (step_finish(f, &pd[LAYERS], msg, NULL) != 0)
+    fail_msg("step after truncate: %s", msg);
+  assert_int_equal(cl.r.status, 0);
+  int rc = step_finish(f, &pd[LAYERS + 1], msg, NULL);
+  if (rc != ATTND_ENOTFOUND)
+    fail_msg("step after close: %d %s", rc, msg);
+  assert_int_equal(tr.calls, 1);
+  assert_int_equal(cl.calls, 1);
+  assert_int_equal(queued_now(f), 0);
+  check_engine(f);
+  sim_free(a);
+  fx_free(f);
+}
+
+static void test_queued_arrival_order(void **state) {
+  arrival_order(1);
+  arrival_order(0);
+}
+
+/* A queued step with a NaN in k of item 1, or an infinity in q of item 0,
+ * answers INVALID_ARGUMENT naming the item and changes nothing; the calls
+ * queued behind it are admitted and succeed. */
+static void test_queued_nan(void **state) {
+  g_queued = 1;
+  fx_t *f = fx_new(ATTND_KV_BF16, 64);
+  g_queued = 0;
+  sim_t *a = sim_new(), *b = sim_new();
+  fill_tokens(f, a, 0, 200);
+  fill_tokens(f, b, 0, 200);
+  open_session(f, a, 0, NULL, 0);
+  open_session(f, b, 0, NULL, 0);
+  spec_t pre[2] = {{.sim = a, .start = 0, .n = 17}, {.sim = b, .start = 0, .n = 9}};
+  plan_all_layers(f, pre, 2);
+  static pend_t pd[4];
+  char msg[256];
+  stepopt_t nan_k = {.corrupt = 1, .wrong_token_item = -1};
+  stepopt_t inf_q = {.corrupt_q = 1, .wrong_token_item = -1};
+  spec_t bad[2] = {{.sim = a, .start = 17, .n = 5}, {.sim = b, .start = 9, .n = 6}};
+  step_submit(f, 0, bad, 2, 0, 1, &nan_k, &pd[0]);
+  step_submit(f, 0, bad, 2, 0, 1, &inf_q, &pd[1]);
+  spec_t good[2] = {{.sim = a, .start = 17, .n = 2}, {.sim = b, .start = 9, .n = 1}};
+  step_submit(f, 0, good, 2, 0, 1, NULL, &pd[2]);
+  assert_int_equal(queued_now(f), 3);
+  int rc = step_finish(f, &pd[0], msg, NULL);
+  expect(f, rc, ATTND_EINVAL, msg, "item 1: q, k or v holds a non-finite value");
+  rc = step_finish(f, &pd[1], msg, NULL);
+  expect(f, rc, ATTND_EINVAL, msg, "item 0: q, k or v holds a non-finite value");
+  if ((rc = step_finish(f, &pd[2], msg, NULL)) != 0)
+    fail_msg("the step behind the bad ones: %d %s", rc, msg);
+  assert_int_equal(session_len(f, a->id), 19);
+  assert_int_equal(session_len(f, b->id), 10);
+  /* The other layers catch up over the same positions and match the oracle. */
+  for (int l = 1; l < LAYERS; l++)
+    assert_int_equal(step(f, l, good, 2, 0), 0);
+  check_engine(f);
+  sim_free(a);
+  sim_free(b);
+  fx_free(f);
+}
+
+/* The engine closed while calls wait behind a running scan: every queued
+ * call is admitted and answered exactly once before the close completes, a
+ * call after the close is refused at once, and a connection that closed
+ * while its Plan was queued still ends that plan. */
+typedef struct {
+  cnt_t *c;
+  int n;
+  int closed;
+  int all_before_close;
+} drain_t;
+
+static void drain_closed(void *arg) {
+  drain_t *d = arg;
+  d->closed = 1;
+  d->all_before_close = 1;
+  for (int i = 0; i < d->n; i++)
+    d->all_before_close &= d->c[i].calls == 1;
+}
+
+static void test_queued_drain(void **state) {
+  g_queued = 1;
+  fx_t *f = fx_new(ATTND_KV_BF16, 64);
+  g_queued = 0;
+  sim_t *a = sim_new(), *b = sim_new();
+  fill_tokens(f, a, 0, 200);
+  memcpy(b->tokens, a->tokens, sizeof(b->tokens));
+  open_session(f, a, 0, NULL, 0);
+  spec_t pre = {.sim = a, .start = 0, .n = 40};
+  plan_all_layers(f, &pre, 1);
+  /* Behind a large step: a Plan of connection 5 and that connection's close. */
+  static pend_t pd[2];
+  spec_t g1 = {.sim = a, .start = 40, .n = 6};
+  step_submit(f, 0, &g1, 1, 0, 5, NULL, &pd[0]);
+  cnt_t c[8] = {{0}};
+  itembuf_t ib;
+  spec_t p1 = {.sim = a, .start = 46, .n = 1};
+  build_items(&p1, 1, &ib);
+  attnd_engine_plan(f->e, 1, 5, ib.items, 1, on_count, &c[0]);
+  attnd_engine_conn_closed(f->e, 5);
+  assert_int_equal(queued_now(f), 3);
+  step_finish(f, &pd[0], NULL, NULL);
+  while (!c[0].calls)
+    uv_run(&f->loop, UV_RUN_ONCE);
+  assert_int_equal(c[0].r.status, 0);
+  attnd_engine_stats_t st;
+  attnd_engine_stats(f->e, &st);
+  assert_int_equal(st.plans, 0); /* ended by the queued conn_closed */
+  /* Now close with a scan running and calls of every kind behind it. */
+  spec_t g2 = {.sim = a, .start = 46, .n = 5};
+  step_submit(f, 0, &g2, 1, 0, 1, NULL, &pd[1]);
+  attnd_engine_open_session(f->e, 1, b->tokens, 40, NULL, 0, on_count, &c[1]);
+  attnd_engine_fork(f->e, 1, a->id, on_count, &c[2]); /* layers differ: refused */
+  attnd_engine_plan(f->e, 1, 1, ib.items, 1, on_count, &c[3]);
+  attnd_engine_truncate(f->e, 1, a->id, 3, on_count, &c[4]);
+  attnd_engine_close_session(f->e, 1, a->id, on_count, &c[5]);
+  assert_int_equal(queued_now(f), 6);
+  drain_t d = {.c = c + 1, .n = 5};
+  attnd_engine_close(f->e, drain_closed, &d);
+  cnt_t late = {0};
+  attnd_engine_truncate(f->e, 1, a->id, 3, on_count, &late);
+  assert_int_equal(late.calls, 1);
+  assert_int_equal(late.r.status, ATTND_EUNAVAIL);
+  while (!d.closed)
+    uv_run(&f->loop, UV_RUN_ONCE);
+  f->e = NULL;
+  assert_true(d.all_before_close);
+  assert_int_equal(pd[1].x.done, 1);
+  assert_int_equal(pd[1].x.r.status, 0);
+  res_free(&pd[1].x);
+  pend_release(&pd[1]);
+  assert_int_equal(c[1].r.status, 0);
+  assert_int_equal(c[1].r.cached_len, 32); /* a's published blocks */
+  assert_int_equal(c[2].r.status, ATTND_EPRECOND);
+  assert_int_equal(c[3].r.status, 0);
+  assert_int_equal(c[4].r.status, ATTND_EPRECOND);
+  assert_int_equal(c[5].r.status, 0);
+  for (int i = 1; i < 6; i++)
+    assert_int_equal(c[i].calls, 1);
+  sim_free(a);
+  sim_free(b);
+  fx_free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_grow_bf16),           cmocka_unit_test(test_grow_fp16),
-      cmocka_unit_test(test_grow_int8),           cmocka_unit_test(test_grow_fp8),
-      cmocka_unit_test(test_grow_int8_dynamic),   cmocka_unit_test(test_grow_fp8_dynamic),
-      cmocka_unit_test(test_grow_int4),           cmocka_unit_test(test_mixed_batch),
-      cmocka_unit_test(test_invalid_leave_state), cmocka_unit_test(test_prefix_hit_equals_miss),
-      cmocka_unit_test(test_forced_collision),    cmocka_unit_test(test_fork_truncate),
-      cmocka_unit_test(test_eviction_pressure),   cmocka_unit_test(test_random_ops),
-      cmocka_unit_test(test_random_pipelined),    cmocka_unit_test(test_limits_and_info),
-      cmocka_unit_test(test_scales_persist),      cmocka_unit_test(test_idle_close),
-      cmocka_unit_test(test_pipelined),           cmocka_unit_test(test_no_prefix_cache),
+      cmocka_unit_test(test_grow_bf16),
+      cmocka_unit_test(test_grow_fp16),
+      cmocka_unit_test(test_grow_int8),
+      cmocka_unit_test(test_grow_fp8),
+      cmocka_unit_test(test_grow_int8_dynamic),
+      cmocka_unit_test(test_grow_fp8_dynamic),
+      cmocka_unit_test(test_grow_int4),
+      cmocka_unit_test(test_mixed_batch),
+      cmocka_unit_test(test_invalid_leave_state),
+      cmocka_unit_test(test_prefix_hit_equals_miss),
+      cmocka_unit_test(test_forced_collision),
+      cmocka_unit_test(test_fork_truncate),
+      cmocka_unit_test(test_eviction_pressure),
+      cmocka_unit_test(test_random_ops),
+      cmocka_unit_test(test_random_pipelined),
+      cmocka_unit_test(test_limits_and_info),
+      cmocka_unit_test(test_scales_persist),
+      cmocka_unit_test(test_idle_close),
+      cmocka_unit_test(test_pipelined),
+      cmocka_unit_test(test_no_prefix_cache),
       cmocka_unit_test(test_backend_fault),
+      cmocka_unit_test(test_queued_equals_direct),
+      cmocka_unit_test(test_queued_arrival_order),
+      cmocka_unit_test(test_queued_nan),
+      cmocka_unit_test(test_queued_drain),
+      /* The suite again with every step queued behind a threadpool scan. */
+      cmocka_unit_test_setup_teardown(test_grow_bf16, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_grow_int4, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_mixed_batch, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_invalid_leave_state, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_prefix_hit_equals_miss, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_fork_truncate, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_eviction_pressure, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_random_ops, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_scales_persist, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_pipelined, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_backend_fault, queued_on, queued_off),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
