@@ -385,6 +385,55 @@ static void test_matrix(void **state) {
       }
 }
 
+/* Decode-shaped batches: every item's query vectors (n x group) fit one
+ * 16-row tile, the path of the split-KV decode kernels (for int8/fp8 static
+ * and dynamic caches at D <= 128, the direct kernel of decode_direct.cuh).
+ * Every cache type x head dim x block size, GQA 1/4/8/16, one to 16/G tokens
+ * per item under every mask kind (intervals with fully masked rows), with and
+ * without split-KV, fp32 and 16-bit outputs, per-channel and per-head scales. */
+static void test_decode_matrix(void **state) {
+  (void)state;
+  if (skip_without_gpu()) {
+    skip();
+    return;
+  }
+  static const int dims[3] = {64, 128, 256}, bss[4] = {16, 32, 64, 128}, groups[4] = {1, 4, 8, 16};
+  static const int masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING, ATTND_MASK_PREFIX_LM,
+                               ATTND_MASK_FULL};
+  const int pw = pairwise_mode();
+  int ncase = 0;
+  for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
+    for (int di = 0; di < 3; di++)
+      for (int bi = 0; bi < 4; bi++) {
+        if (pw && (di + bi + kv) % 12 != 1 && !(bi == (kv + 1) % 4 && di == (kv + 1) % 3))
+          continue;
+        const int G = groups[(bi + 2 * di + kv + ncase / 7) % 4];
+        attnd_kshape_t s = {.kv_heads = G >= 8 ? 1 : 2, .head_dim = dims[di], .block_size = bss[bi],
+                            .dtype = (ncase & 2) ? ATTND_DT_FP16 : ATTND_DT_BF16, .kv = (attnd_kv_type_t)kv,
+                            .rope = (attnd_rope_t)(ncase % 3), .rope_theta = 10000.0,
+                            .rotary_dim = 0};
+        s.q_heads = s.kv_heads * G;
+        s.softmax_scale = (float)(1.0 / sqrt((double)s.head_dim));
+        const int nmax = 16 / G;
+        tcase_item_t ti[4];
+        for (int i = 0; i < 4; i++) {
+          const int mk = masks[(ncase + i) % 5];
+          ti[i] = (tcase_item_t){.hist = (i == 0 ? 300 : 1) + rnd(i == 0 ? 700 : 200), .n = 1 + rnd(nmax),
+                                 .has_q = 1, .mask_kind = mk, .mask_param = 1 + rnd(300), .causal = rnd(2)};
+          ti[i].start = ti[i].hist;
+          if (mk == ATTND_MASK_PREFIX_LM)
+            ti[i].mask_param = rnd(ti[i].hist + ti[i].n + 1);
+        }
+        /* A rewrite of the last token. */
+        if (ti[3].hist > 0) {
+          ti[3].start = ti[3].hist - 1;
+        }
+        const double e = run_case(&s, 2000 + ncase, ti, 4, ncase % 3 == 0, ncase % 4 != 3, ncase & 1);
+        record(s.kv, e);
+        ncase++;
+      }
+}
+
 /* New tokens over long cached histories of the int8/fp8 and dynamic types,
  * with the zero-point pointers NULL (only int4 has them), decode and a short
  * prefill chunk: the split-KV path with many parts. */
@@ -446,6 +495,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_device_count),
       cmocka_unit_test(test_matrix),
+      cmocka_unit_test(test_decode_matrix),
       cmocka_unit_test(test_long_history),
       cmocka_unit_test(test_report),
   };

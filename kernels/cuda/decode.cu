@@ -4,6 +4,7 @@
 // output normalized by its own sum plus that part's lse, and merge_kernel
 // combines the parts by lse (FlashDecoding; FlashInfer's cascade merge).
 #include <math.h>
+#include <stdlib.h>
 
 #include "decode.cuh"
 
@@ -48,9 +49,33 @@ size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q) {
   return (size_t)total_q * s->q_heads * (s->head_dim + 1) * sizeof(float);
 }
 
+bool direct_decode(const attnd_kshape_t *s, int max_vec) {
+  static const int off = getenv("ATTND_FLASH_DEBUG") ? (atoi(getenv("ATTND_FLASH_DEBUG")) & 4) : 0;
+  const bool eight = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8 || s->kv == ATTND_KV_INT8_DYNAMIC ||
+                     s->kv == ATTND_KV_FP8_DYNAMIC;
+  return !off && eight && s->head_dim <= 128 && max_vec <= 16;
+}
+
+template <int D, int DT> static int occ_kv(int kv, int mv) {
+  switch (kv) {
+  case ATTND_KV_INT8: return direct_occupancy<D, DT, ATTND_KV_INT8>(mv);
+  case ATTND_KV_FP8: return direct_occupancy<D, DT, ATTND_KV_FP8>(mv);
+  case ATTND_KV_INT8_DYNAMIC: return direct_occupancy<D, DT, ATTND_KV_INT8_DYNAMIC>(mv);
+  default: return direct_occupancy<D, DT, ATTND_KV_FP8_DYNAMIC>(mv);
+  }
+}
+
+int direct_ctas_per_sm(const attnd_kshape_t *s, int mv) {
+  if (s->head_dim == 64)
+    return s->dtype == ATTND_DT_BF16 ? occ_kv<64, ATTND_DT_BF16>(s->kv, mv) : occ_kv<64, ATTND_DT_FP16>(s->kv, mv);
+  return s->dtype == ATTND_DT_BF16 ? occ_kv<128, ATTND_DT_BF16>(s->kv, mv) : occ_kv<128, ATTND_DT_FP16>(s->kv, mv);
+}
+
 // Resident CTAs per SM of the attention kernel's decode variant (shared memory
 // bound): 16-bit caches stage 2x32 KB per tile, the quantized ones less.
-static int slots_per_sm(const attnd_kshape_t *s) {
+static int slots_per_sm(const attnd_kshape_t *s, int max_vec) {
+  if (direct_decode(s, max_vec))
+    return direct_ctas_per_sm(s, max_vec);
   if (s->head_dim > 128)
     return 1;
   return (s->kv == ATTND_KV_BF16 || s->kv == ATTND_KV_FP16) ? 2 : 3;
@@ -60,7 +85,7 @@ int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
   const int G = s->q_heads / s->kv_heads;
   const long tiles = ((long)b->max_n * G + kBM - 1) / kBM;
   const long base = (long)b->nitems * s->kv_heads * tiles;
-  const long slots = (long)num_sms() * slots_per_sm(s);
+  const long slots = (long)num_sms() * slots_per_sm(s, b->max_n * G);
   int nsplit = 1;
   if (b->total_q > 0 && base < 4 * slots) {
     // The fewest parts whose CTAs fill their waves to 90% (an idle slot in

@@ -41,6 +41,7 @@ struct FlashParams {
   int total_q;
   int max_vec;                // max over items of n * group (query vectors)
   int debug;                  // ATTND_FLASH_DEBUG: 1 skip loads, 2 skip math (timing only)
+  int direct;                 // decode through decode_direct.cuh (8-bit caches, <= 16 vectors)
 };
 
 template <int D, int DT, int KV> cudaError_t launch_flash(const FlashParams &p, int nitems, cudaStream_t st);

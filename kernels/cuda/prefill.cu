@@ -13,6 +13,17 @@ namespace {
 
 template <int D, int DT>
 cudaError_t dispatch_kv(int kv, const FlashParams &p, int nitems, cudaStream_t st) {
+  if constexpr (D <= 128) {
+    if (p.direct) {
+      switch (kv) {
+      case ATTND_KV_INT8: return launch_direct<D, DT, ATTND_KV_INT8>(p, nitems, st);
+      case ATTND_KV_FP8: return launch_direct<D, DT, ATTND_KV_FP8>(p, nitems, st);
+      case ATTND_KV_INT8_DYNAMIC: return launch_direct<D, DT, ATTND_KV_INT8_DYNAMIC>(p, nitems, st);
+      case ATTND_KV_FP8_DYNAMIC: return launch_direct<D, DT, ATTND_KV_FP8_DYNAMIC>(p, nitems, st);
+      default: break;
+      }
+    }
+  }
   switch (kv) {
   case ATTND_KV_BF16: return launch_flash<D, DT, ATTND_KV_BF16>(p, nitems, st);
   case ATTND_KV_FP16: return launch_flash<D, DT, ATTND_KV_FP16>(p, nitems, st);
@@ -77,6 +88,7 @@ extern "C" int attnd_cuda_attend(const attnd_kshape_t *s, const attnd_kbatch_t *
   static const int debug = getenv("ATTND_FLASH_DEBUG") ? atoi(getenv("ATTND_FLASH_DEBUG")) : 0;
   p.debug = debug;
   p.max_vec = b->max_n * p.group;
+  p.direct = direct_decode(s, p.max_vec);
   p.nsplit = plan_splits(s, b, workspace ? workspace_bytes : 0, &p.split_keys);
   p.ws_o = nullptr;
   p.ws_lse = nullptr;
