@@ -25,6 +25,20 @@
  * out (+ lse) back into the pinned buffer, and a stream callback. A COPY job
  * is one D2D cudaMemcpyAsync per block pair within the layer's pool.
  *
+ * The loop thread copies only the small items and meta. When q, k and v
+ * together exceed hostfn_min (CU_HOSTFN_MIN, or ATTND_CUDA_HOSTFN_MIN bytes)
+ * their copy (10-20 ms for an 8k-token prefill) runs in a host function
+ * (cudaLaunchHostFunc) on the job's stream, right before the H2D copy that
+ * reads it: stream order makes the DMA wait for it, and the loop thread never
+ * touches those bytes. Smaller inputs (decode) are copied inline, which costs
+ * less than the host function's round trip through the driver's thread. The
+ * host function reads the engine's q/k/v and writes the pinned buffer; both
+ * stay the job's until its done_cb, and the buffer goes back to the pool only
+ * from the stream callback, which runs after the host function in stream
+ * order. A host function is not called once the context has a sticky error:
+ * then the copy simply does not happen, the H2D copy and the kernels do not
+ * run either, and the job fails through its stream callback as any other.
+ *
  * Completion. The stream callback (cudaStreamAddCallback, a CUDA-owned
  * thread) copies the pinned outputs into the engine's host buffers, pushes
  * the job onto a mutex-protected queue and wakes the loop with uv_async_send;
@@ -83,6 +97,9 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
 #define CU_WS_MAX ((size_t)256 << 20)
 /* Alignment of every region inside a staging buffer (vector loads, DMA). */
 #define CU_ALIGN ((size_t)256)
+/* q+k+v bytes above which their host copy runs in a host function on the
+ * stream instead of on the loop thread (about 100 us of memcpy). */
+#define CU_HOSTFN_MIN ((size_t)1 << 20)
 
 typedef struct cu_backend_s cu_backend_t;
 
@@ -102,6 +119,7 @@ typedef struct run_s {
   char msg[128];
   cudaError_t async;  /* set by the stream callback */
   size_t out_off, lse_off;
+  size_t q_off, k_off, v_off; /* where stage_inputs_fn puts q, k and v */
   uint64_t t_start, t_end;
   struct run_s *next; /* wait queue (loop thread), then done queue (under mu) */
 } run_t;
@@ -132,6 +150,7 @@ struct cu_backend_s {
   stage_t **owned; /* every stage ever allocated, freed at destroy */
   size_t nowned, owned_cap;
   size_t pinned_bytes, pinned_max; /* sum of owned caps; the cap on it */
+  size_t hostfn_min;               /* q+k+v bytes copied by a host function past this */
   int stages_out;                  /* stages held by runs */
   struct run_s *whead, *wtail;     /* jobs waiting for a stage, FIFO */
   uv_mutex_t mu; /* guards the done queue and streams[].last_end_us */
@@ -427,6 +446,20 @@ enqueued:
   return;
 }
 
+/* Runs on a CUDA-owned thread, in stream order before the H2D copy of the
+ * run's inputs: the one host copy of q, k and v. No CUDA calls allowed here. */
+static void CUDART_CB stage_inputs_fn(void *arg) {
+  run_t *r = arg;
+  const attnd_job_t *job = r->job;
+  uint8_t *hp = r->stage->p;
+  if (job->q_bytes)
+    memcpy(hp + r->q_off, job->batch.q, job->q_bytes);
+  if (job->kv_bytes) {
+    memcpy(hp + r->k_off, job->batch.k, job->kv_bytes);
+    memcpy(hp + r->v_off, job->batch.v, job->kv_bytes);
+  }
+}
+
 /* 1 when the job must wait for a pinned buffer (nothing was enqueued). */
 static int enqueue_step(cu_backend_t *be, run_t *r) {
   attnd_job_t *job = r->job;
@@ -469,6 +502,9 @@ static int enqueue_step(cu_backend_t *be, run_t *r) {
   size_t total = off_lse + job->lse_bytes;
   r->out_off = off_out;
   r->lse_off = off_lse;
+  r->q_off = off_q;
+  r->k_off = off_k;
+  r->v_off = off_v;
 
   int cerr = cudaSuccess;
   r->stage = stage_get(be, total, 0, &cerr);
@@ -478,20 +514,20 @@ static int enqueue_step(cu_backend_t *be, run_t *r) {
     run_fail_cuda(r, __LINE__, "cudaHostAlloc (pinned staging)", (cudaError_t)cerr);
     return 0;
   }
-  /* The one host copy of each input on its way to the device. */
+  /* The one host copy of each input on its way to the device: items and
+   * meta here, q, k and v here or in a host function (see the header). */
   uint8_t *hp = r->stage->p;
   memcpy(hp, hb->items, items_bytes);
   if (meta_bytes)
     memcpy(hp + off_meta, hb->meta, meta_bytes);
-  if (job->q_bytes)
-    memcpy(hp + off_q, hb->q, job->q_bytes);
-  if (job->kv_bytes) {
-    memcpy(hp + off_k, hb->k, job->kv_bytes);
-    memcpy(hp + off_v, hb->v, job->kv_bytes);
-  }
+  int hostfn = job->q_bytes + 2 * job->kv_bytes > be->hostfn_min;
+  if (!hostfn)
+    stage_inputs_fn(r);
 
   RUN_CU(r, dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, total, CU_DBUF_MIN));
   uint8_t *dp = cs->dbuf;
+  if (hostfn)
+    RUN_CU(r, cudaLaunchHostFunc(cs->st, stage_inputs_fn, r));
   RUN_CU(r, cudaMemcpyAsync(dp, hp, in_bytes, cudaMemcpyHostToDevice, cs->st));
   db.items = (const attnd_kitem_t *)dp;
   db.meta = (const int32_t *)(dp + off_meta);
@@ -785,6 +821,10 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
   const char *pm = getenv("ATTND_CUDA_PINNED_MAX");
   if (pm && *pm)
     be->pinned_max = (size_t)strtoull(pm, NULL, 10);
+  be->hostfn_min = CU_HOSTFN_MIN;
+  const char *hm = getenv("ATTND_CUDA_HOSTFN_MIN");
+  if (hm && *hm)
+    be->hostfn_min = (size_t)strtoull(hm, NULL, 10);
   int rc = ATTND_ECUDA;
 
   if ((e = cudaSetDevice(device)) != cudaSuccess) {

@@ -29,4 +29,8 @@ if(ATTND_CUDART_INCLUDE_DIR)
   add_test(NAME test_backend_cuda_mock_fault COMMAND test_backend_cuda_mock)
   set_tests_properties(test_backend_cuda_mock_fault PROPERTIES TIMEOUT 60 LABELS backend
                        ENVIRONMENT "ATTND_CUDA_TEST_FAULT=1;ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
+  # The same with q, k and v staged by host functions, which a sticky error skips.
+  add_test(NAME test_backend_cuda_mock_fault_hostfn COMMAND test_backend_cuda_mock)
+  set_tests_properties(test_backend_cuda_mock_fault_hostfn PROPERTIES TIMEOUT 60 LABELS backend
+                       ENVIRONMENT "ATTND_CUDA_TEST_FAULT=1;ATTND_CUDA_MOCK_FAULT_BLOCK=100000;ATTND_CUDA_HOSTFN_MIN=0")
 endif()

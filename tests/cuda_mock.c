@@ -8,9 +8,11 @@
  * memory; attnd_cuda_write/attend run the CPU kernels on the stream's thread.
  * Every operation sleeps a little at random, so that a missing ordering shows
  * as a wrong result rather than passing by luck, and attnd_cuda_mock_hold()
- * lets a test enqueue everything before any stream starts. A write whose
- * block table names a block >= ATTND_CUDA_MOCK_FAULT_BLOCK (default 2^24)
- * reports cudaErrorIllegalAddress to every later callback (a sticky fault).
+ * lets a test enqueue everything before any stream starts. Host functions
+ * (cudaLaunchHostFunc) run on the stream's thread in order, and are skipped
+ * after a sticky fault as on a device. A write whose block table names a
+ * block >= ATTND_CUDA_MOCK_FAULT_BLOCK (default 2^24) reports
+ * cudaErrorIllegalAddress to every later callback (a sticky fault).
  *
  * Linked only into test_backend_cuda_mock, never into the daemon. */
 #include <cuda_runtime_api.h>
@@ -24,7 +26,7 @@
 #include "attnd_cuda.h"
 #include "attnd_kernels.h"
 
-enum { OP_COPY, OP_SET, OP_WRITE, OP_ATTEND, OP_CALLBACK, OP_FREE };
+enum { OP_COPY, OP_SET, OP_WRITE, OP_ATTEND, OP_CALLBACK, OP_HOSTFN, OP_FREE };
 
 typedef struct op_s {
   int kind;
@@ -35,6 +37,7 @@ typedef struct op_s {
   attnd_kshape_t s;
   attnd_kbatch_t b;
   cudaStreamCallback_t cb;
+  cudaHostFn_t fn;
   void *arg;
   struct op_s *next;
 } op_t;
@@ -111,6 +114,11 @@ static void run_op(struct CUstream_st *st, op_t *o) {
     break;
   case OP_CALLBACK:
     o->cb(st, atomic_load(&g_sticky) ? cudaErrorIllegalAddress : cudaSuccess, o->arg);
+    break;
+  case OP_HOSTFN:
+    /* As on a device: a host function is skipped once the context is sticky. */
+    if (!sticky)
+      o->fn(o->arg);
     break;
   case OP_FREE:
     free(o->dst);
@@ -354,4 +362,11 @@ cudaError_t cudaStreamAddCallback(cudaStream_t st, cudaStreamCallback_t cb, void
   pthread_cond_broadcast(&st->cv);
   pthread_mutex_unlock(&st->mu);
   return cudaSuccess;
+}
+
+cudaError_t cudaLaunchHostFunc(cudaStream_t st, cudaHostFn_t fn, void *userData) {
+  op_t *o = op_new(OP_HOSTFN);
+  o->fn = fn;
+  o->arg = userData;
+  return push(st, o);
 }

@@ -14,7 +14,8 @@
  * points far outside the pool makes the kernel fault; the job must fail with
  * ATTND_EDEVICE (or ATTND_ECUDA), every later job with ATTND_EDEVICE, and
  * teardown must not hang. It leaves the CUDA context unusable, hence the
- * separate run. */
+ * separate run (also with ATTND_CUDA_HOSTFN_MIN=0: host functions that a
+ * sticky error skips must not leave a job unanswered). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -606,6 +607,22 @@ static void test_pinned_cap(void **state) {
   unsetenv("ATTND_CUDA_PINNED_MAX");
 }
 
+/* The same scenarios with q, k and v staged by a host function on the
+ * stream (ATTND_CUDA_HOSTFN_MIN=0: every step), the path of large prefills:
+ * the H2D copy must wait for it in stream order, and with the pool capped a
+ * pinned buffer must not be reused before its host function ran. */
+static void test_hostfn_staging(void **state) {
+  SKIP_WITHOUT_GPU();
+  setenv("ATTND_CUDA_HOSTFN_MIN", "0", 1);
+  compare_backends(ATTND_KV_BF16);
+  compare_backends(ATTND_KV_INT8_DYNAMIC);
+  many_layers_in_flight();
+  setenv("ATTND_CUDA_PINNED_MAX", "1", 1);
+  many_layers_in_flight();
+  unsetenv("ATTND_CUDA_PINNED_MAX");
+  unsetenv("ATTND_CUDA_HOSTFN_MIN");
+}
+
 /* Only under ATTND_CUDA_TEST_FAULT=1 (see the header comment). */
 static void test_device_fault(void **state) {
   SKIP_WITHOUT_GPU();
@@ -624,7 +641,11 @@ static void test_device_fault(void **state) {
   int dummy = 0;
   job_from_spec(&j[0], &sp, &dummy);
   job_from_spec(&j[1], &sp, &dummy);
-  run_all(&loop, gpu, &j[0], 1);
+  /* With host functions staging the inputs, the second job goes in flight
+   * behind the faulting one: the fault skips its host function, and it must
+   * still be answered. */
+  int together = getenv("ATTND_CUDA_HOSTFN_MIN") != NULL;
+  run_all(&loop, gpu, &j[0], together ? 2 : 1);
   print_message("faulting job: status %d (%s), message: %s\n", j[0].job.status,
                 attnd_strerror(j[0].job.status), j[0].job.message);
   if (j[0].job.status == 0) {
@@ -639,7 +660,8 @@ static void test_device_fault(void **state) {
   }
   assert_true(j[0].job.status == ATTND_EDEVICE || j[0].job.status == ATTND_ECUDA);
   if (j[0].job.status == ATTND_EDEVICE) {
-    run_all(&loop, gpu, &j[1], 1);
+    if (!together)
+      run_all(&loop, gpu, &j[1], 1);
     print_message("next job: status %d, message: %s\n", j[1].job.status, j[1].job.message);
     assert_int_equal(j[1].job.status, ATTND_EDEVICE);
   }
@@ -679,6 +701,7 @@ int main(void) {
       cmocka_unit_test(test_long_context_decode),
       cmocka_unit_test(test_many_layers_in_flight),
       cmocka_unit_test(test_pinned_cap),
+      cmocka_unit_test(test_hostfn_staging),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }
