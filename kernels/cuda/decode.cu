@@ -53,7 +53,8 @@ bool direct_decode(const attnd_kshape_t *s, int max_vec) {
   static const int off = getenv("ATTND_FLASH_DEBUG") ? (atoi(getenv("ATTND_FLASH_DEBUG")) & 4) : 0;
   const bool eight = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8 || s->kv == ATTND_KV_INT8_DYNAMIC ||
                      s->kv == ATTND_KV_FP8_DYNAMIC;
-  return !off && eight && s->head_dim <= 128 && max_vec <= 16;
+  return !off && s->head_dim <= 128 &&
+         (eight ? max_vec <= 16 : s->kv == ATTND_KV_INT4 && max_vec <= 8);
 }
 
 template <int D, int DT> static int occ_kv(int kv, int mv) {
@@ -61,6 +62,7 @@ template <int D, int DT> static int occ_kv(int kv, int mv) {
   case ATTND_KV_INT8: return direct_occupancy<D, DT, ATTND_KV_INT8>(mv);
   case ATTND_KV_FP8: return direct_occupancy<D, DT, ATTND_KV_FP8>(mv);
   case ATTND_KV_INT8_DYNAMIC: return direct_occupancy<D, DT, ATTND_KV_INT8_DYNAMIC>(mv);
+  case ATTND_KV_INT4: return direct_occupancy<D, DT, ATTND_KV_INT4>(mv);
   default: return direct_occupancy<D, DT, ATTND_KV_FP8_DYNAMIC>(mv);
   }
 }

@@ -37,23 +37,26 @@
 
 namespace attnd {
 
-constexpr int kDirStages = 4; // cp.async stages per warp
 constexpr int kDirKeys = 16;  // keys per warp step (one mma k-step of P V)
 
-template <int D> struct DirSmem {
-  static constexpr int RB = D;     // bytes of one K or V row (8-bit types)
+// NS: cp.async stages per warp (4; 3 for the transposed form, whose 128
+// registers and smaller shared memory then fit four CTAs per SM).
+template <int D, int NS, int RB_> struct DirSmem {
+  static constexpr int RB = RB_;   // bytes of one K or V row (D; int4: D / 2)
   static constexpr int LD = D + 8; // padded q row (elements): conflict-free ldmatrix
   static constexpr int kStage = 2 * kDirKeys * RB + 2 * kDirKeys * 4; // K, V, k scales, v scales
   static constexpr size_t kQ = 0;                                     // [16][LD], permuted columns
   static constexpr size_t kStages = kQ + (size_t)16 * LD * 2;         // [warps][stages][kStage]
-  static constexpr size_t kVs = kStages + (size_t)kWarpsF * kDirStages * kStage; // [D] static V scale
-  static constexpr size_t kRow = kVs + (size_t)D * 4;                 // [16] M, [16] L of the merge
+  static constexpr size_t kVs = kStages + (size_t)kWarpsF * NS * kStage; // [2][D] static V scale, int4 V zero
+  static constexpr size_t kC = kVs + (size_t)2 * D * 4;               // int4: [8] q'.z_k per vector
+  static constexpr size_t kRow = kC + 8 * 4;                          // [16] M, [16] L of the merge
   static constexpr size_t kP = kRow + 2 * 16 * 4;                     // TR: [warps][8 vectors][16 keys] P
   static constexpr size_t kBytes = kP + (size_t)kWarpsF * 8 * kDirKeys * 2;
   // After the key loop the stage area holds the merge: [warps][16] m, then [warps][16] l, then
-  // [warps][16][D] o.
-  static_assert((2 * kWarpsF * 16 + kWarpsF * 16 * D) * 4 <= kWarpsF * kDirStages * kStage,
-                "the merge fits in the stage area");
+  // [warps][MV][D] o (MV: 16 vectors, 8 in the transposed form).
+  template <int MV> static constexpr bool merge_fits() {
+    return (2 * kWarpsF * 16 + kWarpsF * MV * D) * 4 <= kWarpsF * NS * kStage;
+  }
 };
 
 // XOR swizzle of a row's 16-byte chunks in shared memory: the K reads (two
@@ -103,25 +106,45 @@ __device__ __forceinline__ uint32_t dir_pair(uint32_t x, uint32_t y, int bx, int
   }
 }
 
+// int4 (values u in 0..15): nibbles i and i + 4 of x as one packed operand
+// register (exact): u goes into the low mantissa bits of 128 (bf16) or 1024
+// (fp16), which is then subtracted.
+template <int DT> __device__ __forceinline__ uint32_t dir_i4pair(uint32_t x, int i) {
+  if constexpr (DT == ATTND_DT_FP16) {
+    const uint32_t h = ((x >> (4 * i)) & 0x000f000fu) | 0x64006400u;
+    const __half2 r = __hsub2(*reinterpret_cast<const __half2 *>(&h), __half2(__half(1024.f), __half(1024.f)));
+    return *reinterpret_cast<const uint32_t *>(&r);
+  } else {
+    const uint32_t h = ((x >> (4 * i)) & 0x000f000fu) | 0x43004300u;
+    const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162 *>(&h),
+                                     __nv_bfloat162(__float2bfloat16(128.f), __float2bfloat16(128.f)));
+    return *reinterpret_cast<const uint32_t *>(&r);
+  }
+}
+
 // TR (at most 8 query vectors): S^T = K q^T and O^T = V^T P^T, so that keys and
 // channels fill the mma's 16 rows and the vectors its 8 columns: half the mma
 // work of the 16-row form, where a GQA-4 decode fills 4 of 16 rows.
 template <int D, int DT, int KV, bool TR>
-__global__ void __launch_bounds__(kWarpsF * 32, D == 64 ? 4 : 3) decode_direct_kernel(const __grid_constant__ FlashParams P) {
+__global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_direct_kernel(const __grid_constant__ FlashParams P) {
   using A = Act<DT>;
   using T = typename A::T;
-  using L = DirSmem<D>;
-  constexpr int RB = L::RB, LD = L::LD, CPR = RB / 16, NT = D / 8, NS = kDirStages, KS = kDirKeys;
-  constexpr int NTH = kWarpsF * 32;
+  constexpr int NS = TR ? 3 : 4;
+  constexpr bool kI4 = KV == ATTND_KV_INT4;
+  using L = DirSmem<D, NS, kI4 ? D / 2 : D>;
+  constexpr int RB = L::RB, LD = L::LD, CPR = RB / 16, NT = D / 8, KS = kDirKeys;
+  constexpr int NTH = kWarpsF * 32, MV = TR ? 8 : 16;
   constexpr bool kDyn = KvT<KV>::kDyn;
-  static_assert(KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8 || kDyn, "8-bit caches only");
+  static_assert(KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8 || kDyn || (kI4 && TR), "8-bit caches, int4 transposed");
   static_assert(D == 64 || D == 128, "D = 256 decodes through the tiled kernel");
+  static_assert(L::template merge_fits<MV>(), "the merge fits in the stage area");
 
   extern __shared__ __align__(16) uint8_t smem[];
   T *sQ = reinterpret_cast<T *>(smem + L::kQ);
   uint8_t *sStages = smem + L::kStages;
   float *sVs = reinterpret_cast<float *>(smem + L::kVs);
   float *sRow = reinterpret_cast<float *>(smem + L::kRow);
+  float *sC = reinterpret_cast<float *>(smem + L::kC);
   T *sP = reinterpret_cast<T *>(smem + L::kP) + (threadIdx.x >> 5) * 8 * kDirKeys;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c4 = lane & 3;
@@ -202,6 +225,20 @@ __global__ void __launch_bounds__(kWarpsF * 32, D == 64 ? 4 : 3) decode_direct_k
     prow[i] = it.start + min(TR ? 2 * c4 + i : g + 8 * i, nvec - 1) / G;
   const float sl2 = P.scale_log2;
 
+  // Logical (mma k) column of physical channel d in q: lane c's k operand
+  // registers hold the channels of its slice of a key row (see the file comment).
+  auto qcol = [](int d) -> int {
+    if constexpr (kI4) {
+      // Slice of lane c: channels [c D/4, (c+1) D/4), 8 per word w; nibble i of
+      // word w feeds k-step 2w + ((i & 3) >> 1) as pair member (i >> 2) of
+      // logical column 2c (i even) or 2c + 8 (i odd).
+      const int c = d / (D / 4), within = d % (D / 4), w = within >> 3, i = within & 7;
+      return (2 * w + ((i & 3) >> 1)) * 16 + 2 * c + ((i & 1) << 3) + (i >> 2);
+    } else {
+      const int ch = d >> 4, t = (ch >> 2) * 4 + ((d >> 2) & 3), e = d & 3;
+      return t * 16 + 2 * (ch & 3) + (e & 1) + ((e >> 1) << 3);
+    }
+  };
   const int cnt = nchunks > warp ? (nchunks - 1 - warp) / kWarpsF + 1 : 0;
 #pragma unroll
   for (int n = 0; n < NS - 1; n++) {
@@ -219,15 +256,27 @@ __global__ void __launch_bounds__(kWarpsF * 32, D == 64 ? 4 : 3) decode_direct_k
       const int row = it.q_row + r / G, h = kvh * G + r % G;
       x = A::to_f(reinterpret_cast<const T *>(P.q)[((size_t)row * P.q_heads + h) * D + d]);
       if constexpr (KvT<KV>::kStatic)
-        x *= P.per_channel ? P.k_scale[kvh * D + d] : P.k_scale[kvh];
+        x *= (kI4 || P.per_channel) ? P.k_scale[kvh * D + d] : P.k_scale[kvh];
     }
-    const int ch = d >> 4, t = (ch >> 2) * 4 + ((d >> 2) & 3), e = d & 3;
-    sQ[r * LD + t * 16 + 2 * (ch & 3) + (e & 1) + ((e >> 1) << 3)] = A::from_f(x);
+    sQ[r * LD + qcol(d)] = A::from_f(x);
   }
   if constexpr (KvT<KV>::kStatic)
-    for (int d = tid; d < D; d += NTH)
-      sVs[d] = P.per_channel ? P.v_scale[kvh * D + d] : P.v_scale[kvh];
+    for (int d = tid; d < D; d += NTH) {
+      sVs[d] = (kI4 || P.per_channel) ? P.v_scale[kvh * D + d] : P.v_scale[kvh];
+      if constexpr (kI4)
+        sVs[D + d] = P.v_zero[kvh * D + d];
+    }
   __syncthreads();
+  if constexpr (kI4) {
+    // q'.(u - z) = q'.u - q'.z: the second term is the same for every key of a
+    // vector, so the scores leave it out and the lse takes it out at the end.
+    if (tid < MV) {
+      float c = 0.f;
+      for (int d = 0; d < D; d++)
+        c += A::to_f(sQ[tid * LD + qcol(d)]) * P.k_zero[kvh * D + d];
+      sC[tid] = c;
+    }
+  }
   // TR: q^T is the B operand of every chunk: held in registers.
   uint32_t qb[TR ? D / 16 : 1][2];
   if constexpr (TR) {
@@ -265,8 +314,36 @@ __global__ void __launch_bounds__(kWarpsF * 32, D == 64 ? 4 : 3) decode_direct_k
     if constexpr (TR) {
       // S^T = K q^T: 16 keys x 8 vectors; two accumulators halve the chain.
       float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb2[4] = {0.f, 0.f, 0.f, 0.f};
+      if constexpr (kI4) {
+        constexpr int KW = D / 32; // words of lane c's slice of a key row
+        uint32_t kw[2][KW];
 #pragma unroll
-      for (int i = 0; i < D / 64; i++) {
+        for (int h = 0; h < 2; h++) {
+          const int r = h * 8 + g;
+          if constexpr (D == 128) {
+            const uint4 x = *reinterpret_cast<const uint4 *>(sK + r * RB + ((c4 ^ dir_swz<CPR>(r)) << 4));
+            kw[h][0] = x.x;
+            kw[h][1] = x.y;
+            kw[h][2] = x.z;
+            kw[h][3] = x.w;
+          } else {
+            const uint2 x =
+                *reinterpret_cast<const uint2 *>(sK + r * RB + (((c4 >> 1) ^ dir_swz<CPR>(r)) << 4) + (c4 & 1) * 8);
+            kw[h][0] = x.x;
+            kw[h][1] = x.y;
+          }
+        }
+#pragma unroll
+        for (int w = 0; w < KW; w++)
+#pragma unroll
+          for (int hh = 0; hh < 2; hh++) {
+            const uint32_t a[4] = {dir_i4pair<DT>(kw[0][w], 2 * hh), dir_i4pair<DT>(kw[1][w], 2 * hh),
+                                   dir_i4pair<DT>(kw[0][w], 2 * hh + 1), dir_i4pair<DT>(kw[1][w], 2 * hh + 1)};
+            mma16816<DT>(hh ? sb2 : sa, a, qb[2 * w + hh][0], qb[2 * w + hh][1]);
+          }
+      }
+#pragma unroll
+      for (int i = 0; i < (kI4 ? 0 : D / 64); i++) {
         uint4 kw[2];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -335,32 +412,63 @@ __global__ void __launch_bounds__(kWarpsF * 32, D == 64 ? 4 : 3) decode_direct_k
       }
       // O^T += V^T P^T: m-tile mt holds channels g D/8 + 2 mt (row g) and
       // g D/8 + 2 mt + 1 (row g + 8) of this lane's slice.
-      constexpr int VW = D / 32;
-      uint32_t vw[4][VW];
+      if constexpr (kI4) {
+        constexpr int VW4 = D / 64; // words of lane g's slice of a V row (8 channels each)
+        uint32_t vw[4][VW4];
 #pragma unroll
-      for (int k = 0; k < 4; k++) {
-        const int r = 2 * c4 + (k & 1) + (k >> 1) * 8;
-        if constexpr (D == 128) {
-          const uint4 x = *reinterpret_cast<const uint4 *>(sV + r * RB + ((g ^ dir_swz<CPR>(r)) << 4));
-          vw[k][0] = x.x;
-          vw[k][1] = x.y;
-          vw[k][2] = x.z;
-          vw[k][3] = x.w;
-        } else {
-          const uint2 x =
-              *reinterpret_cast<const uint2 *>(sV + r * RB + (((g >> 1) ^ dir_swz<CPR>(r)) << 4) + (g & 1) * 8);
-          vw[k][0] = x.x;
-          vw[k][1] = x.y;
+        for (int k = 0; k < 4; k++) {
+          const int r = 2 * c4 + (k & 1) + (k >> 1) * 8;
+          if constexpr (D == 128) {
+            const uint2 x =
+                *reinterpret_cast<const uint2 *>(sV + r * RB + (((g >> 1) ^ dir_swz<CPR>(r)) << 4) + (g & 1) * 8);
+            vw[k][0] = x.x;
+            vw[k][1] = x.y;
+          } else {
+            vw[k][0] =
+                *reinterpret_cast<const uint32_t *>(sV + r * RB + (((g >> 2) ^ dir_swz<CPR>(r)) << 4) + (g & 3) * 4);
+          }
         }
-      }
 #pragma unroll
-      for (int mt = 0; mt < NO; mt++) {
-        const int wd = (2 * mt) >> 2, b = (2 * mt) & 3;
-        const uint32_t a[4] = {dir_pair<KV, DT>(vw[0][wd], vw[1][wd], b, b),
-                               dir_pair<KV, DT>(vw[0][wd], vw[1][wd], b + 1, b + 1),
-                               dir_pair<KV, DT>(vw[2][wd], vw[3][wd], b, b),
-                               dir_pair<KV, DT>(vw[2][wd], vw[3][wd], b + 1, b + 1)};
-        mma16816<DT>(o[mt], a, pb0, pb1);
+        for (int w = 0; w < VW4; w++) {
+          // Bytes [a0 a1 b0 b1]: nibble i is channel i of row a, nibble i + 4 of row b.
+          const uint32_t x01[2] = {__byte_perm(vw[0][w], vw[1][w], 0x5410), __byte_perm(vw[0][w], vw[1][w], 0x7632)};
+          const uint32_t x89[2] = {__byte_perm(vw[2][w], vw[3][w], 0x5410), __byte_perm(vw[2][w], vw[3][w], 0x7632)};
+#pragma unroll
+          for (int k = 0; k < 4; k++) {
+            const int i0 = (k & 1) * 2;
+            const uint32_t a[4] = {dir_i4pair<DT>(x01[k >> 1], i0), dir_i4pair<DT>(x01[k >> 1], i0 + 1),
+                                   dir_i4pair<DT>(x89[k >> 1], i0), dir_i4pair<DT>(x89[k >> 1], i0 + 1)};
+            mma16816<DT>(o[4 * w + k], a, pb0, pb1);
+          }
+        }
+      } else {
+        constexpr int VW = D / 32;
+        uint32_t vw[4][VW];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+          const int r = 2 * c4 + (k & 1) + (k >> 1) * 8;
+          if constexpr (D == 128) {
+            const uint4 x = *reinterpret_cast<const uint4 *>(sV + r * RB + ((g ^ dir_swz<CPR>(r)) << 4));
+            vw[k][0] = x.x;
+            vw[k][1] = x.y;
+            vw[k][2] = x.z;
+            vw[k][3] = x.w;
+          } else {
+            const uint2 x =
+                *reinterpret_cast<const uint2 *>(sV + r * RB + (((g >> 1) ^ dir_swz<CPR>(r)) << 4) + (g & 1) * 8);
+            vw[k][0] = x.x;
+            vw[k][1] = x.y;
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < NO; mt++) {
+          const int wd = (2 * mt) >> 2, b = (2 * mt) & 3;
+          const uint32_t a[4] = {dir_pair<KV, DT>(vw[0][wd], vw[1][wd], b, b),
+                                 dir_pair<KV, DT>(vw[0][wd], vw[1][wd], b + 1, b + 1),
+                                 dir_pair<KV, DT>(vw[2][wd], vw[3][wd], b, b),
+                                 dir_pair<KV, DT>(vw[2][wd], vw[3][wd], b + 1, b + 1)};
+          mma16816<DT>(o[mt], a, pb0, pb1);
+        }
       }
     } else {
     // S = q K^T: 16 vectors x 16 keys.
@@ -494,7 +602,7 @@ __global__ void __launch_bounds__(kWarpsF * 32, D == 64 ? 4 : 3) decode_direct_k
     }
   }
   float *sm = reinterpret_cast<float *>(sStages); // [warps][16] m, [warps][16] l
-  float *so = sm + 2 * kWarpsF * 16;              // [warps][16][D]
+  float *so = sm + 2 * kWarpsF * 16;              // [warps][MV][D]
   __syncthreads(); // every warp is past its last chunk: the stages are free
   if (TR ? g == 0 : c4 == 0) {
 #pragma unroll
@@ -527,25 +635,30 @@ __global__ void __launch_bounds__(kWarpsF * 32, D == 64 ? 4 : 3) decode_direct_k
       for (int mt = 0; mt < NO; mt++)
 #pragma unroll
         for (int h = 0; h < 2; h++)
-          so[(warp * 16 + r) * D + g * (D / 8) + 2 * mt + h] = o[mt][h * 2 + ri] * f;
+          so[(warp * MV + r) * D + g * (D / 8) + 2 * mt + h] = o[mt][h * 2 + ri] * f;
     } else {
 #pragma unroll
       for (int j = 0; j < NT; j++)
 #pragma unroll
         for (int e = 0; e < 2; e++)
-          so[(warp * 16 + r) * D + (2 * c4 + e) * (D / 8) + j] = o[j][ri * 2 + e] * f;
+          so[(warp * MV + r) * D + (2 * c4 + e) * (D / 8) + j] = o[j][ri * 2 + e] * f;
     }
   }
   __syncthreads();
   for (int idx = tid; idx < nvec * D; idx += NTH) {
     const int r = idx / D, d = idx % D;
-    float x = so[r * D + d] + so[(16 + r) * D + d] + so[(32 + r) * D + d] + so[(48 + r) * D + d];
-    if constexpr (KvT<KV>::kStatic)
+    float x = so[r * D + d] + so[(MV + r) * D + d] + so[(2 * MV + r) * D + d] + so[(3 * MV + r) * D + d];
+    const float Ls = sRow[16 + r];
+    if constexpr (kI4)
+      x = Ls > 0.f ? (x - sVs[D + d]) * sVs[d] : 0.f; // O = s (sum p u / l - z); 0 for a row with no key
+    else if constexpr (KvT<KV>::kStatic)
       x *= sVs[d];
     const int row = it.q_row + r / G, h = kvh * G + r % G;
     const size_t ob = ((size_t)row * P.q_heads + h) * D + d;
-    const float Ls = sRow[16 + r];
-    const float lse = Ls > 0.f ? (sRow[r] + log2f(Ls)) * 0.69314718055994531f : -INFINITY;
+    float lse = Ls > 0.f ? (sRow[r] + log2f(Ls)) * 0.69314718055994531f : -INFINITY;
+    if constexpr (kI4)
+      if (Ls > 0.f)
+        lse -= P.scale_log2 * 0.69314718055994531f * sC[r];
     if (P.nsplit > 1) {
       P.ws_o[(size_t)split * P.total_q * P.q_heads * D + ob] = x;
       if (d == 0)
@@ -563,7 +676,7 @@ __global__ void __launch_bounds__(kWarpsF * 32, D == 64 ? 4 : 3) decode_direct_k
 
 template <int D, int DT, int KV, bool TR> static cudaError_t launch_direct_one(const FlashParams &p, int nitems,
                                                                              cudaStream_t st) {
-  const size_t smem = DirSmem<D>::kBytes;
+  const size_t smem = DirSmem<D, TR ? 3 : 4, KV == ATTND_KV_INT4 ? D / 2 : D>::kBytes;
   static bool attr_done = false; // per instantiation; benign race: both set the same value
   if (!attr_done) {
     cudaError_t e = cudaFuncSetAttribute(decode_direct_kernel<D, DT, KV, TR>,
@@ -578,14 +691,17 @@ template <int D, int DT, int KV, bool TR> static cudaError_t launch_direct_one(c
 }
 
 template <int D, int DT, int KV> cudaError_t launch_direct(const FlashParams &p, int nitems, cudaStream_t st) {
-  return p.max_vec <= 8 ? launch_direct_one<D, DT, KV, true>(p, nitems, st)
-                        : launch_direct_one<D, DT, KV, false>(p, nitems, st);
+  if constexpr (KV == ATTND_KV_INT4) // transposed form only (direct_decode checks max_vec <= 8)
+    return launch_direct_one<D, DT, KV, true>(p, nitems, st);
+  else
+    return p.max_vec <= 8 ? launch_direct_one<D, DT, KV, true>(p, nitems, st)
+                          : launch_direct_one<D, DT, KV, false>(p, nitems, st);
 }
 
 template <int D, int DT, int KV, bool TR> static int direct_occupancy_one() {
   static int n = 0;
   if (n == 0) {
-    const size_t smem = DirSmem<D>::kBytes;
+    const size_t smem = DirSmem<D, TR ? 3 : 4, KV == ATTND_KV_INT4 ? D / 2 : D>::kBytes;
     cudaFuncSetAttribute(decode_direct_kernel<D, DT, KV, TR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     int b = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, decode_direct_kernel<D, DT, KV, TR>, kWarpsF * 32, smem) !=
@@ -601,7 +717,10 @@ template <int D, int DT, int KV, bool TR> static int direct_occupancy_one() {
 
 // Resident CTAs per SM (split planning), from the occupancy calculator.
 template <int D, int DT, int KV> int direct_occupancy(int max_vec) {
-  return max_vec <= 8 ? direct_occupancy_one<D, DT, KV, true>() : direct_occupancy_one<D, DT, KV, false>();
+  if constexpr (KV == ATTND_KV_INT4)
+    return direct_occupancy_one<D, DT, KV, true>();
+  else
+    return max_vec <= 8 ? direct_occupancy_one<D, DT, KV, true>() : direct_occupancy_one<D, DT, KV, false>();
 }
 
 #define ATTND_DIRECT_INST(KVT)                                                                           \

@@ -20,6 +20,7 @@ cudaError_t dispatch_kv(int kv, const FlashParams &p, int nitems, cudaStream_t s
       case ATTND_KV_FP8: return launch_direct<D, DT, ATTND_KV_FP8>(p, nitems, st);
       case ATTND_KV_INT8_DYNAMIC: return launch_direct<D, DT, ATTND_KV_INT8_DYNAMIC>(p, nitems, st);
       case ATTND_KV_FP8_DYNAMIC: return launch_direct<D, DT, ATTND_KV_FP8_DYNAMIC>(p, nitems, st);
+      case ATTND_KV_INT4: return launch_direct<D, DT, ATTND_KV_INT4>(p, nitems, st);
       default: break;
       }
     }
