@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
         mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 4));
         mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 8));
         mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 16));
-        const float mnew = fmaxf(m_r[vi], mx[vi]);
+        const float mnew = ceilf(fmaxf(m_r[vi], mx[vi])); // an integer: see flash.cuh
         const float mref = mnew == -INFINITY ? 0.f : mnew; // no key seen yet: every p is 0
         alpha[vi] = ex2(m_r[vi] - mref);
         m_r[vi] = mnew;
@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
     for (int ri = 0; ri < 2; ri++) {
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
-      const float mnew = fmaxf(m_r[ri], mx[ri]);
+      const float mnew = ceilf(fmaxf(m_r[ri], mx[ri])); // an integer: see flash.cuh
       const float mref = mnew == -INFINITY ? 0.f : mnew; // no key seen yet: every p is 0
       alpha[ri] = ex2(m_r[ri] - mref);
       m_r[ri] = mnew;

@@ -9,6 +9,12 @@
 // activation dtype (the matrix-unit operand type, DESIGN.md 5); S = Q K^T and
 // O += P V run on tensor cores (mma.sync m16n8k16, fp32 accumulators), with an
 // online softmax in the exp2 domain guarded for rows with no visible key.
+// The running max that P is taken relative to is rounded up to an integer (in
+// the exp2 domain): P = 2^(s - m) is then rounded to the operand dtype the same
+// way whatever m is (rounding commutes with powers of two), and every rescale
+// is exact, so a row's output does not depend on how its keys were tiled or
+// split: a prefix-cache hit (new rows only, decode kernels) and a full
+// recompute (prefill kernel) agree to fp32 summation order, not to bf16's P.
 // Key tiles outside the union of the tile's rows' visible ranges are never
 // loaded; FlashMask interval tiles are skipped when every key's intervals
 // cover all the tile's rows; per-element masks only run on boundary tiles.

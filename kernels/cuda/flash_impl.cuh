@@ -490,7 +490,7 @@ __global__ void __launch_bounds__((SPLITW ? 4 : 8) * 32) flash_kernel(const __gr
       for (int ri = 0; ri < 2; ri++) {
         mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
         mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
-        const float mnew = fmaxf(m_r[ri], mx[ri]);
+        const float mnew = ceilf(fmaxf(m_r[ri], mx[ri])); // an integer: see flash.cuh
         // A row with nothing visible so far keeps m = -inf; exp2(-inf - -inf)
         // would be NaN, so use 0 as the reference and every p is exp2(-inf) = 0.
         const float mref = mnew == -INFINITY ? 0.f : mnew;
