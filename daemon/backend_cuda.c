@@ -39,15 +39,22 @@
  * then the copy simply does not happen, the H2D copy and the kernels do not
  * run either, and the job fails through its stream callback as any other.
  *
- * Completion. The stream callback (cudaStreamAddCallback, a CUDA-owned
- * thread) copies the pinned outputs into the engine's host buffers, pushes
- * the job onto a mutex-protected queue and wakes the loop with uv_async_send;
- * the async callback drains the queue on the loop thread and calls done_cb.
- * cudaStreamAddCallback, not cudaLaunchHostFunc: a host function is never
- * called once the context has a sticky error, which would leave the engine
- * waiting forever, while a stream callback is called exactly once, with the
- * error. The loop thread only enqueues work; it never waits for the device
- * during steps (set_scales enqueues too; destroy synchronizes, once).
+ * Completion. Behind a run's work the loop thread records an event and
+ * appends the run to a pending list; one poller thread queries the pending
+ * events in submission order (so a stream's runs finish in its order),
+ * spinning for a short while after each completion and then sleeping in
+ * 20 us steps, and for each finished run copies the pinned outputs into the
+ * engine's host buffers, pushes the run onto a mutex-protected done queue and
+ * wakes the loop with uv_async_send; the async callback drains the queue on
+ * the loop thread and calls done_cb. A sticky error makes every query return
+ * it, so every pending run still finishes exactly once, with the error.
+ * Measured on the H200 (ATTND_CUDA_TRACE, decode of 4 sessions): a stream
+ * callback (cudaStreamAddCallback) ran 20-27 us after the device finished;
+ * ATTND_CUDA_COMPLETION=callback still selects it. (Not cudaLaunchHostFunc: a
+ * host function is never called once the context has a sticky error, which
+ * would leave the engine waiting forever.) The loop thread only enqueues
+ * work; it never waits for the device during steps (set_scales enqueues too;
+ * destroy synchronizes, once).
  *
  * Errors. A failing CUDA call fails its job with ATTND_ECUDA and the call
  * site in job->message. A sticky error (illegal address, launch failure, ...)
@@ -81,10 +88,13 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
 #else
 
 #include <cuda_runtime_api.h>
+#include <sched.h>
 #include <stdatomic.h>
+#include <time.h>
 
 #include "attnd_cuda.h"
 #include "cuda_sticky.h"
+#include "log.h"
 
 /* Streams: enough for the layers of one step to overlap, few enough that the
  * per-stream buffers stay small. */
@@ -121,8 +131,24 @@ typedef struct run_s {
   size_t out_off, lse_off;
   size_t q_off, k_off, v_off; /* where stage_inputs_fn puts q, k and v */
   uint64_t t_start, t_end;
-  struct run_s *next; /* wait queue (loop thread), then done queue (under mu) */
+  /* ATTND_CUDA_TRACE: events around H2D, write, attend, D2H; host times at
+   * the end of the enqueue (loop thread) and at the stream callback. */
+  cudaEvent_t ev[5];
+  int traced;
+  uint64_t t_enq, t_cb;
+  cudaEvent_t done_ev; /* polled completion: recorded behind the run's work */
+  struct run_s *pnext; /* pending list of the poller (under pmu) */
+  struct run_s *next;  /* wait queue (loop thread), then done queue (under mu) */
 } run_t;
+
+/* Where a step's time goes, ATTND_CUDA_TRACE=1 (a diagnostic: five events per
+ * step). Medians over each window of CU_TRACE_N steps go to the log. */
+#define CU_TRACE_N 256
+enum { TR_ENQ, TR_H2D, TR_WRITE, TR_ATTEND, TR_D2H, TR_CB, TR_HOP, TR_COUNT };
+typedef struct {
+  float v[TR_COUNT][CU_TRACE_N];
+  int n;
+} cu_trace_t;
 
 typedef struct {
   cudaStream_t st;
@@ -161,6 +187,17 @@ struct cu_backend_s {
   char devname[128];
   uint64_t devmem;
   int cc;
+  cu_trace_t *trace; /* ATTND_CUDA_TRACE, else NULL */
+  /* Polled completion (see the header); poll 0: stream callbacks. */
+  int poll;
+  uv_thread_t poller;
+  int poller_started;
+  uv_mutex_t pmu;
+  uv_cond_t pcv;
+  run_t *phead, *ptail; /* runs whose done event is recorded, in submission order */
+  int pstop;
+  cudaEvent_t *evfree; /* recycled done events (loop thread) */
+  int nevfree, evcap;
 };
 
 static uint64_t now_us(void) {
@@ -359,6 +396,8 @@ static void push_done(cu_backend_t *be, run_t *r) {
 static void CUDART_CB stream_cb(cudaStream_t st, cudaError_t status, void *arg) {
   run_t *r = arg;
   cu_backend_t *be = r->be;
+  if (r->traced)
+    r->t_cb = now_us();
   r->async = status;
   if (status != cudaSuccess && cu_sticky(status))
     atomic_store(&be->dead, 1);
@@ -372,8 +411,158 @@ static void CUDART_CB stream_cb(cudaStream_t st, cudaError_t status, void *arg) 
   push_done(be, r);
 }
 
+/* ---- polled completion ---------------------------------------------------- */
+
+static cudaEvent_t ev_get(cu_backend_t *be) {
+  if (be->nevfree > 0)
+    return be->evfree[--be->nevfree];
+  cudaEvent_t ev = NULL;
+  if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+    cudaGetLastError();
+    return NULL;
+  }
+  return ev;
+}
+
+static void ev_put(cu_backend_t *be, cudaEvent_t ev) {
+  if (!ev)
+    return;
+  if (be->nevfree == be->evcap) {
+    int cap = be->evcap ? 2 * be->evcap : 64;
+    cudaEvent_t *n = realloc(be->evfree, (size_t)cap * sizeof(*n));
+    if (!n) {
+      cudaEventDestroy(ev);
+      cudaGetLastError();
+      return;
+    }
+    be->evfree = n;
+    be->evcap = cap;
+  }
+  be->evfree[be->nevfree++] = ev;
+}
+
+/* Puts a run's completion behind everything enqueued on st so far: a stream
+ * callback, or an event the poller watches. */
+static cudaError_t track(cu_backend_t *be, run_t *r, cudaStream_t st) {
+  if (!be->poll)
+    return cudaStreamAddCallback(st, stream_cb, r, 0);
+  cudaEvent_t ev = ev_get(be);
+  if (!ev)
+    return cudaErrorMemoryAllocation;
+  cudaError_t e = cudaEventRecord(ev, st);
+  if (e != cudaSuccess) {
+    ev_put(be, ev);
+    return e;
+  }
+  r->done_ev = ev;
+  r->pnext = NULL;
+  uv_mutex_lock(&be->pmu);
+  if (be->ptail)
+    be->ptail->pnext = r;
+  else
+    be->phead = r;
+  be->ptail = r;
+  uv_cond_signal(&be->pcv);
+  uv_mutex_unlock(&be->pmu);
+  return cudaSuccess;
+}
+
+static void poller_main(void *arg) {
+  cu_backend_t *be = arg;
+  cudaSetDevice(be->device);
+  int idle = 0; /* rounds without a completion since the last one */
+  uv_mutex_lock(&be->pmu);
+  for (;;) {
+    while (!be->phead && !be->pstop)
+      uv_cond_wait(&be->pcv, &be->pmu);
+    if (!be->phead)
+      break; /* stopping, nothing pending */
+    run_t *list = be->phead;
+    be->phead = be->ptail = NULL;
+    uv_mutex_unlock(&be->pmu);
+    run_t *kh = NULL, *kt = NULL;
+    int done = 0;
+    for (run_t *r = list, *next; r; r = next) {
+      next = r->pnext;
+      cudaError_t q = cudaEventQuery(r->done_ev);
+      if (q == cudaErrorNotReady) {
+        r->pnext = NULL;
+        if (kt)
+          kt->pnext = r;
+        else
+          kh = r;
+        kt = r;
+        continue;
+      }
+      if (q != cudaSuccess)
+        cudaGetLastError();
+      stream_cb(NULL, q, r); /* r now belongs to the loop */
+      done++;
+    }
+    if (done)
+      idle = 0;
+    else if (++idle > 200) {
+      /* Past ~100 us of spinning: a long kernel; poll every 20 us. */
+      nanosleep(&(struct timespec){0, 20000}, NULL);
+    } else {
+      sched_yield();
+    }
+    uv_mutex_lock(&be->pmu);
+    if (kh) { /* unfinished runs go back in front of newer ones */
+      kt->pnext = be->phead;
+      be->phead = kh;
+      if (!be->ptail)
+        be->ptail = kt;
+    }
+  }
+  uv_mutex_unlock(&be->pmu);
+}
+
+static int cmp_float(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+/* Loop thread, after the stream callback: the run's events are complete. */
+static void trace_run(cu_backend_t *be, run_t *r) {
+  cu_trace_t *t = be->trace;
+  float ms[4] = {0, 0, 0, 0};
+  int ok = r->async == cudaSuccess && !r->status;
+  for (int i = 0; i < 4 && ok; i++)
+    if (cudaEventElapsedTime(&ms[i], r->ev[i], r->ev[i + 1]) != cudaSuccess)
+      ok = 0;
+  for (int i = 0; i < 5; i++)
+    cudaEventDestroy(r->ev[i]);
+  cudaGetLastError();
+  r->traced = 0;
+  if (!ok || !t)
+    return;
+  const float gpu = (ms[0] + ms[1] + ms[2] + ms[3]) * 1e3f;
+  const float v[TR_COUNT] = {(float)(r->t_enq - r->job->t_submit_us), ms[0] * 1e3f, ms[1] * 1e3f,
+                             ms[2] * 1e3f, ms[3] * 1e3f,
+                             /* callback after the device's end, if the device started at once */
+                             (float)(r->t_cb - r->t_enq) - gpu, (float)(now_us() - r->t_cb)};
+  for (int i = 0; i < TR_COUNT; i++)
+    t->v[i][t->n] = v[i];
+  if (++t->n < CU_TRACE_N)
+    return;
+  for (int i = 0; i < TR_COUNT; i++)
+    qsort(t->v[i], CU_TRACE_N, sizeof(float), cmp_float);
+  const int m = CU_TRACE_N / 2;
+  ATTND_LOGI("cuda_trace",
+             "steps=%d enqueue_us=%.1f h2d_us=%.1f write_us=%.1f attend_us=%.1f d2h_us=%.1f "
+             "callback_after_device_us=%.1f callback_to_loop_us=%.1f",
+             CU_TRACE_N, t->v[TR_ENQ][m], t->v[TR_H2D][m], t->v[TR_WRITE][m], t->v[TR_ATTEND][m],
+             t->v[TR_D2H][m], t->v[TR_CB][m], t->v[TR_HOP][m]);
+  t->n = 0;
+}
+
 static void finish_run(cu_backend_t *be, run_t *r) {
   attnd_job_t *job = r->job;
+  if (r->traced)
+    trace_run(be, r);
+  ev_put(be, r->done_ev);
+  r->done_ev = NULL;
   if (!r->status && r->async != cudaSuccess) {
     int sticky = cu_sticky(r->async);
     r->status = sticky ? ATTND_EDEVICE : ATTND_ECUDA;
@@ -528,7 +717,19 @@ static int enqueue_step(cu_backend_t *be, run_t *r) {
   uint8_t *dp = cs->dbuf;
   if (hostfn)
     RUN_CU(r, cudaLaunchHostFunc(cs->st, stage_inputs_fn, r));
+  if (be->trace && !r->traced) {
+    r->traced = 1;
+    for (int i = 0; i < 5; i++)
+      if (cudaEventCreate(&r->ev[i]) != cudaSuccess)
+        r->traced = 0;
+    if (!r->traced)
+      cudaGetLastError();
+  }
+  if (r->traced)
+    cudaEventRecord(r->ev[0], cs->st);
   RUN_CU(r, cudaMemcpyAsync(dp, hp, in_bytes, cudaMemcpyHostToDevice, cs->st));
+  if (r->traced)
+    cudaEventRecord(r->ev[1], cs->st);
   db.items = (const attnd_kitem_t *)dp;
   db.meta = (const int32_t *)(dp + off_meta);
   db.q = job->q_bytes ? dp + off_q : NULL;
@@ -542,6 +743,8 @@ static int enqueue_step(cu_backend_t *be, run_t *r) {
     run_fail_kernel(r, rc);
     goto enqueued;
   }
+  if (r->traced)
+    cudaEventRecord(r->ev[2], cs->st);
   if (db.total_q > 0 && job->out_bytes) {
     size_t want = attnd_cuda_attend_workspace(s, db.total_q);
     if (want > CU_WS_MAX)
@@ -555,9 +758,14 @@ static int enqueue_step(cu_backend_t *be, run_t *r) {
       run_fail_kernel(r, rc);
       goto enqueued;
     }
+  }
+  if (r->traced)
+    cudaEventRecord(r->ev[3], cs->st);
+  if (db.total_q > 0 && job->out_bytes)
     RUN_CU(r, cudaMemcpyAsync(hp + off_out, dp + off_out, total - off_out,
                               cudaMemcpyDeviceToHost, cs->st));
-  }
+  if (r->traced)
+    cudaEventRecord(r->ev[4], cs->st);
 enqueued:
   return 0;
 }
@@ -579,9 +787,10 @@ static int start_run(cu_backend_t *be, run_t *r) {
    * pinned buffer returns to the pool only once no copy reads it, and its
    * done_cb comes after those of the layer's earlier jobs (a stream callback
    * runs exactly once, with the error, even after a sticky one). */
-  cudaError_t e = cudaStreamAddCallback(be->streams[r->stream].st, stream_cb, r, 0);
+  r->t_enq = now_us();
+  cudaError_t e = track(be, r, be->streams[r->stream].st);
   if (e != cudaSuccess) {
-    run_fail_cuda(r, __LINE__, "cudaStreamAddCallback", e);
+    run_fail_cuda(r, __LINE__, be->poll ? "cudaEventRecord (completion)" : "cudaStreamAddCallback", e);
     complete_untracked(be, r);
   }
   return 0;
@@ -680,9 +889,9 @@ static int cu_set_scales(attnd_backend_t *base, int layer, const float *k_scale,
     run_fail_cuda(r, __LINE__, "cudaMemcpyAsync (scales)", e);
   }
   int rc = r->status;
-  cudaError_t e2 = cudaStreamAddCallback(cs->st, stream_cb, r, 0);
+  cudaError_t e2 = track(be, r, cs->st);
   if (e2 != cudaSuccess) {
-    run_fail_cuda(r, __LINE__, "cudaStreamAddCallback", e2);
+    run_fail_cuda(r, __LINE__, be->poll ? "cudaEventRecord (completion)" : "cudaStreamAddCallback", e2);
     rc = r->status;
     complete_untracked(be, r);
   }
@@ -739,6 +948,11 @@ static void release(cu_backend_t *be) {
   free(be->scales_ok);
   free(be->per_channel);
   be->scales_ok = be->per_channel = NULL;
+  for (int i = 0; i < be->nevfree; i++)
+    cudaEventDestroy(be->evfree[i]);
+  free(be->evfree);
+  be->evfree = NULL;
+  be->nevfree = be->evcap = 0;
   /* A sticky error is cleared only by a reset; nothing here reuses the
    * context, so the last-error slot is simply cleared. */
   cudaGetLastError();
@@ -747,7 +961,23 @@ static void release(cu_backend_t *be) {
 static void async_closed(uv_handle_t *h) {
   cu_backend_t *be = h->data;
   uv_mutex_destroy(&be->mu);
+  if (be->poll) {
+    uv_cond_destroy(&be->pcv);
+    uv_mutex_destroy(&be->pmu);
+  }
+  free(be->trace);
   free(be);
+}
+
+static void poller_stop(cu_backend_t *be) {
+  if (!be->poller_started)
+    return;
+  uv_mutex_lock(&be->pmu);
+  be->pstop = 1;
+  uv_cond_signal(&be->pcv);
+  uv_mutex_unlock(&be->pmu);
+  uv_thread_join(&be->poller);
+  be->poller_started = 0;
 }
 
 static void cu_destroy(attnd_backend_t *base) {
@@ -758,6 +988,9 @@ static void cu_destroy(attnd_backend_t *base) {
   for (int i = 0; i < be->nstreams; i++)
     if (be->streams[i].st)
       cudaStreamSynchronize(be->streams[i].st);
+  /* Every pending event is complete now: the poller finishes those runs,
+   * then exits. */
+  poller_stop(be);
   /* Nothing is in flight (contract); drain internal runs (scale uploads). */
   uv_mutex_lock(&be->mu);
   run_t *r = be->dhead;
@@ -821,6 +1054,11 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
   const char *pm = getenv("ATTND_CUDA_PINNED_MAX");
   if (pm && *pm)
     be->pinned_max = (size_t)strtoull(pm, NULL, 10);
+  const char *cm = getenv("ATTND_CUDA_COMPLETION");
+  be->poll = !(cm && strcmp(cm, "callback") == 0);
+  const char *tr = getenv("ATTND_CUDA_TRACE");
+  if (tr && *tr && strcmp(tr, "0") != 0)
+    be->trace = calloc(1, sizeof(cu_trace_t));
   be->hostfn_min = CU_HOSTFN_MIN;
   const char *hm = getenv("ATTND_CUDA_HOSTFN_MIN");
   if (hm && *hm)
@@ -944,6 +1182,16 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
   }
   be->async.data = be;
   uv_unref((uv_handle_t *)&be->async);
+  if (be->poll) {
+    if (uv_mutex_init(&be->pmu) != 0 || uv_cond_init(&be->pcv) != 0 ||
+        uv_thread_create(&be->poller, poller_main, be) != 0) {
+      /* No thread: stream callbacks do the same job, a little later. */
+      ATTND_LOGW("cuda_poller", "err=\"cannot start the completion thread; using stream callbacks\"");
+      be->poll = 0;
+    } else {
+      be->poller_started = 1;
+    }
+  }
   *out = &be->base;
   return 0;
 
@@ -954,6 +1202,7 @@ fail_mem:
   release(be);
 fail_dev:
   cudaGetLastError();
+  free(be->trace);
   free(be);
   return rc;
 }

@@ -20,6 +20,7 @@ if(ATTND_CUDART_INCLUDE_DIR)
   attnd_add_test(test_backend_cuda_mock TIMEOUT 120 LABELS backend
                  SOURCES test_backend_cuda.c cuda_mock.c ${PROJECT_SOURCE_DIR}/daemon/backend_cuda.c
                          ${PROJECT_SOURCE_DIR}/daemon/backend_cpu.c ${PROJECT_SOURCE_DIR}/daemon/errors.c
+                         ${PROJECT_SOURCE_DIR}/daemon/log.c
                  LIBS attnd_kernels_cpu PkgConfig::LIBUV Threads::Threads)
   target_compile_definitions(test_backend_cuda_mock PRIVATE ATTND_HAVE_CUDA=1)
   target_include_directories(test_backend_cuda_mock PRIVATE ${PROJECT_SOURCE_DIR}/daemon
@@ -33,4 +34,12 @@ if(ATTND_CUDART_INCLUDE_DIR)
   add_test(NAME test_backend_cuda_mock_fault_hostfn COMMAND test_backend_cuda_mock)
   set_tests_properties(test_backend_cuda_mock_fault_hostfn PROPERTIES TIMEOUT 60 LABELS backend
                        ENVIRONMENT "ATTND_CUDA_TEST_FAULT=1;ATTND_CUDA_MOCK_FAULT_BLOCK=100000;ATTND_CUDA_HOSTFN_MIN=0")
+  # Completion through stream callbacks (ATTND_CUDA_COMPLETION=callback) instead
+  # of the event poller, with the per-step trace on: the whole test, then the fault.
+  add_test(NAME test_backend_cuda_mock_callback COMMAND test_backend_cuda_mock)
+  set_tests_properties(test_backend_cuda_mock_callback PROPERTIES TIMEOUT 120 LABELS backend
+                       ENVIRONMENT "ATTND_CUDA_COMPLETION=callback;ATTND_CUDA_TRACE=1")
+  add_test(NAME test_backend_cuda_mock_callback_fault COMMAND test_backend_cuda_mock)
+  set_tests_properties(test_backend_cuda_mock_callback_fault PROPERTIES TIMEOUT 60 LABELS backend
+                       ENVIRONMENT "ATTND_CUDA_COMPLETION=callback;ATTND_CUDA_TEST_FAULT=1;ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
 endif()

@@ -26,7 +26,7 @@
 #include "attnd_cuda.h"
 #include "attnd_kernels.h"
 
-enum { OP_COPY, OP_SET, OP_WRITE, OP_ATTEND, OP_CALLBACK, OP_HOSTFN, OP_FREE };
+enum { OP_COPY, OP_SET, OP_WRITE, OP_ATTEND, OP_CALLBACK, OP_HOSTFN, OP_FREE, OP_EVENT };
 
 typedef struct op_s {
   int kind;
@@ -123,6 +123,12 @@ static void run_op(struct CUstream_st *st, op_t *o) {
   case OP_FREE:
     free(o->dst);
     break;
+  case OP_EVENT: { /* an event is a timestamp taken when the stream reaches it */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    atomic_store((_Atomic double *)o->dst, (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6);
+    break;
+  }
   }
 }
 
@@ -361,6 +367,46 @@ cudaError_t cudaStreamAddCallback(cudaStream_t st, cudaStreamCallback_t cb, void
   st->tail = o;
   pthread_cond_broadcast(&st->cv);
   pthread_mutex_unlock(&st->mu);
+  return cudaSuccess;
+}
+
+/* Events (backend_cuda.c's ATTND_CUDA_TRACE): a cudaEvent_t is an
+ * _Atomic double of milliseconds, set by the stream thread. */
+cudaError_t cudaEventCreate(cudaEvent_t *ev) {
+  _Atomic double *t = malloc(sizeof(*t));
+  if (!t)
+    return cudaErrorMemoryAllocation;
+  atomic_init(t, 0.0);
+  *ev = (cudaEvent_t)(void *)t;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *ev, unsigned int flags) {
+  (void)flags;
+  return cudaEventCreate(ev);
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t st) {
+  atomic_store((_Atomic double *)(void *)ev, 0.0); /* not reached yet */
+  op_t *o = op_new(OP_EVENT);
+  o->dst = (void *)ev;
+  return push(st, o);
+}
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
+  *ms = (float)(atomic_load((_Atomic double *)(void *)b) - atomic_load((_Atomic double *)(void *)a));
+  return cudaSuccess;
+}
+
+/* As on a device, a sticky fault is what every query answers from then on. */
+cudaError_t cudaEventQuery(cudaEvent_t ev) {
+  if (atomic_load(&g_sticky))
+    return cudaErrorIllegalAddress;
+  return atomic_load((_Atomic double *)(void *)ev) > 0.0 ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t ev) {
+  free((void *)ev);
   return cudaSuccess;
 }
 

@@ -37,7 +37,7 @@
 
 namespace attnd {
 
-constexpr int kDirKeys = 16;  // keys per warp step (one mma k-step of P V)
+constexpr int kDirKeys = 16; // keys per warp step (one mma k-step of P V)
 
 // NS: cp.async stages per warp (4; 3 for the transposed form, whose 128
 // registers and smaller shared memory then fit four CTAs per SM).
@@ -47,10 +47,11 @@ template <int D, int NS, int RB_> struct DirSmem {
   static constexpr int kStage = 2 * kDirKeys * RB + 2 * kDirKeys * 4; // K, V, k scales, v scales
   static constexpr size_t kQ = 0;                                     // [16][LD], permuted columns
   static constexpr size_t kStages = kQ + (size_t)16 * LD * 2;         // [warps][stages][kStage]
-  static constexpr size_t kVs = kStages + (size_t)kWarpsF * NS * kStage; // [2][D] static V scale, int4 V zero
-  static constexpr size_t kC = kVs + (size_t)2 * D * 4;               // int4: [8] q'.z_k per vector
-  static constexpr size_t kRow = kC + 8 * 4;                          // [16] M, [16] L of the merge
-  static constexpr size_t kP = kRow + 2 * 16 * 4;                     // TR: [warps][8 vectors][16 keys] P
+  static constexpr size_t kVs =
+      kStages + (size_t)kWarpsF * NS * kStage;          // [2][D] static V scale, int4 V zero
+  static constexpr size_t kC = kVs + (size_t)2 * D * 4; // int4: [8] q'.z_k per vector
+  static constexpr size_t kRow = kC + 8 * 4;            // [16] M, [16] L of the merge
+  static constexpr size_t kP = kRow + 2 * 16 * 4;       // TR: [warps][8 vectors][16 keys] P
   static constexpr size_t kBytes = kP + (size_t)kWarpsF * 8 * kDirKeys * 2;
   // After the key loop the stage area holds the merge: [warps][16] m, then [warps][16] l, then
   // [warps][MV][D] o (MV: 16 vectors, 8 in the transposed form).
@@ -85,10 +86,12 @@ __device__ __forceinline__ uint32_t dir_pair(uint32_t x, uint32_t y, int bx, int
     if constexpr (DT == ATTND_DT_FP16) {
       // fp16 holds 1024 + u exactly: put u in the low mantissa byte of 1024
       // (0x6400), then subtract 1024 + 128.
-      const uint32_t h = (__byte_perm(x ^ 0x80808080u, y ^ 0x80808080u, (unsigned)bx | ((unsigned)(by + 4) << 8)) &
-                          0x00ff00ffu) |
-                         0x64006400u;
-      const __half2 r = __hsub2(*reinterpret_cast<const __half2 *>(&h), __half2(__half(1152.f), __half(1152.f)));
+      const uint32_t h =
+          (__byte_perm(x ^ 0x80808080u, y ^ 0x80808080u, (unsigned)bx | ((unsigned)(by + 4) << 8)) &
+           0x00ff00ffu) |
+          0x64006400u;
+      const __half2 r =
+          __hsub2(*reinterpret_cast<const __half2 *>(&h), __half2(__half(1152.f), __half(1152.f)));
       return *reinterpret_cast<const uint32_t *>(&r);
     } else {
       return Act<DT>::pack2(dir_i8f(x ^ 0x80808080u, bx), dir_i8f(y ^ 0x80808080u, by));
@@ -96,7 +99,8 @@ __device__ __forceinline__ uint32_t dir_pair(uint32_t x, uint32_t y, int bx, int
   } else {
     // e4m3 pairs convert two at a time to fp16 (exact).
     const uint32_t pr = __byte_perm(x, y, (unsigned)bx | ((unsigned)(by + 4) << 4));
-    const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(pr & 0xffffu), __NV_E4M3);
+    const __half2_raw h2 =
+        __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(pr & 0xffffu), __NV_E4M3);
     if constexpr (DT == ATTND_DT_FP16) {
       return (uint32_t)h2.x | ((uint32_t)h2.y << 16);
     } else {
@@ -112,12 +116,14 @@ __device__ __forceinline__ uint32_t dir_pair(uint32_t x, uint32_t y, int bx, int
 template <int DT> __device__ __forceinline__ uint32_t dir_i4pair(uint32_t x, int i) {
   if constexpr (DT == ATTND_DT_FP16) {
     const uint32_t h = ((x >> (4 * i)) & 0x000f000fu) | 0x64006400u;
-    const __half2 r = __hsub2(*reinterpret_cast<const __half2 *>(&h), __half2(__half(1024.f), __half(1024.f)));
+    const __half2 r =
+        __hsub2(*reinterpret_cast<const __half2 *>(&h), __half2(__half(1024.f), __half(1024.f)));
     return *reinterpret_cast<const uint32_t *>(&r);
   } else {
     const uint32_t h = ((x >> (4 * i)) & 0x000f000fu) | 0x43004300u;
-    const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162 *>(&h),
-                                     __nv_bfloat162(__float2bfloat16(128.f), __float2bfloat16(128.f)));
+    const __nv_bfloat162 r =
+        __hsub2(*reinterpret_cast<const __nv_bfloat162 *>(&h),
+                __nv_bfloat162(__float2bfloat16(128.f), __float2bfloat16(128.f)));
     return *reinterpret_cast<const uint32_t *>(&r);
   }
 }
@@ -126,7 +132,8 @@ template <int DT> __device__ __forceinline__ uint32_t dir_i4pair(uint32_t x, int
 // channels fill the mma's 16 rows and the vectors its 8 columns: half the mma
 // work of the 16-row form, where a GQA-4 decode fills 4 of 16 rows.
 template <int D, int DT, int KV, bool TR>
-__global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_direct_kernel(const __grid_constant__ FlashParams P) {
+__global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3)
+    decode_direct_kernel(const __grid_constant__ FlashParams P) {
   using A = Act<DT>;
   using T = typename A::T;
   constexpr int NS = TR ? 3 : 4;
@@ -135,7 +142,8 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
   constexpr int RB = L::RB, LD = L::LD, CPR = RB / 16, NT = D / 8, KS = kDirKeys;
   constexpr int NTH = kWarpsF * 32, MV = TR ? 8 : 16;
   constexpr bool kDyn = KvT<KV>::kDyn;
-  static_assert(KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8 || kDyn || (kI4 && TR), "8-bit caches, int4 transposed");
+  static_assert(KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8 || kDyn || (kI4 && TR),
+                "8-bit caches, int4 transposed");
   static_assert(D == 64 || D == 128, "D = 256 decodes through the tiled kernel");
   static_assert(L::template merge_fits<MV>(), "the merge fits in the stage area");
 
@@ -206,7 +214,8 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
       if (lane < 8) {
         const int which = lane >> 2, k4 = (lane & 3) * 4;
         const int nb = max(0, min(4, nval - k4)) * 4;
-        const uint8_t *src = P.cache + blk + scale_region + ((size_t)which * P.kv_heads * P.bs + rib + k4) * 4;
+        const uint8_t *src =
+            P.cache + blk + scale_region + ((size_t)which * P.kv_heads * P.bs + rib + k4) * 4;
         cp_async16n(sb + 2 * KS * RB + which * KS * 4 + k4 * 4, nb ? src : P.cache, nb);
       }
     }
@@ -321,14 +330,15 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
         for (int h = 0; h < 2; h++) {
           const int r = h * 8 + g;
           if constexpr (D == 128) {
-            const uint4 x = *reinterpret_cast<const uint4 *>(sK + r * RB + ((c4 ^ dir_swz<CPR>(r)) << 4));
+            const uint4 x =
+                *reinterpret_cast<const uint4 *>(sK + r * RB + ((c4 ^ dir_swz<CPR>(r)) << 4));
             kw[h][0] = x.x;
             kw[h][1] = x.y;
             kw[h][2] = x.z;
             kw[h][3] = x.w;
           } else {
-            const uint2 x =
-                *reinterpret_cast<const uint2 *>(sK + r * RB + (((c4 >> 1) ^ dir_swz<CPR>(r)) << 4) + (c4 & 1) * 8);
+            const uint2 x = *reinterpret_cast<const uint2 *>(
+                sK + r * RB + (((c4 >> 1) ^ dir_swz<CPR>(r)) << 4) + (c4 & 1) * 8);
             kw[h][0] = x.x;
             kw[h][1] = x.y;
           }
@@ -337,8 +347,9 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
         for (int w = 0; w < KW; w++)
 #pragma unroll
           for (int hh = 0; hh < 2; hh++) {
-            const uint32_t a[4] = {dir_i4pair<DT>(kw[0][w], 2 * hh), dir_i4pair<DT>(kw[1][w], 2 * hh),
-                                   dir_i4pair<DT>(kw[0][w], 2 * hh + 1), dir_i4pair<DT>(kw[1][w], 2 * hh + 1)};
+            const uint32_t a[4] = {
+                dir_i4pair<DT>(kw[0][w], 2 * hh), dir_i4pair<DT>(kw[1][w], 2 * hh),
+                dir_i4pair<DT>(kw[0][w], 2 * hh + 1), dir_i4pair<DT>(kw[1][w], 2 * hh + 1)};
             mma16816<DT>(hh ? sb2 : sa, a, qb[2 * w + hh][0], qb[2 * w + hh][1]);
           }
       }
@@ -348,7 +359,8 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
 #pragma unroll
         for (int h = 0; h < 2; h++) {
           const int r = h * 8 + g;
-          kw[h] = *reinterpret_cast<const uint4 *>(sK + r * RB + (((i * 4 + c4) ^ dir_swz<CPR>(r)) << 4));
+          kw[h] = *reinterpret_cast<const uint4 *>(sK + r * RB +
+                                                   (((i * 4 + c4) ^ dir_swz<CPR>(r)) << 4));
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
@@ -380,7 +392,7 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
         mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 4));
         mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 8));
         mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 16));
-        const float mnew = ceilf(fmaxf(m_r[vi], mx[vi])); // an integer: see flash.cuh
+        const float mnew = ceilf(fmaxf(m_r[vi], mx[vi]));  // an integer: see flash.cuh
         const float mref = mnew == -INFINITY ? 0.f : mnew; // no key seen yet: every p is 0
         alpha[vi] = ex2(m_r[vi] - mref);
         m_r[vi] = mnew;
@@ -419,25 +431,28 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
         for (int k = 0; k < 4; k++) {
           const int r = 2 * c4 + (k & 1) + (k >> 1) * 8;
           if constexpr (D == 128) {
-            const uint2 x =
-                *reinterpret_cast<const uint2 *>(sV + r * RB + (((g >> 1) ^ dir_swz<CPR>(r)) << 4) + (g & 1) * 8);
+            const uint2 x = *reinterpret_cast<const uint2 *>(
+                sV + r * RB + (((g >> 1) ^ dir_swz<CPR>(r)) << 4) + (g & 1) * 8);
             vw[k][0] = x.x;
             vw[k][1] = x.y;
           } else {
-            vw[k][0] =
-                *reinterpret_cast<const uint32_t *>(sV + r * RB + (((g >> 2) ^ dir_swz<CPR>(r)) << 4) + (g & 3) * 4);
+            vw[k][0] = *reinterpret_cast<const uint32_t *>(
+                sV + r * RB + (((g >> 2) ^ dir_swz<CPR>(r)) << 4) + (g & 3) * 4);
           }
         }
 #pragma unroll
         for (int w = 0; w < VW4; w++) {
           // Bytes [a0 a1 b0 b1]: nibble i is channel i of row a, nibble i + 4 of row b.
-          const uint32_t x01[2] = {__byte_perm(vw[0][w], vw[1][w], 0x5410), __byte_perm(vw[0][w], vw[1][w], 0x7632)};
-          const uint32_t x89[2] = {__byte_perm(vw[2][w], vw[3][w], 0x5410), __byte_perm(vw[2][w], vw[3][w], 0x7632)};
+          const uint32_t x01[2] = {__byte_perm(vw[0][w], vw[1][w], 0x5410),
+                                   __byte_perm(vw[0][w], vw[1][w], 0x7632)};
+          const uint32_t x89[2] = {__byte_perm(vw[2][w], vw[3][w], 0x5410),
+                                   __byte_perm(vw[2][w], vw[3][w], 0x7632)};
 #pragma unroll
           for (int k = 0; k < 4; k++) {
             const int i0 = (k & 1) * 2;
-            const uint32_t a[4] = {dir_i4pair<DT>(x01[k >> 1], i0), dir_i4pair<DT>(x01[k >> 1], i0 + 1),
-                                   dir_i4pair<DT>(x89[k >> 1], i0), dir_i4pair<DT>(x89[k >> 1], i0 + 1)};
+            const uint32_t a[4] = {
+                dir_i4pair<DT>(x01[k >> 1], i0), dir_i4pair<DT>(x01[k >> 1], i0 + 1),
+                dir_i4pair<DT>(x89[k >> 1], i0), dir_i4pair<DT>(x89[k >> 1], i0 + 1)};
             mma16816<DT>(o[4 * w + k], a, pb0, pb1);
           }
         }
@@ -448,14 +463,15 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
         for (int k = 0; k < 4; k++) {
           const int r = 2 * c4 + (k & 1) + (k >> 1) * 8;
           if constexpr (D == 128) {
-            const uint4 x = *reinterpret_cast<const uint4 *>(sV + r * RB + ((g ^ dir_swz<CPR>(r)) << 4));
+            const uint4 x =
+                *reinterpret_cast<const uint4 *>(sV + r * RB + ((g ^ dir_swz<CPR>(r)) << 4));
             vw[k][0] = x.x;
             vw[k][1] = x.y;
             vw[k][2] = x.z;
             vw[k][3] = x.w;
           } else {
-            const uint2 x =
-                *reinterpret_cast<const uint2 *>(sV + r * RB + (((g >> 1) ^ dir_swz<CPR>(r)) << 4) + (g & 1) * 8);
+            const uint2 x = *reinterpret_cast<const uint2 *>(
+                sV + r * RB + (((g >> 1) ^ dir_swz<CPR>(r)) << 4) + (g & 1) * 8);
             vw[k][0] = x.x;
             vw[k][1] = x.y;
           }
@@ -471,119 +487,122 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
         }
       }
     } else {
-    // S = q K^T: 16 vectors x 16 keys.
-    float s[2][4];
+      // S = q K^T: 16 vectors x 16 keys.
+      float s[2][4];
 #pragma unroll
-    for (int i = 0; i < 2; i++)
-      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      for (int i = 0; i < 2; i++)
+        s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
-    for (int i = 0; i < D / 64; i++) {
-      uint4 kw[2];
-#pragma unroll
-      for (int nt = 0; nt < 2; nt++) {
-        const int r = nt * 8 + g;
-        kw[nt] = *reinterpret_cast<const uint4 *>(sK + r * RB + (((i * 4 + c4) ^ dir_swz<CPR>(r)) << 4));
-      }
-#pragma unroll
-      for (int u = 0; u < 4; u++) {
-        uint32_t a[4];
-        ldsm_x4(a[0], a[1], a[2], a[3], sQ + (lane & 15) * LD + (i * 4 + u) * 16 + (lane >> 4) * 8);
+      for (int i = 0; i < D / 64; i++) {
+        uint4 kw[2];
 #pragma unroll
         for (int nt = 0; nt < 2; nt++) {
-          const uint32_t w = (&kw[nt].x)[u];
-          mma16816<DT>(s[nt], a, dir_pair<KV, DT>(w, w, 0, 1), dir_pair<KV, DT>(w, w, 2, 3));
+          const int r = nt * 8 + g;
+          kw[nt] = *reinterpret_cast<const uint4 *>(sK + r * RB +
+                                                    (((i * 4 + c4) ^ dir_swz<CPR>(r)) << 4));
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+          uint32_t a[4];
+          ldsm_x4(a[0], a[1], a[2], a[3],
+                  sQ + (lane & 15) * LD + (i * 4 + u) * 16 + (lane >> 4) * 8);
+#pragma unroll
+          for (int nt = 0; nt < 2; nt++) {
+            const uint32_t w = (&kw[nt].x)[u];
+            mma16816<DT>(s[nt], a, dir_pair<KV, DT>(w, w, 0, 1), dir_pair<KV, DT>(w, w, 2, 3));
+          }
         }
       }
-    }
 
-    float mx[2] = {-INFINITY, -INFINITY};
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int nt = 0; nt < 2; nt++) {
+      for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int key = nt * 8 + 2 * c4 + (e & 1);
-        float x = s[nt][e] * sl2;
-        if constexpr (kDyn)
-          x *= sKs[key];
-        if (need_mask) {
-          const int j = j0 + key;
-          if (!(j >= lo && j <= hi && visible(kind, mp, it.causal, iv, kv_len, prow[e >> 1], j)))
-            x = -INFINITY;
+        for (int e = 0; e < 4; e++) {
+          const int key = nt * 8 + 2 * c4 + (e & 1);
+          float x = s[nt][e] * sl2;
+          if constexpr (kDyn)
+            x *= sKs[key];
+          if (need_mask) {
+            const int j = j0 + key;
+            if (!(j >= lo && j <= hi && visible(kind, mp, it.causal, iv, kv_len, prow[e >> 1], j)))
+              x = -INFINITY;
+          }
+          s[nt][e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
-        s[nt][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
-    }
-    float alpha[2];
+      float alpha[2];
 #pragma unroll
-    for (int ri = 0; ri < 2; ri++) {
-      mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
-      mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
-      const float mnew = ceilf(fmaxf(m_r[ri], mx[ri])); // an integer: see flash.cuh
-      const float mref = mnew == -INFINITY ? 0.f : mnew; // no key seen yet: every p is 0
-      alpha[ri] = ex2(m_r[ri] - mref);
-      m_r[ri] = mnew;
-      mx[ri] = mref;
-    }
-    float rs[2] = {0.f, 0.f};
-    uint32_t pa[4];
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++) {
-      const float p0 = ex2(s[nt][0] - mx[0]), p1 = ex2(s[nt][1] - mx[0]);
-      const float p2 = ex2(s[nt][2] - mx[1]), p3 = ex2(s[nt][3] - mx[1]);
-      rs[0] += p0 + p1;
-      rs[1] += p2 + p3;
-      if constexpr (kDyn) {
-        const float2 vs = *reinterpret_cast<const float2 *>(sVsc + nt * 8 + 2 * c4);
-        pa[nt * 2 + 0] = A::pack2(p0 * vs.x, p1 * vs.y);
-        pa[nt * 2 + 1] = A::pack2(p2 * vs.x, p3 * vs.y);
-      } else {
-        pa[nt * 2 + 0] = A::pack2(p0, p1);
-        pa[nt * 2 + 1] = A::pack2(p2, p3);
+      for (int ri = 0; ri < 2; ri++) {
+        mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
+        mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
+        const float mnew = ceilf(fmaxf(m_r[ri], mx[ri]));  // an integer: see flash.cuh
+        const float mref = mnew == -INFINITY ? 0.f : mnew; // no key seen yet: every p is 0
+        alpha[ri] = ex2(m_r[ri] - mref);
+        m_r[ri] = mnew;
+        mx[ri] = mref;
       }
-    }
+      float rs[2] = {0.f, 0.f};
+      uint32_t pa[4];
 #pragma unroll
-    for (int ri = 0; ri < 2; ri++)
-      l_r[ri] = l_r[ri] * alpha[ri] + rs[ri];
-    // Past the first chunks the running max rarely moves: alpha is then
-    // exactly 1 and the rescale of O is skipped (same result, 64 fewer FMULs).
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < NT; i++) {
-        o[i][0] *= alpha[0];
-        o[i][1] *= alpha[0];
-        o[i][2] *= alpha[1];
-        o[i][3] *= alpha[1];
+      for (int nt = 0; nt < 2; nt++) {
+        const float p0 = ex2(s[nt][0] - mx[0]), p1 = ex2(s[nt][1] - mx[0]);
+        const float p2 = ex2(s[nt][2] - mx[1]), p3 = ex2(s[nt][3] - mx[1]);
+        rs[0] += p0 + p1;
+        rs[1] += p2 + p3;
+        if constexpr (kDyn) {
+          const float2 vs = *reinterpret_cast<const float2 *>(sVsc + nt * 8 + 2 * c4);
+          pa[nt * 2 + 0] = A::pack2(p0 * vs.x, p1 * vs.y);
+          pa[nt * 2 + 1] = A::pack2(p2 * vs.x, p3 * vs.y);
+        } else {
+          pa[nt * 2 + 0] = A::pack2(p0, p1);
+          pa[nt * 2 + 1] = A::pack2(p2, p3);
+        }
       }
-    }
+#pragma unroll
+      for (int ri = 0; ri < 2; ri++)
+        l_r[ri] = l_r[ri] * alpha[ri] + rs[ri];
+      // Past the first chunks the running max rarely moves: alpha is then
+      // exactly 1 and the rescale of O is skipped (same result, 64 fewer FMULs).
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+          o[i][0] *= alpha[0];
+          o[i][1] *= alpha[0];
+          o[i][2] *= alpha[1];
+          o[i][3] *= alpha[1];
+        }
+      }
 
-    // O += P V: lane g's channels of key rows 2c, 2c+1, 2c+8, 2c+9.
-    constexpr int VW = D / 32; // 32-bit words of a lane's slice of one V row
-    uint32_t vw[4][VW];
+      // O += P V: lane g's channels of key rows 2c, 2c+1, 2c+8, 2c+9.
+      constexpr int VW = D / 32; // 32-bit words of a lane's slice of one V row
+      uint32_t vw[4][VW];
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const int r = 2 * c4 + (k & 1) + (k >> 1) * 8;
-      if constexpr (D == 128) {
-        const uint4 x = *reinterpret_cast<const uint4 *>(sV + r * RB + ((g ^ dir_swz<CPR>(r)) << 4));
-        vw[k][0] = x.x;
-        vw[k][1] = x.y;
-        vw[k][2] = x.z;
-        vw[k][3] = x.w;
-      } else {
-        const uint2 x =
-            *reinterpret_cast<const uint2 *>(sV + r * RB + (((g >> 1) ^ dir_swz<CPR>(r)) << 4) + (g & 1) * 8);
-        vw[k][0] = x.x;
-        vw[k][1] = x.y;
+      for (int k = 0; k < 4; k++) {
+        const int r = 2 * c4 + (k & 1) + (k >> 1) * 8;
+        if constexpr (D == 128) {
+          const uint4 x =
+              *reinterpret_cast<const uint4 *>(sV + r * RB + ((g ^ dir_swz<CPR>(r)) << 4));
+          vw[k][0] = x.x;
+          vw[k][1] = x.y;
+          vw[k][2] = x.z;
+          vw[k][3] = x.w;
+        } else {
+          const uint2 x = *reinterpret_cast<const uint2 *>(
+              sV + r * RB + (((g >> 1) ^ dir_swz<CPR>(r)) << 4) + (g & 1) * 8);
+          vw[k][0] = x.x;
+          vw[k][1] = x.y;
+        }
       }
-    }
 #pragma unroll
-    for (int wd = 0; wd < VW; wd++)
+      for (int wd = 0; wd < VW; wd++)
 #pragma unroll
-      for (int b = 0; b < 4; b++) {
-        const uint32_t b0 = dir_pair<KV, DT>(vw[0][wd], vw[1][wd], b, b);
-        const uint32_t b1 = dir_pair<KV, DT>(vw[2][wd], vw[3][wd], b, b);
-        mma16816<DT>(o[wd * 4 + b], pa, b0, b1);
-      }
+        for (int b = 0; b < 4; b++) {
+          const uint32_t b0 = dir_pair<KV, DT>(vw[0][wd], vw[1][wd], b, b);
+          const uint32_t b1 = dir_pair<KV, DT>(vw[2][wd], vw[3][wd], b, b);
+          mma16816<DT>(o[wd * 4 + b], pa, b0, b1);
+        }
     }
     __syncwarp(); // the stage is refilled next iteration
   }
@@ -647,10 +666,12 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
   __syncthreads();
   for (int idx = tid; idx < nvec * D; idx += NTH) {
     const int r = idx / D, d = idx % D;
-    float x = so[r * D + d] + so[(MV + r) * D + d] + so[(2 * MV + r) * D + d] + so[(3 * MV + r) * D + d];
+    float x =
+        so[r * D + d] + so[(MV + r) * D + d] + so[(2 * MV + r) * D + d] + so[(3 * MV + r) * D + d];
     const float Ls = sRow[16 + r];
     if constexpr (kI4)
-      x = Ls > 0.f ? (x - sVs[D + d]) * sVs[d] : 0.f; // O = s (sum p u / l - z); 0 for a row with no key
+      x = Ls > 0.f ? (x - sVs[D + d]) * sVs[d]
+                   : 0.f; // O = s (sum p u / l - z); 0 for a row with no key
     else if constexpr (KvT<KV>::kStatic)
       x *= sVs[d];
     const int row = it.q_row + r / G, h = kvh * G + r % G;
@@ -674,9 +695,9 @@ __global__ void __launch_bounds__(kWarpsF * 32, (D == 64 || TR) ? 4 : 3) decode_
   }
 }
 
-template <int D, int DT, int KV, bool TR> static cudaError_t launch_direct_one(const FlashParams &p, int nitems,
-                                                                             cudaStream_t st) {
-  const size_t smem = DirSmem<D, TR ? 3 : 4, KV == ATTND_KV_INT4 ? D / 2 : D>::kBytes;
+template <int D, int DT, int KV, bool TR>
+static cudaError_t launch_direct_one(const FlashParams &p, int nitems, cudaStream_t st) {
+  const size_t smem = DirSmem < D, TR ? 3 : 4, KV == ATTND_KV_INT4 ? D / 2 : D > ::kBytes;
   static bool attr_done = false; // per instantiation; benign race: both set the same value
   if (!attr_done) {
     cudaError_t e = cudaFuncSetAttribute(decode_direct_kernel<D, DT, KV, TR>,
@@ -690,7 +711,8 @@ template <int D, int DT, int KV, bool TR> static cudaError_t launch_direct_one(c
   return cudaGetLastError();
 }
 
-template <int D, int DT, int KV> cudaError_t launch_direct(const FlashParams &p, int nitems, cudaStream_t st) {
+template <int D, int DT, int KV>
+cudaError_t launch_direct(const FlashParams &p, int nitems, cudaStream_t st) {
   if constexpr (KV == ATTND_KV_INT4) // transposed form only (direct_decode checks max_vec <= 8)
     return launch_direct_one<D, DT, KV, true>(p, nitems, st);
   else
@@ -701,11 +723,12 @@ template <int D, int DT, int KV> cudaError_t launch_direct(const FlashParams &p,
 template <int D, int DT, int KV, bool TR> static int direct_occupancy_one() {
   static int n = 0;
   if (n == 0) {
-    const size_t smem = DirSmem<D, TR ? 3 : 4, KV == ATTND_KV_INT4 ? D / 2 : D>::kBytes;
-    cudaFuncSetAttribute(decode_direct_kernel<D, DT, KV, TR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    const size_t smem = DirSmem < D, TR ? 3 : 4, KV == ATTND_KV_INT4 ? D / 2 : D > ::kBytes;
+    cudaFuncSetAttribute(decode_direct_kernel<D, DT, KV, TR>,
+                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, decode_direct_kernel<D, DT, KV, TR>, kWarpsF * 32, smem) !=
-            cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, decode_direct_kernel<D, DT, KV, TR>,
+                                                      kWarpsF * 32, smem) != cudaSuccess ||
         b < 1) {
       cudaGetLastError();
       b = 2;
@@ -720,17 +743,22 @@ template <int D, int DT, int KV> int direct_occupancy(int max_vec) {
   if constexpr (KV == ATTND_KV_INT4)
     return direct_occupancy_one<D, DT, KV, true>();
   else
-    return max_vec <= 8 ? direct_occupancy_one<D, DT, KV, true>() : direct_occupancy_one<D, DT, KV, false>();
+    return max_vec <= 8 ? direct_occupancy_one<D, DT, KV, true>()
+                        : direct_occupancy_one<D, DT, KV, false>();
 }
 
-#define ATTND_DIRECT_INST(KVT)                                                                           \
-  template cudaError_t launch_direct<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, cudaStream_t);   \
-  template cudaError_t launch_direct<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, cudaStream_t);  \
-  template cudaError_t launch_direct<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, cudaStream_t);   \
-  template cudaError_t launch_direct<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, cudaStream_t);  \
-  template int direct_occupancy<64, ATTND_DT_BF16, KVT>(int);                                             \
-  template int direct_occupancy<128, ATTND_DT_BF16, KVT>(int);                                            \
-  template int direct_occupancy<64, ATTND_DT_FP16, KVT>(int);                                             \
+#define ATTND_DIRECT_INST(KVT)                                                                     \
+  template cudaError_t launch_direct<64, ATTND_DT_BF16, KVT>(const FlashParams &, int,             \
+                                                             cudaStream_t);                        \
+  template cudaError_t launch_direct<128, ATTND_DT_BF16, KVT>(const FlashParams &, int,            \
+                                                              cudaStream_t);                       \
+  template cudaError_t launch_direct<64, ATTND_DT_FP16, KVT>(const FlashParams &, int,             \
+                                                             cudaStream_t);                        \
+  template cudaError_t launch_direct<128, ATTND_DT_FP16, KVT>(const FlashParams &, int,            \
+                                                              cudaStream_t);                       \
+  template int direct_occupancy<64, ATTND_DT_BF16, KVT>(int);                                      \
+  template int direct_occupancy<128, ATTND_DT_BF16, KVT>(int);                                     \
+  template int direct_occupancy<64, ATTND_DT_FP16, KVT>(int);                                      \
   template int direct_occupancy<128, ATTND_DT_FP16, KVT>(int);
 
 } // namespace attnd

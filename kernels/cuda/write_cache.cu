@@ -2,12 +2,16 @@
 // place) and k heads, rounding to the activation dtype, quantization to the
 // cache type and the paged store of k and v (DESIGN.md 4 and 5).
 //
-// One CTA per new token (row of k/v), one warp per head row. A lane holds
+// One warp per (new token, head row): q heads, then k heads, then v heads of
+// the token; 8 warps per CTA. Every row is independent, so a decode step's few
+// tokens still spread over many warps (one warp looping over a token's 48 rows
+// took ~24 us on the H200; the flat grid takes a few). A lane holds
 // D/32 consecutive channels, so an int4 byte (channels 2c, 2c+1) stays in one
 // lane and the dynamic scale is one warp reduction. Not templated: the kernel
 // moves a few bytes per token and is far from any roofline; runtime switches
 // keep the compile time for the op small.
 #include <math.h>
+#include <string.h>
 
 #include "common.cuh"
 
@@ -38,28 +42,34 @@ __device__ int find_item(const attnd_kitem_t *items, int nitems, int t) {
 
 __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constant__ WriteParams P) {
   __shared__ float buf[kWarps][256];
-  const int t = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int per_token = P.q_heads + 2 * P.kv_heads;
+  const long gw = (long)blockIdx.x * kWarps + warp;
+  if (gw >= (long)P.b.total_kv * per_token)
+    return;
+  const int t = (int)(gw / per_token);
   const attnd_kbatch_t &b = P.b;
   const attnd_kitem_t it = b.items[find_item(b.items, b.nitems, t)];
   const int r = t - it.kv_row;
   const int pos = it.start + r;
   const int d = P.d, epl = d / 32, c0 = lane * epl;
   const bool has_q = it.q_row >= 0;
-  const int units = (has_q ? P.q_heads : 0) + 2 * P.kv_heads;
   const int32_t *bt = b.meta + it.block_table;
   uint8_t *blk = b.cache + (size_t)bt[pos / P.bs] * b.block_bytes;
   const int off = pos % P.bs;
   const int rb = kv_row_bytes(P.kv, d);
 
-  for (int u = warp; u < units; u += kWarps) {
+  {
     // Unit order: q heads, then k heads, then v heads.
+    const int u = (int)(gw % per_token);
     int kind, h;
-    if (has_q && u < P.q_heads) {
+    if (u < P.q_heads) {
+      if (!has_q)
+        return; // kv-only item: no q rows
       kind = 0;
       h = u;
     } else {
-      int w = u - (has_q ? P.q_heads : 0);
+      int w = u - P.q_heads;
       kind = w < P.kv_heads ? 1 : 2;
       h = kind == 1 ? w : w - P.kv_heads;
     }
@@ -109,7 +119,7 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
     if (kind == 0) {
       for (int e = 0; e < epl; e++)
         store_dt(P.dt, b.q, base + c0 + e, x[e]);
-      continue;
+      return;
     }
     const bool isv = kind == 2;
     uint8_t *row = blk + (size_t)(isv ? P.kv_heads * P.bs : 0) * rb + ((size_t)h * P.bs + off) * rb;
@@ -200,9 +210,23 @@ extern "C" int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b
   P.kv = s->kv;
   P.rope = s->rope;
   P.rd = s->rotary_dim ? s->rotary_dim : s->head_dim;
-  for (int i = 0; i < 128; i++)
-    P.inv_freq[i] = i < P.rd / 2 ? (float)pow(s->rope_theta, -2.0 * i / (double)P.rd) : 0.f;
-  write_kernel<<<b->total_kv, kWarps * 32, 0, (cudaStream_t)stream>>>(P);
+  // theta^(-2i/rd) in fp64, kept per thread for the last (theta, rd): a
+  // decode step should not pay 64 pow() calls on the submitting thread.
+  static thread_local double last_theta = -1.0;
+  static thread_local int last_rd = -1;
+  static thread_local float inv_freq[128];
+  if (last_theta != s->rope_theta || last_rd != P.rd) {
+    for (int i = 0; i < 128; i++)
+      inv_freq[i] = i < P.rd / 2 ? (float)pow(s->rope_theta, -2.0 * i / (double)P.rd) : 0.f;
+    last_theta = s->rope_theta;
+    last_rd = P.rd;
+  }
+  memcpy(P.inv_freq, inv_freq, sizeof(inv_freq));
+  const long warps = (long)b->total_kv * (s->q_heads + 2 * s->kv_heads);
+  const long ctas = (warps + kWarps - 1) / kWarps;
+  if (ctas > 0x7fffffffL)
+    return set_invalid(__FILE__, __LINE__, "too many rows for one write launch");
+  write_kernel<<<(unsigned)ctas, kWarps * 32, 0, (cudaStream_t)stream>>>(P);
   ATTND_CU_LAUNCH("write_kernel launch");
   return 0;
 }
