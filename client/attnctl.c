@@ -307,6 +307,7 @@ static void print_stats(const attnd_v1_StatsResponse *s, const attnd_v1_StatsRes
     json_ku("connections", s->connections, &f);
     json_ku("sessions", s->sessions, &f);
     json_ku("plans", s->plans, &f);
+    json_ku("admission_queued", s->admission_queued, &f);
     json_ku("blocks_total", s->blocks_total, &f);
     json_ku("blocks_used", s->blocks_used, &f);
     json_ku("blocks_cached", s->blocks_cached, &f);
@@ -344,6 +345,7 @@ static void print_stats(const attnd_v1_StatsResponse *s, const attnd_v1_StatsRes
   printf("%-16s %u\n", "connections", s->connections);
   printf("%-16s %u\n", "sessions", s->sessions);
   printf("%-16s %u\n", "plans", s->plans);
+  printf("%-16s %u\n", "queued calls", s->admission_queued);
   printf("%-16s %s\n", "uptime", human_duration(s->uptime_s, b1, sizeof(b1)));
   printf("\n%-16s %10s %10s %10s %10s\n", "blocks", "total", "used", "cached", "free");
   printf("%-16s %10u %10u %10u %10u\n", "", s->blocks_total, s->blocks_used, s->blocks_cached,

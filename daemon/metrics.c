@@ -11,6 +11,7 @@
  *   attnd_frame_errors_total                   counter  framing errors that closed a connection
  *   attnd_sessions                             gauge    open sessions
  *   attnd_plans                                gauge    live plans
+ *   attnd_admission_queued                     gauge    calls waiting behind a large step's scan
  *   attnd_blocks{state="total|used|cached"}    gauge    KV blocks
  *   attnd_prefix_queries_total                 counter  prefix-cache lookups
  *   attnd_prefix_hit_tokens_total              counter  tokens served from the prefix cache
@@ -143,6 +144,8 @@ int attnd_metrics_render(const attnd_counters_t *c, attnd_engine_t *engine, doub
          c->frame_errors);
   SIMPLE("attnd_sessions", "gauge", "Open sessions.", es.sessions);
   SIMPLE("attnd_plans", "gauge", "Live plans.", es.plans);
+  SIMPLE("attnd_admission_queued", "gauge",
+         "Calls waiting for admission behind a large step's finiteness scan.", es.queued);
   head(&b, "attnd_blocks", "gauge", "KV blocks by state.");
   sb_printf(&b, "attnd_blocks{state=\"total\"} %u\n", es.blocks_total);
   sb_printf(&b, "attnd_blocks{state=\"used\"} %u\n", es.blocks_used);

@@ -663,6 +663,7 @@ static void answer_stats(attnd_rpc_conn_t *c, uint64_t id, uint64_t t0) {
   s->kv_bytes_per_token =
       (uint64_t)(attnd_kv_bytes_per_token(&r->cfg->shape) * (double)r->cfg->layers + 0.999999);
   s->uptime_s = (now_ns() - r->start_ns) / 1000000000ull;
+  s->admission_queued = es.queued;
   send_response(c, &resp, t0, 0);
 }
 

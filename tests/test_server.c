@@ -998,6 +998,7 @@ static void test_metrics_scrape(void **state) {
       strstr(body, "attnd_step_latency_seconds_bucket{kind=\"decode\",le=\"+Inf\"} 0\n"));
   assert_non_null(strstr(body, "attnd_prefix_queries_total"));
   assert_non_null(strstr(body, "attnd_uptime_seconds"));
+  assert_non_null(strstr(body, "attnd_admission_queued 0\n")); /* idle: nothing behind a scan */
   free(body);
   body = http_get(h->metrics_port, "/other");
   assert_non_null(strstr(body, "HTTP/1.1 404"));
