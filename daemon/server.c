@@ -24,6 +24,11 @@
 /* How long a drain waits for responses to be written to clients that do not
  * read before it closes their connections anyway. */
 #define DRAIN_FLUSH_TIMEOUT_MS 5000
+/* Once the last in-flight request is answered, connections stay readable this
+ * long before they close: requests a client sent just before the signal may
+ * still sit in the socket buffer, and they get an UNAVAILABLE answer
+ * ("draining") instead of a silent close. */
+#define DRAIN_READ_GRACE_MS 20
 
 typedef struct conn_s conn_t;
 
@@ -715,13 +720,9 @@ static void drain_timeout_cb(uv_timer_t *t) {
     conn_close(s->conns);
 }
 
-/* Every request has been answered: flush and close the connections. */
-static void finish_drain(void *arg) {
-  attnd_server_t *s = arg;
-  if (s->finishing)
-    return;
-  s->finishing = 1;
-  s->rpc.idle_cb = NULL;
+/* The read grace is over: flush and close the connections. */
+static void close_drained(uv_timer_t *t) {
+  attnd_server_t *s = t->data;
   conn_t *c = s->conns;
   while (c) {
     conn_t *next = c->next;
@@ -739,6 +740,21 @@ static void finish_drain(void *arg) {
     uv_timer_start(&s->drain_timer, drain_timeout_cb, DRAIN_FLUSH_TIMEOUT_MS, 0);
   }
   check_done(s);
+}
+
+/* Every request has been answered: read what clients already sent for a
+ * moment (answered UNAVAILABLE), then flush and close the connections. */
+static void finish_drain(void *arg) {
+  attnd_server_t *s = arg;
+  if (s->finishing)
+    return;
+  s->finishing = 1;
+  s->rpc.idle_cb = NULL;
+  if (!s->conns) {
+    check_done(s);
+    return;
+  }
+  uv_timer_start(&s->drain_timer, close_drained, DRAIN_READ_GRACE_MS, 0);
 }
 
 void attnd_server_drain(attnd_server_t *s, void (*cb)(void *arg), void *arg) {
