@@ -98,7 +98,7 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
 
 /* Streams: enough for the layers of one step to overlap, few enough that the
  * per-stream buffers stay small. */
-#define CU_MAX_STREAMS 8
+#define CU_MAX_STREAMS 8 /* at most 64: the poller keeps a bit per stream */
 /* Pinned staging buffers are allocated in power-of-two sizes from this up. */
 #define CU_STAGE_MIN ((size_t)2 << 20)
 /* Device staging grows to at least this. */
@@ -483,10 +483,16 @@ static void poller_main(void *arg) {
     uv_mutex_unlock(&be->pmu);
     run_t *kh = NULL, *kt = NULL;
     int done = 0;
+    /* Streams with an unfinished run in this round: their later runs are not
+     * even queried, since the stream may finish both between the two queries
+     * and the later one must not complete first (per-layer order). */
+    uint64_t blocked = 0;
     for (run_t *r = list, *next; r; r = next) {
       next = r->pnext;
-      cudaError_t q = cudaEventQuery(r->done_ev);
+      const uint64_t bit = (uint64_t)1 << r->stream;
+      cudaError_t q = (blocked & bit) ? cudaErrorNotReady : cudaEventQuery(r->done_ev);
       if (q == cudaErrorNotReady) {
+        blocked |= bit;
         r->pnext = NULL;
         if (kt)
           kt->pnext = r;
