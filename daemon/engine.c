@@ -495,6 +495,7 @@ static void job_done(attnd_job_t *job) {
     step_failed(e, j);
   if (j->cb) {
     attnd_result_t r;
+    int out_taken = 0, lse_taken = 0;
     memset(&r, 0, sizeof(r));
     r.status = job->status;
     if (job->status) {
@@ -507,12 +508,18 @@ static void job_done(attnd_job_t *job) {
       r.out_bytes = job->out_bytes;
       r.lse = j->lse;
       r.lse_bytes = job->lse_bytes;
+      r.out_taken = &out_taken;
+      r.lse_taken = &lse_taken;
     }
     if (job->t_start_us >= job->t_submit_us)
       r.queued_us = job->t_start_us - job->t_submit_us;
     if (job->t_end_us >= job->t_start_us)
       r.computing_us = job->t_end_us - job->t_start_us;
     j->cb(j->arg, &r);
+    if (out_taken)
+      j->out = NULL;
+    if (lse_taken)
+      j->lse = NULL;
   }
   /* Blocks go back only after the callback: the output lives in the job. */
   for (uint32_t i = 0; i < j->nrefs; i++)

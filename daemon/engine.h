@@ -93,6 +93,10 @@ typedef struct {
   size_t lse_bytes;
   uint64_t queued_us;
   uint64_t computing_us;
+  /* Step: the done callback may keep out (lse) past its return by setting
+   * *out_taken (*lse_taken) to 1; it must then free() it itself. Lets the
+   * RPC layer write large outputs to the socket without copying them. */
+  int *out_taken, *lse_taken;
 } attnd_result_t;
 
 typedef void (*attnd_engine_done_cb)(void *arg, const attnd_result_t *res);

@@ -140,6 +140,10 @@ int attnd_rpc_token_ok(const attnd_rpc_t *r, const char *token) {
 
 /* ---- init --------------------------------------------------------------- */
 
+/* Step tensors at least this large leave by reference through sendv
+ * (ATTND_RPC_REF_MIN overrides it). */
+#define RPC_REF_MIN ((size_t)64 << 10)
+
 int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
                    const attnd_config_t *cfg, char *err, size_t errlen) {
   memset(r, 0, sizeof(*r));
@@ -148,6 +152,10 @@ int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
   r->cfg = cfg;
   r->start_ns = now_ns();
   r->next_conn_id = 1;
+  r->ref_min = RPC_REF_MIN;
+  const char *rm = getenv("ATTND_RPC_REF_MIN"); /* tests: 0 sends every tensor by reference */
+  if (rm && *rm)
+    r->ref_min = (size_t)strtoull(rm, NULL, 10);
   /* The epoch tells clients the daemon restarted; it must not repeat. */
   if (getrandom(&r->epoch, sizeof(r->epoch), 0) != (ssize_t)sizeof(r->epoch)) {
     snprintf(err, errlen, "getrandom: %s", strerror(errno));
@@ -228,6 +236,85 @@ static void count(attnd_rpc_t *r, int method, int code) {
   r->counters.by_code[method][code]++;
   if (code != ATTND_STATUS_OK)
     r->counters.errors[method]++;
+}
+
+/* A response going out as pieces: the bytes nanopb writes are copied into one
+ * buffer, except the registered tensors, which become pieces of their own. */
+typedef struct {
+  attnd_rpc_seg_t segs[8];
+  int n;
+  uint8_t *buf; /* copied bytes: header, fields, protobuf framing */
+  size_t len, cap, seg_start;
+  const void *refp[2];
+  size_t refn[2];
+  void *ref_free[2];
+  int nref;
+} scatter_t;
+
+static void scatter_cut(scatter_t *sc) {
+  if (sc->len > sc->seg_start) {
+    /* The first copied piece owns the buffer; the others point into it. */
+    sc->segs[sc->n++] = (attnd_rpc_seg_t){sc->buf + sc->seg_start, sc->len - sc->seg_start,
+                                           sc->seg_start == 0 ? sc->buf : NULL};
+    sc->seg_start = sc->len;
+  }
+}
+
+static bool scatter_write(pb_ostream_t *s, const pb_byte_t *b, size_t count) {
+  scatter_t *sc = s->state;
+  for (int i = 0; i < sc->nref; i++)
+    if (sc->ref_free[i] && b == sc->refp[i] && count == sc->refn[i]) {
+      scatter_cut(sc);
+      sc->segs[sc->n++] = (attnd_rpc_seg_t){b, count, sc->ref_free[i]};
+      sc->ref_free[i] = NULL;
+      return true;
+    }
+  if (sc->len + count > sc->cap || sc->n >= 6)
+    return false;
+  memcpy(sc->buf + sc->len, b, count);
+  sc->len += count;
+  return true;
+}
+
+static void send_response(attnd_rpc_conn_t *c, attnd_v1_Response *resp, uint64_t t0_ns,
+                          int close_after);
+
+/* send_response for a step whose large tensors go out by reference through
+ * the transport's sendv: no copy of them on the loop thread. 1 when sent: the
+ * registered tensors whose ref_free is now NULL belong to the transport (the
+ * caller takes them from the engine); 0 when nothing was sent. */
+static int send_response_refs(attnd_rpc_conn_t *c, attnd_v1_Response *resp, uint64_t t0_ns,
+                              scatter_t *sc) {
+  attnd_rpc_t *r = c->rpc;
+  resp->epoch = r->epoch;
+  resp->has_status = true;
+  resp->has_timing = true;
+  if (t0_ns)
+    resp->timing.total_us = (now_ns() - t0_ns) / 1000;
+  size_t sz = 0, refs = 0;
+  for (int i = 0; i < sc->nref; i++)
+    refs += sc->refn[i];
+  if (pb_get_encoded_size(&sz, attnd_v1_Response_fields, resp) && sz <= UINT32_MAX - 4 &&
+      sz >= refs) {
+    sc->cap = sz + 4 - refs;
+    sc->buf = malloc(sc->cap);
+    if (sc->buf) {
+      attnd_frame_put_header(sc->buf, (uint32_t)sz);
+      sc->len = 4;
+      pb_ostream_t os = {scatter_write, sc, SIZE_MAX, 0, NULL};
+      if (pb_encode(&os, attnd_v1_Response_fields, resp) && sc->len == sc->cap) {
+        scatter_cut(sc);
+        r->counters.bytes_out += sz + 4;
+        c->sendv(c, sc->segs, sc->n, 0);
+        return 1;
+      }
+      /* Not expected; the tensors still belong to the engine. */
+      free(sc->buf);
+      ATTND_LOGW("encode_scatter_failed", "conn=%llu id=%llu", (unsigned long long)c->id,
+                 (unsigned long long)resp->id);
+    }
+  }
+  return 0;
 }
 
 /* Encodes resp into a new frame and hands it to the transport. */
@@ -558,7 +645,33 @@ static void engine_done_cb(void *arg, const attnd_result_t *res) {
         break;
       }
     }
-    send_response(c, &resp, q->t0_ns, 0);
+    scatter_t sc;
+    memset(&sc, 0, sizeof(sc));
+    if (c->sendv && q->method == ATTND_M_STEP && !res->status) {
+      /* Large tensors by reference (see send_response_refs). */
+      if (out.p && out.n >= r->ref_min && res->out_taken) {
+        sc.refp[sc.nref] = out.p;
+        sc.refn[sc.nref] = out.n;
+        sc.ref_free[sc.nref++] = (void *)out.p;
+      }
+      if (lse.p && lse.n >= r->ref_min && res->lse_taken) {
+        sc.refp[sc.nref] = lse.p;
+        sc.refn[sc.nref] = lse.n;
+        sc.ref_free[sc.nref++] = (void *)lse.p;
+      }
+    }
+    if (sc.nref > 0 && send_response_refs(c, &resp, q->t0_ns, &sc)) {
+      for (int i = 0; i < sc.nref; i++) {
+        if (sc.ref_free[i])
+          continue; /* not referenced after all: still the engine's */
+        if (sc.refp[i] == res->out)
+          *res->out_taken = 1;
+        else
+          *res->lse_taken = 1;
+      }
+    } else {
+      send_response(c, &resp, q->t0_ns, 0);
+    }
   }
   req_unlink(c, q);
   req_free(q);

@@ -34,6 +34,14 @@ typedef struct attnd_rpc_s attnd_rpc_t;
 typedef struct attnd_rpc_conn_s attnd_rpc_conn_t;
 typedef struct attnd_rpc_req_s attnd_rpc_req_t;
 
+/* One piece of a response for sendv: n bytes at p; free_p (p itself, the
+ * buffer p points into, or NULL) is free()d once the piece is written. */
+typedef struct {
+  const void *p;
+  size_t n;
+  void *free_p;
+} attnd_rpc_seg_t;
+
 struct attnd_rpc_s {
   uv_loop_t *loop;
   attnd_engine_t *engine;
@@ -45,6 +53,7 @@ struct attnd_rpc_s {
   int tcp_port;      /* bound TCP port for Health, 0 when off */
   uint64_t inflight; /* requests in flight on all connections */
   uint64_t next_conn_id;
+  size_t ref_min; /* step tensors this large leave by reference (sendv); ATTND_RPC_REF_MIN */
   /* Runs when inflight drops to 0 while draining. */
   void (*idle_cb)(void *arg);
   void *idle_arg;
@@ -74,6 +83,11 @@ struct attnd_rpc_conn_s {
   /* Sends a whole response frame (header included; ownership of buf passes).
    * close_after: close the connection once it is written. */
   void (*send)(attnd_rpc_conn_t *c, uint8_t *buf, size_t len, int close_after);
+  /* Optional: the same for a response in pieces written in order (a step's
+   * large tensors go out from the engine's buffers instead of being copied on
+   * the loop thread); takes ownership of every seg's free_p, freed once
+   * written or dropped. NULL: the RPC layer copies into one buffer and calls send. */
+  void (*sendv)(attnd_rpc_conn_t *c, const attnd_rpc_seg_t *segs, int n, int close_after);
   /* A request completed: the transport may resume reading (backpressure). */
   void (*progress)(attnd_rpc_conn_t *c);
   /* The last request let go of a closed connection: the owner may free it. */

@@ -65,6 +65,8 @@ typedef struct {
   conn_t *conn;
   size_t len; /* bytes in all buffers */
   unsigned n;
+  void **owned; /* sendv: what to free when written (NULL: every bufs[i].base) */
+  unsigned nowned;
   uv_buf_t bufs[]; /* owned: freed when written */
 } wreq_t;
 
@@ -149,13 +151,23 @@ static void rc_progress(attnd_rpc_conn_t *rc) {
 
 /* ---- writing ---------------------------------------------------------------- */
 
+static void wreq_free(wreq_t *w) {
+  if (w->owned) {
+    for (unsigned i = 0; i < w->nowned; i++)
+      free(w->owned[i]);
+    free(w->owned);
+  } else {
+    for (unsigned i = 0; i < w->n; i++)
+      free(w->bufs[i].base);
+  }
+  free(w);
+}
+
 static void write_cb(uv_write_t *req, int status) {
   wreq_t *w = (wreq_t *)req;
   conn_t *c = w->conn;
   c->write_bytes -= w->len;
-  for (unsigned i = 0; i < w->n; i++)
-    free(w->bufs[i].base);
-  free(w);
+  wreq_free(w);
   if (c->closing)
     return;
   if (status < 0) {
@@ -175,19 +187,22 @@ static void note_inflight(conn_t *c) {
     c->srv->st.peak_conn_inflight = inflight;
 }
 
-static void submit(conn_t *c, const uv_buf_t *bufs, unsigned n, size_t len) {
+/* owned: NULL when every bufs[i].base is its own allocation, else the list
+ * (taken over) of what to free once written. */
+static void submit(conn_t *c, const uv_buf_t *bufs, unsigned n, size_t len, void **owned,
+                   unsigned nowned) {
   wreq_t *w = malloc(sizeof(*w) + n * sizeof(uv_buf_t));
   if (!w)
     abort();
   w->conn = c;
   w->len = len;
   w->n = n;
+  w->owned = owned;
+  w->nowned = nowned;
   memcpy(w->bufs, bufs, n * sizeof(uv_buf_t));
   if (uv_write(&w->req, &c->h.stream, w->bufs, n, write_cb) != 0) {
     c->write_bytes -= len;
-    for (unsigned i = 0; i < n; i++)
-      free(w->bufs[i].base);
-    free(w);
+    wreq_free(w);
     conn_close(c);
   }
 }
@@ -206,7 +221,7 @@ static void flush_batch(conn_t *c) {
       free(c->batch[i].base);
     return;
   }
-  submit(c, c->batch, n, len);
+  submit(c, c->batch, n, len, NULL, 0);
 }
 
 static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_after) {
@@ -231,7 +246,45 @@ static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_af
       flush_batch(c);
     return;
   }
-  submit(c, &ub, 1, len);
+  submit(c, &ub, 1, len, NULL, 0);
+}
+
+/* A response in pieces (rpc.h): written after everything queued before it,
+ * in one uv_write; the pieces' free_p are freed once it is written. */
+static void rc_sendv(attnd_rpc_conn_t *rc, const attnd_rpc_seg_t *segs, int n, int close_after) {
+  conn_t *c = CONN_OF(rc);
+  void **owned = malloc((size_t)n * sizeof(void *));
+  uv_buf_t *bufs = malloc((size_t)n * sizeof(uv_buf_t));
+  if (!owned || !bufs)
+    abort();
+  unsigned nowned = 0;
+  size_t len = 0;
+  for (int i = 0; i < n; i++) {
+    if (segs[i].free_p)
+      owned[nowned++] = segs[i].free_p;
+    /* uv_buf_t lengths are unsigned int; frames are < 2^32 and a tensor is
+     * one piece of one frame. */
+    bufs[i] = uv_buf_init((char *)segs[i].p, (unsigned)segs[i].n);
+    len += segs[i].n;
+  }
+  if (c->closing) {
+    for (unsigned i = 0; i < nowned; i++)
+      free(owned[i]);
+    free(owned);
+    free(bufs);
+    return;
+  }
+  c->write_bytes += len;
+  note_inflight(c);
+  if (close_after) {
+    c->close_when_flushed = 1;
+    if (c->reading)
+      uv_read_stop(&c->h.stream);
+    c->reading = 0;
+  }
+  flush_batch(c); /* keep the order of responses already batched */
+  submit(c, bufs, (unsigned)n, len, owned, nowned);
+  free(bufs);
 }
 
 /* ---- reading ---------------------------------------------------------------- */
@@ -372,6 +425,7 @@ static void conn_start(attnd_server_t *s, conn_t *c, uint64_t identity, int need
                        const char *peer) {
   attnd_rpc_conn_init(&c->rc, &s->rpc, identity, need_hello);
   c->rc.send = rc_send;
+  c->rc.sendv = rc_sendv;
   c->rc.progress = rc_progress;
   c->rc.released = rc_released;
   if (s->rpc.counters.connections >= (uint32_t)s->cfg->max_connections) {
