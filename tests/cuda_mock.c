@@ -156,9 +156,8 @@ static void *stream_main(void *arg) {
   return NULL;
 }
 
-static cudaError_t push(cudaStream_t st, op_t *o) {
-  if (atomic_load(&g_sticky))
-    return (free(o), cudaErrorIllegalAddress);
+/* Appends o to the stream's FIFO, fault or not. */
+static cudaError_t enqueue(cudaStream_t st, op_t *o) {
   pthread_mutex_lock(&st->mu);
   o->next = NULL;
   if (st->tail)
@@ -169,6 +168,13 @@ static cudaError_t push(cudaStream_t st, op_t *o) {
   pthread_cond_broadcast(&st->cv);
   pthread_mutex_unlock(&st->mu);
   return cudaSuccess;
+}
+
+/* An ordinary operation: refused once the context has a sticky fault. */
+static cudaError_t push(cudaStream_t st, op_t *o) {
+  if (atomic_load(&g_sticky))
+    return (free(o), cudaErrorIllegalAddress);
+  return enqueue(st, o);
 }
 
 static op_t *op_new(int kind) {
@@ -331,16 +337,7 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t st) {
   op_t *o = op_new(OP_FREE);
   o->dst = p;
   /* Even after a fault, memory must go (teardown). */
-  pthread_mutex_lock(&st->mu);
-  o->next = NULL;
-  if (st->tail)
-    st->tail->next = o;
-  else
-    st->head = o;
-  st->tail = o;
-  pthread_cond_broadcast(&st->cv);
-  pthread_mutex_unlock(&st->mu);
-  return cudaSuccess;
+  return enqueue(st, o);
 }
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
@@ -358,16 +355,7 @@ cudaError_t cudaStreamAddCallback(cudaStream_t st, cudaStreamCallback_t cb, void
   o->cb = cb;
   o->arg = arg;
   /* Callbacks are queued even after a fault: each runs once, with the error. */
-  pthread_mutex_lock(&st->mu);
-  o->next = NULL;
-  if (st->tail)
-    st->tail->next = o;
-  else
-    st->head = o;
-  st->tail = o;
-  pthread_cond_broadcast(&st->cv);
-  pthread_mutex_unlock(&st->mu);
-  return cudaSuccess;
+  return enqueue(st, o);
 }
 
 /* Events (backend_cuda.c's ATTND_CUDA_TRACE): a cudaEvent_t is an
