@@ -4,7 +4,7 @@
 #   scripts/gpu-round.sh build   (here, on the build machine with nvcc)
 #       builds the GPU test and benchmark for sm_90a with the CUDA runtime
 #       linked statically into build-gpu/, and stages what the H200 needs in
-#       build-gpu/stage/ (binaries, libcmocka beside them, torch_anchors.py).
+#       build-gpu/stage/ (binaries, libcmocka beside them, torch_reference.py).
 #   scripts/gpu-round.sh run     (on the GPU machine, through the device tool
 #       with carry ["build-gpu/stage"]): every GPU test, compute-sanitizer
 #       memcheck on the pairwise mode, the kernel benchmark and PyTorch's
@@ -24,7 +24,7 @@ build)
     cp "$(find "$here/build-gpu" -name test_cuda_kernels -type f | head -1)" \
        "$(find "$here/build-gpu" -name bench_kernels -type f | head -1)" "$stage/"
   cp -a /usr/lib/x86_64-linux-gnu/libcmocka.so.0* "$stage/"
-  cp /work/shared/bench/torch_anchors.py "$stage/" 2>/dev/null || cp "$here/../shared/bench/torch_anchors.py" "$stage/"
+  cp "$here/bench/torch_reference.py" "$stage/"
   du -sh "$stage"
   ;;
 run)
@@ -46,10 +46,10 @@ run)
   echo "== bench_kernels"
   OUT=$out timeout 200 ./bench_kernels 2>&1 | tee "$out/bench.log"
   if [ "${ATTND_ROUND_NO_ANCHORS:-0}" = 1 ]; then exit 0; fi
-  echo "== torch anchors"
-  OUT=$out PYTHONUNBUFFERED=1 timeout 240 python3 torch_anchors.py >"$out/anchors.log" 2>&1
+  echo "== PyTorch reference (bench/torch_reference.py)"
+  OUT=$out PYTHONUNBUFFERED=1 timeout 240 python3 torch_reference.py >"$out/reference.log" 2>&1
   echo "anchors rc=$?"
-  grep -E "copy_bw|prefill_causal_sdpa|flex_doc|flex_sliding|decode_bf16_(cudnn|flash)_B(64|8)_|int8_dequant" "$out/anchors.log"
+  grep -E "copy_bw|prefill_causal_sdpa|flex_doc|flex_sliding|decode_bf16_(cudnn|flash)_B(64|8)_|int8_dequant" "$out/reference.log"
   ;;
 *)
   echo "usage: $0 build|run" >&2

@@ -8,6 +8,7 @@
 attnd_add_test(test_backend_cuda SOURCES test_backend_cuda.c LIBS attnd_core TIMEOUT 300
                LABELS "gpu;backend")
 set_target_properties(test_backend_cuda PROPERTIES BUILD_RPATH "\$ORIGIN" INSTALL_RPATH "\$ORIGIN")
+set_tests_properties(test_backend_cuda PROPERTIES SKIP_RETURN_CODE 77)
 
 # test_backend_cuda_mock: the same test and the real backend_cuda.c, compiled
 # with ATTND_HAVE_CUDA, over tests/cuda_mock.c (streams as host threads, the
