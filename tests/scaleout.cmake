@@ -1,0 +1,14 @@
+# Scale-out tests (docs/scale-out.md): the Python fan-out clients (lse merge,
+# placement ring, head-sharded and split-context groups of daemons), the C
+# client's sharded mode, and the Kubernetes manifests' schema validation.
+# Daemon-backed cases start several small CPU daemons; cases that need the
+# daemon side of head sharding or split context skip (ctest "Skipped") until the
+# daemon reports them in Health.
+if(COMMAND attnd_add_e2e)
+  attnd_add_e2e(e2e_scaleout_merge test_scaleout_merge)
+  attnd_add_e2e(e2e_scaleout_placement test_scaleout_placement)
+  attnd_add_e2e(e2e_scaleout_sharded test_scaleout_sharded)
+  attnd_add_e2e(e2e_scaleout_split test_scaleout_split)
+  set_tests_properties(e2e_scaleout_merge e2e_scaleout_placement e2e_scaleout_sharded
+                       e2e_scaleout_split PROPERTIES LABELS "e2e;client;scaleout")
+endif()
