@@ -12,6 +12,7 @@ PKGS=(
   libsystemd-dev        # sd_notify (READY, WATCHDOG, STOPPING)
   libhttp-parser-dev    # parses /metrics HTTP requests
   python3 python3-protobuf python3-numpy  # Python client and end-to-end tests
+  python3-uhashring     # consistent-hash ring of the Python client's session placement
   systemd               # systemd-analyze verify checks the units (that test skips without it)
   valgrind
   clang libclang-rt-14-dev  # `make fuzz`: libFuzzer and clang's sanitizer runtimes

@@ -12,3 +12,13 @@ if(COMMAND attnd_add_e2e)
   set_tests_properties(e2e_scaleout_merge e2e_scaleout_placement e2e_scaleout_sharded
                        e2e_scaleout_split PROPERTIES LABELS "e2e;client;scaleout")
 endif()
+
+# libattnclient's sharded mode: layout checks without a daemon, then two shard
+# daemons against one (skipped when the daemon is not built).
+if(TARGET attnd_client)
+  attnd_add_test(test_client_shard SOURCES test_client_shard.c LIBS attnd_client TIMEOUT 120
+                 LABELS "client;scaleout")
+  if(TARGET attnd)
+    add_dependencies(test_client_shard attnd)
+  endif()
+endif()
