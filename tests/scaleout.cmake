@@ -22,3 +22,9 @@ if(TARGET attnd_client)
     add_dependencies(test_client_shard attnd)
   endif()
 endif()
+
+# The Kubernetes manifests (deploy/k8s), rendered and validated offline.
+add_test(NAME scaleout_k8s COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/scaleout_k8s.sh)
+set_tests_properties(scaleout_k8s PROPERTIES
+                     ENVIRONMENT "ATTND_BUILD_DIR=${PROJECT_BINARY_DIR};ATTND_SOURCE_DIR=${PROJECT_SOURCE_DIR}"
+                     SKIP_RETURN_CODE 77 TIMEOUT 600 LABELS "deploy;scaleout")
