@@ -133,6 +133,10 @@ class MergeTest(unittest.TestCase):
         bad[0, 0] = np.inf
         with self.assertRaises(ValueError):
             merge(outs, [bad] + lses[1:])
+        bad = lses[0].copy()
+        bad[0, 0] = -np.inf  # no visible key, yet out says otherwise
+        with self.assertRaises(ValueError):
+            merge(outs, [bad] + lses[1:])
         with self.assertRaises(ValueError):
             merge(outs, lses[:-1])
         with self.assertRaises(ValueError):

@@ -47,6 +47,8 @@ class LseMerger:
             raise ValueError(f"part out {out.shape} does not match lse {lse.shape}")
         if np.isnan(lse).any() or np.isposinf(lse).any() or not np.isfinite(out).all():
             raise ValueError("a part holds NaN or Inf where only lse may be -inf")
+        if (np.isneginf(lse) & (out != 0).any(axis=-1)).any():
+            raise ValueError("a part has lse -inf (no visible key) but a non-zero out")
         m_old = self._m[rows]
         if m_old.shape != lse.shape:
             raise ValueError(f"part lse {lse.shape} does not match its rows {m_old.shape}")
