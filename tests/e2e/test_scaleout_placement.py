@@ -165,6 +165,51 @@ class EpochTest(unittest.TestCase):
             self.assertNotEqual(self.pl.node_for(s.tokens), gone)
 
 
+@unittest.skipIf(Placement is None, "uhashring is not installed")
+class GroupNodesTest(unittest.TestCase):
+    """Ring nodes that are head-sharded groups (a ShardedClient each)."""
+
+    def setUp(self):
+        from scaleout_fake import ScaleoutFake
+        from fake_attnd import shape
+        self.tmp = tempfile.mkdtemp(prefix="attnd-place-")
+        self.fakes, ds = [], []
+        for g in ("ga", "gb"):
+            for i in range(2):
+                f = ScaleoutFake(os.path.join(self.tmp, f"{g}{i}.sock"), shape(q_heads=2, kv_heads=1),
+                                 kv_range=(i, i + 1, 4, 2))
+                self.fakes.append(f)
+                ds.append(Daemon(f"{g}{i}", f.path, group=g))
+        self.replays = []
+        self.pl = Placement.from_fleet(Fleet(ds), on_replay=lambda n, s, why: self.replays.append((n, s, why)))
+
+    def tearDown(self):
+        self.pl.close()
+        for f in self.fakes:
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_groups_are_nodes(self):
+        self.assertEqual(sorted(self.pl.nodes), ["ga", "gb"])
+        rng = random.Random(SEED)
+        sess = [self.pl.open_session([rng.randrange(1000) for _ in range(20)]) for _ in range(12)]
+        self.assertEqual({s.node for s in sess}, {"ga", "gb"})
+        s = sess[0]
+        sh = self.pl.client(s.node)
+        self.assertEqual((sh.model.q_heads, sh.model.kv_heads), (4, 2))
+        # Every daemon of the group holds the session.
+        idx = 0 if s.node == "ga" else 2
+        self.assertEqual(len(self.fakes[idx].sessions), len(self.fakes[idx + 1].sessions))
+        # A restart of one shard ends the group's sessions: the policy gets them
+        # and the group's own client marks them stale.
+        self.fakes[idx + 1].restart()
+        self.pl.check()
+        node, lost, why = self.replays[0]
+        self.assertEqual((node, why), (s.node, "restarted"))
+        self.assertEqual({x.id for x in lost}, {x.id for x in sess if x.node == s.node})
+        self.assertTrue(sh.stale(s.id))
+
+
 class FleetTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="attnd-fleet-")

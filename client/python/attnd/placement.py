@@ -42,6 +42,20 @@ def prefix_key(tokens: Optional[Sequence[int]], block_size: int, salt: bytes = b
     return h.hexdigest()
 
 
+def _chain(first, then):
+    """An epoch callback that runs the connection's own one (a ShardedClient's, which
+    marks its sessions stale) before the placement's."""
+    if not callable(first):
+        return then
+
+    def both(old, new):
+        try:
+            first(old, new)
+        finally:
+            then(old, new)
+    return both
+
+
 @dataclasses.dataclass
 class PlacedSession:
     """A session on the node the ring chose. tokens: the prompt it was opened with
@@ -149,11 +163,9 @@ class Placement:
             if cl is None:
                 cl = self._connect[name]()
                 relay = EpochRelay("flag", name, self._restarted)
-                if hasattr(cl, "shards"):  # a ShardedClient: watch every daemon of it
-                    for s in cl.shards:
-                        s.client.on_epoch_change = relay
-                else:
-                    cl.on_epoch_change = relay
+                conns = [s.client for s in cl.shards] if hasattr(cl, "shards") else [cl]
+                for conn in conns:  # a ShardedClient: watch every daemon of it
+                    conn.on_epoch_change = _chain(conn.on_epoch_change, relay)
                 self._clients[name] = cl
             return cl
 
