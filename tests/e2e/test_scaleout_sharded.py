@@ -152,8 +152,9 @@ class KvHeadsFlagShards(unittest.TestCase):
                 ds.append(d)
                 try:
                     h = d.wait_ready()
-                except AssertionError as e:
-                    self.skipTest(f"the daemon does not take --kv-heads A:B yet ({str(e).splitlines()[0]})")
+                except AssertionError:
+                    last = (d.log_text().strip().splitlines() or ["no log"])[-1]
+                    self.skipTest(f"the daemon does not take --kv-heads A:B yet ({last})")
                 if not h.model.kv_head_end:
                     self.skipTest("the daemon does not report its kv-head range in Health yet")
                 self.assertEqual(h.model.model_kv_heads, 2)
