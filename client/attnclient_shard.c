@@ -127,8 +127,8 @@ int attnd_shard_resolve(const attnd_v1_ModelShape *shapes, const uint32_t *decla
     for (size_t i = 0; i < n; i++)
       if (ranges[i].kv_begin == pos) {
         if (found != n)
-          return seterr(err, errlen, "kv heads from %u are held by daemons %zu and %zu", pos,
-                        found, i);
+          return seterr(err, errlen, "kv heads from %u are held by daemons %zu and %zu", pos, found,
+                        i);
         found = i;
       }
     if (found == n)
@@ -213,9 +213,15 @@ void attnd_shard_group_free(attnd_shard_group_t *g) {
   free(g);
 }
 
-const char *attnd_shard_errmsg(const attnd_shard_group_t *g) { return g ? g->err : ""; }
-const attnd_v1_ModelShape *attnd_shard_model(const attnd_shard_group_t *g) { return &g->model; }
-size_t attnd_shard_count(const attnd_shard_group_t *g) { return g->n; }
+const char *attnd_shard_errmsg(const attnd_shard_group_t *g) {
+  return g ? g->err : "";
+}
+const attnd_v1_ModelShape *attnd_shard_model(const attnd_shard_group_t *g) {
+  return &g->model;
+}
+size_t attnd_shard_count(const attnd_shard_group_t *g) {
+  return g->n;
+}
 attnd_shard_range_t attnd_shard_range(const attnd_shard_group_t *g, size_t i) {
   return g->ranges[i];
 }
@@ -372,9 +378,9 @@ done:
 typedef struct {
   const uint8_t *base; /* the caller's packed tensor */
   uint32_t rows;
-  size_t row_bytes;    /* a whole row of the model: heads * dim * esize */
-  size_t offset;       /* this daemon's first head, in bytes into a row */
-  size_t part_bytes;   /* this daemon's heads of a row */
+  size_t row_bytes;  /* a whole row of the model: heads * dim * esize */
+  size_t offset;     /* this daemon's first head, in bytes into a row */
+  size_t part_bytes; /* this daemon's heads of a row */
 } strided_arg_t;
 
 /* Tensor.data of one daemon: its heads' bytes of every row, written row by row
@@ -412,8 +418,9 @@ int attnd_shard_step_send(attnd_shard_group_t *g, const attnd_client_step_t *s,
   if (s->dtype != attnd_v1_DType_DTYPE_BF16 && s->dtype != attnd_v1_DType_DTYPE_FP16)
     return gfail(g, ATTND_CLIENT_EINVAL, "step activations must be bf16 or fp16");
   if (s->q_heads != m->q_heads || s->kv_heads != m->kv_heads || s->head_dim != m->head_dim)
-    return gfail(g, ATTND_CLIENT_EINVAL, "step of %u/%u heads, d %u; the group's model has %u/%u, d %u",
-                 s->q_heads, s->kv_heads, s->head_dim, m->q_heads, m->kv_heads, m->head_dim);
+    return gfail(g, ATTND_CLIENT_EINVAL,
+                 "step of %u/%u heads, d %u; the group's model has %u/%u, d %u", s->q_heads,
+                 s->kv_heads, s->head_dim, m->q_heads, m->kv_heads, m->head_dim);
   if (!plans || !ids)
     return gfail(g, ATTND_CLIENT_EINVAL, "a sharded step needs the plans of attnd_shard_plan");
   int first = 0;
@@ -481,7 +488,7 @@ int attnd_shard_step_recv(attnd_shard_group_t *g, const uint64_t *ids, void *out
   for (size_t i = 0; i < g->n; i++) {
     attnd_client_resp_t resp;
     memset(&resp, 0, sizeof(resp)); /* freed whatever recv returns (free(NULL) when nothing came) */
-    if (ids[i] == 0) /* never sent: step_send failed for it */
+    if (ids[i] == 0)                /* never sent: step_send failed for it */
       continue;
     int rc = attnd_client_recv(g->clients[i], ids[i], &resp);
     if (rc != 0) {

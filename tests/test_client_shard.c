@@ -261,9 +261,19 @@ static void step_both(attnd_client_t *one, uint64_t plan1, attnd_shard_group_t *
   fill_bf16(q, (size_t)rows * HQ * D);
   fill_bf16(k, (size_t)rows * HKV * D);
   fill_bf16(v, (size_t)rows * HKV * D);
-  attnd_client_step_t s = {.layer = layer, .plan = plan1, .dtype = attnd_v1_DType_DTYPE_BF16,
-                           .q_heads = HQ, .kv_heads = HKV, .head_dim = D, .q = q, .q_rows = rows,
-                           .k = k, .v = v, .kv_rows = rows, .want_lse = 1, .fp32_out = fp32_out};
+  attnd_client_step_t s = {.layer = layer,
+                           .plan = plan1,
+                           .dtype = attnd_v1_DType_DTYPE_BF16,
+                           .q_heads = HQ,
+                           .kv_heads = HKV,
+                           .head_dim = D,
+                           .q = q,
+                           .q_rows = rows,
+                           .k = k,
+                           .v = v,
+                           .kv_rows = rows,
+                           .want_lse = 1,
+                           .fp32_out = fp32_out};
   uint64_t id, ids[2];
   assert_int_equal(attnd_client_step_send(one, &s, &id), 0);
   assert_int_equal(attnd_shard_step_send(g, &s, plans, ids), 0);
@@ -334,8 +344,8 @@ static void test_sharded_equals_one_daemon(void **state) {
   uint64_t pb2[2];
   assert_int_equal(attnd_shard_plan(g, &bad, 1, pb2), ATTND_CLIENT_EINVAL);
   /* A step of the wrong head count names the model's. */
-  attnd_client_step_t wrong = {.dtype = attnd_v1_DType_DTYPE_BF16, .q_heads = 2, .kv_heads = 1,
-                               .head_dim = 64};
+  attnd_client_step_t wrong = {
+      .dtype = attnd_v1_DType_DTYPE_BF16, .q_heads = 2, .kv_heads = 1, .head_dim = 64};
   uint64_t ids[2];
   assert_int_equal(attnd_shard_step_send(g, &wrong, pb2, ids), ATTND_CLIENT_EINVAL);
   assert_non_null(strstr(attnd_shard_errmsg(g), "4/2"));
