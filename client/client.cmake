@@ -12,3 +12,6 @@ install(TARGETS attnctl RUNTIME DESTINATION bin)
 install(FILES ${CMAKE_CURRENT_SOURCE_DIR}/attnclient.h ${PROJECT_BINARY_DIR}/proto/attnd.pb.h
         DESTINATION include/attnd)
 install(TARGETS attnd_client attnd_proto ARCHIVE DESTINATION lib)
+# Head-sharded mode (attnclient_shard.h): part of the same library.
+target_sources(attnd_client PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/attnclient_shard.c)
+install(FILES ${CMAKE_CURRENT_SOURCE_DIR}/attnclient_shard.h DESTINATION include/attnd)

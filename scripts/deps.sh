@@ -12,6 +12,8 @@ PKGS=(
   libsystemd-dev        # sd_notify (READY, WATCHDOG, STOPPING)
   libhttp-parser-dev    # parses /metrics HTTP requests
   python3 python3-protobuf python3-numpy  # Python client and end-to-end tests
+  python3-uhashring     # consistent-hash ring of the Python client's session placement
+  python3-venv python3-yaml  # ctest scaleout_k8s: a venv for kubernetes-validate, PyYAML for the renderer
   systemd               # systemd-analyze verify checks the units (that test skips without it)
   valgrind
   clang libclang-rt-14-dev  # `make fuzz`: libFuzzer and clang's sanitizer runtimes
