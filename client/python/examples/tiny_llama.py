@@ -7,13 +7,21 @@ and the LM head run here, as an orchestrator would run them; for each layer of
 each step the new tokens' q, k and v go to attnd, which rotates them (RoPE),
 caches k and v in its paged KV cache and returns the attention output.
 
-Generation is greedy. In lockstep, the same model with local numpy attention
-(its own KV cache and RoPE) is fed the same tokens, and every step's logits and
-greedy token are compared: logits within a bf16-sized relative error, tokens
-equal unless the local logits had a near-tie there.
+Generation is greedy. Two checks run in lockstep:
+- every layer's attention output from attnd against numpy attention on the very
+  same q, k and v (a shadow KV cache): within bf16's bound (docs/numerics.md),
+  whatever the depth, because each layer is compared on equal inputs;
+- the whole model with local numpy attention (its own KV cache and RoPE), fed
+  the same tokens: the logits within a tolerance that grows with the number of
+  layers (each layer's bf16 rounding perturbs the residual stream, and the
+  perturbations add up: measured 1.3e-3 at 1 layer, 2e-2 at 8, 6e-2 at 32), and
+  the greedy tokens equal unless the local top-2 gap was small enough for that
+  logit error to flip it.
 
+    tiny_llama.py                                 # the daemon `make run` started
     tiny_llama.py --socket /run/attnd/attnd.sock
     tiny_llama.py --spawn build/daemon/attnd      # starts a small daemon itself
+    tiny_llama.py --spawn build/daemon/attnd --default-shape   # 32 layers, 32/8 x 128
 
 Exit: 0 ok, 1 mismatch or error, 77 skipped (the daemon answers UNIMPLEMENTED
 for sessions: its engine has not landed), so ctest reports a skip.
@@ -31,8 +39,19 @@ import numpy as np
 import attnd
 
 SKIP = 77
-LOGIT_TOL = 2e-2   # relative L2 of a step's logits: bf16 activations through 2 layers
-TIE_TOL = 2e-2     # a top-2 gap below this (relative to the logit scale) is a near-tie
+# Relative L2 of one layer's attention output against numpy on the same inputs:
+# the bf16 bound of docs/numerics.md, independent of depth.
+ATTN_TOL = 1e-2
+
+
+def logit_tol(layers):
+    """Relative L2 allowed between the logits of attnd's path and the local path.
+
+    The two paths drift apart layer by layer (bf16 rounding of each attention
+    output enters the residual stream), so the bound grows linearly with depth:
+    1.8e-2 for 2 layers, 0.138 for 32 (measured worst: 6.5e-3 and 6.1e-2).
+    """
+    return 1e-2 + 4e-3 * int(layers)
 
 
 def silu(x):
@@ -65,11 +84,13 @@ def rope(x, pos, kind, theta, rotary_dim):
 
 
 class TinyLlama:
-    def __init__(self, shape, vocab=512, seed=0):
+    def __init__(self, shape, vocab=512, seed=0, width=256):
         self.s = shape
         self.vocab = vocab
         Hq, Hkv, D, L = shape.q_heads, shape.kv_heads, shape.head_dim, shape.layers
-        d = Hq * D
+        # The residual width is kept small whatever the attention shape, so that the
+        # default 8B-like daemon (32 layers, 32 x 128 q) needs ~400 MB of weights, not 13 GB.
+        d = min(Hq * D, width)
         f = 2 * d
         rng = np.random.default_rng(seed)
 
@@ -140,7 +161,8 @@ class LocalAttention:
 
 
 class AttndAttention:
-    """Sends each layer's q, k, v to attnd under one Plan per forward pass."""
+    """Sends each layer's q, k, v to attnd under one Plan per forward pass, and
+    checks each answer against a shadow numpy attention fed the same q, k, v."""
 
     def __init__(self, client, shape, session):
         self.c = client
@@ -148,6 +170,8 @@ class AttndAttention:
         self.session = session
         self.pos = 0
         self.plan = 0
+        self.shadow = LocalAttention(shape)
+        self.worst_layer = 0.0
 
     def begin(self, tokens):
         self.n = len(tokens)
@@ -155,15 +179,22 @@ class AttndAttention:
 
     def __call__(self, layer, q, k, v):
         s = self.s
+        want = self.shadow(layer, q, k, v)
         if s.rope == "none":  # this daemon leaves rotation to its clients
             pos = np.arange(self.pos, self.pos + self.n)
             rd = s.rotary_dim or s.head_dim
             q = rope(attnd.round_bf16(q), pos, "neox", s.rope_theta, rd)
             k = rope(attnd.round_bf16(k), pos, "neox", s.rope_theta, rd)
         out = self.c.step(layer, q, k, v, plan=self.plan).out
+        out = attnd.bf16_to_f32(out) if out.dtype != np.float16 else out.astype(np.float32)
+        err = float(np.linalg.norm(out - want) / max(np.linalg.norm(want), 1e-30))
+        self.worst_layer = max(self.worst_layer, err)
+        if err > ATTN_TOL:
+            raise AssertionError(f"layer {layer} at position {self.pos}: attention output differs "
+                                 f"from numpy on the same q, k, v by {err:.3e} (rel L2, tol {ATTN_TOL})")
         if layer == s.layers - 1:
             self.pos += self.n
-        return attnd.bf16_to_f32(out) if out.dtype != np.float16 else out.astype(np.float32)
+        return out
 
 
 def generate(client, prompt_len=12, new_tokens=24, seed=0, verbose=True):
@@ -186,6 +217,7 @@ def generate(client, prompt_len=12, new_tokens=24, seed=0, verbose=True):
     local = LocalAttention(shape)
     tokens = list(prompt)
     step_tokens = prompt
+    tol = logit_tol(shape.layers)
     worst, agree, ties, t0 = 0.0, 0, 0, time.monotonic()
     try:
         for step in range(new_tokens + 1):
@@ -194,16 +226,20 @@ def generate(client, prompt_len=12, new_tokens=24, seed=0, verbose=True):
             ref = model.forward(step_tokens, local)[-1]
             err = float(np.linalg.norm(logits - ref) / np.linalg.norm(ref))
             worst = max(worst, err)
-            if err > LOGIT_TOL:
-                raise AssertionError(f"step {step}: logits differ from local attention by {err:.3e} (rel L2)")
+            if err > tol:
+                raise AssertionError(f"step {step}: logits differ from local attention by {err:.3e} "
+                                     f"(rel L2, tol {tol:.3g} for {shape.layers} layers)")
             tok, ref_tok = int(np.argmax(logits)), int(np.argmax(ref))
             if tok == ref_tok:
                 agree += 1
             else:
-                gap = float(ref[ref_tok] - ref[tok]) / float(np.std(ref))
-                if gap > TIE_TOL:
+                # Logits that differ by at most delta per entry can swap two tokens only
+                # if their gap is at most 2 delta: anything wider is a real mismatch.
+                gap = float(ref[ref_tok] - ref[tok])
+                delta = float(np.max(np.abs(logits - ref)))
+                if gap > 2 * delta:
                     raise AssertionError(f"step {step}: attnd picks token {tok}, local attention "
-                                         f"{ref_tok} (gap {gap:.3e} of the logit scale)")
+                                         f"{ref_tok} (gap {gap:.3e} > twice the logit error {delta:.3e})")
                 ties += 1
             if step == new_tokens:
                 break
@@ -216,13 +252,15 @@ def generate(client, prompt_len=12, new_tokens=24, seed=0, verbose=True):
             pass
     dt = time.monotonic() - t0
     res = dict(prompt=prompt_len, generated=new_tokens, agree=agree, near_ties=ties,
-               worst_logit_rel_l2=worst, seconds=dt, tokens=tokens[prompt_len:])
+               worst_logit_rel_l2=worst, logit_tol=tol, worst_layer_rel_l2=remote.worst_layer,
+               seconds=dt, tokens=tokens[prompt_len:])
     if verbose:
         print(f"tiny_llama: {shape.layers} layers, {shape.q_heads}/{shape.kv_heads} heads x "
               f"{shape.head_dim}, rope {shape.rope}; prompt {prompt_len}, generated {new_tokens}")
         print(f"  tokens: {tokens[prompt_len:]}")
         print(f"  greedy tokens agree with local attention: {agree}/{new_tokens + 1} "
-              f"(near-ties {ties}); worst logits rel L2 {worst:.2e} (tol {LOGIT_TOL}); {dt:.2f} s")
+              f"(near-ties {ties}); worst logits rel L2 {worst:.2e} (tol {tol:.3g}); "
+              f"worst layer output rel L2 {remote.worst_layer:.2e} (tol {ATTN_TOL}); {dt:.2f} s")
     return res
 
 
@@ -230,13 +268,14 @@ SMALL = ["--kv-memory", "64M", "--layers", "2", "--q-heads", "4",
          "--kv-heads", "2", "--head-dim", "64", "--block-size", "16"]
 
 
-def spawn(binary, backend="cpu"):
-    """Starts a small daemon in a temporary directory; returns (process, socket, tmpdir)."""
+def spawn(binary, backend="cpu", shape=SMALL):
+    """Starts a daemon (small shape unless told) in a temporary directory; returns
+    (process, socket, tmpdir)."""
     tmp = tempfile.mkdtemp(prefix="tiny-llama-")
     sock = os.path.join(tmp, "attnd.sock")
     log = open(os.path.join(tmp, "attnd.log"), "wb")
     proc = subprocess.Popen([binary, "--socket", sock, "--listen", "127.0.0.1:0", "--metrics", "",
-                             "--state-dir", tmp, "--backend", backend] + SMALL,
+                             "--state-dir", tmp, "--backend", backend] + list(shape),
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -261,6 +300,8 @@ def main(argv=None):
     g.add_argument("--tcp", help="attnd's HOST:PORT")
     g.add_argument("--spawn", metavar="ATTND", help="start this attnd binary with a small shape")
     ap.add_argument("--backend", default="cpu", help="backend of a --spawn'ed daemon (cpu|cuda)")
+    ap.add_argument("--default-shape", action="store_true",
+                    help="--spawn the daemon with its built-in shape (as `make run` does), not a small one")
     ap.add_argument("--prompt", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
@@ -271,7 +312,7 @@ def main(argv=None):
         if not os.access(a.spawn, os.X_OK):
             print(f"SKIP: {a.spawn} is not built yet")
             return SKIP
-        proc, addr, tmp = spawn(a.spawn, a.backend)
+        proc, addr, tmp = spawn(a.spawn, a.backend, () if a.default_shape else SMALL)
     try:
         with attnd.Client(addr, timeout=60) as c:
             generate(c, a.prompt, a.tokens, a.seed)

@@ -1,0 +1,13 @@
+# Tests of what attnd fits into: the installable Python package, attnctl's
+# command-line habits, the man pages and completion against the binaries'
+# --help, the Debian package under lintian, and the tiny Llama example on the
+# daemon's built-in shape (the one `make run` serves). Included after
+# client.cmake (tests/CMakeLists.txt includes the parts sorted), whose
+# attnd_add_e2e() and ATTND_E2E_ENV it uses.
+
+# The example against the built-in 8B-like shape: 32 layers, 32 q / 8 kv heads, d 128.
+add_test(NAME e2e_tiny_llama_default
+         COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/client/python/examples/tiny_llama.py
+                 --spawn ${PROJECT_BINARY_DIR}/daemon/attnd --default-shape)
+set_tests_properties(e2e_tiny_llama_default PROPERTIES ENVIRONMENT "${ATTND_E2E_ENV}"
+                     SKIP_RETURN_CODE 77 TIMEOUT 300 LABELS "e2e;client")
