@@ -15,3 +15,10 @@ install(TARGETS attnd_client attnd_proto ARCHIVE DESTINATION lib)
 # Head-sharded mode (attnclient_shard.h): part of the same library.
 target_sources(attnd_client PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/attnclient_shard.c)
 install(FILES ${CMAKE_CURRENT_SOURCE_DIR}/attnclient_shard.h DESTINATION include/attnd)
+
+# The Python package's version, next to the generated attnd_pb2.py, for the
+# source tree (PYTHONPATH=$BUILD/python:client/python): the same project
+# version the wheel (client/python/setup.py) and the Debian package carry.
+file(CONFIGURE OUTPUT ${ATTND_PY_DIR}/attnd_version.py
+     CONTENT "\"\"\"Written by CMake: the attnd project version.\"\"\"\n__version__ = \"${PROJECT_VERSION}\"\n"
+     @ONLY)

@@ -11,3 +11,10 @@ add_test(NAME e2e_tiny_llama_default
                  --spawn ${PROJECT_BINARY_DIR}/daemon/attnd --default-shape)
 set_tests_properties(e2e_tiny_llama_default PROPERTIES ENVIRONMENT "${ATTND_E2E_ENV}"
                      SKIP_RETURN_CODE 77 TIMEOUT 300 LABELS "e2e;client")
+
+# pip install ./client/python into fresh venvs: without network (Debian's
+# setuptools, numpy, protobuf), and from PyPI at the dependency floors and at
+# the newest releases (Skipped when the package index cannot be reached).
+attnd_add_e2e(e2e_python_package test_python_package.OfflineInstallTest)
+attnd_add_e2e(e2e_pip_install test_python_package.PyPIInstallTest)
+set_tests_properties(e2e_pip_install PROPERTIES TIMEOUT 900)

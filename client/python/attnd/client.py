@@ -11,16 +11,25 @@ import os
 import socket
 import struct
 import threading
-from typing import Optional, Sequence
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple,
+                    Union)
 
 import numpy as np
+import numpy.typing as npt
 
 from . import errors
 
 try:  # installed package: the generated module sits next to this one
-    from . import attnd_pb2 as pb  # type: ignore
+    from . import attnd_pb2 as pb
 except ImportError:  # source tree: $BUILD/python is on sys.path
-    import attnd_pb2 as pb  # type: ignore
+    import attnd_pb2 as pb  # type: ignore[no-redef,import-not-found,unused-ignore]
+
+if TYPE_CHECKING:  # the generated messages (attnd_pb2.pyi ships with the package)
+    from .attnd_pb2 import (HealthResponse, ModelShape, Request, Response,  # noqa: F401
+                            StatsResponse, Timing)
+
+# Where the client connects: a Unix socket path, "HOST:PORT", or (host, port).
+Address = Union[str, Tuple[str, int]]
 
 try:  # bf16 as a real numpy dtype when ml_dtypes is installed
     import ml_dtypes  # type: ignore
@@ -39,7 +48,7 @@ _MAX_FRAME = (1 << 31) - 1
 
 # ---- bf16 helpers (numpy has no bf16 dtype of its own) ----
 
-def f32_to_bf16(x) -> np.ndarray:
+def f32_to_bf16(x: npt.ArrayLike) -> np.ndarray:
     """Rounds float values to bf16 (round to nearest even); returns the bits as uint16."""
     shape = np.shape(x)  # ascontiguousarray makes 0-d inputs 1-d; give back the caller's shape
     a = np.ascontiguousarray(x, dtype=np.float32)
@@ -52,7 +61,7 @@ def f32_to_bf16(x) -> np.ndarray:
     return r.reshape(shape)
 
 
-def bf16_to_f32(bits) -> np.ndarray:
+def bf16_to_f32(bits: npt.ArrayLike) -> np.ndarray:
     """Widens bf16 (uint16 bits or an ml_dtypes.bfloat16 array) to float32 exactly."""
     shape = np.shape(bits)
     b = np.ascontiguousarray(bits)
@@ -61,14 +70,14 @@ def bf16_to_f32(bits) -> np.ndarray:
     return (b.astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(shape)
 
 
-def round_bf16(x) -> np.ndarray:
+def round_bf16(x: npt.ArrayLike) -> np.ndarray:
     """Rounds float values to the nearest bf16 and returns them as float32."""
     return bf16_to_f32(f32_to_bf16(x))
 
 
 def default_socket() -> str:
     """The socket attnd listens on by default, looked up as attnctl does (DESIGN.md section 3)."""
-    cands = []
+    cands: List[str] = []
     rt = os.environ.get("RUNTIME_DIRECTORY")
     if rt:
         cands.append(os.path.join(rt.split(":")[0], "attnd.sock"))
@@ -88,6 +97,45 @@ def default_socket() -> str:
     return first
 
 
+# ---- session ids ----
+
+class SessionId(int):
+    """A session id: the 64-bit integer of the protocol, printed as attnctl and the
+    daemon's messages print it, 16 lowercase hex digits (``0123456789abcdef``).
+
+    It is an int (compares, hashes and serializes as one); SessionId("0123...")
+    parses the printed form back.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, value: Union[int, str]) -> "SessionId":
+        if isinstance(value, str):
+            value = int(value, 16)
+        if not 0 <= value < 1 << 64:
+            raise ValueError(f"a session id is a 64-bit unsigned integer, got {value}")
+        return super().__new__(cls, value)
+
+    def __str__(self) -> str:
+        return format(int(self), "016x")
+
+    def __repr__(self) -> str:
+        return f"SessionId('{self}')"
+
+    def __format__(self, spec: str) -> str:
+        return str(self) if not spec else format(int(self), spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionInfo:
+    """One entry of list_sessions(): length (layer 0), blocks held, seconds idle."""
+
+    session: SessionId
+    len: int
+    blocks: int
+    idle_s: int
+
+
 # ---- items and masks ----
 
 @dataclasses.dataclass
@@ -102,31 +150,31 @@ class Mask:
     bidirectional: bool = False
 
     @staticmethod
-    def causal():
+    def causal() -> "Mask":
         return Mask()
 
     @staticmethod
-    def full():
+    def full() -> "Mask":
         return Mask(kind=pb.Mask.FULL)
 
     @staticmethod
-    def sliding_window(w):
+    def sliding_window(w: int) -> "Mask":
         return Mask(kind=pb.Mask.SLIDING_WINDOW, window=int(w))
 
     @staticmethod
-    def prefix_lm(n):
+    def prefix_lm(n: int) -> "Mask":
         return Mask(kind=pb.Mask.PREFIX_LM, prefix_len=int(n))
 
     @staticmethod
-    def document(lengths):
+    def document(lengths: Iterable[int]) -> "Mask":
         return Mask(kind=pb.Mask.DOCUMENT, doc_lengths=[int(x) for x in lengths])
 
     @staticmethod
-    def custom(intervals, bidirectional=False):
+    def custom(intervals: npt.ArrayLike, bidirectional: bool = False) -> "Mask":
         return Mask(kind=pb.Mask.CUSTOM, intervals=np.asarray(intervals, dtype=np.int32),
                     bidirectional=bool(bidirectional))
 
-    def to_pb(self, m):
+    def to_pb(self, m: Any) -> None:
         m.kind = self.kind
         m.window = self.window
         m.prefix_len = self.prefix_len
@@ -150,8 +198,8 @@ class Item:
     kv_only: bool = False
     mask: Optional[Mask] = None
 
-    def to_pb(self, it):
-        it.session = self.session
+    def to_pb(self, it: Any) -> None:
+        it.session = int(self.session)
         it.start = self.start
         it.n = self.n
         it.kv_only = self.kv_only
@@ -165,20 +213,20 @@ class Item:
 class StepResult:
     """A Step's answer: out [Tq, q_heads, head_dim], lse [Tq, q_heads] (fp32) or None."""
 
-    out: np.ndarray
+    out: Optional[np.ndarray]
     lse: Optional[np.ndarray]
-    timing: "pb.Timing"
+    timing: "Timing"
     id: int
 
 
-def _fill_tensor(t, dtype, shape, data):
+def _fill_tensor(t: Any, dtype: int, shape: Sequence[int], data: bytes) -> None:
     t.dtype = dtype
     del t.shape[:]
     t.shape.extend(int(s) for s in shape)
     t.data = data
 
 
-def _tensor_to_numpy(t, bf16="auto"):
+def _tensor_to_numpy(t: Any, bf16: str = "auto") -> np.ndarray:
     shape = tuple(t.shape)
     if t.dtype == DTYPE_FP32:
         return np.frombuffer(t.data, dtype="<f4").reshape(shape)
@@ -200,32 +248,35 @@ class Session:
     """A session opened by Client.session(): closes itself when used as a context
     manager, and knows the epoch it was opened under (stale() after a restart)."""
 
-    def __init__(self, client, session, cached_len):
+    def __init__(self, client: "Client", session: int, cached_len: int) -> None:
         self.client = client
-        self.id = session
+        self.id = SessionId(session)
         self.cached_len = cached_len
         self.epoch = client.epoch
         self.closed = False
 
-    def stale(self):
+    def __repr__(self) -> str:
+        return f"Session({self.id}, cached_len={self.cached_len}, epoch={self.epoch:016x})"
+
+    def stale(self) -> bool:
         """True once the daemon restarted: the session is gone, replay its tokens."""
         return self.client.epoch != self.epoch
 
-    def fork(self):
+    def fork(self) -> "Session":
         return Session(self.client, self.client.fork(self.id), 0)
 
-    def truncate(self, length):
+    def truncate(self, length: int) -> None:
         self.client.truncate(self.id, length)
 
-    def close(self):
+    def close(self) -> None:
         if not self.closed and not self.stale():
             self.closed = True
             self.client.close_session(self.id)
 
-    def __enter__(self):
+    def __enter__(self) -> "Session":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         try:
             self.close()
         except errors.AttndError:
@@ -249,20 +300,22 @@ class Client:
     between threads for sends and receives, but one thread at a time does each.
     """
 
-    def __init__(self, address=None, token=None, timeout=None, on_epoch_change="raise",
-                 bf16="auto", epoch=0):
-        self.address = address if address is not None else default_socket()
+    def __init__(self, address: Optional[Address] = None, token: Optional[str] = None,
+                 timeout: Optional[float] = None,
+                 on_epoch_change: Union[str, Callable[[int, int], Any]] = "raise",
+                 bf16: str = "auto", epoch: int = 0) -> None:
+        self.address: Address = address if address is not None else default_socket()
         self.on_epoch_change = on_epoch_change
         self.bf16 = bf16
         self.epoch = int(epoch)
         self.epoch_changed = False
         self._next_id = 1
-        self._pending = {}
+        self._pending: Dict[int, "Response"] = {}
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
-        self._model = None
-        self._session_epoch = {}
-        self._sock = self._connect(self.address, timeout)
+        self._model: Optional["ModelShape"] = None
+        self._session_epoch: Dict[int, int] = {}
+        self._sock: Optional[socket.socket] = self._connect(self.address, timeout)
         if token is not None:
             try:
                 self.hello(token)
@@ -272,8 +325,12 @@ class Client:
 
     # -- connection --
 
+    def __repr__(self) -> str:
+        state = "closed" if self._sock is None else f"epoch {self.epoch:016x}"
+        return f"attnd.Client({self.address!r}, {state})"
+
     @staticmethod
-    def _connect(address, timeout):
+    def _connect(address: Address, timeout: Optional[float]) -> socket.socket:
         try:
             if isinstance(address, tuple):
                 s = socket.create_connection(address, timeout=timeout)
@@ -292,24 +349,29 @@ class Client:
         except (OSError, ValueError) as e:
             raise errors.AttndConnectionError(f"cannot connect to attnd at {address}: {e}") from None
 
-    def close(self):
+    def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _recv_exact(self, n):
+    def _conn(self) -> socket.socket:
+        if self._sock is None:
+            raise errors.AttndConnectionError(f"the client of attnd at {self.address} is closed")
+        return self._sock
+
+    def _recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
         while got < n:
             try:
-                k = self._sock.recv_into(view[got:], n - got)
+                k = self._conn().recv_into(view[got:], n - got)
             except OSError as e:
                 raise errors.AttndConnectionError(f"read from attnd at {self.address}: {e}") from None
             if k == 0:
@@ -319,7 +381,7 @@ class Client:
 
     # -- raw requests --
 
-    def send(self, req) -> int:
+    def send(self, req: "Request") -> int:
         """Sends a Request (its id is assigned when 0); returns the id."""
         with self._send_lock:
             if req.id == 0:
@@ -329,12 +391,12 @@ class Client:
             if not 0 < len(data) <= _MAX_FRAME:
                 raise errors.InvalidArgument(f"request of {len(data)} bytes does not fit a frame")
             try:
-                self._sock.sendall(struct.pack(">I", len(data)) + data)
+                self._conn().sendall(struct.pack(">I", len(data)) + data)
             except OSError as e:
                 raise errors.AttndConnectionError(f"write to attnd at {self.address}: {e}") from None
-            return req.id
+            return int(req.id)
 
-    def _read_response(self):
+    def _read_response(self) -> "Response":
         (n,) = struct.unpack(">I", self._recv_exact(4))
         if n == 0 or n > _MAX_FRAME:
             raise errors.AttndConnectionError(f"bad frame length {n} from attnd")
@@ -342,7 +404,7 @@ class Client:
         resp.ParseFromString(self._recv_exact(n))
         return resp
 
-    def recv(self, id=None, check=True):
+    def recv(self, id: Optional[int] = None, check: bool = True) -> "Response":
         """Receives the Response with this id (None: the next one, any id).
 
         Responses for other ids are kept until asked for. With check, a non-OK
@@ -364,7 +426,7 @@ class Client:
             self._check(resp)
         return resp
 
-    def _check(self, resp):
+    def _check(self, resp: "Response") -> None:
         if resp.epoch:
             if self.epoch and resp.epoch != self.epoch:
                 old = self.epoch
@@ -379,11 +441,11 @@ class Client:
         if resp.HasField("status") and resp.status.code != 0:
             raise errors.error_for(resp.status.code, resp.status.message, resp.id, resp.epoch)
 
-    def call(self, req):
+    def call(self, req: "Request") -> "Response":
         """Sends a Request and waits for its Response (raises on a non-OK status)."""
         return self.recv(self.send(req))
 
-    def _simple(self, field, **kw):
+    def _simple(self, field: str, **kw: Any) -> Any:
         req = pb.Request()
         getattr(req, field).SetInParent()
         for k, v in kw.items():
@@ -392,28 +454,32 @@ class Client:
 
     # -- calls --
 
-    def hello(self, token):
+    def hello(self, token: str) -> Any:
         return self._simple("hello", token=token)
 
-    def health(self):
+    def health(self) -> "HealthResponse":
         h = self._simple("health")
         self._model = h.model
-        return h
+        return h  # type: ignore[no-any-return]
 
-    def stats(self):
-        return self._simple("stats")
+    def stats(self) -> "StatsResponse":
+        return self._simple("stats")  # type: ignore[no-any-return]
 
-    def list_sessions(self):
-        return list(self._simple("list_sessions").sessions)
+    def list_sessions(self) -> List[SessionInfo]:
+        """This identity's sessions."""
+        return [SessionInfo(SessionId(s.session), s.len, s.blocks, s.idle_s)
+                for s in self._simple("list_sessions").sessions]
 
     @property
-    def model(self):
+    def model(self) -> "ModelShape":
         """The daemon's ModelShape (fetched with Health on first use)."""
         if self._model is None:
             self.health()
+        assert self._model is not None
         return self._model
 
-    def open_session(self, tokens=None, salt=b""):
+    def open_session(self, tokens: Optional[Iterable[int]] = None,
+                     salt: bytes = b"") -> Tuple[SessionId, int]:
         """Opens a session; returns (session id, cached_len)."""
         req = pb.Request()
         req.open_session.SetInParent()
@@ -422,39 +488,41 @@ class Client:
         req.open_session.salt = bytes(salt)
         r = self.call(req).open_session
         self._session_epoch[r.session] = self.epoch
-        return r.session, r.cached_len
+        return SessionId(r.session), int(r.cached_len)
 
-    def session(self, tokens=None, salt=b""):
+    def session(self, tokens: Optional[Iterable[int]] = None, salt: bytes = b"") -> Session:
         """Opens a session and returns it as a Session (a context manager)."""
         sid, cached = self.open_session(tokens, salt)
         return Session(self, sid, cached)
 
-    def session_epoch(self, session):
+    def session_epoch(self, session: int) -> Optional[int]:
         """The epoch a session was opened under (None when the daemon restarted since)."""
         return self._session_epoch.get(session)
 
-    def close_session(self, session):
+    def close_session(self, session: int) -> None:
         self._session_epoch.pop(session, None)
-        self._simple("close_session", session=session)
+        self._simple("close_session", session=int(session))
 
-    def fork(self, session):
+    def fork(self, session: int) -> SessionId:
         """Forks a session (shares all its blocks); returns the new session id."""
-        r = self._simple("fork", session=session)
+        r = self._simple("fork", session=int(session))
         self._session_epoch[r.session] = self.epoch
-        return r.session
+        return SessionId(r.session)
 
-    def truncate(self, session, length):
-        self._simple("truncate", session=session, len=int(length))
+    def truncate(self, session: int, length: int) -> None:
+        self._simple("truncate", session=int(session), len=int(length))
 
-    def plan(self, items):
+    def plan(self, items: Iterable[Item]) -> int:
         """Admits the items of one step for all layers; returns the plan id."""
         req = pb.Request()
         req.plan.SetInParent()
         for it in items:
             it.to_pb(req.plan.items.add())
-        return self.call(req).plan.plan
+        return int(self.call(req).plan.plan)
 
-    def set_scales(self, layer, k_scale, v_scale, k_zero=None, v_zero=None, drop_cached_kv=False):
+    def set_scales(self, layer: int, k_scale: npt.ArrayLike, v_scale: npt.ArrayLike,
+                   k_zero: Optional[npt.ArrayLike] = None, v_zero: Optional[npt.ArrayLike] = None,
+                   drop_cached_kv: bool = False) -> int:
         """Sets a layer's static KV scales (fp32 [kv_heads] or [kv_heads, head_dim]); returns the version."""
         req = pb.Request()
         s = req.set_scales
@@ -465,11 +533,11 @@ class Client:
                 a = np.ascontiguousarray(arr, dtype="<f4")
                 _fill_tensor(getattr(s, name), DTYPE_FP32, a.shape, a.tobytes())
         s.drop_cached_kv = bool(drop_cached_kv)
-        return self.call(req).set_scales.version
+        return int(self.call(req).set_scales.version)
 
     # -- steps --
 
-    def _wire(self, arr, what):
+    def _wire(self, arr: npt.ArrayLike, what: str) -> Tuple[int, Tuple[int, ...], bytes]:
         """numpy -> (dtype enum, shape, bytes) in the daemon's activation dtype."""
         a = np.asarray(arr)
         if a.ndim != 3:
@@ -486,8 +554,10 @@ class Client:
             return DTYPE_BF16, a.shape, f32_to_bf16(a).astype("<u2").tobytes()
         raise ValueError(f"{what} has unsupported dtype {a.dtype}")
 
-    def step_send(self, layer, q=None, k=None, v=None, items=None, plan=0, want_lse=False,
-                  fp32_out=False) -> int:
+    def step_send(self, layer: int, q: Optional[npt.ArrayLike] = None,
+                  k: Optional[npt.ArrayLike] = None, v: Optional[npt.ArrayLike] = None,
+                  items: Optional[Sequence[Item]] = None, plan: int = 0, want_lse: bool = False,
+                  fp32_out: bool = False) -> int:
         """Sends one Step (a plan id, or inline items); returns its request id.
 
         q: [Tq, q_heads, head_dim], k and v: [T, kv_heads, head_dim], packed in item
@@ -509,7 +579,7 @@ class Client:
         st.fp32_out = bool(fp32_out)
         return self.send(req)
 
-    def step_recv(self, id) -> StepResult:
+    def step_recv(self, id: int) -> StepResult:
         """Receives a Step's answer by request id."""
         resp = self.recv(id)
         sr = resp.step
@@ -517,7 +587,9 @@ class Client:
         lse = _tensor_to_numpy(sr.lse) if sr.HasField("lse") else None
         return StepResult(out=out, lse=lse, timing=resp.timing, id=resp.id)
 
-    def step(self, layer, q=None, k=None, v=None, items=None, plan=0, want_lse=False,
-             fp32_out=False) -> StepResult:
+    def step(self, layer: int, q: Optional[npt.ArrayLike] = None,
+             k: Optional[npt.ArrayLike] = None, v: Optional[npt.ArrayLike] = None,
+             items: Optional[Sequence[Item]] = None, plan: int = 0, want_lse: bool = False,
+             fp32_out: bool = False) -> StepResult:
         """One blocking Step; see step_send()."""
         return self.step_recv(self.step_send(layer, q, k, v, items, plan, want_lse, fp32_out))

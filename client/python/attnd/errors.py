@@ -4,14 +4,16 @@ Every non-OK response raises the subclass of AttndError named after its code,
 so an orchestrator can write ``except attnd.NotFound`` instead of comparing
 numbers. Transport problems raise AttndConnectionError (an OSError).
 """
+from typing import Dict, Optional, Type
 
 
 class AttndError(Exception):
     """The daemon answered a request with a non-OK Status."""
 
-    code = 2  # UNKNOWN
+    code: int = 2  # UNKNOWN
 
-    def __init__(self, message="", code=None, request_id=0, epoch=0):
+    def __init__(self, message: str = "", code: Optional[int] = None, request_id: int = 0,
+                 epoch: int = 0) -> None:
         if code is not None:
             self.code = code
         self.message = message
@@ -94,7 +96,7 @@ class EpochChanged(AttndError):
 
     code = 14  # the old daemon is unavailable, in gRPC terms
 
-    def __init__(self, old, new, request_id=0):
+    def __init__(self, old: int, new: int, request_id: int = 0) -> None:
         self.old = old
         self.new = new
         super().__init__(f"attnd restarted: epoch {old:016x} -> {new:016x}; sessions are gone",
@@ -105,20 +107,20 @@ class AttndConnectionError(OSError):
     """Could not connect to the daemon, or the connection broke."""
 
 
-CODE_NAMES = {
+CODE_NAMES: Dict[int, str] = {
     0: "OK", 1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED",
     5: "NOT_FOUND", 6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED",
     9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED",
     13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS", 16: "UNAUTHENTICATED",
 }
 
-_BY_CODE = {cls.code: cls for cls in (
+_BY_CODE: Dict[int, Type[AttndError]] = {cls.code: cls for cls in (
     Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists,
     PermissionDenied, ResourceExhausted, FailedPrecondition, Aborted, OutOfRange,
     Unimplemented, Internal, Unavailable, DataLoss, Unauthenticated)}
 
 
-def error_for(code, message="", request_id=0, epoch=0):
+def error_for(code: int, message: str = "", request_id: int = 0, epoch: int = 0) -> AttndError:
     """Returns the exception instance for a Status code."""
     cls = _BY_CODE.get(code, AttndError)
     return cls(message, code=code, request_id=request_id, epoch=epoch)

@@ -34,6 +34,7 @@ sessions-and-steps core (AttndRunner) is plain numpy, so it is tested without th
 
 import math
 import weakref
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -157,16 +158,18 @@ class AttndRunner:
     carries only tensors. A plan that attnd ended meanwhile is replaced once.
     """
 
-    def __init__(self, client):
+    def __init__(self, client: "_client.Client") -> None:
         self.client = client
         self.shape = client.health().model
         self.steps = 0
         self.plans = 0
 
-    def sequences(self, prefix=False, salt=b""):
+    def sequences(self, prefix: bool = False, salt: bytes = b"") -> "_Sequences":
         return _Sequences(self, prefix, salt)
 
-    def step(self, seqs, layer, q, k, v, start, tokens, mask=None, fp32_out=False):
+    def step(self, seqs: "_Sequences", layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+             start: int, tokens: Sequence[Sequence[int]], mask: Optional["_client.Mask"] = None,
+             fp32_out: bool = False) -> np.ndarray:
         """q [rows*n, q_heads, D], k and v [rows*n, kv_heads, D] (numpy, rows in order),
         tokens: rows lists of n ids. Returns out [rows*n, q_heads, D] (numpy).
 
@@ -258,7 +261,7 @@ def _set_attn_implementation(model, name):
         raise RuntimeError(f"could not switch the model's attention to {name!r}")
 
 
-def register(name=DEFAULT_NAME):
+def register(name: str = DEFAULT_NAME) -> None:
     """Registers attnd_attention_forward under `name` with transformers' attention registry."""
     try:
         from transformers import AttentionInterface
@@ -272,8 +275,10 @@ def register(name=DEFAULT_NAME):
         ALL_ATTENTION_FUNCTIONS[name] = attnd_attention_forward
 
 
-def attnd_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                            is_causal=None, sliding_window=None, **kwargs):
+def attnd_attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                            dropout: float = 0.0, scaling: Optional[float] = None,
+                            is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
+                            **kwargs: Any) -> Any:
     """transformers' attention-function signature: query [b, q_heads, n, D], key and
     value [b, kv_heads, n, D] (rotated, new tokens only); returns ([b, n, q_heads, D], None)."""
     adapter = getattr(module, "_attnd_adapter", None) or _LAST_ADAPTER
@@ -292,7 +297,8 @@ class AttndAdapter:
     fp32_out: ask attnd for fp32 outputs (default: when the model computes in fp32).
     """
 
-    def __init__(self, client, name=DEFAULT_NAME, fp32_out=None):
+    def __init__(self, client: "_client.Client", name: str = DEFAULT_NAME,
+                 fp32_out: Optional[bool] = None) -> None:
         self.client = client
         self.name = name
         self.fp32_out = fp32_out
@@ -309,7 +315,7 @@ class AttndAdapter:
 
     # -- models --
 
-    def check_model(self, model):
+    def check_model(self, model: Any) -> None:
         """Raises ValueError when the daemon's shape does not fit the model's config."""
         cfg = model.config
         if hasattr(cfg, "get_text_config"):
@@ -328,7 +334,7 @@ class AttndAdapter:
                              "; start attnd with --layers/--q-heads/--kv-heads/--head-dim of the model "
                              "and --rope none (transformers rotates q and k itself)")
 
-    def attach(self, model, set_implementation=True):
+    def attach(self, model: Any, set_implementation: bool = True) -> Any:
         """Checks the shape, points the model's attention modules at this adapter,
         hooks the forward to learn token ids, and switches the attention to attnd."""
         global _LAST_ADAPTER
@@ -344,7 +350,7 @@ class AttndAdapter:
         _LAST_ADAPTER = self
         return model
 
-    def detach(self, model, implementation=None):
+    def detach(self, model: Any, implementation: Optional[str] = None) -> None:
         """Undoes attach(): back to `implementation` (default: the one attach replaced)."""
         global _LAST_ADAPTER
         h = self._hooks.pop(id(model), None)
@@ -358,7 +364,7 @@ class AttndAdapter:
         if _LAST_ADAPTER is self:
             _LAST_ADAPTER = None
 
-    def cache(self, prefix=False, salt=b""):
+    def cache(self, prefix: bool = False, salt: bytes = b"") -> Any:
         """A new AttndCache: pass it as past_key_values; close it (or use `with`) when done.
 
         prefix=True opens each row's session with its prompt, so attnd's prefix cache
@@ -370,7 +376,7 @@ class AttndAdapter:
         self._caches.add(c)
         return c
 
-    def close(self):
+    def close(self) -> None:
         """Closes every session this adapter opened."""
         for c in list(self._caches):
             c.close()
@@ -578,7 +584,7 @@ def _cache_class():
     return AttndCache
 
 
-def __getattr__(name):  # attnd.hf.AttndCache, resolved lazily
+def __getattr__(name: str) -> Any:  # attnd.hf.AttndCache, resolved lazily
     if name == "AttndCache":
         return _cache_class()
     raise AttributeError(name)
