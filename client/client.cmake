@@ -4,7 +4,9 @@ add_library(attnd_client STATIC ${CMAKE_CURRENT_SOURCE_DIR}/attnclient.c)
 target_include_directories(attnd_client PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(attnd_client PUBLIC attnd_proto)
 
-add_executable(attnctl ${CMAKE_CURRENT_SOURCE_DIR}/attnctl.c)
+add_executable(attnctl ${CMAKE_CURRENT_SOURCE_DIR}/attnctl.c ${CMAKE_CURRENT_SOURCE_DIR}/attnctl_out.c
+                       ${CMAKE_CURRENT_SOURCE_DIR}/attnctl_cmds.c
+                       ${CMAKE_CURRENT_SOURCE_DIR}/attnctl_bench.c)
 target_link_libraries(attnctl PRIVATE attnd_client m)
 install(TARGETS attnctl RUNTIME DESTINATION bin)
 # The C library for other programs: its header includes the generated attnd.pb.h,

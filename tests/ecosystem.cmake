@@ -18,3 +18,6 @@ set_tests_properties(e2e_tiny_llama_default PROPERTIES ENVIRONMENT "${ATTND_E2E_
 attnd_add_e2e(e2e_python_package test_python_package.OfflineInstallTest)
 attnd_add_e2e(e2e_pip_install test_python_package.PyPIInstallTest)
 set_tests_properties(e2e_pip_install PROPERTIES TIMEOUT 900)
+
+# attnctl: getopt_long forms, exit codes, --version, health --watch, session ids.
+attnd_add_e2e(e2e_attnctl_cli test_attnctl_cli)
