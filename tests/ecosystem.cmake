@@ -21,3 +21,7 @@ set_tests_properties(e2e_pip_install PROPERTIES TIMEOUT 900)
 
 # attnctl: getopt_long forms, exit codes, --version, health --watch, session ids.
 attnd_add_e2e(e2e_attnctl_cli test_attnctl_cli)
+
+# Man pages, example config and bash completion against options.toml and the
+# binaries' --help (needs the attnd_docs target, built by default).
+attnd_add_e2e(e2e_docs test_docs)

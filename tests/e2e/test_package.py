@@ -37,7 +37,14 @@ class InstallTest(unittest.TestCase):
                   "usr/lib/systemd/system/attnd@.service", "usr/include/attnd/attnclient.h",
                   "usr/lib/python3/dist-packages/attnd/__init__.py",
                   "usr/lib/python3/dist-packages/attnd/attnd_pb2.py",
-                  "usr/share/doc/attnd/examples/tiny_llama.py"):
+                  "usr/share/doc/attnd/examples/tiny_llama.py",
+                  "usr/lib/python3/dist-packages/attnd/_version.py",
+                  "usr/lib/python3/dist-packages/attnd/py.typed",
+                  "usr/share/man/man8/attnd.8.gz", "usr/share/man/man1/attnctl.1.gz",
+                  "usr/share/man/man5/attnd.conf.5.gz",
+                  "usr/share/bash-completion/completions/attnd",
+                  "usr/share/bash-completion/completions/attnctl",
+                  "usr/share/doc/attnd/copyright", "usr/share/doc/attnd/changelog.gz"):
             self.assertTrue(os.path.exists(self.path(p)), p)
         if os.path.exists(os.path.join(BUILD_DIR, "daemon", "attnd")):
             self.assertTrue(os.access(self.path("usr/bin/attnd"), os.X_OK))
