@@ -14,7 +14,10 @@ PKGS=(
   python3 python3-protobuf python3-numpy  # Python client and end-to-end tests
   python3-uhashring     # consistent-hash ring of the Python client's session placement
   python3-venv python3-yaml  # ctest scaleout_k8s: a venv for kubernetes-validate, PyYAML for the renderer
-  systemd               # systemd-analyze verify checks the units (that test skips without it)
+  systemd               # systemd-analyze verify/security check the units (those tests skip without it)
+  python3-setuptools python3-wheel  # pip install ./client/python into a venv without network (e2e_python_package)
+  lintian               # checks the .deb (e2e_deb_lintian skips without it)
+  bash-completion groff-base  # the generated completions and man pages are exercised (e2e_docs)
   valgrind
   clang libclang-rt-14-dev  # `make fuzz`: libFuzzer and clang's sanitizer runtimes
 )

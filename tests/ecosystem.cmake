@@ -25,3 +25,9 @@ attnd_add_e2e(e2e_attnctl_cli test_attnctl_cli)
 # Man pages, example config and bash completion against options.toml and the
 # binaries' --help (needs the attnd_docs target, built by default).
 attnd_add_e2e(e2e_docs test_docs)
+
+# cpack -G DEB, then lintian on the .deb and its -dbgsym .ddeb (Skipped
+# without lintian). RUN_SERIAL: cpack's preinstall step looks over the build
+# tree, so it does not run beside tests that build.
+attnd_add_e2e(e2e_deb_lintian test_deb)
+set_tests_properties(e2e_deb_lintian PROPERTIES RUN_SERIAL TRUE)
