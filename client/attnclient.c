@@ -23,7 +23,7 @@
 #include <pb_decode.h>
 #include <pb_encode.h>
 
-/* The daemon never sends frames of 2^31 bytes or more (DESIGN.md section 3). */
+/* The daemon never sends frames of 2^31 bytes or more (docs/operations.md). */
 #define ATTND_CLIENT_MAX_FRAME ((uint32_t)1 << 31)
 
 typedef struct pending_s {

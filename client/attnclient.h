@@ -1,4 +1,4 @@
-/* attnclient.h: libattnclient, the C client of attnd (DESIGN.md section 7).
+/* attnclient.h: libattnclient, the C client of attnd (docs/protocol.md).
  *
  * One attnd_client_t is one connection (Unix socket or TCP). It is not
  * thread-safe: use one per thread. Calls are either synchronous
@@ -51,7 +51,7 @@ const char *attnd_client_strerror(int err);
 const char *attnd_client_status_name(int code);
 
 /* Writes the default socket path into buf, looking where the daemon puts it
- * (DESIGN.md section 3): $RUNTIME_DIRECTORY/attnd.sock, /run/attnd/attnd.sock
+ * (docs/operations.md): $RUNTIME_DIRECTORY/attnd.sock, /run/attnd/attnd.sock
  * for root, $XDG_RUNTIME_DIR/attnd.sock, /tmp/attnd-$UID/attnd.sock. The first
  * candidate that exists wins; a non-root user also tries the system daemon's
  * /run/attnd/attnd.sock last. When none exists, the first candidate that

@@ -45,14 +45,54 @@ class UnitFilesTest(unittest.TestCase):
     def test_template_instance(self):
         self.verify("attnd@.service", instance=0)
 
+    def exposure(self, unit, instance=None):
+        """systemd-analyze security's overall exposure (0 = locked down, 10 = none) of a unit."""
+        exe = shutil.which("systemd-analyze")
+        if exe is None:
+            self.skipTest("systemd-analyze is not installed (Debian package systemd)")
+        with open(os.path.join(SOURCE_DIR, "deploy", unit)) as f:
+            text = f.read().replace("/usr/bin/attnd", daemon_binary() or "/bin/true")
+        with tempfile.TemporaryDirectory() as d:
+            name = unit.replace("@.", f"@{instance}.") if instance is not None else unit
+            with open(os.path.join(d, name), "w") as f:
+                f.write(text)
+            r = subprocess.run([exe, "security", "--offline=true", "--no-pager", f"./{name}"],
+                               capture_output=True, text=True, timeout=60, cwd=d)
+        if "--offline" in r.stderr and "unrecognized" in r.stderr:
+            self.skipTest("this systemd-analyze has no --offline (systemd < 250)")
+        m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", r.stdout)
+        self.assertIsNotNone(m, f"systemd-analyze security {name}:\n{r.stdout}{r.stderr}")
+        return float(m.group(1)), r.stdout
+
+    def test_exposure_scores(self):
+        for unit, instance in (("attnd.service", None), ("attnd@.service", 0)):
+            score, report = self.exposure(unit, instance)
+            print(f"systemd-analyze security {unit}: exposure {score}")
+            self.assertLessEqual(score, 2.0, f"{unit} exposure {score} > 2.0:\n{report}")
+            # The settings the score rests on, and the ones the CUDA driver needs to stay as they are.
+            for ok in ("SystemCallFilter=~@privileged", "ProtectProc=", "RemoveIPC=", "DeviceAllow=",
+                       "CapabilityBoundingSet=~CAP_SYS_ADMIN", "PrivateMounts="):
+                line = next((x for x in report.splitlines() if ok in x), "")
+                self.assertTrue(line.lstrip().startswith("✓") or ok == "DeviceAllow=", f"{unit}: {line}")
+
     def test_required_settings(self):
         for unit in ("attnd.service", "attnd@.service"):
             with open(os.path.join(SOURCE_DIR, "deploy", unit)) as f:
                 text = f.read()
             for key in ("Type=notify", "RuntimeDirectory=attnd", "StateDirectory=attnd", "User=attnd",
                         "WatchdogSec=", "NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes",
-                        "PrivateTmp=yes", "UMask=0007", "Restart=on-failure"):
+                        "PrivateTmp=yes", "UMask=0007", "Restart=on-failure",
+                        "ExecReload=/bin/kill -HUP $MAINPID", "RestartForceExitStatus=SIGHUP",
+                        "DevicePolicy=closed", "DeviceAllow=char-nvidia-frontend rw",
+                        "DeviceAllow=char-nvidia-uvm rw", "ProtectProc=invisible", "RemoveIPC=yes",
+                        "SystemCallFilter=@system-service", "SystemCallErrorNumber=EPERM",
+                        "LimitMEMLOCK=infinity"):
                 self.assertIn(key, text, f"{unit} lacks {key}")
+            # PrivateDevices would hide /dev/nvidia*; MemoryDenyWriteExecute breaks the CUDA JIT;
+            # ProcSubset=pid hides /proc/driver/nvidia.
+            settings = [x for x in text.splitlines() if not x.startswith("#")]
+            for bad in ("PrivateDevices=yes", "MemoryDenyWriteExecute=yes", "ProcSubset=pid"):
+                self.assertNotIn(bad, settings, f"{unit}: {bad} breaks the CUDA backend")
         with open(os.path.join(SOURCE_DIR, "deploy", "attnd@.service")) as f:
             text = f.read()
         self.assertRegex(text, r"ExecStart=/usr/bin/attnd --config /etc/attnd/attnd@%i\.conf --device %i")

@@ -1,6 +1,6 @@
 """attnd's Python client: framing, blocking and pipelined calls, numpy tensors.
 
-The wire protocol is DESIGN.md section 7: a 4-byte big-endian length, then one
+The wire protocol (docs/protocol.md) is a 4-byte big-endian length, then one
 protobuf message (attnd.v1.Request out, attnd.v1.Response in). Messages come from
 attnd_pb2, generated from proto/attnd.proto at build time with the standard
 protobuf runtime (no nanopb, no gRPC).
@@ -76,7 +76,7 @@ def round_bf16(x: npt.ArrayLike) -> np.ndarray:
 
 
 def default_socket() -> str:
-    """The socket attnd listens on by default, looked up as attnctl does (DESIGN.md section 3)."""
+    """The socket attnd listens on by default, looked up as attnctl does (docs/operations.md)."""
     cands: List[str] = []
     rt = os.environ.get("RUNTIME_DIRECTORY")
     if rt:
@@ -140,7 +140,7 @@ class SessionInfo:
 
 @dataclasses.dataclass
 class Mask:
-    """An item's attention mask (DESIGN.md section 5). Use the constructors."""
+    """An item's attention mask (docs/numerics.md). Use the constructors."""
 
     kind: int = pb.Mask.CAUSAL
     window: int = 0

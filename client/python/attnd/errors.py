@@ -1,4 +1,4 @@
-"""Typed exceptions for attnd's Status codes (numbered as gRPC's, DESIGN.md section 7).
+"""Typed exceptions for attnd's Status codes (numbered as gRPC's, docs/protocol.md).
 
 Every non-OK response raises the subclass of AttndError named after its code,
 so an orchestrator can write ``except attnd.NotFound`` instead of comparing

@@ -63,7 +63,7 @@ def rmsnorm(x, w, eps=1e-5):
 
 
 def rope(x, pos, kind, theta, rotary_dim):
-    """RoPE on x [n, heads, D] at positions pos, as DESIGN.md section 5 defines it."""
+    """RoPE on x [n, heads, D] at positions pos, as docs/numerics.md defines it."""
     if kind == "none":
         return x
     half = rotary_dim // 2
