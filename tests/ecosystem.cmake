@@ -31,3 +31,6 @@ attnd_add_e2e(e2e_docs test_docs)
 # tree, so it does not run beside tests that build.
 attnd_add_e2e(e2e_deb_lintian test_deb)
 set_tests_properties(e2e_deb_lintian PROPERTIES RUN_SERIAL TRUE)
+
+# The README's Quick start as printed, against the built-in shape.
+attnd_add_e2e(e2e_readme test_readme)
