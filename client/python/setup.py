@@ -58,6 +58,7 @@ class Sdist(sdist):
 
 setup(
     version=VERSION,
+    license="Apache-2.0",
     install_requires=[f"numpy>={NUMPY_FLOOR}", f"protobuf>={_protobuf_floor}"],
     cmdclass={"build_py": BuildPy, "sdist": Sdist},
     options={"build": {"build_base": os.path.join(_scratch, "build")},
