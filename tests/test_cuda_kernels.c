@@ -762,10 +762,10 @@ int main(void) {
   }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_device_count),
+      cmocka_unit_test(test_prefill_matrix),
       cmocka_unit_test(test_matrix),
       cmocka_unit_test(test_decode_matrix),
       cmocka_unit_test(test_long_history),
-      cmocka_unit_test(test_prefill_matrix),
       cmocka_unit_test(test_report),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
         if constexpr (C::kDirect) {
           const int s = i & 1;
           if (i >= 2)
-            mbar_wait(BAR(5 + s), ((i >> 1) - 1) & 1);
+            mbar_wait_wd(BAR(5 + s), ((i >> 1) - 1) & 1);
           mbar_arrive_expect_tx(BAR(s), (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
           const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
           for (int b = 0; b < nvalid; b++) {
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
           }
         } else {
           if (i >= 1)
-            mbar_wait(BAR(2), (i - 1) & 1);
+            mbar_wait_wd(BAR(2), (i - 1) & 1);
           const uint32_t per = 2u * R * RB + (C::kDyn ? 2u * R * 4u : 0u);
           mbar_arrive_expect_tx(BAR(0), (uint32_t)nvalid * per);
           const uint32_t dRaw = smem_u32(smem + C::kRaw), dS = dRaw + 2 * BN * RB;
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
       const int s = i & 1;
       uint8_t *opK = smem + C::kOp + s * 2 * KT, *opV = opK + KT;
       if constexpr (C::kDirect) {
-        mbar_wait(BAR(s), (i >> 1) & 1);
+        mbar_wait_wd(BAR(s), (i >> 1) & 1);
         if (lim < BN) {
           const int rows = BN - lim, n16 = CH * rows * 8;
           for (int u = ct; u < n16; u += kCvt) {
@@ -300,9 +300,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
         }
         mbar_arrive(BAR(3 + s));
       } else {
-        mbar_wait(BAR(0), i & 1);
+        mbar_wait_wd(BAR(0), i & 1);
         if (i >= 2)
-          mbar_wait(BAR(5 + s), ((i >> 1) - 1) & 1);
+          mbar_wait_wd(BAR(5 + s), ((i >> 1) - 1) & 1);
         constexpr int UPR = RB / 16;                                   // raw 16-byte units per row
         constexpr int EPU = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 8 : KV == ATTND_KV_INT4 ? 32 : 16;
         const uint8_t *raw = smem + C::kRaw;

@@ -50,16 +50,32 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
                : "memory");
 #endif
 }
+__device__ __forceinline__ uint32_t mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+#if ATTND_SM90_DEVICE
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done)
+               : "r"(bar), "r"(parity)
+               : "memory");
+#endif
+  return done;
+}
 // Blocks until the phase with the given parity has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #if ATTND_SM90_DEVICE
-  uint32_t done = 0;
-  do {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-  } while (!done);
+  while (!mbar_try_wait(bar, parity)) {
+  }
+#endif
+}
+// The same with a watchdog, for the producer warpgroup (registers to spare;
+// in the consumers the counter costs spills): after 2^31 failed tries, far
+// more than any real wait, only a broken pipeline is left, and the trap makes
+// the launch fail with an error instead of hanging its stream forever.
+__device__ __forceinline__ void mbar_wait_wd(uint32_t bar, uint32_t parity) {
+#if ATTND_SM90_DEVICE
+  for (uint32_t n = 0; !mbar_try_wait(bar, parity); n++)
+    if (n > (1u << 31))
+      __trap();
 #endif
 }
 
