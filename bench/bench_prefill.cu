@@ -229,11 +229,14 @@ static void teardown(Setup &S) {
 }
 
 struct Variant {
-  const char *name, *sm90, *sched;
+  const char *name, *sm90, *sched, *gchunk;
 };
-// Variants timed per row: the Hopper path's schedules, then the tiled kernel.
-static const Variant kVariants[] = {{"pp", "1", "1"},         {"nopp", "1", "0"}, {"pp_serial", "1", "3"},
-                                    {"nopp_serial", "1", "2"}, {"tiled", "0", "1"}};
+// Variants timed per row: the Hopper path's schedules (pingpong, no
+// intra-warpgroup overlap, the launch order of round 1: every group's tiles
+// interleaved), then the tiled kernel.
+static const Variant kVariants[] = {{"pp", "1", "1", ""},          {"nopp", "1", "0", ""},
+                                    {"pp_serial", "1", "3", ""},   {"nopp_serial", "1", "2", ""},
+                                    {"pp_allgroups", "1", "1", "1000000"}, {"tiled", "0", "1", ""}};
 
 struct Row {
   const char *name;
@@ -313,6 +316,7 @@ int main() {
         continue;
       setenv("ATTND_SM90", v.sm90, 1);
       setenv("ATTND_SM90_SCHED", v.sched, 1);
+      setenv("ATTND_SM90_GCHUNK", v.gchunk, 1);
       const float ms = median_ms([&] { CKA(attnd_cuda_attend(&S.s, &S.b, S.ws, S.ws_bytes, nullptr)); }, 2, iters);
       const double tf = flops / (ms * 1e-3) / 1e12;
       printf("%-34s %-12s %9.3f %9.1f %6d\n", r.name, v.name, ms, tf, splits);
@@ -322,6 +326,7 @@ int main() {
     }
     unsetenv("ATTND_SM90");
     unsetenv("ATTND_SM90_SCHED");
+    unsetenv("ATTND_SM90_GCHUNK");
     jrow(nm, "\"splits\": %d, %s", splits, js.c_str());
     teardown(S);
   }

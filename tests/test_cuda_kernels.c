@@ -214,7 +214,7 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
 }
 
 static int g_ab_checks, g_ab_differ;
-static double g_ab_worst;
+static double g_ab_worst, g_ab_worst_short;
 
 /* The Hopper prefill path (kernels/cuda/prefill_sm90.cuh, selected by default
  * on sm_90 for prefill-shaped batches) against the tiled kernel (forced by
@@ -263,12 +263,20 @@ static void check_ab(const attnd_kshape_t *s, int ncase, attnd_kbatch_t b, const
       den += r * r;
     }
     const double err = den > 0 ? sqrt(num / den) : sqrt(num);
-    if (!(err <= 1e-4))
-      fail_msg("case %d kv %s D %d bs %d G %d item %d (start %d n %d mask %d): Hopper path vs tiled kernel rel L2 %g",
+    /* A row over many keys is a small average of V rows, and one P that
+     * rounds the other way at a bf16 boundary (the two kernels sum S in other
+     * orders) moves it by ~1e-4 relative: items of fewer than 8 rows (decode
+     * rows riding in a prefill batch) get 1e-3; 8 rows and more average such
+     * flips out and keep the prefix-hit bound. */
+    const double bound = ti[i].n >= 8 ? 1e-4 : 1e-3;
+    if (!(err <= bound))
+      fail_msg("case %d kv %s D %d bs %d G %d item %d (start %d n %d mask %d): Hopper path vs tiled kernel rel L2 %g > %g",
                ncase, attnd_kv_type_name(s->kv), D, s->block_size, QH / s->kv_heads, i, ti[i].start, ti[i].n,
-               ti[i].mask_kind, err);
-    if (err > g_ab_worst)
+               ti[i].mask_kind, err, bound);
+    if (ti[i].n >= 8 && err > g_ab_worst)
       g_ab_worst = err;
+    if (ti[i].n < 8 && err > g_ab_worst_short)
+      g_ab_worst_short = err;
     for (int r = 0; r < ti[i].n * QH; r++) {
       const float a = hl[0][items[i].q_row * QH + r], c = hl[1][items[i].q_row * QH + r];
       if (!(a == c || fabsf(a - c) <= 1e-4f * (1.f + fabsf(c))))
@@ -727,9 +735,9 @@ static void test_report(void **state) {
   print_message("prefix hit (last 8 rows alone) vs full step, fp32 out: %d checks, worst rel L2 %.3e (bound 1e-4)\n",
                 g_hit_checks, g_hit_worst);
   assert_true(g_hit_checks > 0);
-  print_message("Hopper path vs tiled kernel (A/B, fp32 out): %d checks, %d with differing bits, worst rel L2 %.3e "
-                "(bound 1e-4)\n",
-                g_ab_checks, g_ab_differ, g_ab_worst);
+  print_message("Hopper path vs tiled kernel (A/B, fp32 out): %d batches, %d with differing bits, worst rel L2 %.3e "
+                "(items >= 8 rows, bound 1e-4), %.3e (shorter, bound 1e-3)\n",
+                g_ab_checks, g_ab_differ, g_ab_worst, g_ab_worst_short);
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
     print_message("kv %-13s cases %3d  max rel L2 %.3e  (bound %.0e)\n", attnd_kv_type_name(kv), g_cases[kv],
                   g_max_err[kv], bound_for(kv));

@@ -30,10 +30,13 @@ namespace attnd {
 // f: the same fields as the tiled kernel (flash.cuh documents each pointer).
 // sched: bit 0 = pingpong between the two consumer warpgroups (named
 // barriers), bit 1 = no intra-warpgroup overlap (softmax waits for P V).
+// The grid is one-dimensional over (item, kv head) groups x query tiles
+// (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).
 struct Sm90Params { // 64-byte aligned through CUtensorMap
   CUtensorMap tmap;
   FlashParams f;
   int sched;
+  int qtiles, gchunk, ngroups_items;
 };
 
 // 1 when this launch runs on the Hopper path: the device is compute

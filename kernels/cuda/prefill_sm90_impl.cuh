@@ -24,6 +24,7 @@
 #pragma once
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "prefill_sm90.cuh"
@@ -46,19 +47,27 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr bool kDyn = KV == ATTND_KV_INT8_DYNAMIC || KV == ATTND_KV_FP8_DYNAMIC;
   static constexpr bool kStatic = KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8 || KV == ATTND_KV_INT4;
   static constexpr int RB = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 2 * D : KV == ATTND_KV_INT4 ? D / 2 : D;
-  // Keys per tile: shared memory bound (two operand stages + Q + one raw stage).
+  // Keys per tile: shared memory bound (Q, two operand stages, two raw stages).
   static constexpr int BN = kDirect ? (D == 256 ? 64 : 128) : D == 64 ? 128 : D == 128 ? (RB <= 128 ? 128 : 64) : 32;
   static constexpr int CH = D / 64;             // 64-element (128-byte) column chunks
   static constexpr uint32_t KT = BN * D * 2;    // one operand tile (K or V)
   static constexpr uint32_t kQ = 0;             // [CH][kBMq][128 B]
   static constexpr uint32_t kOp = kQ + kBMq * D * 2; // [2 stages][K, V][CH][BN][128 B]
-  static constexpr uint32_t kRaw = kOp + 4 * KT;     // converting types: K [BN][RB], V [BN][RB], scales [2][BN]
-  static constexpr uint32_t kRawBytes = kDirect ? 0 : 2 * BN * RB + (kDyn ? 2 * BN * 4 : 0);
-  static constexpr uint32_t kDs = kRaw + kRawBytes;  // dynamic: [2 stages][K, V][BN] fp32
-  static constexpr uint32_t kFlags = kDs + (kDyn ? 4 * BN * 4 : 0); // [kMaxFlags] u8
-  static constexpr uint32_t kC = kFlags + kMaxFlags;                 // int4: [kBMq] fp32 q'.z_k
+  // Converting types: two raw stages, each K [BN][RB], V [BN][RB], then
+  // (dynamic types) the K and V scales [2][BN] fp32, read there by the consumers.
+  static constexpr uint32_t kRaw = kOp + 4 * KT;
+  static constexpr uint32_t kRawStage = kDirect ? 0 : 2 * BN * RB + (kDyn ? 2 * BN * 4 : 0);
+  static constexpr uint32_t kFlags = kRaw + 2 * kRawStage; // [kNF] u8 interval tile flags
+  static constexpr uint32_t kTail = 8 * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
+  // Flags for the first kNF key tiles (later tiles are masked per element, never skipped).
+  static constexpr int kNF = kFlags + kMaxFlags + kTail <= 232448 ? kMaxFlags : 512;
+  static constexpr uint32_t kC = kFlags + kNF;                        // int4: [kBMq] fp32 q'.z_k
   static constexpr uint32_t kBar = kC + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
-  static constexpr uint32_t kBytes = kBar + 8 * 8 + 1024; // 7 mbarriers, then slack for the alignment
+  static constexpr uint32_t kEnd = kBar + 8 * 8; // 7 mbarriers
+  // Slack to align the base to 1024 bytes by hand where it fits; else the
+  // kernel relies on dynamic shared memory starting 1024-aligned (it checks).
+  static constexpr uint32_t kSlack = kEnd + 1024 <= 232448 ? 1024 : 0;
+  static constexpr uint32_t kBytes = kEnd + kSlack;
   static_assert(kBytes <= 232448, "shared memory of one CTA");
   static_assert(RB % 16 == 0, "raw rows are whole 16-byte units");
 };
@@ -142,16 +151,29 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
   constexpr uint32_t KT = C::KT;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t *smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t mis = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
+  if (C::kSlack == 0 && mis != 0)
+    __trap(); // no room to align by hand (never seen: dynamic shared memory starts 1024-aligned)
+  uint8_t *smem = smem_raw + mis;
   const FlashParams &F = P.f;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int item = blockIdx.x / F.kv_heads, kvh = blockIdx.x % F.kv_heads;
+  // blockIdx.x -> (item, kv head) group and query tile. Groups are taken P.gchunk
+  // at a time, their tiles interleaved heaviest (last) first, so that the CTAs
+  // resident together read the same few groups' K/V from L2.
+  int group, qt;
+  {
+    const int per = P.gchunk * P.qtiles, chunk = blockIdx.x / per, r = blockIdx.x % per;
+    const int ng = F.kv_heads * P.ngroups_items, kk = min(P.gchunk, ng - chunk * P.gchunk);
+    group = chunk * P.gchunk + r % kk;
+    qt = P.qtiles - 1 - r / kk;
+  }
+  const int item = group / F.kv_heads, kvh = group % F.kv_heads;
   const attnd_kitem_t it = F.items[item];
   if (it.q_row < 0)
     return;
   const int G = F.group, nvec = it.n * G;
-  const int v0 = (gridDim.y - 1 - blockIdx.y) * kBMq; // heaviest (last) tiles first
+  const int v0 = qt * kBMq;
   if (v0 >= nvec)
     return;
   const int split = blockIdx.z;
@@ -197,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
   // keys is masked for every row of the CTA; needing no per-element mask when
   // none is masked for any row). One warp per tile.
   if (kind == ATTND_MASK_INTERVALS) {
-    for (int t = warp; t < min(ntiles, kMaxFlags); t += kThreads / 32) {
+    for (int t = warp; t < min(ntiles, C::kNF); t += kThreads / 32) {
       bool masked_all = true, vis_all = true;
       for (int h2 = 0; h2 < BN / 32; h2++) {
         const int j = jfirst + t * BN + h2 * 32 + lane;
@@ -222,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
 
   auto next_tile = [&](int t) -> int { // first live tile index >= t, or ntiles
     if (kind == ATTND_MASK_INTERVALS)
-      while (t < ntiles && t < kMaxFlags && (sFlags[t] & 1))
+      while (t < ntiles && t < C::kNF && (sFlags[t] & 1))
         t++;
     return t;
   };
@@ -244,10 +266,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
       for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
         const int j0 = jfirst + t * BN;
         const int nvalid = min(nbox, (lastkey - j0) / R + 1);
+        const int s = i & 1;
+        if (i >= 2) // the consumers are done with the tile two back in this stage
+          mbar_wait_wd(BAR(5 + s), ((i >> 1) - 1) & 1);
         if constexpr (C::kDirect) {
-          const int s = i & 1;
-          if (i >= 2)
-            mbar_wait_wd(BAR(5 + s), ((i >> 1) - 1) & 1);
           mbar_arrive_expect_tx(BAR(s), (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
           const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
           for (int b = 0; b < nvalid; b++) {
@@ -260,20 +282,18 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
             }
           }
         } else {
-          if (i >= 1)
-            mbar_wait_wd(BAR(2), (i - 1) & 1);
           const uint32_t per = 2u * R * RB + (C::kDyn ? 2u * R * 4u : 0u);
-          mbar_arrive_expect_tx(BAR(0), (uint32_t)nvalid * per);
-          const uint32_t dRaw = smem_u32(smem + C::kRaw), dS = dRaw + 2 * BN * RB;
+          mbar_arrive_expect_tx(BAR(s), (uint32_t)nvalid * per);
+          const uint32_t dRaw = smem_u32(smem + C::kRaw + s * C::kRawStage), dS = dRaw + 2 * BN * RB;
           for (int b = 0; b < nvalid; b++) {
             const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
             const uint8_t *src = F.cache + (size_t)blk * F.block_bytes + (size_t)(kvh * F.bs + ro) * RB;
-            bulk_load(dRaw + b * R * RB, src, R * RB, BAR(0));
-            bulk_load(dRaw + BN * RB + b * R * RB, src + v_region, R * RB, BAR(0));
+            bulk_load(dRaw + b * R * RB, src, R * RB, BAR(s));
+            bulk_load(dRaw + BN * RB + b * R * RB, src + v_region, R * RB, BAR(s));
             if constexpr (C::kDyn) {
               const uint8_t *ss = F.cache + (size_t)blk * F.block_bytes + 2 * v_region + (size_t)(kvh * F.bs + ro) * 4;
-              bulk_load(dS + b * R * 4, ss, R * 4, BAR(0));
-              bulk_load(dS + BN * 4 + b * R * 4, ss + (size_t)F.kv_heads * F.bs * 4, R * 4, BAR(0));
+              bulk_load(dS + b * R * 4, ss, R * 4, BAR(s));
+              bulk_load(dS + BN * 4 + b * R * 4, ss + (size_t)F.kv_heads * F.bs * 4, R * 4, BAR(s));
             }
           }
         }
@@ -300,37 +320,46 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
         }
         mbar_arrive(BAR(3 + s));
       } else {
-        mbar_wait_wd(BAR(0), i & 1);
-        if (i >= 2)
-          mbar_wait_wd(BAR(5 + s), ((i >> 1) - 1) & 1);
+        mbar_wait_wd(BAR(s), (i >> 1) & 1);
         constexpr int UPR = RB / 16;                                   // raw 16-byte units per row
         constexpr int EPU = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 8 : KV == ATTND_KV_INT4 ? 32 : 16;
-        const uint8_t *raw = smem + C::kRaw;
-        for (int u = ct; u < 2 * BN * UPR; u += kCvt) {
-          const int which = u / (BN * UPR), rem = u % (BN * UPR), key = rem / UPR, cu = rem % UPR;
-          const int e0 = cu * EPU, u0 = (e0 & 63) >> 3;
-          uint8_t *dst = (which ? opV : opK) + (e0 >> 6) * BN * 128 + key * 128;
-          uint32_t o[EPU / 2];
-          if (key < lim) {
-            const uint4 rv = *reinterpret_cast<const uint4 *>(raw + which * BN * RB + key * RB + cu * 16);
-            convert16<KV, DT>(rv, o);
-          } else {
+        constexpr int NU = 2 * BN * UPR;
+        uint8_t *raw = smem + C::kRaw + s * C::kRawStage;
+        // Two units per round, both loads first (the chain is latency bound).
+        for (int u0 = ct; u0 < NU; u0 += 2 * kCvt) {
+          uint4 rv[2];
+          int key[2], cu[2], which[2];
 #pragma unroll
-            for (int k = 0; k < EPU / 2; k++)
-              o[k] = 0u;
+          for (int x = 0; x < 2; x++) {
+            const int u = u0 + x * kCvt, uu = u < NU ? u : u0;
+            which[x] = uu / (BN * UPR);
+            const int rem = uu % (BN * UPR);
+            key[x] = rem / UPR;
+            cu[x] = rem % UPR;
+            rv[x] = key[x] < lim ? *reinterpret_cast<const uint4 *>(raw + which[x] * BN * RB + key[x] * RB + cu[x] * 16)
+                                 : make_uint4(0, 0, 0, 0);
           }
 #pragma unroll
-          for (int q = 0; q < EPU / 8; q++)
-            *reinterpret_cast<uint4 *>(dst + (((u0 + q) ^ (key & 7)) << 4)) =
-                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+          for (int x = 0; x < 2; x++) {
+            if (x == 1 && u0 + kCvt >= NU)
+              break;
+            const int e0 = cu[x] * EPU, q0 = (e0 & 63) >> 3;
+            uint8_t *dst = (which[x] ? opV : opK) + (e0 >> 6) * BN * 128 + key[x] * 128;
+            uint32_t o[EPU / 2];
+            convert16<KV, DT>(rv[x], o); // zero raw bytes convert to zero operands
+#pragma unroll
+            for (int q = 0; q < EPU / 8; q++)
+              *reinterpret_cast<uint4 *>(dst + (((q0 + q) ^ (key[x] & 7)) << 4)) =
+                  make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+          }
         }
         if constexpr (C::kDyn) {
-          const float *rs = reinterpret_cast<const float *>(raw + 2 * BN * RB);
-          float *ds = reinterpret_cast<float *>(smem + C::kDs) + s * 2 * BN;
+          // Scales of keys past the visible range: 0 (masked keys; stale or poisoned bytes otherwise).
+          float *rs = reinterpret_cast<float *>(raw + 2 * BN * RB);
           for (int k = ct; k < 2 * BN; k += kCvt)
-            ds[k] = (k % BN) < lim ? rs[k] : 0.f;
+            if ((k % BN) >= lim)
+              rs[k] = 0.f;
         }
-        mbar_arrive(BAR(2)); // the raw stage may be refilled
         fence_proxy_async();
         mbar_arrive(BAR(3 + s));
       }
@@ -403,7 +432,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
   }
   auto need_mask = [&](int t, int j0) -> bool {
     if (kind == ATTND_MASK_INTERVALS)
-      return t >= kMaxFlags || (sFlags[t] & 2);
+      return t >= C::kNF || (sFlags[t] & 2);
     bool nm = j0 < lo || j0 + BN - 1 > hi || j0 + BN > kv_len;
     if (kind == ATTND_MASK_CAUSAL || kind == ATTND_MASK_SLIDING)
       nm = nm || j0 + BN - 1 > wpmin;
@@ -416,7 +445,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
 
   const float sl2 = F.scale_log2;
   const uint32_t sQa = smem_u32(smem + C::kQ), sOp = smem_u32(smem + C::kOp);
-  const float *sDs = reinterpret_cast<const float *>(smem + C::kDs);
+  // Dynamic types: stage s's K scales at sDs(s)[0..BN), V scales at [BN, 2 BN).
+  auto sDs = [&](int s) { return reinterpret_cast<const float *>(smem + C::kRaw + s * C::kRawStage + 2 * BN * RB); };
   auto dQ = [&](int kd) { return desc_sw128(sQa + (kd >> 2) * kBMq * 128 + c * 64 * 128 + (kd & 3) * 32, 16, 1024); };
   auto dK = [&](int s, int kd) { return desc_sw128(sOp + s * 2 * KT + (kd >> 2) * BN * 128 + (kd & 3) * 32, 16, 1024); };
   auto dV = [&](int s, int kk) { return desc_sw128(sOp + s * 2 * KT + KT + kk * 2048, BN * 128, 1024); };
@@ -442,25 +472,28 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
       Wgmma<D, DT>::rs(o, pr[kk], dV(s, kk), 1);
   };
   // Scores of tile t (stage s) -> unnormalized probabilities in sacc, in place.
+  // The arithmetic is the tiled kernel's, operation for operation (x = s *
+  // scale rounded, then the dynamic K scale; p = 2^(x - m) with m an
+  // integer): the same S gives the same P, bit for bit.
   auto softmax = [&](int t, int s, float (&alpha)[2]) {
     const int j0 = jfirst + t * BN;
-    if constexpr (C::kDyn) {
-      // Per-token K scales on the scores, before the mask (a masked key may
-      // carry a zero scale, and -inf * 0 is NaN).
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; nt++)
+    for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-          sacc[nt * 4 + e] *= sl2 * sDs[s * 2 * BN + nt * 8 + (lane & 3) * 2 + (e & 1)];
-    }
+      for (int e = 0; e < 4; e++) {
+        float x = __fmul_rn(sacc[nt * 4 + e], sl2);
+        if constexpr (C::kDyn)
+          x = __fmul_rn(x, sDs(s)[nt * 8 + (lane & 3) * 2 + (e & 1)]); // before the mask: -inf * 0 is NaN
+        sacc[nt * 4 + e] = x;
+      }
     if (need_mask(t, j0)) {
+      if (kind == ATTND_MASK_INTERVALS) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; nt++)
+        for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-        for (int cb = 0; cb < 2; cb++) {
-          const int j = j0 + nt * 8 + (lane & 3) * 2 + cb;
-          const bool in = j >= lo && j <= hi;
-          if (kind == ATTND_MASK_INTERVALS) {
+          for (int cb = 0; cb < 2; cb++) {
+            const int j = j0 + nt * 8 + (lane & 3) * 2 + cb;
+            const bool in = j >= lo && j <= hi;
             int a = 0, bb = 0, cc = 0, dd = 0;
             if (in) {
               a = iv[j];
@@ -475,31 +508,44 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
               if (!vis)
                 sacc[nt * 4 + ri * 2 + cb] = -INFINITY;
             }
-          } else {
-#pragma unroll
-            for (int ri = 0; ri < 2; ri++)
-              if (!(in && vis_simple(kind, mp, prow[ri], j)))
-                sacc[nt * 4 + ri * 2 + cb] = -INFINITY;
           }
+      } else {
+        // Each row's visible keys are one range [rlo, rhi], plus [lo, phi]
+        // for prefix-LM (the prefix); both already cut to [lo, hi].
+        int rlo[2], rhi[2], phi[2];
+#pragma unroll
+        for (int ri = 0; ri < 2; ri++) {
+          const int p = prow[ri];
+          rlo[ri] = kind == ATTND_MASK_SLIDING ? max(lo, p - mp + 1) : lo;
+          rhi[ri] = kind == ATTND_MASK_FULL ? hi : min(hi, p);
+          phi[ri] = kind == ATTND_MASK_PREFIX_LM ? min(hi, mp - 1) : lo - 1;
         }
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            const int j = j0 + nt * 8 + (lane & 3) * 2 + (e & 1), ri = e >> 1;
+            const bool vis = (j >= rlo[ri] && j <= rhi[ri]) || (j >= lo && j <= phi[ri]);
+            if (!vis)
+              sacc[nt * 4 + e] = -INFINITY;
+          }
+      }
     }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
+      for (int e = 0; e < 4; e++)
         mx[e >> 1] = fmaxf(mx[e >> 1], sacc[nt * 4 + e]);
-      }
     float mneg[2];
 #pragma unroll
     for (int ri = 0; ri < 2; ri++) {
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
-      const float mc = C::kDyn ? mx[ri] : mx[ri] * sl2; // sl2 > 0: the max of the scaled scores
-      const float mnew = ceilf(fmaxf(m_r[ri], mc));     // an integer: see flash.cuh
+      const float mnew = ceilf(fmaxf(m_r[ri], mx[ri])); // an integer: see flash.cuh
       // No visible key so far: m stays -inf and 0 is the reference (every p = 0).
       const float mref = mnew == -INFINITY ? 0.f : mnew;
-      alpha[ri] = ex2f(m_r[ri] - mref);
+      alpha[ri] = ex2f(__fadd_rn(m_r[ri], -mref));
       m_r[ri] = mnew;
       mneg[ri] = -mref;
     }
@@ -508,8 +554,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
     for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        const float x = sacc[nt * 4 + e];
-        const float p = C::kDyn ? ex2f(x + mneg[e >> 1]) : ex2f(fmaf(x, sl2, mneg[e >> 1]));
+        const float p = ex2f(__fadd_rn(sacc[nt * 4 + e], mneg[e >> 1]));
         sacc[nt * 4 + e] = p;
         rs[e >> 1] += p;
       }
@@ -526,7 +571,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
       for (int h = 0; h < 2; h++) {
         const int nt = 2 * kk + h;
         if constexpr (C::kDyn) {
-          const float *vs = sDs + s * 2 * BN + BN + nt * 8 + (lane & 3) * 2;
+          const float *vs = sDs(s) + BN + nt * 8 + (lane & 3) * 2;
           pr[kk][2 * h] = A::pack2(sacc[nt * 4] * vs[0], sacc[nt * 4 + 1] * vs[1]);
           pr[kk][2 * h + 1] = A::pack2(sacc[nt * 4 + 2] * vs[0], sacc[nt * 4 + 3] * vs[1]);
         } else {
@@ -694,9 +739,18 @@ template <int D, int DT, int KV> int launch_sm90_t(const FlashParams &p, int sch
     attr_done = true;
   }
   const long tiles = ((long)p.max_vec + sm90::kBMq - 1) / sm90::kBMq;
-  if (tiles > 65535)
-    return set_invalid(__FILE__, __LINE__, "too many query vectors in one item for the grid");
-  dim3 grid((unsigned)(nitems * p.kv_heads), (unsigned)tiles, (unsigned)p.nsplit);
+  const long groups = (long)nitems * p.kv_heads;
+  if (tiles * groups > 0x7fffffffL)
+    return set_invalid(__FILE__, __LINE__, "too many query tiles for the grid");
+  // Enough groups per chunk to fill the GPU once (one CTA per SM).
+  // ATTND_SM90_GCHUNK overrides it (A/B timing of the launch order).
+  const char *gc = getenv("ATTND_SM90_GCHUNK");
+  long chunk = gc && *gc ? atol(gc) : (num_sms() + tiles - 1) / tiles;
+  chunk = chunk < 1 ? 1 : chunk > groups ? groups : chunk;
+  P.qtiles = (int)tiles;
+  P.gchunk = (int)chunk;
+  P.ngroups_items = nitems;
+  dim3 grid((unsigned)(tiles * groups), 1u, (unsigned)p.nsplit);
   sm90::prefill_sm90_kernel<D, DT, KV><<<grid, sm90::kThreads, C::kBytes, st>>>(P);
   ATTND_CU_LAUNCH("prefill_sm90_kernel launch");
   return 0;
