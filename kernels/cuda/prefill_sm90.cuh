@@ -29,7 +29,8 @@ namespace attnd {
 // {64, min(block_size, BN), 1, 1}, 128-byte swizzle (the wgmma operand layout).
 // f: the same fields as the tiled kernel (flash.cuh documents each pointer).
 // sched: bit 0 = pingpong between the two consumer warpgroups (named
-// barriers), bit 1 = no intra-warpgroup overlap (softmax waits for P V).
+// barriers), bit 1 = no intra-warpgroup overlap (softmax waits for P V),
+// bit 2 = skip the softmax (timing experiments only: the output is wrong).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).
 struct Sm90Params { // 64-byte aligned through CUtensorMap
