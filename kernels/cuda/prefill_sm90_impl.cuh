@@ -51,19 +51,21 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr int BN = kDirect ? (D == 256 ? 64 : 128) : D == 64 ? 128 : D == 128 ? (RB <= 128 ? 128 : 64) : 32;
   static constexpr int CH = D / 64;             // 64-element (128-byte) column chunks
   static constexpr uint32_t KT = BN * D * 2;    // one operand tile (K or V)
+  // Pipeline stages: three where shared memory allows (16-bit caches, D <= 128).
+  static constexpr int kStages = kDirect && D <= 128 ? 3 : 2;
   static constexpr uint32_t kQ = 0;             // [CH][kBMq][128 B]
-  static constexpr uint32_t kOp = kQ + kBMq * D * 2; // [2 stages][K, V][CH][BN][128 B]
+  static constexpr uint32_t kOp = kQ + kBMq * D * 2; // [kStages][K, V][CH][BN][128 B]
   // Converting types: two raw stages, each K [BN][RB], V [BN][RB], then
   // (dynamic types) the K and V scales [2][BN] fp32, read there by the consumers.
-  static constexpr uint32_t kRaw = kOp + 4 * KT;
+  static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
   static constexpr uint32_t kRawStage = kDirect ? 0 : 2 * BN * RB + (kDyn ? 2 * BN * 4 : 0);
-  static constexpr uint32_t kFlags = kRaw + 2 * kRawStage; // [kNF] u8 interval tile flags
-  static constexpr uint32_t kTail = 8 * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
+  static constexpr uint32_t kFlags = kRaw + kStages * kRawStage; // [kNF] u8 interval tile flags
+  static constexpr uint32_t kTail = 12 * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
   // Flags for the first kNF key tiles (later tiles are masked per element, never skipped).
   static constexpr int kNF = kFlags + kMaxFlags + kTail <= 232448 ? kMaxFlags : 512;
   static constexpr uint32_t kC = kFlags + kNF;                        // int4: [kBMq] fp32 q'.z_k
   static constexpr uint32_t kBar = kC + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
-  static constexpr uint32_t kEnd = kBar + 8 * 8; // 7 mbarriers
+  static constexpr uint32_t kEnd = kBar + 12 * 8; // mbarriers
   // Slack to align the base to 1024 bytes by hand where it fits; else the
   // kernel relies on dynamic shared memory starting 1024-aligned (it checks).
   static constexpr uint32_t kSlack = kEnd + 1024 <= 232448 ? 1024 : 0;
@@ -202,17 +204,17 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
 
   uint8_t *sFlags = smem + C::kFlags;
   const uint32_t bar0 = smem_u32(smem + C::kBar);
-  // 0,1 raw_full (copy engine; converting types use 0 only), 2 raw_empty,
-  // 3,4 full (finishing warps -> consumers), 5,6 empty (consumers -> producer).
+  // Per stage s: BAR(s) raw_full (the copy engine's bytes landed), BAR(4 + s)
+  // full (finishing warps done: converted tiles, and 16-bit tail tiles only),
+  // BAR(8 + s) empty (consumers done with the stage).
+  constexpr int kS = C::kStages;
   auto BAR = [&](int i) -> uint32_t { return bar0 + 8u * (uint32_t)i; };
   if (tid == 0) {
-    mbar_init(BAR(0), 1);
-    mbar_init(BAR(1), 1);
-    mbar_init(BAR(2), kCvt);
-    mbar_init(BAR(3), kCvt);
-    mbar_init(BAR(4), kCvt);
-    mbar_init(BAR(5), 256);
-    mbar_init(BAR(6), 256);
+    for (int st = 0; st < kS; st++) {
+      mbar_init(BAR(st), 1);
+      mbar_init(BAR(4 + st), kCvt);
+      mbar_init(BAR(8 + st), 256);
+    }
     mbar_init_fence();
   }
   // FlashMask intervals: classify every key tile once (skipped when each of its
@@ -266,9 +268,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
       for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
         const int j0 = jfirst + t * BN;
         const int nvalid = min(nbox, (lastkey - j0) / R + 1);
-        const int s = i & 1;
-        if (i >= 2) // the consumers are done with the tile two back in this stage
-          mbar_wait_wd(BAR(5 + s), ((i >> 1) - 1) & 1);
+        const int s = i % kS;
+        if (i >= kS) // the consumers are done with the tile kS back in this stage
+          mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
         if constexpr (C::kDirect) {
           mbar_arrive_expect_tx(BAR(s), (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
           const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
@@ -306,21 +308,23 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
     for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
       const int j0 = jfirst + t * BN;
       const int lim = min(BN, lastkey + 1 - j0); // keys [lim, BN) of the tile are never visible
-      const int s = i & 1;
+      const int s = i % kS;
       uint8_t *opK = smem + C::kOp + s * 2 * KT, *opV = opK + KT;
       if constexpr (C::kDirect) {
-        mbar_wait_wd(BAR(s), (i >> 1) & 1);
+        // Only the CTA's last tile can reach past the visible keys; the
+        // consumers wait for the copy engine directly on every other tile.
         if (lim < BN) {
+          mbar_wait_wd(BAR(s), (i / kS) & 1);
           const int rows = BN - lim, n16 = CH * rows * 8;
           for (int u = ct; u < n16; u += kCvt) {
             const int c = u / (rows * 8), r = lim + (u % (rows * 8)) / 8, q = u & 7;
             *reinterpret_cast<uint4 *>(opV + c * BN * 128 + r * 128 + q * 16) = make_uint4(0, 0, 0, 0);
           }
           fence_proxy_async();
+          mbar_arrive(BAR(4 + s));
         }
-        mbar_arrive(BAR(3 + s));
       } else {
-        mbar_wait_wd(BAR(s), (i >> 1) & 1);
+        mbar_wait_wd(BAR(s), (i / kS) & 1);
         constexpr int UPR = RB / 16;                                   // raw 16-byte units per row
         constexpr int EPU = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 8 : KV == ATTND_KV_INT4 ? 32 : 16;
         constexpr int NU = 2 * BN * UPR;
@@ -361,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
               rs[k] = 0.f;
         }
         fence_proxy_async();
-        mbar_arrive(BAR(3 + s));
+        mbar_arrive(BAR(4 + s));
       }
     }
     return;
@@ -471,25 +475,22 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
     for (int kk = 0; kk < BN / 16; kk++)
       Wgmma<D, DT>::rs(o, pr[kk], dV(s, kk), 1);
   };
-  // Scores of tile t (stage s) -> unnormalized probabilities in sacc, in place.
-  // The arithmetic is the tiled kernel's, operation for operation (x = s *
-  // scale rounded, then the dynamic K scale; p = 2^(x - m) with m an
-  // integer): the same S gives the same P, bit for bit.
+  // Scores of tile t (stage s) -> unnormalized probabilities in sacc, in place:
+  // p = 2^(s * scale - m) with m an integer (one FFMA per score; dynamic
+  // types scale the scores first, as the tiled kernel does).
   auto softmax = [&](int t, int s, float (&alpha)[2]) {
     const int j0 = jfirst + t * BN;
     if (P.sched & 4) { // timing only (ATTND_SM90_SCHED bit 2): no softmax at all, wrong results
       alpha[0] = alpha[1] = 1.f;
       return;
     }
+    if constexpr (C::kDyn) {
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; nt++)
+      for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        float x = __fmul_rn(sacc[nt * 4 + e], sl2);
-        if constexpr (C::kDyn)
-          x = __fmul_rn(x, sDs(s)[nt * 8 + (lane & 3) * 2 + (e & 1)]); // before the mask: -inf * 0 is NaN
-        sacc[nt * 4 + e] = x;
-      }
+        for (int e = 0; e < 4; e++) // before the mask: -inf * 0 is NaN
+          sacc[nt * 4 + e] = __fmul_rn(__fmul_rn(sacc[nt * 4 + e], sl2), sDs(s)[nt * 8 + (lane & 3) * 2 + (e & 1)]);
+    }
     if (need_mask(t, j0)) {
       if (kind == ATTND_MASK_INTERVALS) {
 #pragma unroll
@@ -546,10 +547,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
     for (int ri = 0; ri < 2; ri++) {
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
-      const float mnew = ceilf(fmaxf(m_r[ri], mx[ri])); // an integer: see flash.cuh
+      const float mc = C::kDyn ? mx[ri] : mx[ri] * sl2; // sl2 > 0: the max of the scaled scores
+      const float mnew = ceilf(fmaxf(m_r[ri], mc));     // an integer: see flash.cuh
       // No visible key so far: m stays -inf and 0 is the reference (every p = 0).
       const float mref = mnew == -INFINITY ? 0.f : mnew;
-      alpha[ri] = ex2f(__fadd_rn(m_r[ri], -mref));
+      alpha[ri] = ex2f(m_r[ri] - mref);
       m_r[ri] = mnew;
       mneg[ri] = -mref;
     }
@@ -558,7 +560,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
     for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        const float p = ex2f(__fadd_rn(sacc[nt * 4 + e], mneg[e >> 1]));
+        const float x = sacc[nt * 4 + e];
+        const float p = C::kDyn ? ex2f(__fadd_rn(x, mneg[e >> 1])) : ex2f(fmaf(x, sl2, mneg[e >> 1]));
         sacc[nt * 4 + e] = p;
         rs[e >> 1] += p;
       }
@@ -596,12 +599,20 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
     }
   };
 
+  // Tile i (stage s) is ready: the copy engine's barrier for 16-bit tiles that
+  // need no fix-up, else the finishing warps' (used once per CTA for those).
+  auto wait_tile = [&](int t, int s, int i) {
+    if (C::kDirect && lastkey + 1 - (jfirst + t * BN) >= BN)
+      mbar_wait(BAR(s), (i / kS) & 1);
+    else
+      mbar_wait(BAR(4 + s), C::kDirect ? 0 : (i / kS) & 1);
+  };
   int t = next_tile(0);
   if (t < ntiles) {
     if (pp && c == 1)
       named_arrive(3, 256); // consumer 0 issues first
     float alpha[2];
-    mbar_wait(BAR(3), 0);
+    wait_tile(t, 0, 0);
     if (pp)
       named_sync(me, 256);
     wgmma_fence();
@@ -615,8 +626,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
     to_p(0);
     int sprev = 0, i = 1;
     for (t = next_tile(t + 1); t < ntiles; t = next_tile(t + 1), i++) {
-      const int s = i & 1;
-      mbar_wait(BAR(3 + s), (i >> 1) & 1);
+      const int s = i % kS;
+      wait_tile(t, s, i);
       if (pp)
         named_sync(me, 256);
       wgmma_fence();
@@ -637,7 +648,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
 #pragma unroll
       for (int kk = 0; kk < BN / 16; kk++)
         fence_regs(pr[kk]);
-      mbar_arrive(BAR(5 + sprev)); // the last tile's stage is free
+      mbar_arrive(BAR(8 + sprev)); // the last tile's stage is free
       rescale(alpha);
       to_p(s);
       sprev = s;
@@ -651,7 +662,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
       named_arrive(other, 256); // consumer 1's last turn; consumer 0 takes none after this
     wgmma_wait<0>();
     fence_regs(o);
-    mbar_arrive(BAR(5 + sprev));
+    mbar_arrive(BAR(8 + sprev));
   }
 
   // ---- epilogue: row sums across the quad, normalize, write ----
