@@ -60,12 +60,12 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
   static constexpr uint32_t kRawStage = kDirect ? 0 : 2 * BN * RB + (kDyn ? 2 * BN * 4 : 0);
   static constexpr uint32_t kFlags = kRaw + kStages * kRawStage; // [kNF] u8 interval tile flags
-  static constexpr uint32_t kTail = 12 * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
+  static constexpr uint32_t kTail = 16 * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
   // Flags for the first kNF key tiles (later tiles are masked per element, never skipped).
   static constexpr int kNF = kFlags + kMaxFlags + kTail <= 232448 ? kMaxFlags : 512;
   static constexpr uint32_t kC = kFlags + kNF;                        // int4: [kBMq] fp32 q'.z_k
   static constexpr uint32_t kBar = kC + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
-  static constexpr uint32_t kEnd = kBar + 12 * 8; // mbarriers
+  static constexpr uint32_t kEnd = kBar + 16 * 8; // mbarriers
   // Slack to align the base to 1024 bytes by hand where it fits; else the
   // kernel relies on dynamic shared memory starting 1024-aligned (it checks).
   static constexpr uint32_t kSlack = kEnd + 1024 <= 232448 ? 1024 : 0;
@@ -206,7 +206,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
   const uint32_t bar0 = smem_u32(smem + C::kBar);
   // Per stage s: BAR(s) raw_full (the copy engine's bytes landed), BAR(4 + s)
   // full (finishing warps done: converted tiles, and 16-bit tail tiles only),
-  // BAR(8 + s) empty (consumers done with the stage).
+  // BAR(8 + s) empty (consumers done with the stage). BAR(12): the bytes of
+  // a 16-bit cache's tail tile (the last tile, when it reaches past the
+  // visible keys) land there instead of on raw_full, so that the finishing
+  // warps, which wait for no other tile, wait on a barrier used once (a
+  // parity wait on raw_full could pass on a phase two uses back).
   constexpr int kS = C::kStages;
   auto BAR = [&](int i) -> uint32_t { return bar0 + 8u * (uint32_t)i; };
   if (tid == 0) {
@@ -215,6 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
       mbar_init(BAR(4 + st), kCvt);
       mbar_init(BAR(8 + st), 256);
     }
+    mbar_init(BAR(12), 1);
     mbar_init_fence();
   }
   // FlashMask intervals: classify every key tile once (skipped when each of its
@@ -272,15 +277,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
         if (i >= kS) // the consumers are done with the tile kS back in this stage
           mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
         if constexpr (C::kDirect) {
-          mbar_arrive_expect_tx(BAR(s), (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
+          const uint32_t bar = lastkey + 1 - j0 < BN ? BAR(12) : BAR(s);
+          mbar_arrive_expect_tx(bar, (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
           const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
           for (int b = 0; b < nvalid; b++) {
             const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
 #pragma unroll
             for (int c = 0; c < CH; c++) {
               const uint32_t off = (uint32_t)(c * BN * 128 + b * R * 128);
-              tma_load_4d(dK + off, &P.tmap, c * 64, ro, kvh, blk, BAR(s));
-              tma_load_4d(dV + off, &P.tmap, c * 64, ro, F.kv_heads + kvh, blk, BAR(s));
+              tma_load_4d(dK + off, &P.tmap, c * 64, ro, kvh, blk, bar);
+              tma_load_4d(dV + off, &P.tmap, c * 64, ro, F.kv_heads + kvh, blk, bar);
             }
           }
         } else {
@@ -314,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const __grid_
         // Only the CTA's last tile can reach past the visible keys; the
         // consumers wait for the copy engine directly on every other tile.
         if (lim < BN) {
-          mbar_wait_wd(BAR(s), (i / kS) & 1);
+          mbar_wait_wd(BAR(12), 0);
           const int rows = BN - lim, n16 = CH * rows * 8;
           for (int u = ct; u < n16; u += kCvt) {
             const int c = u / (rows * 8), r = lim + (u % (rows * 8)) / 8, q = u & 7;
