@@ -24,25 +24,26 @@
 
 #include "attnd_cuda.h"
 
-#define CK(x)                                                                                    \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                     \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));         \
-      exit(1);                                                                                   \
-    }                                                                                            \
+#define CK(x)                                                                                      \
+  do {                                                                                             \
+    cudaError_t e_ = (x);                                                                          \
+    if (e_ != cudaSuccess) {                                                                       \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));           \
+      exit(1);                                                                                     \
+    }                                                                                              \
   } while (0)
-#define CKA(x)                                                                                   \
-  do {                                                                                           \
-    int r_ = (x);                                                                                \
-    if (r_ != 0) {                                                                               \
-      fprintf(stderr, "%s:%d %s: %d %s\n", __FILE__, __LINE__, #x, r_, attnd_cuda_last_error()); \
-      exit(1);                                                                                   \
-    }                                                                                            \
+#define CKA(x)                                                                                     \
+  do {                                                                                             \
+    int r_ = (x);                                                                                  \
+    if (r_ != 0) {                                                                                 \
+      fprintf(stderr, "%s:%d %s: %d %s\n", __FILE__, __LINE__, #x, r_, attnd_cuda_last_error());   \
+      exit(1);                                                                                     \
+    }                                                                                              \
   } while (0)
 
 __global__ void fill_normalish(__nv_bfloat16 *p, size_t n, uint64_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
     uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull ^ seed;
     x ^= x >> 31;
     x *= 0xbf58476d1ce4e5b9ull;
@@ -102,8 +103,8 @@ struct Setup {
 };
 
 // B items of n new tokens over ctx - n cached ones (ctx keys in all).
-static void setup(Setup &S, attnd_kv_type_t kv, int D, int B, int ctx, int n, int mask, int mask_param,
-                  const std::vector<int> *doc_lens) {
+static void setup(Setup &S, attnd_kv_type_t kv, int D, int B, int ctx, int n, int mask,
+                  int mask_param, const std::vector<int> *doc_lens) {
   attnd_kshape_t &s = S.s;
   s = {};
   s.q_heads = 32;
@@ -170,7 +171,9 @@ static void setup(Setup &S, attnd_kv_type_t kv, int D, int B, int ctx, int n, in
   std::vector<attnd_kitem_t> hist(B), step(B);
   for (int i = 0; i < B; i++) {
     hist[i] = {0, ctx, -1, ctx * i, 0, 0, 0, 0, nb * i};
-    step[i] = {ctx - n, n, n * i, n * i, mask, mask_param, 1, (int32_t)(iv_off + (size_t)i * 4 * ctx), nb * i};
+    step[i] = {ctx - n, n,          n * i, n * i,
+               mask,    mask_param, 1,     (int32_t)(iv_off + (size_t)i * 4 * ctx),
+               nb * i};
   }
   attnd_kitem_t *d_hist, *d_step;
   CK(cudaMalloc(&d_hist, B * sizeof(attnd_kitem_t)));
@@ -235,9 +238,12 @@ struct Variant {
 // intra-warpgroup overlap, the launch order of round 1: every group's tiles
 // interleaved, no softmax: a timing experiment with wrong output), then the
 // tiled kernel.
-static const Variant kVariants[] = {{"pp", "1", "1", ""},          {"nopp", "1", "0", ""},
-                                    {"pp_serial", "1", "3", ""},   {"nopp_serial", "1", "2", ""},
-                                    {"pp_allgroups", "1", "1", "1000000"}, {"pp_nosoftmax", "1", "5", ""},
+static const Variant kVariants[] = {{"pp", "1", "1", ""},
+                                    {"nopp", "1", "0", ""},
+                                    {"pp_serial", "1", "3", ""},
+                                    {"nopp_serial", "1", "2", ""},
+                                    {"pp_allgroups", "1", "1", "1000000"},
+                                    {"pp_nosoftmax", "1", "5", ""},
                                     {"tiled", "0", "1", ""}};
 
 struct Row {
@@ -282,14 +288,17 @@ int main() {
       {"append2048_over6144_fp16", ATTND_KV_FP16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0},
       {"append2048_over6144_int8", ATTND_KV_INT8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0},
       {"append2048_over6144_fp8", ATTND_KV_FP8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0},
-      {"append2048_over6144_int8_dynamic", ATTND_KV_INT8_DYNAMIC, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0},
-      {"append2048_over6144_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0},
+      {"append2048_over6144_int8_dynamic", ATTND_KV_INT8_DYNAMIC, 128, 4, 8192, 2048,
+       ATTND_MASK_CAUSAL, 0, 0},
+      {"append2048_over6144_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, 8192, 2048,
+       ATTND_MASK_CAUSAL, 0, 0},
       {"append2048_over6144_int4", ATTND_KV_INT4, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0},
       {"small_1x512_over0", ATTND_KV_BF16, 128, 1, 512, 512, ATTND_MASK_CAUSAL, 0, 1},
       {"small_1x512_over8192", ATTND_KV_BF16, 128, 1, 8704, 512, ATTND_MASK_CAUSAL, 0, 1},
       {"small_64x64_over2048", ATTND_KV_BF16, 128, 64, 2112, 64, ATTND_MASK_CAUSAL, 0, 1},
   };
-  printf("\n%-34s %-12s %9s %9s %6s\n", "prefill (32/8 heads, bs 64)", "variant", "ms", "TFLOP/s", "splits");
+  printf("\n%-34s %-12s %9s %9s %6s\n", "prefill (32/8 heads, bs 64)", "variant", "ms", "TFLOP/s",
+         "splits");
   for (const Row &r : rows) {
     char nm[96];
     snprintf(nm, sizeof nm, "prefill_%s", r.name);
@@ -319,11 +328,13 @@ int main() {
       setenv("ATTND_SM90", v.sm90, 1);
       setenv("ATTND_SM90_SCHED", v.sched, 1);
       setenv("ATTND_SM90_GCHUNK", v.gchunk, 1);
-      const float ms = median_ms([&] { CKA(attnd_cuda_attend(&S.s, &S.b, S.ws, S.ws_bytes, nullptr)); }, 2, iters);
+      const float ms = median_ms(
+          [&] { CKA(attnd_cuda_attend(&S.s, &S.b, S.ws, S.ws_bytes, nullptr)); }, 2, iters);
       const double tf = flops / (ms * 1e-3) / 1e12;
       printf("%-34s %-12s %9.3f %9.1f %6d\n", r.name, v.name, ms, tf, splits);
       char buf[160];
-      snprintf(buf, sizeof buf, "%s\"%s\": {\"ms\": %.4f, \"TFLOPs\": %.1f}", js.empty() ? "" : ", ", v.name, ms, tf);
+      snprintf(buf, sizeof buf, "%s\"%s\": {\"ms\": %.4f, \"TFLOPs\": %.1f}",
+               js.empty() ? "" : ", ", v.name, ms, tf);
       js += buf;
     }
     unsetenv("ATTND_SM90");

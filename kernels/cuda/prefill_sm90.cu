@@ -33,20 +33,30 @@ int device_cc() {
   return v - 1000;
 }
 
-template <int D, int DT> int dispatch_kv(int kv, const FlashParams &p, int sched, int nitems, cudaStream_t st) {
+template <int D, int DT>
+int dispatch_kv(int kv, const FlashParams &p, int sched, int nitems, cudaStream_t st) {
   switch (kv) {
-  case ATTND_KV_BF16: return launch_sm90_t<D, DT, ATTND_KV_BF16>(p, sched, nitems, st);
-  case ATTND_KV_FP16: return launch_sm90_t<D, DT, ATTND_KV_FP16>(p, sched, nitems, st);
-  case ATTND_KV_INT8: return launch_sm90_t<D, DT, ATTND_KV_INT8>(p, sched, nitems, st);
-  case ATTND_KV_FP8: return launch_sm90_t<D, DT, ATTND_KV_FP8>(p, sched, nitems, st);
-  case ATTND_KV_INT8_DYNAMIC: return launch_sm90_t<D, DT, ATTND_KV_INT8_DYNAMIC>(p, sched, nitems, st);
-  case ATTND_KV_FP8_DYNAMIC: return launch_sm90_t<D, DT, ATTND_KV_FP8_DYNAMIC>(p, sched, nitems, st);
-  case ATTND_KV_INT4: return launch_sm90_t<D, DT, ATTND_KV_INT4>(p, sched, nitems, st);
-  default: return set_invalid(__FILE__, __LINE__, "unknown cache type");
+  case ATTND_KV_BF16:
+    return launch_sm90_t<D, DT, ATTND_KV_BF16>(p, sched, nitems, st);
+  case ATTND_KV_FP16:
+    return launch_sm90_t<D, DT, ATTND_KV_FP16>(p, sched, nitems, st);
+  case ATTND_KV_INT8:
+    return launch_sm90_t<D, DT, ATTND_KV_INT8>(p, sched, nitems, st);
+  case ATTND_KV_FP8:
+    return launch_sm90_t<D, DT, ATTND_KV_FP8>(p, sched, nitems, st);
+  case ATTND_KV_INT8_DYNAMIC:
+    return launch_sm90_t<D, DT, ATTND_KV_INT8_DYNAMIC>(p, sched, nitems, st);
+  case ATTND_KV_FP8_DYNAMIC:
+    return launch_sm90_t<D, DT, ATTND_KV_FP8_DYNAMIC>(p, sched, nitems, st);
+  case ATTND_KV_INT4:
+    return launch_sm90_t<D, DT, ATTND_KV_INT4>(p, sched, nitems, st);
+  default:
+    return set_invalid(__FILE__, __LINE__, "unknown cache type");
   }
 }
 
-template <int D> int dispatch_dt(int dt, int kv, const FlashParams &p, int sched, int nitems, cudaStream_t st) {
+template <int D>
+int dispatch_dt(int dt, int kv, const FlashParams &p, int sched, int nitems, cudaStream_t st) {
   return dt == ATTND_DT_BF16 ? dispatch_kv<D, ATTND_DT_BF16>(kv, p, sched, nitems, st)
                              : dispatch_kv<D, ATTND_DT_FP16>(kv, p, sched, nitems, st);
 }
@@ -57,7 +67,8 @@ TensorMapEncodeFn tensor_map_encoder() {
   static TensorMapEncodeFn fn = []() -> TensorMapEncodeFn {
     void *f = nullptr;
     cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
         q != cudaDriverEntryPointSuccess) {
       cudaGetLastError();
       return nullptr;
@@ -95,10 +106,14 @@ int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems, cudaS
   const char *e = getenv("ATTND_SM90_SCHED");
   const int sched = e && *e ? atoi(e) : 1;
   switch (s->head_dim) {
-  case 64: return dispatch_dt<64>(s->dtype, s->kv, p, sched, nitems, st);
-  case 128: return dispatch_dt<128>(s->dtype, s->kv, p, sched, nitems, st);
-  case 256: return dispatch_dt<256>(s->dtype, s->kv, p, sched, nitems, st);
-  default: return set_invalid(__FILE__, __LINE__, "head dim of the Hopper path");
+  case 64:
+    return dispatch_dt<64>(s->dtype, s->kv, p, sched, nitems, st);
+  case 128:
+    return dispatch_dt<128>(s->dtype, s->kv, p, sched, nitems, st);
+  case 256:
+    return dispatch_dt<256>(s->dtype, s->kv, p, sched, nitems, st);
+  default:
+    return set_invalid(__FILE__, __LINE__, "head dim of the Hopper path");
   }
 }
 

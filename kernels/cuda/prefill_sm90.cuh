@@ -49,13 +49,15 @@ bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p);
 int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems, cudaStream_t st);
 
 // Per (head dim, activation dtype, cache type); defined in prefill_sm90_impl.cuh.
-template <int D, int DT, int KV> int launch_sm90_t(const FlashParams &p, int sched, int nitems, cudaStream_t st);
+template <int D, int DT, int KV>
+int launch_sm90_t(const FlashParams &p, int sched, int nitems, cudaStream_t st);
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda
 // link); NULL when the driver has none.
-typedef CUresult (*TensorMapEncodeFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                      const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                                      CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+typedef CUresult (*TensorMapEncodeFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                      const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                      const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                      CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 TensorMapEncodeFn tensor_map_encoder();
 
 } // namespace attnd

@@ -23,7 +23,9 @@
 namespace attnd {
 namespace sm90 {
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
 
 // ---- mbarrier (shared::cta) ----------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -39,21 +41,24 @@ __device__ __forceinline__ void mbar_init_fence() {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 #if ATTND_SM90_DEVICE
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
+               : "memory");
 #endif
 }
 // One arrival that also announces tx bytes the copy engine will deliver.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
 #if ATTND_SM90_DEVICE
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
-               "r"(bytes)
-               : "memory");
+  asm volatile(
+      "{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
+      "r"(bytes)
+      : "memory");
 #endif
 }
 __device__ __forceinline__ uint32_t mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
 #if ATTND_SM90_DEVICE
-  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 "
+               "%0, 1, 0, p;\n}\n"
                : "=r"(done)
                : "r"(bar), "r"(parity)
                : "memory");
@@ -81,8 +86,8 @@ __device__ __forceinline__ void mbar_wait_wd(uint32_t bar, uint32_t parity) {
 
 // ---- bulk copy engine ------------------------------------------------------------
 // A 4-D tile of a tensor map into shared memory; completes tx bytes on bar.
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void *tmap, int c0, int c1, int c2, int c3,
-                                            uint32_t bar) {
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void *tmap, int c0, int c1, int c2,
+                                            int c3, uint32_t bar) {
 #if ATTND_SM90_DEVICE
   asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
                " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
@@ -91,11 +96,14 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void *tmap, int 
 #endif
 }
 // A contiguous byte range (16-byte aligned, a multiple of 16 bytes) into shared memory.
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes,
+                                          uint32_t bar) {
 #if ATTND_SM90_DEVICE
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
 #endif
 }
 __device__ __forceinline__ void tma_prefetch_desc(const void *tmap) {
@@ -169,14 +177,17 @@ template <int N> __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
 //   N-major operand (V as B of P V): 64-element runs of the N dimension are
 //     the 128-byte rows' content, consecutive runs LBO bytes apart; 8-key
 //     groups 1024 bytes apart (SBO).
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo_bytes,
+                                               uint32_t sbo_bytes) {
   return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFFu) << 16) |
          ((uint64_t)((sbo_bytes >> 4) & 0x3FFFu) << 32) | (1ull << 62);
 }
 
 // Byte offset of the 16-byte unit u (0..7) of row r in a 128B-swizzled region
 // whose rows are 128 bytes (the TMA SWIZZLE_128B and wgmma layout).
-__device__ __forceinline__ uint32_t sw128_off(int r, int u) { return (uint32_t)(r * 128 + ((u ^ (r & 7)) << 4)); }
+__device__ __forceinline__ uint32_t sw128_off(int r, int u) {
+  return (uint32_t)(r * 128 + ((u ^ (r & 7)) << 4));
+}
 
 } // namespace sm90
 } // namespace attnd
