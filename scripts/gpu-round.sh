@@ -7,8 +7,8 @@
 #       build-gpu/stage/ (binaries, libcmocka beside them, torch_reference.py).
 #   scripts/gpu-round.sh run     (on the GPU machine, through the device tool
 #       with carry ["build-gpu/stage"]): every GPU test, compute-sanitizer
-#       memcheck on the pairwise mode, the kernel benchmark and PyTorch's
-#       anchors, logs and JSON to $OUT (or ./gpu-out).
+#       memcheck and racecheck on the pairwise mode, the kernel benchmarks and
+#       PyTorch's reference, logs and JSON to $OUT (or ./gpu-out).
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
 stage=$here/build-gpu/stage
@@ -18,12 +18,12 @@ build)
   set -e
   cmake -S "$here" -B "$here/build-gpu" -DPython3_EXECUTABLE=/usr/bin/python3 \
     -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  cmake --build "$here/build-gpu" -j2 --target test_cuda_kernels bench_kernels
+  cmake --build "$here/build-gpu" -j2 --target test_cuda_kernels bench_kernels bench_prefill
   rm -rf "$stage" && mkdir -p "$stage"
-  cp "$here/build-gpu/tests/test_cuda_kernels" "$here/build-gpu/bench/bench_kernels" "$stage/" 2>/dev/null ||
-    cp "$(find "$here/build-gpu" -name test_cuda_kernels -type f | head -1)" \
-       "$(find "$here/build-gpu" -name bench_kernels -type f | head -1)" "$stage/"
-  cp -a /usr/lib/x86_64-linux-gnu/libcmocka.so.0* "$stage/"
+  # Packed: every binary carries all the kernels (~44 MB each), over the 64 MiB
+  # a round may carry unpacked.
+  tar czf "$stage/bin.tgz" -C "$here/build-gpu/tests" test_cuda_kernels -C "$here/build-gpu/bench" bench_kernels \
+    bench_prefill -C /usr/lib/x86_64-linux-gnu $(cd /usr/lib/x86_64-linux-gnu && ls libcmocka.so.0*)
   cp "$here/bench/torch_reference.py" "$stage/"
   du -sh "$stage"
   ;;
@@ -31,6 +31,7 @@ run)
   out=${OUT:-$here/gpu-out}
   mkdir -p "$out"
   cd "$stage" || exit 1
+  [ -f bin.tgz ] && tar xzf bin.tgz
   export LD_LIBRARY_PATH=$stage${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
   echo "== tests (full matrix)"
@@ -42,9 +43,16 @@ run)
     ./test_cuda_kernels >"$out/memcheck.log" 2>&1
   echo "memcheck rc=$?" | tee -a "$out/memcheck.log"
   grep -E "ERROR SUMMARY|Invalid|FAIL|PASSED" "$out/memcheck.log" | head -20
+  echo "== compute-sanitizer racecheck (pairwise mode)"
+  ATTND_GPU_TEST_PAIRWISE=1 timeout 240 compute-sanitizer --tool racecheck --error-exitcode 3 \
+    ./test_cuda_kernels >"$out/racecheck.log" 2>&1
+  echo "racecheck rc=$?" | tee -a "$out/racecheck.log"
+  grep -E "RACECHECK SUMMARY|FAIL|PASSED" "$out/racecheck.log" | head -20
   if [ "${ATTND_ROUND_NO_BENCH:-0}" = 1 ]; then exit 0; fi
   echo "== bench_kernels"
   OUT=$out timeout 200 ./bench_kernels 2>&1 | tee "$out/bench.log"
+  echo "== bench_prefill"
+  OUT=$out timeout 200 ./bench_prefill 2>&1 | tee "$out/prefill.log"
   if [ "${ATTND_ROUND_NO_ANCHORS:-0}" = 1 ]; then exit 0; fi
   echo "== PyTorch reference (bench/torch_reference.py)"
   OUT=$out PYTHONUNBUFFERED=1 timeout 240 python3 torch_reference.py >"$out/reference.log" 2>&1

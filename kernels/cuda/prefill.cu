@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "decode.cuh"
+#include "prefill_sm90.cuh"
 
 namespace attnd {
 namespace {
@@ -96,6 +97,12 @@ extern "C" int attnd_cuda_attend(const attnd_kshape_t *s, const attnd_kbatch_t *
   if (p.nsplit > 1) {
     p.ws_o = reinterpret_cast<float *>(workspace);
     p.ws_lse = p.ws_o + (size_t)p.nsplit * b->total_q * s->q_heads * s->head_dim;
+  }
+  if (sm90_eligible(s, p)) { // prefill-shaped batches on Hopper: wgmma + TMA (prefill_sm90.cuh)
+    const int rc = launch_sm90(s, p, b->nitems, st);
+    if (rc != 0)
+      return rc;
+    return p.nsplit > 1 ? launch_merge(s, b, p, st) : 0;
   }
   cudaError_t e;
   switch (s->head_dim) {

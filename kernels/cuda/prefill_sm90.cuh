@@ -1,0 +1,63 @@
+// prefill_sm90.cuh: the Hopper (sm_90a) path of the attention kernel for
+// steps with many query rows per item (prefill, chunked prefill over a cached
+// prefix, mixed batches): wgmma for S = Q K^T and O += P V, K/V tiles brought
+// by the bulk copy engine into a two-stage shared-memory pipeline, one
+// producer warpgroup and two consumer warpgroups (setmaxnreg). The kernel body
+// is prefill_sm90_impl.cuh, instantiated one cache type per file
+// (prefill_sm90_<kv>.cu); prefill_sm90.cu decides eligibility and dispatches.
+//
+// Same function and numerics as the tiled kernel of flash.cuh (see its header
+// comment): query vectors are (row, q head of the GQA group) pairs, operands
+// in the activation dtype, P taken relative to an integer running max in the
+// exp2 domain and rounded to the activation dtype, fp32 softmax state and
+// accumulation, exact zero output and -inf lse for rows with no visible key,
+// and the same placement of quantization scales (static K scales folded into
+// q, V scales applied to O, int4 zero points, dynamic scales on the scores
+// and on P), so that a prefix hit served by another kernel agrees with it to
+// fp32 summation order.
+#pragma once
+
+#include <cuda.h>
+
+#include "flash.cuh"
+
+namespace attnd {
+
+// Kernel parameters. tmap: 16-bit caches whose type is the activation dtype
+// only; a 4-D view of the block pool as 16-bit elements
+// {head_dim, block_size, 2 * kv_heads (K heads then V heads), blocks}, box
+// {64, min(block_size, BN), 1, 1}, 128-byte swizzle (the wgmma operand layout).
+// f: the same fields as the tiled kernel (flash.cuh documents each pointer).
+// sched: bit 0 = pingpong between the two consumer warpgroups (named
+// barriers), bit 1 = no intra-warpgroup overlap (softmax waits for P V),
+// bit 2 = skip the softmax (timing experiments only: the output is wrong).
+// The grid is one-dimensional over (item, kv head) groups x query tiles
+// (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).
+struct Sm90Params { // 64-byte aligned through CUtensorMap
+  CUtensorMap tmap;
+  FlashParams f;
+  int sched;
+  int qtiles, gchunk, ngroups_items;
+};
+
+// 1 when this launch runs on the Hopper path: the device is compute
+// capability 9.0, the build holds sm_90a code, the batch is prefill-shaped
+// (more than 16 query vectors in some item) and ATTND_SM90 is not "0".
+bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p);
+
+// Enqueues the Hopper kernel; 0 or an attnd_cuda.h error code (with the call site).
+int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems, cudaStream_t st);
+
+// Per (head dim, activation dtype, cache type); defined in prefill_sm90_impl.cuh.
+template <int D, int DT, int KV>
+int launch_sm90_t(const FlashParams &p, int sched, int nitems, cudaStream_t st);
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda
+// link); NULL when the driver has none.
+typedef CUresult (*TensorMapEncodeFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                      const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                      const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                      CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+TensorMapEncodeFn tensor_map_encoder();
+
+} // namespace attnd

@@ -1,0 +1,7 @@
+// Explicit instantiation of the Hopper prefill kernel for the fp16 cache (one
+// file per cache type so that a two-core build compiles them in parallel).
+#include "prefill_sm90_impl.cuh"
+
+namespace attnd {
+ATTND_SM90_INST(ATTND_KV_FP16)
+} // namespace attnd

@@ -1,0 +1,7 @@
+// Explicit instantiation of the Hopper prefill kernel for the int8_dynamic cache (one
+// file per cache type so that a two-core build compiles them in parallel).
+#include "prefill_sm90_impl.cuh"
+
+namespace attnd {
+ATTND_SM90_INST(ATTND_KV_INT8_DYNAMIC)
+} // namespace attnd
