@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "backend.h"
-#include "errors.h"
+#include "base.h"
 
 typedef struct run_s run_t;
 

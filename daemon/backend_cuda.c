@@ -70,7 +70,7 @@
 #include <string.h>
 
 #include "backend.h"
-#include "errors.h"
+#include "base.h"
 
 #ifndef ATTND_HAVE_CUDA
 
@@ -94,7 +94,6 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
 
 #include "attnd_cuda.h"
 #include "cuda_sticky.h"
-#include "log.h"
 
 /* Streams: enough for the layers of one step to overlap, few enough that the
  * per-stream buffers stay small. */

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "errors.h"
+#include "base.h"
 
 int attnd_blocks_init(attnd_blocks_t *p, uint32_t n) {
   memset(p, 0, sizeof(*p));

@@ -60,7 +60,7 @@
 
 #include "backend.h"
 #include "blocks.h"
-#include "errors.h"
+#include "base.h"
 #include "prefix.h"
 #include "scales.h"
 #include "session.h"

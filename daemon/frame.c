@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "errors.h"
+#include "base.h"
 
 void attnd_frame_reader_init(attnd_frame_reader_t *r, uint64_t max_frame) {
   memset(r, 0, sizeof(*r));

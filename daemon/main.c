@@ -12,8 +12,7 @@
 
 #include "config.h"
 #include "engine.h"
-#include "errors.h"
-#include "log.h"
+#include "base.h"
 #include "metrics.h"
 #include "server.h"
 

@@ -36,12 +36,7 @@
 
 #include "attnd.pb.h"
 #include "config.h"
-#include "errors.h"
-#include "log.h"
-
-const double attnd_hist_bounds_us[ATTND_HIST_BUCKETS] = {
-    50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000, 5000000,
-};
+#include "base.h"
 
 static const char *const method_names[ATTND_M_COUNT] = {
     "unknown", "hello",    "health", "stats", "open_session", "close_session",
@@ -57,15 +52,6 @@ const char *attnd_method_name(int m) {
  * cannot drift from attnd.proto. */
 const char *attnd_code_name(int code) {
   return attnd_v1_Status_Code_name((attnd_v1_Status_Code)code);
-}
-
-void attnd_hist_add(attnd_hist_t *h, double us) {
-  int i = 0;
-  while (i < ATTND_HIST_BUCKETS && us > attnd_hist_bounds_us[i])
-    i++;
-  h->bucket[i]++;
-  h->count++;
-  h->sum_us += us;
 }
 
 /* ---- rendering ------------------------------------------------------------ */

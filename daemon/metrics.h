@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "base.h"
 #include "engine.h"
 
 /* Methods, numbered as the Request.call oneof tags minus one (0: none/unknown). */
@@ -29,19 +30,9 @@ enum {
   ATTND_M_LIST_SESSIONS,
   ATTND_M_COUNT
 };
-#define ATTND_CODE_COUNT 17 /* wire status codes 0..16 */
-
-/* Step latency histogram buckets (upper bounds, microseconds), +Inf implied. */
-#define ATTND_HIST_BUCKETS 14
-extern const double attnd_hist_bounds_us[ATTND_HIST_BUCKETS];
+#define ATTND_CODE_COUNT ATTND_STATUS_COUNT
 
 enum { ATTND_STEP_PREFILL = 0, ATTND_STEP_DECODE = 1 };
-
-typedef struct {
-  uint64_t bucket[ATTND_HIST_BUCKETS + 1]; /* non-cumulative; last is +Inf */
-  uint64_t count;
-  double sum_us;
-} attnd_hist_t;
 
 typedef struct {
   uint64_t requests[ATTND_M_COUNT];
@@ -60,7 +51,6 @@ typedef struct {
 const char *attnd_method_name(int method);
 /* "OK", "INVALID_ARGUMENT", ... */
 const char *attnd_code_name(int code);
-void attnd_hist_add(attnd_hist_t *h, double us);
 
 /* Writes the whole exposition into a malloc'ed string (*out, *len). */
 int attnd_metrics_render(const attnd_counters_t *c, attnd_engine_t *engine, double uptime_s,

@@ -6,7 +6,7 @@
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
-#include "errors.h"
+#include "base.h"
 
 int attnd_prefix_test_force_collision = 0;
 

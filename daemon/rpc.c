@@ -26,9 +26,8 @@
 #include <xxhash.h>
 
 #include "attnd.pb.h"
-#include "errors.h"
+#include "base.h"
 #include "frame.h"
-#include "log.h"
 
 #define TOKEN_MAX 256
 

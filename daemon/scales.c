@@ -11,7 +11,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#include "errors.h"
+#include "base.h"
 
 static const char MAGIC[8] = {'A', 'T', 'T', 'N', 'D', 'S', 'C', '1'};
 

@@ -17,9 +17,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "errors.h"
+#include "base.h"
 #include "frame.h"
-#include "log.h"
 
 /* How long a drain waits for responses to be written to clients that do not
  * read before it closes their connections anyway. */

@@ -14,6 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base.h"
+
 typedef struct attnd_session_s attnd_session_t;
 
 struct attnd_session_s {
@@ -44,21 +46,5 @@ int attnd_session_reserve_tokens(attnd_session_t *s, uint32_t cap);
 int attnd_session_reserve_table(attnd_session_t *s, uint32_t nblocks);
 /* 1 when every layer has the same len. */
 int attnd_session_lens_equal(const attnd_session_t *s);
-
-/* A random nonzero 64-bit id (getrandom). */
-uint64_t attnd_random_id(void);
-
-/* uint64 -> pointer map (chained, grows). Key 0 is not allowed. */
-typedef struct attnd_idnode_s attnd_idnode_t;
-typedef struct {
-  attnd_idnode_t **b;
-  uint32_t nb, count;
-} attnd_idmap_t;
-
-int attnd_idmap_init(attnd_idmap_t *m);
-void attnd_idmap_free(attnd_idmap_t *m);
-void *attnd_idmap_get(const attnd_idmap_t *m, uint64_t key);
-int attnd_idmap_put(attnd_idmap_t *m, uint64_t key, void *val);
-void attnd_idmap_del(attnd_idmap_t *m, uint64_t key);
 
 #endif /* ATTND_SESSION_H */

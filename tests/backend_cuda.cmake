@@ -20,9 +20,8 @@ find_path(ATTND_CUDART_INCLUDE_DIR cuda_runtime_api.h
 if(ATTND_CUDART_INCLUDE_DIR)
   attnd_add_test(test_backend_cuda_mock TIMEOUT 120 LABELS backend
                  SOURCES test_backend_cuda.c cuda_mock.c ${PROJECT_SOURCE_DIR}/daemon/backend_cuda.c
-                         ${PROJECT_SOURCE_DIR}/daemon/backend_cpu.c ${PROJECT_SOURCE_DIR}/daemon/errors.c
-                         ${PROJECT_SOURCE_DIR}/daemon/log.c
-                 LIBS attnd_kernels_cpu PkgConfig::LIBUV Threads::Threads)
+                         ${PROJECT_SOURCE_DIR}/daemon/backend_cpu.c
+                 LIBS attnd_base attnd_kernels_cpu PkgConfig::LIBUV Threads::Threads)
   target_compile_definitions(test_backend_cuda_mock PRIVATE ATTND_HAVE_CUDA=1)
   target_include_directories(test_backend_cuda_mock PRIVATE ${PROJECT_SOURCE_DIR}/daemon
                              ${PROJECT_SOURCE_DIR}/kernels/cuda ${ATTND_CUDART_INCLUDE_DIR})

@@ -28,7 +28,7 @@
 #include <uv.h>
 
 #include "backend.h"
-#include "errors.h"
+#include "base.h"
 
 #define LAYERS 2
 #define QH 8

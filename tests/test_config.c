@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "config.h"
-#include "errors.h"
+#include "base.h"
 
 static char err[512];
 

@@ -19,7 +19,7 @@
 #include <cmocka.h>
 
 #include "engine.h"
-#include "errors.h"
+#include "base.h"
 #include "oracle.h"
 #include "prefix.h"
 

@@ -16,7 +16,7 @@
 #include <cmocka.h>
 
 #include "engine.h"
-#include "errors.h"
+#include "base.h"
 
 static int g_b = 4, g_c = 256, g_threads = 2, g_iters = 5;
 

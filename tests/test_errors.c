@@ -6,7 +6,7 @@
 #include <cmocka.h>
 #include <string.h>
 
-#include "errors.h"
+#include "base.h"
 
 static void test_codes(void **state) {
   (void)state;

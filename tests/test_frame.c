@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "errors.h"
+#include "base.h"
 #include "frame.h"
 
 typedef struct {

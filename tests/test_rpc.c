@@ -17,7 +17,7 @@
 #include "attnd.pb.h"
 #include "config.h"
 #include "engine.h"
-#include "errors.h"
+#include "base.h"
 #include "rpc.h"
 #include "srv_pbw.h"
 

@@ -9,7 +9,7 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "errors.h"
+#include "base.h"
 #include "scales.h"
 
 static attnd_kshape_t shape(attnd_kv_type_t kv) {

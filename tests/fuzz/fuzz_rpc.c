@@ -32,9 +32,8 @@
 #include "attnd.pb.h"
 #include "config.h"
 #include "engine.h"
-#include "errors.h"
+#include "base.h"
 #include "frame.h"
-#include "log.h"
 #include "rpc.h"
 
 #define FUZZ_IDENTITY 1000u

@@ -1,5 +1,5 @@
-/* log.c: see log.h. */
-#include "log.h"
+/* log.c: the logger (base.h). */
+#include "internal.h"
 
 #include <stdarg.h>
 #include <stdio.h>

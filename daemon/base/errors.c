@@ -1,4 +1,5 @@
-#include "errors.h"
+/* errors.c: the texts and wire codes of ATTND_ERRNO_MAP (base.h). */
+#include "internal.h"
 
 const char *attnd_strerror(int err) {
   switch (err) {
@@ -25,5 +26,20 @@ int attnd_err_status(int err) {
 #undef ATTND_XX_CODE
   default:
     return ATTND_STATUS_INTERNAL;
+  }
+}
+
+int attnd_err_from_kernel(int rc) {
+  switch (rc) {
+  case 0:
+    return 0;
+  case ATTND_KERNEL_EINVAL:
+    return ATTND_EINVAL;
+  case ATTND_KERNEL_ECUDA:
+    return ATTND_ECUDA;
+  case ATTND_KERNEL_EDEVICE:
+    return ATTND_EDEVICE;
+  default:
+    return ATTND_EINTERNAL;
   }
 }

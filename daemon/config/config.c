@@ -14,8 +14,7 @@
 #include <unistd.h>
 
 #include "config.h"
-#include "errors.h"
-#include "log.h"
+#include "base.h"
 
 #define ERR(...)                                                                                   \
   do {                                                                                             \
