@@ -10,7 +10,7 @@
  * its q, k or v hold a NaN or an infinity, and the scan for them is a linear
  * pass over the tensors (about 20 ms for the 100 MB of an 8k-token prefill),
  * too long for the loop thread (DESIGN.md section 2). So a Step whose tensors
- * exceed offload_bytes (ATTND_ENGINE_OFFLOAD_BYTES) is scanned on the libuv
+ * exceed offload_bytes (--engine-offload-bytes) is scanned on the libuv
  * threadpool first, together with the aligned copy of tensors decoded at odd
  * addresses; the scan reads only the request's bytes and records the first
  * row of each tensor holding a non-finite value. Meanwhile the call waits in
@@ -1830,10 +1830,7 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
     e->shape.softmax_scale = (float)(1.0 / sqrt((double)e->shape.head_dim));
   e->layers = cfg->layers;
   e->bs = (uint32_t)e->shape.block_size;
-  e->offload_bytes = ATTND_ENGINE_OFFLOAD_BYTES;
-  const char *ob = getenv("ATTND_ENGINE_OFFLOAD_BYTES");
-  if (ob && *ob)
-    e->offload_bytes = (size_t)strtoull(ob, NULL, 10);
+  e->offload_bytes = (size_t)cfg->engine_offload_bytes;
   if (e->cfg.max_context <= 0)
     e->cfg.max_context = 131072;
   if (e->layers <= 0 || attnd_kshape_check(&e->shape) != 0) {
@@ -1848,12 +1845,19 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
     rc = ATTND_EUNAVAIL;
     goto fail_shape;
   }
+  attnd_backend_opts_t bo;
+  attnd_backend_opts_defaults(&bo);
+  bo.kv_memory = cfg->kv_memory;
+  bo.threads = cfg->threads;
+  bo.device = cfg->device;
+  bo.cuda_pinned_max = cfg->cuda_pinned_max;
+  bo.cuda_hostfn_min = cfg->cuda_hostfn_min;
+  bo.cuda_callbacks = cfg->cuda_completion == ATTND_COMPLETION_CALLBACK;
+  bo.cuda_trace = cfg->cuda_trace;
   if (use_cuda)
-    rc = attnd_backend_cuda_create(&e->be, loop, &e->shape, e->layers, cfg->kv_memory, cfg->device,
-                                   err, errlen);
+    rc = attnd_backend_cuda_create(&e->be, loop, &e->shape, e->layers, &bo, err, errlen);
   else
-    rc = attnd_backend_cpu_create(&e->be, loop, &e->shape, e->layers, cfg->kv_memory, cfg->threads,
-                                  err, errlen);
+    rc = attnd_backend_cpu_create(&e->be, loop, &e->shape, e->layers, &bo, err, errlen);
   if (rc)
     goto fail_shape;
   if ((rc = attnd_blocks_init(&e->pool, e->be->num_blocks)) != 0)

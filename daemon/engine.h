@@ -170,15 +170,11 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
 /* The connection closed: its plans end. In-flight steps still complete. */
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);
 
-/* A Step whose q, k and v hold more than this many bytes together has its
- * finiteness scan (and any aligned copy) run on the libuv threadpool before it
- * is admitted; calls arriving meanwhile are admitted after it, in arrival
- * order. The environment variable ATTND_ENGINE_OFFLOAD_BYTES, read by
- * attnd_engine_init, overrides it (tests run the daemon's steps through the
- * queue with it). */
-#define ATTND_ENGINE_OFFLOAD_BYTES ((size_t)1 << 20)
-/* Sets that threshold for this engine (tests: 0 sends every step through the
- * threadpool scan and the admission queue). */
+/* A Step whose q, k and v hold more than cfg->engine_offload_bytes together
+ * has its finiteness scan (and any aligned copy) run on the libuv threadpool
+ * before it is admitted; calls arriving meanwhile are admitted after it, in
+ * arrival order. This sets that threshold later (tests: 0 sends every step
+ * through the threadpool scan and the admission queue). */
 void attnd_engine_set_offload_bytes(attnd_engine_t *e, size_t bytes);
 
 /* Checks the engine's bookkeeping: the block pool's invariants, every

@@ -115,6 +115,11 @@ int main(int argc, char **argv) {
     return 0;
   }
   attnd_log_set_level((attnd_log_level_t)attnd_log_level_parse(d.cfg.log_level));
+  /* libuv sizes its worker pool from the environment when the pool is first
+   * used, which is after this: --worker-threads decides it. */
+  char workers[16];
+  snprintf(workers, sizeof(workers), "%d", attnd_config_worker_threads(&d.cfg));
+  setenv("UV_THREADPOOL_SIZE", workers, 1);
   /* Writes to a client that went away must fail with EPIPE, not kill us. */
   signal(SIGPIPE, SIG_IGN);
 

@@ -139,10 +139,6 @@ int attnd_rpc_token_ok(const attnd_rpc_t *r, const char *token) {
 
 /* ---- init --------------------------------------------------------------- */
 
-/* Step tensors at least this large leave by reference through sendv
- * (ATTND_RPC_REF_MIN overrides it). */
-#define RPC_REF_MIN ((size_t)64 << 10)
-
 int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
                    const attnd_config_t *cfg, char *err, size_t errlen) {
   memset(r, 0, sizeof(*r));
@@ -151,10 +147,7 @@ int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
   r->cfg = cfg;
   r->start_ns = now_ns();
   r->next_conn_id = 1;
-  r->ref_min = RPC_REF_MIN;
-  const char *rm = getenv("ATTND_RPC_REF_MIN"); /* tests: 0 sends every tensor by reference */
-  if (rm && *rm)
-    r->ref_min = (size_t)strtoull(rm, NULL, 10);
+  r->ref_min = (size_t)cfg->rpc_ref_min;
   /* The epoch tells clients the daemon restarted; it must not repeat. */
   if (getrandom(&r->epoch, sizeof(r->epoch), 0) != (ssize_t)sizeof(r->epoch)) {
     snprintf(err, errlen, "getrandom: %s", strerror(errno));

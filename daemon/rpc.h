@@ -53,7 +53,7 @@ struct attnd_rpc_s {
   int tcp_port;      /* bound TCP port for Health, 0 when off */
   uint64_t inflight; /* requests in flight on all connections */
   uint64_t next_conn_id;
-  size_t ref_min; /* step tensors this large leave by reference (sendv); ATTND_RPC_REF_MIN */
+  size_t ref_min; /* step tensors this large leave by reference (sendv); --rpc-ref-min */
   /* Runs when inflight drops to 0 while draining. */
   void (*idle_cb)(void *arg);
   void *idle_arg;

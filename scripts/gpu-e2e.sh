@@ -198,7 +198,7 @@ else
   fi
 
   if time_left 60; then
-    (cd "$libdir" && ATTND_CUDA_TEST_FAULT=1 timeout 60 "$test_bin") >"$out/fault.log" 2>&1
+    (cd "$libdir" && timeout 60 "$test_bin" --fault) >"$out/fault.log" 2>&1
     rc=$?
     if [ $rc = 0 ] && grep -q "SKIPPED" "$out/fault.log"; then rc=77; fi
     grep -E "faulting job|next job|PASSED|FAILED" "$out/fault.log" | head -10

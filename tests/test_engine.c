@@ -124,6 +124,7 @@ static void fx_config(fx_t *f, attnd_kv_type_t kv, uint32_t blocks) {
   f->cfg.prefix_cache = 1;
   f->cfg.max_plans = 4;
   f->cfg.threads = 2;
+  f->cfg.engine_offload_bytes = ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES;
   snprintf(f->cfg.model_id, sizeof(f->cfg.model_id), "test-model");
   snprintf(f->cfg.state_dir, sizeof(f->cfg.state_dir), "%s", f->state_dir);
 }

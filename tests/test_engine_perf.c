@@ -82,6 +82,7 @@ static void test_decode_latency(void **state) {
   cfg.kv_memory = blocks * attnd_kv_block_bytes(&s) * LAYERS;
   cfg.prefix_cache = 1;
   cfg.threads = g_threads;
+  cfg.engine_offload_bytes = ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES;
   attnd_engine_t *e;
   char err[256];
   if (attnd_engine_init(&e, &loop, &cfg, err, sizeof(err)) != 0)

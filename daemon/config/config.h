@@ -1,8 +1,11 @@
-/* config.h: the daemon's configuration (DESIGN.md section 3).
+/* config.h: the daemon's configuration (docs/operations.md).
  *
  * Flags and config-file keys share names (`--kv-memory` <-> `kv-memory = ...`;
  * the file is INI-style, parsed with libinih). Precedence: built-in defaults,
- * then the config file, then flags. Everything is fixed at start. */
+ * then the config file, then flags. Everything is fixed at start, and this is
+ * the one place that reads options: no other part of the daemon looks at the
+ * environment for a setting. deploy/attnd.conf lists every key with its
+ * default; `attnd --help` prints them. */
 #ifndef ATTND_CONFIG_H
 #define ATTND_CONFIG_H
 
@@ -11,11 +14,19 @@
 
 #include "attnd_kernels.h"
 
+/* Defaults of the tuning options (the rest are set in attnd_config_defaults). */
+#define ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES ((uint64_t)1 << 20)
+#define ATTND_DEFAULT_RPC_REF_MIN ((uint64_t)64 << 10)
+#define ATTND_DEFAULT_CUDA_HOSTFN_MIN ((uint64_t)1 << 20)
+
 typedef enum { ATTND_BACKEND_AUTO = 0, ATTND_BACKEND_CPU = 1, ATTND_BACKEND_CUDA = 2 } attnd_backend_kind_t;
+
+/* How the CUDA backend learns that a job finished. */
+typedef enum { ATTND_COMPLETION_POLL = 0, ATTND_COMPLETION_CALLBACK = 1 } attnd_completion_t;
 
 typedef struct {
   /* Listeners. Empty strings disable a listener. */
-  char socket_path[256];    /* --socket; default per DESIGN.md section 3 */
+  char socket_path[256];    /* --socket; default per docs/operations.md */
   char listen[128];         /* --listen HOST:PORT, default 127.0.0.1:7411; port 0 picks one */
   char metrics[128];        /* --metrics HOST:PORT, default 127.0.0.1:7412 */
   attnd_backend_kind_t backend; /* --backend auto|cpu|cuda */
@@ -55,6 +66,22 @@ typedef struct {
   /* Require Hello{token} on every TCP connection, loopback included: on a host
    * shared with other users, loopback proves nothing about who connects. */
   int require_token;        /* --require-token, default false */
+
+  /* Tuning: thresholds and switches that change how work is done, never its
+   * result (docs/operations.md). */
+  uint64_t engine_offload_bytes; /* --engine-offload-bytes: steps with more q+k+v
+                                  * bytes are scanned for non-finite values on
+                                  * the worker pool, default 1M */
+  uint64_t rpc_ref_min;     /* --rpc-ref-min: step outputs this large are written
+                             * to the socket from the engine's buffer, default 64K */
+  int worker_threads;       /* --worker-threads: libuv worker pool size
+                             * (UV_THREADPOOL_SIZE), 0 = max(4, CPU workers) */
+  uint64_t cuda_pinned_max; /* --cuda-pinned-max: pinned staging cap, 0 = 1/8 of
+                             * host memory within [256M, 8G] */
+  uint64_t cuda_hostfn_min; /* --cuda-hostfn-min: q+k+v bytes copied to pinned
+                             * memory by a host function past this, default 1M */
+  attnd_completion_t cuda_completion; /* --cuda-completion poll|callback */
+  int cuda_trace;           /* --cuda-trace: log where steps' time goes */
 } attnd_config_t;
 
 /* Fills built-in defaults (environment-dependent paths included). */
@@ -69,5 +96,8 @@ int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen);
 int attnd_config_hostport(const char *s, char *host, size_t hostlen, int *port);
 /* The --help text. */
 const char *attnd_config_usage(void);
+/* The libuv worker pool size the options ask for (--worker-threads, or its
+ * default from --threads and the core count). */
+int attnd_config_worker_threads(const attnd_config_t *c);
 
 #endif /* ATTND_CONFIG_H */

@@ -1,4 +1,5 @@
-/* backend.h: where the attention math runs (CPU worker threads or a CUDA device).
+/* backend.h: where the attention math runs (CPU worker threads or a CUDA
+ * device): the job contract between the engine and the kernels.
  *
  * The engine owns sessions and block tables; a backend owns the KV pool memory
  * (all layers), the static scales' copies it needs, and execution. The engine
@@ -71,18 +72,37 @@ struct attnd_backend_s {
   size_t block_bytes;        /* attnd_kv_block_bytes(&shape) */
 };
 
-/* Creates the CPU backend with a pool of num_blocks blocks per layer.
- * threads = 0 uses every core. */
+/* How a backend is set up: sizes and tuning, filled by the engine from the
+ * daemon's options (docs/operations.md). attnd_backend_opts_defaults() gives
+ * the defaults of every field. */
+typedef struct {
+  uint64_t kv_memory; /* KV pool bytes, all layers; 0 = backend default (CPU
+                       * 1 GiB, CUDA 90% of free device memory) */
+  int threads;        /* CPU: worker parts per phase, 0 = one per core */
+  int device;         /* CUDA: device ordinal */
+  uint64_t cuda_pinned_max; /* CUDA: cap on pinned staging, 0 = 1/8 of host
+                             * memory within [256 MiB, 8 GiB] */
+  uint64_t cuda_hostfn_min; /* CUDA: q+k+v bytes above which their host copy
+                             * runs in a host function on the stream */
+  int cuda_callbacks;       /* CUDA: 1 = stream callbacks signal completion,
+                             * 0 = an event poller thread (default) */
+  int cuda_trace;           /* CUDA: 1 = log where steps' time goes */
+} attnd_backend_opts_t;
+
+void attnd_backend_opts_defaults(attnd_backend_opts_t *o);
+
+/* Creates the CPU backend; its pool holds as many blocks per layer as
+ * o->kv_memory allows. */
 int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
-                             int layers, uint64_t kv_memory, int threads, char *err,
+                             int layers, const attnd_backend_opts_t *o, char *err,
                              size_t errlen);
 /* 1 when a usable CUDA device exists (any error from cudaGetDeviceCount: 0).
  * Always 0 in builds without CUDA. */
 int attnd_backend_cuda_available(void);
-/* Creates the CUDA backend on a device; kv_memory 0 = 90% of free memory.
- * ATTND_EUNAVAIL in builds without CUDA or with no usable device. */
+/* Creates the CUDA backend on o->device. ATTND_EUNAVAIL in builds without
+ * CUDA or with no usable device. */
 int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
-                              int layers, uint64_t kv_memory, int device, char *err,
+                              int layers, const attnd_backend_opts_t *o, char *err,
                               size_t errlen);
 
 #endif /* ATTND_BACKEND_H */

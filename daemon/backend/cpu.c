@@ -1,4 +1,4 @@
-/* backend_cpu.c: the CPU backend (backend.h) on libuv's thread pool.
+/* cpu.c: the CPU backend (backend.h) on libuv's worker pool.
  *
  * A STEP job runs in two phases, each split into nparts uv_queue_work
  * requests (one per core): attnd_cpu_write for every part, then, once all of
@@ -8,15 +8,13 @@
  * writes of the ones before it; different layers run concurrently. COPY jobs
  * memcpy whole blocks (the canonical layout makes a block one byte range).
  *
- * libuv sizes its pool (UV_THREADPOOL_SIZE, default 4) when it is first used,
- * so create sets the variable to the core count when the user has not; a
- * process that used the pool before keeps its size (still correct, slower). */
+ * The pool's size is the daemon's --worker-threads (main.c sets it before
+ * libuv first uses the pool); more parts than workers is still correct. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "base.h"
+#include "internal.h"
 
 typedef struct run_s run_t;
 
@@ -64,10 +62,6 @@ struct cpu_backend_s {
   int inflight;
 };
 
-static uint64_t now_us(void) {
-  return uv_hrtime() / 1000;
-}
-
 static void run_start(run_t *r);
 
 static void part_work(uv_work_t *w) {
@@ -93,7 +87,7 @@ static void run_finish(run_t *r) {
   cpu_backend_t *be = r->be;
   attnd_job_t *job = r->job;
   layer_q_t *q = &be->lq[job->layer];
-  job->t_end_us = now_us();
+  job->t_end_us = attnd_backend_now_us();
   job->status = r->rc;
   if (r->rc)
     snprintf(job->message, sizeof(job->message), "cpu backend: %s", attnd_strerror(r->rc));
@@ -117,7 +111,7 @@ static void part_done(uv_work_t *w, int status) {
   if (status != 0 && !r->rc)
     r->rc = ATTND_EINTERNAL;
   if (p->rc != 0 && !r->rc)
-    r->rc = ATTND_EINTERNAL;
+    r->rc = attnd_err_from_kernel(p->rc);
   if (r->inject && !r->rc)
     r->rc = ATTND_EABORTED;
   if (--r->remaining > 0)
@@ -152,7 +146,7 @@ static void submit_phase(run_t *r) {
 static void run_start(run_t *r) {
   attnd_job_t *job = r->job;
   cpu_backend_t *be = r->be;
-  job->t_start_us = now_us();
+  job->t_start_us = attnd_backend_now_us();
   if (job->kind == ATTND_JOB_COPY) {
     r->phase = 2;
     r->nparts = 1;
@@ -201,7 +195,7 @@ static int cpu_submit(attnd_backend_t *base, attnd_job_t *job) {
   r->job = job;
   job->status = 0;
   job->message[0] = 0;
-  job->t_submit_us = now_us();
+  job->t_submit_us = attnd_backend_now_us();
   job->t_start_us = job->t_end_us = 0;
   be->inflight++;
   layer_q_t *q = &be->lq[job->layer];
@@ -291,8 +285,10 @@ static const attnd_backend_ops_t cpu_ops = {
 };
 
 int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
-                             int layers, uint64_t kv_memory, int threads, char *err,
+                             int layers, const attnd_backend_opts_t *o, char *err,
                              size_t errlen) {
+  uint64_t kv_memory = o->kv_memory;
+  int threads = o->threads;
   if (attnd_kshape_check(s) != 0 || layers <= 0) {
     snprintf(err, errlen, "unsupported model shape for the CPU kernels");
     return ATTND_EINVAL;
@@ -302,11 +298,6 @@ int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd
     cores = 1;
   if (threads <= 0)
     threads = cores;
-  if (!getenv("UV_THREADPOOL_SIZE")) {
-    char v[16];
-    snprintf(v, sizeof(v), "%d", threads < 4 ? 4 : threads);
-    setenv("UV_THREADPOOL_SIZE", v, 0);
-  }
   if (!kv_memory)
     kv_memory = 1ull << 30;
   size_t bb = attnd_kv_block_bytes(s);
