@@ -51,7 +51,7 @@ struct attnd_rpc_req_s {
   u32vec_t open_tokens;
   attnd_step_req_t step;
   attnd_scales_req_t scales;
-  int decode_failed; /* a callback failed for a reason of ours (message set) */
+  int decode_failed; /* a callback failed for a reason of ours: its ATTND_E* (msg set) */
   char msg[200];
 };
 
@@ -421,7 +421,7 @@ static int tensor_finish(attnd_tensor_t *t, bool has, const attnd_v1_Tensor *pb,
   if (!has)
     return 0;
   t->present = 1;
-  t->dtype = (int)pb->dtype;
+  t->dtype = (attnd_dtype_t)pb->dtype;
   t->ndim = (int)pb->shape_count;
   t->data = data;
   t->nbytes = nbytes;
@@ -457,6 +457,94 @@ static int tensor_finish(attnd_tensor_t *t, bool has, const attnd_v1_Tensor *pb,
   return 0;
 }
 
+/* An item's mask in the kernels' form (engine.h attnd_mask_t). A document
+ * mask becomes intervals: the keys of a document are hidden from every row
+ * after it (causal hides them from the rows before it). Interval arrays are
+ * the request's own (aligned copies), freed with it. */
+static int expand_mask(const attnd_config_t *cfg, attnd_item_t *x, uint32_t i, int kind,
+                       const attnd_v1_Mask *m, const attnd_tensor_t *doc, const attnd_tensor_t *iv,
+                       char *msg, size_t msglen) {
+  uint64_t kv_len = (uint64_t)x->start + x->n;
+  attnd_mask_t *mk = &x->mask;
+  mk->causal = 1;
+  switch (kind) {
+  case attnd_v1_Mask_Kind_CAUSAL:
+    mk->kind = ATTND_MASK_CAUSAL;
+    return 0;
+  case attnd_v1_Mask_Kind_FULL:
+    mk->kind = ATTND_MASK_FULL;
+    return 0;
+  case attnd_v1_Mask_Kind_SLIDING_WINDOW:
+    if (m->window == 0 || m->window > INT32_MAX) {
+      snprintf(msg, msglen, "item %u: sliding window must be >= 1", i);
+      return ATTND_EINVAL;
+    }
+    mk->kind = ATTND_MASK_SLIDING;
+    mk->param = (int32_t)m->window;
+    return 0;
+  case attnd_v1_Mask_Kind_PREFIX_LM:
+    mk->kind = ATTND_MASK_PREFIX_LM;
+    mk->param = m->prefix_len > INT32_MAX ? INT32_MAX : (int32_t)m->prefix_len;
+    return 0;
+  case attnd_v1_Mask_Kind_DOCUMENT:
+  case attnd_v1_Mask_Kind_CUSTOM:
+    break;
+  default:
+    snprintf(msg, msglen, "item %u: unknown mask kind %d", i, kind);
+    return ATTND_EINVAL;
+  }
+  /* Intervals are as long as the item's context: never past max_context,
+   * so a small frame cannot make the daemon allocate gigabytes. */
+  if (kv_len > (uint64_t)cfg->max_context) {
+    snprintf(msg, msglen, "item %u: start+n %llu > max_context %d", i, (unsigned long long)kv_len,
+             cfg->max_context);
+    return ATTND_ERANGE;
+  }
+  mk->kind = ATTND_MASK_INTERVALS;
+  mk->intervals_len = (uint32_t)kv_len;
+  if (kind == attnd_v1_Mask_Kind_CUSTOM) {
+    if (!iv->present || iv->dtype != ATTND_DT_INT32 || iv->ndim != 2 || iv->shape[0] != 4 ||
+        iv->shape[1] != kv_len || iv->nbytes != 16 * kv_len || !iv->data) {
+      snprintf(msg, msglen, "item %u: intervals must be INT32 [4, %llu]", i,
+               (unsigned long long)kv_len);
+      return ATTND_EINVAL;
+    }
+    int32_t *v = attnd_xmalloc(16 * kv_len);
+    memcpy(v, iv->data, 16 * kv_len);
+    mk->intervals = v;
+    mk->causal = !m->bidirectional;
+    return 0;
+  }
+  if (!doc->present || doc->dtype != ATTND_DT_INT32 || doc->ndim != 1 || doc->shape[0] == 0 ||
+      doc->nbytes != (size_t)doc->shape[0] * 4 || !doc->data) {
+    snprintf(msg, msglen, "item %u: doc_lengths must be INT32 [ndocs]", i);
+    return ATTND_EINVAL;
+  }
+  int32_t *v = attnd_xcalloc(4 * kv_len, sizeof(int32_t));
+  mk->intervals = v;
+  int64_t pos = 0;
+  for (uint32_t d = 0; d < doc->shape[0]; d++) {
+    int32_t dl;
+    memcpy(&dl, doc->data + 4 * (size_t)d, 4);
+    if (dl < 0 || pos + dl > (int64_t)kv_len) {
+      snprintf(msg, msglen, "item %u: doc lengths do not sum to kv_len %llu", i,
+               (unsigned long long)kv_len);
+      return ATTND_EINVAL;
+    }
+    for (int64_t j = pos; j < pos + dl; j++) {
+      v[j] = (int32_t)(pos + dl);
+      v[kv_len + j] = (int32_t)kv_len;
+    }
+    pos += dl;
+  }
+  if (pos != (int64_t)kv_len) {
+    snprintf(msg, msglen, "item %u: doc lengths sum to %lld, not kv_len %llu", i, (long long)pos,
+             (unsigned long long)kv_len);
+    return ATTND_EINVAL;
+  }
+  return 0;
+}
+
 static bool dec_item_cb(pb_istream_t *s, const pb_field_t *f, void **arg) {
   attnd_rpc_req_t *q = *arg;
   attnd_v1_Item it = attnd_v1_Item_init_zero;
@@ -480,31 +568,35 @@ static bool dec_item_cb(pb_istream_t *s, const pb_field_t *f, void **arg) {
   x->start = it.start;
   x->n = it.n;
   x->kv_only = it.kv_only;
-  x->mask_kind = it.has_mask ? (int)it.mask.kind : ATTND_WMASK_CAUSAL;
-  x->window = it.mask.window;
-  x->prefix_len = it.mask.prefix_len;
-  x->bidirectional = it.mask.bidirectional;
+  x->mask.kind = ATTND_MASK_CAUSAL;
   x->tokens = tok.v;
   x->ntokens = tok.n;
   char name[48];
-  x->doc_lengths = doc;
-  x->intervals = iv;
+  attnd_tensor_t docs = doc, ivs = iv;
   snprintf(name, sizeof(name), "item %u: mask doc_lengths", q->nitems - 1);
-  if (!q->decode_failed && tensor_finish(&x->doc_lengths, it.has_mask && it.mask.has_doc_lengths,
+  if (!q->decode_failed && tensor_finish(&docs, it.has_mask && it.mask.has_doc_lengths,
                                          &it.mask.doc_lengths, name, q->msg, sizeof(q->msg)))
-    q->decode_failed = 1;
+    q->decode_failed = ATTND_EINVAL;
   snprintf(name, sizeof(name), "item %u: mask intervals", q->nitems - 1);
-  if (!q->decode_failed && tensor_finish(&x->intervals, it.has_mask && it.mask.has_intervals,
+  if (!q->decode_failed && tensor_finish(&ivs, it.has_mask && it.mask.has_intervals,
                                          &it.mask.intervals, name, q->msg, sizeof(q->msg)))
-    q->decode_failed = 1;
+    q->decode_failed = ATTND_EINVAL;
+  if (!q->decode_failed) {
+    int rc = expand_mask(q->conn->rpc->cfg, x, q->nitems - 1, it.has_mask ? (int)it.mask.kind : 0,
+                         &it.mask, &docs, &ivs, q->msg, sizeof(q->msg));
+    if (rc)
+      q->decode_failed = rc;
+  }
   return true;
 }
 
 /* ---- requests ------------------------------------------------------------ */
 
 static void req_free(attnd_rpc_req_t *q) {
-  for (uint32_t i = 0; i < q->nitems; i++)
+  for (uint32_t i = 0; i < q->nitems; i++) {
     free((void *)q->items[i].tokens);
+    free((void *)q->items[i].mask.intervals);
+  }
   free(q->items);
   free(q->open_tokens.v);
   free(q->frame);
@@ -551,7 +643,7 @@ static int items_kind(const attnd_item_t *it, uint32_t n) {
 }
 
 /* The engine finished a call: answer (unless the client left) and let go. */
-static void engine_done_cb(void *arg, const attnd_result_t *res) {
+static void engine_done_cb(void *arg, attnd_result_t *res) {
   attnd_rpc_req_t *q = arg;
   attnd_rpc_conn_t *c = q->conn;
   attnd_rpc_t *r = c->rpc;
@@ -641,30 +733,33 @@ static void engine_done_cb(void *arg, const attnd_result_t *res) {
     memset(&sc, 0, sizeof(sc));
     if (c->sendv && q->method == ATTND_M_STEP && !res->status) {
       /* Large tensors by reference (see send_response_refs). */
-      if (out.p && out.n >= r->ref_min && res->out_taken) {
+      if (out.p && out.n >= r->ref_min) {
         sc.refp[sc.nref] = out.p;
         sc.refn[sc.nref] = out.n;
         sc.ref_free[sc.nref++] = (void *)out.p;
       }
-      if (lse.p && lse.n >= r->ref_min && res->lse_taken) {
+      if (lse.p && lse.n >= r->ref_min) {
         sc.refp[sc.nref] = lse.p;
         sc.refn[sc.nref] = lse.n;
         sc.ref_free[sc.nref++] = (void *)lse.p;
       }
     }
     if (sc.nref > 0 && send_response_refs(c, &resp, q->t0_ns, &sc)) {
+      /* The pieces the transport took are its to free. */
       for (int i = 0; i < sc.nref; i++) {
         if (sc.ref_free[i])
-          continue; /* not referenced after all: still the engine's */
+          continue; /* not referenced after all: still ours */
         if (sc.refp[i] == res->out)
-          *res->out_taken = 1;
+          res->out = NULL;
         else
-          *res->lse_taken = 1;
+          res->lse = NULL;
       }
     } else {
       send_response(c, &resp, q->t0_ns, 0);
     }
   }
+  free(res->out);
+  free(res->lse);
   req_unlink(c, q);
   req_free(q);
   if (c->closed) {
@@ -980,7 +1075,7 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
     if (q->decode_failed) {
       char msg[220];
       snprintf(msg, sizeof(msg), "%s", q->msg);
-      fail_req(c, q, ATTND_EINVAL, msg, 0);
+      fail_req(c, q, q->decode_failed, msg, 0);
       return;
     }
     req_link(c, q);
@@ -999,19 +1094,19 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
       break;
     char msg[220];
     int bad = q->decode_failed;
-    if (!bad)
-      bad = tensor_finish(&st->q, m.has_q, &m.q, "q", q->msg, sizeof(q->msg)) ||
-            tensor_finish(&st->k, m.has_k, &m.k, "k", q->msg, sizeof(q->msg)) ||
-            tensor_finish(&st->v, m.has_v, &m.v, "v", q->msg, sizeof(q->msg));
+    if (!bad && (tensor_finish(&st->q, m.has_q, &m.q, "q", q->msg, sizeof(q->msg)) ||
+                 tensor_finish(&st->k, m.has_k, &m.k, "k", q->msg, sizeof(q->msg)) ||
+                 tensor_finish(&st->v, m.has_v, &m.v, "v", q->msg, sizeof(q->msg))))
+      bad = ATTND_EINVAL;
     if (!bad && m.plan != 0 && q->nitems != 0) {
       snprintf(q->msg, sizeof(q->msg),
                "step: names plan %llu and carries %u inline items; give one",
                (unsigned long long)m.plan, q->nitems);
-      bad = 1;
+      bad = ATTND_EINVAL;
     }
     if (bad) {
       snprintf(msg, sizeof(msg), "%s", q->msg);
-      fail_req(c, q, ATTND_EINVAL, msg, 0);
+      fail_req(c, q, bad, msg, 0);
       return;
     }
     st->layer = m.layer;

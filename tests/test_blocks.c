@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <cmocka.h>
 
-#include "blocks.h"
+#include "internal.h" /* daemon/engine: the engine's private modules */
 
 static void check(const attnd_blocks_t *p) {
   char err[256];

@@ -21,9 +21,13 @@
 #include "engine.h"
 #include "base.h"
 #include "oracle.h"
-#include "prefix.h"
+#include "internal.h" /* daemon/engine: the engine's private modules */
 
 enum { LAYERS = 3, QH = 4, KVH = 2, HD = 64, BS = 16, MAXCTX = 1024, MAXSIM = 8 };
+
+/* The masks a test item asks for, as a client would name them. The RPC layer
+ * expands them into the engine's (kernel) form; build_items does it here. */
+enum { MK_CAUSAL = 0, MK_FULL, MK_SLIDING, MK_DOCUMENT, MK_PREFIX_LM, MK_CUSTOM };
 
 typedef struct {
   uint64_t id;
@@ -50,23 +54,20 @@ typedef struct {
   float *lse;
 } res_t;
 
-static void on_done(void *arg, const attnd_result_t *r) {
+/* Takes the result, outputs included (they are the callback's). */
+static void on_done(void *arg, attnd_result_t *r) {
   res_t *x = arg;
   x->r = *r;
   x->r.out = NULL;
   x->r.lse = NULL;
   free(x->out);
   free(x->lse);
-  x->out = NULL;
-  x->lse = NULL;
-  if (r->out_bytes) {
-    x->out = malloc(r->out_bytes);
-    memcpy(x->out, r->out, r->out_bytes);
-  }
-  if (r->lse_bytes) {
-    x->lse = malloc(r->lse_bytes);
-    memcpy(x->lse, r->lse, r->lse_bytes);
-  }
+  x->out = r->out_bytes ? r->out : NULL;
+  x->lse = r->lse_bytes ? r->lse : NULL;
+  if (!r->out_bytes)
+    free(r->out);
+  if (!r->lse_bytes)
+    free(r->lse);
   x->done = 1;
 }
 
@@ -281,7 +282,7 @@ typedef struct {
   sim_t *sim;
   uint32_t start, n;
   int kv_only;
-  int mask; /* ATTND_WMASK_* */
+  int mask; /* MK_* */
   uint32_t param;
   int bidirectional;
   int32_t docs[4];
@@ -304,9 +305,14 @@ static void det_kv(int stream, uint32_t pos, int layer, uint16_t *k, uint16_t *v
 
 typedef struct {
   attnd_item_t items[MAXSIM];
-  int32_t docbuf[MAXSIM][4];
+  int32_t *iv[MAXSIM]; /* the items' intervals (document and custom masks) */
 } itembuf_t;
 
+static void oracle_mask(const spec_t *s, int *kind, int *param, int *causal, int32_t **iv);
+
+/* The engine's items for specs: masks in the kernels' form, a document mask
+ * expanded as the RPC layer would (the oracle's own expansion, which
+ * tests/test_rpc.c checks the RPC layer's against). */
 static void build_items(const spec_t *sp, int n, itembuf_t *ib) {
   memset(ib, 0, sizeof(*ib));
   for (int i = 0; i < n; i++) {
@@ -315,32 +321,22 @@ static void build_items(const spec_t *sp, int n, itembuf_t *ib) {
     it->start = sp[i].start;
     it->n = sp[i].n;
     it->kv_only = sp[i].kv_only;
-    it->mask_kind = sp[i].mask;
-    it->window = sp[i].param;
-    it->prefix_len = sp[i].param;
-    it->bidirectional = sp[i].bidirectional;
+    int kind, param, causal;
+    oracle_mask(&sp[i], &kind, &param, &causal, &ib->iv[i]);
+    it->mask.kind = (attnd_mask_kind_t)kind;
+    it->mask.param = param;
+    it->mask.causal = causal;
+    it->mask.intervals = ib->iv[i];
+    it->mask.intervals_len = ib->iv[i] ? sp[i].start + sp[i].n : 0;
     it->tokens = &sp[i].sim->tokens[sp[i].start];
     it->ntokens = sp[i].n;
-    if (sp[i].mask == ATTND_WMASK_DOCUMENT) {
-      memcpy(ib->docbuf[i], sp[i].docs, sizeof(sp[i].docs));
-      it->doc_lengths = (attnd_tensor_t){.present = 1,
-                                         .dtype = ATTND_DT_INT32,
-                                         .ndim = 1,
-                                         .data = (uint8_t *)ib->docbuf[i],
-                                         .nbytes = 4 * (size_t)sp[i].ndocs};
-      it->doc_lengths.shape[0] = (uint32_t)sp[i].ndocs;
-    }
-    if (sp[i].mask == ATTND_WMASK_CUSTOM) {
-      uint32_t kv = sp[i].start + sp[i].n;
-      it->intervals = (attnd_tensor_t){.present = 1,
-                                       .dtype = ATTND_DT_INT32,
-                                       .ndim = 2,
-                                       .data = (uint8_t *)sp[i].intervals,
-                                       .nbytes = 16 * kv};
-      it->intervals.shape[0] = 4;
-      it->intervals.shape[1] = kv;
-    }
   }
+}
+
+static void ib_free(itembuf_t *ib) {
+  for (int i = 0; i < MAXSIM; i++)
+    free(ib->iv[i]);
+  memset(ib->iv, 0, sizeof(ib->iv));
 }
 
 static int make_plan(fx_t *f, const spec_t *sp, int n, uint64_t conn, uint64_t *plan, char *msg) {
@@ -349,6 +345,7 @@ static int make_plan(fx_t *f, const spec_t *sp, int n, uint64_t conn, uint64_t *
   res_t x = {0};
   attnd_engine_plan(f->e, 1, conn, ib.items, (uint32_t)n, on_done, &x);
   wait_res(f, &x);
+  ib_free(&ib);
   *plan = x.r.plan;
   if (msg)
     snprintf(msg, 256, "%s", x.r.message);
@@ -367,22 +364,22 @@ static void oracle_mask(const spec_t *s, int *kind, int *param, int *causal, int
   *causal = 1;
   *param = 0;
   switch (s->mask) {
-  case ATTND_WMASK_CAUSAL:
+  case MK_CAUSAL:
     *kind = ATTND_MASK_CAUSAL;
     break;
-  case ATTND_WMASK_FULL:
+  case MK_FULL:
     *kind = ATTND_MASK_FULL;
     break;
-  case ATTND_WMASK_SLIDING_WINDOW:
+  case MK_SLIDING:
     *kind = ATTND_MASK_SLIDING;
     *param = (int)s->param;
     break;
-  case ATTND_WMASK_PREFIX_LM:
+  case MK_PREFIX_LM:
     *kind = ATTND_MASK_PREFIX_LM;
     *param = (int)s->param;
     break;
-  case ATTND_WMASK_DOCUMENT: {
-    /* Independent of the engine's expansion: mask row p from key j when
+  case MK_DOCUMENT: {
+    /* Independent of the RPC layer's expansion: mask row p from key j when
      * they lie in different documents (causal handles the rest), written as
      * one interval per key: rows from the key's document end onwards. */
     *kind = ATTND_MASK_INTERVALS;
@@ -397,7 +394,7 @@ static void oracle_mask(const spec_t *s, int *kind, int *param, int *causal, int
     }
     break;
   }
-  case ATTND_WMASK_CUSTOM:
+  case MK_CUSTOM:
     *kind = ATTND_MASK_INTERVALS;
     *causal = !s->bidirectional;
     *iv = calloc(4 * kv, sizeof(int32_t));
@@ -443,6 +440,7 @@ static void pend_release(pend_t *pd) {
   for (int i = 0; i < MAXSIM; i++)
     free(pd->tok[i]);
   memset(pd->tok, 0, sizeof(pd->tok));
+  ib_free(&pd->ib);
 }
 
 /* Submits one step (inline when plan == 0) with fresh random q/k/v. */
@@ -710,11 +708,11 @@ static void test_mixed_batch(void **state) {
   /* Prefill with different masks in one plan. */
   spec_t p[4] = {
       {.sim = s[0], .start = 0, .n = 37},
-      {.sim = s[1], .start = 0, .n = 20, .mask = ATTND_WMASK_SLIDING_WINDOW, .param = 7},
+      {.sim = s[1], .start = 0, .n = 20, .mask = MK_SLIDING, .param = 7},
       {.sim = s[2],
        .start = 0,
        .n = 33,
-       .mask = ATTND_WMASK_DOCUMENT,
+       .mask = MK_DOCUMENT,
        .ndocs = 3,
        .docs = {10, 15, 8}},
       {.sim = s[3], .start = 0, .n = 18, .kv_only = 1},
@@ -737,13 +735,13 @@ static void test_mixed_batch(void **state) {
         {.sim = s[1],
          .start = 20 + 5 * (uint32_t)round,
          .n = 5,
-         .mask = ATTND_WMASK_PREFIX_LM,
+         .mask = MK_PREFIX_LM,
          .param = 12},
-        {.sim = s[2], .start = 33 + (uint32_t)round, .n = 1, .mask = ATTND_WMASK_FULL},
+        {.sim = s[2], .start = 33 + (uint32_t)round, .n = 1, .mask = MK_FULL},
         {.sim = s[3],
          .start = 18,
          .n = 9,
-         .mask = ATTND_WMASK_CUSTOM,
+         .mask = MK_CUSTOM,
          .intervals = iv,
          .bidirectional = round == 1},
     };
@@ -821,35 +819,39 @@ static void test_invalid_leave_state(void **state) {
   /* k with more rows than the items. */
   stepopt_t br = {.bad_rows = 1, .wrong_token_item = -1};
   expect(f, step_ex(f, 0, s7, 2, 0, 1, &br, msg, NULL), ATTND_EINVAL, msg, "shape");
-  /* Masks: window 0, documents not summing to kv_len, intervals start > end. */
-  spec_t s8[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_SLIDING_WINDOW}};
+  /* Masks: window 0, intervals start > end, intervals of the wrong length,
+   * an unknown kind. (Documents that do not sum to kv_len never reach the
+   * engine: the RPC layer refuses them while expanding; test_rpc.c.) */
+  spec_t s8[2] = {good, {.sim = a, .start = 12, .n = 2, .mask = MK_SLIDING}};
   expect(f, step_ex(f, 0, s8, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
-  spec_t s9[2] = {
-      good,
-      {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_DOCUMENT, .ndocs = 2, .docs = {5, 5}}};
-  expect(f, step_ex(f, 0, s9, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
   int32_t iv[4 * 14] = {0};
   iv[3] = 5; /* lts[3] = 5 > lte[3] = 0 */
   spec_t s10[2] = {good,
-                   {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_CUSTOM, .intervals = iv}};
+                   {.sim = a, .start = 12, .n = 2, .mask = MK_CUSTOM, .intervals = iv}};
   expect(f, step_ex(f, 0, s10, 2, 0, 1, NULL, msg, NULL), ATTND_EINVAL, msg, "item 1");
   /* Intervals of the wrong length (for kv_len 13 instead of 14). */
   {
     itembuf_t ib;
     spec_t s12[2] = {good,
-                     {.sim = a, .start = 12, .n = 2, .mask = ATTND_WMASK_CUSTOM, .intervals = iv}};
+                     {.sim = a, .start = 12, .n = 2, .mask = MK_CUSTOM, .intervals = iv}};
     build_items(s12, 2, &ib);
-    ib.items[1].intervals.shape[1] = 13;
-    ib.items[1].intervals.nbytes = 16 * 13;
+    ib.items[1].mask.intervals_len = 13;
     res_t x = {0};
     attnd_engine_plan(f->e, 1, 1, ib.items, 2, on_done, &x);
     wait_res(f, &x);
     expect(f, x.r.status, ATTND_EINVAL, x.r.message, "item 1: intervals");
+    ib.items[1].mask.intervals_len = 14;
+    ib.items[1].mask.kind = (attnd_mask_kind_t)99;
+    res_t z = {0};
+    attnd_engine_plan(f->e, 1, 1, ib.items, 2, on_done, &z);
+    wait_res(f, &z);
+    expect(f, z.r.status, ATTND_EINVAL, z.r.message, "item 1: unknown mask kind");
     /* Steps of another identity. */
     res_t y = {0};
     attnd_engine_plan(f->e, 2, 1, ib.items, 1, on_done, &y);
     wait_res(f, &y);
     expect(f, y.r.status, ATTND_EPERM, y.r.message, "item 0");
+    ib_free(&ib);
   }
   /* Unknown session, other identity. */
   sim_t ghost = {.id = 0x1234};
@@ -1725,12 +1727,14 @@ typedef struct {
   attnd_result_t r;
 } cnt_t;
 
-static void on_count(void *arg, const attnd_result_t *r) {
+static void on_count(void *arg, attnd_result_t *r) {
   cnt_t *c = arg;
   c->calls++;
   c->r = *r;
   c->r.out = NULL;
   c->r.lse = NULL;
+  free(r->out);
+  free(r->lse);
 }
 
 /* A large step followed at once, without waiting, by calls that depend on it

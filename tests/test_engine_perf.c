@@ -26,8 +26,10 @@ typedef struct {
   char msg[256];
 } res_t;
 
-static void on_done(void *arg, const attnd_result_t *r) {
+static void on_done(void *arg, attnd_result_t *r) {
   res_t *x = arg;
+  free(r->out);
+  free(r->lse);
   x->status = r->status;
   x->plan = r->plan;
   snprintf(x->msg, sizeof(x->msg), "%s", r->message);

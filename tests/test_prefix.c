@@ -7,7 +7,7 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "prefix.h"
+#include "internal.h" /* daemon/engine: the engine's private modules */
 
 enum { BS = 4 };
 

@@ -43,6 +43,10 @@ static struct {
   uint64_t closed_conn;
   uint64_t next_plan;
   uint8_t echo[4096];
+  /* What the last plan saw: its items' masks, intervals copied. */
+  int plans;
+  attnd_mask_t plan_mask[8];
+  int32_t plan_iv[8][4 * 64];
 } fe;
 
 int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_t *cfg, char *err,
@@ -78,7 +82,7 @@ uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_
   return 2;
 }
 
-static void finish(attnd_engine_done_cb cb, void *arg, const attnd_result_t *r) {
+static void finish(attnd_engine_done_cb cb, void *arg, attnd_result_t *r) {
   if (fe.hold) {
     assert_true(fe.nheld < 16);
     fe.held[fe.nheld].cb = cb;
@@ -138,6 +142,12 @@ void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
                        void *arg) {
   attnd_result_t r;
   memset(&r, 0, sizeof(r));
+  fe.plans++;
+  for (uint32_t i = 0; i < nitems && i < 8; i++) {
+    fe.plan_mask[i] = items[i].mask;
+    if (items[i].mask.intervals && items[i].mask.intervals_len <= 64)
+      memcpy(fe.plan_iv[i], items[i].mask.intervals, 16 * (size_t)items[i].mask.intervals_len);
+  }
   r.plan = ++fe.next_plan;
   finish(cb, arg, &r);
 }
@@ -155,21 +165,21 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   fe.step_in_frame =
       !req->q.present || (req->q.data >= fe.frame_lo && req->q.data + req->q.nbytes <= fe.frame_hi);
   if (req->q.present) {
-    /* Echo q as the output. */
+    /* Echo q as the output (owned by the callback, as the engine's is). */
     memcpy(fe.echo, req->q.data, req->q.nbytes);
-    r.out = fe.echo;
+    r.out = malloc(req->q.nbytes);
+    memcpy(r.out, fe.echo, req->q.nbytes);
     r.out_bytes = req->q.nbytes;
     r.out_dtype = req->q.dtype;
     r.out_rows = req->q.shape[0];
   }
   if (req->want_lse) {
-    static float lse[4096];
-    for (int i = 0; i < 4096; i++)
-      lse[i] = (float)i;
-    r.lse = lse;
     r.lse_bytes = r.out_rows * 2 * sizeof(float);
-    if (r.lse_bytes > sizeof(lse))
-      r.lse_bytes = sizeof(lse);
+    if (r.lse_bytes > 4096 * sizeof(float))
+      r.lse_bytes = 4096 * sizeof(float);
+    r.lse = malloc(r.lse_bytes ? r.lse_bytes : 1);
+    for (size_t i = 0; i < r.lse_bytes / sizeof(float); i++)
+      r.lse[i] = (float)i;
   }
   finish(cb, arg, &r);
 }
@@ -494,7 +504,7 @@ static void put_item(pbw_t *w, uint32_t field, uint64_t session, uint32_t start,
   }
   pbw_t mask;
   pbw_init(&mask);
-  pbw_uint(&mask, 1, ATTND_WMASK_SLIDING_WINDOW);
+  pbw_uint(&mask, 1, attnd_v1_Mask_Kind_SLIDING_WINDOW);
   pbw_uint(&mask, 2, 8);
   pbw_sub(&it, 5, &mask);
   pbw_sub(w, field, &it);
@@ -534,8 +544,8 @@ static void test_step_zero_copy(void **state) {
   assert_int_equal(fe.tokens[0][0], 510);
   assert_int_equal(fe.items[1].ntokens, 3);
   assert_int_equal(fe.tokens[1][2], 502);
-  assert_int_equal(fe.items[1].mask_kind, ATTND_WMASK_SLIDING_WINDOW);
-  assert_int_equal(fe.items[1].window, 8);
+  assert_int_equal(fe.items[1].mask.kind, ATTND_MASK_SLIDING);
+  assert_int_equal(fe.items[1].mask.param, 8);
   assert_int_equal(fe.step.q.ndim, 3);
   assert_int_equal(fe.step.q.shape[0], 4);
   assert_int_equal(fe.step.k.nbytes, sizeof(kv));
@@ -860,6 +870,102 @@ static void test_fuzz_requests(void **state) {
   assert_int_equal(f->rpc.inflight, 0);
 }
 
+
+/* One Plan item with a mask: kind, then (for DOCUMENT) doc_lengths or (for
+ * CUSTOM) an INT32 intervals tensor of the given shape. */
+static void put_mask_item(pbw_t *w, uint32_t start, uint32_t n, int kind, uint32_t window,
+                          const int32_t *vals, uint32_t nvals, const uint32_t *shape, int ndim) {
+  pbw_t it, tok, mask;
+  pbw_init(&it);
+  pbw_fixed64(&it, 1, 0x1111);
+  pbw_uint(&it, 2, start);
+  pbw_uint(&it, 3, n);
+  pbw_init(&tok);
+  for (uint32_t i = 0; i < n; i++)
+    pbw_varint(&tok, 7);
+  pbw_sub(&it, 6, &tok);
+  pbw_init(&mask);
+  pbw_uint(&mask, 1, (uint64_t)kind);
+  if (window)
+    pbw_uint(&mask, 2, window);
+  if (vals)
+    pbw_tensor(&mask, kind == attnd_v1_Mask_Kind_DOCUMENT ? 4 : 5, attnd_v1_DType_DTYPE_INT32,
+               shape, ndim, vals, 4 * (size_t)nvals);
+  pbw_sub(&it, 5, &mask);
+  pbw_sub(w, 1, &it);
+}
+
+/* Masks are expanded into the kernels' form while decoding: a document mask
+ * hides exactly the keys of other documents from each row (causal does the
+ * rest), and a mask that cannot be expanded is refused before the engine
+ * sees the call, naming the item. */
+static void test_mask_expansion(void **state) {
+  fix_t *f = *state;
+  tconn_t t;
+  attnd_v1_Response r;
+  tconn_init(f, &t, 1000, 0);
+  int32_t docs[2] = {5, 9};
+  uint32_t dshape[1] = {2};
+  pbw_t p;
+  pbw_init(&p);
+  put_mask_item(&p, 0, 14, attnd_v1_Mask_Kind_DOCUMENT, 0, docs, 2, dshape, 1);
+  send_call(&t, 1, attnd_v1_Request_plan_tag, &p);
+  resp(&t, 0, &r);
+  assert_int_equal(r.status.code, 0);
+  assert_int_equal(fe.plans, 1);
+  const attnd_mask_t *m = &fe.plan_mask[0];
+  assert_int_equal(m->kind, ATTND_MASK_INTERVALS);
+  assert_int_equal(m->causal, 1);
+  assert_int_equal(m->intervals_len, 14);
+  const int32_t *iv = fe.plan_iv[0];
+  for (int pr = 0; pr < 14; pr++)
+    for (int j = 0; j <= pr; j++) {
+      int masked = (iv[j] <= pr && pr < iv[14 + j]) || (iv[28 + j] <= pr && pr < iv[42 + j]);
+      int other_doc = (j < 5) != (pr < 5);
+      if (masked != other_doc)
+        fail_msg("row %d key %d: masked %d, other document %d", pr, j, masked, other_doc);
+    }
+  /* Refused while decoding, the engine never called. */
+  struct {
+    int kind;
+    uint32_t start, n, window;
+    const int32_t *vals;
+    uint32_t nvals, shape[2];
+    int ndim, code;
+    const char *needle;
+  } bad[] = {
+      /* Documents that do not sum to kv_len (14). */
+      {attnd_v1_Mask_Kind_DOCUMENT, 12, 2, 0, (int32_t[]){5, 5}, 2, {2}, 1,
+       attnd_v1_Status_Code_INVALID_ARGUMENT, "item 1: doc lengths"},
+      {attnd_v1_Mask_Kind_DOCUMENT, 12, 2, 0, (int32_t[]){20}, 1, {1}, 1,
+       attnd_v1_Status_Code_INVALID_ARGUMENT, "item 1: doc lengths"},
+      {attnd_v1_Mask_Kind_DOCUMENT, 12, 2, 0, NULL, 0, {0}, 0,
+       attnd_v1_Status_Code_INVALID_ARGUMENT, "item 1: doc_lengths must be"},
+      /* Intervals past max_context are never allocated. */
+      {attnd_v1_Mask_Kind_DOCUMENT, (uint32_t)f->cfg.max_context, 1, 0, (int32_t[]){1}, 1, {1},
+       1, attnd_v1_Status_Code_OUT_OF_RANGE, "item 1: start+n"},
+      {attnd_v1_Mask_Kind_CUSTOM, 12, 2, 0, (int32_t[4 * 13]){0}, 4 * 13, {4, 13}, 2,
+       attnd_v1_Status_Code_INVALID_ARGUMENT, "item 1: intervals must be INT32 [4, 14]"},
+      {attnd_v1_Mask_Kind_SLIDING_WINDOW, 12, 2, 0, NULL, 0, {0}, 0,
+       attnd_v1_Status_Code_INVALID_ARGUMENT, "item 1: sliding window"},
+      {9, 12, 2, 0, NULL, 0, {0}, 0, attnd_v1_Status_Code_INVALID_ARGUMENT,
+       "item 1: unknown mask kind 9"},
+  };
+  for (size_t k = 0; k < sizeof(bad) / sizeof(bad[0]); k++) {
+    pbw_init(&p);
+    put_mask_item(&p, 0, 3, attnd_v1_Mask_Kind_CAUSAL, 0, NULL, 0, NULL, 0);
+    put_mask_item(&p, bad[k].start, bad[k].n, bad[k].kind, bad[k].window, bad[k].vals,
+                  bad[k].nvals, bad[k].shape, bad[k].ndim);
+    send_call(&t, 10 + k, attnd_v1_Request_plan_tag, &p);
+    resp(&t, 1 + (int)k, &r);
+    if ((int)r.status.code != bad[k].code || !strstr(r.status.message, bad[k].needle))
+      fail_msg("case %zu: code %d '%s', expected %d '%s'", k, r.status.code, r.status.message,
+               bad[k].code, bad[k].needle);
+    assert_int_equal(fe.plans, 1);
+  }
+  tconn_free(&t);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_health, setup, teardown),
@@ -869,6 +975,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_open_session_tokens_and_errors, setup, teardown),
       cmocka_unit_test_setup_teardown(test_step_zero_copy, setup, teardown),
       cmocka_unit_test_setup_teardown(test_plan_then_step, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_mask_expansion, setup, teardown),
       cmocka_unit_test_setup_teardown(test_step_wire_checks, setup, teardown),
       cmocka_unit_test_setup_teardown(test_hello_auth, setup, teardown),
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),

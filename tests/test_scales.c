@@ -10,7 +10,7 @@
 #include <cmocka.h>
 
 #include "base.h"
-#include "scales.h"
+#include "internal.h" /* daemon/engine: the engine's private modules */
 
 static attnd_kshape_t shape(attnd_kv_type_t kv) {
   attnd_kshape_t s = {.q_heads = 4,

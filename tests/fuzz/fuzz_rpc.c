@@ -165,7 +165,7 @@ static void setup(void) {
   F.ready = 1;
 }
 
-static void closed_cb(void *arg, const attnd_result_t *res) {}
+static void closed_cb(void *arg, attnd_result_t *res) {}
 
 /* Closes every session the input left open and checks the engine. */
 static void reset_and_check(void) {

@@ -1,9 +1,8 @@
-/* scales.c: static scales: checks, versions, the scales.bin file. */
-#include "scales.h"
-
+/* scales_file.c: the static scales table as one file, <state_dir>/scales.bin
+ * (internal.h): serialized with a checksum, written atomically and durably,
+ * and read back at start. */
 #include <errno.h>
 #include <fcntl.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,157 +10,12 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#include "base.h"
+#include "internal.h"
 
 static const char MAGIC[8] = {'A', 'T', 'T', 'N', 'D', 'S', 'C', '1'};
 
 static size_t nscales(const attnd_scales_t *s, int per_channel) {
   return (size_t)s->kv_heads * (per_channel ? (size_t)s->head_dim : 1);
-}
-
-int attnd_scales_init(attnd_scales_t *s, const attnd_kshape_t *shape, int layers,
-                      const char *state_dir) {
-  memset(s, 0, sizeof(*s));
-  s->layers = layers;
-  s->kv_heads = shape->kv_heads;
-  s->head_dim = shape->head_dim;
-  s->kv = shape->kv;
-  s->l = calloc((size_t)layers, sizeof(*s->l));
-  if (!s->l)
-    return ATTND_ENOMEM;
-  size_t n = (size_t)s->kv_heads * (size_t)s->head_dim;
-  for (int i = 0; i < layers; i++) {
-    s->l[i].k_scale = calloc(n, sizeof(float));
-    s->l[i].v_scale = calloc(n, sizeof(float));
-    if (!s->l[i].k_scale || !s->l[i].v_scale) {
-      attnd_scales_free(s);
-      return ATTND_ENOMEM;
-    }
-    if (s->kv == ATTND_KV_INT4) {
-      s->l[i].k_zero = calloc(n, sizeof(float));
-      s->l[i].v_zero = calloc(n, sizeof(float));
-      if (!s->l[i].k_zero || !s->l[i].v_zero) {
-        attnd_scales_free(s);
-        return ATTND_ENOMEM;
-      }
-    }
-  }
-  if (state_dir && state_dir[0])
-    snprintf(s->path, sizeof(s->path), "%s/scales.bin", state_dir);
-  return 0;
-}
-
-void attnd_scales_free(attnd_scales_t *s) {
-  if (s->l) {
-    for (int i = 0; i < s->layers; i++) {
-      free(s->l[i].k_scale);
-      free(s->l[i].v_scale);
-      free(s->l[i].k_zero);
-      free(s->l[i].v_zero);
-    }
-    free(s->l);
-  }
-  memset(s, 0, sizeof(*s));
-}
-
-/* Checks one fp32 tensor of shape [kv_heads] or [kv_heads, head_dim]; sets
- * *per_channel. Values must lie in [lo, hi] (scales: finite > 0). */
-static int check_tensor(const attnd_scales_t *s, const attnd_tensor_t *t, const char *name,
-                        int is_zero, int *per_channel, char *msg, size_t msglen) {
-  if (!t->present) {
-    snprintf(msg, msglen, "%s missing", name);
-    return ATTND_EINVAL;
-  }
-  if (t->dtype != ATTND_DT_FP32) {
-    snprintf(msg, msglen, "%s: dtype must be FP32", name);
-    return ATTND_EINVAL;
-  }
-  int pc;
-  if (t->ndim == 1 && t->shape[0] == (uint32_t)s->kv_heads)
-    pc = 0;
-  else if (t->ndim == 2 && t->shape[0] == (uint32_t)s->kv_heads &&
-           t->shape[1] == (uint32_t)s->head_dim)
-    pc = 1;
-  else {
-    snprintf(msg, msglen, "%s: shape must be [%d] or [%d, %d]", name, s->kv_heads, s->kv_heads,
-             s->head_dim);
-    return ATTND_EINVAL;
-  }
-  size_t n = nscales(s, pc);
-  if (t->nbytes != n * sizeof(float) || !t->data) {
-    snprintf(msg, msglen, "%s: %zu bytes for %zu fp32 values", name, t->nbytes, n);
-    return ATTND_EINVAL;
-  }
-  for (size_t i = 0; i < n; i++) {
-    float x;
-    memcpy(&x, t->data + i * sizeof(float), sizeof(float));
-    int ok = is_zero ? (x >= 0.0f && x <= 15.0f) : (isfinite(x) && x > 0.0f);
-    if (!ok) {
-      snprintf(msg, msglen, "%s[%zu] = %g: %s", name, i, (double)x,
-               is_zero ? "zero points must lie in [0, 15]" : "scales must be finite and > 0");
-      return ATTND_EINVAL;
-    }
-  }
-  *per_channel = pc;
-  return 0;
-}
-
-int attnd_scales_validate(const attnd_scales_t *s, const attnd_scales_req_t *req, char *msg,
-                          size_t msglen) {
-  if (req->layer >= (uint32_t)s->layers) {
-    snprintf(msg, msglen, "layer %u >= layers %d", req->layer, s->layers);
-    return ATTND_EINVAL;
-  }
-  if (!attnd_kv_type_static(s->kv)) {
-    snprintf(msg, msglen, "kv cache type %s has no static scales", attnd_kv_type_name(s->kv));
-    return ATTND_EINVAL;
-  }
-  int pk, pv, rc;
-  if ((rc = check_tensor(s, &req->k_scale, "k_scale", 0, &pk, msg, msglen)) ||
-      (rc = check_tensor(s, &req->v_scale, "v_scale", 0, &pv, msg, msglen)))
-    return rc;
-  if (pk != pv) {
-    snprintf(msg, msglen, "k_scale and v_scale must have the same shape");
-    return ATTND_EINVAL;
-  }
-  if (s->kv == ATTND_KV_INT4) {
-    int zk, zv;
-    if (!pk) {
-      snprintf(msg, msglen, "int4 needs per-channel scales [%d, %d]", s->kv_heads, s->head_dim);
-      return ATTND_EINVAL;
-    }
-    if ((rc = check_tensor(s, &req->k_zero, "k_zero", 1, &zk, msg, msglen)) ||
-        (rc = check_tensor(s, &req->v_zero, "v_zero", 1, &zv, msg, msglen)))
-      return rc;
-    if (!zk || !zv) {
-      snprintf(msg, msglen, "int4 zero points must be [%d, %d]", s->kv_heads, s->head_dim);
-      return ATTND_EINVAL;
-    }
-  } else if (req->k_zero.present || req->v_zero.present) {
-    snprintf(msg, msglen, "kv cache type %s has no zero points", attnd_kv_type_name(s->kv));
-    return ATTND_EINVAL;
-  }
-  return 0;
-}
-
-uint64_t attnd_scales_apply(attnd_scales_t *s, const attnd_scales_req_t *req) {
-  attnd_layer_scales_t *l = &s->l[req->layer];
-  l->per_channel = req->k_scale.ndim == 2;
-  size_t n = nscales(s, l->per_channel);
-  memcpy(l->k_scale, req->k_scale.data, n * sizeof(float));
-  memcpy(l->v_scale, req->v_scale.data, n * sizeof(float));
-  if (s->kv == ATTND_KV_INT4) {
-    memcpy(l->k_zero, req->k_zero.data, n * sizeof(float));
-    memcpy(l->v_zero, req->v_zero.data, n * sizeof(float));
-  }
-  l->present = 1;
-  l->version = ++s->last_version;
-  return l->version;
-}
-
-void attnd_scales_versions(const attnd_scales_t *s, uint64_t *v) {
-  for (int i = 0; i < s->layers; i++)
-    v[i] = s->l[i].present ? s->l[i].version : 0;
 }
 
 /* A growable byte buffer for serialization. */

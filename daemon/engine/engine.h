@@ -1,7 +1,8 @@
-/* engine.h: sessions, plans and steps (DESIGN.md section 6) behind the RPC layer.
+/* engine.h: sessions, plans and steps (docs/sessions.md) behind the RPC layer.
  *
- * The RPC layer (rpc.c) decodes a Request into the plain structs below and
- * calls the engine on the loop thread. The engine validates and admits the
+ * The RPC layer decodes a Request into the plain structs below (native types:
+ * kernel dtypes and masks, never wire enums) and calls the engine on the loop
+ * thread. The engine validates and admits the
  * call on the loop thread (state changes at admission, in arrival order), runs
  * the math on its backend off the loop, and reports completion through
  * attnd_engine_done_cb on the loop thread. Nothing here blocks the loop.
@@ -11,7 +12,9 @@
  * done callback has run (q may be rotated in place; a call queued behind a
  * large step is admitted after it returns). The request structs themselves and
  * the salt may be reused once the call returns. The result passed to the
- * callback belongs to the engine and is valid only during the callback. */
+ * callback is valid during the callback; its out and lse buffers (a Step's
+ * outputs) belong to the callback from then on, which frees them (free()) or
+ * hands them on. */
 #ifndef ATTND_ENGINE_H
 #define ATTND_ENGINE_H
 
@@ -27,34 +30,30 @@ typedef struct attnd_engine_s attnd_engine_t;
 /* A tensor as decoded from the wire; data points into the request frame. */
 typedef struct {
   int present;          /* the field was set */
-  int dtype;            /* attnd.v1.DType value */
+  attnd_dtype_t dtype;  /* element type (0: none given) */
   int ndim;             /* <= 4 */
   uint32_t shape[4];
   uint8_t *data;        /* raw little-endian bytes, possibly unaligned */
   size_t nbytes;
 } attnd_tensor_t;
 
-/* Mask kinds as on the wire (attnd.v1.Mask.Kind). */
-enum {
-  ATTND_WMASK_CAUSAL = 0,
-  ATTND_WMASK_FULL = 1,
-  ATTND_WMASK_SLIDING_WINDOW = 2,
-  ATTND_WMASK_DOCUMENT = 3,
-  ATTND_WMASK_PREFIX_LM = 4,
-  ATTND_WMASK_CUSTOM = 5,
-};
+/* An item's mask in the kernels' form (attnd_kernels.h, docs/numerics.md):
+ * the RPC layer expands the wire's document masks into intervals. Only
+ * ATTND_MASK_CAUSAL items publish their blocks to the prefix cache. */
+typedef struct {
+  attnd_mask_kind_t kind;   /* ATTND_MASK_* */
+  int32_t param;            /* SLIDING: window >= 1; PREFIX_LM: prefix length */
+  int causal;               /* INTERVALS: 1 = the intervals apply on top of causal */
+  const int32_t *intervals; /* INTERVALS: int32 [4][kv_len] (lts, lte, uts, ute) */
+  uint32_t intervals_len;   /* INTERVALS: the kv_len they were made for */
+} attnd_mask_t;
 
 typedef struct {
   uint64_t session;
   uint32_t start;
   uint32_t n;
   int kv_only;
-  int mask_kind;             /* ATTND_WMASK_* */
-  uint32_t window;
-  uint32_t prefix_len;
-  int bidirectional;
-  attnd_tensor_t doc_lengths;  /* INT32 [ndocs] */
-  attnd_tensor_t intervals;    /* INT32 [4, kv_len] */
+  attnd_mask_t mask;           /* zeroed: causal */
   const uint32_t *tokens;      /* ntokens token ids */
   uint32_t ntokens;
 } attnd_item_t;
@@ -84,22 +83,20 @@ typedef struct {
   uint32_t cached_len;       /* OpenSession */
   uint64_t plan;             /* Plan */
   uint64_t version;          /* SetScales */
-  /* Step: out [Tq, q_heads, head_dim] (activation dtype or fp32) and lse [Tq, q_heads]. */
-  const void *out;
+  /* Step: out [Tq, q_heads, head_dim] (activation dtype or fp32) and lse
+   * [Tq, q_heads], owned by the callback (it frees them, or keeps them: the
+   * RPC layer writes large outputs to the socket straight from them). */
+  void *out;
   size_t out_bytes;
-  int out_dtype;             /* attnd.v1.DType */
+  attnd_dtype_t out_dtype;
   uint32_t out_rows;         /* Tq */
-  const float *lse;          /* NULL when not asked */
+  float *lse;                /* NULL when not asked */
   size_t lse_bytes;
   uint64_t queued_us;
   uint64_t computing_us;
-  /* Step: the done callback may keep out (lse) past its return by setting
-   * *out_taken (*lse_taken) to 1; it must then free() it itself. Lets the
-   * RPC layer write large outputs to the socket without copying them. */
-  int *out_taken, *lse_taken;
 } attnd_result_t;
 
-typedef void (*attnd_engine_done_cb)(void *arg, const attnd_result_t *res);
+typedef void (*attnd_engine_done_cb)(void *arg, attnd_result_t *res);
 
 /* Static facts for Health. */
 typedef struct {

@@ -1,11 +1,11 @@
-/* blocks.c: free list, reference counts and the LRU of cached blocks. */
-#include "blocks.h"
+/* blocks.c: the block pool: free list, reference counts and the LRU of
+ * cached blocks (internal.h). */
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "base.h"
+#include "internal.h"
 
 int attnd_blocks_init(attnd_blocks_t *p, uint32_t n) {
   memset(p, 0, sizeof(*p));

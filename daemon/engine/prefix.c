@@ -1,12 +1,12 @@
-/* prefix.c: chained-hash index of published blocks, keyed by xxh3-128. */
-#include "prefix.h"
+/* prefix.c: the chained-hash index of published blocks, keyed by xxh3-128
+ * (internal.h). */
 
 #include <stdlib.h>
 #include <string.h>
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
-#include "base.h"
+#include "internal.h"
 
 int attnd_prefix_test_force_collision = 0;
 
