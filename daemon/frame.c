@@ -21,13 +21,6 @@ void attnd_frame_reader_free(attnd_frame_reader_t *r) {
   r->pend_len = 0;
 }
 
-void attnd_frame_put_header(uint8_t out[4], uint32_t n) {
-  out[0] = (uint8_t)(n >> 24);
-  out[1] = (uint8_t)(n >> 16);
-  out[2] = (uint8_t)(n >> 8);
-  out[3] = (uint8_t)n;
-}
-
 int attnd_frame_reader_partial(const attnd_frame_reader_t *r) {
   return r->hdr_got > 0 || r->body != NULL;
 }

@@ -64,7 +64,4 @@ int attnd_frame_reader_paused(const attnd_frame_reader_t *r);
 /* 1 while a frame is partly received (a header byte or more). */
 int attnd_frame_reader_partial(const attnd_frame_reader_t *r);
 
-/* Writes the 4-byte header of an n-byte frame. */
-void attnd_frame_put_header(uint8_t out[4], uint32_t n);
-
 #endif /* ATTND_FRAME_H */

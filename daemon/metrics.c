@@ -38,22 +38,6 @@
 #include "config.h"
 #include "base.h"
 
-static const char *const method_names[ATTND_M_COUNT] = {
-    "unknown", "hello",    "health", "stats", "open_session", "close_session",
-    "fork",    "truncate", "plan",   "step",  "set_scales",   "list_sessions",
-};
-
-
-const char *attnd_method_name(int m) {
-  return (m >= 0 && m < ATTND_M_COUNT) ? method_names[m] : method_names[0];
-}
-
-/* Status code names come from the proto (nanopb's enum_to_string), so they
- * cannot drift from attnd.proto. */
-const char *attnd_code_name(int code) {
-  return attnd_v1_Status_Code_name((attnd_v1_Status_Code)code);
-}
-
 /* ---- rendering ------------------------------------------------------------ */
 
 typedef struct {
@@ -94,7 +78,7 @@ static void head(sbuf_t *b, const char *name, const char *type, const char *help
   sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-int attnd_metrics_render(const attnd_counters_t *c, attnd_engine_t *engine, double uptime_s,
+int attnd_metrics_render(const attnd_rpc_counters_t *c, attnd_engine_t *engine, double uptime_s,
                          char **out, size_t *len) {
   sbuf_t b = {malloc(8192), 0, 8192, 0};
   if (!b.p)
@@ -106,14 +90,15 @@ int attnd_metrics_render(const attnd_counters_t *c, attnd_engine_t *engine, doub
 
   head(&b, "attnd_requests_total", "counter", "Requests answered, by method and status code.");
   for (int m = 0; m < ATTND_M_COUNT; m++)
-    for (int k = 0; k < ATTND_CODE_COUNT; k++)
-      if (c->by_code[m][k] || (k == 0 && m > 0))
-        sb_printf(&b, "attnd_requests_total{method=\"%s\",code=\"%s\"} %llu\n", method_names[m],
-                  attnd_code_name(k), (unsigned long long)c->by_code[m][k]);
+    for (int k = 0; k < ATTND_STATUS_COUNT; k++)
+      if (c->answers[m].by_code[k] || (k == 0 && m > 0))
+        sb_printf(&b, "attnd_requests_total{method=\"%s\",code=\"%s\"} %llu\n",
+                  attnd_rpc_method_name(m), attnd_rpc_code_name(k),
+                  (unsigned long long)c->answers[m].by_code[k]);
   head(&b, "attnd_errors_total", "counter", "Requests answered with a non-OK status, by method.");
   for (int m = 0; m < ATTND_M_COUNT; m++)
-    sb_printf(&b, "attnd_errors_total{method=\"%s\"} %llu\n", method_names[m],
-              (unsigned long long)c->errors[m]);
+    sb_printf(&b, "attnd_errors_total{method=\"%s\"} %llu\n", attnd_rpc_method_name(m),
+              (unsigned long long)c->answers[m].errors);
 
 #define SIMPLE(name, type, help, val)                                                              \
   do {                                                                                             \
@@ -184,7 +169,7 @@ int attnd_metrics_render(const attnd_counters_t *c, attnd_engine_t *engine, doub
 struct attnd_metrics_s {
   uv_loop_t *loop;
   uv_tcp_t listener;
-  const attnd_counters_t *counters;
+  const attnd_rpc_counters_t *counters;
   attnd_engine_t *engine;
   uint64_t start_ns;
   int port;
@@ -383,7 +368,7 @@ static void listener_close_cb(uv_handle_t *h) {
 }
 
 int attnd_metrics_start(attnd_metrics_t **out, uv_loop_t *loop, const char *hostport,
-                        const attnd_counters_t *counters, attnd_engine_t *engine, uint64_t start_ns,
+                        const attnd_rpc_counters_t *counters, attnd_engine_t *engine, uint64_t start_ns,
                         char *err, size_t errlen) {
   char host[128];
   int port, rc;

@@ -9,6 +9,7 @@
 
 #include "base.h"
 #include "frame.h"
+#include "rpc.h"
 
 typedef struct {
   int n;
@@ -38,7 +39,7 @@ static void sink_free(sink_t *s) {
 static size_t build(uint8_t *out, const size_t *lens, int n) {
   size_t o = 0;
   for (int i = 0; i < n; i++) {
-    attnd_frame_put_header(out + o, (uint32_t)lens[i]);
+    attnd_rpc_frame_header(out + o, (uint32_t)lens[i]);
     o += 4;
     for (size_t j = 0; j < lens[i]; j++)
       out[o++] = (uint8_t)(i * 31 + j);
@@ -117,7 +118,7 @@ static void test_zero_copy_body(void **state) {
   attnd_frame_reader_init(&r, 1 << 24);
   assert_int_equal(attnd_frame_reader_buf(&r, &base, &len), 0);
   assert_int_equal(len, ATTND_FRAME_SCRATCH);
-  attnd_frame_put_header(base, (uint32_t)N);
+  attnd_rpc_frame_header(base, (uint32_t)N);
   assert_int_equal(attnd_frame_reader_feed(&r, base, 4, sink_cb, &s), 0);
   uint8_t *first = NULL;
   size_t got = 0;
@@ -164,7 +165,7 @@ static void test_limits(void **state) {
   assert_int_equal(s.n, 1);
   sink_free(&s);
   /* One over is rejected before any body byte is needed. */
-  attnd_frame_put_header(buf, 65);
+  attnd_rpc_frame_header(buf, 65);
   assert_int_equal(attnd_frame_reader_feed(&r, buf, 4, sink_cb, &s), ATTND_ENOSPC);
   assert_int_equal(r.bad_len, 65);
   attnd_frame_reader_free(&r);

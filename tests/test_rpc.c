@@ -368,7 +368,7 @@ static void test_missing_and_unknown_call(void **state) {
   assert_int_equal(r.id, 6);
   assert_int_equal(r.status.code, ATTND_STATUS_UNIMPLEMENTED);
   assert_false(t.close_after[1]);
-  assert_int_equal(f->rpc.counters.errors[ATTND_M_UNKNOWN], 2);
+  assert_int_equal(f->rpc.counters.answers[ATTND_M_UNKNOWN].errors, 2);
   tconn_free(&t);
 }
 

@@ -260,7 +260,7 @@ static int read_all(int fd, void *p, size_t n, int timeout_ms) {
 
 static void send_raw_frame(int fd, const void *body, size_t n) {
   uint8_t hdr[4];
-  attnd_frame_put_header(hdr, (uint32_t)n);
+  attnd_rpc_frame_header(hdr, (uint32_t)n);
   write_all(fd, hdr, 4);
   if (n)
     write_all(fd, body, n);
@@ -273,7 +273,7 @@ static int try_send_call(int fd, uint64_t id, uint32_t call) {
   pbw_uint(&w, 1, id);
   pbw_bytes(&w, call, "", 0);
   uint8_t buf[64];
-  attnd_frame_put_header(buf, (uint32_t)w.n);
+  attnd_rpc_frame_header(buf, (uint32_t)w.n);
   memcpy(buf + 4, w.b, w.n);
   ssize_t n = send(fd, buf, w.n + 4, MSG_NOSIGNAL);
   int ok = n == (ssize_t)(w.n + 4);
@@ -481,7 +481,7 @@ static void test_bad_inputs(void **state) {
   /* Oversized: RESOURCE_EXHAUSTED with id 0, then close. */
   c = connect_tcp_addr("127.0.0.1", h->tcp_port);
   uint8_t hdr[4];
-  attnd_frame_put_header(hdr, 0x7fffffff);
+  attnd_rpc_frame_header(hdr, 0x7fffffff);
   write_all(c, hdr, 4);
   assert_int_equal(recv_resp(c, &r), 0);
   assert_int_equal(r.id, 0);
@@ -520,7 +520,7 @@ static void test_bad_inputs(void **state) {
 
   /* A client that leaves mid-frame, and one that leaves without reading. */
   c = connect_unix(h->cfg.socket_path);
-  attnd_frame_put_header(hdr, 1000);
+  attnd_rpc_frame_header(hdr, 1000);
   write_all(c, hdr, 4);
   write_all(c, "0123456789", 10);
   close(c);
@@ -559,7 +559,7 @@ static void test_pipelining(void **state) {
     pbw_uint(&w, 1, (uint64_t)i);
     pbw_bytes(&w, (i % 2) ? attnd_v1_Request_health_tag : attnd_v1_Request_stats_tag, "", 0);
     uint8_t hdr[4];
-    attnd_frame_put_header(hdr, (uint32_t)w.n);
+    attnd_rpc_frame_header(hdr, (uint32_t)w.n);
     pbw_raw(&all, hdr, 4);
     pbw_raw(&all, w.b, w.n);
     pbw_free(&w);
@@ -632,7 +632,7 @@ static void test_backpressure(void **state) {
   pbw_uint(&w, 1, 7);
   pbw_bytes(&w, attnd_v1_Request_health_tag, "", 0);
   uint8_t frame[64];
-  attnd_frame_put_header(frame, (uint32_t)w.n);
+  attnd_rpc_frame_header(frame, (uint32_t)w.n);
   memcpy(frame + 4, w.b, w.n);
   size_t flen = w.n + 4;
   pbw_free(&w);
@@ -744,7 +744,7 @@ static uint64_t open_session(int fd, uint64_t id) {
 
 static void append_frame(pbw_t *all, pbw_t *w) {
   uint8_t hdr[4];
-  attnd_frame_put_header(hdr, (uint32_t)w->n);
+  attnd_rpc_frame_header(hdr, (uint32_t)w->n);
   pbw_raw(all, hdr, 4);
   pbw_raw(all, w->b, w->n);
   pbw_free(w);
@@ -895,7 +895,7 @@ static void test_throughput(void **state) {
   pbw_bytes(&w, 99, payload, big);
   free(payload);
   uint8_t hdr[4];
-  attnd_frame_put_header(hdr, (uint32_t)w.n);
+  attnd_rpc_frame_header(hdr, (uint32_t)w.n);
   t0 = now_s();
   for (int i = 0; i < 4; i++) {
     write_all(c, hdr, 4);

@@ -1,12 +1,13 @@
-/* rpc.h: one request frame in, one response frame out (DESIGN.md section 7).
+/* rpc.h: one request frame in, one response frame out (docs/protocol.md).
  *
- * rpc.c decodes attnd.v1.Request with nanopb (tensor bytes are not copied: the
- * engine gets pointers into the request frame, which the request keeps until
- * the engine's done callback), answers Hello, Health and Stats on the loop
- * thread, maps everything else to daemon/engine.h calls, and encodes the
- * Response (epoch and timings included). It knows nothing about sockets: the
- * transport (server.c) embeds an attnd_rpc_conn_t per connection and gives it
- * a send function.
+ * The RPC layer decodes attnd.v1.Request with nanopb (tensor bytes are not
+ * copied: the engine gets pointers into the request frame, which the request
+ * keeps until the engine's done callback), looks the call up in its method
+ * table (rpc/methods.c: one row per method, decode -> call -> encode),
+ * answers Hello, Health, Stats and ListSessions on the loop thread, maps
+ * everything else to engine.h calls, and encodes the Response (epoch and
+ * timings included). It knows nothing about sockets: the transport (net/)
+ * embeds an attnd_rpc_conn_t per connection and gives it a send function.
  *
  * Lifetime: every request holds its connection. When the transport closes,
  * attnd_rpc_conn_closed() makes the results of requests still in flight be
@@ -20,11 +21,49 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "base.h"
 #include "config.h"
 #include "engine.h"
-#include "metrics.h"
 
-/* Identities (DESIGN.md section 6): a Unix peer's uid as is (< 2^32); the
+/* Methods, numbered as the Request.call oneof tags minus one (0: none/unknown). */
+enum {
+  ATTND_M_UNKNOWN = 0,
+  ATTND_M_HELLO,
+  ATTND_M_HEALTH,
+  ATTND_M_STATS,
+  ATTND_M_OPEN_SESSION,
+  ATTND_M_CLOSE_SESSION,
+  ATTND_M_FORK,
+  ATTND_M_TRUNCATE,
+  ATTND_M_PLAN,
+  ATTND_M_STEP,
+  ATTND_M_SET_SCALES,
+  ATTND_M_LIST_SESSIONS,
+  ATTND_M_COUNT
+};
+
+enum { ATTND_STEP_PREFILL = 0, ATTND_STEP_DECODE = 1 };
+
+/* The daemon's request counters, written only on the loop thread (by the RPC
+ * layer and the transport) and read there by Stats and /metrics. */
+typedef struct {
+  uint64_t requests[ATTND_M_COUNT];             /* received, by method */
+  attnd_status_counts_t answers[ATTND_M_COUNT]; /* answered, by method and code */
+  uint64_t bytes_in;
+  uint64_t bytes_out;
+  uint32_t connections;         /* open now */
+  uint64_t connections_total;   /* accepted since start */
+  uint64_t connections_refused; /* over --max-connections */
+  uint64_t frame_errors;        /* framing errors that closed a connection */
+  attnd_hist_t step_latency[2]; /* ATTND_STEP_PREFILL, ATTND_STEP_DECODE */
+} attnd_rpc_counters_t;
+
+/* "health", "open_session", ... ("unknown" for 0 or out of range). */
+const char *attnd_rpc_method_name(int method);
+/* "OK", "INVALID_ARGUMENT", ... (the proto's names). */
+const char *attnd_rpc_code_name(int code);
+
+/* Identities (docs/sessions.md): a Unix peer's uid as is (< 2^32); the
  * shared identity of loopback TCP clients that send no Hello; a token's
  * identity is a hash of the token with the top bit set. */
 #define ATTND_IDENTITY_ANON 0x4000000000000000ull
@@ -46,7 +85,7 @@ struct attnd_rpc_s {
   uv_loop_t *loop;
   attnd_engine_t *engine;
   const attnd_config_t *cfg;
-  attnd_counters_t counters;
+  attnd_rpc_counters_t counters;
   uint64_t epoch;    /* random, drawn at init */
   uint64_t start_ns; /* uv_hrtime() at init */
   int draining;      /* new calls answer UNAVAILABLE (Health and Stats still answer) */
@@ -74,7 +113,7 @@ struct attnd_rpc_conn_s {
   int closed;            /* the transport is gone: results are dropped */
   uint32_t pending;      /* requests in flight */
   uint64_t req_bytes;    /* bytes of request frames held by requests in flight */
-  attnd_rpc_req_t *reqs; /* requests in flight (for duplicate ids) */
+  attnd_list_t reqs;     /* requests in flight (for duplicate ids) */
   /* Plans made on this connection and whether they are decode steps, for the
    * step latency histograms (a ring of the last max_plans). */
   uint64_t *plan_ids;
@@ -110,6 +149,11 @@ void attnd_rpc_send_error(attnd_rpc_conn_t *c, uint64_t id, int err, const char 
 void attnd_rpc_frame_error(attnd_rpc_conn_t *c, int err, const char *msg);
 /* The transport closed. Returns 1 when no request holds the connection. */
 int attnd_rpc_conn_closed(attnd_rpc_conn_t *c);
+
+/* The wire framing's header (docs/protocol.md): the 4-byte big-endian length
+ * of an n-byte frame, as every response starts; the transport's frame reader
+ * (net.h) reads the same. */
+void attnd_rpc_frame_header(uint8_t out[4], uint32_t n);
 
 /* Constant-time comparison of a token against the accepted ones: 1 if accepted. */
 int attnd_rpc_token_ok(const attnd_rpc_t *r, const char *token);
