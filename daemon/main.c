@@ -1,4 +1,6 @@
-/* main.c: attnd's entry point.
+/* main.c: attnd's entry point: the options read (config.h), the engine
+ * started (engine.h), the RPC server and /metrics listening (net.h), and the
+ * loop run until a drain (SIGTERM, SIGINT, or a lost device) ends it.
  *
  * Exit codes: 0 after --help, --version, a good --check-config or a clean
  * drain; 2 for a bad configuration; 1 when the daemon cannot start; 3 after
@@ -13,8 +15,7 @@
 #include "config.h"
 #include "engine.h"
 #include "base.h"
-#include "metrics.h"
-#include "server.h"
+#include "net.h"
 
 typedef struct {
   uv_loop_t loop;

@@ -8,8 +8,7 @@
 #include <string.h>
 
 #include "base.h"
-#include "frame.h"
-#include "rpc.h"
+#include "net.h"
 
 typedef struct {
   int n;

@@ -31,9 +31,7 @@
 #include "config.h"
 #include "engine.h"
 #include "base.h"
-#include "frame.h"
-#include "metrics.h"
-#include "server.h"
+#include "net.h"
 #include "srv_pbw.h"
 
 /* ---- harness: a server on its own loop thread ----------------------------- */

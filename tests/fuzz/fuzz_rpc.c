@@ -33,7 +33,7 @@
 #include "config.h"
 #include "engine.h"
 #include "base.h"
-#include "frame.h"
+#include "net.h"
 #include "rpc.h"
 
 #define FUZZ_IDENTITY 1000u

@@ -1,10 +1,9 @@
-/* frame.c: see frame.h. */
-#include "frame.h"
+/* frame.c: the frame reader (net.h). */
 
 #include <stdlib.h>
 #include <string.h>
 
-#include "base.h"
+#include "internal.h"
 
 void attnd_frame_reader_init(attnd_frame_reader_t *r, uint64_t max_frame) {
   memset(r, 0, sizeof(*r));
