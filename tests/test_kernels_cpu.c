@@ -25,13 +25,13 @@
 #include "attnd_kernels.h"
 #include "cpu/cpu_numeric.h" /* the kernels' element conversions, checked below */
 #include "oracle.h"
+#include "tolerance.h"
 
 static uint64_t g_rng;
 static double g_maxerr[ATTND_KV_COUNT_];
 static double g_maxerr32[ATTND_KV_COUNT_]; /* items with fp32 output: the kernel's own error */
 static double g_maxlse[ATTND_KV_COUNT_];
 static long g_items[ATTND_KV_COUNT_];
-static const double g_bound[ATTND_KV_COUNT_] = {1e-2, 1e-2, 3e-2, 3e-2, 2e-2, 2e-2, 1e-1};
 
 static int rnd(int n) {
   return (int)(oracle_rng_next(&g_rng) % (uint64_t)n);
@@ -397,10 +397,10 @@ static double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
           fail_msg("item %d: output element %zu is not finite (%g)", i, j, g);
       }
       double err = oracle_rel_l2(ref, odt, got, cnt);
-      if (!(err <= g_bound[s->kv]))
+      if (!(err <= attnd_tol_rel_l2(s->kv)))
         fail_msg("%s item %d (start %d n %d mask %d): rel L2 %.3g > %.3g",
                  attnd_kv_type_name(s->kv), i, it->start, it->n, it->mask_kind, err,
-                 g_bound[s->kv]);
+                 attnd_tol_rel_l2(s->kv));
       worst = err > worst ? err : worst;
       g_maxerr[s->kv] = err > g_maxerr[s->kv] ? err : g_maxerr[s->kv];
       if (opt.out_fp32 && err > g_maxerr32[s->kv])
@@ -416,7 +416,7 @@ static double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
             assert_true(isinf(lse[o]) && lse[o] < 0);
         } else if (opt.want_lse) {
           double dl = fabs((double)lse[o] - rlse[r]);
-          if (!(dl <= 2e-3 + 1e-4 * fabs(rlse[r])))
+          if (!(dl <= ATTND_TOL_KERNEL_LSE_ABS + ATTND_TOL_KERNEL_LSE_REL * fabs(rlse[r])))
             fail_msg("lse row %d: %.7g, oracle %.7g", r, (double)lse[o], rlse[r]);
           g_maxlse[s->kv] = dl > g_maxlse[s->kv] ? dl : g_maxlse[s->kv];
         }
@@ -887,7 +887,7 @@ static int print_summary(void **state) {
          "| max |lse err| | items\n");
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
     printf("  %-13s %.3e (%.0e) | %.3e | %.2e | %ld\n", attnd_kv_type_name((attnd_kv_type_t)kv),
-           g_maxerr[kv], g_bound[kv], g_maxerr32[kv], g_maxlse[kv], g_items[kv]);
+           g_maxerr[kv], attnd_tol_rel_l2(kv), g_maxerr32[kv], g_maxlse[kv], g_items[kv]);
   printf("cache rows compared bit-exactly with the oracle's quantizer: %ld\n", g_rows_checked);
   return 0;
 }

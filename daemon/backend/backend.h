@@ -33,14 +33,14 @@ struct attnd_job_s {
    * the backend fills cache, block_bytes and the static-scale pointers itself.
    * out and lse are engine-allocated host buffers the backend writes into. */
   attnd_kbatch_t batch;
-  size_t nmeta;              /* int32 elements in batch.meta */
-  size_t q_bytes, kv_bytes;  /* bytes of q, and of k (== bytes of v) */
+  size_t nmeta;             /* int32 elements in batch.meta */
+  size_t q_bytes, kv_bytes; /* bytes of q, and of k (== bytes of v) */
   size_t out_bytes, lse_bytes;
   /* COPY: ncopies (src, dst) physical block pairs, this layer only. */
   const int32_t *copies;
   int ncopies;
   /* Filled by the backend. */
-  int status;                /* 0 or a negative ATTND_E* */
+  int status; /* 0 or a negative ATTND_E* */
   char message[128];
   uint64_t t_submit_us, t_start_us, t_end_us; /* uv_hrtime()/1000 */
   void (*done_cb)(attnd_job_t *job);          /* on the loop thread */
@@ -48,7 +48,7 @@ struct attnd_job_s {
 };
 
 typedef struct {
-  const char *name;          /* "cpu" | "cuda" */
+  const char *name; /* "cpu" | "cuda" */
   /* Runs the job asynchronously; returns 0, or a negative ATTND_E* (then
    * done_cb is never called). */
   int (*submit)(attnd_backend_t *b, attnd_job_t *job);
@@ -68,18 +68,18 @@ struct attnd_backend_s {
   const attnd_backend_ops_t *ops;
   attnd_kshape_t shape;
   int layers;
-  uint32_t num_blocks;       /* per layer */
-  size_t block_bytes;        /* attnd_kv_block_bytes(&shape) */
+  uint32_t num_blocks; /* per layer */
+  size_t block_bytes;  /* attnd_kv_block_bytes(&shape) */
 };
 
 /* How a backend is set up: sizes and tuning, filled by the engine from the
  * daemon's options (docs/operations.md). attnd_backend_opts_defaults() gives
  * the defaults of every field. */
 typedef struct {
-  uint64_t kv_memory; /* KV pool bytes, all layers; 0 = backend default (CPU
-                       * 1 GiB, CUDA 90% of free device memory) */
-  int threads;        /* CPU: worker parts per phase, 0 = one per core */
-  int device;         /* CUDA: device ordinal */
+  uint64_t kv_memory;       /* KV pool bytes, all layers; 0 = backend default (CPU
+                             * 1 GiB, CUDA 90% of free device memory) */
+  int threads;              /* CPU: worker parts per phase, 0 = one per core */
+  int device;               /* CUDA: device ordinal */
   uint64_t cuda_pinned_max; /* CUDA: cap on pinned staging, 0 = 1/8 of host
                              * memory within [256 MiB, 8 GiB] */
   uint64_t cuda_hostfn_min; /* CUDA: q+k+v bytes above which their host copy
@@ -94,15 +94,18 @@ void attnd_backend_opts_defaults(attnd_backend_opts_t *o);
 /* Creates the CPU backend; its pool holds as many blocks per layer as
  * o->kv_memory allows. */
 int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
-                             int layers, const attnd_backend_opts_t *o, char *err,
-                             size_t errlen);
+                             int layers, const attnd_backend_opts_t *o, char *err, size_t errlen);
+/* Test hook: when set, the CPU backend's next STEP job fails with
+ * ATTND_EABORTED after its parts ran, as a device fault would (and clears
+ * it). Never set outside tests. */
+extern int attnd_backend_cpu_fail_next;
+
 /* 1 when a usable CUDA device exists (any error from cudaGetDeviceCount: 0).
  * Always 0 in builds without CUDA. */
 int attnd_backend_cuda_available(void);
 /* Creates the CUDA backend on o->device. ATTND_EUNAVAIL in builds without
  * CUDA or with no usable device. */
 int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
-                              int layers, const attnd_backend_opts_t *o, char *err,
-                              size_t errlen);
+                              int layers, const attnd_backend_opts_t *o, char *err, size_t errlen);
 
 #endif /* ATTND_BACKEND_H */

@@ -18,8 +18,7 @@
 
 typedef struct run_s run_t;
 
-/* Test hook: when set, the next STEP job fails with ATTND_EABORTED after its
- * parts ran, as a device fault would. Never set outside tests. */
+/* The test hook of backend.h. */
 int attnd_backend_cpu_fail_next = 0;
 
 typedef struct {
@@ -285,8 +284,7 @@ static const attnd_backend_ops_t cpu_ops = {
 };
 
 int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
-                             int layers, const attnd_backend_opts_t *o, char *err,
-                             size_t errlen) {
+                             int layers, const attnd_backend_opts_t *o, char *err, size_t errlen) {
   uint64_t kv_memory = o->kv_memory;
   int threads = o->threads;
   if (attnd_kshape_check(s) != 0 || layers <= 0) {

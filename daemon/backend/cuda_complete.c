@@ -131,7 +131,7 @@ void attnd_cu_poller_main(void *arg) {
   cu_backend_t *be = arg;
   cudaSetDevice(be->device);
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* 1 us: nanosleep(3 us) sleeps ~3 us, not ~55 */
-  int idle = 0; /* rounds without a completion since the last one */
+  int idle = 0;                              /* rounds without a completion since the last one */
   uv_mutex_lock(&be->pmu);
   for (;;) {
     while (!be->phead && !be->pstop)

@@ -183,7 +183,6 @@ int attnd_backend_cuda_available(void) {
   return attnd_cuda_device_count() > 0;
 }
 
-
 /* The limits and switches of o, with their defaults where o leaves them 0. */
 static void apply_opts(cu_backend_t *be, const attnd_backend_opts_t *o) {
   uint64_t ram = uv_get_total_memory();
@@ -203,8 +202,7 @@ static int create_streams(cu_backend_t *be, int layers, char *err, size_t errlen
   cudaError_t e;
   be->nstreams = layers < CU_MAX_STREAMS ? layers : CU_MAX_STREAMS;
   for (int i = 0; i < be->nstreams; i++)
-    if ((e = cudaStreamCreateWithFlags(&be->streams[i].st, cudaStreamNonBlocking)) !=
-        cudaSuccess) {
+    if ((e = cudaStreamCreateWithFlags(&be->streams[i].st, cudaStreamNonBlocking)) != cudaSuccess) {
       snprintf(err, errlen, "cudaStreamCreateWithFlags: %s", cudaGetErrorString(e));
       return ATTND_ECUDA;
     }
@@ -224,8 +222,7 @@ static int create_streams(cu_backend_t *be, int layers, char *err, size_t errlen
 /* The KV pool: what kv_memory allows (0: 90% of free memory, the rest for
  * staging and workspace), zeroed once, so that a kernel that loads a whole
  * tile past kv_len reads zeros, never stale bytes that could be NaN. */
-static int create_pool(cu_backend_t *be, int layers, uint64_t kv_memory, char *err,
-                       size_t errlen) {
+static int create_pool(cu_backend_t *be, int layers, uint64_t kv_memory, char *err, size_t errlen) {
   cudaError_t e;
   size_t free_b = 0, total_b = 0;
   if ((e = cudaMemGetInfo(&free_b, &total_b)) != cudaSuccess) {
@@ -326,8 +323,7 @@ static int start_completion(cu_backend_t *be, uv_loop_t *loop, char *err, size_t
 }
 
 int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
-                              int layers, const attnd_backend_opts_t *o, char *err,
-                              size_t errlen) {
+                              int layers, const attnd_backend_opts_t *o, char *err, size_t errlen) {
   cudaError_t e;
   int device = o->device, rc;
   int ndev = attnd_cuda_device_count();

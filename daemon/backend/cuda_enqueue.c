@@ -143,7 +143,8 @@ static void enqueue_kernels(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db, u
     size_t want = attnd_cuda_attend_workspace(s, db->total_q);
     if (want > CU_WS_MAX)
       want = CU_WS_MAX;
-    if (want && attnd_cu_dev_reserve(cs, &cs->ws, &cs->wcap, want, (size_t)1 << 20) != cudaSuccess) {
+    if (want &&
+        attnd_cu_dev_reserve(cs, &cs->ws, &cs->wcap, want, (size_t)1 << 20) != cudaSuccess) {
       /* The workspace only speeds up long contexts: run without it. */
       cudaGetLastError();
     }

@@ -9,8 +9,7 @@ int attnd_backend_cuda_available(void) {
 }
 
 int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
-                              int layers, const attnd_backend_opts_t *o, char *err,
-                              size_t errlen) {
+                              int layers, const attnd_backend_opts_t *o, char *err, size_t errlen) {
   snprintf(err, errlen, "this attnd was built without CUDA");
   return ATTND_EUNAVAIL;
 }

@@ -95,7 +95,8 @@ void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s) {
   be->free_stages = s;
 }
 
-cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need, size_t min) {
+cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need,
+                                 size_t min) {
   if (*cap >= need)
     return cudaSuccess;
   size_t nc = min;

@@ -48,7 +48,8 @@ void attnd_cu_trace_run(cu_backend_t *be, cu_run_t *r) {
   const float v[TR_COUNT] = {(float)(r->t_enq - r->job->t_submit_us), ms[0] * 1e3f, ms[1] * 1e3f,
                              ms[2] * 1e3f, ms[3] * 1e3f,
                              /* callback after the device's end, if the device started at once */
-                             (float)(r->t_cb - r->t_enq) - gpu, (float)(attnd_cu_now_us() - r->t_cb)};
+                             (float)(r->t_cb - r->t_enq) - gpu,
+                             (float)(attnd_cu_now_us() - r->t_cb)};
   for (int i = 0; i < TR_COUNT; i++)
     t->v[i][t->n] = v[i];
   if (++t->n < CU_TRACE_N)

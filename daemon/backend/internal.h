@@ -161,8 +161,7 @@ static inline int attnd_cu_sticky(cudaError_t e) {
 cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *cerr);
 void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s);
 /* Grows a stream-owned device buffer, ordered on that stream. */
-cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need,
-                                 size_t min);
+cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need, size_t min);
 /* The one host copy of a step's q, k and v into its pinned buffer; runs on
  * the loop thread for small steps, else as a host function on the stream. */
 void CUDART_CB attnd_cu_stage_inputs_fn(void *arg);

@@ -17,22 +17,22 @@
  * (attnd.v1.Status.Code, numbered as gRPC's; docs/protocol.md).
  *
  * XX(name, value, wire status code, text) */
-#define ATTND_ERRNO_MAP(XX)                                                        \
-  XX(EINVAL, -1, 3, "invalid argument")                                            \
-  XX(ENOTFOUND, -2, 5, "not found")                                                \
-  XX(EPERM, -3, 7, "permission denied")                                            \
-  XX(ENOSPC, -4, 8, "resource exhausted")                                          \
-  XX(EPRECOND, -5, 9, "failed precondition")                                       \
-  XX(EABORTED, -6, 10, "aborted")                                                  \
-  XX(ERANGE, -7, 11, "out of range")                                               \
-  XX(ENOTIMPL, -8, 12, "unimplemented")                                            \
-  XX(EINTERNAL, -9, 13, "internal error")                                          \
-  XX(EUNAVAIL, -10, 14, "unavailable")                                             \
-  XX(EUNAUTH, -11, 16, "unauthenticated")                                          \
-  XX(ECANCELED, -12, 1, "cancelled")                                               \
-  XX(ENOMEM, -13, 8, "out of memory")                                              \
-  XX(EIO, -14, 13, "i/o error")                                                    \
-  XX(ECUDA, -15, 13, "CUDA error")                                                 \
+#define ATTND_ERRNO_MAP(XX)                                                                        \
+  XX(EINVAL, -1, 3, "invalid argument")                                                            \
+  XX(ENOTFOUND, -2, 5, "not found")                                                                \
+  XX(EPERM, -3, 7, "permission denied")                                                            \
+  XX(ENOSPC, -4, 8, "resource exhausted")                                                          \
+  XX(EPRECOND, -5, 9, "failed precondition")                                                       \
+  XX(EABORTED, -6, 10, "aborted")                                                                  \
+  XX(ERANGE, -7, 11, "out of range")                                                               \
+  XX(ENOTIMPL, -8, 12, "unimplemented")                                                            \
+  XX(EINTERNAL, -9, 13, "internal error")                                                          \
+  XX(EUNAVAIL, -10, 14, "unavailable")                                                             \
+  XX(EUNAUTH, -11, 16, "unauthenticated")                                                          \
+  XX(ECANCELED, -12, 1, "cancelled")                                                               \
+  XX(ENOMEM, -13, 8, "out of memory")                                                              \
+  XX(EIO, -14, 13, "i/o error")                                                                    \
+  XX(ECUDA, -15, 13, "CUDA error")                                                                 \
   XX(EDEVICE, -16, 14, "device unusable")
 
 typedef enum {

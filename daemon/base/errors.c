@@ -5,8 +5,8 @@ const char *attnd_strerror(int err) {
   switch (err) {
   case 0:
     return "ok";
-#define ATTND_XX_STR(name, val, code, text)                                        \
-  case (val):                                                                      \
+#define ATTND_XX_STR(name, val, code, text)                                                        \
+  case (val):                                                                                      \
     return text;
     ATTND_ERRNO_MAP(ATTND_XX_STR)
 #undef ATTND_XX_STR
@@ -19,8 +19,8 @@ int attnd_err_status(int err) {
   switch (err) {
   case 0:
     return ATTND_STATUS_OK;
-#define ATTND_XX_CODE(name, val, code, text)                                       \
-  case (val):                                                                      \
+#define ATTND_XX_CODE(name, val, code, text)                                                       \
+  case (val):                                                                                      \
     return (code);
     ATTND_ERRNO_MAP(ATTND_XX_CODE)
 #undef ATTND_XX_CODE

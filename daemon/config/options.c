@@ -134,14 +134,14 @@ static int set_option(attnd_config_t *c, const char *prefix, const char *name_in
   }
 #define INT(key, field, lo, hi)                                                                    \
   if (strcmp(name, key) == 0) {                                                                    \
-    if (attnd_config_parse_int(v, lo, hi, &x))                                                                  \
+    if (attnd_config_parse_int(v, lo, hi, &x))                                                     \
       ERR("--%s: '%s' is not an integer in [%ld, %ld]", key, v, (long)(lo), (long)(hi));           \
     c->field = (int)x;                                                                             \
     return 0;                                                                                      \
   }
 #define SIZE(key, field)                                                                           \
   if (strcmp(name, key) == 0) {                                                                    \
-    if (attnd_config_parse_size(v, &u))                                                                         \
+    if (attnd_config_parse_size(v, &u))                                                            \
       ERR("--%s: '%s' is not a size (bytes, or a number with K, M, G or T)", key, v);              \
     c->field = u;                                                                                  \
     return 0;                                                                                      \
@@ -374,4 +374,3 @@ int attnd_config_parse(attnd_config_t *c, int argc, char **argv, char *err, size
   }
   return 0;
 }
-

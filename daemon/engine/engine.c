@@ -240,4 +240,3 @@ uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_
   }
   return n;
 }
-

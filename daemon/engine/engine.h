@@ -29,11 +29,11 @@ typedef struct attnd_engine_s attnd_engine_t;
 
 /* A tensor as decoded from the wire; data points into the request frame. */
 typedef struct {
-  int present;          /* the field was set */
-  attnd_dtype_t dtype;  /* element type (0: none given) */
-  int ndim;             /* <= 4 */
+  int present;         /* the field was set */
+  attnd_dtype_t dtype; /* element type (0: none given) */
+  int ndim;            /* <= 4 */
   uint32_t shape[4];
-  uint8_t *data;        /* raw little-endian bytes, possibly unaligned */
+  uint8_t *data; /* raw little-endian bytes, possibly unaligned */
   size_t nbytes;
 } attnd_tensor_t;
 
@@ -53,14 +53,14 @@ typedef struct {
   uint32_t start;
   uint32_t n;
   int kv_only;
-  attnd_mask_t mask;           /* zeroed: causal */
-  const uint32_t *tokens;      /* ntokens token ids */
+  attnd_mask_t mask;      /* zeroed: causal */
+  const uint32_t *tokens; /* ntokens token ids */
   uint32_t ntokens;
 } attnd_item_t;
 
 typedef struct {
   uint32_t layer;
-  uint64_t plan;             /* 0: items are inline */
+  uint64_t plan; /* 0: items are inline */
   const attnd_item_t *items;
   uint32_t nitems;
   attnd_tensor_t q, k, v;
@@ -79,18 +79,18 @@ typedef struct {
 typedef struct {
   int status;
   char message[256];
-  uint64_t session;          /* OpenSession, Fork */
-  uint32_t cached_len;       /* OpenSession */
-  uint64_t plan;             /* Plan */
-  uint64_t version;          /* SetScales */
+  uint64_t session;    /* OpenSession, Fork */
+  uint32_t cached_len; /* OpenSession */
+  uint64_t plan;       /* Plan */
+  uint64_t version;    /* SetScales */
   /* Step: out [Tq, q_heads, head_dim] (activation dtype or fp32) and lse
    * [Tq, q_heads], owned by the callback (it frees them, or keeps them: the
    * RPC layer writes large outputs to the socket straight from them). */
   void *out;
   size_t out_bytes;
   attnd_dtype_t out_dtype;
-  uint32_t out_rows;         /* Tq */
-  float *lse;                /* NULL when not asked */
+  uint32_t out_rows; /* Tq */
+  float *lse;        /* NULL when not asked */
   size_t lse_bytes;
   uint64_t queued_us;
   uint64_t computing_us;
@@ -100,7 +100,7 @@ typedef void (*attnd_engine_done_cb)(void *arg, attnd_result_t *res);
 
 /* Static facts for Health. */
 typedef struct {
-  const char *backend;       /* "cpu" | "cuda" */
+  const char *backend; /* "cpu" | "cuda" */
   char device[128];
   uint64_t device_memory;
   int compute_capability;
@@ -129,8 +129,8 @@ typedef struct {
 
 /* Creates the engine: picks the backend, allocates the KV pool, restores
  * persisted scales. On failure returns a negative ATTND_E* with a reason in err. */
-int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_t *cfg,
-                      char *err, size_t errlen);
+int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_t *cfg, char *err,
+                      size_t errlen);
 /* Finishes in-flight work, persists state, releases the backend, then calls cb. */
 void attnd_engine_close(attnd_engine_t *e, void (*cb)(void *arg), void *arg);
 /* cb runs once, on the loop thread, when the backend reports its device
@@ -141,8 +141,8 @@ void attnd_engine_on_fatal(attnd_engine_t *e, void (*cb)(void *arg), void *arg);
 void attnd_engine_info(attnd_engine_t *e, attnd_engine_info_t *info);
 void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st);
 /* Fills up to max sessions of this identity; returns how many there are. */
-uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity,
-                                    attnd_session_info_t *out, uint32_t max);
+uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_session_info_t *out,
+                                    uint32_t max);
 
 /* Every call names the caller's identity (sessions are usable only by the
  * identity that opened them) and the connection (plans end with it). Every call

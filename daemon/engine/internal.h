@@ -229,10 +229,10 @@ struct attnd_session_s {
   uint32_t saltlen;
   uint64_t last_used_ms;
   attnd_plan_t *plan; /* the live plan touching this session (at most one) */
-  uint32_t ntok; /* token ids known: positions 0..ntok-1 (may exceed len[0]) */
-  uint64_t mark; /* scratch for the engine: finds a session named twice in one call */
-  int broken;    /* a step on it failed in the backend: its KV is unknown (ABORTED) */
-  attnd_list_t link; /* the engine's list of sessions, newest first */
+  uint32_t ntok;      /* token ids known: positions 0..ntok-1 (may exceed len[0]) */
+  uint64_t mark;      /* scratch for the engine: finds a session named twice in one call */
+  int broken;         /* a step on it failed in the backend: its KV is unknown (ABORTED) */
+  attnd_list_t link;  /* the engine's list of sessions, newest first */
 };
 
 attnd_session_t *attnd_session_new(int layers);
@@ -460,8 +460,8 @@ void attnd_ejob_submit(attnd_engine_t *e, attnd_ejob_t *j);
 
 /* ---- scales.c ---- */
 
-void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req,
-                        attnd_engine_done_cb cb, void *arg);
+void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
+                        void *arg);
 /* Recomputes the prefix fingerprint from the model and the scale versions. */
 void attnd_scales_update_fingerprint(attnd_engine_t *e);
 

@@ -55,7 +55,7 @@ static void step_failed(attnd_engine_t *e, attnd_ejob_t *j) {
   }
   attnd_prefix_drop_all(e->px);
   ATTND_LIST_FOREACH(it, nx, &e->slist)
-    ATTND_LIST_DATA(it, attnd_session_t, link)->npub = 0;
+  ATTND_LIST_DATA(it, attnd_session_t, link)->npub = 0;
 }
 
 static void job_done(attnd_job_t *job) {
@@ -155,4 +155,3 @@ void attnd_ejob_submit(attnd_engine_t *e, attnd_ejob_t *j) {
   L->htail = j;
   layer_pump(e, j->layer);
 }
-

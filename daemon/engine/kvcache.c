@@ -107,7 +107,8 @@ void attnd_cache_submit_cow(attnd_engine_t *e, attnd_cowlist_t *cow) {
   cow->n = cow->cap = 0;
 }
 
-int attnd_cache_reserve(attnd_engine_t *e, attnd_plan_t *p, attnd_cowlist_t *cow, char *msg, size_t msglen) {
+int attnd_cache_reserve(attnd_engine_t *e, attnd_plan_t *p, attnd_cowlist_t *cow, char *msg,
+                        size_t msglen) {
   uint64_t need = 0;
   for (uint32_t i = 0; i < p->nitems; i++)
     need += blocks_needed(e, p->items[i].s, p->items[i].start, p->items[i].n);
@@ -120,7 +121,6 @@ int attnd_cache_reserve(attnd_engine_t *e, attnd_plan_t *p, attnd_cowlist_t *cow
     reserve(e, p->items[i].s, p->items[i].start, p->items[i].n, cow);
   return 0;
 }
-
 
 /* ---- publication and lookup ---- */
 
@@ -216,4 +216,3 @@ void attnd_cache_trim(attnd_engine_t *e, attnd_session_t *s, uint32_t keep) {
   if (s->npub > keep)
     s->npub = keep;
 }
-

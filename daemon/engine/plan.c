@@ -82,7 +82,7 @@ static int item_mask(attnd_pitem_t *pi, const attnd_mask_t *m, uint32_t i, uint6
 }
 
 int attnd_plan_build(attnd_engine_t *e, uint64_t identity, const attnd_item_t *items,
-                      uint32_t nitems, attnd_plan_t **out, char *msg, size_t msglen) {
+                     uint32_t nitems, attnd_plan_t **out, char *msg, size_t msglen) {
   if (nitems == 0 || !items) {
     snprintf(msg, msglen, "no items");
     return ATTND_EINVAL;
@@ -166,8 +166,8 @@ fail:
 }
 
 void attnd_plan_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
-                       const attnd_item_t *items, uint32_t nitems, attnd_engine_done_cb cb,
-                       void *arg) {
+                      const attnd_item_t *items, uint32_t nitems, attnd_engine_done_cb cb,
+                      void *arg) {
   char msg[200];
   attnd_plan_t *p = NULL;
   int rc = attnd_plan_build(e, identity, items, nitems, &p, msg, sizeof(msg));
@@ -213,7 +213,7 @@ void attnd_plan_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   int maxp = e->cfg.max_plans > 0 ? e->cfg.max_plans : 64;
   int count = 0;
   ATTND_LIST_FOREACH(it, nx, &e->plist)
-    count += ATTND_LIST_DATA(it, attnd_plan_t, link)->conn == conn;
+  count += ATTND_LIST_DATA(it, attnd_plan_t, link)->conn == conn;
   ATTND_LIST_FOREACH(it, nx, &e->plist) {
     attnd_plan_t *q = ATTND_LIST_DATA(it, attnd_plan_t, link);
     if (count <= maxp)
@@ -236,4 +236,3 @@ void attnd_plan_conn_closed(attnd_engine_t *e, uint64_t conn) {
       attnd_plan_end(e, q);
   }
 }
-

@@ -108,7 +108,8 @@ static void call_admit(attnd_engine_t *e, call_t *c) {
     attnd_plan_admit(e, c->identity, c->conn, c->items, c->nitems, c->cb, c->arg);
     break;
   case CALL_STEP:
-    attnd_step_admit(e, c->identity, c->conn, &c->step, c->cb, c->arg, c->scanned ? &c->scan : NULL);
+    attnd_step_admit(e, c->identity, c->conn, &c->step, c->cb, c->arg,
+                     c->scanned ? &c->scan : NULL);
     break;
   case CALL_SCALES:
     attnd_scales_admit(e, &c->scales, c->cb, c->arg);
@@ -177,7 +178,8 @@ void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint3
   if (!check_open(e, cb, arg))
     return;
   if (saltlen > ATTND_PREFIX_MAX_SALT) {
-    attnd_engine_answer(cb, arg, ATTND_EINVAL, "salt is %zu bytes, at most %d", saltlen, ATTND_PREFIX_MAX_SALT);
+    attnd_engine_answer(cb, arg, ATTND_EINVAL, "salt is %zu bytes, at most %d", saltlen,
+                        ATTND_PREFIX_MAX_SALT);
     return;
   }
   if (!must_queue(e)) {
@@ -314,4 +316,3 @@ void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) {
 void attnd_engine_set_offload_bytes(attnd_engine_t *e, size_t bytes) {
   e->offload_bytes = bytes;
 }
-

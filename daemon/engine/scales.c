@@ -231,7 +231,7 @@ static void queue_backend_scales(attnd_engine_t *e, int layer) {
 }
 
 void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
-                         void *arg) {
+                        void *arg) {
   char msg[200];
   int rc = attnd_scales_validate(&e->sc, req, msg, sizeof(msg));
   if (rc) {
@@ -241,10 +241,11 @@ void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_
   uint32_t l = req->layer;
   int holds = attnd_prefix_count(e->px) > 0;
   ATTND_LIST_FOREACH(it, nx, &e->slist)
-    holds |= ATTND_LIST_DATA(it, attnd_session_t, link)->len[l] > 0;
+  holds |= ATTND_LIST_DATA(it, attnd_session_t, link)->len[l] > 0;
   if (holds && !req->drop_cached_kv) {
-    attnd_engine_answer(cb, arg, ATTND_EPRECOND,
-           "layer %u holds KV (sessions or cached blocks); set drop_cached_kv to drop it", l);
+    attnd_engine_answer(
+        cb, arg, ATTND_EPRECOND,
+        "layer %u holds KV (sessions or cached blocks); set drop_cached_kv to drop it", l);
     return;
   }
   if (holds) {
@@ -283,4 +284,3 @@ void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_
   }
   e->pending++;
 }
-

@@ -71,4 +71,3 @@ void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, attn
   scan_tensor(sh->dtype, &req->k, kvrow, &sc->k, &sc->kbuf, &sc->bad_k);
   scan_tensor(sh->dtype, &req->v, kvrow, &sc->v, &sc->vbuf, &sc->bad_v);
 }
-

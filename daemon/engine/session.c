@@ -54,14 +54,13 @@ int attnd_session_lens_equal(const attnd_session_t *s) {
   return 1;
 }
 
-
 void attnd_session_end_plan(attnd_engine_t *e, attnd_session_t *s) {
   if (s->plan)
     attnd_plan_end(e, s->plan);
 }
 
 attnd_session_t *attnd_session_get(attnd_engine_t *e, uint64_t identity, uint64_t id, int *rc,
-                                    char *msg, size_t msglen) {
+                                   char *msg, size_t msglen) {
   attnd_session_t *s = attnd_idmap_get(&e->sessions, id);
   if (!s) {
     snprintf(msg, msglen, "session %016llx not found", (unsigned long long)id);
@@ -81,8 +80,9 @@ attnd_session_t *attnd_session_get(attnd_engine_t *e, uint64_t identity, uint64_
 static int session_usable(attnd_session_t *s, attnd_engine_done_cb cb, void *arg) {
   if (!s->broken)
     return 1;
-  attnd_engine_answer(cb, arg, ATTND_EABORTED, "session %016llx lost its KV in a backend fault; close it",
-         (unsigned long long)s->id);
+  attnd_engine_answer(cb, arg, ATTND_EABORTED,
+                      "session %016llx lost its KV in a backend fault; close it",
+                      (unsigned long long)s->id);
   return 0;
 }
 
@@ -115,8 +115,8 @@ void attnd_session_destroy(attnd_engine_t *e, attnd_session_t *s) {
  * queue; the public entries (queue.c) checked what needs no state. */
 
 void attnd_session_open(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
-                       uint32_t ntokens, const uint8_t *salt, size_t saltlen,
-                       attnd_engine_done_cb cb, void *arg) {
+                        uint32_t ntokens, const uint8_t *salt, size_t saltlen,
+                        attnd_engine_done_cb cb, void *arg) {
   if (e->cfg.max_sessions > 0 && e->nsessions >= (uint32_t)e->cfg.max_sessions) {
     attnd_engine_answer(cb, arg, ATTND_ENOSPC, "max sessions (%d) reached", e->cfg.max_sessions);
     return;
@@ -134,7 +134,7 @@ void attnd_session_open(attnd_engine_t *e, uint64_t identity, const uint32_t *to
 }
 
 void attnd_session_close(attnd_engine_t *e, uint64_t identity, uint64_t session,
-                        attnd_engine_done_cb cb, void *arg) {
+                         attnd_engine_done_cb cb, void *arg) {
   char msg[160];
   int rc;
   attnd_session_t *s = attnd_session_get(e, identity, session, &rc, msg, sizeof(msg));
@@ -148,9 +148,8 @@ void attnd_session_close(attnd_engine_t *e, uint64_t identity, uint64_t session,
 
 /* The session a Fork or Truncate acts on, or NULL after answering why not:
  * both need a usable session of this identity with equal lengths in every layer. */
-static attnd_session_t *session_for_rollback(attnd_engine_t *e, uint64_t identity,
-                                             uint64_t session, attnd_engine_done_cb cb,
-                                             void *arg) {
+static attnd_session_t *session_for_rollback(attnd_engine_t *e, uint64_t identity, uint64_t session,
+                                             attnd_engine_done_cb cb, void *arg) {
   char msg[160];
   int rc;
   attnd_session_t *s = attnd_session_get(e, identity, session, &rc, msg, sizeof(msg));
@@ -162,14 +161,14 @@ static attnd_session_t *session_for_rollback(attnd_engine_t *e, uint64_t identit
     return NULL;
   if (!attnd_session_lens_equal(s)) {
     attnd_engine_answer(cb, arg, ATTND_EPRECOND, "session %016llx: layers hold different lengths",
-           (unsigned long long)session);
+                        (unsigned long long)session);
     return NULL;
   }
   return s;
 }
 
 void attnd_session_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
-                       attnd_engine_done_cb cb, void *arg) {
+                        attnd_engine_done_cb cb, void *arg) {
   attnd_session_t *s = session_for_rollback(e, identity, session, cb, arg);
   if (!s)
     return;
@@ -209,7 +208,7 @@ void attnd_session_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
 }
 
 void attnd_session_truncate(attnd_engine_t *e, uint64_t identity, uint64_t session, uint32_t len,
-                           attnd_engine_done_cb cb, void *arg) {
+                            attnd_engine_done_cb cb, void *arg) {
   attnd_session_t *s = session_for_rollback(e, identity, session, cb, arg);
   if (!s)
     return;
@@ -247,4 +246,3 @@ void attnd_session_idle_cb(uv_timer_t *t) {
       attnd_session_destroy(e, s);
   }
 }
-

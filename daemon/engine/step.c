@@ -80,8 +80,8 @@ static int check_plan(admit_t *a) {
     }
     return 0;
   }
-  int rc = attnd_plan_build(e, a->identity, req->items, req->nitems, &a->inl, a->msg,
-                            sizeof(a->msg));
+  int rc =
+      attnd_plan_build(e, a->identity, req->items, req->nitems, &a->inl, a->msg, sizeof(a->msg));
   a->p = a->inl;
   return rc;
 }
@@ -123,8 +123,8 @@ static int check_items(admit_t *a) {
     const attnd_pitem_t *it = &p->items[i];
     const attnd_session_t *s = it->s;
     if (s->broken) {
-      snprintf(a->msg, sizeof(a->msg), "item %u: session %016llx lost its KV in a backend fault",
-               i, (unsigned long long)s->id);
+      snprintf(a->msg, sizeof(a->msg), "item %u: session %016llx lost its KV in a backend fault", i,
+               (unsigned long long)s->id);
       return ATTND_EABORTED;
     }
     if (it->start > s->len[layer]) {
@@ -132,8 +132,8 @@ static int check_items(admit_t *a) {
       return ATTND_EINVAL;
     }
     if (layer > 0 && it->start + it->n > s->len[0]) {
-      snprintf(a->msg, sizeof(a->msg), "item %u: start+n %u > len %u of layer 0 (layer 0 leads)",
-               i, it->start + it->n, s->len[0]);
+      snprintf(a->msg, sizeof(a->msg), "item %u: start+n %u > len %u of layer 0 (layer 0 leads)", i,
+               it->start + it->n, s->len[0]);
       return ATTND_EINVAL;
     }
     if (layer > 0)
@@ -147,7 +147,8 @@ static int check_items(admit_t *a) {
     /* The scan recorded the first bad row of each tensor; no item before
      * this one holds a bad row, so this item fails exactly when it holds
      * that row (the same answer as scanning item by item). */
-    if (attnd_scan_row_in(sc->bad_k, kv_row, it->n) || attnd_scan_row_in(sc->bad_v, kv_row, it->n) ||
+    if (attnd_scan_row_in(sc->bad_k, kv_row, it->n) ||
+        attnd_scan_row_in(sc->bad_v, kv_row, it->n) ||
         (it->has_q && attnd_scan_row_in(sc->bad_q, q_row, it->n))) {
       snprintf(a->msg, sizeof(a->msg), "item %u: q, k or v holds a non-finite value", i);
       return ATTND_EINVAL;

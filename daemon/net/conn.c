@@ -337,7 +337,7 @@ attnd_conn_t *attnd_conn_new(attnd_server_t *s, int is_tcp) {
 }
 
 void attnd_conn_start(attnd_server_t *s, attnd_conn_t *c, uint64_t identity, int need_hello,
-                       const char *peer) {
+                      const char *peer) {
   attnd_rpc_conn_init(&c->rc, &s->rpc, identity, need_hello);
   c->rc.send = rc_send;
   c->rc.sendv = rc_sendv;
@@ -362,4 +362,3 @@ void attnd_conn_start(attnd_server_t *s, attnd_conn_t *c, uint64_t identity, int
   }
   c->reading = 1;
 }
-

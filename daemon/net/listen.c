@@ -252,4 +252,3 @@ void attnd_net_close_listeners(attnd_server_t *s) {
     uv_close((uv_handle_t *)&s->hello_timer, listener_close_cb);
   }
 }
-

@@ -158,4 +158,3 @@ int attnd_metrics_render(const attnd_rpc_counters_t *c, attnd_engine_t *engine, 
   *len = b.len;
   return 0;
 }
-

@@ -43,4 +43,3 @@ int attnd_server_tcp_port(const attnd_server_t *s) {
 void attnd_server_stats(const attnd_server_t *s, attnd_server_stats_t *st) {
   *st = s->st;
 }
-

@@ -69,8 +69,8 @@ static const char *dtype_name(int dt) {
   }
 }
 
-int attnd_rpc_tensor_finish(attnd_tensor_t *t, bool has, const attnd_v1_Tensor *pb, const char *name,
-                         char *msg, size_t cap) {
+int attnd_rpc_tensor_finish(attnd_tensor_t *t, bool has, const attnd_v1_Tensor *pb,
+                            const char *name, char *msg, size_t cap) {
   uint8_t *data = t->data;
   size_t nbytes = t->nbytes;
   memset(t, 0, sizeof(*t));
@@ -230,12 +230,14 @@ bool attnd_rpc_dec_item_cb(pb_istream_t *s, const pb_field_t *f, void **arg) {
   char name[48];
   attnd_tensor_t docs = doc, ivs = iv;
   snprintf(name, sizeof(name), "item %u: mask doc_lengths", q->nitems - 1);
-  if (!q->decode_failed && attnd_rpc_tensor_finish(&docs, it.has_mask && it.mask.has_doc_lengths,
-                                         &it.mask.doc_lengths, name, q->msg, sizeof(q->msg)))
+  if (!q->decode_failed &&
+      attnd_rpc_tensor_finish(&docs, it.has_mask && it.mask.has_doc_lengths, &it.mask.doc_lengths,
+                              name, q->msg, sizeof(q->msg)))
     q->decode_failed = ATTND_EINVAL;
   snprintf(name, sizeof(name), "item %u: mask intervals", q->nitems - 1);
-  if (!q->decode_failed && attnd_rpc_tensor_finish(&ivs, it.has_mask && it.mask.has_intervals,
-                                         &it.mask.intervals, name, q->msg, sizeof(q->msg)))
+  if (!q->decode_failed &&
+      attnd_rpc_tensor_finish(&ivs, it.has_mask && it.mask.has_intervals, &it.mask.intervals, name,
+                              q->msg, sizeof(q->msg)))
     q->decode_failed = ATTND_EINVAL;
   if (!q->decode_failed) {
     int rc = expand_mask(q->conn->rpc->cfg, x, q->nitems - 1, it.has_mask ? (int)it.mask.kind : 0,
@@ -257,7 +259,6 @@ static void decode_error_msg(const char *method, const char *pberr, char *msg, s
   else
     snprintf(msg, cap, "%s: cannot decode: %s", method, pberr);
 }
-
 
 int attnd_rpc_pb_decode(attnd_rpc_req_t *q, pb_istream_t *s, const pb_msgdesc_t *fields,
                         void *msg) {

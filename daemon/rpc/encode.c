@@ -43,7 +43,7 @@ static void scatter_cut(scatter_t *sc) {
   if (sc->len > sc->seg_start) {
     /* The first copied piece owns the buffer; the others point into it. */
     sc->segs[sc->n++] = (attnd_rpc_seg_t){sc->buf + sc->seg_start, sc->len - sc->seg_start,
-                                           sc->seg_start == 0 ? sc->buf : NULL};
+                                          sc->seg_start == 0 ? sc->buf : NULL};
     sc->seg_start = sc->len;
   }
 }
@@ -78,8 +78,7 @@ static int send_scattered(attnd_rpc_conn_t *c, attnd_v1_Response *resp, uint64_t
   size_t sz = 0, refs = 0;
   for (int i = 0; i < sc->nref; i++)
     refs += sc->refn[i];
-  if (!pb_get_encoded_size(&sz, attnd_v1_Response_fields, resp) || sz > UINT32_MAX - 4 ||
-      sz < refs)
+  if (!pb_get_encoded_size(&sz, attnd_v1_Response_fields, resp) || sz > UINT32_MAX - 4 || sz < refs)
     return 0;
   sc->cap = sz + 4 - refs;
   sc->buf = malloc(sc->cap);
@@ -132,7 +131,7 @@ int attnd_rpc_send_response_refs(attnd_rpc_req_t *q, attnd_v1_Response *resp, in
 }
 
 void attnd_rpc_send_response(attnd_rpc_conn_t *c, attnd_v1_Response *resp, uint64_t t0_ns,
-                          int close_after) {
+                             int close_after) {
   attnd_rpc_t *r = c->rpc;
   resp->epoch = r->epoch;
   resp->has_status = true;
@@ -183,4 +182,3 @@ void attnd_rpc_frame_error(attnd_rpc_conn_t *c, int err, const char *msg) {
   attnd_rpc_count(r, ATTND_M_UNKNOWN, attnd_err_status(err));
   attnd_rpc_send_error(c, 0, err, msg, 1);
 }
-

@@ -45,7 +45,6 @@ static void fill_shape(attnd_rpc_t *r, attnd_v1_ModelShape *m) {
   m->kv_bytes_per_token = (uint64_t)(per + 0.999999);
 }
 
-
 /* Health, Stats and ListSessions need no engine call: they complete at once
  * (no result of the engine's), and their encoders read the daemon's state. */
 static void complete_now(attnd_rpc_req_t *q) {

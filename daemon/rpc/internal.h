@@ -65,7 +65,7 @@ struct attnd_rpc_req_s {
   attnd_session_info_t *sessions; /* ListSessions */
   uint32_t nsessions;
   attnd_rpc_bytes_t out, lse; /* a Step's outputs while its response is encoded */
-  int decode_failed; /* a callback failed for a reason of ours: its ATTND_E* (msg set) */
+  int decode_failed;          /* a callback failed for a reason of ours: its ATTND_E* (msg set) */
   char msg[200];
 };
 
@@ -78,9 +78,9 @@ enum {
 };
 
 typedef struct {
-  const char *name;  /* "open_session", ... (metrics and logs) */
-  pb_size_t result;  /* the Response.result member: attnd_v1_Response_*_tag */
-  unsigned flags;    /* RPC_M_* */
+  const char *name; /* "open_session", ... (metrics and logs) */
+  pb_size_t result; /* the Response.result member: attnd_v1_Response_*_tag */
+  unsigned flags;   /* RPC_M_* */
   /* Decodes the call's message s into q (the native request); 0, or an
    * ATTND_E* with q->msg saying what was wrong. */
   int (*decode)(attnd_rpc_req_t *q, pb_istream_t *s);
@@ -99,8 +99,7 @@ void attnd_rpc_call_health(attnd_rpc_req_t *q);
 void attnd_rpc_encode_health(attnd_rpc_req_t *q, const attnd_result_t *res,
                              attnd_v1_Response *resp);
 void attnd_rpc_call_stats(attnd_rpc_req_t *q);
-void attnd_rpc_encode_stats(attnd_rpc_req_t *q, const attnd_result_t *res,
-                            attnd_v1_Response *resp);
+void attnd_rpc_encode_stats(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1_Response *resp);
 void attnd_rpc_call_list_sessions(attnd_rpc_req_t *q);
 void attnd_rpc_encode_list_sessions(attnd_rpc_req_t *q, const attnd_result_t *res,
                                     attnd_v1_Response *resp);
@@ -134,8 +133,7 @@ void attnd_rpc_free_tokens(attnd_rpc_t *r);
 
 /* pb_decode of the call's message, with nanopb's terse errors turned into
  * something a client can act on (q->msg); 0 or ATTND_EINVAL. */
-int attnd_rpc_pb_decode(attnd_rpc_req_t *q, pb_istream_t *s, const pb_msgdesc_t *fields,
-                        void *msg);
+int attnd_rpc_pb_decode(attnd_rpc_req_t *q, pb_istream_t *s, const pb_msgdesc_t *fields, void *msg);
 /* nanopb callbacks: token ids into an attnd_u32vec_t, tensor bytes left in
  * the frame, items into q->items. */
 bool attnd_rpc_dec_u32_cb(pb_istream_t *s, const pb_field_t *f, void **arg);

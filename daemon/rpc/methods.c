@@ -63,8 +63,7 @@ static void call_truncate(attnd_rpc_req_t *q) {
                         attnd_rpc_done, q);
 }
 
-static void encode_empty(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1_Response *resp) {
-}
+static void encode_empty(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1_Response *resp) {}
 
 /* ---- plans and steps ---- */
 
@@ -216,18 +215,16 @@ const attnd_rpc_method_t attnd_rpc_methods[ATTND_M_COUNT] = {
         attnd_rpc_call_hello, encode_empty),
     ROW(ATTND_M_HEALTH, "health", health, RPC_M_DRAINING, attnd_rpc_decode_none,
         attnd_rpc_call_health, attnd_rpc_encode_health),
-    ROW(ATTND_M_STATS, "stats", stats, RPC_M_DRAINING, attnd_rpc_decode_none,
-        attnd_rpc_call_stats, attnd_rpc_encode_stats),
-    ROW(ATTND_M_OPEN_SESSION, "open_session", open_session, 0, decode_open, call_open,
-        encode_open),
+    ROW(ATTND_M_STATS, "stats", stats, RPC_M_DRAINING, attnd_rpc_decode_none, attnd_rpc_call_stats,
+        attnd_rpc_encode_stats),
+    ROW(ATTND_M_OPEN_SESSION, "open_session", open_session, 0, decode_open, call_open, encode_open),
     ROW(ATTND_M_CLOSE_SESSION, "close_session", close_session, 0, decode_close, call_close,
         encode_empty),
     ROW(ATTND_M_FORK, "fork", fork, 0, decode_fork, call_fork, encode_fork),
     ROW(ATTND_M_TRUNCATE, "truncate", truncate, 0, decode_truncate, call_truncate, encode_empty),
     ROW(ATTND_M_PLAN, "plan", plan, 0, decode_plan, call_plan, encode_plan),
     ROW(ATTND_M_STEP, "step", step, 0, decode_step, call_step, encode_step),
-    ROW(ATTND_M_SET_SCALES, "set_scales", set_scales, 0, decode_scales, call_scales,
-        encode_scales),
+    ROW(ATTND_M_SET_SCALES, "set_scales", set_scales, 0, decode_scales, call_scales, encode_scales),
     ROW(ATTND_M_LIST_SESSIONS, "list_sessions", list_sessions, 0, attnd_rpc_decode_none,
         attnd_rpc_call_list_sessions, attnd_rpc_encode_list_sessions),
 };

@@ -155,13 +155,12 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
   attnd_rpc_t *r = c->rpc;
   int code = attnd_err_status(res->status);
   attnd_rpc_count(r, q->method, code);
-  ATTND_LOGD("request",
-             "conn=%llu id=%llu method=%s code=%s queued_us=%llu computing_us=%llu%s%s%s%s",
-             (unsigned long long)c->id, (unsigned long long)q->id,
-             attnd_rpc_method_name(q->method), attnd_rpc_code_name(code),
-             (unsigned long long)res->queued_us, (unsigned long long)res->computing_us,
-             c->closed ? " dropped=1" : "", res->status ? " msg=\"" : "",
-             res->status ? res->message : "", res->status ? "\"" : "");
+  ATTND_LOGD(
+      "request", "conn=%llu id=%llu method=%s code=%s queued_us=%llu computing_us=%llu%s%s%s%s",
+      (unsigned long long)c->id, (unsigned long long)q->id, attnd_rpc_method_name(q->method),
+      attnd_rpc_code_name(code), (unsigned long long)res->queued_us,
+      (unsigned long long)res->computing_us, c->closed ? " dropped=1" : "",
+      res->status ? " msg=\"" : "", res->status ? res->message : "", res->status ? "\"" : "");
   if (code == ATTND_STATUS_OK && q->step_kind >= 0)
     attnd_hist_add(&r->counters.step_latency[q->step_kind],
                    (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);

@@ -109,11 +109,11 @@ struct attnd_rpc_conn_s {
   attnd_rpc_t *rpc;
   uint64_t id; /* names the connection to the engine (plans end with it) */
   uint64_t identity;
-  int need_hello;        /* off-loopback TCP: a valid Hello must come first */
-  int closed;            /* the transport is gone: results are dropped */
-  uint32_t pending;      /* requests in flight */
-  uint64_t req_bytes;    /* bytes of request frames held by requests in flight */
-  attnd_list_t reqs;     /* requests in flight (for duplicate ids) */
+  int need_hello;     /* off-loopback TCP: a valid Hello must come first */
+  int closed;         /* the transport is gone: results are dropped */
+  uint32_t pending;   /* requests in flight */
+  uint64_t req_bytes; /* bytes of request frames held by requests in flight */
+  attnd_list_t reqs;  /* requests in flight (for duplicate ids) */
   /* Plans made on this connection and whether they are decode steps, for the
    * step latency histograms (a ring of the last max_plans). */
   uint64_t *plan_ids;

@@ -11,11 +11,12 @@ import numpy as np
 import attnd
 from harness import BACKEND, DaemonTestCase
 from reference import RefSession, rel_l2
+import tolerance
 
 # Prefix hit vs full compute, fp32 output (see test_prefix_cache_hit_gives_the_same_outputs).
-PREFIX_HIT_TOL = 1e-3
+PREFIX_HIT_TOL = tolerance.PREFIX_HIT
 
-TOL = 1e-2  # DESIGN.md section 5: bf16/fp16 cache, relative L2 per item
+TOL = tolerance.REL_L2["bf16"]  # bf16 cache, relative L2 per item (docs/numerics.md)
 
 
 class SessionsTest(DaemonTestCase):

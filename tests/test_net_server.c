@@ -1,5 +1,6 @@
-/* test_server: the listeners over real sockets. The server (with the real
- * engine from attnd_core, configured tiny) runs its loop on a second thread;
+/* test_net_server.c: the listeners and connections (daemon/net/) over real
+ * sockets. The server (with the real engine, configured tiny) runs its loop
+ * on a second thread;
  * the test talks to it with blocking sockets and raw frames, as any client
  * would. Also spawns the real binary for the SIGTERM drain. */
 #include <setjmp.h>
