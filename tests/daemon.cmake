@@ -10,3 +10,8 @@ attnd_add_test(test_net_server SOURCES test_net_server.c LIBS attnd_net TIMEOUT 
 add_dependencies(test_config attnd)
 add_dependencies(test_net_server attnd)
 
+# The tree's shape: file sizes, the layers' include and link rules, and no
+# reference to anything outside the project (tests/test_layout.py).
+add_test(NAME test_layout COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/test_layout.py
+         ${PROJECT_SOURCE_DIR})
+set_tests_properties(test_layout PROPERTIES TIMEOUT 60 LABELS layout)

@@ -6,7 +6,7 @@
  * each run so an element the kernel forgets fails. After every write the cache
  * bytes (and the in-place rotated q) are compared with the oracle's quantizer
  * exactly; after every attend each item's output is compared with the oracle
- * under the DESIGN.md 5 bound of its cache type. The worst error seen per
+ * under the bound of its cache type (tests/tolerance.h, docs/numerics.md). The worst error seen per
  * cache type is printed at the end.
  */
 #include <math.h>

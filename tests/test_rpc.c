@@ -1,6 +1,7 @@
-/* test_rpc: request decoding, dispatch and response encoding (rpc.c), driven
- * frame by frame without sockets against a fake engine that this file
- * defines (so the linker never pulls the real engine out of attnd_core). The
+/* test_rpc.c: the RPC layer (daemon/rpc/: decoding, the method table,
+ * encoding), driven frame by frame without sockets against a fake engine
+ * that this file defines (so the linker never pulls the real engine out of
+ * its library). The
  * fake engine can hold calls in flight, which makes duplicate ids,
  * out-of-order completion, drain and disconnects deterministic. */
 #include <setjmp.h>

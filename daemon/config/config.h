@@ -4,7 +4,8 @@
  * the file is INI-style, parsed with libinih). Precedence: built-in defaults,
  * then the config file, then flags. Everything is fixed at start, and this is
  * the one place that reads options: no other part of the daemon looks at the
- * environment for a setting. deploy/attnd.conf lists every key with its
+ * environment (config reads only the systemd and XDG directories behind the
+ * default paths). deploy/attnd.conf lists every key with its
  * default; `attnd --help` prints them. */
 #ifndef ATTND_CONFIG_H
 #define ATTND_CONFIG_H

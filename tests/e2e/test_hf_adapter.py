@@ -9,7 +9,7 @@ HFLlamaTest runs client/python/examples/hf_llama.py's check: a small randomly
 initialised transformers Llama generating greedily with attn_implementation
 "attnd" against "sdpa" and "eager". It skips, saying so, where torch or
 transformers is missing (this machine and CI); it runs on the GPU machine
-(scripts/gpu-hf.sh), on the backend ATTND_E2E_BACKEND names.
+(scripts/dev/gpu-hf.sh), on the backend ATTND_E2E_BACKEND names.
 """
 import copy
 import os
@@ -37,7 +37,7 @@ try:
     WHY_NOT = ""
 except ImportError as e:
     HAVE_HF = False
-    WHY_NOT = f"torch/transformers not installed ({e}); this check runs on the GPU machine (scripts/gpu-hf.sh)"
+    WHY_NOT = f"torch/transformers not installed ({e}); this check runs on the GPU machine (scripts/dev/gpu-hf.sh)"
 
 SHAPE = ["--backend", BACKEND] + hf_llama.DAEMON_SHAPE
 

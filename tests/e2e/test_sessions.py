@@ -130,9 +130,9 @@ class SessionsTest(DaemonTestCase):
         self.c.close_session(child)
         self.c.close_session(sid)
 
-    # The issue's bound is 1e-3. The CPU backend meets it exactly (0: the same
-    # kernel path either way). The CUDA kernels round P to bf16 for the matrix
-    # units (DESIGN.md 5 allows it) and a hit runs its 8 rows on another kernel
+    # The bound is tolerance.PREFIX_HIT. The CPU backend meets it exactly (0: the
+    # same kernel path either way). The CUDA kernels round P to bf16 for the matrix
+    # units (docs/numerics.md allows it) and a hit runs its 8 rows on another kernel
     # than the 40-row prefill; P is taken relative to an integer running max
     # (kernels/cuda/flash.cuh), so its rounding does not depend on the path and
     # the two differ by fp32 summation order only (1.2e-3 before that change).
@@ -265,7 +265,7 @@ class MasksTest(DaemonTestCase):
 
 
 class IdentityTest(DaemonTestCase):
-    """Sessions belong to the identity that opened them (DESIGN.md section 6): a TCP
+    """Sessions belong to the identity that opened them (docs/sessions.md): a TCP
     token, the anonymous loopback identity, or the Unix peer uid."""
 
     @classmethod

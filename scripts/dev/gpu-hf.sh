@@ -2,32 +2,32 @@
 # gpu-hf.sh: the transformers adapter check (attnd.hf + examples/hf_llama.py) on
 # the GPU machine, whose python3 has torch and transformers. Two halves:
 #
-#   scripts/gpu-hf.sh stage [BUILD]   (here, on the build machine)
+#   scripts/dev/gpu-hf.sh stage [BUILD]   (on the build machine)
 #       copies what the GPU machine needs into build-gpu/hf/ (ATTND_HF_DIR):
 #         attnd            the daemon from BUILD/daemon/attnd (BUILD defaults to
 #                          build-gpu; a CUDA build for sm_90a with the CUDA runtime
-#                          linked statically, see ../shared/GPU.md; a CPU-only
+#                          linked statically, see scripts/dev/README.md; a CPU-only
 #                          build runs the CPU half and the CUDA half is skipped)
 #         lib*.so*         the daemon's libraries that Ubuntu 24.04 lacks (libuv,
 #                          libinih, libxxhash, libhttp_parser; libcudart if linked
 #                          dynamically), used by the daemon only
 #         attnd_pb2.py     from BUILD/python (protoc 3.21 output loads under protobuf 7)
 #       The Python client itself comes from client/python in the working tree.
-#   scripts/gpu-hf.sh run             (on the GPU machine, device tool carry
-#       ["build-gpu/hf"]): hf_llama.py (bf16 and fp32 weights) and the e2e module
+#   scripts/dev/gpu-hf.sh run         (on the GPU machine, with build-gpu/hf/
+#       copied into the same checkout there): hf_llama.py (bf16 and fp32 weights) and the e2e module
 #       test_hf_adapter, with the daemon on the CPU backend and, when the binary
 #       and the machine have it, on the CUDA backend. Logs and JSON go to $OUT
 #       (or ./gpu-out); the last line printed is the one-line summary.
 #       Exit 0 when every run that could run passed.
 set -u
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../.." && pwd)
 dir=${ATTND_HF_DIR:-$here/build-gpu/hf}
 
 case "${1:-run}" in
 stage)
   set -e
   build=${2:-$here/build-gpu}
-  [ -f "$build/CMakeCache.txt" ] || { echo "gpu-hf: $build is not a configured build (see gpu-round.sh build)" >&2; exit 1; }
+  [ -f "$build/CMakeCache.txt" ] || { echo "gpu-hf: $build is not a configured build (see scripts/dev/gpu-round.sh build)" >&2; exit 1; }
   [ -x "$build/daemon/attnd" ] && [ -f "$build/python/attnd_pb2.py" ] ||
     cmake --build "$build" -j2 --target attnd attnd_proto_py
   rm -rf "$dir" && mkdir -p "$dir"
@@ -68,7 +68,7 @@ p, s, t = hf_llama.spawn('$tmp/attnd', 'cuda'); p.terminate(); p.wait(20)" >"$ou
 
   fail=0
   summary=""
-  budget=${ATTND_HF_BUDGET:-480}  # seconds: the device tool allows 600 per command
+  budget=${ATTND_HF_BUDGET:-480}  # seconds: leaves room under a 600 s command limit
   for b in $backends; do
     for dt in bf16 fp32; do
       if [ "$SECONDS" -gt "$budget" ]; then

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # gpu-e2e.sh: the CUDA backend end to end on the GPU machine (H200 rounds).
 #
-#   scripts/gpu-e2e.sh stage   (here, on the build machine with nvcc)
+#   scripts/dev/gpu-e2e.sh stage   (on the build machine, with nvcc)
 #       builds attnd, attnctl, test_backend_cuda and attnd_pb2.py in build-gpu/
 #       (sm_90a, static cudart: the top-level CMakeLists' defaults; or takes
 #       them from GPU_E2E_BUILD=<build dir> with GPU_E2E_NO_BUILD=1) and packs
 #       them, stripped of host debug info, with the shared libraries the GPU
 #       machine lacks, into build-gpu/stage/gpu-e2e.tar.xz (~5 MB; the folder
-#       scripts/gpu-round.sh build fills too: run that one first, it empties
+#       scripts/dev/gpu-round.sh build fills too: run that one first, it empties
 #       the folder).
-#   scripts/gpu-e2e.sh run     (on the GPU machine, from the repository root,
-#       device tool with carry ["build-gpu/stage"] or ["build-gpu"])
+#   scripts/dev/gpu-e2e.sh run     (on the GPU machine, from the root of the same
+#       checkout, with build-gpu/stage/ (or build-gpu/) copied there)
 #
 # What `run` needs, unpacked from build-gpu/stage/gpu-e2e.tar.xz when present,
 # else looked up in build-gpu/stage/, build-gpu/ and its cmake subfolders
@@ -30,7 +30,7 @@
 #   1. nvidia-smi, ldd of the binaries (a missing library shows here first);
 #   2. test_backend_cuda (CUDA vs CPU backend, ordering, loop teardown);
 #   3. compute-sanitizer memcheck on test_backend_cuda;
-#   4. test_backend_cuda with ATTND_CUDA_TEST_FAULT=1 (a kernel fault must fail
+#   4. test_backend_cuda --fault (a kernel fault must fail
 #      the job with ATTND_EDEVICE and every later job too, without a hang);
 #   5. `attnd --backend cuda` with the e2e's small shape on a temp socket:
 #      Health, the tiny Llama example against it, then SIGTERM must exit 0;
@@ -43,10 +43,10 @@
 # It always ends with one line:
 #   GPU-E2E SUMMARY: pass=N fail=M skip=K | step=result ...
 # and exits 0 only when no step failed and at least one passed. GPU_E2E_BUDGET (seconds, default 540)
-# skips the steps that would start after it, so the device tool's 600 s limit
-# still leaves the summary. PYTHON names the interpreter (default python3).
+# skips the steps that would start after it, so a limit on the whole command
+# (600 s, say) still leaves the summary. PYTHON names the interpreter (default python3).
 set -u
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../.." && pwd)
 
 stage() {
   set -e
@@ -69,8 +69,8 @@ stage() {
   for lib in libuv.so.1 libcmocka.so.0 libinih.so.1 libxxhash.so.0 libhttp_parser.so.2.9; do
     cp -L "/usr/lib/x86_64-linux-gnu/$lib" "$tmp/$lib"
   done
-  # Both binaries carry the same CUDA fatbin (~15 MB): xz shrinks the lot
-  # from ~35 MB to ~5 MB, which leaves the 64 MiB carry to the kernel round.
+  # Both binaries hold the same CUDA fatbin (~15 MB): xz shrinks the lot
+  # from ~35 MB to ~5 MB, which keeps the staged folder small.
   tar -C "$tmp" -cf - . | xz -6 -T2 >"$st/gpu-e2e.tar.xz"
   du -sh "$tmp" "$st/gpu-e2e.tar.xz"
   rm -rf "$tmp"
@@ -123,8 +123,8 @@ time_left() {
   [ $((used + $1)) -le "$budget" ]
 }
 
-# `stage` packs everything into gpu-e2e.tar.xz: unpack it outside the carried
-# tree (which the device tool may hand over read-only).
+# `stage` packs everything into gpu-e2e.tar.xz: unpack it outside the
+# checkout (which may be read-only on the GPU machine).
 bindir=
 for t in "$here/build-gpu/stage/gpu-e2e.tar.xz" "$here/build-gpu/gpu-e2e.tar.xz"; do
   if [ -f "$t" ]; then
@@ -408,7 +408,7 @@ for kv in bf16 int8_dynamic; do
     record "default_shape_$kv" 77
     continue
   fi
-  # bf16: the reference applies the same rounding (DESIGN.md 5: 1e-2). int8_dynamic
+  # bf16: the reference applies the same rounding (tests/tolerance.h: 1e-2). int8_dynamic
   # against an unquantized reference: a sanity bound, not the numerics contract.
   tol=1e-2
   [ $kv = int8_dynamic ] && tol=6e-2

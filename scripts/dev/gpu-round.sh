@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # gpu-round.sh: one round of GPU work, in two halves.
 #
-#   scripts/gpu-round.sh build   (here, on the build machine with nvcc)
+#   scripts/dev/gpu-round.sh build   (on the build machine, with nvcc)
 #       builds the GPU test and benchmark for sm_90a with the CUDA runtime
 #       linked statically into build-gpu/, and stages what the H200 needs in
 #       build-gpu/stage/ (binaries, libcmocka beside them, torch_reference.py).
-#   scripts/gpu-round.sh run     (on the GPU machine, through the device tool
-#       with carry ["build-gpu/stage"]): every GPU test, compute-sanitizer
+#   scripts/dev/gpu-round.sh run     (on the GPU machine, with build-gpu/stage/
+#       copied into the same checkout there): every GPU test, compute-sanitizer
 #       memcheck on the pairwise mode, the kernel benchmark and PyTorch's
 #       anchors, logs and JSON to $OUT (or ./gpu-out).
 set -u
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../.." && pwd)
 stage=$here/build-gpu/stage
 
 case "${1:-run}" in
