@@ -225,13 +225,49 @@ static void test_scales_persist(void **state) {
   fx_free(f);
 }
 
+/* SetScales is an ordinary backend job in its layer's order: a step still
+ * running when new scales are set is computed with the old ones, and a step
+ * admitted right after them (not waiting for anything) with the new ones;
+ * each is checked against the oracle with the scales of its own time. */
+static void test_scales_between_steps(void **state) {
+  fx_t *f = fx_new(ATTND_KV_INT8, 32);
+  set_all_scales(f);
+  sim_t *a = sim_new();
+  fill_tokens(f, a, 0, 100);
+  open_session(f, a, 0, NULL, 0);
+  spec_t sp = {.sim = a, .start = 0, .n = 16};
+  pend_t *pa = calloc(1, sizeof(*pa)), *pb = calloc(1, sizeof(*pb));
+  step_submit(f, 0, &sp, 1, 0, 1, NULL, pa);
+  /* Layer 0 holds KV now (admitted): new scales must drop it. They clip most
+   * of N(0,1) (a tenth of the range), so a step computed with the wrong ones
+   * is far outside the bound. */
+  uint64_t v;
+  g_scale_mult = 0.1;
+  assert_int_equal(set_scales(f, 0, 1, &v), 0);
+  g_scale_mult = 1.0;
+  step_submit(f, 0, &sp, 1, 0, 1, NULL, pb);
+  char msg[256];
+  if (step_finish(f, pa, msg, NULL) != 0)
+    fail_msg("step before the scales: %s", msg);
+  a->o[0].len = 0; /* the drop */
+  if (step_finish(f, pb, msg, NULL) != 0)
+    fail_msg("step after the scales: %s", msg);
+  check_engine(f);
+  free(pa);
+  free(pb);
+  sim_free(a);
+  fx_free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_validate),
       cmocka_unit_test(test_persist),
       cmocka_unit_test(test_scales_persist),
+      cmocka_unit_test(test_scales_between_steps),
       /* Again with every step queued behind a threadpool scan. */
       cmocka_unit_test_setup_teardown(test_scales_persist, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_scales_between_steps, queued_on, queued_off),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -10,6 +10,8 @@
  * finished (its writes visible) before the next one of that layer starts; jobs
  * of different layers may run concurrently. COPY jobs (copy-on-write of whole
  * blocks) are submitted once per layer, so they order with that layer's steps.
+ * SCALES jobs set a layer's static scales the same way: the layer's jobs
+ * submitted before one see the old scales, the jobs after it the new ones.
  * A job holds no reference of its own: the engine keeps the blocks a job reads
  * or writes referenced until done_cb. */
 #ifndef ATTND_BACKEND_H
@@ -24,7 +26,7 @@
 typedef struct attnd_backend_s attnd_backend_t;
 typedef struct attnd_job_s attnd_job_t;
 
-typedef enum { ATTND_JOB_STEP = 0, ATTND_JOB_COPY = 1 } attnd_job_kind_t;
+typedef enum { ATTND_JOB_STEP = 0, ATTND_JOB_COPY = 1, ATTND_JOB_SCALES = 2 } attnd_job_kind_t;
 
 struct attnd_job_s {
   attnd_job_kind_t kind;
@@ -39,6 +41,11 @@ struct attnd_job_s {
   /* COPY: ncopies (src, dst) physical block pairs, this layer only. */
   const int32_t *copies;
   int ncopies;
+  /* SCALES: the layer's static scales from this job on (fp32, HOST pointers
+   * read until done_cb): k_scale, v_scale [kv_heads] or, per_channel,
+   * [kv_heads][head_dim]; int4 also k_zero, v_zero [kv_heads][head_dim]. */
+  const float *k_scale, *v_scale, *k_zero, *v_zero;
+  int per_channel;
   /* Filled by the backend. */
   int status; /* 0 or a negative ATTND_E* */
   char message[128];
@@ -52,10 +59,6 @@ typedef struct {
   /* Runs the job asynchronously; returns 0, or a negative ATTND_E* (then
    * done_cb is never called). */
   int (*submit)(attnd_backend_t *b, attnd_job_t *job);
-  /* Sets a layer's static scales (fp32, host pointers, copied). Only called
-   * when no job of that layer is in flight. */
-  int (*set_scales)(attnd_backend_t *b, int layer, const float *k_scale, const float *v_scale,
-                    const float *k_zero, const float *v_zero, int per_channel);
   /* Jobs in flight (submitted, done_cb not yet called). */
   int (*inflight)(attnd_backend_t *b);
   /* Device name, memory and compute capability for Health. */

@@ -6,7 +6,8 @@
  * only counts completions; no math runs on it. Jobs of one layer form a FIFO
  * and only its head runs, so a layer's jobs never overlap and each sees the
  * writes of the ones before it; different layers run concurrently. COPY jobs
- * memcpy whole blocks (the canonical layout makes a block one byte range).
+ * memcpy whole blocks (the canonical layout makes a block one byte range);
+ * SCALES jobs copy the layer's static scales, in the same FIFO.
  *
  * The pool's size is the daemon's --worker-threads (main.c sets it before
  * libuv first uses the pool); more parts than workers is still correct. */
@@ -43,7 +44,7 @@ struct run_s {
   cpu_backend_t *be;
   attnd_job_t *job;
   run_t *next;
-  int phase; /* 0: write, 1: attend, 2: copy */
+  int phase; /* 0: write, 1: attend, 2: copy, 3: scales */
   int nparts;
   int remaining;
   int rc;
@@ -63,6 +64,23 @@ struct cpu_backend_s {
 
 static void run_start(run_t *r);
 
+/* A SCALES job: the layer's copy of its static scales. Runs on a worker once
+ * the layer's earlier jobs are done and before its later ones start (the
+ * layer's FIFO), so no kernel reads the scales while they change. */
+static void apply_scales(cpu_backend_t *be, const attnd_job_t *job) {
+  cpu_scales_t *sc = &be->sc[job->layer];
+  const attnd_kshape_t *s = &be->base.shape;
+  size_t n = (size_t)s->kv_heads * (job->per_channel ? (size_t)s->head_dim : 1);
+  memcpy(sc->ks, job->k_scale, n * sizeof(float));
+  memcpy(sc->vs, job->v_scale, n * sizeof(float));
+  if (job->k_zero && sc->kz)
+    memcpy(sc->kz, job->k_zero, n * sizeof(float));
+  if (job->v_zero && sc->vz)
+    memcpy(sc->vz, job->v_zero, n * sizeof(float));
+  sc->per_channel = job->per_channel;
+  sc->present = 1;
+}
+
 static void part_work(uv_work_t *w) {
   part_t *p = (part_t *)w;
   run_t *r = p->run;
@@ -72,7 +90,10 @@ static void part_work(uv_work_t *w) {
     p->rc = attnd_cpu_write(s, &job->batch, p->part, r->nparts);
   else if (r->phase == 1)
     p->rc = attnd_cpu_attend(s, &job->batch, p->part, r->nparts);
-  else {
+  else if (r->phase == 3) {
+    apply_scales(r->be, job);
+    p->rc = 0;
+  } else {
     size_t bb = r->be->base.block_bytes;
     uint8_t *base = r->be->cache[job->layer];
     for (int i = 0; i < job->ncopies; i++)
@@ -146,8 +167,8 @@ static void run_start(run_t *r) {
   attnd_job_t *job = r->job;
   cpu_backend_t *be = r->be;
   job->t_start_us = attnd_backend_now_us();
-  if (job->kind == ATTND_JOB_COPY) {
-    r->phase = 2;
+  if (job->kind == ATTND_JOB_COPY || job->kind == ATTND_JOB_SCALES) {
+    r->phase = job->kind == ATTND_JOB_COPY ? 2 : 3;
     r->nparts = 1;
   } else {
     attnd_kbatch_t *b = &job->batch;
@@ -208,25 +229,6 @@ static int cpu_submit(attnd_backend_t *base, attnd_job_t *job) {
   return 0;
 }
 
-static int cpu_set_scales(attnd_backend_t *base, int layer, const float *k_scale,
-                          const float *v_scale, const float *k_zero, const float *v_zero,
-                          int per_channel) {
-  cpu_backend_t *be = (cpu_backend_t *)base;
-  if (layer < 0 || layer >= base->layers)
-    return ATTND_EINVAL;
-  cpu_scales_t *sc = &be->sc[layer];
-  size_t n = (size_t)base->shape.kv_heads * (per_channel ? (size_t)base->shape.head_dim : 1);
-  memcpy(sc->ks, k_scale, n * sizeof(float));
-  memcpy(sc->vs, v_scale, n * sizeof(float));
-  if (k_zero && sc->kz)
-    memcpy(sc->kz, k_zero, n * sizeof(float));
-  if (v_zero && sc->vz)
-    memcpy(sc->vz, v_zero, n * sizeof(float));
-  sc->per_channel = per_channel;
-  sc->present = 1;
-  return 0;
-}
-
 static int cpu_inflight(attnd_backend_t *base) {
   return ((cpu_backend_t *)base)->inflight;
 }
@@ -277,7 +279,6 @@ static void cpu_destroy(attnd_backend_t *base) {
 static const attnd_backend_ops_t cpu_ops = {
     .name = "cpu",
     .submit = cpu_submit,
-    .set_scales = cpu_set_scales,
     .inflight = cpu_inflight,
     .describe = cpu_describe,
     .destroy = cpu_destroy,

@@ -27,7 +27,7 @@
 void attnd_cu_update_ref(cu_backend_t *be) {
   if (uv_is_closing((uv_handle_t *)&be->async))
     return;
-  if (be->inflight + be->internal > 0)
+  if (be->inflight > 0)
     uv_ref((uv_handle_t *)&be->async);
   else
     uv_unref((uv_handle_t *)&be->async);
@@ -39,9 +39,8 @@ static void push_done(cu_backend_t *be, cu_run_t *r) {
   r->t_end = attnd_cu_now_us();
   /* The job began when the device reached it: after its submission and
    * after the previous job of its stream ended. */
-  r->t_start = cs->last_end_us > 0 && r->job && cs->last_end_us > r->job->t_submit_us
-                   ? cs->last_end_us
-                   : (r->job ? r->job->t_submit_us : r->t_end);
+  r->t_start = cs->last_end_us > 0 && cs->last_end_us > r->job->t_submit_us ? cs->last_end_us
+                                                                            : r->job->t_submit_us;
   if (r->t_start > r->t_end)
     r->t_start = r->t_end;
   cs->last_end_us = r->t_end;
@@ -66,7 +65,7 @@ static void CUDART_CB stream_cb(cudaStream_t st, cudaError_t status, void *arg) 
   if (status != cudaSuccess && attnd_cu_sticky(status))
     atomic_store(&be->dead, 1);
   attnd_job_t *job = r->job;
-  if (status == cudaSuccess && !r->status && job && job->kind == ATTND_JOB_STEP) {
+  if (status == cudaSuccess && !r->status && job->kind == ATTND_JOB_STEP) {
     if (job->out_bytes)
       memcpy(job->batch.out, r->stage->p + r->out_off, job->out_bytes);
     if (job->lse_bytes && job->batch.lse)
@@ -194,15 +193,10 @@ static void finish_run(cu_backend_t *be, cu_run_t *r) {
   if (!r->status && r->async != cudaSuccess) {
     int sticky = attnd_cu_sticky(r->async);
     r->status = sticky ? ATTND_EDEVICE : ATTND_ECUDA;
-    snprintf(r->msg, sizeof(r->msg), "cuda: layer %d: device work failed: %s",
-             job ? job->layer : -1, cudaGetErrorString(r->async));
+    snprintf(r->msg, sizeof(r->msg), "cuda: layer %d: device work failed: %s", job->layer,
+             cudaGetErrorString(r->async));
   }
   attnd_cu_stage_put(be, r->stage);
-  if (!job) {
-    be->internal--;
-    free(r);
-    return;
-  }
   job->status = r->status;
   if (r->status)
     snprintf(job->message, sizeof(job->message), "%s", r->msg);

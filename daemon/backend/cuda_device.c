@@ -55,7 +55,7 @@
  * --cuda-completion callback still selects it. (Not cudaLaunchHostFunc: a
  * host function is never called once the context has a sticky error, which
  * would leave the engine waiting forever.) The loop thread only enqueues
- * work; it never waits for the device during steps (set_scales enqueues too;
+ * work; it never waits for the device during steps (SCALES jobs enqueue too;
  * destroy synchronizes, once).
  *
  * Errors. A failing CUDA call fails its job with ATTND_ECUDA and the call
@@ -153,16 +153,16 @@ static void cu_destroy(attnd_backend_t *base) {
   /* Every pending event is complete now: the poller finishes those runs,
    * then exits. */
   attnd_cu_poller_stop(be);
-  /* Nothing is in flight (contract); drain internal runs (scale uploads). */
+  /* Nothing is in flight (the contract): a run still queued for the loop
+   * is a caller's bug, reported, not run. */
   uv_mutex_lock(&be->mu);
   cu_run_t *r = be->dhead;
   be->dhead = be->dtail = NULL;
   uv_mutex_unlock(&be->mu);
   while (r) {
     cu_run_t *next = r->next;
-    if (r->job)
-      fprintf(stderr, "attnd: cuda backend destroyed with a job in flight (layer %d)\n",
-              r->job->layer);
+    fprintf(stderr, "attnd: cuda backend destroyed with a job in flight (layer %d)\n",
+            r->job->layer);
     free(r);
     r = next;
   }
@@ -173,7 +173,6 @@ static void cu_destroy(attnd_backend_t *base) {
 static const attnd_backend_ops_t cu_ops = {
     .name = "cuda",
     .submit = attnd_cu_submit,
-    .set_scales = attnd_cu_set_scales,
     .inflight = cu_inflight,
     .describe = cu_describe,
     .destroy = cu_destroy,

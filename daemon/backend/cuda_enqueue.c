@@ -7,8 +7,9 @@
  * v) are copied into a pinned buffer, one H2D copy moves everything to the
  * stream's device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H
  * copy of out (+ lse) and the completion marker (cuda_complete.c). A COPY is
- * one D2D cudaMemcpyAsync per block pair within the layer's pool. Nothing
- * here waits for the device. */
+ * one D2D cudaMemcpyAsync per block pair within the layer's pool, a SCALES
+ * job one H2D copy into the layer's scales. Nothing here waits for the
+ * device. */
 #ifdef ATTND_HAVE_CUDA
 
 #include <stdio.h>
@@ -69,6 +70,42 @@ static void enqueue_copy(cu_backend_t *be, cu_run_t *r) {
     RUN_CU(r, cudaMemcpyAsync(base + (size_t)dst * bb, base + (size_t)src * bb, bb,
                               cudaMemcpyDeviceToDevice, cs->st));
   }
+enqueued:
+  return;
+}
+
+/* A SCALES job: the layer's scales staged through pinned memory and copied
+ * on the layer's stream, so the upload is ordered after the layer's earlier
+ * kernels and before its later ones without the loop waiting for either.
+ * The flags later enqueues read (scales_ok, per_channel) change here, on the
+ * loop thread, in submission order. */
+static void enqueue_scales(cu_backend_t *be, cu_run_t *r) {
+  const attnd_job_t *job = r->job;
+  int layer = job->layer;
+  if (!be->dscales)
+    return; /* a type without static scales: nothing the kernels read */
+  be->scales_ok[layer] = 0;
+  size_t n =
+      (size_t)be->base.shape.kv_heads * (job->per_channel ? (size_t)be->base.shape.head_dim : 1);
+  size_t bytes = 4 * be->nsc * sizeof(float);
+  int cerr = cudaSuccess;
+  r->stage = attnd_cu_stage_get(be, bytes, 1, &cerr);
+  if (!r->stage) {
+    attnd_cu_run_fail_cuda(r, __FILE__, __LINE__, "cudaHostAlloc (scales)", (cudaError_t)cerr);
+    return;
+  }
+  float *hp = (float *)r->stage->p;
+  memset(hp, 0, bytes);
+  memcpy(hp, job->k_scale, n * sizeof(float));
+  memcpy(hp + be->nsc, job->v_scale, n * sizeof(float));
+  if (job->k_zero)
+    memcpy(hp + 2 * be->nsc, job->k_zero, n * sizeof(float));
+  if (job->v_zero)
+    memcpy(hp + 3 * be->nsc, job->v_zero, n * sizeof(float));
+  RUN_CU(r, cudaMemcpyAsync(be->dscales + (size_t)layer * 4 * be->nsc, hp, bytes,
+                            cudaMemcpyHostToDevice, be->streams[r->stream].st));
+  be->scales_ok[layer] = 1;
+  be->per_channel[layer] = job->per_channel;
 enqueued:
   return;
 }
@@ -224,6 +261,8 @@ static int start_run(cu_backend_t *be, cu_run_t *r) {
     snprintf(r->msg, sizeof(r->msg), "the CUDA device is unusable after an earlier error");
   } else if (job->kind == ATTND_JOB_COPY) {
     enqueue_copy(be, r);
+  } else if (job->kind == ATTND_JOB_SCALES) {
+    enqueue_scales(be, r);
   } else if (enqueue_step(be, r)) {
     return 1;
   }
@@ -287,62 +326,6 @@ int attnd_cu_submit(attnd_backend_t *base, attnd_job_t *job) {
       be->whead = r;
     be->wtail = r;
   }
-  return 0;
-}
-
-int attnd_cu_set_scales(attnd_backend_t *base, int layer, const float *k_scale,
-                        const float *v_scale, const float *k_zero, const float *v_zero,
-                        int per_channel) {
-  cu_backend_t *be = (cu_backend_t *)base;
-  if (layer < 0 || layer >= base->layers || !k_scale || !v_scale)
-    return ATTND_EINVAL;
-  if (!be->dscales)
-    return 0; /* a type without static scales: nothing the kernels read */
-  be->scales_ok[layer] = 0;
-  if (atomic_load(&be->dead))
-    return ATTND_EDEVICE;
-  size_t n = (size_t)base->shape.kv_heads * (per_channel ? (size_t)base->shape.head_dim : 1);
-  cu_run_t *r = calloc(1, sizeof(*r));
-  if (!r)
-    return ATTND_ENOMEM;
-  r->be = be;
-  r->stream = layer % be->nstreams;
-  int cerr = cudaSuccess;
-  r->stage = attnd_cu_stage_get(be, 4 * be->nsc * sizeof(float), 1, &cerr);
-  if (!r->stage) {
-    free(r);
-    return ATTND_ENOMEM;
-  }
-  /* Staged through pinned memory on the layer's stream: the upload is ordered
-   * before the layer's next job without the loop waiting for it. */
-  float *hp = (float *)r->stage->p;
-  memset(hp, 0, 4 * be->nsc * sizeof(float));
-  memcpy(hp, k_scale, n * sizeof(float));
-  memcpy(hp + be->nsc, v_scale, n * sizeof(float));
-  if (k_zero)
-    memcpy(hp + 2 * be->nsc, k_zero, n * sizeof(float));
-  if (v_zero)
-    memcpy(hp + 3 * be->nsc, v_zero, n * sizeof(float));
-  be->internal++;
-  attnd_cu_update_ref(be);
-  cudaSetDevice(be->device);
-  cu_stream_t *cs = &be->streams[r->stream];
-  cudaError_t e = cudaMemcpyAsync(be->dscales + (size_t)layer * 4 * be->nsc, hp,
-                                  4 * be->nsc * sizeof(float), cudaMemcpyHostToDevice, cs->st);
-  if (e != cudaSuccess)
-    attnd_cu_run_fail_cuda(r, __FILE__, __LINE__, "cudaMemcpyAsync (scales)", e);
-  int rc = r->status;
-  cudaError_t e2 = attnd_cu_track(be, r, cs->st);
-  if (e2 != cudaSuccess) {
-    attnd_cu_run_fail_cuda(r, __FILE__, __LINE__,
-                           be->poll ? "cudaEventRecord (completion)" : "cudaStreamAddCallback", e2);
-    rc = r->status;
-    attnd_cu_complete_untracked(be, r);
-  }
-  if (rc)
-    return rc;
-  be->scales_ok[layer] = 1;
-  be->per_channel[layer] = per_channel;
   return 0;
 }
 

@@ -59,7 +59,7 @@ typedef struct cu_stage_s {
   struct cu_stage_s *next; /* free list */
 } cu_stage_t;
 
-/* One unit of stream work: a job, or an internal scales upload (job NULL). */
+/* One unit of stream work: one job. */
 typedef struct cu_run_s {
   cu_backend_t *be;
   attnd_job_t *job;
@@ -108,7 +108,7 @@ struct cu_backend_s {
   size_t layer_bytes; /* num_blocks * block_bytes */
   float *dscales;     /* [layers][4][nsc] */
   size_t nsc;         /* kv_heads * head_dim */
-  int *scales_ok;     /* [layers] scales uploaded (loop thread) */
+  int *scales_ok;     /* [layers] scales enqueued (loop thread, in job order) */
   int *per_channel;   /* [layers] */
   cu_stream_t streams[CU_MAX_STREAMS];
   int nstreams;
@@ -123,7 +123,6 @@ struct cu_backend_s {
   cu_run_t *dhead, *dtail;
   atomic_int dead; /* a sticky device error was seen */
   int inflight;    /* jobs submitted, done_cb not yet called */
-  int internal;    /* internal runs not yet drained */
   char devname[128];
   uint64_t devmem;
   int cc;
@@ -174,9 +173,6 @@ void attnd_cu_run_fail_cuda(cu_run_t *r, const char *file, int line, const char 
 /* Records a failed attnd_cuda_* call. */
 void attnd_cu_run_fail_kernel(cu_run_t *r, int rc);
 int attnd_cu_submit(attnd_backend_t *base, attnd_job_t *job);
-int attnd_cu_set_scales(attnd_backend_t *base, int layer, const float *k_scale,
-                        const float *v_scale, const float *k_zero, const float *v_zero,
-                        int per_channel);
 /* Starts waiting jobs, oldest first, while pinned buffers are available. */
 void attnd_cu_pump_waiting(cu_backend_t *be);
 

@@ -66,7 +66,7 @@ static int create_backend(attnd_engine_t *e, const attnd_config_t *cfg, char *er
 }
 
 /* Reads the persisted scales (a file for another shape is ignored, with a
- * warning) and hands them to the backend before any job runs. */
+ * warning) and hands them to the backend as SCALES jobs, ahead of any step. */
 static int restore_scales(attnd_engine_t *e, char *err, size_t errlen) {
   char lerr[256] = "";
   int rc = attnd_scales_load(&e->sc, lerr, sizeof(lerr));
@@ -76,13 +76,9 @@ static int restore_scales(attnd_engine_t *e, char *err, size_t errlen) {
   }
   if (rc == 1)
     fprintf(stderr, "attnd: %s\n", lerr);
-  e->lay = attnd_xcalloc((size_t)e->layers, sizeof(attnd_layer_t));
-  for (int l = 0; l < e->layers; l++) {
-    const attnd_layer_scales_t *ls = &e->sc.l[l];
-    if (ls->present)
-      e->be->ops->set_scales(e->be, l, ls->k_scale, ls->v_scale, ls->k_zero, ls->v_zero,
-                             ls->per_channel);
-  }
+  for (int l = 0; l < e->layers; l++)
+    if (e->sc.l[l].present)
+      attnd_scales_submit(e, l);
   return 0;
 }
 
@@ -172,7 +168,6 @@ static void idle_closed(uv_handle_t *h) {
   attnd_blocks_free(&e->pool);
   attnd_scales_free(&e->sc);
   uv_mutex_destroy(&e->persist_mu);
-  free(e->lay);
   free(e);
   if (cb)
     cb(arg);

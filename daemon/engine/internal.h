@@ -290,16 +290,9 @@ typedef struct attnd_ejob_s {
   int32_t *copies;
   uint64_t *sessions; /* EJ_STEP: the items' sessions, marked broken on failure */
   uint32_t nsessions;
-  /* EJ_SCALES: a snapshot for the backend */
+  /* EJ_SCALES: the snapshot the backend reads until done */
   float *sk, *sv, *zk, *zv;
-  int per_channel;
-  struct attnd_ejob_s *hnext; /* layer hold queue */
 } attnd_ejob_t;
-
-typedef struct {
-  int inflight;
-  attnd_ejob_t *hhead, *htail;
-} attnd_layer_t;
 
 /* ---- the finiteness scan (scan.c) ---------------------------------------------- */
 
@@ -326,7 +319,6 @@ struct attnd_engine_s {
   uint32_t nsessions;
   attnd_list_t plist; /* live plans, oldest first */
   uint32_t nplans;
-  attnd_layer_t *lay;
   uint32_t pending; /* jobs, queued calls and persist works not yet done */
   uv_timer_t idle;
   int closing;
@@ -454,14 +446,16 @@ void attnd_cache_trim(attnd_engine_t *e, attnd_session_t *s, uint32_t keep);
 /* A new job of a kind for a layer (attnd_job_t filled as far as it can be). */
 attnd_ejob_t *attnd_ejob_new(attnd_engine_t *e, int kind, int layer);
 void attnd_ejob_free(attnd_ejob_t *j);
-/* Queues a job behind the layer's earlier ones and moves what can go on to
- * the backend; counts as pending until done. */
+/* Hands a job to the backend (which keeps each layer's jobs in this order);
+ * it counts as pending until done. */
 void attnd_ejob_submit(attnd_engine_t *e, attnd_ejob_t *j);
 
 /* ---- scales.c ---- */
 
 void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
                         void *arg);
+/* Submits a SCALES job with a snapshot of a layer's scales from the table. */
+void attnd_scales_submit(attnd_engine_t *e, int layer);
 /* Recomputes the prefix fingerprint from the model and the scale versions. */
 void attnd_scales_update_fingerprint(attnd_engine_t *e);
 

@@ -1,10 +1,11 @@
 /* jobs.c: the engine's backend jobs (internal.h, backend.h).
  *
  * A job holds a reference on every block it reads or writes (block tables up
- * to kv_len, both sides of a copy), dropped in its done callback. Per layer,
- * jobs go to the backend in admission order; a SetScales waits in the layer's
- * queue until the layer has no job in flight (the backend contract) and the
- * jobs behind it wait for it. A step the backend could not finish leaves its
+ * to kv_len, both sides of a copy), dropped in its done callback. Jobs go to
+ * the backend in admission order, and the backend runs each layer's in that
+ * order (backend.h): copies before the steps that read them, a SetScales's
+ * SCALES job between the steps before and after it. A step the backend could
+ * not finish leaves its
  * sessions broken (ABORTED from then on); a sticky device error makes the
  * engine tell the daemon once (attnd_engine_on_fatal). */
 #include <stdio.h>
@@ -13,14 +14,14 @@
 
 #include "internal.h"
 
-static void layer_pump(attnd_engine_t *e, int layer);
-
 attnd_ejob_t *attnd_ejob_new(attnd_engine_t *e, int kind, int layer) {
   attnd_ejob_t *j = attnd_xcalloc(1, sizeof(*j));
   j->e = e;
   j->kind = kind;
   j->layer = layer;
-  j->job.kind = kind == EJ_COPY ? ATTND_JOB_COPY : ATTND_JOB_STEP;
+  j->job.kind = kind == EJ_COPY     ? ATTND_JOB_COPY
+                : kind == EJ_SCALES ? ATTND_JOB_SCALES
+                                    : ATTND_JOB_STEP;
   j->job.layer = layer;
   return j;
 }
@@ -67,7 +68,6 @@ static void job_done(attnd_job_t *job) {
   int fatal_now = job->status == ATTND_EDEVICE && !e->fatal;
   if (fatal_now)
     e->fatal = 1;
-  e->lay[j->layer].inflight--;
   if (job->status != 0 && j->kind == EJ_STEP)
     step_failed(e, j);
   if (j->cb) {
@@ -97,10 +97,8 @@ static void job_done(attnd_job_t *job) {
   /* Blocks go back only after the callback, which may make new calls. */
   for (uint32_t i = 0; i < j->nrefs; i++)
     attnd_blocks_unref(&e->pool, j->refs[i], 0);
-  int layer = j->layer;
   attnd_ejob_free(j);
   e->pending--;
-  layer_pump(e, layer);
   attnd_engine_maybe_finish_close(e);
   if (fatal_now && e->fatal_cb)
     e->fatal_cb(e->fatal_arg);
@@ -109,7 +107,6 @@ static void job_done(attnd_job_t *job) {
 static void backend_submit(attnd_engine_t *e, attnd_ejob_t *j) {
   j->job.done_cb = job_done;
   j->job.user = j;
-  e->lay[j->layer].inflight++;
   int rc = e->be->ops->submit(e->be, &j->job);
   if (rc != 0) {
     j->job.status = rc;
@@ -120,38 +117,7 @@ static void backend_submit(attnd_engine_t *e, attnd_ejob_t *j) {
   }
 }
 
-static void apply_scales_job(attnd_engine_t *e, attnd_ejob_t *j) {
-  e->be->ops->set_scales(e->be, j->layer, j->sk, j->sv, j->zk, j->zv, j->per_channel);
-  attnd_ejob_free(j);
-  e->pending--;
-}
-
-/* Moves held work of a layer to the backend, in order, up to the first
- * SetScales that must wait for the layer to drain. */
-static void layer_pump(attnd_engine_t *e, int layer) {
-  attnd_layer_t *L = &e->lay[layer];
-  while (L->hhead) {
-    attnd_ejob_t *j = L->hhead;
-    if (j->kind == EJ_SCALES && L->inflight > 0)
-      return;
-    L->hhead = j->hnext;
-    if (!L->hhead)
-      L->htail = NULL;
-    if (j->kind == EJ_SCALES)
-      apply_scales_job(e, j);
-    else
-      backend_submit(e, j);
-  }
-}
-
 void attnd_ejob_submit(attnd_engine_t *e, attnd_ejob_t *j) {
-  attnd_layer_t *L = &e->lay[j->layer];
   e->pending++;
-  j->hnext = NULL;
-  if (L->htail)
-    L->htail->hnext = j;
-  else
-    L->hhead = j;
-  L->htail = j;
-  layer_pump(e, j->layer);
+  backend_submit(e, j);
 }

@@ -212,11 +212,10 @@ void attnd_scales_update_fingerprint(attnd_engine_t *e) {
   free(v);
 }
 
-static void queue_backend_scales(attnd_engine_t *e, int layer) {
+void attnd_scales_submit(attnd_engine_t *e, int layer) {
   const attnd_layer_scales_t *ls = &e->sc.l[layer];
   size_t n = (size_t)e->shape.kv_heads * (ls->per_channel ? (size_t)e->shape.head_dim : 1);
   attnd_ejob_t *j = attnd_ejob_new(e, EJ_SCALES, layer);
-  j->per_channel = ls->per_channel;
   j->sk = attnd_xcalloc(n, sizeof(float));
   j->sv = attnd_xcalloc(n, sizeof(float));
   memcpy(j->sk, ls->k_scale, n * sizeof(float));
@@ -227,6 +226,11 @@ static void queue_backend_scales(attnd_engine_t *e, int layer) {
     memcpy(j->zk, ls->k_zero, n * sizeof(float));
     memcpy(j->zv, ls->v_zero, n * sizeof(float));
   }
+  j->job.k_scale = j->sk;
+  j->job.v_scale = j->sv;
+  j->job.k_zero = j->zk;
+  j->job.v_zero = j->zv;
+  j->job.per_channel = ls->per_channel;
   attnd_ejob_submit(e, j);
 }
 
@@ -261,7 +265,7 @@ void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_
   }
   uint64_t version = attnd_scales_apply(&e->sc, req);
   attnd_scales_update_fingerprint(e);
-  queue_backend_scales(e, (int)l);
+  attnd_scales_submit(e, (int)l);
   if (!e->sc.path[0]) {
     attnd_result_t r;
     memset(&r, 0, sizeof(r));
