@@ -81,6 +81,62 @@ static int item_mask(attnd_pitem_t *pi, const attnd_mask_t *m, uint32_t i, uint6
   return ATTND_EINVAL;
 }
 
+/* Checks item i against its session and copies it into pi; 0, or an
+ * error with msg naming the item. gen marks the sessions of this call. */
+static int build_item(attnd_engine_t *e, uint64_t identity, uint64_t gen, uint32_t i,
+                      const attnd_item_t *it, attnd_pitem_t *pi, char *msg, size_t msglen) {
+  attnd_session_t *s = attnd_idmap_get(&e->sessions, it->session);
+  if (!s) {
+    snprintf(msg, msglen, "item %u: session %016llx not found", i, (unsigned long long)it->session);
+    return ATTND_ENOTFOUND;
+  }
+  if (s->identity != identity) {
+    snprintf(msg, msglen, "item %u: session %016llx belongs to another identity", i,
+             (unsigned long long)it->session);
+    return ATTND_EPERM;
+  }
+  if (s->broken) {
+    snprintf(msg, msglen, "item %u: session %016llx lost its KV in a backend fault; close it", i,
+             (unsigned long long)it->session);
+    return ATTND_EABORTED;
+  }
+  if (s->mark == gen) {
+    snprintf(msg, msglen, "item %u: session %016llx appears twice", i,
+             (unsigned long long)it->session);
+    return ATTND_EINVAL;
+  }
+  s->mark = gen;
+  if (it->n < 1) {
+    snprintf(msg, msglen, "item %u: n must be >= 1", i);
+    return ATTND_EINVAL;
+  }
+  uint64_t kv_len = (uint64_t)it->start + it->n;
+  if (kv_len > (uint64_t)e->cfg.max_context) {
+    snprintf(msg, msglen, "item %u: start+n %llu > max_context %d", i, (unsigned long long)kv_len,
+             e->cfg.max_context);
+    return ATTND_ERANGE;
+  }
+  if (it->start > s->len[0]) {
+    snprintf(msg, msglen, "item %u: start %u > len %u", i, it->start, s->len[0]);
+    return ATTND_EINVAL;
+  }
+  if (!it->tokens || it->ntokens != it->n) {
+    snprintf(msg, msglen, "item %u: %u token ids for n = %u", i, it->tokens ? it->ntokens : 0,
+             it->n);
+    return ATTND_EINVAL;
+  }
+  pi->s = s;
+  pi->start = it->start;
+  pi->n = it->n;
+  pi->has_q = !it->kv_only;
+  int rc = item_mask(pi, &it->mask, i, kv_len, msg, msglen);
+  if (rc)
+    return rc;
+  pi->tokens = attnd_xcalloc(it->n, sizeof(uint32_t));
+  memcpy(pi->tokens, it->tokens, (size_t)it->n * sizeof(uint32_t));
+  return 0;
+}
+
 int attnd_plan_build(attnd_engine_t *e, uint64_t identity, const attnd_item_t *items,
                      uint32_t nitems, attnd_plan_t **out, char *msg, size_t msglen) {
   if (nitems == 0 || !items) {
@@ -93,76 +149,18 @@ int attnd_plan_build(attnd_engine_t *e, uint64_t identity, const attnd_item_t *i
   p->nitems = nitems;
   p->identity = identity;
   uint64_t gen = ++e->gen;
-  int rc = 0;
   for (uint32_t i = 0; i < nitems; i++) {
-    const attnd_item_t *it = &items[i];
-    attnd_pitem_t *pi = &p->items[i];
-    attnd_session_t *s = attnd_idmap_get(&e->sessions, it->session);
-    if (!s) {
-      snprintf(msg, msglen, "item %u: session %016llx not found", i,
-               (unsigned long long)it->session);
-      rc = ATTND_ENOTFOUND;
-      goto fail;
+    int rc = build_item(e, identity, gen, i, &items[i], &p->items[i], msg, msglen);
+    if (rc) {
+      attnd_plan_free(p);
+      return rc;
     }
-    if (s->identity != identity) {
-      snprintf(msg, msglen, "item %u: session %016llx belongs to another identity", i,
-               (unsigned long long)it->session);
-      rc = ATTND_EPERM;
-      goto fail;
-    }
-    if (s->broken) {
-      snprintf(msg, msglen, "item %u: session %016llx lost its KV in a backend fault; close it", i,
-               (unsigned long long)it->session);
-      rc = ATTND_EABORTED;
-      goto fail;
-    }
-    if (s->mark == gen) {
-      snprintf(msg, msglen, "item %u: session %016llx appears twice", i,
-               (unsigned long long)it->session);
-      rc = ATTND_EINVAL;
-      goto fail;
-    }
-    s->mark = gen;
-    if (it->n < 1) {
-      snprintf(msg, msglen, "item %u: n must be >= 1", i);
-      rc = ATTND_EINVAL;
-      goto fail;
-    }
-    uint64_t kv_len = (uint64_t)it->start + it->n;
-    if (kv_len > (uint64_t)e->cfg.max_context) {
-      snprintf(msg, msglen, "item %u: start+n %llu > max_context %d", i, (unsigned long long)kv_len,
-               e->cfg.max_context);
-      rc = ATTND_ERANGE;
-      goto fail;
-    }
-    if (it->start > s->len[0]) {
-      snprintf(msg, msglen, "item %u: start %u > len %u", i, it->start, s->len[0]);
-      rc = ATTND_EINVAL;
-      goto fail;
-    }
-    if (!it->tokens || it->ntokens != it->n) {
-      snprintf(msg, msglen, "item %u: %u token ids for n = %u", i, it->tokens ? it->ntokens : 0,
-               it->n);
-      rc = ATTND_EINVAL;
-      goto fail;
-    }
-    pi->s = s;
-    pi->start = it->start;
-    pi->n = it->n;
-    pi->has_q = !it->kv_only;
-    if ((rc = item_mask(pi, &it->mask, i, kv_len, msg, msglen)) != 0)
-      goto fail;
-    pi->tokens = attnd_xcalloc(it->n, sizeof(uint32_t));
-    memcpy(pi->tokens, it->tokens, (size_t)it->n * sizeof(uint32_t));
-    p->T += it->n;
-    if (pi->has_q)
-      p->Tq += it->n;
+    p->T += items[i].n;
+    if (p->items[i].has_q)
+      p->Tq += items[i].n;
   }
   *out = p;
   return 0;
-fail:
-  attnd_plan_free(p);
-  return rc;
 }
 
 void attnd_plan_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,

@@ -208,6 +208,39 @@ static int step_reserve(admit_t *a) {
   return 0;
 }
 
+/* Item i of the job's batch: its rows, mask and block table (meta from mo
+ * on, then its intervals), a reference on each of its blocks. */
+static void batch_item(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const attnd_pitem_t *it,
+                       uint32_t q_row, uint32_t kv_row, size_t *mo) {
+  attnd_kbatch_t *b = &j->job.batch;
+  const attnd_session_t *s = it->s;
+  uint32_t kv_len = it->start + it->n, nb = attnd_engine_nblocks(e, kv_len);
+  attnd_kitem_t *k = &j->kitems[i];
+  j->sessions[i] = s->id;
+  k->start = (int32_t)it->start;
+  k->n = (int32_t)it->n;
+  k->q_row = it->has_q ? (int32_t)q_row : -1;
+  k->kv_row = (int32_t)kv_row;
+  k->mask_kind = it->kmask;
+  k->mask_param = it->mask_param;
+  k->causal = it->causal;
+  k->block_table = (int32_t)*mo;
+  for (uint32_t bi = 0; bi < nb; bi++) {
+    j->meta[(*mo)++] = s->table[bi];
+    j->refs[j->nrefs++] = s->table[bi];
+    attnd_blocks_ref(&e->pool, s->table[bi], 0);
+  }
+  if (it->intervals) {
+    k->intervals = (int32_t)*mo;
+    memcpy(&j->meta[*mo], it->intervals, 4 * (size_t)kv_len * sizeof(int32_t));
+    *mo += 4 * (size_t)kv_len;
+  }
+  if ((int32_t)kv_len > b->max_kv_len)
+    b->max_kv_len = (int32_t)kv_len;
+  if ((int32_t)it->n > b->max_n)
+    b->max_n = (int32_t)it->n;
+}
+
 /* The job: items, block tables and intervals in meta, the tensors, outputs.
  * Takes a reference on every block an item reads or writes. */
 static void step_build_batch(admit_t *a) {
@@ -234,36 +267,10 @@ static void step_build_batch(admit_t *a) {
   size_t mo = 0;
   uint32_t kv_row = 0, q_row = 0;
   for (uint32_t i = 0; i < p->nitems; i++) {
-    const attnd_pitem_t *it = &p->items[i];
-    const attnd_session_t *s = it->s;
-    uint32_t kv_len = it->start + it->n, nb = attnd_engine_nblocks(e, kv_len);
-    attnd_kitem_t *k = &j->kitems[i];
-    j->sessions[i] = s->id;
-    k->start = (int32_t)it->start;
-    k->n = (int32_t)it->n;
-    k->q_row = it->has_q ? (int32_t)q_row : -1;
-    k->kv_row = (int32_t)kv_row;
-    k->mask_kind = it->kmask;
-    k->mask_param = it->mask_param;
-    k->causal = it->causal;
-    k->block_table = (int32_t)mo;
-    for (uint32_t bi = 0; bi < nb; bi++) {
-      j->meta[mo++] = s->table[bi];
-      j->refs[j->nrefs++] = s->table[bi];
-      attnd_blocks_ref(&e->pool, s->table[bi], 0);
-    }
-    if (it->intervals) {
-      k->intervals = (int32_t)mo;
-      memcpy(&j->meta[mo], it->intervals, 4 * (size_t)kv_len * sizeof(int32_t));
-      mo += 4 * (size_t)kv_len;
-    }
-    if ((int32_t)kv_len > b->max_kv_len)
-      b->max_kv_len = (int32_t)kv_len;
-    if ((int32_t)it->n > b->max_n)
-      b->max_n = (int32_t)it->n;
-    kv_row += it->n;
-    if (it->has_q)
-      q_row += it->n;
+    batch_item(e, j, i, &p->items[i], q_row, kv_row, &mo);
+    kv_row += p->items[i].n;
+    if (p->items[i].has_q)
+      q_row += p->items[i].n;
   }
   size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
   b->items = j->kitems;

@@ -113,6 +113,41 @@ int attnd_rpc_tensor_finish(attnd_tensor_t *t, bool has, const attnd_v1_Tensor *
   return 0;
 }
 
+/* A document mask as intervals: the keys of a document are hidden from
+ * every row after it (lts = the document's end, lte = kv_len); causal hides
+ * them from the rows before it. */
+static int expand_documents(attnd_mask_t *mk, const attnd_tensor_t *doc, uint64_t kv_len,
+                            uint32_t i, char *msg, size_t msglen) {
+  if (!doc->present || doc->dtype != ATTND_DT_INT32 || doc->ndim != 1 || doc->shape[0] == 0 ||
+      doc->nbytes != (size_t)doc->shape[0] * 4 || !doc->data) {
+    snprintf(msg, msglen, "item %u: doc_lengths must be INT32 [ndocs]", i);
+    return ATTND_EINVAL;
+  }
+  int32_t *v = attnd_xcalloc(4 * kv_len, sizeof(int32_t));
+  mk->intervals = v;
+  int64_t pos = 0;
+  for (uint32_t d = 0; d < doc->shape[0]; d++) {
+    int32_t dl;
+    memcpy(&dl, doc->data + 4 * (size_t)d, 4);
+    if (dl < 0 || pos + dl > (int64_t)kv_len) {
+      snprintf(msg, msglen, "item %u: doc lengths do not sum to kv_len %llu", i,
+               (unsigned long long)kv_len);
+      return ATTND_EINVAL;
+    }
+    for (int64_t j = pos; j < pos + dl; j++) {
+      v[j] = (int32_t)(pos + dl);
+      v[kv_len + j] = (int32_t)kv_len;
+    }
+    pos += dl;
+  }
+  if (pos != (int64_t)kv_len) {
+    snprintf(msg, msglen, "item %u: doc lengths sum to %lld, not kv_len %llu", i, (long long)pos,
+             (unsigned long long)kv_len);
+    return ATTND_EINVAL;
+  }
+  return 0;
+}
+
 /* An item's mask in the kernels' form (engine.h attnd_mask_t). A document
  * mask becomes intervals: the keys of a document are hidden from every row
  * after it (causal hides them from the rows before it). Interval arrays are
@@ -171,34 +206,7 @@ static int expand_mask(const attnd_config_t *cfg, attnd_item_t *x, uint32_t i, i
     mk->causal = !m->bidirectional;
     return 0;
   }
-  if (!doc->present || doc->dtype != ATTND_DT_INT32 || doc->ndim != 1 || doc->shape[0] == 0 ||
-      doc->nbytes != (size_t)doc->shape[0] * 4 || !doc->data) {
-    snprintf(msg, msglen, "item %u: doc_lengths must be INT32 [ndocs]", i);
-    return ATTND_EINVAL;
-  }
-  int32_t *v = attnd_xcalloc(4 * kv_len, sizeof(int32_t));
-  mk->intervals = v;
-  int64_t pos = 0;
-  for (uint32_t d = 0; d < doc->shape[0]; d++) {
-    int32_t dl;
-    memcpy(&dl, doc->data + 4 * (size_t)d, 4);
-    if (dl < 0 || pos + dl > (int64_t)kv_len) {
-      snprintf(msg, msglen, "item %u: doc lengths do not sum to kv_len %llu", i,
-               (unsigned long long)kv_len);
-      return ATTND_EINVAL;
-    }
-    for (int64_t j = pos; j < pos + dl; j++) {
-      v[j] = (int32_t)(pos + dl);
-      v[kv_len + j] = (int32_t)kv_len;
-    }
-    pos += dl;
-  }
-  if (pos != (int64_t)kv_len) {
-    snprintf(msg, msglen, "item %u: doc lengths sum to %lld, not kv_len %llu", i, (long long)pos,
-             (unsigned long long)kv_len);
-    return ATTND_EINVAL;
-  }
-  return 0;
+  return expand_documents(mk, doc, kv_len, i, msg, msglen);
 }
 
 bool attnd_rpc_dec_item_cb(pb_istream_t *s, const pb_field_t *f, void **arg) {
