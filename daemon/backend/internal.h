@@ -6,7 +6,7 @@
  *   cuda_stage.c     pinned host staging and stream-ordered device buffers
  *   cuda_enqueue.c   a job's work enqueued on its layer's stream (loop thread)
  *   cuda_complete.c  completion: event poller or stream callbacks -> loop
- *   cuda_trace.c     ATTND_CUDA_TRACE-style timing of where a step's time goes
+ *   cuda_trace.c     --cuda-trace: timing of where a step's time goes
  *
  * cuda_device.c's header comment explains memory, ordering, staging,
  * completion and errors as a whole. */
