@@ -1,4 +1,6 @@
-/* main.c: attnd's entry point.
+/* main.c: attnd's entry point: the options read (config.h), the engine
+ * started (engine.h), the RPC server and /metrics listening (net.h), and the
+ * loop run until a drain (SIGTERM, SIGINT, or a lost device) ends it.
  *
  * Exit codes: 0 after --help, --version, a good --check-config or a clean
  * drain; 2 for a bad configuration; 1 when the daemon cannot start; 3 after
@@ -12,10 +14,8 @@
 
 #include "config.h"
 #include "engine.h"
-#include "errors.h"
-#include "log.h"
-#include "metrics.h"
-#include "server.h"
+#include "base.h"
+#include "net.h"
 
 typedef struct {
   uv_loop_t loop;
@@ -89,88 +89,114 @@ static void watchdog_cb(uv_timer_t *t) {
   sd_notify(0, "WATCHDOG=1");
 }
 
-int main(int argc, char **argv) {
-  static daemon_t d;
+/* Options: 0 to start, else the exit code (after --help, --version,
+ * --check-config, or a bad configuration: 2). */
+static int configure(daemon_t *d, int argc, char **argv) {
+  char err[512] = "";
+  attnd_config_defaults(&d->cfg);
+  if (attnd_config_parse(&d->cfg, argc, argv, err, sizeof(err)) != 0) {
+    fprintf(stderr, "attnd: %s\n", err);
+    return 2;
+  }
+  if (d->cfg.show_help) {
+    fputs(attnd_config_usage(), stdout);
+    return -1;
+  }
+  if (d->cfg.show_version) {
+    printf("attnd %s\n", ATTND_VERSION);
+    return -1;
+  }
+  if (attnd_config_validate(&d->cfg, err, sizeof(err)) != 0) {
+    fprintf(stderr, "attnd: %s\n", err);
+    return 2;
+  }
+  if (d->cfg.check_config) {
+    printf("attnd: configuration ok\n");
+    return -1;
+  }
+  return 0;
+}
+
+/* The engine, the RPC listeners and /metrics; 0 or 1 (logged). */
+static int start(daemon_t *d) {
   char err[512] = "";
   int rc;
-
-  attnd_config_defaults(&d.cfg);
-  if ((rc = attnd_config_parse(&d.cfg, argc, argv, err, sizeof(err))) != 0) {
-    fprintf(stderr, "attnd: %s\n", err);
-    return 2;
-  }
-  if (d.cfg.show_help) {
-    fputs(attnd_config_usage(), stdout);
-    return 0;
-  }
-  if (d.cfg.show_version) {
-    printf("attnd %s\n", ATTND_VERSION);
-    return 0;
-  }
-  if ((rc = attnd_config_validate(&d.cfg, err, sizeof(err))) != 0) {
-    fprintf(stderr, "attnd: %s\n", err);
-    return 2;
-  }
-  if (d.cfg.check_config) {
-    printf("attnd: configuration ok\n");
-    return 0;
-  }
-  attnd_log_set_level((attnd_log_level_t)attnd_log_level_parse(d.cfg.log_level));
-  /* Writes to a client that went away must fail with EPIPE, not kill us. */
-  signal(SIGPIPE, SIG_IGN);
-
-  if ((rc = uv_loop_init(&d.loop)) != 0) {
+  if ((rc = uv_loop_init(&d->loop)) != 0) {
     ATTND_LOGE("start_failed", "reason=\"uv_loop_init: %s\"", uv_strerror(rc));
     return 1;
   }
-  if ((rc = attnd_engine_init(&d.engine, &d.loop, &d.cfg, err, sizeof(err))) != 0) {
+  if ((rc = attnd_engine_init(&d->engine, &d->loop, &d->cfg, err, sizeof(err))) != 0) {
     ATTND_LOGE("start_failed", "stage=engine err=\"%s\" reason=\"%s\"", attnd_strerror(rc), err);
     return 1;
   }
-  if ((rc = attnd_server_start(&d.server, &d.loop, &d.cfg, d.engine, err, sizeof(err))) != 0) {
+  if (attnd_server_start(&d->server, &d->loop, &d->cfg, d->engine, err, sizeof(err)) != 0) {
     ATTND_LOGE("start_failed", "stage=listen reason=\"%s\"", err);
-    uv_run(&d.loop, UV_RUN_DEFAULT);
+    uv_run(&d->loop, UV_RUN_DEFAULT);
     return 1;
   }
-  attnd_rpc_t *rpc = attnd_server_rpc(d.server);
-  if (d.cfg.metrics[0] &&
-      (rc = attnd_metrics_start(&d.metrics, &d.loop, d.cfg.metrics, &rpc->counters, d.engine,
-                                rpc->start_ns, err, sizeof(err))) != 0) {
+  attnd_rpc_t *rpc = attnd_server_rpc(d->server);
+  if (d->cfg.metrics[0] &&
+      attnd_metrics_start(&d->metrics, &d->loop, d->cfg.metrics, &rpc->counters, d->engine,
+                          rpc->start_ns, err, sizeof(err)) != 0) {
     ATTND_LOGE("start_failed", "stage=metrics reason=\"%s\"", err);
     return 1;
   }
-  uv_signal_init(&d.loop, &d.sigterm);
-  uv_signal_init(&d.loop, &d.sigint);
-  d.sigterm.data = d.sigint.data = &d;
-  uv_signal_start(&d.sigterm, signal_cb, SIGTERM);
-  uv_signal_start(&d.sigint, signal_cb, SIGINT);
-  attnd_engine_on_fatal(d.engine, device_lost_cb, &d);
+  return 0;
+}
 
+/* Signals, the device-lost callback and systemd's watchdog. */
+static void watch(daemon_t *d) {
+  uv_signal_init(&d->loop, &d->sigterm);
+  uv_signal_init(&d->loop, &d->sigint);
+  d->sigterm.data = d->sigint.data = d;
+  uv_signal_start(&d->sigterm, signal_cb, SIGTERM);
+  uv_signal_start(&d->sigint, signal_cb, SIGINT);
+  attnd_engine_on_fatal(d->engine, device_lost_cb, d);
   uint64_t wd_usec = 0;
   if (sd_watchdog_enabled(0, &wd_usec) > 0 && wd_usec > 0) {
     /* Half the interval, as sd_watchdog_enabled(3) recommends. */
     uint64_t ms = wd_usec / 2000;
     if (ms == 0)
       ms = 1;
-    uv_timer_init(&d.loop, &d.watchdog);
-    d.watchdog.data = &d;
-    uv_timer_start(&d.watchdog, watchdog_cb, ms, ms);
-    d.watchdog_on = 1;
+    uv_timer_init(&d->loop, &d->watchdog);
+    d->watchdog.data = d;
+    uv_timer_start(&d->watchdog, watchdog_cb, ms, ms);
+    d->watchdog_on = 1;
   }
+}
 
+static void notify_ready(daemon_t *d) {
   attnd_engine_info_t info;
   memset(&info, 0, sizeof(info));
-  attnd_engine_info(d.engine, &info);
+  attnd_engine_info(d->engine, &info);
+  attnd_rpc_t *rpc = attnd_server_rpc(d->server);
   ATTND_LOGI("ready", "version=%s backend=%s device=\"%s\" epoch=%016llx tcp_port=%d socket=%s",
              ATTND_VERSION, info.backend ? info.backend : "?", info.device,
-             (unsigned long long)rpc->epoch, attnd_server_tcp_port(d.server),
-             d.cfg.socket_path[0] ? d.cfg.socket_path : "-");
+             (unsigned long long)rpc->epoch, attnd_server_tcp_port(d->server),
+             d->cfg.socket_path[0] ? d->cfg.socket_path : "-");
   sd_notifyf(0, "READY=1\nSTATUS=serving backend=%s tcp_port=%d", info.backend ? info.backend : "?",
-             attnd_server_tcp_port(d.server));
+             attnd_server_tcp_port(d->server));
+}
 
+int main(int argc, char **argv) {
+  static daemon_t d;
+  int rc = configure(&d, argc, argv);
+  if (rc)
+    return rc < 0 ? 0 : rc;
+  attnd_log_set_level((attnd_log_level_t)attnd_log_level_parse(d.cfg.log_level));
+  /* libuv sizes its worker pool from the environment when the pool is first
+   * used, which is after this: --worker-threads decides it. */
+  char workers[16];
+  snprintf(workers, sizeof(workers), "%d", attnd_config_worker_threads(&d.cfg));
+  setenv("UV_THREADPOOL_SIZE", workers, 1);
+  /* Writes to a client that went away must fail with EPIPE, not kill us. */
+  signal(SIGPIPE, SIG_IGN);
+  if ((rc = start(&d)) != 0)
+    return rc;
+  watch(&d);
+  notify_ready(&d);
   uv_run(&d.loop, UV_RUN_DEFAULT);
-  rc = uv_loop_close(&d.loop);
-  if (rc != 0) {
+  if (uv_loop_close(&d.loop) != 0) {
     ATTND_LOGE("exit", "reason=\"loop still has open handles\"");
     return 1;
   }

@@ -32,11 +32,12 @@ attnd_add_e2e(e2e_scales test_scales)
 attnd_add_e2e(e2e_hf_adapter test_hf_adapter)
 attnd_add_e2e(e2e_prefix_acceptance test_prefix_acceptance)
 # The same sessions and bad inputs with every step admitted through the
-# engine's admission queue (finiteness scan on the threadpool, DESIGN.md 2)
-# and every step's output written to the socket by reference (rpc.c sendv):
-# the thresholds that normally keep small steps on the direct paths are 0.
+# engine's admission queue (finiteness scan on the worker pool,
+# docs/sessions.md) and every step's output written to the socket by
+# reference (rpc sendv): the thresholds that normally keep small steps on the
+# direct paths are 0.
 attnd_add_e2e(e2e_sessions_queued test_sessions test_reliability_badinput)
-set_tests_properties(e2e_sessions_queued PROPERTIES ENVIRONMENT "${ATTND_E2E_ENV};ATTND_ENGINE_OFFLOAD_BYTES=0;ATTND_RPC_REF_MIN=0")
+set_tests_properties(e2e_sessions_queued PROPERTIES ENVIRONMENT "${ATTND_E2E_ENV};ATTND_E2E_DAEMON_ARGS=--engine-offload-bytes 0 --rpc-ref-min 0")
 
 add_test(NAME e2e_tiny_llama
          COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/client/python/examples/tiny_llama.py

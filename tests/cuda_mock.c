@@ -1,5 +1,5 @@
 /* cuda_mock.c: a host-only stand-in for the CUDA runtime calls and the
- * attnd_cuda.h API that daemon/backend_cuda.c uses, so that the backend's own
+ * attnd_cuda.h API that the CUDA backend (daemon/backend/cuda_*.c) uses, so that its own
  * logic (staging layout, pointer arithmetic, per-layer stream ordering,
  * completion through the uv_async_t, sticky errors, teardown) runs and is
  * judged against the CPU backend on machines without a GPU.
@@ -228,7 +228,7 @@ int attnd_cuda_attend_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b,
   return 1;
 }
 
-/* ---- the CUDA runtime calls backend_cuda.c makes ---------------------------- */
+/* ---- the CUDA runtime calls the CUDA backend makes ---------------------------- */
 
 cudaError_t cudaSetDevice(int device) {
   return cudaSuccess;
@@ -358,7 +358,7 @@ cudaError_t cudaStreamAddCallback(cudaStream_t st, cudaStreamCallback_t cb, void
   return enqueue(st, o);
 }
 
-/* Events (backend_cuda.c's ATTND_CUDA_TRACE): a cudaEvent_t is an
+/* Events (the CUDA backend's --cuda-trace and completion): a cudaEvent_t is an
  * _Atomic double of milliseconds, set by the stream thread. */
 cudaError_t cudaEventCreate(cudaEvent_t *ev) {
   _Atomic double *t = malloc(sizeof(*t));

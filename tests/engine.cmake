@@ -1,7 +1,17 @@
-# Engine area: block pool, prefix index, static scales, and the engine itself
-# (sessions, plans, steps on the CPU backend, checked against the oracle).
-attnd_add_test(test_blocks SOURCES test_blocks.c LIBS attnd_core TIMEOUT 60)
-attnd_add_test(test_prefix SOURCES test_prefix.c LIBS attnd_core TIMEOUT 60)
-attnd_add_test(test_scales SOURCES test_scales.c LIBS attnd_core TIMEOUT 60)
-attnd_add_test(test_engine SOURCES test_engine.c LIBS attnd_core attnd_oracle TIMEOUT 120)
-attnd_add_test(test_engine_perf SOURCES test_engine_perf.c LIBS attnd_core TIMEOUT 60)
+# The engine (daemon/engine/), one test per module, on the CPU backend and
+# judged against the float64 oracle through the shared fixture
+# (engine_fixture.c). The module tests of the engine's private parts (pool,
+# prefix index, scales table) see daemon/engine/internal.h.
+add_library(attnd_engine_fixture STATIC ${CMAKE_CURRENT_SOURCE_DIR}/engine_fixture.c)
+target_link_libraries(attnd_engine_fixture PUBLIC attnd_engine attnd_oracle PkgConfig::CMOCKA)
+target_include_directories(attnd_engine_fixture PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
+
+foreach(m step plan session kvcache jobs queue check scales)
+  attnd_add_test(test_engine_${m} SOURCES test_engine_${m}.c LIBS attnd_engine_fixture TIMEOUT 120)
+endforeach()
+attnd_add_test(test_engine_blocks SOURCES test_engine_blocks.c LIBS attnd_engine TIMEOUT 60)
+attnd_add_test(test_engine_prefix SOURCES test_engine_prefix.c LIBS attnd_engine TIMEOUT 60)
+attnd_add_test(test_engine_perf SOURCES test_engine_perf.c LIBS attnd_engine TIMEOUT 60)
+foreach(t test_engine_blocks test_engine_prefix test_engine_scales test_engine_kvcache)
+  target_include_directories(${t} PRIVATE ${PROJECT_SOURCE_DIR}/daemon/engine)
+endforeach()

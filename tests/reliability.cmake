@@ -13,7 +13,7 @@ option(ATTND_FUZZ "Build the libFuzzer harnesses (clang only)" OFF)
 # regression test for each crash.
 if(NOT ATTND_FUZZ)
   add_executable(fuzz_replay ${ATTND_REL_DIR}/fuzz/fuzz_rpc.c ${ATTND_REL_DIR}/fuzz/replay_main.c)
-  target_link_libraries(fuzz_replay PRIVATE attnd_core)
+  target_link_libraries(fuzz_replay PRIVATE attnd_net)
   target_link_options(fuzz_replay PRIVATE -Wl,--wrap=attnd_random_id)
   add_test(NAME fuzz_replay COMMAND fuzz_replay ${ATTND_REL_DIR}/fuzz/corpus
            ${ATTND_REL_DIR}/fuzz/regressions)
@@ -30,7 +30,7 @@ if(ATTND_FUZZ)
     DIRECTORY ${PROJECT_SOURCE_DIR}/kernels
     PROPERTIES COMPILE_OPTIONS "-include;${ATTND_REL_DIR}/fuzz/clang_compat.h")
   add_executable(fuzz_rpc ${ATTND_REL_DIR}/fuzz/fuzz_rpc.c)
-  target_link_libraries(fuzz_rpc PRIVATE attnd_core)
+  target_link_libraries(fuzz_rpc PRIVATE attnd_net)
   # Deterministic session and plan ids within one input (see fuzz_rpc.c).
   target_link_options(fuzz_rpc PRIVATE -fsanitize=fuzzer -Wl,--wrap=attnd_random_id)
 endif()

@@ -1,4 +1,4 @@
-/* test_backend_cuda.c: the CUDA backend (daemon/backend_cuda.c) against the CPU
+/* test_backend_cuda.c: the CUDA backend (daemon/backend/cuda_*.c) against the CPU
  * backend on the same jobs, through a real uv loop.
  *
  * Every test skips when attnd_backend_cuda_available() == 0 (no GPU, or a build
@@ -6,16 +6,18 @@
  * window and a write-only item, lse asked), a decode step submitted right
  * behind it without waiting (it reads the blocks the prefill wrote: per-layer
  * ordering), a COPY job and a step that reads the copied block, for bf16 and
- * int8_dynamic caches. Every output must match the CPU backend's within rel L2
- * 1e-2 (lse within 1e-3); outputs are poisoned before the run. Then: jobs of
+ * int8_dynamic caches. Every output must match the CPU backend's within
+ * ATTND_TOL_BACKENDS (lse within ATTND_TOL_BACKENDS_LSE, tests/tolerance.h); outputs are poisoned before the run. Then: jobs of
  * many layers in flight at once, and the loop closes cleanly.
  *
- * ATTND_CUDA_TEST_FAULT=1 runs only the fault test instead: a block table that
- * points far outside the pool makes the kernel fault; the job must fail with
- * ATTND_EDEVICE (or ATTND_ECUDA), every later job with ATTND_EDEVICE, and
- * teardown must not hang. It leaves the CUDA context unusable, hence the
- * separate run (also with ATTND_CUDA_HOSTFN_MIN=0: host functions that a
- * sticky error skips must not leave a job unanswered). */
+ * Arguments set the backend's options as the daemon's flags would:
+ * --callback (--cuda-completion callback), --trace (--cuda-trace) and
+ * --hostfn-min=N (--cuda-hostfn-min). --fault runs only the fault test
+ * instead: a block table that points far outside the pool makes the kernel
+ * fault; the job must fail with ATTND_EDEVICE (or ATTND_ECUDA), every later
+ * job with ATTND_EDEVICE, and teardown must not hang. It leaves the CUDA
+ * context unusable, hence the separate run (also with --hostfn-min=0: host
+ * functions that a sticky error skips must not leave a job unanswered). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -28,13 +30,24 @@
 #include <uv.h>
 
 #include "backend.h"
-#include "errors.h"
+#include "base.h"
+#include "tolerance.h"
 
 #define LAYERS 2
 #define QH 8
 #define KVH 2
 #define HD 128
 #define BS 16
+
+/* The backend options of this run (main() reads them from the arguments). */
+static attnd_backend_opts_t g_opts;
+
+static const attnd_backend_opts_t *opts(uint64_t kv_memory) {
+  static attnd_backend_opts_t o;
+  o = g_opts;
+  o.kv_memory = kv_memory;
+  return &o;
+}
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
@@ -323,9 +336,9 @@ static void compare_backends(attnd_kv_type_t kv) {
   char err[256] = "";
   attnd_backend_t *cpu = NULL, *gpu = NULL;
   uint64_t kvmem = 64ull << 20;
-  assert_int_equal(attnd_backend_cpu_create(&cpu, &loop, &s, LAYERS, kvmem, 2, err, sizeof(err)),
+  assert_int_equal(attnd_backend_cpu_create(&cpu, &loop, &s, LAYERS, opts(kvmem), err, sizeof(err)),
                    0);
-  int rc = attnd_backend_cuda_create(&gpu, &loop, &s, LAYERS, kvmem, 0, err, sizeof(err));
+  int rc = attnd_backend_cuda_create(&gpu, &loop, &s, LAYERS, opts(kvmem), err, sizeof(err));
   if (rc)
     fail_msg("attnd_backend_cuda_create: %s (%s)", attnd_strerror(rc), err);
   assert_int_equal(gpu->num_blocks, cpu->num_blocks);
@@ -368,7 +381,7 @@ static void compare_backends(attnd_kv_type_t kv) {
                   sp[i].layer, sp[i].Tq, r);
     if (r > worst)
       worst = r;
-    assert_true(r <= 1e-2);
+    assert_true(r <= ATTND_TOL_BACKENDS);
     if (sp[i].want_lse) {
       double num = 0, den = 0;
       for (size_t e = 0; e < (size_t)sp[i].Tq * QH; e++) {
@@ -380,7 +393,7 @@ static void compare_backends(attnd_kv_type_t kv) {
       double rl = sqrt(num / (den > 0 ? den : 1));
       if (rl > worst_lse)
         worst_lse = rl;
-      assert_true(rl <= 1e-3);
+      assert_true(rl <= ATTND_TOL_BACKENDS_LSE);
     }
   }
   print_message("%s: %d jobs, worst out rel L2 %.3e, worst lse rel L2 %.3e, %.2f ms on the GPU "
@@ -414,9 +427,9 @@ static void test_long_context_decode(void **state) {
   assert_int_equal(uv_loop_init(&loop), 0);
   char err[256] = "";
   attnd_backend_t *cpu = NULL, *gpu = NULL;
-  assert_int_equal(attnd_backend_cpu_create(&cpu, &loop, &s, 1, 64ull << 20, 2, err, sizeof(err)),
+  assert_int_equal(attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)),
                    0);
-  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, 64ull << 20, 0, err, sizeof(err)),
+  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)),
                    0);
   enum { LONG = 2000 };
   titem_t w = {.start = 0, .n = LONG, .has_q = 0, .mask = ATTND_MASK_CAUSAL, .nb = 126};
@@ -456,8 +469,8 @@ static void test_long_context_decode(void **state) {
   }
   print_message("decode over %d keys: rel L2 %.3e, worst lse rel err %.3e\n", LONG + 1, r,
                 worst_lse);
-  assert_true(r <= 1e-2);
-  assert_true(worst_lse <= 1e-3);
+  assert_true(r <= ATTND_TOL_BACKENDS);
+  assert_true(worst_lse <= ATTND_TOL_BACKENDS_LSE);
   for (int i = 0; i < 3; i++) {
     job_free(&jc[i]);
     job_free(&jg[i]);
@@ -468,8 +481,22 @@ static void test_long_context_decode(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
-/* Static int8 needs its scales uploaded through set_scales; a step on a layer
- * without them fails with ATTND_EPRECOND, never runs on zero scales. */
+/* A SCALES job setting a layer's scales from a test's arrays. */
+static void scales_job(tjob_t *t, int layer, const float *ks, const float *vs, int *ndone) {
+  memset(t, 0, sizeof(*t));
+  t->job.kind = ATTND_JOB_SCALES;
+  t->job.layer = layer;
+  t->job.k_scale = ks;
+  t->job.v_scale = vs;
+  t->job.per_channel = 1;
+  t->job.done_cb = tjob_done;
+  t->ndone = ndone;
+}
+
+/* Static int8 needs its scales set by a SCALES job, which orders with the
+ * layer's other jobs: a step submitted before it fails with ATTND_EPRECOND
+ * (never runs on zero scales), the same step right behind it, submitted
+ * without waiting, runs with the new scales and matches the CPU backend. */
 static void test_int8_static_scales(void **state) {
   SKIP_WITHOUT_GPU();
   attnd_kshape_t s = make_shape(ATTND_KV_INT8);
@@ -477,40 +504,38 @@ static void test_int8_static_scales(void **state) {
   assert_int_equal(uv_loop_init(&loop), 0);
   char err[256] = "";
   attnd_backend_t *cpu = NULL, *gpu = NULL;
-  assert_int_equal(attnd_backend_cpu_create(&cpu, &loop, &s, 1, 16ull << 20, 2, err, sizeof(err)),
+  assert_int_equal(attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)),
                    0);
-  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, 16ull << 20, 0, err, sizeof(err)),
+  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)),
                    0);
   titem_t it = {.start = 0, .n = 9, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {3}, .nb = 1};
   tjob_spec_t sp;
   spec_step(&sp, 0, &it, 1, 0, 0);
-  tjob_t j0;
-  int dummy = 0;
-  job_from_spec(&j0, &sp, &dummy);
-  run_all(&loop, gpu, &j0, 1);
-  assert_int_equal(j0.job.status, ATTND_EPRECOND);
-  job_free(&j0);
-
   float ks[KVH * HD], vs[KVH * HD];
   for (int i = 0; i < KVH * HD; i++) {
     ks[i] = 1.0f / 100.0f + (float)(i % 7) * 1e-3f;
     vs[i] = 1.0f / 110.0f + (float)(i % 5) * 1e-3f;
   }
-  assert_int_equal(cpu->ops->set_scales(cpu, 0, ks, vs, NULL, NULL, 1), 0);
-  assert_int_equal(gpu->ops->set_scales(gpu, 0, ks, vs, NULL, NULL, 1), 0);
-  tjob_t jc, jg;
-  job_from_spec(&jc, &sp, &dummy);
-  job_from_spec(&jg, &sp, &dummy);
-  run_all(&loop, cpu, &jc, 1);
-  run_all(&loop, gpu, &jg, 1);
-  assert_int_equal(jc.job.status, 0);
-  if (jg.job.status)
-    fail_msg("cuda: %s", jg.job.message);
-  double r = rel_l2_out(&jg, &jc, (size_t)sp.Tq * QH * HD);
+  int dummy = 0;
+  tjob_t g[3], c[3];
+  for (int b = 0; b < 2; b++) {
+    tjob_t *t = b ? g : c;
+    job_from_spec(&t[0], &sp, &dummy);
+    scales_job(&t[1], 0, ks, vs, &dummy);
+    job_from_spec(&t[2], &sp, &dummy);
+    run_all(&loop, b ? gpu : cpu, t, 3);
+    assert_int_equal(t[0].job.status, ATTND_EPRECOND);
+    if (t[1].job.status || t[2].job.status)
+      fail_msg("%s: scales %d (%s), step %d (%s)", b ? "cuda" : "cpu", t[1].job.status,
+               t[1].job.message, t[2].job.status, t[2].job.message);
+  }
+  double r = rel_l2_out(&g[2], &c[2], (size_t)sp.Tq * QH * HD);
   print_message("int8 (static, per channel): rel L2 %.3e\n", r);
-  assert_true(r <= 1e-2);
-  job_free(&jc);
-  job_free(&jg);
+  assert_true(r <= ATTND_TOL_BACKENDS);
+  for (int i = 0; i < 3; i += 2) {
+    job_free(&g[i]);
+    job_free(&c[i]);
+  }
   spec_free(&sp);
   cpu->ops->destroy(cpu);
   destroy_and_close(&loop, gpu);
@@ -545,7 +570,7 @@ static void many_layers_in_flight(void) {
   assert_int_equal(uv_loop_init(&loop), 0);
   char err[256] = "";
   attnd_backend_t *gpu = NULL;
-  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, NL, 64ull << 20, 0, err, sizeof(err)),
+  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, NL, opts(64ull << 20), err, sizeof(err)),
                    0);
   static tjob_spec_t sp[NL * PER];
   static ojob_t oj[NL * PER];
@@ -602,28 +627,29 @@ static void test_many_layers_in_flight(void **state) {
  * buffers, every job waits for one to come back, in submission order. */
 static void test_pinned_cap(void **state) {
   SKIP_WITHOUT_GPU();
-  setenv("ATTND_CUDA_PINNED_MAX", "1", 1);
+  attnd_backend_opts_t saved = g_opts;
+  g_opts.cuda_pinned_max = 1;
   many_layers_in_flight();
-  unsetenv("ATTND_CUDA_PINNED_MAX");
+  g_opts = saved;
 }
 
 /* The same scenarios with q, k and v staged by a host function on the
- * stream (ATTND_CUDA_HOSTFN_MIN=0: every step), the path of large prefills:
+ * stream (hostfn-min 0: every step), the path of large prefills:
  * the H2D copy must wait for it in stream order, and with the pool capped a
  * pinned buffer must not be reused before its host function ran. */
 static void test_hostfn_staging(void **state) {
   SKIP_WITHOUT_GPU();
-  setenv("ATTND_CUDA_HOSTFN_MIN", "0", 1);
+  attnd_backend_opts_t saved = g_opts;
+  g_opts.cuda_hostfn_min = 0;
   compare_backends(ATTND_KV_BF16);
   compare_backends(ATTND_KV_INT8_DYNAMIC);
   many_layers_in_flight();
-  setenv("ATTND_CUDA_PINNED_MAX", "1", 1);
+  g_opts.cuda_pinned_max = 1;
   many_layers_in_flight();
-  unsetenv("ATTND_CUDA_PINNED_MAX");
-  unsetenv("ATTND_CUDA_HOSTFN_MIN");
+  g_opts = saved;
 }
 
-/* Only under ATTND_CUDA_TEST_FAULT=1 (see the header comment). */
+/* Only with --fault (see the header comment). */
 static void test_device_fault(void **state) {
   SKIP_WITHOUT_GPU();
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
@@ -631,7 +657,7 @@ static void test_device_fault(void **state) {
   assert_int_equal(uv_loop_init(&loop), 0);
   char err[256] = "";
   attnd_backend_t *gpu = NULL;
-  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, 16ull << 20, 0, err, sizeof(err)),
+  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)),
                    0);
   titem_t it = {.start = 0, .n = 3, .has_q = 1, .mask = ATTND_MASK_CAUSAL,
                 .table = {INT32_MAX / 2}, .nb = 1};
@@ -644,7 +670,7 @@ static void test_device_fault(void **state) {
   /* With host functions staging the inputs, the second job goes in flight
    * behind the faulting one: the fault skips its host function, and it must
    * still be answered. */
-  int together = getenv("ATTND_CUDA_HOSTFN_MIN") != NULL;
+  int together = g_opts.cuda_hostfn_min == 0;
   run_all(&loop, gpu, &j[0], together ? 2 : 1);
   print_message("faulting job: status %d (%s), message: %s\n", j[0].job.status,
                 attnd_strerror(j[0].job.status), j[0].job.message);
@@ -681,15 +707,31 @@ static void test_unavailable_without_device(void **state) {
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   attnd_backend_t *be = NULL;
   char err[256] = "";
-  assert_int_equal(attnd_backend_cuda_create(&be, &loop, &s, 1, 0, 0, err, sizeof(err)),
+  assert_int_equal(attnd_backend_cuda_create(&be, &loop, &s, 1, opts(0), err, sizeof(err)),
                    ATTND_EUNAVAIL);
   assert_true(err[0] != 0);
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
-int main(void) {
-  const char *fault = getenv("ATTND_CUDA_TEST_FAULT");
-  if (fault && atoi(fault) == 1) {
+int main(int argc, char **argv) {
+  attnd_backend_opts_defaults(&g_opts);
+  g_opts.threads = 2;
+  int fault = 0;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--fault") == 0)
+      fault = 1;
+    else if (strcmp(argv[i], "--callback") == 0)
+      g_opts.cuda_callbacks = 1;
+    else if (strcmp(argv[i], "--trace") == 0)
+      g_opts.cuda_trace = 1;
+    else if (strncmp(argv[i], "--hostfn-min=", 13) == 0)
+      g_opts.cuda_hostfn_min = strtoull(argv[i] + 13, NULL, 10);
+    else {
+      fprintf(stderr, "usage: %s [--fault] [--callback] [--trace] [--hostfn-min=N]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (fault) {
     const struct CMUnitTest t[] = {cmocka_unit_test(test_device_fault)};
     return cmocka_run_group_tests_name("backend_cuda_fault", t, NULL, NULL);
   }

@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "config.h"
-#include "errors.h"
+#include "base.h"
 
 static char err[512];
 
@@ -313,6 +313,85 @@ static void test_require_token(void **state) {
   rmdir(tmpdir);
 }
 
+/* The tuning options (once environment variables): defaults, flags, file
+ * keys, their checks, and the worker pool size they imply. */
+static void test_tuning(void **state) {
+  attnd_config_t c;
+  const char *none[] = {NULL};
+  assert_int_equal(parse(&c, none), 0);
+  assert_int_equal(c.engine_offload_bytes, 1u << 20);
+  assert_int_equal(c.rpc_ref_min, 64u << 10);
+  assert_int_equal(c.cuda_hostfn_min, 1u << 20);
+  assert_int_equal(c.cuda_pinned_max, 0);
+  assert_int_equal(c.cuda_completion, ATTND_COMPLETION_POLL);
+  assert_int_equal(c.cuda_trace, 0);
+  assert_int_equal(c.worker_threads, 0);
+  const char *a[] = {"--engine-offload-bytes",
+                     "0",
+                     "--rpc-ref-min=0",
+                     "--cuda-pinned-max",
+                     "1G",
+                     "--cuda-hostfn-min",
+                     "4K",
+                     "--cuda-completion",
+                     "callback",
+                     "--cuda-trace",
+                     "--worker-threads",
+                     "6",
+                     NULL};
+  assert_int_equal(parse(&c, a), 0);
+  assert_int_equal(c.engine_offload_bytes, 0);
+  assert_int_equal(c.rpc_ref_min, 0);
+  assert_int_equal(c.cuda_pinned_max, 1ull << 30);
+  assert_int_equal(c.cuda_hostfn_min, 4096);
+  assert_int_equal(c.cuda_completion, ATTND_COMPLETION_CALLBACK);
+  assert_int_equal(c.cuda_trace, 1);
+  assert_int_equal(attnd_config_worker_threads(&c), 6);
+  /* Without --worker-threads: the CPU workers, at least 4. */
+  const char *t2[] = {"--threads", "2", NULL};
+  assert_int_equal(parse(&c, t2), 0);
+  assert_int_equal(attnd_config_worker_threads(&c), 4);
+  const char *t9[] = {"--threads", "9", NULL};
+  assert_int_equal(parse(&c, t9), 0);
+  assert_int_equal(attnd_config_worker_threads(&c), 9);
+  const char *bad1[] = {"--cuda-completion", "spin", NULL};
+  assert_int_equal(parse(&c, bad1), ATTND_EINVAL);
+  assert_non_null(strstr(err, "--cuda-completion: 'spin'"));
+  const char *bad2[] = {"--rpc-ref-min", "lots", NULL};
+  assert_int_equal(parse(&c, bad2), ATTND_EINVAL);
+  assert_non_null(strstr(err, "--rpc-ref-min"));
+  const char *bad3[] = {"--cuda-trace=1", NULL};
+  assert_int_equal(parse(&c, bad3), ATTND_EINVAL);
+  assert_non_null(strstr(err, "takes no value"));
+  /* In the file: the same keys; cuda-trace is a boolean there. */
+  char path[128], arg[160];
+  snprintf(tmpdir, sizeof(tmpdir), "/tmp/attnd-test-cfg-XXXXXX");
+  assert_non_null(mkdtemp(tmpdir));
+  snprintf(path, sizeof(path), "%s/tuning.conf", tmpdir);
+  write_file(path, "cuda-trace = yes\ncuda_completion = callback\nengine-offload-bytes = 2M\n"
+                   "worker-threads = 3\n");
+  snprintf(arg, sizeof(arg), "--config=%s", path);
+  const char *f[] = {arg, NULL};
+  assert_int_equal(parse(&c, f), 0);
+  assert_int_equal(c.cuda_trace, 1);
+  assert_int_equal(c.cuda_completion, ATTND_COMPLETION_CALLBACK);
+  assert_int_equal(c.engine_offload_bytes, 2u << 20);
+  assert_int_equal(attnd_config_worker_threads(&c), 3);
+  write_file(path, "cuda-trace = sometimes\n");
+  assert_int_equal(parse(&c, f), ATTND_EINVAL);
+  assert_non_null(strstr(err, "cuda-trace: 'sometimes' is not a boolean"));
+  unlink(path);
+  rmdir(tmpdir);
+  /* --help names each of them. */
+  const char *u = attnd_config_usage();
+  const char *names[] = {"--worker-threads",  "--engine-offload-bytes", "--rpc-ref-min",
+                         "--cuda-pinned-max", "--cuda-hostfn-min",      "--cuda-completion",
+                         "--cuda-trace"};
+  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+    if (!strstr(u, names[i]))
+      fail_msg("--help does not name %s", names[i]);
+}
+
 static void test_hostport(void **state) {
   char host[64];
   int port;
@@ -421,6 +500,7 @@ int main(void) {
       cmocka_unit_test(test_errors),           cmocka_unit_test(test_file_and_precedence),
       cmocka_unit_test(test_hostport),         cmocka_unit_test(test_binary_exit_codes),
       cmocka_unit_test(test_example_config),   cmocka_unit_test(test_require_token),
+      cmocka_unit_test(test_tuning),
   };
   return cmocka_run_group_tests(tests, NULL, cleanup);
 }

@@ -16,7 +16,7 @@
 #include <cmocka.h>
 
 #include "engine.h"
-#include "errors.h"
+#include "base.h"
 
 static int g_b = 4, g_c = 256, g_threads = 2, g_iters = 5;
 
@@ -26,8 +26,10 @@ typedef struct {
   char msg[256];
 } res_t;
 
-static void on_done(void *arg, const attnd_result_t *r) {
+static void on_done(void *arg, attnd_result_t *r) {
   res_t *x = arg;
+  free(r->out);
+  free(r->lse);
   x->status = r->status;
   x->plan = r->plan;
   snprintf(x->msg, sizeof(x->msg), "%s", r->message);
@@ -82,6 +84,7 @@ static void test_decode_latency(void **state) {
   cfg.kv_memory = blocks * attnd_kv_block_bytes(&s) * LAYERS;
   cfg.prefix_cache = 1;
   cfg.threads = g_threads;
+  cfg.engine_offload_bytes = ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES;
   attnd_engine_t *e;
   char err[256];
   if (attnd_engine_init(&e, &loop, &cfg, err, sizeof(err)) != 0)

@@ -1,4 +1,4 @@
-"""A small stand-in for attnd that speaks the wire protocol (DESIGN.md section 7)
+"""A small stand-in for attnd that speaks the wire protocol (docs/protocol.md)
 with reference.py's numpy math behind it.
 
 It exists to test the clients on their own: framing, pipelining, out-of-order

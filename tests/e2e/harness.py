@@ -6,6 +6,7 @@ the daemon binary is not built yet, or a feature still answers UNIMPLEMENTED
 """
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,9 @@ SOURCE_DIR = os.environ.get("ATTND_SOURCE_DIR",
 # Small shapes so every test runs in seconds on the CPU backend. ATTND_E2E_BACKEND=cuda
 # runs the same suite on a GPU (ATTND_BIN and ATTND_ATTNCTL name binaries built elsewhere).
 BACKEND = os.environ.get("ATTND_E2E_BACKEND", "cpu")
+# ATTND_E2E_DAEMON_ARGS: flags added to every daemon a test starts (ctest's
+# e2e_sessions_queued sends every step through the admission queue with them).
+DAEMON_ARGS = shlex.split(os.environ.get("ATTND_E2E_DAEMON_ARGS", ""))
 SMALL_SHAPE = ["--backend", BACKEND, "--kv-memory", "64M", "--layers", "2", "--q-heads", "4",
                "--kv-heads", "2", "--head-dim", "64", "--block-size", "16"]
 
@@ -60,7 +64,7 @@ class Daemon:
         args += ["--listen", "127.0.0.1:0", "--metrics", ""]
         if state_arg:
             args += ["--state-dir", self.tmp]
-        args += list(shape) + list(extra_args)
+        args += list(shape) + list(extra_args) + DAEMON_ARGS
         self.args = args
         self.env = dict(os.environ if env is None else env)
         self.log = open(self.log_path, "wb")

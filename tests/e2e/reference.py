@@ -1,4 +1,4 @@
-"""An independent numpy reference of attnd's attention semantics (DESIGN.md section 5).
+"""An independent numpy reference of attnd's attention semantics (docs/numerics.md).
 
 Written from the design text, not from the daemon's code: RoPE with fp32 angles,
 rotated q and k rounded to the activation dtype, attention in float64 over what

@@ -9,7 +9,7 @@ HFLlamaTest runs client/python/examples/hf_llama.py's check: a small randomly
 initialised transformers Llama generating greedily with attn_implementation
 "attnd" against "sdpa" and "eager". It skips, saying so, where torch or
 transformers is missing (this machine and CI); it runs on the GPU machine
-(scripts/gpu-hf.sh), on the backend ATTND_E2E_BACKEND names.
+(scripts/dev/gpu-hf.sh), on the backend ATTND_E2E_BACKEND names.
 """
 import copy
 import os
@@ -22,12 +22,13 @@ import attnd
 import attnd.hf
 from harness import BACKEND, Daemon, DaemonTestCase
 from reference import RefSession, rel_l2
+import tolerance
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "client", "python", "examples"))
 import hf_llama  # noqa: E402
 
-TOL = 1e-2  # DESIGN.md section 5: bf16 cache, relative L2 per item
+TOL = tolerance.REL_L2["bf16"]  # bf16 cache, relative L2 per item (docs/numerics.md)
 
 try:
     import torch  # noqa: F401
@@ -36,7 +37,7 @@ try:
     WHY_NOT = ""
 except ImportError as e:
     HAVE_HF = False
-    WHY_NOT = f"torch/transformers not installed ({e}); this check runs on the GPU machine (scripts/gpu-hf.sh)"
+    WHY_NOT = f"torch/transformers not installed ({e}); this check runs on the GPU machine (scripts/dev/gpu-hf.sh)"
 
 SHAPE = ["--backend", BACKEND] + hf_llama.DAEMON_SHAPE
 

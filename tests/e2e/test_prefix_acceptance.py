@@ -6,7 +6,7 @@ cached_len (the whole-block prefix) and send only the tokens from there on, then
 50 decode a few tokens. The same token streams and q/k/v go to a second daemon started
 with --no-prefix-cache, which is given the cached prefix's k and v (kv_only items) and
 computes everything else. Checked per type: outputs (fp32) equal between the daemons
-within relative L2 1e-3 per session and step; blocks in use about one prompt plus the
+within relative L2 tolerance.PREFIX_HIT per session and step; blocks in use about one prompt plus the
 suffixes (far below 50 prompts' worth, which the no-cache daemon shows); the hit
 counters; cached blocks outlive their sessions and hit again; another salt or another
 identity (anonymous loopback TCP instead of the Unix socket uid) never hits.
@@ -21,6 +21,7 @@ import numpy as np
 import attnd
 from harness import SMALL_SHAPE, Daemon, daemon_binary
 from reference import rel_l2
+import tolerance
 
 PROMPT = 2000
 SESSIONS = 50
@@ -29,7 +30,7 @@ DECODE = 3
 CHUNK = 512  # session 1's prefill chunks (a multiple of the block size)
 VOCAB = 4096
 SEED = 20261129
-TOL = 1e-3
+TOL = tolerance.PREFIX_HIT
 SLACK = 2  # blocks
 TYPES = ["bf16", "fp16", "int8", "fp8", "int8_dynamic", "fp8_dynamic", "int4"]
 

@@ -358,7 +358,7 @@ class BadInputTest(unittest.TestCase):
         for (name, code, closed, msg) in results:
             print(f"  {name:42s} -> {code} {'(closed)' if closed else ''} {msg[:70]}")
         print(f"bad-input table: {len(rows)} rows, {len(rows) - len(failures)} as expected")
-        # The element count of a huge shape saturates instead of wrapping to 0 (rpc.c).
+        # The element count of a huge shape saturates instead of wrapping to 0 (daemon/rpc/decode.c).
         ovf = [m for (n, _, _, m) in results if n == "step overflowing dims"]
         self.assertNotIn("needs 0 bytes", ovf[0])
 

@@ -1,6 +1,6 @@
 """Helpers shared by the reliability tests (no tests here).
 
-RawConn speaks the wire protocol byte by byte (DESIGN.md section 7) so a test
+RawConn speaks the wire protocol byte by byte (docs/protocol.md) so a test
 can send frames no well-behaved client would (truncated, oversized, garbled)
 and see exactly what comes back, including a closed connection. It also reads
 a process's resident memory and open descriptors from /proc.

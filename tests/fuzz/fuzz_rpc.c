@@ -2,10 +2,10 @@
  *
  * One input is the byte stream a client would send on one connection: frames
  * (4-byte big-endian length, then a Request). The bytes go through the real
- * frame reader (frame.c), every frame through the real RPC decoder and
- * dispatch (rpc.c) into a real engine on the CPU backend (engine.c,
- * session.c, blocks.c, prefix.c, scales.c, backend_cpu.c) with a tiny model,
- * exactly as server.c wires them, minus the socket.
+ * frame reader (daemon/net/frame.c), every frame through the real RPC layer
+ * (daemon/rpc/: the method table, decoding, encoding) into a real engine
+ * (daemon/engine/) on the CPU backend (daemon/backend/cpu.c) with a tiny
+ * model, exactly as daemon/net/ wires them, minus the socket.
  *
  * Session and plan ids are random in the daemon, which a fuzzer cannot guess;
  * the link wraps attnd_random_id() (-Wl,--wrap) so that, within one input, the
@@ -32,9 +32,8 @@
 #include "attnd.pb.h"
 #include "config.h"
 #include "engine.h"
-#include "errors.h"
-#include "frame.h"
-#include "log.h"
+#include "base.h"
+#include "net.h"
 #include "rpc.h"
 
 #define FUZZ_IDENTITY 1000u
@@ -166,7 +165,7 @@ static void setup(void) {
   F.ready = 1;
 }
 
-static void closed_cb(void *arg, const attnd_result_t *res) {}
+static void closed_cb(void *arg, attnd_result_t *res) {}
 
 /* Closes every session the input left open and checks the engine. */
 static void reset_and_check(void) {

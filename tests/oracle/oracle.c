@@ -1,4 +1,4 @@
-/* oracle.c: the float64 reference of DESIGN.md sections 4 and 5.
+/* oracle.c: the float64 reference of docs/numerics.md (cache formats, attention).
  *
  * Written for obviousness, not speed: rounding goes through frexp/nearbyint on
  * doubles (no bit tricks shared with the kernels), attention is the textbook

@@ -1,4 +1,4 @@
-/* oracle.h: the independent float64 reference for attention (DESIGN.md 4 and 5).
+/* oracle.h: the independent float64 reference for attention (docs/numerics.md).
  *
  * Dense and unpaged on purpose: it shares no code with kernels/cpu or
  * kernels/cuda (it includes attnd_kernels.h for the shape and enum types only),

@@ -1,0 +1,114 @@
+/* backend.h: where the attention math runs (CPU worker threads or a CUDA
+ * device): the job contract between the engine and the kernels.
+ *
+ * The engine owns sessions and block tables; a backend owns the KV pool memory
+ * (all layers), the static scales' copies it needs, and execution. The engine
+ * submits jobs on the loop thread; the backend runs them off the loop and calls
+ * job->done_cb on the loop thread (uv_async_t + queue, or uv_queue_work).
+ *
+ * Ordering contract: jobs of the same layer run in submission order, each
+ * finished (its writes visible) before the next one of that layer starts; jobs
+ * of different layers may run concurrently. COPY jobs (copy-on-write of whole
+ * blocks) are submitted once per layer, so they order with that layer's steps.
+ * SCALES jobs set a layer's static scales the same way: the layer's jobs
+ * submitted before one see the old scales, the jobs after it the new ones.
+ * A job holds no reference of its own: the engine keeps the blocks a job reads
+ * or writes referenced until done_cb. */
+#ifndef ATTND_BACKEND_H
+#define ATTND_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "attnd_kernels.h"
+
+typedef struct attnd_backend_s attnd_backend_t;
+typedef struct attnd_job_s attnd_job_t;
+
+typedef enum { ATTND_JOB_STEP = 0, ATTND_JOB_COPY = 1, ATTND_JOB_SCALES = 2 } attnd_job_kind_t;
+
+struct attnd_job_s {
+  attnd_job_kind_t kind;
+  int layer;
+  /* STEP: the batch with HOST pointers for items, meta, q, k, v, out and lse;
+   * the backend fills cache, block_bytes and the static-scale pointers itself.
+   * out and lse are engine-allocated host buffers the backend writes into. */
+  attnd_kbatch_t batch;
+  size_t nmeta;             /* int32 elements in batch.meta */
+  size_t q_bytes, kv_bytes; /* bytes of q, and of k (== bytes of v) */
+  size_t out_bytes, lse_bytes;
+  /* COPY: ncopies (src, dst) physical block pairs, this layer only. */
+  const int32_t *copies;
+  int ncopies;
+  /* SCALES: the layer's static scales from this job on (fp32, HOST pointers
+   * read until done_cb): k_scale, v_scale [kv_heads] or, per_channel,
+   * [kv_heads][head_dim]; int4 also k_zero, v_zero [kv_heads][head_dim]. */
+  const float *k_scale, *v_scale, *k_zero, *v_zero;
+  int per_channel;
+  /* Filled by the backend. */
+  int status; /* 0 or a negative ATTND_E* */
+  char message[128];
+  uint64_t t_submit_us, t_start_us, t_end_us; /* uv_hrtime()/1000 */
+  void (*done_cb)(attnd_job_t *job);          /* on the loop thread */
+  void *user;
+};
+
+typedef struct {
+  const char *name; /* "cpu" | "cuda" */
+  /* Runs the job asynchronously; returns 0, or a negative ATTND_E* (then
+   * done_cb is never called). */
+  int (*submit)(attnd_backend_t *b, attnd_job_t *job);
+  /* Jobs in flight (submitted, done_cb not yet called). */
+  int (*inflight)(attnd_backend_t *b);
+  /* Device name, memory and compute capability for Health. */
+  void (*describe)(attnd_backend_t *b, char *device, size_t len, uint64_t *mem, int *cc);
+  /* Frees everything; only called with nothing in flight. */
+  void (*destroy)(attnd_backend_t *b);
+} attnd_backend_ops_t;
+
+struct attnd_backend_s {
+  const attnd_backend_ops_t *ops;
+  attnd_kshape_t shape;
+  int layers;
+  uint32_t num_blocks; /* per layer */
+  size_t block_bytes;  /* attnd_kv_block_bytes(&shape) */
+};
+
+/* How a backend is set up: sizes and tuning, filled by the engine from the
+ * daemon's options (docs/operations.md). attnd_backend_opts_defaults() gives
+ * the defaults of every field. */
+typedef struct {
+  uint64_t kv_memory;       /* KV pool bytes, all layers; 0 = backend default (CPU
+                             * 1 GiB, CUDA 90% of free device memory) */
+  int threads;              /* CPU: worker parts per phase, 0 = one per core */
+  int device;               /* CUDA: device ordinal */
+  uint64_t cuda_pinned_max; /* CUDA: cap on pinned staging, 0 = 1/8 of host
+                             * memory within [256 MiB, 8 GiB] */
+  uint64_t cuda_hostfn_min; /* CUDA: q+k+v bytes above which their host copy
+                             * runs in a host function on the stream */
+  int cuda_callbacks;       /* CUDA: 1 = stream callbacks signal completion,
+                             * 0 = an event poller thread (default) */
+  int cuda_trace;           /* CUDA: 1 = log where steps' time goes */
+} attnd_backend_opts_t;
+
+void attnd_backend_opts_defaults(attnd_backend_opts_t *o);
+
+/* Creates the CPU backend; its pool holds as many blocks per layer as
+ * o->kv_memory allows. */
+int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
+                             int layers, const attnd_backend_opts_t *o, char *err, size_t errlen);
+/* Test hook: when set, the CPU backend's next STEP job fails with
+ * ATTND_EABORTED after its parts ran, as a device fault would (and clears
+ * it). Never set outside tests. */
+extern int attnd_backend_cpu_fail_next;
+
+/* 1 when a usable CUDA device exists (any error from cudaGetDeviceCount: 0).
+ * Always 0 in builds without CUDA. */
+int attnd_backend_cuda_available(void);
+/* Creates the CUDA backend on o->device. ATTND_EUNAVAIL in builds without
+ * CUDA or with no usable device. */
+int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
+                              int layers, const attnd_backend_opts_t *o, char *err, size_t errlen);
+
+#endif /* ATTND_BACKEND_H */

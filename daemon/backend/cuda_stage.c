@@ -1,0 +1,135 @@
+/* cuda_stage.c: the CUDA backend's staging (internal.h).
+ *
+ * Pinned host buffers come from a pool that grows on demand (power-of-two
+ * sizes from CU_STAGE_MIN) up to a cap (--cuda-pinned-max); past the cap a
+ * job waits for a buffer a running job gives back, so a burst of large
+ * prefills cannot pin the host's memory. Device buffers belong to a stream
+ * and grow with the stream-ordered allocator, so growing never waits for the
+ * device and never frees memory a queued kernel of that stream still reads. */
+#ifdef ATTND_HAVE_CUDA
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static void stage_free_unused(cu_backend_t *be) {
+  /* Rare (the pool is at its cap): cudaFreeHost may wait for the device. */
+  for (cu_stage_t *f = be->free_stages, *next; f; f = next) {
+    next = f->next;
+    for (size_t i = 0; i < be->nowned; i++)
+      if (be->owned[i] == f) {
+        be->owned[i] = be->owned[--be->nowned];
+        break;
+      }
+    be->pinned_bytes -= f->cap;
+    cudaFreeHost(f->p);
+    free(f);
+  }
+  be->free_stages = NULL;
+}
+
+cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *cerr) {
+  *cerr = cudaSuccess;
+  cu_stage_t **pp = &be->free_stages, **best = NULL;
+  for (; *pp; pp = &(*pp)->next)
+    if ((*pp)->cap >= need && (!best || (*pp)->cap < (*best)->cap))
+      best = pp;
+  if (best) {
+    cu_stage_t *s = *best;
+    *best = s->next;
+    s->next = NULL;
+    be->stages_out++;
+    return s;
+  }
+  /* Warm-up (or a larger step than ever before): a new pinned buffer. Smaller
+   * free ones stay while under the cap: freeing pinned memory may wait for
+   * the device. */
+  size_t cap = CU_STAGE_MIN;
+  while (cap < need)
+    cap <<= 1;
+  if (!force && be->pinned_bytes + cap > be->pinned_max) {
+    size_t free_total = 0;
+    for (cu_stage_t *f = be->free_stages; f; f = f->next)
+      free_total += f->cap;
+    if (be->pinned_bytes - free_total + cap > be->pinned_max && be->stages_out > 0)
+      return NULL; /* wait for running jobs to return theirs */
+    stage_free_unused(be);
+  }
+  cu_stage_t *s = calloc(1, sizeof(*s));
+  if (!s) {
+    *cerr = cudaErrorMemoryAllocation;
+    return NULL;
+  }
+  cudaError_t e = cudaHostAlloc((void **)&s->p, cap, cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    free(s);
+    *cerr = e;
+    return NULL;
+  }
+  if (be->nowned == be->owned_cap) {
+    size_t nc = be->owned_cap ? 2 * be->owned_cap : 16;
+    cu_stage_t **no = realloc(be->owned, nc * sizeof(*no));
+    if (!no) {
+      cudaFreeHost(s->p);
+      free(s);
+      *cerr = cudaErrorMemoryAllocation;
+      return NULL;
+    }
+    be->owned = no;
+    be->owned_cap = nc;
+  }
+  be->owned[be->nowned++] = s;
+  s->cap = cap;
+  be->pinned_bytes += cap;
+  be->stages_out++;
+  return s;
+}
+
+void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s) {
+  if (!s)
+    return;
+  be->stages_out--;
+  s->next = be->free_stages;
+  be->free_stages = s;
+}
+
+cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need,
+                                 size_t min) {
+  if (*cap >= need)
+    return cudaSuccess;
+  size_t nc = min;
+  while (nc < need)
+    nc <<= 1;
+  if (*buf) {
+    cudaError_t e = cudaFreeAsync(*buf, cs->st);
+    if (e != cudaSuccess)
+      return e;
+    *buf = NULL;
+    *cap = 0;
+  }
+  cudaError_t e = cudaMallocAsync(buf, nc, cs->st);
+  if (e != cudaSuccess) {
+    *buf = NULL;
+    return e;
+  }
+  *cap = nc;
+  return cudaSuccess;
+}
+
+/* Runs on a CUDA-owned thread, in stream order before the H2D copy of the
+ * run's inputs: the one host copy of q, k and v. No CUDA calls allowed here. */
+void CUDART_CB attnd_cu_stage_inputs_fn(void *arg) {
+  cu_run_t *r = arg;
+  const attnd_job_t *job = r->job;
+  uint8_t *hp = r->stage->p;
+  if (job->q_bytes)
+    memcpy(hp + r->q_off, job->batch.q, job->q_bytes);
+  if (job->kv_bytes) {
+    memcpy(hp + r->k_off, job->batch.k, job->kv_bytes);
+    memcpy(hp + r->v_off, job->batch.v, job->kv_bytes);
+  }
+}
+
+#endif /* ATTND_HAVE_CUDA */

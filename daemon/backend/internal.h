@@ -1,0 +1,205 @@
+/* internal.h: the backends' private declarations, seen only by backend/'s
+ * own files. The CPU backend (cpu.c) keeps everything static; the CUDA
+ * backend is five files over one struct, declared here:
+ *
+ *   cuda_device.c    device setup and teardown, the ops table, Health facts
+ *   cuda_stage.c     pinned host staging and stream-ordered device buffers
+ *   cuda_enqueue.c   a job's work enqueued on its layer's stream (loop thread)
+ *   cuda_complete.c  completion: event poller or stream callbacks -> loop
+ *   cuda_trace.c     --cuda-trace: timing of where a step's time goes
+ *
+ * cuda_device.c's header comment explains memory, ordering, staging,
+ * completion and errors as a whole. */
+#ifndef ATTND_BACKEND_INTERNAL_H
+#define ATTND_BACKEND_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "base.h"
+
+/* Timestamps of jobs (attnd_job_t t_*_us): uv_hrtime() in microseconds. */
+static inline uint64_t attnd_backend_now_us(void) {
+  return uv_hrtime() / 1000;
+}
+
+#ifdef ATTND_HAVE_CUDA
+
+#include <cuda_runtime_api.h>
+#include <stdatomic.h>
+
+#include "attnd_cuda.h"
+#include "cuda_sticky.h"
+
+/* The kernels' error codes are mapped into base's list by value
+ * (attnd_err_from_kernel); a change on either side must not go unnoticed. */
+_Static_assert(ATTND_CUDA_EINVAL == ATTND_KERNEL_EINVAL, "attnd_cuda.h EINVAL moved");
+_Static_assert(ATTND_CUDA_ECUDA == ATTND_KERNEL_ECUDA, "attnd_cuda.h ECUDA moved");
+_Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE moved");
+
+/* Streams: enough for the layers of one step to overlap, few enough that the
+ * per-stream buffers stay small. */
+#define CU_MAX_STREAMS 8 /* at most 64: the poller keeps a bit per stream */
+/* Pinned staging buffers are allocated in power-of-two sizes from this up. */
+#define CU_STAGE_MIN ((size_t)2 << 20)
+/* Device staging grows to at least this. */
+#define CU_DBUF_MIN ((size_t)4 << 20)
+/* The split-KV workspace is an optimization: past this, attend splits less. */
+#define CU_WS_MAX ((size_t)256 << 20)
+/* Alignment of every region inside a staging buffer (vector loads, DMA). */
+#define CU_ALIGN ((size_t)256)
+
+typedef struct cu_backend_s cu_backend_t;
+
+typedef struct cu_stage_s {
+  uint8_t *p; /* pinned host memory */
+  size_t cap;
+  struct cu_stage_s *next; /* free list */
+} cu_stage_t;
+
+/* One unit of stream work: one job. */
+typedef struct cu_run_s {
+  cu_backend_t *be;
+  attnd_job_t *job;
+  cu_stage_t *stage;
+  int stream;
+  int status; /* set on the loop thread when an enqueue failed */
+  char msg[128];
+  cudaError_t async; /* set by the stream callback */
+  size_t out_off, lse_off;
+  size_t q_off, k_off, v_off; /* where attnd_cu_stage_inputs_fn puts q, k and v */
+  uint64_t t_start, t_end;
+  /* Trace: events around H2D, write, attend, D2H; host times at the end of
+   * the enqueue (loop thread) and at the stream callback. */
+  cudaEvent_t ev[5];
+  int traced;
+  uint64_t t_enq, t_cb;
+  cudaEvent_t done_ev;    /* polled completion: recorded behind the run's work */
+  struct cu_run_s *pnext; /* pending list of the poller (under pmu) */
+  struct cu_run_s *next;  /* wait queue (loop thread), then done queue (under mu) */
+} cu_run_t;
+
+/* Where a step's time goes (--cuda-trace; a diagnostic: five events per
+ * step). Medians over each window of CU_TRACE_N steps go to the log. */
+#define CU_TRACE_N 256
+enum { TR_ENQ, TR_H2D, TR_WRITE, TR_ATTEND, TR_D2H, TR_CB, TR_HOP, TR_COUNT };
+typedef struct {
+  float v[TR_COUNT][CU_TRACE_N];
+  int n;
+} cu_trace_t;
+
+typedef struct {
+  cudaStream_t st;
+  uint8_t *dbuf; /* device staging: inputs then outputs of the running job */
+  size_t dcap;
+  void *ws; /* attention workspace */
+  size_t wcap;
+  uint64_t last_end_us; /* end of the last job on this stream (under mu) */
+} cu_stream_t;
+
+struct cu_backend_s {
+  attnd_backend_t base;
+  uv_loop_t *loop;
+  uv_async_t async; /* freed with the struct, in its close callback */
+  int device;
+  uint8_t *pool;      /* KV blocks of every layer */
+  size_t layer_bytes; /* num_blocks * block_bytes */
+  float *dscales;     /* [layers][4][nsc] */
+  size_t nsc;         /* kv_heads * head_dim */
+  int *scales_ok;     /* [layers] scales enqueued (loop thread, in job order) */
+  int *per_channel;   /* [layers] */
+  cu_stream_t streams[CU_MAX_STREAMS];
+  int nstreams;
+  cu_stage_t *free_stages; /* loop thread only */
+  cu_stage_t **owned;      /* every stage ever allocated, freed at destroy */
+  size_t nowned, owned_cap;
+  size_t pinned_bytes, pinned_max; /* sum of owned caps; the cap on it */
+  size_t hostfn_min;               /* q+k+v bytes copied by a host function past this */
+  int stages_out;                  /* stages held by runs */
+  cu_run_t *whead, *wtail;         /* jobs waiting for a stage, FIFO */
+  uv_mutex_t mu;                   /* guards the done queue and streams[].last_end_us */
+  cu_run_t *dhead, *dtail;
+  atomic_int dead; /* a sticky device error was seen */
+  int inflight;    /* jobs submitted, done_cb not yet called */
+  char devname[128];
+  uint64_t devmem;
+  int cc;
+  cu_trace_t *trace; /* --cuda-trace, else NULL */
+  /* Polled completion (cuda_complete.c); poll 0: stream callbacks. */
+  int poll;
+  uv_thread_t poller;
+  int poller_started;
+  uv_mutex_t pmu;
+  uv_cond_t pcv;
+  cu_run_t *phead, *ptail; /* runs whose done event is recorded, in submission order */
+  int pstop;
+  cudaEvent_t *evfree; /* recycled done events (loop thread) */
+  int nevfree, evcap;
+};
+
+static inline uint64_t attnd_cu_now_us(void) {
+  return attnd_backend_now_us();
+}
+
+static inline size_t attnd_cu_align_up(size_t n) {
+  return (n + CU_ALIGN - 1) & ~(CU_ALIGN - 1);
+}
+
+/* The errors after which the CUDA context is unusable (one list with the kernels'). */
+static inline int attnd_cu_sticky(cudaError_t e) {
+  return attnd_cuda_error_sticky(e);
+}
+
+/* ---- cuda_stage.c: staging (loop thread, except the host function) ---- */
+
+/* A pinned buffer of at least need bytes. NULL with *cerr == cudaSuccess:
+ * the pool is at its cap and buffers held by running jobs will come back
+ * (the caller waits); force ignores the cap (tiny internal uploads). */
+cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *cerr);
+void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s);
+/* Grows a stream-owned device buffer, ordered on that stream. */
+cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need, size_t min);
+/* The one host copy of a step's q, k and v into its pinned buffer; runs on
+ * the loop thread for small steps, else as a host function on the stream. */
+void CUDART_CB attnd_cu_stage_inputs_fn(void *arg);
+
+/* ---- cuda_enqueue.c: submission (loop thread) ---- */
+
+/* Records a failed CUDA runtime call in a run (first failure wins). */
+void attnd_cu_run_fail_cuda(cu_run_t *r, const char *file, int line, const char *what,
+                            cudaError_t e);
+/* Records a failed attnd_cuda_* call. */
+void attnd_cu_run_fail_kernel(cu_run_t *r, int rc);
+int attnd_cu_submit(attnd_backend_t *base, attnd_job_t *job);
+/* Starts waiting jobs, oldest first, while pinned buffers are available. */
+void attnd_cu_pump_waiting(cu_backend_t *be);
+
+/* ---- cuda_complete.c: completion ---- */
+
+/* The async handle keeps the loop alive only while work is out. */
+void attnd_cu_update_ref(cu_backend_t *be);
+/* Puts a run's completion behind everything enqueued on st so far: a stream
+ * callback, or an event the poller watches. */
+cudaError_t attnd_cu_track(cu_backend_t *be, cu_run_t *r, cudaStream_t st);
+/* Hands a run whose stream work could not be tracked to the loop (its stream
+ * is drained first: an error path only). */
+void attnd_cu_complete_untracked(cu_backend_t *be, cu_run_t *r);
+void attnd_cu_async_cb(uv_async_t *h);
+void attnd_cu_poller_main(void *arg);
+void attnd_cu_poller_stop(cu_backend_t *be);
+void attnd_cu_ev_put(cu_backend_t *be, cudaEvent_t ev);
+
+/* ---- cuda_trace.c ---- */
+
+/* Creates a traced run's events (once per run; tracing off: nothing). */
+void attnd_cu_trace_begin(cu_backend_t *be, cu_run_t *r);
+/* Records trace event i of a traced run on st. */
+void attnd_cu_trace_mark(cu_run_t *r, int i, cudaStream_t st);
+/* Loop thread, after the run completed: its events are complete. */
+void attnd_cu_trace_run(cu_backend_t *be, cu_run_t *r);
+
+#endif /* ATTND_HAVE_CUDA */
+
+#endif /* ATTND_BACKEND_INTERNAL_H */

@@ -1,0 +1,376 @@
+/* options.c: flags and config-file keys (docs/operations.md).
+ *
+ * Flags and file keys go through one setter (set_option), so a key means the
+ * same in both places and is checked the same way. The file is read first and
+ * flags applied after it, whatever their order on the command line, so that
+ * flags always win. */
+#include <errno.h>
+#include <ini.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "base.h"
+#include "internal.h"
+
+#define ERR(...)                                                                                   \
+  do {                                                                                             \
+    snprintf(err, errlen, __VA_ARGS__);                                                            \
+    return ATTND_EINVAL;                                                                           \
+  } while (0)
+
+static int copy_str(char *dst, size_t cap, const char *v) {
+  size_t n = strlen(v);
+  if (n >= cap)
+    return -1;
+  memcpy(dst, v, n + 1);
+  return 0;
+}
+
+int attnd_config_parse_int(const char *v, long lo, long hi, long *out) {
+  char *end;
+  if (!v[0])
+    return -1;
+  long x = strtol(v, &end, 10);
+  if (*end || x < lo || x > hi)
+    return -1;
+  *out = x;
+  return 0;
+}
+
+int attnd_config_parse_size(const char *v, uint64_t *out) {
+  char *end;
+  if (!v[0] || v[0] < '0' || v[0] > '9')
+    return -1;
+  errno = 0;
+  unsigned long long x = strtoull(v, &end, 10);
+  if (errno == ERANGE || end == v)
+    return -1;
+  uint64_t mul = 1;
+  if (*end) {
+    switch (*end) {
+    case 'k':
+    case 'K':
+      mul = 1ull << 10;
+      break;
+    case 'm':
+    case 'M':
+      mul = 1ull << 20;
+      break;
+    case 'g':
+    case 'G':
+      mul = 1ull << 30;
+      break;
+    case 't':
+    case 'T':
+      mul = 1ull << 40;
+      break;
+    case 'b':
+    case 'B':
+      mul = 1;
+      end--;
+      break;
+    default:
+      return -1;
+    }
+    end++;
+    if (strcasecmp(end, "") != 0 && strcasecmp(end, "b") != 0 && strcasecmp(end, "ib") != 0)
+      return -1;
+  }
+  if (mul > 1 && x > UINT64_MAX / mul)
+    return -1;
+  *out = (uint64_t)x * mul;
+  return 0;
+}
+
+static int parse_double(const char *v, double *out) {
+  char *end;
+  if (!v[0])
+    return -1;
+  double x = strtod(v, &end);
+  if (*end || !isfinite(x))
+    return -1;
+  *out = x;
+  return 0;
+}
+
+/* The one place that knows every key. name has no leading dashes; '_' and '-'
+ * are equivalent so that file keys may use either. */
+/* A boolean config value: true/false, 1/0, yes/no, on/off. */
+static int parse_bool(const char *name, const char *v, int *out, char *err, size_t errlen) {
+  if (strcmp(v, "true") == 0 || strcmp(v, "1") == 0 || strcmp(v, "yes") == 0 ||
+      strcmp(v, "on") == 0) {
+    *out = 1;
+    return 0;
+  }
+  if (strcmp(v, "false") == 0 || strcmp(v, "0") == 0 || strcmp(v, "no") == 0 ||
+      strcmp(v, "off") == 0) {
+    *out = 0;
+    return 0;
+  }
+  snprintf(err, errlen, "%s: '%s' is not a boolean (true/false)", name, v);
+  return ATTND_EINVAL;
+}
+
+static int set_option(attnd_config_t *c, const char *prefix, const char *name_in, const char *v,
+                      char *err, size_t errlen) {
+  char name[64];
+  long x;
+  uint64_t u;
+  double d;
+  if (copy_str(name, sizeof(name), name_in))
+    ERR("unknown option '%s%s'", prefix, name_in);
+  for (char *p = name; *p; p++)
+    if (*p == '_')
+      *p = '-';
+
+#define STR(key, field)                                                                            \
+  if (strcmp(name, key) == 0) {                                                                    \
+    if (copy_str(c->field, sizeof(c->field), v))                                                   \
+      ERR("--%s: value longer than %zu bytes", key, sizeof(c->field) - 1);                         \
+    return 0;                                                                                      \
+  }
+#define INT(key, field, lo, hi)                                                                    \
+  if (strcmp(name, key) == 0) {                                                                    \
+    if (attnd_config_parse_int(v, lo, hi, &x))                                                     \
+      ERR("--%s: '%s' is not an integer in [%ld, %ld]", key, v, (long)(lo), (long)(hi));           \
+    c->field = (int)x;                                                                             \
+    return 0;                                                                                      \
+  }
+#define SIZE(key, field)                                                                           \
+  if (strcmp(name, key) == 0) {                                                                    \
+    if (attnd_config_parse_size(v, &u))                                                            \
+      ERR("--%s: '%s' is not a size (bytes, or a number with K, M, G or T)", key, v);              \
+    c->field = u;                                                                                  \
+    return 0;                                                                                      \
+  }
+
+  STR("socket", socket_path)
+  STR("listen", listen)
+  STR("metrics", metrics)
+  STR("state-dir", state_dir)
+  STR("token-file", token_file)
+  STR("model-id", model_id)
+  if (strcmp(name, "config") == 0) {
+    if (copy_str(c->config_file, sizeof(c->config_file), v))
+      ERR("--config: path too long");
+    return 0;
+  }
+  if (strcmp(name, "log-level") == 0) {
+    if (attnd_log_level_parse(v) < 0)
+      ERR("--log-level: '%s' is not one of error, warn, info, debug", v);
+    snprintf(c->log_level, sizeof(c->log_level), "%s", v);
+    return 0;
+  }
+  if (strcmp(name, "backend") == 0) {
+    if (strcmp(v, "auto") == 0)
+      c->backend = ATTND_BACKEND_AUTO;
+    else if (strcmp(v, "cpu") == 0)
+      c->backend = ATTND_BACKEND_CPU;
+    else if (strcmp(v, "cuda") == 0)
+      c->backend = ATTND_BACKEND_CUDA;
+    else
+      ERR("--backend: '%s' is not one of auto, cpu, cuda", v);
+    return 0;
+  }
+  INT("device", device, 0, 1023)
+  INT("layers", layers, 1, 4096)
+  INT("q-heads", shape.q_heads, 1, 1024)
+  INT("kv-heads", shape.kv_heads, 1, 1024)
+  INT("head-dim", shape.head_dim, 1, 4096)
+  INT("block-size", shape.block_size, 1, 4096)
+  INT("rotary-dim", shape.rotary_dim, 0, 4096)
+  INT("max-context", max_context, 1, 1 << 30)
+  INT("session-idle", session_idle_s, 0, 1 << 30)
+  INT("max-connections", max_connections, 1, 1 << 20)
+  INT("max-sessions", max_sessions, 1, 1 << 30)
+  INT("max-plans", max_plans, 1, 1 << 16)
+  INT("threads", threads, 0, 4096)
+  INT("hello-timeout", hello_timeout_ms, 1, 1 << 30)
+  SIZE("kv-memory", kv_memory)
+  SIZE("max-frame", max_frame)
+  SIZE("max-inflight", max_inflight)
+  INT("worker-threads", worker_threads, 0, 1024)
+  SIZE("engine-offload-bytes", engine_offload_bytes)
+  SIZE("rpc-ref-min", rpc_ref_min)
+  SIZE("cuda-pinned-max", cuda_pinned_max)
+  SIZE("cuda-hostfn-min", cuda_hostfn_min)
+  if (strcmp(name, "cuda-completion") == 0) {
+    if (strcmp(v, "poll") == 0)
+      c->cuda_completion = ATTND_COMPLETION_POLL;
+    else if (strcmp(v, "callback") == 0)
+      c->cuda_completion = ATTND_COMPLETION_CALLBACK;
+    else
+      ERR("--cuda-completion: '%s' is not one of poll, callback", v);
+    return 0;
+  }
+  if (strcmp(name, "dtype") == 0) {
+    if (strcmp(v, "bf16") == 0)
+      c->shape.dtype = ATTND_DT_BF16;
+    else if (strcmp(v, "fp16") == 0)
+      c->shape.dtype = ATTND_DT_FP16;
+    else
+      ERR("--dtype: '%s' is not one of bf16, fp16", v);
+    return 0;
+  }
+  if (strcmp(name, "kv-cache") == 0) {
+    int t = attnd_kv_type_parse(v);
+    if (t < 0)
+      ERR("--kv-cache: '%s' is not one of bf16, fp16, int8, fp8, int8_dynamic, fp8_dynamic, int4",
+          v);
+    c->shape.kv = (attnd_kv_type_t)t;
+    return 0;
+  }
+  if (strcmp(name, "rope") == 0) {
+    if (strcmp(v, "none") == 0)
+      c->shape.rope = ATTND_ROPE_NONE;
+    else if (strcmp(v, "neox") == 0)
+      c->shape.rope = ATTND_ROPE_NEOX;
+    else if (strcmp(v, "interleaved") == 0)
+      c->shape.rope = ATTND_ROPE_INTERLEAVED;
+    else
+      ERR("--rope: '%s' is not one of none, neox, interleaved", v);
+    return 0;
+  }
+  if (strcmp(name, "rope-theta") == 0) {
+    if (parse_double(v, &d) || !(d > 0))
+      ERR("--rope-theta: '%s' is not a positive number", v);
+    c->shape.rope_theta = d;
+    return 0;
+  }
+  if (strcmp(name, "softmax-scale") == 0) {
+    if (parse_double(v, &d) || !(d > 0) || d > 1e30)
+      ERR("--softmax-scale: '%s' is not a positive number", v);
+    c->shape.softmax_scale = (float)d;
+    return 0;
+  }
+  if (strcmp(name, "prefix-cache") == 0)
+    return parse_bool(name, v, &c->prefix_cache, err, errlen);
+  if (strcmp(name, "require-token") == 0)
+    return parse_bool(name, v, &c->require_token, err, errlen);
+  if (strcmp(name, "cuda-trace") == 0)
+    return parse_bool(name, v, &c->cuda_trace, err, errlen);
+  ERR("unknown option '%s%s'", prefix, name_in);
+#undef STR
+#undef INT
+#undef SIZE
+}
+
+/* Switches that are also file keys, with a boolean value there. */
+static int is_bool_switch(const char *name) {
+  return strcmp(name, "require-token") == 0 || strcmp(name, "cuda-trace") == 0;
+}
+
+/* Flags that take no value. */
+static int is_switch(const char *name) {
+  return strcmp(name, "no-prefix-cache") == 0 || is_bool_switch(name) ||
+         strcmp(name, "check-config") == 0 || strcmp(name, "help") == 0 ||
+         strcmp(name, "version") == 0;
+}
+
+typedef struct {
+  attnd_config_t *c;
+  const char *path;
+  char reason[200];
+} ini_ctx_t;
+
+static int ini_cb(void *user, const char *section, const char *name, const char *value) {
+  ini_ctx_t *x = user;
+  char e[200];
+  if (section[0] && strcmp(section, "attnd") != 0) {
+    if (!x->reason[0])
+      snprintf(x->reason, sizeof(x->reason), "unknown section [%s]", section);
+    return 0;
+  }
+  if ((is_switch(name) && !is_bool_switch(name)) || strcmp(name, "config") == 0) {
+    if (!x->reason[0])
+      snprintf(x->reason, sizeof(x->reason), "'%s' is a command-line flag, not a file key", name);
+    return 0;
+  }
+  if (set_option(x->c, "", name, value, e, sizeof(e))) {
+    if (!x->reason[0])
+      snprintf(x->reason, sizeof(x->reason), "%s", e);
+    return 0;
+  }
+  return 1;
+}
+
+static int load_file(attnd_config_t *c, const char *path, char *err, size_t errlen) {
+  ini_ctx_t x = {.c = c, .path = path};
+  int r = ini_parse(path, ini_cb, &x);
+  if (r == -1)
+    ERR("--config: cannot open '%s'", path);
+  if (r == -2)
+    ERR("--config: out of memory reading '%s'", path);
+  if (r > 0)
+    ERR("%s:%d: %s", path, r, x.reason[0] ? x.reason : "syntax error");
+  return 0;
+}
+
+/* Splits argv[*i] into name and value; consumes the next argument when the
+ * flag takes a value and has no '='. */
+static int next_flag(int argc, char **argv, int *i, char *name, size_t namecap, const char **val,
+                     char *err, size_t errlen) {
+  const char *a = argv[*i];
+  if (strncmp(a, "--", 2) != 0 || !a[2])
+    ERR("unexpected argument '%s' (flags start with --)", a);
+  a += 2;
+  const char *eq = strchr(a, '=');
+  size_t n = eq ? (size_t)(eq - a) : strlen(a);
+  if (n >= namecap)
+    ERR("unknown option '--%.*s'", (int)n, a);
+  memcpy(name, a, n);
+  name[n] = 0;
+  if (is_switch(name)) {
+    if (eq)
+      ERR("--%s takes no value", name);
+    *val = NULL;
+    return 0;
+  }
+  if (eq) {
+    *val = eq + 1;
+  } else {
+    if (*i + 1 >= argc)
+      ERR("--%s needs a value", name);
+    *val = argv[++*i];
+  }
+  return 0;
+}
+
+int attnd_config_parse(attnd_config_t *c, int argc, char **argv, char *err, size_t errlen) {
+  char name[64];
+  const char *v;
+  int r;
+  /* Pass 1: find --config (and reject malformed flags early). */
+  for (int i = 1; i < argc; i++) {
+    if ((r = next_flag(argc, argv, &i, name, sizeof(name), &v, err, errlen)))
+      return r;
+    if (strcmp(name, "config") == 0 && (r = set_option(c, "--", name, v, err, errlen)))
+      return r;
+  }
+  if (c->config_file[0] && (r = load_file(c, c->config_file, err, errlen)))
+    return r;
+  /* Pass 2: flags override the file. */
+  for (int i = 1; i < argc; i++) {
+    next_flag(argc, argv, &i, name, sizeof(name), &v, err, errlen);
+    if (strcmp(name, "config") == 0)
+      continue;
+    if (strcmp(name, "no-prefix-cache") == 0)
+      c->prefix_cache = 0;
+    else if (strcmp(name, "require-token") == 0)
+      c->require_token = 1;
+    else if (strcmp(name, "cuda-trace") == 0)
+      c->cuda_trace = 1;
+    else if (strcmp(name, "check-config") == 0)
+      c->check_config = 1;
+    else if (strcmp(name, "help") == 0)
+      c->show_help = 1;
+    else if (strcmp(name, "version") == 0)
+      c->show_version = 1;
+    else if ((r = set_option(c, "--", name, v, err, errlen)))
+      return r;
+  }
+  return 0;
+}

@@ -1,0 +1,183 @@
+/* engine.h: sessions, plans and steps (docs/sessions.md) behind the RPC layer.
+ *
+ * The RPC layer decodes a Request into the plain structs below (native types:
+ * kernel dtypes and masks, never wire enums) and calls the engine on the loop
+ * thread. The engine validates and admits the
+ * call on the loop thread (state changes at admission, in arrival order), runs
+ * the math on its backend off the loop, and reports completion through
+ * attnd_engine_done_cb on the loop thread. Nothing here blocks the loop.
+ *
+ * Memory: pointers inside a request (tensor data, items, tokens, mask arrays)
+ * belong to the caller and stay valid, unchanged and writable until the call's
+ * done callback has run (q may be rotated in place; a call queued behind a
+ * large step is admitted after it returns). The request structs themselves and
+ * the salt may be reused once the call returns. The result passed to the
+ * callback is valid during the callback; its out and lse buffers (a Step's
+ * outputs) belong to the callback from then on, which frees them (free()) or
+ * hands them on. */
+#ifndef ATTND_ENGINE_H
+#define ATTND_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "attnd_kernels.h"
+#include "config.h"
+
+typedef struct attnd_engine_s attnd_engine_t;
+
+/* A tensor as decoded from the wire; data points into the request frame. */
+typedef struct {
+  int present;         /* the field was set */
+  attnd_dtype_t dtype; /* element type (0: none given) */
+  int ndim;            /* <= 4 */
+  uint32_t shape[4];
+  uint8_t *data; /* raw little-endian bytes, possibly unaligned */
+  size_t nbytes;
+} attnd_tensor_t;
+
+/* An item's mask in the kernels' form (attnd_kernels.h, docs/numerics.md):
+ * the RPC layer expands the wire's document masks into intervals. Only
+ * ATTND_MASK_CAUSAL items publish their blocks to the prefix cache. */
+typedef struct {
+  attnd_mask_kind_t kind;   /* ATTND_MASK_* */
+  int32_t param;            /* SLIDING: window >= 1; PREFIX_LM: prefix length */
+  int causal;               /* INTERVALS: 1 = the intervals apply on top of causal */
+  const int32_t *intervals; /* INTERVALS: int32 [4][kv_len] (lts, lte, uts, ute) */
+  uint32_t intervals_len;   /* INTERVALS: the kv_len they were made for */
+} attnd_mask_t;
+
+typedef struct {
+  uint64_t session;
+  uint32_t start;
+  uint32_t n;
+  int kv_only;
+  attnd_mask_t mask;      /* zeroed: causal */
+  const uint32_t *tokens; /* ntokens token ids */
+  uint32_t ntokens;
+} attnd_item_t;
+
+typedef struct {
+  uint32_t layer;
+  uint64_t plan; /* 0: items are inline */
+  const attnd_item_t *items;
+  uint32_t nitems;
+  attnd_tensor_t q, k, v;
+  int want_lse;
+  int fp32_out;
+} attnd_step_req_t;
+
+typedef struct {
+  uint32_t layer;
+  attnd_tensor_t k_scale, v_scale, k_zero, v_zero;
+  int drop_cached_kv;
+} attnd_scales_req_t;
+
+/* Completion of one call. status is 0 or a negative ATTND_E*; message names
+ * what was wrong (the item index for a step) when status != 0. */
+typedef struct {
+  int status;
+  char message[256];
+  uint64_t session;    /* OpenSession, Fork */
+  uint32_t cached_len; /* OpenSession */
+  uint64_t plan;       /* Plan */
+  uint64_t version;    /* SetScales */
+  /* Step: out [Tq, q_heads, head_dim] (activation dtype or fp32) and lse
+   * [Tq, q_heads], owned by the callback (it frees them, or keeps them: the
+   * RPC layer writes large outputs to the socket straight from them). */
+  void *out;
+  size_t out_bytes;
+  attnd_dtype_t out_dtype;
+  uint32_t out_rows; /* Tq */
+  float *lse;        /* NULL when not asked */
+  size_t lse_bytes;
+  uint64_t queued_us;
+  uint64_t computing_us;
+} attnd_result_t;
+
+typedef void (*attnd_engine_done_cb)(void *arg, attnd_result_t *res);
+
+/* Static facts for Health. */
+typedef struct {
+  const char *backend; /* "cpu" | "cuda" */
+  char device[128];
+  uint64_t device_memory;
+  int compute_capability;
+  uint64_t kv_memory;
+  uint32_t kv_blocks;
+  double kv_bytes_per_token; /* all layers */
+} attnd_engine_info_t;
+
+/* Counters and gauges for Stats and /metrics. Counters only grow. */
+typedef struct {
+  uint32_t sessions;
+  uint32_t plans;
+  uint32_t blocks_total, blocks_used, blocks_cached;
+  uint64_t prefix_queries, prefix_hit_tokens, prefix_miss_tokens;
+  uint64_t evictions, cow_copies;
+  uint64_t steps, prefill_steps, decode_steps, tokens_written;
+  uint32_t queued; /* gauge: calls waiting for admission behind a large step's scan */
+} attnd_engine_stats_t;
+
+typedef struct {
+  uint64_t session;
+  uint32_t len;
+  uint32_t blocks;
+  uint64_t idle_s;
+} attnd_session_info_t;
+
+/* Creates the engine: picks the backend, allocates the KV pool, restores
+ * persisted scales. On failure returns a negative ATTND_E* with a reason in err. */
+int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_t *cfg, char *err,
+                      size_t errlen);
+/* Finishes in-flight work, persists state, releases the backend, then calls cb. */
+void attnd_engine_close(attnd_engine_t *e, void (*cb)(void *arg), void *arg);
+/* cb runs once, on the loop thread, when the backend reports its device
+ * unusable (a sticky CUDA error, ATTND_EDEVICE): jobs in flight and later ones
+ * fail with it (wire UNAVAILABLE); the daemon should drain and exit non-zero. */
+void attnd_engine_on_fatal(attnd_engine_t *e, void (*cb)(void *arg), void *arg);
+
+void attnd_engine_info(attnd_engine_t *e, attnd_engine_info_t *info);
+void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st);
+/* Fills up to max sessions of this identity; returns how many there are. */
+uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_session_info_t *out,
+                                    uint32_t max);
+
+/* Every call names the caller's identity (sessions are usable only by the
+ * identity that opened them) and the connection (plans end with it). Every call
+ * completes exactly once through cb, possibly before returning. */
+void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
+                               uint32_t ntokens, const uint8_t *salt, size_t saltlen,
+                               attnd_engine_done_cb cb, void *arg);
+void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t session,
+                                attnd_engine_done_cb cb, void *arg);
+void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
+                       attnd_engine_done_cb cb, void *arg);
+void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t session, uint32_t len,
+                           attnd_engine_done_cb cb, void *arg);
+void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                       const attnd_item_t *items, uint32_t nitems, attnd_engine_done_cb cb,
+                       void *arg);
+void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                       const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg);
+void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
+                             attnd_engine_done_cb cb, void *arg);
+
+/* The connection closed: its plans end. In-flight steps still complete. */
+void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);
+
+/* A Step whose q, k and v hold more than cfg->engine_offload_bytes together
+ * has its finiteness scan (and any aligned copy) run on the libuv threadpool
+ * before it is admitted; calls arriving meanwhile are admitted after it, in
+ * arrival order. This sets that threshold later (tests: 0 sends every step
+ * through the threadpool scan and the admission queue). */
+void attnd_engine_set_offload_bytes(attnd_engine_t *e, size_t bytes);
+
+/* Checks the engine's bookkeeping: the block pool's invariants, every
+ * block's table references against the sessions' block tables, published
+ * prefixes and, with nothing in flight, that only tables hold blocks.
+ * 0, or -1 with a reason in err. For tests; O(blocks + sessions). */
+int attnd_engine_check(attnd_engine_t *e, char *err, size_t errlen);
+
+#endif /* ATTND_ENGINE_H */

@@ -1,0 +1,462 @@
+/* internal.h: the engine's private declarations, seen only by engine/'s own
+ * files. The engine is these modules, in the order a call meets them:
+ *
+ *   queue.c     the public entry points and the admission queue (arrival order)
+ *   scan.c      the finiteness scan of a step's q, k and v (loop or worker pool)
+ *   session.c   sessions and their state changes: open, close, fork, truncate, idle
+ *   plan.c      plans: items checked and copied, live plans per connection
+ *   step.c      step admission: check -> reserve -> build batch -> commit
+ *   kvcache.c   the KV cache: block reservation, copy-on-write, publication,
+ *               prefix lookup
+ *   blocks.c    the block pool's bookkeeping (free, used, cached LRU)
+ *   prefix.c    the prefix index of published blocks (xxh3-128 chained hashes)
+ *   jobs.c      backend jobs: per-layer order, completion, failures
+ *   scales.c    SetScales: the static scales table, its versions, persistence
+ *   scales_file.c  the scales.bin file
+ *   engine.c    lifetime (backend selection, init, close) and introspection
+ *   check.c     attnd_engine_check, the bookkeeping checker for tests
+ *
+ * Semantics: docs/sessions.md. Everything here runs on the loop thread except
+ * the scan of a large step and the scales file writes (worker pool). */
+#ifndef ATTND_ENGINE_INTERNAL_H
+#define ATTND_ENGINE_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "attnd_kernels.h"
+#include "backend.h"
+#include "base.h"
+#include "config.h"
+#include "engine.h"
+
+typedef struct attnd_plan_s attnd_plan_t;
+
+/* ---- blocks.c: the KV block pool's bookkeeping ------------------------------
+ *
+ * The backend owns the memory of the blocks (all layers); this module owns who
+ * holds which physical block id. A block is in exactly one of three places:
+ *
+ *   free  - on the free list, ref == 0, not published;
+ *   used  - ref > 0 (block tables of sessions and in-flight jobs hold it);
+ *   lru   - ref == 0 but published in the prefix index, so it stays cached
+ *           until evicted; kept in least-recently-used order (head oldest).
+ *
+ * ref counts every holder (block-table entries and in-flight jobs); tabref
+ * counts only block-table entries, so the engine can tell a block shared by two
+ * sessions (copy-on-write needed) from one merely read by a running job.
+ * nchildren counts published blocks whose parent in the prefix tree is this
+ * block: only blocks with nchildren == 0 (leaves) may be evicted, so a cached
+ * chain is always reachable from its root. */
+enum { ATTND_BLK_FREE = 0, ATTND_BLK_USED = 1, ATTND_BLK_LRU = 2 };
+
+typedef struct {
+  int32_t ref;
+  int32_t tabref;
+  int32_t nchildren;
+  uint8_t published;
+  uint8_t where;      /* ATTND_BLK_* */
+  int32_t prev, next; /* LRU links, -1 at the ends */
+} attnd_block_t;
+
+typedef struct {
+  uint32_t n;
+  attnd_block_t *b;
+  int32_t *freestack; /* free ids, top at nfree - 1 */
+  uint32_t nfree;
+  int32_t lru_head, lru_tail; /* head: least recently used */
+  uint32_t nlru;
+} attnd_blocks_t;
+
+int attnd_blocks_init(attnd_blocks_t *p, uint32_t n);
+void attnd_blocks_free(attnd_blocks_t *p);
+
+/* Takes a block from the free list with ref = 1 (tabref = table ? 1 : 0);
+ * returns its id, or -1 when the free list is empty (evict first). */
+int32_t attnd_blocks_alloc(attnd_blocks_t *p, int table);
+/* Adds a holder; a block in the LRU becomes used again. */
+void attnd_blocks_ref(attnd_blocks_t *p, int32_t id, int table);
+/* Drops a holder. At ref 0 a published block goes to the LRU tail (most
+ * recently used), any other block back to the free list. */
+void attnd_blocks_unref(attnd_blocks_t *p, int32_t id, int table);
+/* Marks a block published or not. Unpublishing an unreferenced block frees it. */
+void attnd_blocks_set_published(attnd_blocks_t *p, int32_t id, int published);
+/* The least recently used LRU block with no children, or -1. */
+int32_t attnd_blocks_lru_leaf(const attnd_blocks_t *p);
+
+/* Blocks a caller could obtain now: free ones plus every cached one (evicting
+ * leaves repeatedly frees whole chains). */
+static inline uint32_t attnd_blocks_available(const attnd_blocks_t *p) {
+  return p->nfree + p->nlru;
+}
+uint32_t attnd_blocks_used(const attnd_blocks_t *p);
+
+/* Checks the invariants (free list, LRU list, refs, places); 0 or -1 with a
+ * reason in err. For tests and debug builds. */
+int attnd_blocks_check(const attnd_blocks_t *p, char *err, size_t errlen);
+
+/* ---- prefix.c: the prefix index of published KV blocks ----------------------
+ *
+ * Block identity: h_i = XXH3_128(h_{i-1}, fingerprint, identity, salt, token ids
+ * of block i), h_{-1} = 0. The fingerprint covers the model shape, model_id,
+ * kv cache type, block size and the static-scale versions of all layers, so a
+ * change of any of them makes older blocks unreachable. A lookup never trusts
+ * the hash alone: a hit must also match the stored parent block, fingerprint,
+ * identity, salt and token ids. Entries with equal hashes chain in one bucket,
+ * so a collision costs a compare, never a wrong hit.
+ *
+ * Published blocks are immutable (the engine copies before writing them). They
+ * stay in the index while referenced and, once unreferenced, in the block
+ * pool's LRU until evicted; eviction takes the least recently used leaf. */
+typedef struct {
+  uint64_t lo, hi;
+} attnd_h128_t;
+
+typedef struct attnd_prefix_s attnd_prefix_t;
+
+#define ATTND_PREFIX_MAX_SALT 64
+
+/* The index for a pool of blocks of block_size tokens. */
+int attnd_prefix_init(attnd_prefix_t **out, attnd_blocks_t *pool, uint32_t block_size);
+void attnd_prefix_free(attnd_prefix_t *px);
+
+/* Fingerprint of the model and cache configuration. versions: [layers]. */
+attnd_h128_t attnd_prefix_fingerprint(const attnd_kshape_t *s, int layers, const char *model_id,
+                                      const uint64_t *versions);
+void attnd_prefix_set_fingerprint(attnd_prefix_t *px, attnd_h128_t fp);
+
+/* h_i for a block with parent hash `parent` (zero for the first block). */
+attnd_h128_t attnd_prefix_hash(const attnd_prefix_t *px, attnd_h128_t parent, uint64_t identity,
+                               const uint8_t *salt, size_t saltlen, const uint32_t *tokens);
+/* The published block continuing `parent` (-1: root) with these tokens, or -1.
+ * Does not take a reference. */
+int32_t attnd_prefix_find(const attnd_prefix_t *px, attnd_h128_t h, int32_t parent,
+                          uint64_t identity, const uint8_t *salt, size_t saltlen,
+                          const uint32_t *tokens);
+/* Publishes block id. If an equal block is already published, nothing changes
+ * and that block's id is returned; if id itself is published under another
+ * chain, -1; else id. */
+int32_t attnd_prefix_publish(attnd_prefix_t *px, int32_t id, attnd_h128_t h, int32_t parent,
+                             uint64_t identity, const uint8_t *salt, size_t saltlen,
+                             const uint32_t *tokens);
+/* The stored hash of a published block. */
+attnd_h128_t attnd_prefix_block_hash(const attnd_prefix_t *px, int32_t id);
+/* Evicts the least recently used unreferenced leaf; 1 when one was evicted. */
+int attnd_prefix_evict_one(attnd_prefix_t *px);
+/* Removes every block from the index (unreferenced ones are freed). */
+void attnd_prefix_drop_all(attnd_prefix_t *px);
+/* Published blocks in the index (referenced or not). */
+uint32_t attnd_prefix_count(const attnd_prefix_t *px);
+
+/* Test hook: when nonzero every block hash is this constant, so lookups must
+ * rely on the token comparison. Never set outside tests. */
+extern int attnd_prefix_test_force_collision;
+
+/* ---- scales.c, scales_file.c: static quantization scales per layer -----------
+ *
+ * int8/fp8 take fp32 scales per kv head [kv_heads] or per channel
+ * [kv_heads, head_dim]; int4 takes per-channel scales and zero points in
+ * [0, 15]. Scales must be finite and > 0. Types without static scales (bf16,
+ * fp16, the dynamic types) accept no SetScales at all, and zero points are
+ * refused for every type but int4, so no code path ever holds a scale or zero
+ * point its type does not have (docs/numerics.md).
+ *
+ * Every accepted SetScales gets a version, larger than every version before it
+ * (across restarts too). The whole table is persisted as one file,
+ * <state_dir>/scales.bin, written atomically: temp file, fsync, rename, fsync
+ * of the directory. A file whose shape does not match the model is ignored. */
+typedef struct {
+  int present;
+  int per_channel;
+  uint64_t version;
+  float *k_scale, *v_scale; /* [kv_heads] or [kv_heads][head_dim] */
+  float *k_zero, *v_zero;   /* int4 only, else NULL */
+} attnd_layer_scales_t;
+
+typedef struct {
+  int layers, kv_heads, head_dim;
+  attnd_kv_type_t kv;
+  attnd_layer_scales_t *l; /* [layers] */
+  uint64_t last_version;
+  char path[512]; /* empty: no persistence */
+} attnd_scales_t;
+
+/* state_dir NULL or "" disables persistence. */
+int attnd_scales_init(attnd_scales_t *s, const attnd_kshape_t *shape, int layers,
+                      const char *state_dir);
+void attnd_scales_free(attnd_scales_t *s);
+
+/* Checks a SetScales request; on error returns ATTND_EINVAL with a reason. */
+int attnd_scales_validate(const attnd_scales_t *s, const attnd_scales_req_t *req, char *msg,
+                          size_t msglen);
+/* Installs a validated request and returns its new version. */
+uint64_t attnd_scales_apply(attnd_scales_t *s, const attnd_scales_req_t *req);
+/* Versions of all layers (0 where none) into v[layers]. */
+void attnd_scales_versions(const attnd_scales_t *s, uint64_t *v);
+
+/* Serializes the whole table (malloc'ed buffer). */
+int attnd_scales_serialize(const attnd_scales_t *s, uint8_t **buf, size_t *len);
+/* Writes buf to path atomically and durably. Blocking: call off the loop. */
+int attnd_scales_write_file(const char *path, const uint8_t *buf, size_t len);
+/* Restores from s->path: 0 (restored or no file), 1 (file ignored: other shape
+ * or corrupt, reason in err), or a negative ATTND_E*. */
+int attnd_scales_load(attnd_scales_t *s, char *err, size_t errlen);
+
+/* ---- session.c: one session's state -----------------------------------------
+ *
+ * A session holds, per layer, len[l] (positions 0..len[l]-1 are cached) and
+ * cons[l] (positions below it are consistent with layer 0's current token ids:
+ * a rewrite at layer 0 lowers cons of the other layers until they are
+ * rewritten too, so a block is published only when every layer holds KV
+ * computed from the same tokens). Token ids are layer 0's. The block table maps
+ * logical block i to one physical block id used in every layer; it may run
+ * past len (blocks reserved by a plan). */
+typedef struct attnd_session_s attnd_session_t;
+
+struct attnd_session_s {
+  uint64_t id, identity;
+  int layers;
+  uint32_t *len;  /* [layers] */
+  uint32_t *cons; /* [layers] */
+  uint32_t taint; /* first position written under a non-causal mask, or UINT32_MAX */
+  uint32_t *tokens;
+  uint32_t tokens_cap;
+  int32_t *table;
+  uint32_t nblocks, table_cap;
+  uint32_t npub; /* leading blocks that are in the prefix index */
+  uint8_t salt[64];
+  uint32_t saltlen;
+  uint64_t last_used_ms;
+  attnd_plan_t *plan; /* the live plan touching this session (at most one) */
+  uint32_t ntok;      /* token ids known: positions 0..ntok-1 (may exceed len[0]) */
+  uint64_t mark;      /* scratch for the engine: finds a session named twice in one call */
+  int broken;         /* a step on it failed in the backend: its KV is unknown (ABORTED) */
+  attnd_list_t link;  /* the engine's list of sessions, newest first */
+};
+
+attnd_session_t *attnd_session_new(int layers);
+void attnd_session_free(attnd_session_t *s);
+/* Grow capacity (never shrink; small bookkeeping: aborts without memory). */
+void attnd_session_reserve_tokens(attnd_session_t *s, uint32_t cap);
+void attnd_session_reserve_table(attnd_session_t *s, uint32_t nblocks);
+/* 1 when every layer has the same len. */
+int attnd_session_lens_equal(const attnd_session_t *s);
+
+/* ---- plans (plan.c) ---------------------------------------------------------- */
+
+/* One item of a plan, owning copies of everything it needs from the request. */
+typedef struct {
+  attnd_session_t *s;
+  uint32_t start, n;
+  int has_q;
+  int32_t kmask, mask_param, causal; /* kernel mask (attnd_mask_kind_t) */
+  int plain_causal;                  /* publishable: written under the causal mask */
+  int32_t *intervals;                /* [4][kv_len] or NULL */
+  uint32_t *tokens;                  /* [n] */
+} attnd_pitem_t;
+
+struct attnd_plan_s {
+  uint64_t id, conn, identity;
+  attnd_pitem_t *items;
+  uint32_t nitems;
+  uint32_t T, Tq;
+  attnd_list_t link; /* the engine's list of live plans, oldest first */
+  int live;          /* registered (a Plan), not an inline step */
+  uint8_t *stepped;  /* [layers]: a step of this plan was admitted on the layer */
+  int nstepped;      /* layers with stepped[l] set */
+};
+
+/* ---- backend jobs (jobs.c) ----------------------------------------------------- */
+
+enum { EJ_STEP = 0, EJ_COPY = 1, EJ_SCALES = 2 };
+
+/* A job the engine submits, with everything it owns until it is done. */
+typedef struct attnd_ejob_s {
+  attnd_job_t job; /* first: the backend hands back &job */
+  attnd_engine_t *e;
+  int kind;
+  int layer;
+  attnd_engine_done_cb cb;
+  void *arg;
+  int32_t *refs; /* blocks to unref (non-table) when done */
+  uint32_t nrefs;
+  attnd_kitem_t *kitems;
+  int32_t *meta;
+  void *out;
+  float *lse;
+  void *qbuf, *kbuf, *vbuf; /* aligned copies when the request's were not */
+  attnd_dtype_t out_dtype;
+  int32_t *copies;
+  uint64_t *sessions; /* EJ_STEP: the items' sessions, marked broken on failure */
+  uint32_t nsessions;
+  /* EJ_SCALES: the snapshot the backend reads until done */
+  float *sk, *sv, *zk, *zv;
+} attnd_ejob_t;
+
+/* ---- the finiteness scan (scan.c) ---------------------------------------------- */
+
+typedef struct {
+  const uint8_t *q, *k, *v;   /* 2-byte aligned views of the tensors (NULL: not scanned) */
+  void *qbuf, *kbuf, *vbuf;   /* copies behind the views when the request's were not aligned */
+  size_t bad_q, bad_k, bad_v; /* first row holding a non-finite value; SIZE_MAX: none */
+} attnd_scan_t;
+
+/* ---- the engine ---------------------------------------------------------------- */
+
+struct attnd_engine_s {
+  uv_loop_t *loop;
+  attnd_config_t cfg;
+  attnd_kshape_t shape;
+  int layers;
+  uint32_t bs;
+  attnd_backend_t *be;
+  attnd_blocks_t pool;
+  attnd_prefix_t *px;
+  attnd_scales_t sc;
+  attnd_idmap_t sessions, plans;
+  attnd_list_t slist; /* sessions, newest first */
+  uint32_t nsessions;
+  attnd_list_t plist; /* live plans, oldest first */
+  uint32_t nplans;
+  uint32_t pending; /* jobs, queued calls and persist works not yet done */
+  uv_timer_t idle;
+  int closing;
+  void (*close_cb)(void *);
+  void *close_arg;
+  attnd_engine_stats_t st;
+  uint64_t gen;
+  uv_mutex_t persist_mu;
+  uint64_t persist_seq, persist_written;
+  void (*fatal_cb)(void *); /* attnd_engine_on_fatal */
+  void *fatal_arg;
+  int fatal;          /* the backend reported ATTND_EDEVICE */
+  attnd_list_t queue; /* admission queue, oldest first (queue.c) */
+  uint32_t nqueued;
+  int admitting;        /* the queue is being pumped: a nested call leaves the work to it */
+  size_t offload_bytes; /* a step with more q+k+v bytes is scanned on the threadpool */
+};
+
+/* ---- engine.c ---- */
+
+/* Completes a call without a result: status and a printf-style message. */
+void attnd_engine_answer(attnd_engine_done_cb cb, void *arg, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Runs the close callback once closing and nothing is pending any more. */
+void attnd_engine_maybe_finish_close(attnd_engine_t *e);
+
+static inline uint32_t attnd_engine_nblocks(const attnd_engine_t *e, uint64_t len) {
+  return (uint32_t)((len + e->bs - 1) / e->bs);
+}
+static inline uint64_t attnd_engine_now_ms(attnd_engine_t *e) {
+  return uv_now(e->loop);
+}
+
+/* ---- queue.c ---- */
+
+/* 1 while calls wait for admission (the idle sweep then waits too). */
+int attnd_queue_busy(const attnd_engine_t *e);
+
+/* ---- scan.c ---- */
+
+/* The whole scan of a step; reads only the request and the model shape, which
+ * never changes, so it may run on a worker thread. */
+void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, attnd_scan_t *sc);
+
+static inline int attnd_scan_row_in(size_t row, uint32_t first, uint32_t n) {
+  return row >= first && row - first < n;
+}
+
+/* ---- session.c ---- */
+
+/* The session id of this identity, or NULL with *rc and msg saying why. */
+attnd_session_t *attnd_session_get(attnd_engine_t *e, uint64_t identity, uint64_t id, int *rc,
+                                   char *msg, size_t msglen);
+void attnd_session_destroy(attnd_engine_t *e, attnd_session_t *s);
+/* Ends the live plan on s, if any. */
+void attnd_session_end_plan(attnd_engine_t *e, attnd_session_t *s);
+/* The admissions (every stateful check, then the change), on the loop thread. */
+void attnd_session_open(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
+                        uint32_t ntokens, const uint8_t *salt, size_t saltlen,
+                        attnd_engine_done_cb cb, void *arg);
+void attnd_session_close(attnd_engine_t *e, uint64_t identity, uint64_t session,
+                         attnd_engine_done_cb cb, void *arg);
+void attnd_session_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
+                        attnd_engine_done_cb cb, void *arg);
+void attnd_session_truncate(attnd_engine_t *e, uint64_t identity, uint64_t session, uint32_t len,
+                            attnd_engine_done_cb cb, void *arg);
+/* The idle sweep's timer callback (data: the engine). */
+void attnd_session_idle_cb(uv_timer_t *t);
+
+/* ---- plan.c ---- */
+
+void attnd_plan_free(attnd_plan_t *p);
+/* Ends a live plan; its sessions may publish the blocks it was writing. */
+void attnd_plan_end(attnd_engine_t *e, attnd_plan_t *p);
+/* Checks items and builds a plan from them (not registered). Returns 0 or an
+ * error with msg naming the item. */
+int attnd_plan_build(attnd_engine_t *e, uint64_t identity, const attnd_item_t *items,
+                     uint32_t nitems, attnd_plan_t **out, char *msg, size_t msglen);
+void attnd_plan_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                      const attnd_item_t *items, uint32_t nitems, attnd_engine_done_cb cb,
+                      void *arg);
+/* The connection closed: its plans end. */
+void attnd_plan_conn_closed(attnd_engine_t *e, uint64_t conn);
+
+/* ---- step.c ---- */
+
+/* Admits a step whose layer is in range and which names a plan or carries
+ * items, not both (attnd_engine_step checked). sc is the finished scan of a
+ * queued step, whose copies this call takes over, or NULL: the step is small
+ * and is scanned during its checks. */
+void attnd_step_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                      const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg,
+                      attnd_scan_t *sc);
+
+/* ---- kvcache.c ---- */
+
+/* Copy-on-write pairs (src, dst) collected during one call, copied for every
+ * layer afterwards. */
+typedef struct {
+  int32_t *pairs;
+  uint32_t n, cap;
+} attnd_cowlist_t;
+
+/* Counts and reserves the blocks of every item of p, all or nothing:
+ * ATTND_ENOSPC (msg says why) when the pool, evicting cached leaves, cannot
+ * supply them. New blocks past the tables, private copies of shared or
+ * published ones (pairs added to cow). */
+int attnd_cache_reserve(attnd_engine_t *e, attnd_plan_t *p, attnd_cowlist_t *cow, char *msg,
+                        size_t msglen);
+/* Submits the copies of one call for every layer and empties cow. */
+void attnd_cache_submit_cow(attnd_engine_t *e, attnd_cowlist_t *cow);
+/* Publishes the session's blocks that are full and consistent in every layer
+ * and were written under the causal mask. */
+void attnd_cache_publish(attnd_engine_t *e, attnd_session_t *s);
+/* Gives a new session the cached blocks of its prompt's leading whole blocks;
+ * returns how many. */
+uint32_t attnd_cache_lookup(attnd_engine_t *e, attnd_session_t *s, const uint32_t *tokens,
+                            uint32_t ntokens);
+/* Drops table entries from index keep on, last first (so a closed chain
+ * enters the LRU leaf first and is evicted from its end). */
+void attnd_cache_trim(attnd_engine_t *e, attnd_session_t *s, uint32_t keep);
+
+/* ---- jobs.c ---- */
+
+/* A new job of a kind for a layer (attnd_job_t filled as far as it can be). */
+attnd_ejob_t *attnd_ejob_new(attnd_engine_t *e, int kind, int layer);
+void attnd_ejob_free(attnd_ejob_t *j);
+/* Hands a job to the backend (which keeps each layer's jobs in this order);
+ * it counts as pending until done. */
+void attnd_ejob_submit(attnd_engine_t *e, attnd_ejob_t *j);
+
+/* ---- scales.c ---- */
+
+void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
+                        void *arg);
+/* Submits a SCALES job with a snapshot of a layer's scales from the table. */
+void attnd_scales_submit(attnd_engine_t *e, int layer);
+/* Recomputes the prefix fingerprint from the model and the scale versions. */
+void attnd_scales_update_fingerprint(attnd_engine_t *e);
+
+#endif /* ATTND_ENGINE_INTERNAL_H */

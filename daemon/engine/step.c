@@ -1,0 +1,388 @@
+/* step.c: admission of one Step (internal.h, docs/sessions.md).
+ *
+ * A step is admitted in four stages, on the loop thread:
+ *
+ *   check        everything that can fail without changing anything: the
+ *                plan (or the inline items, built into a one-layer plan), the
+ *                tensors' dtypes and shapes, the layer's static scales, the
+ *                finiteness scan, and per item the positions and token ids;
+ *   reserve      what the step needs that may run out: its output buffers,
+ *                then its blocks (all or nothing; copy-on-write pairs are
+ *                submitted for every layer and the plans it replaces end);
+ *   build batch  the backend job: one attnd_kbatch_t for the layer, with the
+ *                items' block tables and mask intervals, holding a reference
+ *                on every block it reads or writes;
+ *   commit       the sessions' state moves (len, consistency, token ids),
+ *                full blocks are published, the job goes to the backend.
+ *
+ * A failure in check or reserve answers the call and leaves every session
+ * and the pool as they were (blocks evicted from the prefix cache to make
+ * room stay evicted: nothing a session sees). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* One step on its way through admission. */
+typedef struct {
+  attnd_engine_t *e;
+  uint64_t identity;
+  const attnd_step_req_t *req;
+  attnd_engine_done_cb cb;
+  void *arg;
+  attnd_plan_t *p;   /* the named plan, or inl */
+  attnd_plan_t *inl; /* the inline items' plan (owned) */
+  attnd_scan_t scan; /* its copies are owned until the job takes them */
+  int scanned;       /* scan holds a result */
+  void *out;
+  float *lse;
+  size_t out_bytes, lse_bytes;
+  attnd_cowlist_t cow;
+  attnd_ejob_t *j;
+  char msg[200];
+} admit_t;
+
+static int check_tensor(const attnd_tensor_t *t, const char *name, attnd_dtype_t dtype,
+                        uint32_t rows, int heads, int dim, char *msg, size_t msglen) {
+  if (!t->present || !t->data) {
+    snprintf(msg, msglen, "%s missing", name);
+    return ATTND_EINVAL;
+  }
+  if (t->dtype != dtype) {
+    snprintf(msg, msglen, "%s: dtype %d, the activation dtype is %d", name, (int)t->dtype,
+             (int)dtype);
+    return ATTND_EINVAL;
+  }
+  if (t->ndim != 3 || t->shape[0] != rows || t->shape[1] != (uint32_t)heads ||
+      t->shape[2] != (uint32_t)dim) {
+    snprintf(msg, msglen, "%s: shape must be [%u, %d, %d]", name, rows, heads, dim);
+    return ATTND_EINVAL;
+  }
+  if (t->nbytes != (size_t)rows * heads * dim * 2) {
+    snprintf(msg, msglen, "%s: %zu bytes for shape [%u, %d, %d]", name, t->nbytes, rows, heads,
+             dim);
+    return ATTND_EINVAL;
+  }
+  return 0;
+}
+
+/* The plan the step runs: the one it names, or its inline items. */
+static int check_plan(admit_t *a) {
+  attnd_engine_t *e = a->e;
+  const attnd_step_req_t *req = a->req;
+  if (req->plan) {
+    a->p = attnd_idmap_get(&e->plans, req->plan);
+    if (!a->p || a->p->identity != a->identity) {
+      snprintf(a->msg, sizeof(a->msg), "plan %016llx has ended (or never existed)",
+               (unsigned long long)req->plan);
+      return ATTND_EPRECOND;
+    }
+    return 0;
+  }
+  int rc =
+      attnd_plan_build(e, a->identity, req->items, req->nitems, &a->inl, a->msg, sizeof(a->msg));
+  a->p = a->inl;
+  return rc;
+}
+
+/* q, k and v against the plan's rows, and the layer's static scales. */
+static int check_tensors(admit_t *a) {
+  const attnd_kshape_t *sh = &a->e->shape;
+  const attnd_step_req_t *req = a->req;
+  const attnd_plan_t *p = a->p;
+  int rc;
+  if ((rc = check_tensor(&req->k, "k", sh->dtype, p->T, sh->kv_heads, sh->head_dim, a->msg,
+                         sizeof(a->msg))) ||
+      (rc = check_tensor(&req->v, "v", sh->dtype, p->T, sh->kv_heads, sh->head_dim, a->msg,
+                         sizeof(a->msg))))
+    return rc;
+  if (p->Tq > 0) {
+    if ((rc = check_tensor(&req->q, "q", sh->dtype, p->Tq, sh->q_heads, sh->head_dim, a->msg,
+                           sizeof(a->msg))))
+      return rc;
+  } else if (req->q.present && req->q.nbytes > 0) {
+    snprintf(a->msg, sizeof(a->msg), "q given but every item is kv_only");
+    return ATTND_EINVAL;
+  }
+  if (attnd_kv_type_static(sh->kv) && !a->e->sc.l[req->layer].present) {
+    snprintf(a->msg, sizeof(a->msg), "layer %u has no static scales for kv cache type %s",
+             req->layer, attnd_kv_type_name(sh->kv));
+    return ATTND_EPRECOND;
+  }
+  return 0;
+}
+
+/* Per item: the session is usable, the positions follow what the layer
+ * holds, layers > 0 repeat layer 0's tokens, and no row is non-finite. */
+static int check_items(admit_t *a) {
+  const attnd_plan_t *p = a->p;
+  uint32_t layer = a->req->layer, kv_row = 0, q_row = 0;
+  const attnd_scan_t *sc = &a->scan;
+  for (uint32_t i = 0; i < p->nitems; i++) {
+    const attnd_pitem_t *it = &p->items[i];
+    const attnd_session_t *s = it->s;
+    if (s->broken) {
+      snprintf(a->msg, sizeof(a->msg), "item %u: session %016llx lost its KV in a backend fault", i,
+               (unsigned long long)s->id);
+      return ATTND_EABORTED;
+    }
+    if (it->start > s->len[layer]) {
+      snprintf(a->msg, sizeof(a->msg), "item %u: start %u > len %u", i, it->start, s->len[layer]);
+      return ATTND_EINVAL;
+    }
+    if (layer > 0 && it->start + it->n > s->len[0]) {
+      snprintf(a->msg, sizeof(a->msg), "item %u: start+n %u > len %u of layer 0 (layer 0 leads)", i,
+               it->start + it->n, s->len[0]);
+      return ATTND_EINVAL;
+    }
+    if (layer > 0)
+      for (uint32_t t = 0; t < it->n; t++)
+        if (it->tokens[t] != s->tokens[it->start + t]) {
+          snprintf(a->msg, sizeof(a->msg),
+                   "item %u: token %u at position %u differs from layer 0's %u", i, it->tokens[t],
+                   it->start + t, s->tokens[it->start + t]);
+          return ATTND_EINVAL;
+        }
+    /* The scan recorded the first bad row of each tensor; no item before
+     * this one holds a bad row, so this item fails exactly when it holds
+     * that row (the same answer as scanning item by item). */
+    if (attnd_scan_row_in(sc->bad_k, kv_row, it->n) ||
+        attnd_scan_row_in(sc->bad_v, kv_row, it->n) ||
+        (it->has_q && attnd_scan_row_in(sc->bad_q, q_row, it->n))) {
+      snprintf(a->msg, sizeof(a->msg), "item %u: q, k or v holds a non-finite value", i);
+      return ATTND_EINVAL;
+    }
+    kv_row += it->n;
+    if (it->has_q)
+      q_row += it->n;
+  }
+  return 0;
+}
+
+static int step_check(admit_t *a) {
+  int rc;
+  if ((rc = check_plan(a)) || (rc = check_tensors(a)))
+    return rc;
+  if (!a->scanned) {
+    /* Small: scanned here, on the loop thread, like the checks around it. */
+    attnd_scan_step(&a->e->shape, a->req, &a->scan);
+    a->scanned = 1;
+  }
+  return check_items(a);
+}
+
+/* Output buffers first: a large prefill's output may not fit in memory,
+ * which must fail the call before it changes anything. Then the blocks. */
+static int step_reserve(admit_t *a) {
+  attnd_engine_t *e = a->e;
+  const attnd_kshape_t *sh = &e->shape;
+  attnd_plan_t *p = a->p;
+  size_t qrow = (size_t)sh->q_heads * sh->head_dim;
+  a->out_bytes = (size_t)p->Tq * qrow * (a->req->fp32_out ? 4 : 2);
+  a->lse_bytes = a->req->want_lse ? (size_t)p->Tq * sh->q_heads * sizeof(float) : 0;
+  if (a->out_bytes) {
+    a->out = aligned_alloc(64, (a->out_bytes + 63) & ~(size_t)63);
+    a->lse = a->lse_bytes ? calloc(1, a->lse_bytes) : NULL;
+    if (!a->out || (a->lse_bytes && !a->lse)) {
+      snprintf(a->msg, sizeof(a->msg), "cannot allocate %zu bytes of output",
+               a->out_bytes + a->lse_bytes);
+      return ATTND_ENOMEM;
+    }
+  }
+  int rc = attnd_cache_reserve(e, p, &a->cow, a->msg, sizeof(a->msg));
+  if (rc)
+    return rc;
+  /* Reserved: from here on the call changes state. The copies go out ahead
+   * of the step in every layer, and the sessions are this step's: an inline
+   * step ends their live plans, a plan's step marks its layer. */
+  attnd_cache_submit_cow(e, &a->cow);
+  uint32_t layer = a->req->layer;
+  if (a->inl)
+    for (uint32_t i = 0; i < p->nitems; i++)
+      attnd_session_end_plan(e, p->items[i].s);
+  else if (!p->stepped[layer]) {
+    p->stepped[layer] = 1;
+    p->nstepped++;
+  }
+  return 0;
+}
+
+/* Item i of the job's batch: its rows, mask and block table (meta from mo
+ * on, then its intervals), a reference on each of its blocks. */
+static void batch_item(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const attnd_pitem_t *it,
+                       uint32_t q_row, uint32_t kv_row, size_t *mo) {
+  attnd_kbatch_t *b = &j->job.batch;
+  const attnd_session_t *s = it->s;
+  uint32_t kv_len = it->start + it->n, nb = attnd_engine_nblocks(e, kv_len);
+  attnd_kitem_t *k = &j->kitems[i];
+  j->sessions[i] = s->id;
+  k->start = (int32_t)it->start;
+  k->n = (int32_t)it->n;
+  k->q_row = it->has_q ? (int32_t)q_row : -1;
+  k->kv_row = (int32_t)kv_row;
+  k->mask_kind = it->kmask;
+  k->mask_param = it->mask_param;
+  k->causal = it->causal;
+  k->block_table = (int32_t)*mo;
+  for (uint32_t bi = 0; bi < nb; bi++) {
+    j->meta[(*mo)++] = s->table[bi];
+    j->refs[j->nrefs++] = s->table[bi];
+    attnd_blocks_ref(&e->pool, s->table[bi], 0);
+  }
+  if (it->intervals) {
+    k->intervals = (int32_t)*mo;
+    memcpy(&j->meta[*mo], it->intervals, 4 * (size_t)kv_len * sizeof(int32_t));
+    *mo += 4 * (size_t)kv_len;
+  }
+  if ((int32_t)kv_len > b->max_kv_len)
+    b->max_kv_len = (int32_t)kv_len;
+  if ((int32_t)it->n > b->max_n)
+    b->max_n = (int32_t)it->n;
+}
+
+/* The job: items, block tables and intervals in meta, the tensors, outputs.
+ * Takes a reference on every block an item reads or writes. */
+static void step_build_batch(admit_t *a) {
+  attnd_engine_t *e = a->e;
+  const attnd_kshape_t *sh = &e->shape;
+  const attnd_step_req_t *req = a->req;
+  attnd_plan_t *p = a->p;
+  attnd_ejob_t *j = attnd_ejob_new(e, EJ_STEP, (int)req->layer);
+  a->j = j;
+  j->cb = a->cb;
+  j->arg = a->arg;
+  size_t nmeta = 0, nrefs = 0;
+  for (uint32_t i = 0; i < p->nitems; i++) {
+    uint32_t kv_len = p->items[i].start + p->items[i].n;
+    nmeta += attnd_engine_nblocks(e, kv_len) + (p->items[i].intervals ? 4 * (size_t)kv_len : 0);
+    nrefs += attnd_engine_nblocks(e, kv_len);
+  }
+  j->kitems = attnd_xcalloc(p->nitems, sizeof(attnd_kitem_t));
+  j->sessions = attnd_xcalloc(p->nitems, sizeof(uint64_t));
+  j->nsessions = p->nitems;
+  j->meta = attnd_xcalloc(nmeta, sizeof(int32_t));
+  j->refs = attnd_xcalloc(nrefs, sizeof(int32_t));
+  attnd_kbatch_t *b = &j->job.batch;
+  size_t mo = 0;
+  uint32_t kv_row = 0, q_row = 0;
+  for (uint32_t i = 0; i < p->nitems; i++) {
+    batch_item(e, j, i, &p->items[i], q_row, kv_row, &mo);
+    kv_row += p->items[i].n;
+    if (p->items[i].has_q)
+      q_row += p->items[i].n;
+  }
+  size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
+  b->items = j->kitems;
+  b->nitems = (int32_t)p->nitems;
+  b->meta = j->meta;
+  j->job.nmeta = nmeta;
+  b->total_q = (int32_t)p->Tq;
+  b->total_kv = (int32_t)p->T;
+  j->job.kv_bytes = (size_t)p->T * kvrow * 2;
+  j->job.q_bytes = (size_t)p->Tq * qrow * 2;
+  b->k = a->scan.k;
+  b->v = a->scan.v;
+  b->q = p->Tq ? (uint8_t *)a->scan.q : NULL; /* the backend may rotate q in place */
+  j->kbuf = a->scan.kbuf;
+  j->vbuf = a->scan.vbuf;
+  j->qbuf = a->scan.qbuf;
+  a->scan.kbuf = a->scan.vbuf = a->scan.qbuf = NULL;
+  b->out_fp32 = req->fp32_out != 0;
+  j->out_dtype = req->fp32_out ? ATTND_DT_FP32 : sh->dtype;
+  j->job.out_bytes = a->out_bytes;
+  j->out = a->out;
+  b->out = j->out;
+  j->job.lse_bytes = a->lse ? a->lse_bytes : 0;
+  j->lse = a->lse;
+  b->lse = j->lse;
+  a->out = NULL;
+  a->lse = NULL;
+}
+
+/* One item's session moves: its layer's length, token ids at layer 0 (a
+ * change lowers the other layers' consistency), the taint of non-causal
+ * writes, and whatever is now full and consistent is published. */
+static void commit_item(attnd_engine_t *e, uint32_t layer, const attnd_pitem_t *it) {
+  attnd_session_t *s = it->s;
+  uint32_t end = it->start + it->n;
+  s->len[layer] = end;
+  if (layer == 0) {
+    attnd_session_reserve_tokens(s, end);
+    uint32_t changed = UINT32_MAX;
+    uint32_t known = s->ntok < end ? s->ntok : end;
+    for (uint32_t pos = it->start; pos < known; pos++)
+      if (s->tokens[pos] != it->tokens[pos - it->start]) {
+        changed = pos;
+        break;
+      }
+    memcpy(&s->tokens[it->start], it->tokens, (size_t)it->n * sizeof(uint32_t));
+    if (s->ntok < end)
+      s->ntok = end;
+    /* Other layers computed from the old tokens are consistent only up to
+     * the first changed one. */
+    if (changed != UINT32_MAX)
+      for (int l = 1; l < e->layers; l++)
+        if (s->cons[l] > changed)
+          s->cons[l] = changed;
+    if (changed != UINT32_MAX && s->npub > changed / e->bs)
+      s->npub = changed / e->bs; /* copies made by the reservation already */
+    s->cons[0] = end;
+  } else if (it->start <= s->cons[layer]) {
+    s->cons[layer] = end;
+  }
+  if (s->cons[layer] > end)
+    s->cons[layer] = end;
+  if (!it->plain_causal && it->start < s->taint)
+    s->taint = it->start;
+  s->last_used_ms = attnd_engine_now_ms(e);
+  attnd_cache_publish(e, s);
+}
+
+static void step_commit(admit_t *a) {
+  attnd_engine_t *e = a->e;
+  const attnd_plan_t *p = a->p;
+  int any_prefill = 0;
+  for (uint32_t i = 0; i < p->nitems; i++) {
+    commit_item(e, a->req->layer, &p->items[i]);
+    any_prefill |= p->items[i].n > 1;
+  }
+  e->st.steps++;
+  e->st.tokens_written += p->T;
+  if (any_prefill)
+    e->st.prefill_steps++;
+  else
+    e->st.decode_steps++;
+  attnd_ejob_submit(e, a->j);
+  a->j = NULL;
+}
+
+void attnd_step_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                      const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg,
+                      attnd_scan_t *sc) {
+  admit_t a;
+  memset(&a, 0, sizeof(a));
+  a.e = e;
+  a.identity = identity;
+  a.req = req;
+  a.cb = cb;
+  a.arg = arg;
+  if (sc) {
+    a.scan = *sc;
+    a.scanned = 1;
+  }
+  int rc;
+  if ((rc = step_check(&a)) != 0 || (rc = step_reserve(&a)) != 0) {
+    free(a.out);
+    free(a.lse);
+    free(a.scan.kbuf);
+    free(a.scan.vbuf);
+    free(a.scan.qbuf);
+    attnd_plan_free(a.inl);
+    attnd_engine_answer(cb, arg, rc, "%s", a.msg);
+    return;
+  }
+  step_build_batch(&a);
+  step_commit(&a);
+  attnd_plan_free(a.inl);
+}

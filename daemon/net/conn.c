@@ -1,0 +1,364 @@
+/* conn.c: one RPC connection (internal.h): frames read straight into their
+ * own buffers and handed to the RPC layer, backpressure (--max-inflight),
+ * responses written in one writev per read or as pieces from the engine's
+ * buffers, and the connection's two-sided lifetime (handle and requests). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static void flow_update(attnd_conn_t *c);
+static void flush_batch(attnd_conn_t *c);
+
+void attnd_conn_close_when_flushed(attnd_conn_t *c) {
+  c->close_when_flushed = 1;
+  if (c->reading)
+    uv_read_stop(&c->h.stream);
+  c->reading = 0;
+}
+
+/* ---- lifetime ---- */
+
+static void conn_maybe_free(attnd_conn_t *c) {
+  if (!c->handle_closed || c->rc.pending > 0)
+    return;
+  attnd_server_t *s = c->srv;
+  free(c);
+  s->open--;
+  attnd_net_check_done(s);
+}
+
+static void conn_close_cb(uv_handle_t *h) {
+  attnd_conn_t *c = h->data;
+  c->handle_closed = 1;
+  attnd_frame_reader_free(&c->fr);
+  conn_maybe_free(c);
+}
+
+void attnd_conn_close(attnd_conn_t *c) {
+  if (c->closing)
+    return;
+  attnd_server_t *s = c->srv;
+  c->closing = 1;
+  flush_batch(c); /* frees what was never sent */
+  if (c->reading)
+    uv_read_stop(&c->h.stream);
+  c->reading = 0;
+  attnd_list_remove(&c->link);
+  if (c->counted) {
+    s->rpc.counters.connections--;
+    s->st.connections--;
+  }
+  ATTND_LOGD("conn_closed", "conn=%llu pending=%u", (unsigned long long)c->rc.id, c->rc.pending);
+  attnd_rpc_conn_closed(&c->rc);
+  uv_close(&c->h.handle, conn_close_cb);
+}
+
+static void rc_released(attnd_rpc_conn_t *rc) {
+  conn_maybe_free(ATTND_CONN_OF(rc));
+}
+
+static void rc_progress(attnd_rpc_conn_t *rc) {
+  flow_update(ATTND_CONN_OF(rc));
+}
+
+/* ---- writing ---- */
+
+typedef struct {
+  uv_write_t req;
+  attnd_conn_t *conn;
+  size_t len; /* bytes in all buffers */
+  unsigned n;
+  void **owned; /* sendv: what to free when written (NULL: every bufs[i].base) */
+  unsigned nowned;
+  uv_buf_t bufs[]; /* owned: freed when written */
+} wreq_t;
+
+static void wreq_free(wreq_t *w) {
+  if (w->owned) {
+    for (unsigned i = 0; i < w->nowned; i++)
+      free(w->owned[i]);
+    free(w->owned);
+  } else {
+    for (unsigned i = 0; i < w->n; i++)
+      free(w->bufs[i].base);
+  }
+  free(w);
+}
+
+static void write_cb(uv_write_t *req, int status) {
+  wreq_t *w = (wreq_t *)req;
+  attnd_conn_t *c = w->conn;
+  c->write_bytes -= w->len;
+  wreq_free(w);
+  if (c->closing)
+    return;
+  if (status < 0) {
+    attnd_conn_close(c);
+    return;
+  }
+  if (c->close_when_flushed && c->write_bytes == 0) {
+    attnd_conn_close(c);
+    return;
+  }
+  flow_update(c);
+}
+
+static void note_inflight(attnd_conn_t *c) {
+  uint64_t inflight = c->rc.req_bytes + c->write_bytes;
+  if (inflight > c->srv->st.peak_conn_inflight)
+    c->srv->st.peak_conn_inflight = inflight;
+}
+
+/* owned: NULL when every bufs[i].base is its own allocation, else the list
+ * (taken over) of what to free once written. */
+static void submit(attnd_conn_t *c, const uv_buf_t *bufs, unsigned n, size_t len, void **owned,
+                   unsigned nowned) {
+  wreq_t *w = malloc(sizeof(*w) + n * sizeof(uv_buf_t));
+  if (!w)
+    abort();
+  w->conn = c;
+  w->len = len;
+  w->n = n;
+  w->owned = owned;
+  w->nowned = nowned;
+  memcpy(w->bufs, bufs, n * sizeof(uv_buf_t));
+  if (uv_write(&w->req, &c->h.stream, w->bufs, n, write_cb) != 0) {
+    c->write_bytes -= len;
+    wreq_free(w);
+    attnd_conn_close(c);
+  }
+}
+
+/* Sends the responses batched during a read (or drops them once closing). */
+static void flush_batch(attnd_conn_t *c) {
+  unsigned n = c->nbatch;
+  size_t len = c->batch_len;
+  if (n == 0)
+    return;
+  c->nbatch = 0;
+  c->batch_len = 0;
+  if (c->closing) {
+    c->write_bytes -= len;
+    for (unsigned i = 0; i < n; i++)
+      free(c->batch[i].base);
+    return;
+  }
+  submit(c, c->batch, n, len, NULL, 0);
+}
+
+static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_after) {
+  attnd_conn_t *c = ATTND_CONN_OF(rc);
+  if (c->closing) {
+    free(buf);
+    return;
+  }
+  uv_buf_t ub = uv_buf_init((char *)buf, (unsigned)len);
+  c->write_bytes += len;
+  note_inflight(c);
+  if (close_after) {
+    attnd_conn_close_when_flushed(c);
+  }
+  if (c->in_feed) {
+    c->batch[c->nbatch++] = ub;
+    c->batch_len += len;
+    if (c->nbatch == WRITE_BATCH)
+      flush_batch(c);
+    return;
+  }
+  submit(c, &ub, 1, len, NULL, 0);
+}
+
+/* A response in pieces (rpc.h): written after everything queued before it,
+ * in one uv_write; the pieces' free_p are freed once it is written. */
+static void rc_sendv(attnd_rpc_conn_t *rc, const attnd_rpc_seg_t *segs, int n, int close_after) {
+  attnd_conn_t *c = ATTND_CONN_OF(rc);
+  void **owned = malloc((size_t)n * sizeof(void *));
+  uv_buf_t *bufs = malloc((size_t)n * sizeof(uv_buf_t));
+  if (!owned || !bufs)
+    abort();
+  unsigned nowned = 0;
+  size_t len = 0;
+  for (int i = 0; i < n; i++) {
+    if (segs[i].free_p)
+      owned[nowned++] = segs[i].free_p;
+    /* uv_buf_t lengths are unsigned int; frames are < 2^32 and a tensor is
+     * one piece of one frame. */
+    bufs[i] = uv_buf_init((char *)segs[i].p, (unsigned)segs[i].n);
+    len += segs[i].n;
+  }
+  if (c->closing) {
+    for (unsigned i = 0; i < nowned; i++)
+      free(owned[i]);
+    free(owned);
+    free(bufs);
+    return;
+  }
+  c->write_bytes += len;
+  note_inflight(c);
+  if (close_after) {
+    attnd_conn_close_when_flushed(c);
+  }
+  flush_batch(c); /* keep the order of responses already batched */
+  submit(c, bufs, (unsigned)n, len, owned, nowned);
+  free(bufs);
+}
+
+/* ---- reading ---- */
+
+static int frame_cb(void *arg, uint8_t *frame, size_t len) {
+  attnd_conn_t *c = arg;
+  if (c->closing || c->close_when_flushed) {
+    free(frame);
+    return -1;
+  }
+  attnd_rpc_handle_frame(&c->rc, frame, len);
+  note_inflight(c);
+  if (c->closing || c->close_when_flushed)
+    return -1;
+  if (c->rc.req_bytes + c->write_bytes > c->srv->cfg->max_inflight)
+    return ATTND_FRAME_PAUSE;
+  return 0;
+}
+
+/* Acts on what the frame reader returned. */
+static void feed_result(attnd_conn_t *c, int rc) {
+  if (rc >= 0 || c->closing || c->close_when_flushed)
+    return;
+  attnd_server_t *s = c->srv;
+  char msg[160];
+  if (rc == ATTND_ENOSPC) {
+    snprintf(msg, sizeof(msg), "frame of %llu bytes exceeds --max-frame %llu",
+             (unsigned long long)c->fr.bad_len, (unsigned long long)s->cfg->max_frame);
+    ATTND_LOGI("bad_frame", "conn=%llu reason=too_large len=%llu", (unsigned long long)c->rc.id,
+               (unsigned long long)c->fr.bad_len);
+    attnd_rpc_frame_error(&c->rc, ATTND_ENOSPC, msg);
+  } else if (rc == ATTND_EINVAL) {
+    ATTND_LOGI("bad_frame", "conn=%llu reason=zero_length", (unsigned long long)c->rc.id);
+    attnd_rpc_frame_error(&c->rc, ATTND_EINVAL, "zero-length frame");
+  } else {
+    ATTND_LOGW("conn_error", "conn=%llu err=\"%s\"", (unsigned long long)c->rc.id,
+               attnd_strerror(rc));
+    attnd_conn_close(c);
+  }
+}
+
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  attnd_conn_t *c = h->data;
+  uint8_t *base;
+  size_t len;
+  if (attnd_frame_reader_buf(&c->fr, &base, &len) != 0) {
+    *buf = uv_buf_init(NULL, 0); /* read_cb gets UV_ENOBUFS and closes */
+    return;
+  }
+  /* uv_buf_t lengths are unsigned int; frames are < 2^31. */
+  *buf = uv_buf_init((char *)base, (unsigned)len);
+}
+
+static void read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
+  attnd_conn_t *c = st->data;
+  if (nread < 0) {
+    if (nread != UV_EOF)
+      ATTND_LOGD("conn_read_error", "conn=%llu err=%s", (unsigned long long)c->rc.id,
+                 uv_err_name((int)nread));
+    else if (attnd_frame_reader_partial(&c->fr))
+      ATTND_LOGI("conn_eof_mid_frame", "conn=%llu", (unsigned long long)c->rc.id);
+    attnd_conn_close(c);
+    return;
+  }
+  if (nread == 0 || c->closing)
+    return;
+  c->in_feed = 1;
+  int rc = attnd_frame_reader_feed(&c->fr, (const uint8_t *)buf->base, (size_t)nread, frame_cb, c);
+  c->in_feed = 0;
+  flush_batch(c); /* before any framing error, to keep responses in order */
+  feed_result(c, rc);
+  flow_update(c);
+}
+
+/* Backpressure: stop reading above --max-inflight, resume (first with the
+ * bytes a pause left unparsed) once at or below it. */
+static void flow_update(attnd_conn_t *c) {
+  attnd_server_t *s = c->srv;
+  if (c->closing || c->close_when_flushed || c->in_feed)
+    return;
+  for (;;) {
+    uint64_t inflight = c->rc.req_bytes + c->write_bytes;
+    if (inflight > s->cfg->max_inflight) {
+      if (c->reading) {
+        uv_read_stop(&c->h.stream);
+        c->reading = 0;
+        s->st.reads_paused++;
+        ATTND_LOGD("conn_paused", "conn=%llu inflight=%llu", (unsigned long long)c->rc.id,
+                   (unsigned long long)inflight);
+      }
+      return;
+    }
+    if (attnd_frame_reader_paused(&c->fr)) {
+      c->in_feed = 1;
+      int rc = attnd_frame_reader_resume(&c->fr, frame_cb, c);
+      c->in_feed = 0;
+      flush_batch(c);
+      feed_result(c, rc);
+      if (c->closing || c->close_when_flushed)
+        return;
+      continue; /* re-check the bound after the kept frames */
+    }
+    if (!c->reading && !s->finishing) {
+      if (uv_read_start(&c->h.stream, alloc_cb, read_cb) != 0) {
+        attnd_conn_close(c);
+        return;
+      }
+      c->reading = 1;
+    }
+    return;
+  }
+}
+
+/* ---- a new connection ---- */
+
+attnd_conn_t *attnd_conn_new(attnd_server_t *s, int is_tcp) {
+  attnd_conn_t *c = calloc(1, sizeof(*c));
+  if (!c)
+    abort();
+  c->srv = s;
+  if (is_tcp)
+    uv_tcp_init(s->loop, &c->h.tcp);
+  else
+    uv_pipe_init(s->loop, &c->h.pipe, 0);
+  c->h.handle.data = c;
+  attnd_list_init(&c->link);
+  c->accepted_ms = uv_now(s->loop);
+  attnd_frame_reader_init(&c->fr, s->cfg->max_frame);
+  s->open++;
+  attnd_list_insert_head(&s->conns, &c->link);
+  return c;
+}
+
+void attnd_conn_start(attnd_server_t *s, attnd_conn_t *c, uint64_t identity, int need_hello,
+                      const char *peer) {
+  attnd_rpc_conn_init(&c->rc, &s->rpc, identity, need_hello);
+  c->rc.send = rc_send;
+  c->rc.sendv = rc_sendv;
+  c->rc.progress = rc_progress;
+  c->rc.released = rc_released;
+  if (s->rpc.counters.connections >= (uint32_t)s->cfg->max_connections) {
+    s->rpc.counters.connections_refused++;
+    ATTND_LOGW("conn_refused", "peer=%s reason=max_connections limit=%d", peer,
+               s->cfg->max_connections);
+    attnd_rpc_send_error(&c->rc, 0, ATTND_ENOSPC, "too many connections (--max-connections)", 1);
+    return;
+  }
+  c->counted = 1;
+  s->rpc.counters.connections++;
+  s->rpc.counters.connections_total++;
+  s->st.connections++;
+  ATTND_LOGD("conn_open", "conn=%llu peer=%s need_hello=%d", (unsigned long long)c->rc.id, peer,
+             need_hello);
+  if (uv_read_start(&c->h.stream, alloc_cb, read_cb) != 0) {
+    attnd_conn_close(c);
+    return;
+  }
+  c->reading = 1;
+}

@@ -1,0 +1,128 @@
+/* frame.c: the frame reader (net.h). */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+void attnd_frame_reader_init(attnd_frame_reader_t *r, uint64_t max_frame) {
+  memset(r, 0, sizeof(*r));
+  r->max_frame = max_frame;
+}
+
+void attnd_frame_reader_free(attnd_frame_reader_t *r) {
+  free(r->body);
+  free(r->scratch);
+  free(r->pend);
+  r->body = NULL;
+  r->scratch = NULL;
+  r->pend = NULL;
+  r->pend_len = 0;
+}
+
+int attnd_frame_reader_partial(const attnd_frame_reader_t *r) {
+  return r->hdr_got > 0 || r->body != NULL;
+}
+
+int attnd_frame_reader_buf(attnd_frame_reader_t *r, uint8_t **base, size_t *len) {
+  if (r->body) {
+    *base = r->body + r->body_got;
+    *len = r->body_len - r->body_got;
+    return 0;
+  }
+  if (!r->scratch && !(r->scratch = malloc(ATTND_FRAME_SCRATCH)))
+    return ATTND_ENOMEM;
+  *base = r->scratch;
+  *len = ATTND_FRAME_SCRATCH;
+  return 0;
+}
+
+/* Hands the finished body to the callback and resets for the next header. */
+static int finish(attnd_frame_reader_t *r, attnd_frame_cb cb, void *arg) {
+  uint8_t *f = r->body;
+  size_t n = r->body_len;
+  r->body = NULL;
+  r->body_len = r->body_got = 0;
+  r->hdr_got = 0;
+  return cb(arg, f, n);
+}
+
+int attnd_frame_reader_paused(const attnd_frame_reader_t *r) {
+  return r->pend != NULL;
+}
+
+/* Keeps the unparsed rest after a pause (it may live in scratch, which the
+ * next read would overwrite, so it is copied). */
+static int keep(attnd_frame_reader_t *r, const uint8_t *data, size_t n) {
+  if (n == 0)
+    return ATTND_FRAME_PAUSE;
+  uint8_t *p = malloc(n);
+  if (!p)
+    return r->err = ATTND_ENOMEM;
+  memcpy(p, data, n);
+  r->pend = p;
+  r->pend_len = n;
+  return ATTND_FRAME_PAUSE;
+}
+
+int attnd_frame_reader_resume(attnd_frame_reader_t *r, attnd_frame_cb cb, void *arg) {
+  uint8_t *p = r->pend;
+  size_t n = r->pend_len;
+  r->pend = NULL;
+  r->pend_len = 0;
+  if (!p)
+    return r->err;
+  int rc = attnd_frame_reader_feed(r, p, n, cb, arg);
+  free(p);
+  return rc;
+}
+
+int attnd_frame_reader_feed(attnd_frame_reader_t *r, const uint8_t *data, size_t n,
+                            attnd_frame_cb cb, void *arg) {
+  if (r->err)
+    return r->err;
+  while (n > 0) {
+    if (r->body) {
+      size_t want = r->body_len - r->body_got;
+      size_t take = n < want ? n : want;
+      /* Bytes read straight into the body need no copy. */
+      if (data != r->body + r->body_got)
+        memcpy(r->body + r->body_got, data, take);
+      r->body_got += take;
+      data += take;
+      n -= take;
+      if (r->body_got == r->body_len) {
+        int rc = finish(r, cb, arg);
+        if (rc < 0)
+          return rc;
+        if (rc == ATTND_FRAME_PAUSE)
+          return keep(r, data, n);
+      }
+      continue;
+    }
+    size_t take = 4 - r->hdr_got;
+    if (take > n)
+      take = n;
+    memcpy(r->hdr + r->hdr_got, data, take);
+    r->hdr_got += take;
+    data += take;
+    n -= take;
+    if (r->hdr_got < 4)
+      break;
+    uint64_t len = ((uint64_t)r->hdr[0] << 24) | ((uint64_t)r->hdr[1] << 16) |
+                   ((uint64_t)r->hdr[2] << 8) | (uint64_t)r->hdr[3];
+    if (len == 0) {
+      r->bad_len = 0;
+      return r->err = ATTND_EINVAL;
+    }
+    if (len > r->max_frame) {
+      r->bad_len = len;
+      return r->err = ATTND_ENOSPC;
+    }
+    if (!(r->body = malloc((size_t)len)))
+      return r->err = ATTND_ENOMEM;
+    r->body_len = (size_t)len;
+    r->body_got = 0;
+  }
+  return 0;
+}

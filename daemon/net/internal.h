@@ -1,0 +1,125 @@
+/* internal.h: the transport's private declarations, seen only by net/'s own
+ * files, in the order a request meets them:
+ *
+ *   sock.c     the one TCP socket helper (HOST:PORT -> a bound listener)
+ *   listen.c   the Unix and TCP listeners, accepting, identities, Hello deadline
+ *   conn.c     a connection: reading frames, backpressure, writing (writev)
+ *   frame.c    the frame reader
+ *   drain.c    the drain: stop accepting, answer what is in flight, close
+ *   server.c   the server as a whole (start, stats)
+ *   http.c     the HTTP server behind /metrics
+ *   metrics.c  the Prometheus exposition
+ *
+ * Ownership: a connection (attnd_conn_t) is freed only when both its libuv
+ * handle has closed and no request holds it any more (the RPC layer counts
+ * them); the server is freed only when every connection and listener is
+ * gone. Responses to a connection that closed meanwhile are dropped by the
+ * RPC layer. */
+#ifndef ATTND_NET_INTERNAL_H
+#define ATTND_NET_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "base.h"
+#include "config.h"
+#include "engine.h"
+#include "net.h"
+#include "rpc.h"
+
+/* How long a drain waits for responses to be written to clients that do not
+ * read before it closes their connections anyway. */
+#define DRAIN_FLUSH_TIMEOUT_MS 5000
+/* Once the last in-flight request is answered, connections stay readable this
+ * long before they close: requests a client sent just before the signal may
+ * still sit in the socket buffer, and they get an UNAVAILABLE answer
+ * ("draining") instead of a silent close. */
+#define DRAIN_READ_GRACE_MS 20
+
+/* Responses produced while one read's frames are handled go out in one
+ * writev (pipelined small calls would otherwise cost a syscall each). */
+#define WRITE_BATCH 64
+
+typedef struct attnd_conn_s attnd_conn_t;
+
+struct attnd_conn_s {
+  union {
+    uv_handle_t handle;
+    uv_stream_t stream;
+    uv_tcp_t tcp;
+    uv_pipe_t pipe;
+  } h;
+  attnd_server_t *srv;
+  attnd_rpc_conn_t rc;
+  attnd_frame_reader_t fr;
+  attnd_list_t link;    /* the server's connections */
+  uint64_t write_bytes; /* response bytes queued, not yet written */
+  int reading;
+  int closing;
+  int handle_closed;
+  int in_feed;                 /* inside the frame reader: no re-entry */
+  int close_when_flushed;      /* close once every queued response is written */
+  int counted;                 /* counts against --max-connections */
+  uint64_t accepted_ms;        /* uv_now() at accept, for the Hello deadline */
+  uv_buf_t batch[WRITE_BATCH]; /* responses waiting for the end of the read */
+  unsigned nbatch;
+  size_t batch_len;
+};
+
+#define ATTND_CONN_OF(rcp) ((attnd_conn_t *)((char *)(rcp)-offsetof(attnd_conn_t, rc)))
+
+struct attnd_server_s {
+  uv_loop_t *loop;
+  const attnd_config_t *cfg;
+  attnd_engine_t *engine;
+  attnd_rpc_t rpc;
+  uv_pipe_t unix_l;
+  uv_tcp_t tcp_l;
+  int has_unix, has_tcp;
+  char unix_path[256];
+  int tcp_port;
+  attnd_list_t conns;
+  int open; /* listeners + connections not yet freed */
+  int draining, finishing, done;
+  uv_timer_t drain_timer;
+  uv_timer_t hello_timer; /* closes off-loopback connections that never say Hello */
+  int has_hello_timer;
+  void (*drain_cb)(void *arg);
+  void *drain_arg;
+  attnd_server_stats_t st;
+};
+
+/* ---- sock.c ---- */
+
+/* Initializes *tcp on loop and makes it listen on hostport ("HOST:PORT",
+ * "[V6]:PORT", "localhost:PORT"; port 0 picks one, written to *port). flag
+ * names the option in messages ("--listen", "--metrics"). On error returns a
+ * negative ATTND_E* with a reason in err; the handle, if it was initialized,
+ * must still be closed (*inited says so). */
+int attnd_net_tcp_listen(uv_loop_t *loop, uv_tcp_t *tcp, const char *hostport, const char *flag,
+                         int backlog, uv_connection_cb cb, int *inited, int *port, char *host,
+                         size_t hostlen, char *err, size_t errlen);
+
+/* ---- listen.c ---- */
+
+int attnd_net_start_unix(attnd_server_t *s, char *err, size_t errlen);
+int attnd_net_start_tcp(attnd_server_t *s, char *err, size_t errlen);
+void attnd_net_close_listeners(attnd_server_t *s);
+
+/* ---- conn.c ---- */
+
+attnd_conn_t *attnd_conn_new(attnd_server_t *s, int is_tcp);
+/* Accepted, identity known: either start serving or refuse politely. */
+void attnd_conn_start(attnd_server_t *s, attnd_conn_t *c, uint64_t identity, int need_hello,
+                      const char *peer);
+void attnd_conn_close(attnd_conn_t *c);
+/* Stops reading and closes once every queued response is written. */
+void attnd_conn_close_when_flushed(attnd_conn_t *c);
+
+/* ---- drain.c ---- */
+
+/* Reports the drain done once only the drain timer is left open. */
+void attnd_net_check_done(attnd_server_t *s);
+
+#endif /* ATTND_NET_INTERNAL_H */

@@ -1,0 +1,140 @@
+/* net.h: the daemon's sockets (docs/protocol.md, docs/operations.md): the
+ * frame reader, the RPC listeners and connections, the drain, and the small
+ * HTTP server for Prometheus /metrics. A frame read from a connection goes to
+ * the RPC layer (rpc.h); its answer comes back through the connection's send
+ * functions.
+ *
+ * The RPC listeners: a Unix socket (mode 0660, in a directory created private
+ * when missing; a stale socket file is removed; the peer's uid is the
+ * identity) and a TCP listener (default 127.0.0.1:7411; port 0 picks a free
+ * port). Off loopback a TCP connection must send Hello{token} first; loopback
+ * clients that send none share one anonymous identity.
+ *
+ * Each connection reads frames and hands them to the RPC layer; requests may
+ * be pipelined and answered out of order. Backpressure: a connection stops
+ * reading while its request bytes in flight plus its response bytes not yet
+ * written exceed --max-inflight, and resumes when they drain.
+ *
+ * Drain (SIGTERM): stop accepting, answer new calls UNAVAILABLE, let in-flight
+ * requests finish and their responses be written, then close every handle. */
+#ifndef ATTND_NET_H
+#define ATTND_NET_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "config.h"
+#include "engine.h"
+#include "rpc.h"
+
+/* ---- the frame reader (frame.c) ----------------------------------------------
+ *
+ * A frame is a 4-byte big-endian length N (0 < N <= max frame) followed by N
+ * bytes (the header is written by attnd_rpc_frame_header). The reader is
+ * incremental, a pure codec without libuv: bytes may arrive split anywhere
+ * and several frames may arrive in one read.
+ *
+ * Zero copy for large frames: before each read, ask attnd_frame_reader_buf()
+ * where to read to. While a frame body is in progress it returns the rest of
+ * that frame's own buffer, so the bulk of a large frame (tensor bytes) lands in
+ * its final place; otherwise it returns a small scratch buffer from which
+ * headers (and small frames) are parsed. Each complete frame is handed to the
+ * callback in a malloc'ed buffer that the callback then owns (free()). */
+#define ATTND_FRAME_SCRATCH (64 * 1024)
+
+/* Takes ownership of frame (malloc'ed, len bytes). Return 0 to continue,
+ * ATTND_FRAME_PAUSE to stop after this frame while keeping the bytes not yet
+ * parsed (backpressure: attnd_frame_reader_resume() parses them later), or a
+ * negative value to stop for good (the rest of the bytes is dropped). */
+#define ATTND_FRAME_PAUSE 1
+typedef int (*attnd_frame_cb)(void *arg, uint8_t *frame, size_t len);
+
+typedef struct {
+  uint64_t max_frame;
+  uint8_t hdr[4];
+  size_t hdr_got;
+  uint8_t *body; /* frame in progress, NULL between frames */
+  size_t body_len;
+  size_t body_got;
+  uint8_t *scratch; /* ATTND_FRAME_SCRATCH bytes, allocated lazily */
+  int err;          /* sticky: ATTND_EINVAL (N == 0), ATTND_ENOSPC (N > max) */
+  uint64_t bad_len; /* the rejected length, for the log */
+  uint8_t *pend;    /* bytes received but not parsed because of a pause */
+  size_t pend_len;
+} attnd_frame_reader_t;
+
+void attnd_frame_reader_init(attnd_frame_reader_t *r, uint64_t max_frame);
+void attnd_frame_reader_free(attnd_frame_reader_t *r);
+
+/* Where the next read should go: the rest of the frame in progress, or scratch.
+ * Returns ATTND_ENOMEM if a buffer cannot be allocated. */
+int attnd_frame_reader_buf(attnd_frame_reader_t *r, uint8_t **base, size_t *len);
+
+/* Consumes n bytes at data. data may be the buffer returned by
+ * attnd_frame_reader_buf (no copy for a frame body) or any other memory.
+ * Returns 0, ATTND_FRAME_PAUSE when a callback paused (the unparsed rest is
+ * kept), the first negative value a callback returned, or the reader's error:
+ * ATTND_EINVAL for a zero-length frame, ATTND_ENOSPC for one over the limit,
+ * ATTND_ENOMEM when a frame buffer cannot be allocated. After an error the
+ * reader accepts nothing more. Must not be called while paused bytes are kept. */
+int attnd_frame_reader_feed(attnd_frame_reader_t *r, const uint8_t *data, size_t n,
+                            attnd_frame_cb cb, void *arg);
+
+/* Parses the bytes kept by a pause; returns as attnd_frame_reader_feed. */
+int attnd_frame_reader_resume(attnd_frame_reader_t *r, attnd_frame_cb cb, void *arg);
+/* 1 while bytes kept by a pause wait for attnd_frame_reader_resume(). */
+int attnd_frame_reader_paused(const attnd_frame_reader_t *r);
+
+/* 1 while a frame is partly received (a header byte or more). */
+int attnd_frame_reader_partial(const attnd_frame_reader_t *r);
+
+/* ---- the RPC server (server.c, listen.c, conn.c, drain.c) ---------------------- */
+
+typedef struct attnd_server_s attnd_server_t;
+
+typedef struct {
+  uint32_t connections;
+  uint64_t peak_conn_inflight; /* largest in-flight bytes seen on one connection */
+  uint64_t reads_paused;       /* times a connection stopped reading for backpressure */
+} attnd_server_stats_t;
+
+/* Binds the listeners named by cfg (which must outlive the server). On error
+ * returns a negative ATTND_E* with a one-line reason in err; nothing is left
+ * open then except handles whose close is pending on the loop. */
+int attnd_server_start(attnd_server_t **out, uv_loop_t *loop, const attnd_config_t *cfg,
+                       attnd_engine_t *engine, char *err, size_t errlen);
+
+/* The rpc state (counters, epoch) shared with metrics. */
+attnd_rpc_t *attnd_server_rpc(attnd_server_t *s);
+int attnd_server_tcp_port(const attnd_server_t *s);
+void attnd_server_stats(const attnd_server_t *s, attnd_server_stats_t *st);
+
+/* Drains and closes everything; cb runs once every handle has closed, after
+ * which the server is freed. The engine is not closed here. Calling it twice is
+ * harmless (the second cb is ignored). */
+void attnd_server_drain(attnd_server_t *s, void (*cb)(void *arg), void *arg);
+
+/* ---- Prometheus /metrics (metrics.c, http.c) -------------------------------------
+ *
+ * GET /metrics serves the text exposition format 0.0.4 of the request
+ * counters (rpc.h) and the engine's stats; anything else is a 404. Metric
+ * names are listed at the top of net/metrics.c. */
+
+/* Writes the whole exposition into a malloc'ed string (*out, *len). */
+int attnd_metrics_render(const attnd_rpc_counters_t *c, attnd_engine_t *engine, double uptime_s,
+                         char **out, size_t *len);
+
+typedef struct attnd_metrics_s attnd_metrics_t;
+
+/* Listens on HOST:PORT (port 0 picks one) and serves GET /metrics. start_ns is
+ * the daemon's start (uv_hrtime) for the uptime gauge. */
+int attnd_metrics_start(attnd_metrics_t **out, uv_loop_t *loop, const char *hostport,
+                        const attnd_rpc_counters_t *c, attnd_engine_t *engine, uint64_t start_ns,
+                        char *err, size_t errlen);
+int attnd_metrics_port(const attnd_metrics_t *m);
+/* Closes the listener and open HTTP connections; the struct is freed once
+ * every handle has closed (cb, if not NULL, runs then). */
+void attnd_metrics_close(attnd_metrics_t *m, void (*cb)(void *arg), void *arg);
+
+#endif /* ATTND_NET_H */

@@ -1,0 +1,289 @@
+/* rpc.c: a request frame in, its call through the method table, its answer
+ * out (rpc.h, internal.h; docs/protocol.md).
+ *
+ * Errors: anything that is not a well-formed Request at the outer level
+ * answers Response{id 0, INVALID_ARGUMENT} and closes; a call that fails to
+ * decode or fails a wire-level check answers INVALID_ARGUMENT (OUT_OF_RANGE
+ * for a mask past max_context) with the request's id and a message saying
+ * what was wrong, and the connection stays. Status codes come from
+ * attnd_err_status() only. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "internal.h"
+
+/* ---- the RPC state and connections ---- */
+
+int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
+                   const attnd_config_t *cfg, char *err, size_t errlen) {
+  memset(r, 0, sizeof(*r));
+  r->loop = loop;
+  r->engine = engine;
+  r->cfg = cfg;
+  r->start_ns = attnd_rpc_now_ns();
+  r->next_conn_id = 1;
+  r->ref_min = (size_t)cfg->rpc_ref_min;
+  /* The epoch tells clients the daemon restarted; it must not repeat. */
+  if (getrandom(&r->epoch, sizeof(r->epoch), 0) != (ssize_t)sizeof(r->epoch)) {
+    snprintf(err, errlen, "getrandom: %s", strerror(errno));
+    return ATTND_EIO;
+  }
+  if (r->epoch == 0)
+    r->epoch = 1;
+  if (cfg->token_file[0]) {
+    int rc = attnd_rpc_load_tokens(r, cfg->token_file, err, errlen);
+    if (rc) {
+      attnd_rpc_free(r);
+      return rc;
+    }
+  }
+  return 0;
+}
+
+void attnd_rpc_free(attnd_rpc_t *r) {
+  attnd_rpc_free_tokens(r);
+}
+
+void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity, int need_hello) {
+  memset(c, 0, sizeof(*c));
+  c->rpc = r;
+  c->id = r->next_conn_id++;
+  c->identity = identity;
+  c->need_hello = need_hello;
+  attnd_list_init(&c->reqs);
+  c->plan_cap = (uint32_t)(r->cfg->max_plans > 0 ? r->cfg->max_plans : 64);
+  c->plan_ids = attnd_xcalloc(c->plan_cap, sizeof(uint64_t));
+  c->plan_decode = attnd_xcalloc(c->plan_cap, 1);
+}
+
+int attnd_rpc_conn_closed(attnd_rpc_conn_t *c) {
+  if (c->closed)
+    return c->pending == 0;
+  c->closed = 1;
+  attnd_engine_conn_closed(c->rpc->engine, c->id);
+  free(c->plan_ids);
+  free(c->plan_decode);
+  c->plan_ids = NULL;
+  c->plan_decode = NULL;
+  c->plan_cap = 0;
+  return c->pending == 0;
+}
+
+/* ---- requests ---- */
+
+static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, uint8_t *frame,
+                                size_t len) {
+  attnd_rpc_req_t *q = attnd_xcalloc(1, sizeof(*q));
+  q->conn = c;
+  q->id = id;
+  q->method = method;
+  q->frame = frame;
+  q->frame_len = len;
+  q->t0_ns = attnd_rpc_now_ns();
+  q->step_kind = -1;
+  attnd_list_init(&q->link);
+  return q;
+}
+
+static void req_free(attnd_rpc_req_t *q) {
+  for (uint32_t i = 0; i < q->nitems; i++) {
+    free((void *)q->items[i].tokens);
+    free((void *)q->items[i].mask.intervals);
+  }
+  free(q->items);
+  free(q->open_tokens.v);
+  free(q->sessions);
+  free(q->frame);
+  free(q);
+}
+
+void attnd_rpc_req_hold(attnd_rpc_req_t *q) {
+  attnd_rpc_conn_t *c = q->conn;
+  q->linked = 1;
+  attnd_list_insert_head(&c->reqs, &q->link);
+  c->pending++;
+  c->req_bytes += q->frame_len + 4;
+  c->rpc->inflight++;
+}
+
+static void req_release(attnd_rpc_req_t *q) {
+  attnd_rpc_conn_t *c = q->conn;
+  attnd_list_remove(&q->link);
+  c->pending--;
+  c->req_bytes -= q->frame_len + 4;
+  c->rpc->inflight--;
+}
+
+/* ---- a call's end ---- */
+
+/* The Response for a finished call; a step's large outputs may leave by
+ * reference, and are then the transport's (res->out/lse set to NULL). */
+static void answer(attnd_rpc_req_t *q, attnd_result_t *res, int code) {
+  attnd_rpc_conn_t *c = q->conn;
+  const attnd_rpc_method_t *m = &attnd_rpc_methods[q->method];
+  attnd_v1_Response resp = attnd_v1_Response_init_zero;
+  resp.id = q->id;
+  resp.status.code = (attnd_v1_Status_Code)code;
+  if (res->status)
+    snprintf(resp.status.message, sizeof(resp.status.message), "%s",
+             res->message[0] ? res->message : attnd_strerror(res->status));
+  resp.timing.queued_us = res->queued_us;
+  resp.timing.computing_us = res->computing_us;
+  if (code == ATTND_STATUS_OK && m->encode) {
+    resp.which_result = m->result;
+    m->encode(q, res, &resp);
+  }
+  int out_taken = 0, lse_taken = 0;
+  if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP &&
+      attnd_rpc_send_response_refs(q, &resp, &out_taken, &lse_taken)) {
+    if (out_taken)
+      res->out = NULL;
+    if (lse_taken)
+      res->lse = NULL;
+    return;
+  }
+  attnd_rpc_send_response(c, &resp, q->t0_ns, q->close_after);
+}
+
+void attnd_rpc_done(void *arg, attnd_result_t *res) {
+  attnd_rpc_req_t *q = arg;
+  attnd_rpc_conn_t *c = q->conn;
+  attnd_rpc_t *r = c->rpc;
+  int code = attnd_err_status(res->status);
+  attnd_rpc_count(r, q->method, code);
+  ATTND_LOGD(
+      "request", "conn=%llu id=%llu method=%s code=%s queued_us=%llu computing_us=%llu%s%s%s%s",
+      (unsigned long long)c->id, (unsigned long long)q->id, attnd_rpc_method_name(q->method),
+      attnd_rpc_code_name(code), (unsigned long long)res->queued_us,
+      (unsigned long long)res->computing_us, c->closed ? " dropped=1" : "",
+      res->status ? " msg=\"" : "", res->status ? res->message : "", res->status ? "\"" : "");
+  if (code == ATTND_STATUS_OK && q->step_kind >= 0)
+    attnd_hist_add(&r->counters.step_latency[q->step_kind],
+                   (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);
+  if (!c->closed)
+    answer(q, res, code);
+  free(res->out);
+  free(res->lse);
+  res->out = NULL;
+  res->lse = NULL;
+  int linked = q->linked;
+  if (linked)
+    req_release(q);
+  req_free(q);
+  if (!linked)
+    return;
+  if (c->closed) {
+    if (c->pending == 0 && c->released)
+      c->released(c);
+  } else if (c->progress) {
+    c->progress(c);
+  }
+  if (r->draining && r->inflight == 0 && r->idle_cb)
+    r->idle_cb(r->idle_arg);
+}
+
+void attnd_rpc_fail(attnd_rpc_req_t *q, int err, const char *fmt, ...) {
+  attnd_result_t res;
+  memset(&res, 0, sizeof(res));
+  res.status = err;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(res.message, sizeof(res.message), fmt, ap);
+  va_end(ap);
+  attnd_rpc_done(q, &res);
+}
+
+/* ---- a frame in ---- */
+
+/* The outer Request, walked by hand (decode.c says why): its id and the
+ * call's tag and bytes, in any order, the last call winning as in protobuf.
+ * 0, or -1 when the frame is not a Request. */
+static int walk_request(const uint8_t *frame, size_t len, uint64_t *id, uint32_t *call_tag,
+                        const uint8_t **call_ptr, uint32_t *call_len) {
+  pb_istream_t s = pb_istream_from_buffer(frame, len);
+  *id = 0;
+  *call_tag = 0;
+  *call_ptr = NULL;
+  *call_len = 0;
+  while (s.bytes_left) {
+    pb_wire_type_t wt;
+    uint32_t tag;
+    bool eof;
+    if (!pb_decode_tag(&s, &wt, &tag, &eof))
+      return -1;
+    if (tag == attnd_v1_Request_id_tag) {
+      if (wt != PB_WT_VARINT || !pb_decode_varint(&s, id))
+        return -1;
+    } else if (tag >= attnd_v1_Request_hello_tag && tag <= attnd_v1_Request_list_sessions_tag) {
+      if (wt != PB_WT_STRING || !pb_decode_varint32(&s, call_len) || *call_len > s.bytes_left)
+        return -1;
+      *call_tag = tag;
+      *call_ptr = s.state;
+      if (!pb_read(&s, NULL, *call_len))
+        return -1;
+    } else if (!pb_skip_field(&s, wt)) {
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* What can refuse a call before its message is decoded: 0, or answered. */
+static int refuse_early(attnd_rpc_req_t *q, uint32_t call_tag) {
+  attnd_rpc_conn_t *c = q->conn;
+  const attnd_rpc_method_t *m = &attnd_rpc_methods[q->method];
+  if (c->need_hello && !(m->flags & RPC_M_NO_HELLO)) {
+    q->close_after = 1;
+    attnd_rpc_fail(q, ATTND_EUNAUTH, "this connection must send Hello{token} first");
+    return 1;
+  }
+  if (!call_tag) {
+    attnd_rpc_fail(q, ATTND_ENOTIMPL, "missing or unknown call");
+    return 1;
+  }
+  ATTND_LIST_FOREACH(it, nx, &c->reqs) {
+    if (ATTND_LIST_DATA(it, attnd_rpc_req_t, link)->id == q->id) {
+      attnd_rpc_fail(q, ATTND_EINVAL, "id %llu is already in flight on this connection",
+                     (unsigned long long)q->id);
+      return 1;
+    }
+  }
+  if (c->rpc->draining && !(m->flags & RPC_M_DRAINING)) {
+    attnd_rpc_fail(q, ATTND_EUNAVAIL, "the daemon is draining (shutting down)");
+    return 1;
+  }
+  return 0;
+}
+
+void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
+  attnd_rpc_t *r = c->rpc;
+  r->counters.bytes_in += len + 4;
+  uint64_t id;
+  uint32_t call_tag, call_len;
+  const uint8_t *call_ptr;
+  if (walk_request(frame, len, &id, &call_tag, &call_ptr, &call_len) != 0) {
+    free(frame);
+    ATTND_LOGI("bad_frame", "conn=%llu reason=unparsable len=%zu", (unsigned long long)c->id, len);
+    attnd_rpc_frame_error(c, ATTND_EINVAL, "frame is not a valid Request");
+    return;
+  }
+  int method = call_tag ? (int)call_tag - 1 : ATTND_M_UNKNOWN;
+  attnd_rpc_req_t *q = req_new(c, id, method, frame, len);
+  r->counters.requests[method]++;
+  if (refuse_early(q, call_tag))
+    return;
+  const attnd_rpc_method_t *m = &attnd_rpc_methods[method];
+  pb_istream_t cs = pb_istream_from_buffer(call_ptr, call_len);
+  int rc = m->decode(q, &cs);
+  if (rc) {
+    char msg[sizeof(q->msg)];
+    snprintf(msg, sizeof(msg), "%s", q->msg);
+    attnd_rpc_fail(q, rc, "%s", msg);
+    return;
+  }
+  m->call(q);
+}

@@ -1,0 +1,161 @@
+/* rpc.h: one request frame in, one response frame out (docs/protocol.md).
+ *
+ * The RPC layer decodes attnd.v1.Request with nanopb (tensor bytes are not
+ * copied: the engine gets pointers into the request frame, which the request
+ * keeps until the engine's done callback), looks the call up in its method
+ * table (rpc/methods.c: one row per method, decode -> call -> encode),
+ * answers Hello, Health, Stats and ListSessions on the loop thread, maps
+ * everything else to engine.h calls, and encodes the Response (epoch and
+ * timings included). It knows nothing about sockets: the transport (net/)
+ * embeds an attnd_rpc_conn_t per connection and gives it a send function.
+ *
+ * Lifetime: every request holds its connection. When the transport closes,
+ * attnd_rpc_conn_closed() makes the results of requests still in flight be
+ * dropped; the transport may free the connection only when no request holds
+ * it any more (attnd_rpc_conn_closed() returns 1, or the released callback
+ * runs later). */
+#ifndef ATTND_RPC_H
+#define ATTND_RPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "base.h"
+#include "config.h"
+#include "engine.h"
+
+/* Methods, numbered as the Request.call oneof tags minus one (0: none/unknown). */
+enum {
+  ATTND_M_UNKNOWN = 0,
+  ATTND_M_HELLO,
+  ATTND_M_HEALTH,
+  ATTND_M_STATS,
+  ATTND_M_OPEN_SESSION,
+  ATTND_M_CLOSE_SESSION,
+  ATTND_M_FORK,
+  ATTND_M_TRUNCATE,
+  ATTND_M_PLAN,
+  ATTND_M_STEP,
+  ATTND_M_SET_SCALES,
+  ATTND_M_LIST_SESSIONS,
+  ATTND_M_COUNT
+};
+
+enum { ATTND_STEP_PREFILL = 0, ATTND_STEP_DECODE = 1 };
+
+/* The daemon's request counters, written only on the loop thread (by the RPC
+ * layer and the transport) and read there by Stats and /metrics. */
+typedef struct {
+  uint64_t requests[ATTND_M_COUNT];             /* received, by method */
+  attnd_status_counts_t answers[ATTND_M_COUNT]; /* answered, by method and code */
+  uint64_t bytes_in;
+  uint64_t bytes_out;
+  uint32_t connections;         /* open now */
+  uint64_t connections_total;   /* accepted since start */
+  uint64_t connections_refused; /* over --max-connections */
+  uint64_t frame_errors;        /* framing errors that closed a connection */
+  attnd_hist_t step_latency[2]; /* ATTND_STEP_PREFILL, ATTND_STEP_DECODE */
+} attnd_rpc_counters_t;
+
+/* "health", "open_session", ... ("unknown" for 0 or out of range). */
+const char *attnd_rpc_method_name(int method);
+/* "OK", "INVALID_ARGUMENT", ... (the proto's names). */
+const char *attnd_rpc_code_name(int code);
+
+/* Identities (docs/sessions.md): a Unix peer's uid as is (< 2^32); the
+ * shared identity of loopback TCP clients that send no Hello; a token's
+ * identity is a hash of the token with the top bit set. */
+#define ATTND_IDENTITY_ANON 0x4000000000000000ull
+#define ATTND_IDENTITY_TOKEN_BIT 0x8000000000000000ull
+
+typedef struct attnd_rpc_s attnd_rpc_t;
+typedef struct attnd_rpc_conn_s attnd_rpc_conn_t;
+typedef struct attnd_rpc_req_s attnd_rpc_req_t;
+
+/* One piece of a response for sendv: n bytes at p; free_p (p itself, the
+ * buffer p points into, or NULL) is free()d once the piece is written. */
+typedef struct {
+  const void *p;
+  size_t n;
+  void *free_p;
+} attnd_rpc_seg_t;
+
+struct attnd_rpc_s {
+  uv_loop_t *loop;
+  attnd_engine_t *engine;
+  const attnd_config_t *cfg;
+  attnd_rpc_counters_t counters;
+  uint64_t epoch;    /* random, drawn at init */
+  uint64_t start_ns; /* uv_hrtime() at init */
+  int draining;      /* new calls answer UNAVAILABLE (Health and Stats still answer) */
+  int tcp_port;      /* bound TCP port for Health, 0 when off */
+  uint64_t inflight; /* requests in flight on all connections */
+  uint64_t next_conn_id;
+  size_t ref_min; /* step tensors this large leave by reference (sendv); --rpc-ref-min */
+  /* Runs when inflight drops to 0 while draining. */
+  void (*idle_cb)(void *arg);
+  void *idle_arg;
+  /* The engine's static facts, fetched at the first Health (the backend may
+   * read files to describe its device: not on every call). */
+  attnd_engine_info_t info;
+  int have_info;
+  /* Accepted Hello tokens (from --token-file); never logged. */
+  char **tokens;
+  size_t ntokens;
+};
+
+struct attnd_rpc_conn_s {
+  attnd_rpc_t *rpc;
+  uint64_t id; /* names the connection to the engine (plans end with it) */
+  uint64_t identity;
+  int need_hello;     /* off-loopback TCP: a valid Hello must come first */
+  int closed;         /* the transport is gone: results are dropped */
+  uint32_t pending;   /* requests in flight */
+  uint64_t req_bytes; /* bytes of request frames held by requests in flight */
+  attnd_list_t reqs;  /* requests in flight (for duplicate ids) */
+  /* Plans made on this connection and whether they are decode steps, for the
+   * step latency histograms (a ring of the last max_plans). */
+  uint64_t *plan_ids;
+  uint8_t *plan_decode;
+  uint32_t plan_cap, plan_next;
+  /* Sends a whole response frame (header included; ownership of buf passes).
+   * close_after: close the connection once it is written. */
+  void (*send)(attnd_rpc_conn_t *c, uint8_t *buf, size_t len, int close_after);
+  /* Optional: the same for a response in pieces written in order (a step's
+   * large tensors go out from the engine's buffers instead of being copied on
+   * the loop thread); takes ownership of every seg's free_p, freed once
+   * written or dropped. NULL: the RPC layer copies into one buffer and calls send. */
+  void (*sendv)(attnd_rpc_conn_t *c, const attnd_rpc_seg_t *segs, int n, int close_after);
+  /* A request completed: the transport may resume reading (backpressure). */
+  void (*progress)(attnd_rpc_conn_t *c);
+  /* The last request let go of a closed connection: the owner may free it. */
+  void (*released)(attnd_rpc_conn_t *c);
+};
+
+/* Draws the epoch and reads the token file. */
+int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
+                   const attnd_config_t *cfg, char *err, size_t errlen);
+void attnd_rpc_free(attnd_rpc_t *r);
+
+void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity, int need_hello);
+/* Handles one request frame; takes ownership of frame (malloc'ed). */
+void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len);
+/* Sends a Response with no result whose status is attnd_err_status(err). */
+void attnd_rpc_send_error(attnd_rpc_conn_t *c, uint64_t id, int err, const char *msg,
+                          int close_after);
+/* A framing error (err: ATTND_EINVAL, ATTND_ENOSPC, ...): counts it, answers
+ * Response{id 0} and closes the connection once that is written. */
+void attnd_rpc_frame_error(attnd_rpc_conn_t *c, int err, const char *msg);
+/* The transport closed. Returns 1 when no request holds the connection. */
+int attnd_rpc_conn_closed(attnd_rpc_conn_t *c);
+
+/* The wire framing's header (docs/protocol.md): the 4-byte big-endian length
+ * of an n-byte frame, as every response starts; the transport's frame reader
+ * (net.h) reads the same. */
+void attnd_rpc_frame_header(uint8_t out[4], uint32_t n);
+
+/* Constant-time comparison of a token against the accepted ones: 1 if accepted. */
+int attnd_rpc_token_ok(const attnd_rpc_t *r, const char *token);
+
+#endif /* ATTND_RPC_H */

@@ -1,1 +1,0 @@
-attnd_add_test(test_errors SOURCES test_errors.c LIBS attnd_core)

@@ -1,0 +1,53 @@
+/* tolerance.h: the one table of the numbers tests judge results by.
+ *
+ * Every C test that compares outputs includes this; the Python end-to-end
+ * tests read the same numbers from tests/e2e/tolerance.py, which parses this
+ * file, so a bound is changed in one place. What the bounds mean (relative L2
+ * of an item's output against the float64 oracle, per cache type) is the
+ * numerics contract, docs/numerics.md. Keep each #define on one line: the
+ * Python side reads `#define ATTND_TOL_<NAME> <number>`. */
+#ifndef ATTND_TESTS_TOLERANCE_H
+#define ATTND_TESTS_TOLERANCE_H
+
+#include "attnd_kernels.h"
+
+/* Relative L2 of an item's output against the oracle, by cache type. */
+#define ATTND_TOL_BF16 1e-2
+#define ATTND_TOL_FP16 1e-2
+#define ATTND_TOL_INT8 3e-2
+#define ATTND_TOL_FP8 3e-2
+#define ATTND_TOL_INT8_DYNAMIC 2e-2
+#define ATTND_TOL_FP8_DYNAMIC 2e-2
+#define ATTND_TOL_INT4 1e-1
+
+/* A prefix hit against the same steps computed cold (fp32 outputs): only the
+ * order of accumulation may differ. */
+#define ATTND_TOL_PREFIX_HIT 1e-3
+/* The CUDA backend against the CPU backend on the same jobs: outputs
+ * (relative L2) and log-sum-exp (absolute). */
+#define ATTND_TOL_BACKENDS 1e-2
+#define ATTND_TOL_BACKENDS_LSE 1e-3
+/* The engine's log-sum-exp against the oracle: |got - ref| <= tol * (1 + |ref|). */
+#define ATTND_TOL_ENGINE_LSE 2e-2
+/* The CPU kernels' log-sum-exp against the oracle: |got - ref| <= abs + rel * |ref|. */
+#define ATTND_TOL_KERNEL_LSE_ABS 2e-3
+#define ATTND_TOL_KERNEL_LSE_REL 1e-4
+/* A static-scale cache (int8, fp8) end to end with scales set through the
+ * RPC, against numpy over the unquantized k and v. */
+#define ATTND_TOL_STATIC_SCALES_E2E 5e-2
+
+/* The bound of a cache type (attnd_kv_type_t). */
+static inline double attnd_tol_rel_l2(attnd_kv_type_t kv) {
+  static const double bound[ATTND_KV_COUNT_] = {
+      [ATTND_KV_BF16] = ATTND_TOL_BF16,
+      [ATTND_KV_FP16] = ATTND_TOL_FP16,
+      [ATTND_KV_INT8] = ATTND_TOL_INT8,
+      [ATTND_KV_FP8] = ATTND_TOL_FP8,
+      [ATTND_KV_INT8_DYNAMIC] = ATTND_TOL_INT8_DYNAMIC,
+      [ATTND_KV_FP8_DYNAMIC] = ATTND_TOL_FP8_DYNAMIC,
+      [ATTND_KV_INT4] = ATTND_TOL_INT4,
+  };
+  return (int)kv >= 0 && kv < ATTND_KV_COUNT_ ? bound[kv] : 0.0;
+}
+
+#endif /* ATTND_TESTS_TOLERANCE_H */
