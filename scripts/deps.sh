@@ -8,6 +8,7 @@ PKGS=(
   libnanopb-dev nanopb protobuf-compiler  # wire protocol (C side) and its generator
   libcmocka-dev         # unit tests
   libinih-dev           # config file parser
+  libjansson-dev        # JSON: a Hugging Face config.json for --model-config
   libxxhash-dev         # xxh3-128 block hashes for the prefix cache
   libsystemd-dev        # sd_notify (READY, WATCHDOG, STOPPING)
   libhttp-parser-dev    # parses /metrics HTTP requests

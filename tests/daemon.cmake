@@ -2,6 +2,7 @@
 # backend_cuda.cmake), one test per layer or module, as the tree reads:
 # base, config, rpc, net (framing, then listeners and connections).
 attnd_add_test(test_base SOURCES test_base.c LIBS attnd_base TIMEOUT 30)
+attnd_add_test(test_base_log SOURCES test_base_log.c LIBS attnd_base TIMEOUT 30)
 attnd_add_test(test_config SOURCES test_config.c LIBS attnd_config TIMEOUT 30 LABELS server)
 # The RPC layer's tests share a fake engine and transport (rpc_fixture.c),
 # compiled into each test so that its engine functions stand in for the real

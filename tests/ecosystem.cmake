@@ -34,3 +34,13 @@ set_tests_properties(e2e_deb_lintian PROPERTIES RUN_SERIAL TRUE)
 
 # The README's Quick start as printed, against the built-in shape.
 attnd_add_e2e(e2e_readme test_readme)
+
+# --model-config: shapes from Hugging Face config.json files, the refusals, and
+# attnd.model_shape_from_config deriving the same.
+attnd_add_e2e(e2e_model_config test_model_config)
+
+# SIGHUP, the log file, journald priorities, failed calls in the log, the
+# probes, the host-memory rule; and promtool on a scrape (e2e_promtool:
+# Skipped where promtool, from Debian's prometheus package, is not installed).
+attnd_add_e2e(e2e_operations test_operations.OperationsTest)
+attnd_add_e2e(e2e_promtool test_operations.PromtoolTest)

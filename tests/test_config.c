@@ -419,8 +419,8 @@ static int run_attnd(const char *const *args) {
   argv[n] = NULL;
   pid_t pid = fork();
   if (pid == 0) {
-    freopen("/dev/null", "w", stdout);
-    freopen("/dev/null", "w", stderr);
+    if (!freopen("/dev/null", "w", stdout) || !freopen("/dev/null", "w", stderr))
+      _exit(126);
     execv(bin, argv);
     _exit(127);
   }
@@ -440,6 +440,16 @@ static void test_binary_exit_codes(void **state) {
   assert_int_equal(run_attnd(bad), 2);
   const char *unknown[] = {"--frobnicate", NULL};
   assert_int_equal(run_attnd(unknown), 2);
+  /* Start-time checks that need no device run under --check-config too: a
+   * pool without a single block, or one larger than the host's memory. */
+  const char *tiny[] = {"--check-config", "--backend", "cpu", "--kv-memory", "1K", NULL};
+  assert_int_equal(run_attnd(tiny), 2);
+  const char *huge[] = {"--check-config", "--backend", "cpu", "--kv-memory", "64T", NULL};
+  assert_int_equal(run_attnd(huge), 2);
+  const char *shorts[] = {"-V", NULL};
+  assert_int_equal(run_attnd(shorts), 0);
+  const char *shorth[] = {"-h", NULL};
+  assert_int_equal(run_attnd(shorth), 0);
   const char *ver[] = {"--version", NULL};
   assert_int_equal(run_attnd(ver), 0);
   const char *help[] = {"--help", NULL};
@@ -476,11 +486,188 @@ static void test_example_config(void **state) {
   if (parse_validate(&c, a) != 0)
     fail_msg("%s", err);
   memset(c.config_file, 0, sizeof(c.config_file));
+  memset(c.origin, 0, sizeof(c.origin)); /* where the values came from: the file */
   assert_memory_equal(&c, &def, sizeof(c));
   if (getenv("ATTND_BUILD_DIR")) {
     const char *chk[] = {arg, "--check-config", NULL};
     assert_int_equal(run_attnd(chk), 0);
   }
+}
+
+/* getopt_long's habits: unique prefixes, ambiguity named, short -h/-V,
+ * operands refused (after "--" too), and usage errors flagged as such. */
+static void test_getopt_forms(void **state) {
+  attnd_config_t c;
+  const char *abbrev[] = {"--kv-mem=2G", "--lay", "3", NULL};
+  assert_int_equal(parse(&c, abbrev), 0);
+  assert_int_equal(c.kv_memory, 2ull << 30);
+  assert_int_equal(c.layers, 3);
+  assert_int_equal(attnd_config_origin(&c, "layers"), ATTND_FROM_FLAG);
+  assert_int_equal(attnd_config_origin(&c, "q-heads"), ATTND_FROM_DEFAULT);
+  assert_int_equal(attnd_config_origin(&c, "no-such"), -1);
+  const char *amb[] = {"--max=1", NULL};
+  assert_int_equal(parse(&c, amb), ATTND_EINVAL);
+  assert_non_null(strstr(err, "ambiguous option '--max'"));
+  assert_non_null(strstr(err, "--max-frame"));
+  assert_int_equal(c.usage_error, 1);
+  const char *hv[] = {"-h", "-V", NULL};
+  assert_int_equal(parse(&c, hv), 0);
+  assert_true(c.show_help && c.show_version);
+  const char *dash[] = {"--layers", "2", "--", "extra", NULL};
+  assert_int_equal(parse(&c, dash), ATTND_EINVAL);
+  assert_non_null(strstr(err, "unexpected argument 'extra'"));
+  const char *shortx[] = {"-x", NULL};
+  assert_int_equal(parse(&c, shortx), ATTND_EINVAL);
+  assert_non_null(strstr(err, "unknown option '-x'"));
+  /* A bad value is not a usage error of the command line's shape. */
+  const char *badv[] = {"--layers=x", NULL};
+  assert_int_equal(parse(&c, badv), ATTND_EINVAL);
+  assert_int_equal(c.usage_error, 0);
+  /* The same argv parses the same twice (getopt is reset each time). */
+  const char *twice[] = {"--layers", "5", NULL};
+  assert_int_equal(parse(&c, twice), 0);
+  assert_int_equal(parse(&c, twice), 0);
+  assert_int_equal(c.layers, 5);
+  /* --help lists every option it takes, the generated text included. */
+  const char *u = attnd_config_usage();
+  const char *names[] = {"--max-plans", "--prefix-cache", "--model-config",
+                         "--log-file",  "-h, --help",     "-V, --version"};
+  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+    if (!strstr(u, names[i]))
+      fail_msg("--help does not name %s", names[i]);
+}
+
+/* --model-config: values fill only what the file and flags left unset; the
+ * rotated dims follow the head dimension in force; refusals name the field. */
+static void test_model_config(void **state) {
+  attnd_config_t c;
+  char dir[64], model[128], conf[128], arg[160], carg[160];
+  snprintf(dir, sizeof(dir), "/tmp/attnd-test-model-XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  snprintf(model, sizeof(model), "%s/config.json", dir);
+  snprintf(conf, sizeof(conf), "%s/attnd.conf", dir);
+  write_file(model,
+             "{\"model_type\": \"phi\", \"num_hidden_layers\": 6, \"num_attention_heads\": 8,"
+             " \"num_key_value_heads\": 2, \"hidden_size\": 1024, \"rope_theta\": 250000,"
+             " \"partial_rotary_factor\": 0.5, \"max_position_embeddings\": 4096,"
+             " \"torch_dtype\": \"float16\", \"rope_scaling\": {\"rope_type\": \"default\"}}");
+  snprintf(arg, sizeof(arg), "--model-config=%s", model);
+  const char *a[] = {arg, NULL};
+  assert_int_equal(parse_validate(&c, a), 0);
+  assert_int_equal(c.layers, 6);
+  assert_int_equal(c.shape.q_heads, 8);
+  assert_int_equal(c.shape.kv_heads, 2);
+  assert_int_equal(c.shape.head_dim, 128);
+  assert_int_equal(c.shape.rotary_dim, 64);
+  assert_true(c.shape.rope_theta == 250000.0);
+  assert_int_equal(c.max_context, 4096);
+  assert_int_equal(c.shape.dtype, ATTND_DT_FP16);
+  assert_string_equal(c.model_id, "phi");
+  assert_string_equal(c.model_type, "phi");
+  assert_int_equal(attnd_config_origin(&c, "layers"), ATTND_FROM_MODEL);
+  assert_int_equal(attnd_config_origin(&c, "block-size"), ATTND_FROM_DEFAULT);
+  /* A file key and a flag win; the rotated half follows --head-dim 256. */
+  write_file(conf, "[attnd]\nlayers = 3\n");
+  snprintf(carg, sizeof(carg), "--config=%s", conf);
+  const char *b[] = {"--head-dim", "256", arg, carg, NULL};
+  assert_int_equal(parse_validate(&c, b), 0);
+  assert_int_equal(c.layers, 3);
+  assert_int_equal(attnd_config_origin(&c, "layers"), ATTND_FROM_FILE);
+  assert_int_equal(c.shape.head_dim, 256);
+  assert_int_equal(c.shape.rotary_dim, 128);
+  assert_int_equal(c.shape.q_heads, 8);
+  /* The model config named in the file works the same. */
+  char text[300];
+  snprintf(text, sizeof(text), "model-config = %s\nkv-heads = 4\n", model);
+  write_file(conf, text);
+  const char *f[] = {carg, NULL};
+  assert_int_equal(parse_validate(&c, f), 0);
+  assert_int_equal(c.shape.kv_heads, 4);
+  assert_int_equal(c.layers, 6);
+  /* Refusals, each naming its field, one line. */
+  struct {
+    const char *json, *needle;
+  } bad[] = {
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+       " \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8}}",
+       "rope_scaling.rope_type 'llama3'"},
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+       " \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2}}",
+       "rope_scaling.type 'dynamic'"},
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+       " \"sliding_window\": 1024}",
+       "sliding_window 1024"},
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+       " \"attn_logit_softcapping\": 50.0}",
+       "attn_logit_softcapping"},
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+       " \"layer_types\": [\"full_attention\", \"sliding_attention\"]}",
+       "layer_types[1] 'sliding_attention'"},
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+       " \"model_type\": \"gpt_oss\"}",
+       "attention sinks"},
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+       " \"kv_lora_rank\": 512}",
+       "kv_lora_rank"},
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 250}",
+       "hidden_size 250 is not a multiple"},
+      {"{\"num_hidden_layers\": 9000, \"num_attention_heads\": 4, \"hidden_size\": 256}",
+       "num_hidden_layers 9000: --layers"},
+      {"{\"num_attention_heads\": 4}", "no num_hidden_layers"},
+      {"[1, 2]", "not a JSON object"},
+      {"{\"num_hidden_layers\": 2,", "line"},
+  };
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    write_file(model, bad[i].json);
+    int rc = parse(&c, a);
+    if (rc == 0 || !strstr(err, bad[i].needle) || !strstr(err, model) || strchr(err, '\n'))
+      fail_msg("case %zu: rc %d err '%s', expected '%s'", i, rc, err, bad[i].needle);
+  }
+  /* Qwen2-style: a window that is switched off is no window. */
+  write_file(model, "{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+                    " \"sliding_window\": 4096, \"use_sliding_window\": false}");
+  assert_int_equal(parse_validate(&c, a), 0);
+  /* A value from the model that the daemon's checks refuse says where it came from. */
+  write_file(model, "{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 320}");
+  assert_int_equal(parse_validate(&c, a), ATTND_EINVAL);
+  assert_non_null(strstr(err, "--head-dim 80 (from --model-config"));
+  unlink(model);
+  unlink(conf);
+  rmdir(dir);
+}
+
+/* The KV pool against the host: at least one block per layer, and on the
+ * CPU backend at most 90% of the memory available. */
+static void test_resources(void **state) {
+  attnd_config_t c;
+  attnd_config_pool_t p;
+  const char *def[] = {NULL};
+  assert_int_equal(parse_validate(&c, def), 0);
+  assert_int_equal(attnd_config_check_resources(&c, 1, &p, err, sizeof(err)), 0);
+  assert_int_equal(p.kv_memory, 1ull << 30);
+  assert_int_equal(p.block_bytes, 2 * 8 * 64 * 128 * 2); /* K and V, 8 heads, 64 tokens, bf16 */
+  assert_int_equal(p.blocks, (1ull << 30) / (p.block_bytes * 32));
+  /* On CUDA with kv-memory 0 the device decides: nothing to check here. */
+  assert_int_equal(attnd_config_check_resources(&c, 0, &p, err, sizeof(err)), 0);
+  assert_int_equal(p.blocks, 0);
+  assert_int_equal(p.host_available, 0);
+  const char *tiny[] = {"--kv-memory", "1K", NULL};
+  assert_int_equal(parse_validate(&c, tiny), 0);
+  assert_int_equal(attnd_config_check_resources(&c, 0, &p, err, sizeof(err)), ATTND_EINVAL);
+  assert_non_null(strstr(err, "holds no KV block"));
+  const char *huge[] = {"--kv-memory", "1000T", NULL};
+  assert_int_equal(parse_validate(&c, huge), 0);
+  assert_int_equal(attnd_config_check_resources(&c, 0, &p, err, sizeof(err)),
+                   0); /* CUDA: ok here */
+  assert_int_equal(attnd_config_check_resources(&c, 1, &p, err, sizeof(err)), ATTND_EINVAL);
+  assert_non_null(strstr(err, "90%"));
+  assert_true(p.host_available > 0 && p.host_limit < p.host_available);
+  /* Just under the limit passes. */
+  char v[32];
+  snprintf(v, sizeof(v), "%llu", (unsigned long long)(p.host_limit / 2));
+  const char *half[] = {"--kv-memory", v, NULL};
+  assert_int_equal(parse_validate(&c, half), 0);
+  assert_int_equal(attnd_config_check_resources(&c, 1, &p, err, sizeof(err)), 0);
 }
 
 static int cleanup(void **state) {
@@ -500,7 +687,8 @@ int main(void) {
       cmocka_unit_test(test_errors),           cmocka_unit_test(test_file_and_precedence),
       cmocka_unit_test(test_hostport),         cmocka_unit_test(test_binary_exit_codes),
       cmocka_unit_test(test_example_config),   cmocka_unit_test(test_require_token),
-      cmocka_unit_test(test_tuning),
+      cmocka_unit_test(test_tuning),           cmocka_unit_test(test_getopt_forms),
+      cmocka_unit_test(test_model_config),     cmocka_unit_test(test_resources),
   };
   return cmocka_run_group_tests(tests, NULL, cleanup);
 }

@@ -10,8 +10,9 @@
    Each folder holds exactly its public header and a private internal.h. A
    file may include (with quotes) its own folder's headers, the public
    headers of lower layers and the headers of kernels/ and the generated
-   proto; never a higher layer's header, another folder's internal.h, or a
-   path with a directory in it. daemon/CMakeLists.txt may link a folder's
+   proto (and its own generated headers: config's options_gen.h, made from
+   deploy/options.toml); never a higher layer's header, another folder's
+   internal.h, or a path with a directory in it. daemon/CMakeLists.txt may link a folder's
    library only to lower layers' libraries. (The build enforces the same:
    each library's include path holds only the public headers below it.)
 3. The project stands alone: no tracked file refers to the development
@@ -33,6 +34,8 @@ TOP = len(LAYERS)  # main.c, directly in daemon/
 
 # Headers from outside daemon/ that any layer may name.
 EXTERNAL = {"attnd_kernels.h", "attnd_cuda.h", "cuda_sticky.h", "attnd.pb.h"}
+# Headers generated at build time into one layer's private include path.
+GENERATED = {"config": {"options_gen.h"}}
 
 FORBIDDEN = [
     (re.compile(r"/work/"), "a development machine's path"),
@@ -120,7 +123,7 @@ def allowed_includes(layer):
         if i < layer:
             ok.add(PUBLIC[name])
     if layer < TOP:
-        ok |= {PUBLIC[LAYERS[layer]], "internal.h"}
+        ok |= {PUBLIC[LAYERS[layer]], "internal.h"} | GENERATED.get(LAYERS[layer], set())
     return ok
 
 

@@ -76,14 +76,16 @@ int attnd_err_status(int err);
 int attnd_err_from_kernel(int rc);
 
 /* ---- log ---------------------------------------------------------------------
- * One line per event on stderr, with key=value fields:
+ * One line per event on stderr (or the --log-file), with key=value fields:
  *
  *   2026-11-29T19:40:00.123Z level=info event=listening unix=/run/attnd/attnd.sock
  *
  * The caller formats the fields (printf-style, already "key=value ..."); the
- * logger adds the time, the level and the event name. Lines are written with
- * one write(2) each so that lines from different threads never interleave.
- * Secrets (tokens) are never passed to the logger. */
+ * logger adds the time, the level and the event name, and, when stderr is the
+ * journal (JOURNAL_STREAM), the syslog priority first ("<3>" for errors), so
+ * journald records each line's level. Lines are written with one write(2)
+ * each so that lines from different threads never interleave. Secrets
+ * (tokens) are never passed to the logger. */
 typedef enum {
   ATTND_LOG_ERROR = 0,
   ATTND_LOG_WARN = 1,
@@ -96,9 +98,53 @@ int attnd_log_level_parse(const char *name);
 void attnd_log_set_level(attnd_log_level_t level);
 int attnd_log_enabled(attnd_log_level_t level);
 
+/* Where lines go: path NULL or "" is stderr (with priorities when it is the
+ * journal), else the file, opened for appending (created 0640). Call once, at
+ * start, before other threads log. On error returns a negative ATTND_E* with
+ * a reason in err, and lines keep going to stderr. */
+int attnd_log_open(const char *path, char *err, size_t errlen);
+/* Opens the --log-file path again (after logrotate moved it) in place of the
+ * old one; nothing to do for stderr. On error the old file stays in use. */
+int attnd_log_reopen(char *err, size_t errlen);
+/* The --log-file path, or "" for stderr. */
+const char *attnd_log_file(void);
+/* 1 when lines carry journald priorities (stderr is the journal). */
+int attnd_log_journal(void);
+
 /* Writes one line: time, level, event, then the formatted fields. */
 void attnd_log(attnd_log_level_t level, const char *event, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* A plain message for a person on stderr ("attnd: ...\n", before the logger
+ * is set up: bad options), with the journal priority when stderr is the journal. */
+void attnd_log_plain(attnd_log_level_t level, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Copies src into dst (cap bytes) so it can stand inside a "quoted" field:
+ * '"' and '\\' escaped, control characters as spaces. Returns the length. */
+size_t attnd_log_escape(char *dst, size_t cap, const char *src);
+
+/* Rate-limited lines, for events a client can cause at any rate (failed
+ * calls): per key, at most ATTND_LOG_RL_BURST lines per ATTND_LOG_RL_WINDOW_MS;
+ * the ones past it are counted, and once the window is over one line
+ * "event=EVENT LABEL suppressed=K window_s=10" reports them (written by the
+ * next line of that key, or by attnd_log_limited_flush(0), which the daemon
+ * calls every window; attnd_log_limited_flush(1), at exit, reports every
+ * count whatever its window). event must be a string literal; label (up to
+ * 95 bytes, e.g. "method=step code=NOT_FOUND") names the key in the lines. */
+#define ATTND_LOG_RL_KEYS 512
+#define ATTND_LOG_RL_BURST 5
+#define ATTND_LOG_RL_WINDOW_MS 10000
+void attnd_log_limited(attnd_log_level_t level, unsigned key, const char *event, const char *label,
+                       const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+void attnd_log_limited_flush(int all);
+/* Tests: the clock the windows are measured with (NULL: CLOCK_MONOTONIC), in ms. */
+void attnd_log_limited_clock(uint64_t (*now_ms)(void));
+
+/* How loud a call that ended with this wire status code is logged: INTERNAL
+ * (and unknown codes) are errors, UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED
+ * and CANCELLED warnings (the daemon's state or limits), the caller's
+ * mistakes (INVALID_ARGUMENT, NOT_FOUND, ...) info: all are visible at the
+ * default level. */
+attnd_log_level_t attnd_status_log_level(int code);
 
 #define ATTND_LOGE(ev, ...) attnd_log(ATTND_LOG_ERROR, ev, __VA_ARGS__)
 #define ATTND_LOGW(ev, ...) attnd_log(ATTND_LOG_WARN, ev, __VA_ARGS__)

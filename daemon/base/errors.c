@@ -43,3 +43,25 @@ int attnd_err_from_kernel(int rc) {
     return ATTND_EINTERNAL;
   }
 }
+
+attnd_log_level_t attnd_status_log_level(int code) {
+  switch (code) {
+  case ATTND_STATUS_OK:
+    return ATTND_LOG_DEBUG;
+  case ATTND_STATUS_INVALID_ARGUMENT:
+  case ATTND_STATUS_NOT_FOUND:
+  case ATTND_STATUS_PERMISSION_DENIED:
+  case ATTND_STATUS_FAILED_PRECONDITION:
+  case ATTND_STATUS_OUT_OF_RANGE:
+  case ATTND_STATUS_UNIMPLEMENTED:
+  case ATTND_STATUS_UNAUTHENTICATED:
+    return ATTND_LOG_INFO;
+  case ATTND_STATUS_CANCELLED:
+  case ATTND_STATUS_RESOURCE_EXHAUSTED:
+  case ATTND_STATUS_ABORTED:
+  case ATTND_STATUS_UNAVAILABLE:
+    return ATTND_LOG_WARN;
+  default:
+    return ATTND_LOG_ERROR;
+  }
+}

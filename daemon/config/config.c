@@ -1,5 +1,7 @@
-/* config.c: defaults, cross-field validation and the --help text.
- * options.c reads flags and the INI file into the same struct. */
+/* config.c: defaults, cross-field validation, and what --check-config prints.
+ * options.c reads flags and the INI file into the same struct (and holds the
+ * generated --help text), model_config.c a Hugging Face config.json,
+ * resources.c checks the KV pool against the host. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -126,20 +128,48 @@ int attnd_config_hostport(const char *s, char *host, size_t hostlen, int *port) 
   return 0;
 }
 
+/* " (from --model-config FILE)" when the model config gave the option its value. */
+static const char *from(const attnd_config_t *c, const char *name, char *buf, size_t cap) {
+  if (attnd_config_origin(c, name) != ATTND_FROM_MODEL)
+    return "";
+  snprintf(buf, cap, " (from --model-config %s)", c->model_config);
+  return buf;
+}
+
+/* A file the daemon may append to: writable, or creatable in its directory.
+ * Nothing is created here (--check-config changes nothing). */
+static int appendable(const char *path) {
+  if (access(path, F_OK) == 0)
+    return access(path, W_OK);
+  char dir[256];
+  snprintf(dir, sizeof(dir), "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (!slash)
+    return access(".", W_OK | X_OK);
+  if (slash == dir)
+    slash[1] = 0;
+  else
+    *slash = 0;
+  return access(dir, W_OK | X_OK);
+}
+
 int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen) {
   attnd_kshape_t *s = &c->shape;
-  char host[128];
+  char host[128], f1[300], f2[300];
   int port;
   if (s->q_heads % s->kv_heads != 0)
-    ERR("--q-heads %d is not a multiple of --kv-heads %d", s->q_heads, s->kv_heads);
+    ERR("--q-heads %d is not a multiple of --kv-heads %d%s", s->q_heads, s->kv_heads,
+        from(c, "q-heads", f1, sizeof(f1))[0] ? f1 : from(c, "kv-heads", f2, sizeof(f2)));
   if (s->head_dim != 64 && s->head_dim != 128 && s->head_dim != 256)
-    ERR("--head-dim %d: must be 64, 128 or 256", s->head_dim);
+    ERR("--head-dim %d%s: must be 64, 128 or 256", s->head_dim,
+        from(c, "head-dim", f1, sizeof(f1)));
   if (s->block_size != 16 && s->block_size != 32 && s->block_size != 64 && s->block_size != 128)
     ERR("--block-size %d: must be 16, 32, 64 or 128", s->block_size);
   if (s->rotary_dim == 0)
     s->rotary_dim = s->head_dim;
   if (s->rotary_dim > s->head_dim || (s->rotary_dim & 1))
-    ERR("--rotary-dim %d: must be even and <= --head-dim %d", s->rotary_dim, s->head_dim);
+    ERR("--rotary-dim %d%s: must be even and <= --head-dim %d", s->rotary_dim,
+        from(c, "rotary-dim", f1, sizeof(f1)), s->head_dim);
   if (s->softmax_scale == 0.0f)
     s->softmax_scale = (float)(1.0 / sqrt((double)s->head_dim));
   if (attnd_kshape_check(s) != 0)
@@ -167,51 +197,58 @@ int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen) {
     ERR("--token-file '%s': not readable", c->token_file);
   if (!c->model_id[0])
     ERR("--model-id: empty");
+  if (c->log_file[0] && appendable(c->log_file) != 0)
+    ERR("--log-file '%s': cannot be written or created", c->log_file);
   return 0;
 }
 
-const char *attnd_config_usage(void) {
-  return "usage: attnd [--flag value | --flag=value]...\n"
-         "\n"
-         "Listeners:\n"
-         "  --socket PATH          Unix socket (default per systemd/XDG, see docs/operations.md)\n"
-         "  --listen HOST:PORT     TCP listener, default 127.0.0.1:7411; port 0 picks one; empty "
-         "disables\n"
-         "  --metrics HOST:PORT    Prometheus /metrics, default 127.0.0.1:7412; empty disables\n"
-         "  --token-file FILE      tokens accepted in Hello (one per line); needed off loopback\n"
-         "  --max-frame BYTES      largest frame, default 512M (< 2G)\n"
-         "  --max-inflight BYTES   in-flight bytes per connection before reading stops, default "
-         "1G\n"
-         "  --max-connections N    default 1024\n"
-         "  --hello-timeout MS     off-loopback TCP clients must send Hello within this, default "
-         "10000\n"
-         "  --require-token        every TCP client must send Hello{token}, loopback too\n"
-         "Engine:\n"
-         "  --backend auto|cpu|cuda  --device N  --threads N (CPU workers, 0 = cores)\n"
-         "  --kv-memory BYTES      KV pool size (K/M/G suffix); default 1G CPU, 90% free GPU "
-         "memory\n"
-         "  --max-sessions N       default 65536\n"
-         "  --session-idle SECONDS default 600\n"
-         "  --no-prefix-cache      disable prefix sharing\n"
-         "  --state-dir DIR        persisted scales\n"
-         "Tuning (how work is done, never its result):\n"
-         "  --worker-threads N     libuv worker pool, default 0 = max(4, --threads or cores)\n"
-         "  --engine-offload-bytes BYTES  steps with more q+k+v bytes are scanned on the\n"
-         "                         worker pool behind an admission queue, default 1M\n"
-         "  --rpc-ref-min BYTES    step outputs this large go to the socket without a copy, "
-         "default 64K\n"
-         "  --cuda-pinned-max BYTES  pinned staging cap, default 0 = 1/8 of RAM in [256M, 8G]\n"
-         "  --cuda-hostfn-min BYTES  larger q+k+v are staged by a host function, default 1M\n"
-         "  --cuda-completion poll|callback  default poll (an event poller thread)\n"
-         "  --cuda-trace           log medians of where CUDA steps' time goes, every 256 steps\n"
-         "Model shape (default Llama-3-8B-like):\n"
-         "  --layers 32 --q-heads 32 --kv-heads 8 --head-dim 128 --block-size 64\n"
-         "  --dtype bf16|fp16 --kv-cache bf16|fp16|int8|fp8|int8_dynamic|fp8_dynamic|int4\n"
-         "  --rope none|neox|interleaved --rope-theta 500000 --rotary-dim N --softmax-scale X\n"
-         "  --max-context 131072 --model-id NAME\n"
-         "Other:\n"
-         "  --config FILE          INI file, keys named as the flags without dashes; flags win\n"
-         "  --log-level error|warn|info|debug\n"
-         "  --check-config         validate the configuration and exit (0 ok, 2 bad)\n"
-         "  --help  --version\n";
+static const char *const rope_names[] = {"none", "neox", "interleaved"};
+
+void attnd_config_print(const attnd_config_t *c, const attnd_config_pool_t *p, FILE *f) {
+  const attnd_kshape_t *s = &c->shape;
+  static const char *const origin_names[] = {"default", "model config", "config file", "flag"};
+  fprintf(f, "# model shape: ");
+  if (c->model_config[0])
+    fprintf(f, "from --model-config %s (model_type %s); keys and flags win\n", c->model_config,
+            c->model_type[0] ? c->model_type : "?");
+  else
+    fprintf(f, "built-in defaults, keys and flags\n");
+  char v[160];
+#define LINE(name, fmt, ...)                                                                       \
+  do {                                                                                             \
+    snprintf(v, sizeof(v), fmt, __VA_ARGS__);                                                      \
+    fprintf(f, "%-13s = %-16s # %s\n", name, v, origin_names[attnd_config_origin(c, name) & 3]);   \
+  } while (0)
+  LINE("layers", "%d", c->layers);
+  LINE("q-heads", "%d", s->q_heads);
+  LINE("kv-heads", "%d", s->kv_heads);
+  LINE("head-dim", "%d", s->head_dim);
+  LINE("rope", "%s", (unsigned)s->rope < 3 ? rope_names[s->rope] : "?");
+  LINE("rope-theta", "%.17g", s->rope_theta);
+  LINE("rotary-dim", "%d", s->rotary_dim);
+  LINE("softmax-scale", "%.9g", (double)s->softmax_scale);
+  LINE("max-context", "%d", c->max_context);
+  LINE("dtype", "%s", s->dtype == ATTND_DT_FP16 ? "fp16" : "bf16");
+  LINE("kv-cache", "%s", attnd_kv_type_name(s->kv));
+  LINE("block-size", "%d", s->block_size);
+  LINE("model-id", "%s", c->model_id);
+#undef LINE
+  char a[32], b[32];
+  if (p->kv_memory) {
+    uint64_t tokens = p->blocks * (uint64_t)s->block_size;
+    attnd_config_fmt_size(a, sizeof(a), p->blocks * p->block_bytes * (uint64_t)c->layers);
+    fprintf(f,
+            "# KV pool: %s on the %s backend, %llu blocks of %d tokens per layer (%llu tokens, "
+            "%zu bytes per block)\n",
+            a, p->cpu ? "CPU" : "CUDA", (unsigned long long)p->blocks, s->block_size,
+            (unsigned long long)tokens, p->block_bytes);
+  } else {
+    fprintf(f, "# KV pool: 90%% of the free device memory (CUDA backend), %zu bytes per block\n",
+            p->block_bytes);
+  }
+  if (p->cpu && p->host_available) {
+    attnd_config_fmt_size(a, sizeof(a), p->host_limit);
+    attnd_config_fmt_size(b, sizeof(b), p->host_available);
+    fprintf(f, "# host memory: kv-memory may be up to %s (90%% of the %s available)\n", a, b);
+  }
 }

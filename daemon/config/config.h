@@ -1,17 +1,21 @@
 /* config.h: the daemon's configuration (docs/operations.md).
  *
  * Flags and config-file keys share names (`--kv-memory` <-> `kv-memory = ...`;
- * the file is INI-style, parsed with libinih). Precedence: built-in defaults,
+ * the file is INI-style, parsed with libinih; flags with getopt_long).
+ * Precedence: built-in defaults, then a --model-config file (a Hugging Face
+ * config.json: it supplies only shape options that are not set explicitly),
  * then the config file, then flags. Everything is fixed at start, and this is
  * the one place that reads options: no other part of the daemon looks at the
  * environment (config reads only the systemd and XDG directories behind the
- * default paths). deploy/attnd.conf lists every key with its
- * default; `attnd --help` prints them. */
+ * default paths; the logger, systemd's JOURNAL_STREAM). The option list is
+ * deploy/options.toml: the getopt table and the --help text are generated
+ * from it at build time; deploy/attnd.conf lists every key with its default. */
 #ifndef ATTND_CONFIG_H
 #define ATTND_CONFIG_H
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "attnd_kernels.h"
 
@@ -19,6 +23,17 @@
 #define ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES ((uint64_t)1 << 20)
 #define ATTND_DEFAULT_RPC_REF_MIN ((uint64_t)64 << 10)
 #define ATTND_DEFAULT_CUDA_HOSTFN_MIN ((uint64_t)1 << 20)
+
+/* Where an option's value came from (attnd_config_t.origin), in rising precedence. */
+typedef enum {
+  ATTND_FROM_DEFAULT = 0,
+  ATTND_FROM_MODEL = 1, /* --model-config */
+  ATTND_FROM_FILE = 2,  /* --config */
+  ATTND_FROM_FLAG = 3,
+} attnd_origin_t;
+
+/* Room for the options of deploy/options.toml (checked at compile time). */
+#define ATTND_CONFIG_MAX_OPTIONS 128
 
 typedef enum {
   ATTND_BACKEND_AUTO = 0,
@@ -40,13 +55,16 @@ typedef struct {
   char token_file[256];         /* --token-file: tokens accepted in Hello, one per line */
   char config_file[256];        /* --config */
   char log_level[16];           /* --log-level error|warn|info|debug */
+  char log_file[256];           /* --log-file: append here instead of stderr */
 
   /* Model shape (attnd_kshape_t carries the kernels' part of it). */
-  int layers;           /* --layers, default 32 */
-  attnd_kshape_t shape; /* --q-heads --kv-heads --head-dim --block-size --dtype
-                         * --kv-cache --rope --rope-theta --rotary-dim --softmax-scale */
-  int max_context;      /* --max-context, default 131072 */
-  char model_id[128];   /* --model-id */
+  int layers;             /* --layers, default 32 */
+  attnd_kshape_t shape;   /* --q-heads --kv-heads --head-dim --block-size --dtype
+                           * --kv-cache --rope --rope-theta --rotary-dim --softmax-scale */
+  int max_context;        /* --max-context, default 131072 */
+  char model_id[128];     /* --model-id */
+  char model_config[256]; /* --model-config: a Hugging Face config.json */
+  char model_type[64];    /* its model_type, for --check-config */
 
   /* Limits. */
   uint64_t kv_memory;    /* --kv-memory bytes; 0 = backend default */
@@ -63,6 +81,7 @@ typedef struct {
   int check_config; /* --check-config: validate, then exit 0 or 2 */
   int show_help;    /* --help */
   int show_version; /* --version */
+  int usage_error;  /* set by attnd_config_parse when the command line itself was wrong */
 
   /* Off-loopback TCP connections that send no Hello within this many
    * milliseconds are closed, so they cannot hold --max-connections slots. */
@@ -87,19 +106,49 @@ typedef struct {
                                        * memory by a host function past this, default 1M */
   attnd_completion_t cuda_completion; /* --cuda-completion poll|callback */
   int cuda_trace;                     /* --cuda-trace: log where steps' time goes */
+
+  /* attnd_origin_t of each option, indexed by its row in deploy/options.toml
+   * (attnd_config_origin() looks one up by name). */
+  uint8_t origin[ATTND_CONFIG_MAX_OPTIONS];
 } attnd_config_t;
+
+/* The KV pool the options ask for, and what the host can give it
+ * (attnd_config_check_resources). */
+typedef struct {
+  int cpu;                 /* 1: the CPU backend will serve (else CUDA) */
+  uint64_t kv_memory;      /* asked (0 on CUDA: 90% of free device memory) */
+  size_t block_bytes;      /* one block of one layer */
+  uint64_t blocks;         /* per layer; 0 when the device decides (CUDA, kv-memory 0) */
+  uint64_t host_available; /* CPU: MemAvailable + SwapFree, or the cgroup's room; 0 unknown */
+  uint64_t host_limit;     /* CPU: 90% of host_available, the most kv-memory may be */
+} attnd_config_pool_t;
 
 /* Fills built-in defaults (environment-dependent paths included). */
 void attnd_config_defaults(attnd_config_t *c);
-/* Parses argv (flags override the file named by --config). On error returns a
- * negative ATTND_E* and writes a one-line reason into err. */
+/* Parses argv (getopt_long: --flag value, --flag=value, unique prefixes; -h,
+ * -V), then the file named by --config, then the --model-config file, with the
+ * precedence above. On error returns a negative ATTND_E* and writes a one-line
+ * reason into err (a usage error: the daemon exits 2). */
 int attnd_config_parse(attnd_config_t *c, int argc, char **argv, char *err, size_t errlen);
-/* Checks cross-field constraints; fills derived values (softmax scale, rotary_dim). */
+/* Checks cross-field constraints; fills derived values (softmax scale, rotary_dim).
+ * A value that came from --model-config is named as such in the reason. */
 int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen);
+/* The start-time checks that need no device (docs/operations.md section 1):
+ * the KV pool holds at least one block per layer, and on the CPU backend
+ * (cpu_backend: --backend cpu, or auto with no CUDA device) it fits in 90% of
+ * the host memory available to the daemon (MemAvailable + SwapFree, or what
+ * the cgroup's memory.max leaves). Fills *pool; after attnd_config_validate. */
+int attnd_config_check_resources(const attnd_config_t *c, int cpu_backend,
+                                 attnd_config_pool_t *pool, char *err, size_t errlen);
+/* What --check-config prints after "configuration ok": the model shape as
+ * config-file keys (with where it came from) and the KV pool. */
+void attnd_config_print(const attnd_config_t *c, const attnd_config_pool_t *pool, FILE *f);
+/* attnd_origin_t of the option name ("layers"), or -1 for no such option. */
+int attnd_config_origin(const attnd_config_t *c, const char *name);
 
 /* Splits "HOST:PORT" or "[V6HOST]:PORT" into host and port (0..65535). */
 int attnd_config_hostport(const char *s, char *host, size_t hostlen, int *port);
-/* The --help text. */
+/* The --help text (generated from deploy/options.toml). */
 const char *attnd_config_usage(void);
 /* The libuv worker pool size the options ask for (--worker-threads, or its
  * default from --threads and the core count). */

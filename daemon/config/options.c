@@ -1,10 +1,15 @@
 /* options.c: flags and config-file keys (docs/operations.md).
  *
- * Flags and file keys go through one setter (set_option), so a key means the
- * same in both places and is checked the same way. The file is read first and
- * flags applied after it, whatever their order on the command line, so that
- * flags always win. */
+ * Which options exist, and whether each takes a value, is the generated table
+ * of deploy/options.toml (options_gen.h): getopt_long's table and the --help
+ * text are made from it, so neither can drift from the documents. Flags and
+ * file keys go through one setter (set_option), so a key means the same in
+ * both places and is checked the same way; it records where each value came
+ * from (attnd_config_t.origin). The file is read first and flags applied after
+ * it, whatever their order on the command line, so that flags always win; a
+ * --model-config file then fills only the shape options nobody set. */
 #include <errno.h>
+#include <getopt.h>
 #include <ini.h>
 #include <math.h>
 #include <stdio.h>
@@ -14,6 +19,10 @@
 
 #include "base.h"
 #include "internal.h"
+#include "options_gen.h"
+
+_Static_assert(ATTND_OPTION_COUNT <= ATTND_CONFIG_MAX_OPTIONS,
+               "deploy/options.toml has more options than attnd_config_t.origin holds");
 
 #define ERR(...)                                                                                   \
   do {                                                                                             \
@@ -96,8 +105,22 @@ static int parse_double(const char *v, double *out) {
   return 0;
 }
 
-/* The one place that knows every key. name has no leading dashes; '_' and '-'
- * are equivalent so that file keys may use either. */
+int attnd_config_option_index(const char *name) {
+  for (int i = 0; i < ATTND_OPTION_COUNT; i++)
+    if (strcmp(attnd_option_defs[i].name, name) == 0)
+      return i;
+  return -1;
+}
+
+int attnd_config_origin(const attnd_config_t *c, const char *name) {
+  int i = attnd_config_option_index(name);
+  return i < 0 ? -1 : c->origin[i];
+}
+
+const char *attnd_config_usage(void) {
+  return ATTND_OPTIONS_HELP;
+}
+
 /* A boolean config value: true/false, 1/0, yes/no, on/off. */
 static int parse_bool(const char *name, const char *v, int *out, char *err, size_t errlen) {
   if (strcmp(v, "true") == 0 || strcmp(v, "1") == 0 || strcmp(v, "yes") == 0 ||
@@ -114,8 +137,11 @@ static int parse_bool(const char *name, const char *v, int *out, char *err, size
   return ATTND_EINVAL;
 }
 
-static int set_option(attnd_config_t *c, const char *prefix, const char *name_in, const char *v,
-                      char *err, size_t errlen) {
+/* The one place that knows what every option's value means. name has no
+ * leading dashes; '_' and '-' are equivalent so that file keys may use either.
+ * from (attnd_origin_t) is recorded as the option's origin. */
+static int set_option(attnd_config_t *c, int from, const char *prefix, const char *name_in,
+                      const char *v, char *err, size_t errlen) {
   char name[64];
   long x;
   uint64_t u;
@@ -125,6 +151,10 @@ static int set_option(attnd_config_t *c, const char *prefix, const char *name_in
   for (char *p = name; *p; p++)
     if (*p == '_')
       *p = '-';
+  int idx = attnd_config_option_index(name);
+  if (idx < 0)
+    ERR("unknown option '%s%s'", prefix, name_in);
+  c->origin[idx] = (uint8_t)from;
 
 #define STR(key, field)                                                                            \
   if (strcmp(name, key) == 0) {                                                                    \
@@ -153,6 +183,8 @@ static int set_option(attnd_config_t *c, const char *prefix, const char *name_in
   STR("state-dir", state_dir)
   STR("token-file", token_file)
   STR("model-id", model_id)
+  STR("model-config", model_config)
+  STR("log-file", log_file)
   if (strcmp(name, "config") == 0) {
     if (copy_str(c->config_file, sizeof(c->config_file), v))
       ERR("--config: path too long");
@@ -258,16 +290,15 @@ static int set_option(attnd_config_t *c, const char *prefix, const char *name_in
 #undef SIZE
 }
 
-/* Switches that are also file keys, with a boolean value there. */
-static int is_bool_switch(const char *name) {
-  return strcmp(name, "require-token") == 0 || strcmp(name, "cuda-trace") == 0;
+int attnd_config_set(attnd_config_t *c, int from, const char *name, const char *value, char *err,
+                     size_t errlen) {
+  return set_option(c, from, "--", name, value, err, errlen);
 }
 
-/* Flags that take no value. */
-static int is_switch(const char *name) {
-  return strcmp(name, "no-prefix-cache") == 0 || is_bool_switch(name) ||
-         strcmp(name, "check-config") == 0 || strcmp(name, "help") == 0 ||
-         strcmp(name, "version") == 0;
+/* A flag that takes no value; on the command line only unless it is a
+ * boolean file key (require-token, cuda-trace). */
+static int is_switch(int idx) {
+  return idx >= 0 && attnd_option_defs[idx].kind == ATTND_OPT_SWITCH;
 }
 
 typedef struct {
@@ -278,18 +309,23 @@ typedef struct {
 
 static int ini_cb(void *user, const char *section, const char *name, const char *value) {
   ini_ctx_t *x = user;
-  char e[200];
+  char e[200], key[64];
   if (section[0] && strcmp(section, "attnd") != 0) {
     if (!x->reason[0])
       snprintf(x->reason, sizeof(x->reason), "unknown section [%s]", section);
     return 0;
   }
-  if ((is_switch(name) && !is_bool_switch(name)) || strcmp(name, "config") == 0) {
+  snprintf(key, sizeof(key), "%s", name);
+  for (char *p = key; *p; p++)
+    if (*p == '_')
+      *p = '-';
+  int idx = attnd_config_option_index(key);
+  if (idx >= 0 && !attnd_option_defs[idx].file) {
     if (!x->reason[0])
       snprintf(x->reason, sizeof(x->reason), "'%s' is a command-line flag, not a file key", name);
     return 0;
   }
-  if (set_option(x->c, "", name, value, e, sizeof(e))) {
+  if (set_option(x->c, ATTND_FROM_FILE, "", name, value, e, sizeof(e))) {
     if (!x->reason[0])
       snprintf(x->reason, sizeof(x->reason), "%s", e);
     return 0;
@@ -309,68 +345,139 @@ static int load_file(attnd_config_t *c, const char *path, char *err, size_t errl
   return 0;
 }
 
-/* Splits argv[*i] into name and value; consumes the next argument when the
- * flag takes a value and has no '='. */
-static int next_flag(int argc, char **argv, int *i, char *name, size_t namecap, const char **val,
-                     char *err, size_t errlen) {
-  const char *a = argv[*i];
-  if (strncmp(a, "--", 2) != 0 || !a[2])
-    ERR("unexpected argument '%s' (flags start with --)", a);
-  a += 2;
-  const char *eq = strchr(a, '=');
-  size_t n = eq ? (size_t)(eq - a) : strlen(a);
-  if (n >= namecap)
-    ERR("unknown option '--%.*s'", (int)n, a);
-  memcpy(name, a, n);
-  name[n] = 0;
-  if (is_switch(name)) {
-    if (eq)
-      ERR("--%s takes no value", name);
-    *val = NULL;
-    return 0;
+/* A switch given on the command line. */
+static void set_switch(attnd_config_t *c, int idx) {
+  const char *name = attnd_option_defs[idx].name;
+  c->origin[idx] = ATTND_FROM_FLAG;
+  if (strcmp(name, "no-prefix-cache") == 0) {
+    c->prefix_cache = 0;
+    c->origin[attnd_config_option_index("prefix-cache")] = ATTND_FROM_FLAG;
+  } else if (strcmp(name, "require-token") == 0) {
+    c->require_token = 1;
+  } else if (strcmp(name, "cuda-trace") == 0) {
+    c->cuda_trace = 1;
+  } else if (strcmp(name, "check-config") == 0) {
+    c->check_config = 1;
+  } else if (strcmp(name, "help") == 0) {
+    c->show_help = 1;
+  } else if (strcmp(name, "version") == 0) {
+    c->show_version = 1;
   }
-  if (eq) {
-    *val = eq + 1;
-  } else {
-    if (*i + 1 >= argc)
-      ERR("--%s needs a value", name);
-    *val = argv[++*i];
+}
+
+/* The one-line reason for an option getopt_long did not take: argument a
+ * ("--bogus=1", "--max", "--check-config=1", "-x"), optopt as getopt left it. */
+static int bad_option(const char *a, int optopt_v, char *err, size_t errlen) {
+  if (strncmp(a, "--", 2) != 0) {
+    if (optopt_v > 0 && optopt_v < 256)
+      ERR("unknown option '-%c'", optopt_v);
+    ERR("unknown option '%s'", a);
   }
+  const char *name = a + 2;
+  size_t n = strcspn(name, "=");
+  int exact = -1, matches = 0, first = -1;
+  char cands[160] = "";
+  for (int i = 0; i < ATTND_OPTION_COUNT; i++) {
+    const attnd_option_def_t *o = &attnd_option_defs[i];
+    if (o->kind == ATTND_OPT_FILE_ONLY || strncmp(o->name, name, n) != 0)
+      continue;
+    if (strlen(o->name) == n)
+      exact = i;
+    if (matches++ == 0)
+      first = i;
+    size_t l = strlen(cands);
+    if (l + strlen(o->name) + 5 < sizeof(cands))
+      snprintf(cands + l, sizeof(cands) - l, "%s--%s", l ? ", " : "", o->name);
+  }
+  int idx = exact >= 0 ? exact : matches == 1 ? first : -1;
+  if (idx >= 0 && name[n] == '=' && is_switch(idx))
+    ERR("--%s takes no value", attnd_option_defs[idx].name);
+  if (matches > 1 && exact < 0)
+    ERR("ambiguous option '--%.*s' (%s)", (int)n, name, cands);
+  ERR("unknown option '--%.*s'", (int)n, name);
+}
+
+typedef struct {
+  int idx;
+  const char *val;
+} flag_t;
+
+/* Reads the command line into flags[] (getopt_long), in order. */
+static int read_flags(int argc, char **argv, flag_t *flags, int *nflags, char *err, size_t errlen) {
+  struct option lo[ATTND_OPTION_COUNT + 1];
+  char shortopts[16 + 2 * ATTND_OPTION_COUNT];
+  int nl = 0, ns = 0;
+  /* '-': operands come back in order as 1 (they are errors), whatever
+   * POSIXLY_CORRECT says; ':': a missing value is reported as ':'. */
+  shortopts[ns++] = '-';
+  shortopts[ns++] = ':';
+  for (int i = 0; i < ATTND_OPTION_COUNT; i++) {
+    const attnd_option_def_t *o = &attnd_option_defs[i];
+    if (o->kind == ATTND_OPT_FILE_ONLY)
+      continue;
+    int has = o->kind == ATTND_OPT_VALUE ? required_argument : no_argument;
+    lo[nl++] = (struct option){o->name, has, NULL, 256 + i};
+    if (o->short_name) {
+      shortopts[ns++] = o->short_name;
+      if (has == required_argument)
+        shortopts[ns++] = ':';
+    }
+  }
+  lo[nl] = (struct option){NULL, 0, NULL, 0};
+  shortopts[ns] = 0;
+  optind = 0; /* GNU: a full reinitialization, so that argv may be parsed again */
+  opterr = 0;
+  int ch;
+  while ((ch = getopt_long(argc, argv, shortopts, lo, NULL)) != -1) {
+    const char *a = argv[optind - 1];
+    if (ch == 1)
+      ERR("unexpected argument '%s' (options start with --)", optarg);
+    if (ch == ':')
+      ERR("%s needs a value", a);
+    int idx = -1;
+    if (ch >= 256) {
+      idx = ch - 256;
+    } else {
+      for (int i = 0; i < ATTND_OPTION_COUNT; i++)
+        if (attnd_option_defs[i].short_name && attnd_option_defs[i].short_name == ch)
+          idx = i;
+    }
+    if (idx < 0)
+      return bad_option(a, optopt, err, errlen);
+    flags[(*nflags)++] = (flag_t){idx, optarg};
+  }
+  if (optind < argc)
+    ERR("unexpected argument '%s' (options start with --)", argv[optind]);
   return 0;
 }
 
 int attnd_config_parse(attnd_config_t *c, int argc, char **argv, char *err, size_t errlen) {
-  char name[64];
-  const char *v;
-  int r;
-  /* Pass 1: find --config (and reject malformed flags early). */
-  for (int i = 1; i < argc; i++) {
-    if ((r = next_flag(argc, argv, &i, name, sizeof(name), &v, err, errlen)))
-      return r;
-    if (strcmp(name, "config") == 0 && (r = set_option(c, "--", name, v, err, errlen)))
-      return r;
+  flag_t *flags = attnd_xcalloc((size_t)argc + 1, sizeof(*flags));
+  int n = 0, r;
+  if ((r = read_flags(argc, argv, flags, &n, err, errlen))) {
+    c->usage_error = 1;
+    goto done;
   }
+  /* --config first, then the file, then the other flags over it. */
+  for (int i = 0; i < n; i++)
+    if (strcmp(attnd_option_defs[flags[i].idx].name, "config") == 0 &&
+        (r = set_option(c, ATTND_FROM_FLAG, "--", "config", flags[i].val, err, errlen)))
+      goto done;
   if (c->config_file[0] && (r = load_file(c, c->config_file, err, errlen)))
-    return r;
-  /* Pass 2: flags override the file. */
-  for (int i = 1; i < argc; i++) {
-    next_flag(argc, argv, &i, name, sizeof(name), &v, err, errlen);
+    goto done;
+  for (int i = 0; i < n; i++) {
+    const char *name = attnd_option_defs[flags[i].idx].name;
     if (strcmp(name, "config") == 0)
       continue;
-    if (strcmp(name, "no-prefix-cache") == 0)
-      c->prefix_cache = 0;
-    else if (strcmp(name, "require-token") == 0)
-      c->require_token = 1;
-    else if (strcmp(name, "cuda-trace") == 0)
-      c->cuda_trace = 1;
-    else if (strcmp(name, "check-config") == 0)
-      c->check_config = 1;
-    else if (strcmp(name, "help") == 0)
-      c->show_help = 1;
-    else if (strcmp(name, "version") == 0)
-      c->show_version = 1;
-    else if ((r = set_option(c, "--", name, v, err, errlen)))
-      return r;
+    if (is_switch(flags[i].idx))
+      set_switch(c, flags[i].idx);
+    else if ((r = set_option(c, ATTND_FROM_FLAG, "--", name, flags[i].val, err, errlen)))
+      goto done;
   }
-  return 0;
+  /* The model's shape, where nothing above set it. */
+  if (c->model_config[0])
+    r = attnd_config_model_apply(c, err, errlen);
+done:
+  free(flags);
+  return r;
 }

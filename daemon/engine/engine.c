@@ -75,7 +75,7 @@ static int restore_scales(attnd_engine_t *e, char *err, size_t errlen) {
     return rc;
   }
   if (rc == 1)
-    fprintf(stderr, "attnd: %s\n", lerr);
+    ATTND_LOGW("scales_ignored", "reason=\"%s\"", lerr);
   for (int l = 0; l < e->layers; l++)
     if (e->sc.l[l].present)
       attnd_scales_submit(e, l);

@@ -115,24 +115,54 @@ void attnd_server_stats(const attnd_server_t *s, attnd_server_stats_t *st);
  * harmless (the second cb is ignored). */
 void attnd_server_drain(attnd_server_t *s, void (*cb)(void *arg), void *arg);
 
-/* ---- Prometheus /metrics (metrics.c, http.c) -------------------------------------
+/* ---- the HTTP endpoint: Prometheus /metrics and the probes (metrics.c, http.c) ----
  *
- * GET /metrics serves the text exposition format 0.0.4 of the request
- * counters (rpc.h) and the engine's stats; anything else is a 404. Metric
- * names are listed at the top of net/metrics.c. */
+ * GET (or HEAD) /metrics serves the text exposition format 0.0.4 of the
+ * request counters (rpc.h), the engine's stats and the process's own
+ * numbers; /healthz answers 200 while the loop runs (liveness); /readyz 200
+ * once the daemon serves and 503 while it starts or drains (readiness);
+ * anything else is a 404. Metric names are listed at the top of
+ * net/metrics.c. The server never blocks the loop: every connection is read
+ * and written asynchronously, has a deadline, and the number open is capped
+ * (the oldest idle one makes room for a new one), so idle or slow clients
+ * cannot keep a scraper or a probe out. */
+
+/* What one exposition is made of. */
+typedef struct {
+  const attnd_rpc_counters_t *counters;
+  attnd_engine_t *engine; /* NULL: no engine numbers */
+  double uptime_s;
+  double start_time_s; /* Unix time the process started, 0: read /proc */
+  /* attnd_build_info's labels (version is ATTND_VERSION). */
+  const char *backend, *device, *kv_cache;
+} attnd_metrics_src_t;
 
 /* Writes the whole exposition into a malloc'ed string (*out, *len). */
-int attnd_metrics_render(const attnd_rpc_counters_t *c, attnd_engine_t *engine, double uptime_s,
-                         char **out, size_t *len);
+int attnd_metrics_render(const attnd_metrics_src_t *src, char **out, size_t *len);
 
 typedef struct attnd_metrics_s attnd_metrics_t;
 
-/* Listens on HOST:PORT (port 0 picks one) and serves GET /metrics. start_ns is
- * the daemon's start (uv_hrtime) for the uptime gauge. */
+/* Connections at most, and how long each may take: to send its request
+ * (from accept), and to take its answer (from the answer). */
+#define ATTND_HTTP_MAX_CONNS 64
+#define ATTND_HTTP_REQUEST_MS 5000
+#define ATTND_HTTP_WRITE_MS 10000
+/* Request bytes (line, headers, any body) read from one connection at most. */
+#define ATTND_HTTP_MAX_REQUEST 16384
+
+/* Listens on HOST:PORT (port 0 picks one) and serves the paths above.
+ * start_ns is the daemon's start (uv_hrtime) for the uptime gauge. /readyz
+ * answers 503 until attnd_metrics_set_ready(m, 1). */
 int attnd_metrics_start(attnd_metrics_t **out, uv_loop_t *loop, const char *hostport,
                         const attnd_rpc_counters_t *c, attnd_engine_t *engine, uint64_t start_ns,
                         char *err, size_t errlen);
 int attnd_metrics_port(const attnd_metrics_t *m);
+/* Readiness: 1 once the daemon serves (READY=1); 0 again when a drain starts
+ * (then /readyz says "draining", before it "starting"). */
+void attnd_metrics_set_ready(attnd_metrics_t *m, int ready);
+/* The backend, device and KV cache type attnd_build_info reports. */
+void attnd_metrics_set_build_info(attnd_metrics_t *m, const char *backend, const char *device,
+                                  const char *kv_cache);
 /* Closes the listener and open HTTP connections; the struct is freed once
  * every handle has closed (cb, if not NULL, runs then). */
 void attnd_metrics_close(attnd_metrics_t *m, void (*cb)(void *arg), void *arg);

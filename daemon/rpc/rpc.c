@@ -161,9 +161,24 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
       attnd_rpc_code_name(code), (unsigned long long)res->queued_us,
       (unsigned long long)res->computing_us, c->closed ? " dropped=1" : "",
       res->status ? " msg=\"" : "", res->status ? res->message : "", res->status ? "\"" : "");
-  if (code == ATTND_STATUS_OK && q->step_kind >= 0)
+  if (code != ATTND_STATUS_OK) {
+    /* Failures show at the default level, rate-limited per (method, code)
+     * (docs/operations.md section 6). */
+    char label[64], msg[300];
+    snprintf(label, sizeof(label), "method=%s code=%s", attnd_rpc_method_name(q->method),
+             attnd_rpc_code_name(code));
+    attnd_log_escape(msg, sizeof(msg),
+                     res->message[0] ? res->message : attnd_strerror(res->status));
+    attnd_log_limited(attnd_status_log_level(code),
+                      (unsigned)(q->method * ATTND_STATUS_COUNT + code), "request_failed", label,
+                      "conn=%llu id=%llu msg=\"%s\"", (unsigned long long)c->id,
+                      (unsigned long long)q->id, msg);
+  }
+  if (code == ATTND_STATUS_OK && q->step_kind >= 0) {
     attnd_hist_add(&r->counters.step_latency[q->step_kind],
                    (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);
+    attnd_hist_add(&r->counters.step_queue[q->step_kind], (double)res->queued_us);
+  }
   if (!c->closed)
     answer(q, res, code);
   free(res->out);

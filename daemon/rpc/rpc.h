@@ -56,6 +56,7 @@ typedef struct {
   uint64_t connections_refused; /* over --max-connections */
   uint64_t frame_errors;        /* framing errors that closed a connection */
   attnd_hist_t step_latency[2]; /* ATTND_STEP_PREFILL, ATTND_STEP_DECODE */
+  attnd_hist_t step_queue[2];   /* the same steps' queued_us: waiting for the backend */
 } attnd_rpc_counters_t;
 
 /* "health", "open_session", ... ("unknown" for 0 or out of range). */

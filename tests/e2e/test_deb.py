@@ -73,7 +73,8 @@ class DebTest(unittest.TestCase):
         self.assertNotRegex(m, r"localhost")
         deps = self.field("Depends")
         # Computed by dpkg-shlibdeps from what the binaries link, with versions.
-        for lib in ("libc6 (>=", "libuv1", "libinih1", "libxxhash0", "libsystemd0", "libhttp-parser2.9"):
+        for lib in ("libc6 (>=", "libuv1", "libinih1", "libjansson4", "libxxhash0", "libsystemd0",
+                    "libhttp-parser2.9"):
             self.assertIn(lib, deps)
         self.assertEqual(self.field("Depends", self.ddeb), f"attnd (= {project_version()})")
 

@@ -18,10 +18,10 @@ from harness import BUILD_DIR, SOURCE_DIR, attnctl_binary, daemon_binary
 sys.path.insert(0, os.path.join(SOURCE_DIR, "deploy"))
 import docgen  # noqa: E402
 
-# Flags the daemon accepts (daemon/config.c) that its --help does not print yet.
-# The daemon-side round adds them to --help; then they must leave this set (the
-# test checks the set exactly, so it cannot quietly grow or go stale).
-NOT_IN_DAEMON_HELP = {"max-plans", "prefix-cache"}
+# Flags the daemon accepts that its --help does not print. The option table and
+# --help are both generated from options.toml now, so this stays empty (the test
+# checks the set exactly, so it cannot quietly grow).
+NOT_IN_DAEMON_HELP = set()
 
 
 def man_text(page):
@@ -48,6 +48,19 @@ def man_options(roff):
     for term in man_terms(roff):
         out += re.findall(r"(?:^|, )--([a-z][a-z0-9-]*)", term)
     return out
+
+
+def placeholder_paths(d):
+    """Stand-ins, under d, for the options whose documented value names a file."""
+    tokens = os.path.join(d, "tokens")
+    with open(tokens, "w") as f:
+        f.write("secret\n")
+    model = os.path.join(d, "config.json")
+    with open(model, "w") as f:
+        f.write('{"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, '
+                '"hidden_size": 256}\n')
+    return {"token-file": tokens, "state-dir": d, "model-config": model,
+            "log-file": os.path.join(d, "attnd.log")}
 
 
 def run(args, **kw):
@@ -81,14 +94,12 @@ class AttndOptionsTest(unittest.TestCase):
         """Each flag of options.toml, with its documented default, passes --check-config:
         the daemon's own option table knows it and its value syntax."""
         with tempfile.TemporaryDirectory() as d:
-            tokens = os.path.join(d, "tokens")
-            with open(tokens, "w") as f:
-                f.write("secret\n")
+            paths = placeholder_paths(d)
             for o in self.t["option"]:
                 n = o["name"]
                 if o["flag"] == "none" or n in ("help", "version", "check-config", "config"):
                     continue
-                value = {"token-file": tokens, "state-dir": d}.get(n, o.get("default"))
+                value = paths.get(n, o.get("default"))
                 args = [f"--{n}"] if o["flag"] == "switch" else [f"--{n}={value}"]
                 with self.subTest(option=n):
                     r = run([daemon_binary(), "--check-config", *args])
@@ -120,8 +131,8 @@ class AttndOptionsTest(unittest.TestCase):
         # The example with every commented line switched on is valid too.
         with tempfile.TemporaryDirectory() as d:
             text = re.sub(r"(?m)^#(?=[a-z][a-z0-9-]* = )", "", committed)
-            text = re.sub(r"(?m)^token-file = .*$", "", text)
-            text = re.sub(r"(?m)^state-dir = .*$", f"state-dir = {d}", text)
+            for key, path in placeholder_paths(d).items():
+                text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {path}", text)
             p = os.path.join(d, "all.conf")
             with open(p, "w") as f:
                 f.write(text)

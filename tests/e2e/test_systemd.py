@@ -82,7 +82,7 @@ class UnitFilesTest(unittest.TestCase):
             for key in ("Type=notify", "RuntimeDirectory=attnd", "StateDirectory=attnd", "User=attnd",
                         "WatchdogSec=", "NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes",
                         "PrivateTmp=yes", "UMask=0007", "Restart=on-failure",
-                        "ExecReload=/bin/kill -HUP $MAINPID", "RestartForceExitStatus=SIGHUP",
+                        "ExecReload=/bin/kill -HUP $MAINPID",
                         "DevicePolicy=closed", "DeviceAllow=char-nvidia-frontend rw",
                         "DeviceAllow=char-nvidia-uvm rw", "ProtectProc=invisible", "RemoveIPC=yes",
                         "SystemCallFilter=@system-service", "SystemCallErrorNumber=EPERM",
@@ -93,6 +93,9 @@ class UnitFilesTest(unittest.TestCase):
             settings = [x for x in text.splitlines() if not x.startswith("#")]
             for bad in ("PrivateDevices=yes", "MemoryDenyWriteExecute=yes", "ProcSubset=pid"):
                 self.assertNotIn(bad, settings, f"{unit}: {bad} breaks the CUDA backend")
+            # SIGHUP reloads (attnd(8)): nothing needs restarting after one.
+            self.assertFalse(any(x.startswith("RestartForceExitStatus=") for x in settings),
+                             f"{unit}: RestartForceExitStatus is not needed: SIGHUP never ends attnd")
         with open(os.path.join(SOURCE_DIR, "deploy", "attnd@.service")) as f:
             text = f.read()
         self.assertRegex(text, r"ExecStart=/usr/bin/attnd --config /etc/attnd/attnd@%i\.conf --device %i")

@@ -20,6 +20,7 @@ from .errors import (Aborted, AlreadyExists, AttndConnectionError, AttndError, C
                      DeadlineExceeded, EpochChanged, FailedPrecondition, Internal, InvalidArgument,
                      NotFound, OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,
                      Unavailable, Unimplemented, Unknown, error_for)
+from .model_config import ModelShape, UnsupportedModel, model_shape_from_config
 
 __all__ = [
     "__version__", "Address", "BFLOAT16", "DTYPE_BF16", "DTYPE_FP16", "DTYPE_FP32", "DTYPE_INT32",
@@ -29,4 +30,5 @@ __all__ = [
     "DeadlineExceeded", "EpochChanged", "FailedPrecondition", "Internal", "InvalidArgument",
     "NotFound", "OutOfRange", "PermissionDenied", "ResourceExhausted", "Unauthenticated",
     "Unavailable", "Unimplemented", "Unknown", "error_for",
+    "ModelShape", "UnsupportedModel", "model_shape_from_config",
 ]
