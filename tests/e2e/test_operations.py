@@ -17,7 +17,7 @@ import urllib.request
 import numpy as np
 
 import attnd
-from harness import SMALL_SHAPE, Daemon, daemon_binary
+from harness import Daemon, daemon_binary
 
 PRIO = {"error": "<3>", "warn": "<4>", "info": "<6>", "debug": "<7>"}
 
@@ -142,7 +142,7 @@ class OperationsTest(unittest.TestCase):
         # The CPU pool is calloc'ed: without the rule it would "start" and be
         # killed later by the OOM killer. 64T is more than any test host has.
         for extra in ([], ["--check-config"]):
-            r = subprocess.run([daemon_binary(), *SMALL_SHAPE[:2], "--kv-memory", "64T",
+            r = subprocess.run([daemon_binary(), "--backend", "cpu", "--kv-memory", "64T",
                                 "--socket", os.path.join(self.tmp, "x.sock"), "--listen", "",
                                 "--metrics", "", "--state-dir", self.tmp, *extra],
                                capture_output=True, text=True, timeout=60)
