@@ -636,6 +636,55 @@ static void test_model_config(void **state) {
   rmdir(dir);
 }
 
+/* daemon/config/resources.c, read from a fake /proc/self/cgroup and sysfs. */
+uint64_t attnd_config_cgroup_room(const char *cgroup_file, const char *root);
+
+static void mkdirs(const char *path) {
+  char cmd[300];
+  snprintf(cmd, sizeof(cmd), "mkdir -p '%s'", path);
+  assert_int_equal(system(cmd), 0);
+}
+
+/* The cgroup's room: v2 and v1 files, the tightest along the path, "max"
+ * and missing files meaning no limit. */
+static void test_cgroup_room(void **state) {
+  char dir[64], p[256], cg[256];
+  snprintf(dir, sizeof(dir), "/tmp/attnd-test-cg-XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  snprintf(cg, sizeof(cg), "%s/cgroup", dir);
+  /* v2: the pod limits 2G (1.5G used), the container nothing ("max"). */
+  write_file(cg, "0::/kubepods/pod1/ctr\n");
+  snprintf(p, sizeof(p), "%s/sys/kubepods/pod1/ctr", dir);
+  mkdirs(p);
+  snprintf(p, sizeof(p), "%s/sys/kubepods/pod1/ctr/memory.max", dir);
+  write_file(p, "max\n");
+  snprintf(p, sizeof(p), "%s/sys/kubepods/pod1/memory.max", dir);
+  write_file(p, "2147483648\n");
+  snprintf(p, sizeof(p), "%s/sys/kubepods/pod1/memory.current", dir);
+  write_file(p, "1610612736\n");
+  snprintf(p, sizeof(p), "%s/sys", dir);
+  assert_int_equal(attnd_config_cgroup_room(cg, p), 512ull << 20);
+  /* v1 (a hybrid host): the memory controller's line; usage over the limit is 0. */
+  write_file(cg, "4:memory:/job\n3:cpu:/job\n0::/\n");
+  snprintf(p, sizeof(p), "%s/sys/memory/job", dir);
+  mkdirs(p);
+  snprintf(p, sizeof(p), "%s/sys/memory/job/memory.limit_in_bytes", dir);
+  write_file(p, "1073741824\n");
+  snprintf(p, sizeof(p), "%s/sys/memory/job/memory.usage_in_bytes", dir);
+  write_file(p, "268435456\n");
+  snprintf(p, sizeof(p), "%s/sys", dir);
+  assert_int_equal(attnd_config_cgroup_room(cg, p), 768ull << 20);
+  snprintf(p, sizeof(p), "%s/sys/memory/job/memory.usage_in_bytes", dir);
+  write_file(p, "2147483648\n");
+  snprintf(p, sizeof(p), "%s/sys", dir);
+  assert_int_equal(attnd_config_cgroup_room(cg, p), 0);
+  /* Nothing to read: no limit. */
+  assert_int_equal(attnd_config_cgroup_room("/nonexistent/cgroup", p), UINT64_MAX);
+  char cmd[128];
+  snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
 /* The KV pool against the host: at least one block per layer, and on the
  * CPU backend at most 90% of the memory available. */
 static void test_resources(void **state) {
@@ -689,6 +738,7 @@ int main(void) {
       cmocka_unit_test(test_example_config),   cmocka_unit_test(test_require_token),
       cmocka_unit_test(test_tuning),           cmocka_unit_test(test_getopt_forms),
       cmocka_unit_test(test_model_config),     cmocka_unit_test(test_resources),
+      cmocka_unit_test(test_cgroup_room),
   };
   return cmocka_run_group_tests(tests, NULL, cleanup);
 }

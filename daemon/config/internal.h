@@ -28,6 +28,12 @@ int attnd_config_set(attnd_config_t *c, int from, const char *name, const char *
 /* "1 GiB", "512 MiB", "1.5 KiB", "100 bytes". */
 void attnd_config_fmt_size(char *buf, size_t cap, uint64_t bytes);
 
+/* What a memory cgroup still allows the process whose /proc/PID/cgroup is
+ * cgroup_file, with the cgroup hierarchies mounted at root (/sys/fs/cgroup):
+ * the tightest limit - usage along its path, v2 or v1; UINT64_MAX when
+ * nothing limits it. (A function of its files, so that a test can fake them.) */
+uint64_t attnd_config_cgroup_room(const char *cgroup_file, const char *root);
+
 /* Reads c->model_config and sets the shape options it supplies whose origin is
  * still ATTND_FROM_DEFAULT; refuses a model whose attention attnd does not
  * implement, naming the field. */

@@ -6,10 +6,10 @@
  * every layer (the backends divide kv-memory by block bytes x layers and
  * refuse 0), and on the CPU backend it must fit in 90% of the memory the
  * daemon can have. That is MemAvailable + SwapFree from /proc/meminfo, or
- * less when the daemon's cgroup (v2: memory.max - memory.current, the
- * tightest along its path) leaves less, as in a container with a memory
- * limit. The CPU pool is allocated with calloc, so an oversized one would be
- * "allocated" at start and fail later, page by page, with the OOM killer:
+ * less when the daemon's memory cgroup (v2: memory.max - memory.current; v1:
+ * memory.limit_in_bytes - memory.usage_in_bytes; the tightest along its path)
+ * leaves less, as in a container with a memory limit. The CPU pool is allocated with calloc, so an
+ * oversized one would be "allocated" at start and fail later, page by page, with the OOM killer:
  * refusing it at start is the only clear answer. */
 #include <inttypes.h>
 #include <stdio.h>
@@ -58,23 +58,17 @@ static int read_small(const char *path, char *buf, size_t cap) {
   return 0;
 }
 
-/* What the daemon's cgroup (v2) and its ancestors still allow; UINT64_MAX
- * when nothing limits it or there is no cgroup v2 to read. */
-static uint64_t cgroup_room(void) {
-  char line[512], path[1024], v[64];
+/* The tightest (limit - usage) along a cgroup path and its ancestors, under
+ * the hierarchy mounted at base; UINT64_MAX when nothing there limits it. */
+static uint64_t room_along(const char *base, char *cg, const char *max_file, const char *cur_file) {
+  char path[4200], v[64];
   uint64_t room = UINT64_MAX;
-  if (read_small("/proc/self/cgroup", line, sizeof(line)))
-    return room;
-  char *cg = strstr(line, "0::");
-  if (!cg)
-    return room;
-  cg += 3;
-  cg[strcspn(cg, "\n")] = 0;
   for (;;) {
-    snprintf(path, sizeof(path), "/sys/fs/cgroup%s/memory.max", strcmp(cg, "/") ? cg : "");
+    const char *sub = strcmp(cg, "/") ? cg : "";
+    snprintf(path, sizeof(path), "%s%s/%s", base, sub, max_file);
     if (read_small(path, v, sizeof(v)) == 0 && strncmp(v, "max", 3) != 0) {
       uint64_t max = strtoull(v, NULL, 10), cur = 0;
-      snprintf(path, sizeof(path), "/sys/fs/cgroup%s/memory.current", strcmp(cg, "/") ? cg : "");
+      snprintf(path, sizeof(path), "%s%s/%s", base, sub, cur_file);
       if (read_small(path, v, sizeof(v)) == 0)
         cur = strtoull(v, NULL, 10);
       uint64_t left = max > cur ? max - cur : 0;
@@ -89,6 +83,34 @@ static uint64_t cgroup_room(void) {
   return room;
 }
 
+/* What the daemon's memory cgroup still allows: cgroup v2 (memory.max -
+ * memory.current) or v1's memory controller (memory.limit_in_bytes -
+ * memory.usage_in_bytes); UINT64_MAX when nothing limits it or nothing can
+ * be read. */
+uint64_t attnd_config_cgroup_room(const char *cgroup_file, const char *root) {
+  char text[4096], base[512], *save = NULL;
+  uint64_t room = UINT64_MAX;
+  if (read_small(cgroup_file, text, sizeof(text)))
+    return room;
+  for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+    /* "ID:CONTROLLERS:PATH"; v2 is "0::PATH". */
+    char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+    if (!c2)
+      continue;
+    *c2 = 0;
+    uint64_t r = UINT64_MAX;
+    if (c2 == c1 + 1) {
+      r = room_along(root, c2 + 1, "memory.max", "memory.current");
+    } else if (strstr(c1 + 1, "memory")) {
+      snprintf(base, sizeof(base), "%s/memory", root);
+      r = room_along(base, c2 + 1, "memory.limit_in_bytes", "memory.usage_in_bytes");
+    }
+    if (r < room)
+      room = r;
+  }
+  return room;
+}
+
 /* MemAvailable + SwapFree, at most the cgroup's room; 0 when unknown. */
 static uint64_t host_available(void) {
   char text[8192];
@@ -98,7 +120,7 @@ static uint64_t host_available(void) {
   if (avail == 0)
     return 0;
   avail += meminfo(text, "SwapFree:");
-  uint64_t room = cgroup_room();
+  uint64_t room = attnd_config_cgroup_room("/proc/self/cgroup", "/sys/fs/cgroup");
   return room < avail ? room : avail;
 }
 
