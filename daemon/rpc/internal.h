@@ -36,8 +36,7 @@ typedef struct {
 
 struct attnd_rpc_req_s {
   attnd_rpc_conn_t *conn;
-  attnd_list_t link; /* the connection's requests in flight */
-  int linked;        /* holds the connection (an engine call) */
+  int linked; /* holds the connection (an engine call); in its in-flight map */
   uint64_t id;
   int method;
   uint8_t *frame;

@@ -54,10 +54,15 @@ void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity,
   c->id = r->next_conn_id++;
   c->identity = identity;
   c->need_hello = need_hello;
-  attnd_list_init(&c->reqs);
   c->plan_cap = (uint32_t)(r->cfg->max_plans > 0 ? r->cfg->max_plans : 64);
   c->plan_ids = attnd_xcalloc(c->plan_cap, sizeof(uint64_t));
   c->plan_decode = attnd_xcalloc(c->plan_cap, 1);
+}
+
+/* The in-flight map goes with the last request of a closed connection. */
+static void conn_let_go(attnd_rpc_conn_t *c) {
+  if (c->closed && c->pending == 0 && c->inflight.b)
+    attnd_idmap_free(&c->inflight);
 }
 
 int attnd_rpc_conn_closed(attnd_rpc_conn_t *c) {
@@ -70,7 +75,12 @@ int attnd_rpc_conn_closed(attnd_rpc_conn_t *c) {
   c->plan_ids = NULL;
   c->plan_decode = NULL;
   c->plan_cap = 0;
+  conn_let_go(c);
   return c->pending == 0;
+}
+
+uint32_t attnd_rpc_conn_id_probes(const attnd_rpc_conn_t *c, uint64_t id) {
+  return c->inflight.b ? attnd_idmap_probes(&c->inflight, id) : 0;
 }
 
 /* ---- requests ---- */
@@ -85,7 +95,6 @@ static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, ui
   q->frame_len = len;
   q->t0_ns = attnd_rpc_now_ns();
   q->step_kind = -1;
-  attnd_list_init(&q->link);
   return q;
 }
 
@@ -104,7 +113,13 @@ static void req_free(attnd_rpc_req_t *q) {
 void attnd_rpc_req_hold(attnd_rpc_req_t *q) {
   attnd_rpc_conn_t *c = q->conn;
   q->linked = 1;
-  attnd_list_insert_head(&c->reqs, &q->link);
+  /* Small bookkeeping: a daemon that cannot allocate a map node cannot
+   * answer anyone (base.h, allocation). */
+  if ((!c->inflight.b && attnd_idmap_init(&c->inflight) != 0) ||
+      attnd_idmap_put(&c->inflight, q->id, q) != 0) {
+    ATTND_LOGE("out_of_memory", "what=inflight_map conn=%llu", (unsigned long long)c->id);
+    abort();
+  }
   c->pending++;
   c->req_bytes += q->frame_len + 4;
   c->rpc->inflight++;
@@ -112,7 +127,7 @@ void attnd_rpc_req_hold(attnd_rpc_req_t *q) {
 
 static void req_release(attnd_rpc_req_t *q) {
   attnd_rpc_conn_t *c = q->conn;
-  attnd_list_remove(&q->link);
+  attnd_idmap_del(&c->inflight, q->id);
   c->pending--;
   c->req_bytes -= q->frame_len + 4;
   c->rpc->inflight--;
@@ -177,6 +192,7 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
   if (!linked)
     return;
   if (c->closed) {
+    conn_let_go(c);
     if (c->pending == 0 && c->released)
       c->released(c);
   } else if (c->progress) {
@@ -245,12 +261,10 @@ static int refuse_early(attnd_rpc_req_t *q, uint32_t call_tag) {
     attnd_rpc_fail(q, ATTND_ENOTIMPL, "missing or unknown call");
     return 1;
   }
-  ATTND_LIST_FOREACH(it, nx, &c->reqs) {
-    if (ATTND_LIST_DATA(it, attnd_rpc_req_t, link)->id == q->id) {
-      attnd_rpc_fail(q, ATTND_EINVAL, "id %llu is already in flight on this connection",
-                     (unsigned long long)q->id);
-      return 1;
-    }
+  if (c->inflight.b && attnd_idmap_get(&c->inflight, q->id)) {
+    attnd_rpc_fail(q, ATTND_EINVAL, "id %llu is already in flight on this connection",
+                   (unsigned long long)q->id);
+    return 1;
   }
   if (c->rpc->draining && !(m->flags & RPC_M_DRAINING)) {
     attnd_rpc_fail(q, ATTND_EUNAVAIL, "the daemon is draining (shutting down)");

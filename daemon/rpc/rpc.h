@@ -113,7 +113,10 @@ struct attnd_rpc_conn_s {
   int closed;         /* the transport is gone: results are dropped */
   uint32_t pending;   /* requests in flight */
   uint64_t req_bytes; /* bytes of request frames held by requests in flight */
-  attnd_list_t reqs;  /* requests in flight (for duplicate ids) */
+  /* Requests in flight by id, for the duplicate-id check: O(1) per request
+   * however deep the pipeline (allocated at the first one, freed once the
+   * connection is closed and let go). */
+  attnd_idmap_t inflight;
   /* Plans made on this connection and whether they are decode steps, for the
    * step latency histograms (a ring of the last max_plans). */
   uint64_t *plan_ids;
@@ -154,6 +157,11 @@ int attnd_rpc_conn_closed(attnd_rpc_conn_t *c);
  * of an n-byte frame, as every response starts; the transport's frame reader
  * (net.h) reads the same. */
 void attnd_rpc_frame_header(uint8_t out[4], uint32_t n);
+
+/* How many entries the duplicate-id check compares to find id among this
+ * connection's requests in flight: bounded by a small constant however many
+ * are in flight (the tests check it). */
+uint32_t attnd_rpc_conn_id_probes(const attnd_rpc_conn_t *c, uint64_t id);
 
 /* Constant-time comparison of a token against the accepted ones: 1 if accepted. */
 int attnd_rpc_token_ok(const attnd_rpc_t *r, const char *token);
