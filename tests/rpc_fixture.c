@@ -150,6 +150,7 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
                              attnd_engine_done_cb cb, void *arg) {
   attnd_result_t r;
   memset(&r, 0, sizeof(r));
+  fe.scales_calls++;
   r.version = 5;
   finish(cb, arg, &r);
 }

@@ -45,6 +45,7 @@ typedef struct {
   const uint8_t *frame_lo, *frame_hi;
   int step_in_frame;
   uint64_t last_identity;
+  int scales_calls; /* SetScales calls that reached the engine */
   uint64_t closed_conn;
   uint64_t next_plan;
   uint8_t echo[4096];

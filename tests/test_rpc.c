@@ -158,6 +158,44 @@ static void test_deep_pipeline_o1(void **state) {
   assert_int_equal(f->rpc.inflight, 0);
 }
 
+/* A frame that does not parse ends the connection, but only after every
+ * call admitted before it has been answered: its Response{id 0} waits for
+ * them, frames after it are not requests, and close_after comes with that
+ * last answer only. */
+static void test_frame_error_after_answers(void **state) {
+  fix_t *f = *state;
+  tconn_t t;
+  attnd_v1_Response r;
+  tconn_init(f, &t, 1000, 0);
+  fe.hold = 1;
+  send_call(&t, 1, attnd_v1_Request_truncate_tag, NULL);
+  send_call(&t, 2, attnd_v1_Request_fork_tag, NULL);
+  pbw_t w;
+  pbw_init(&w);
+  pbw_raw(&w, "\xff\xff\xff", 3);
+  send_frame(&t, &w);
+  assert_int_equal(t.nout, 0);
+  assert_true(t.rc.ending);
+  send_call(&t, 3, attnd_v1_Request_health_tag, NULL); /* after the end: dropped */
+  assert_int_equal(t.nout, 0);
+  fake_complete(1);
+  assert_int_equal(t.nout, 1);
+  fake_complete(0);
+  assert_int_equal(t.nout, 3);
+  resp(&t, 0, &r);
+  assert_int_equal(r.id, 2);
+  assert_false(t.close_after[0]);
+  resp(&t, 1, &r);
+  assert_int_equal(r.id, 1);
+  assert_false(t.close_after[1]);
+  resp(&t, 2, &r);
+  assert_int_equal(r.id, 0);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  assert_true(t.close_after[2]);
+  fe.hold = 0;
+  tconn_free(&t);
+}
+
 static int idle_calls;
 
 static void on_idle(void *arg) {
@@ -270,6 +308,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_garbled, setup, teardown),
       cmocka_unit_test_setup_teardown(test_duplicate_id_and_out_of_order, setup, teardown),
       cmocka_unit_test_setup_teardown(test_deep_pipeline_o1, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_frame_error_after_answers, setup, teardown),
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
       cmocka_unit_test_setup_teardown(test_disconnect_mid_request, setup, teardown),
       cmocka_unit_test_setup_teardown(test_fuzz_requests, setup, teardown),

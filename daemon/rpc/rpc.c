@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -27,6 +28,7 @@ int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
   r->start_ns = attnd_rpc_now_ns();
   r->next_conn_id = 1;
   r->ref_min = (size_t)cfg->rpc_ref_min;
+  r->own_uid = (uint64_t)geteuid();
   /* The epoch tells clients the daemon restarted; it must not repeat. */
   if (getrandom(&r->epoch, sizeof(r->epoch), 0) != (ssize_t)sizeof(r->epoch)) {
     snprintf(err, errlen, "getrandom: %s", strerror(errno));
@@ -54,6 +56,7 @@ void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity,
   c->id = r->next_conn_id++;
   c->identity = identity;
   c->need_hello = need_hello;
+  c->is_unix = identity < (1ull << 32); /* rpc.h: only a Unix peer's uid is that small */
   c->plan_cap = (uint32_t)(r->cfg->max_plans > 0 ? r->cfg->max_plans : 64);
   c->plan_ids = attnd_xcalloc(c->plan_cap, sizeof(uint64_t));
   c->plan_decode = attnd_xcalloc(c->plan_cap, 1);
@@ -179,6 +182,8 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
   if (code == ATTND_STATUS_OK && q->step_kind >= 0)
     attnd_hist_add(&r->counters.step_latency[q->step_kind],
                    (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);
+  if (q->close_after)
+    c->ending = 1; /* this answer closes the connection: nothing later is a request */
   if (!c->closed)
     answer(q, res, code);
   free(res->out);
@@ -191,6 +196,11 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
   req_free(q);
   if (!linked)
     return;
+  /* The connection is ending: its own answer goes after every call's. */
+  if (!c->closed && c->end_deferred && c->pending == 0) {
+    c->end_deferred = 0;
+    attnd_rpc_send_error(c, 0, c->end_err, c->end_msg, 1);
+  }
   if (c->closed) {
     conn_let_go(c);
     if (c->pending == 0 && c->released)
@@ -270,12 +280,36 @@ static int refuse_early(attnd_rpc_req_t *q, uint32_t call_tag) {
     attnd_rpc_fail(q, ATTND_EUNAVAIL, "the daemon is draining (shutting down)");
     return 1;
   }
+  if ((m->flags & RPC_M_OPERATOR) && !attnd_rpc_conn_operator(c)) {
+    attnd_rpc_fail(q, ATTND_EPERM,
+                   "%s changes daemon-wide state: only an operator may call it (the daemon's "
+                   "uid or root on the Unix socket, or an operator token)",
+                   m->name);
+    return 1;
+  }
   return 0;
+}
+
+void attnd_rpc_conn_end(attnd_rpc_conn_t *c, int err, const char *msg) {
+  if (c->ending || c->closed)
+    return;
+  c->ending = 1;
+  if (c->pending == 0) {
+    attnd_rpc_send_error(c, 0, err, msg, 1);
+    return;
+  }
+  c->end_deferred = 1;
+  c->end_err = err;
+  snprintf(c->end_msg, sizeof(c->end_msg), "%s", msg ? msg : "");
 }
 
 void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
   attnd_rpc_t *r = c->rpc;
   r->counters.bytes_in += len + 4;
+  if (c->ending || c->closed) { /* not a request any more (attnd_rpc_conn_end) */
+    free(frame);
+    return;
+  }
   uint64_t id;
   uint32_t call_tag, call_len;
   const uint8_t *call_ptr;
