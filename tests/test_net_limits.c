@@ -93,15 +93,17 @@ static void test_turns(void **state) {
 /* ---- the partial-frame budget and the frame deadline ---- */
 
 static void tweak_budget(attnd_config_t *c) {
-  c->max_frame = 64 << 10;
-  c->max_inflight = 256 << 10;
-  c->max_partial_bytes = 128 << 10;
+  c->max_frame = 256 << 10;
+  c->max_inflight = 1 << 20;
+  c->max_partial_bytes = 512 << 10;
   c->frame_deadline_ms = 1500;
   c->idle_timeout_s = 0;
 }
 
+#define BIG 200000 /* larger than the 64 KiB that never wait */
+
 static int two_partial(const attnd_server_stats_t *s) {
-  return s->partial_bytes == 2 * 60000;
+  return s->partial_bytes == 2 * BIG;
 }
 static int one_waits(const attnd_server_stats_t *s) {
   return s->budget_waits == 1;
@@ -110,8 +112,9 @@ static int none_partial(const attnd_server_stats_t *s) {
   return s->partial_bytes == 0 && s->frame_timeouts == 2;
 }
 
-/* Two 60000-byte frames started and stalled hold the 128 KiB budget; a third
- * waits, its deadline not running, and is admitted once the stalled two are
+/* Two 200000-byte frames started and stalled hold most of the 512 KiB
+ * budget; a third waits, its deadline not running, while small frames of
+ * another connection still pass; it is admitted once the stalled two are
  * closed at their deadline (told why, RESOURCE_EXHAUSTED, id 0); it then
  * completes and is answered although more than the deadline passed since its
  * header. The budget is never exceeded and is whole again at the end. */
@@ -119,9 +122,9 @@ static void test_budget_and_deadline(void **state) {
   harness_t *h = h_up(tweak_budget);
   attnd_v1_Response r;
   pbw_t fa, fb, fc;
-  padded_health(&fa, 1, 60000);
-  padded_health(&fb, 2, 60000);
-  padded_health(&fc, 3, 60000);
+  padded_health(&fa, 1, BIG);
+  padded_health(&fb, 2, BIG);
+  padded_health(&fc, 3, BIG);
   int a = connect_unix(h->cfg.socket_path);
   int b = connect_tcp_addr("127.0.0.1", h->tcp_port);
   int c = connect_unix(h->cfg.socket_path);
@@ -133,8 +136,18 @@ static void test_budget_and_deadline(void **state) {
   send_part_fast(c, &fc, 0, 2000);
   wait_stats(h, one_waits, 5);
   h_call(h, snap_stats);
-  assert_int_equal(h->stats.partial_bytes, 2 * 60000); /* c's body is not allocated */
-  assert_int_equal(h->stats.partial_budget, 128 << 10);
+  assert_int_equal(h->stats.partial_bytes, 2 * BIG); /* c's body is not allocated */
+  assert_int_equal(h->stats.partial_budget, 512 << 10);
+  /* A small frame (60000 bytes) does not wait behind c. */
+  int d = connect_unix(h->cfg.socket_path);
+  pbw_t fd;
+  padded_health(&fd, 9, 60000);
+  send_part_fast(d, &fd, 0, fd.n + 4);
+  assert_int_equal(recv_resp(d, &r), 0);
+  assert_int_equal(r.id, 9);
+  assert_int_equal(r.status.code, 0);
+  pbw_free(&fd);
+  close(d);
   /* a and b reach their deadline: told, then closed. */
   assert_int_equal(recv_resp(a, &r), 0);
   assert_int_equal(r.id, 0);
@@ -154,8 +167,8 @@ static void test_budget_and_deadline(void **state) {
   assert_true(now_s() - t_c > 1.5);
   health_ok(c, 4, &r);
   wait_stats(h, none_partial, 5);
-  assert_true(h->stats.peak_partial_bytes <= 128 << 10);
-  assert_true(h->stats.peak_partial_bytes >= 2 * 60000);
+  assert_true(h->stats.peak_partial_bytes <= (512 << 10) + 60000);
+  assert_true(h->stats.peak_partial_bytes >= 2 * BIG);
   pbw_free(&fa);
   pbw_free(&fb);
   pbw_free(&fc);
@@ -189,6 +202,42 @@ static void test_deadline_slow_and_header(void **state) {
   close(a);
   close(b);
   h_down(h);
+}
+
+/* Before its Hello, a connection that must authenticate may not start a
+ * frame over 64 KiB (a Hello takes a few hundred bytes): UNAUTHENTICATED,
+ * id 0, close, and no budget taken. */
+static char hello_tokens[64];
+
+static void tweak_require(attnd_config_t *c) {
+  tweak_budget(c);
+  c->require_token = 1;
+  snprintf(c->token_file, sizeof(c->token_file), "%s", hello_tokens);
+}
+
+static void test_large_frame_before_hello(void **state) {
+  snprintf(hello_tokens, sizeof(hello_tokens), "/tmp/attnd-test-token-XXXXXX");
+  int tfd = mkstemp(hello_tokens);
+  assert_true(tfd >= 0);
+  assert_int_equal(write(tfd, "tok\n", 4), 4);
+  close(tfd);
+  harness_t *h = h_up(tweak_require);
+  attnd_v1_Response r;
+  pbw_t f;
+  padded_health(&f, 1, BIG);
+  int c = connect_tcp_addr("127.0.0.1", h->tcp_port);
+  send_part_fast(c, &f, 0, 100);
+  assert_int_equal(recv_resp(c, &r), 0);
+  assert_int_equal(r.id, 0);
+  assert_int_equal(r.status.code, ATTND_STATUS_UNAUTHENTICATED);
+  assert_non_null(strstr(r.status.message, "before Hello"));
+  expect_eof(c);
+  close(c);
+  h_call(h, snap_stats);
+  assert_int_equal(h->stats.peak_partial_bytes, 0);
+  pbw_free(&f);
+  h_down(h);
+  unlink(hello_tokens);
 }
 
 /* ---- the idle timeout ---- */
@@ -311,6 +360,7 @@ int main(void) {
       cmocka_unit_test(test_turns),
       cmocka_unit_test(test_budget_and_deadline),
       cmocka_unit_test(test_deadline_slow_and_header),
+      cmocka_unit_test(test_large_frame_before_hello),
       cmocka_unit_test(test_idle_timeout),
       cmocka_unit_test(test_per_identity),
   };

@@ -277,6 +277,13 @@ static void feed_result(attnd_conn_t *c, int rc) {
                (unsigned long long)c->fr.bad_len);
     read_stop(c);
     attnd_rpc_frame_error(&c->rc, ATTND_ENOSPC, msg);
+  } else if (rc == ATTND_EUNAUTH) {
+    snprintf(msg, sizeof(msg), "frame of %llu bytes before Hello{token}",
+             (unsigned long long)c->fr.bad_len);
+    ATTND_LOGI("bad_frame", "conn=%llu reason=large_before_hello len=%llu",
+               (unsigned long long)c->rc.id, (unsigned long long)c->fr.bad_len);
+    read_stop(c);
+    attnd_rpc_frame_error(&c->rc, ATTND_EUNAUTH, msg);
   } else if (rc == ATTND_EINVAL) {
     ATTND_LOGI("bad_frame", "conn=%llu reason=zero_length", (unsigned long long)c->rc.id);
     read_stop(c);

@@ -77,7 +77,12 @@ static int finish(attnd_frame_reader_t *r, attnd_frame_cb cb, void *arg) {
 
 /* The header says `want` bytes: allocate them once the budget admits them. */
 static int start_body(attnd_frame_reader_t *r) {
-  if (r->admit && r->admit(r->hook_arg, r->want) != 0)
+  int rc = r->admit ? r->admit(r->hook_arg, r->want) : 0;
+  if (rc < 0) {
+    r->bad_len = r->want;
+    return r->err = rc;
+  }
+  if (rc)
     return ATTND_FRAME_PAUSE;
   if (!(r->body = malloc(r->want))) {
     if (r->release)

@@ -49,6 +49,10 @@
  * do, so a deep pipeline of tiny calls cannot keep the loop from others. */
 #define FRAMES_PER_TURN 64
 
+/* Frames this small are admitted past the partial-frame budget (limits.c);
+ * the largest frame a connection may start before its Hello. */
+#define SMALL_FRAME ATTND_FRAME_SCRATCH
+
 /* The auto --max-partial-bytes: a quarter of the host's memory, within
  * [--max-frame, PARTIAL_AUTO_MAX]. */
 #define PARTIAL_AUTO_MAX (2ull << 30)

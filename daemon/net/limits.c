@@ -7,7 +7,9 @@
  *   budget      bytes of frames not yet completely received, all connections
  *               together, stay within --max-partial-bytes: a body that does
  *               not fit waits (the connection stops reading) until others
- *               complete, in arrival order;
+ *               complete, in arrival order; bodies of at most SMALL_FRAME
+ *               bytes never wait (they count), and before its Hello a
+ *               connection may not start a larger one;
  *   identities  at most --max-connections-per-identity connections of one
  *               identity (0: no cap);
  *   sweep       a timer that ends connections past the Hello deadline, past
@@ -83,6 +85,10 @@ static void budget_wake(attnd_server_t *s) {
 }
 
 int attnd_net_budget_admit(attnd_server_t *s, attnd_conn_t *c, size_t len) {
+  /* Before its Hello an off-loopback connection holds no large buffer: a
+   * Hello is a few hundred bytes. */
+  if (c->rc.need_hello && len > SMALL_FRAME)
+    return ATTND_EUNAUTH;
   if (c->budget_grant) {
     /* Reserved when it left the queue (the same header, so the same length). */
     s->partial_used = s->partial_used - c->budget_grant + len;
@@ -91,7 +97,11 @@ int attnd_net_budget_admit(attnd_server_t *s, attnd_conn_t *c, size_t len) {
   }
   if (c->queued == CONN_Q_BUDGET)
     return ATTND_FRAME_PAUSE; /* still waiting (not expected: it reads nothing meanwhile) */
-  if (attnd_list_empty(&s->budget_q) && s->partial_used + len <= s->partial_max) {
+  /* Small frames (decode steps, control calls) never wait behind large
+   * ones; they count, so the budget may be passed by SMALL_FRAME bytes per
+   * connection at most. */
+  if (len <= SMALL_FRAME ||
+      (attnd_list_empty(&s->budget_q) && s->partial_used + len <= s->partial_max)) {
     s->partial_used += len;
     if (s->partial_used > s->st.peak_partial_bytes)
       s->st.peak_partial_bytes = s->partial_used;

@@ -52,9 +52,10 @@ typedef int (*attnd_frame_cb)(void *arg, uint8_t *frame, size_t len);
 
 /* Optional hooks around a frame body's buffer, for a budget shared by many
  * readers (the daemon-wide budget of partly received frames): admit is asked
- * before a body of len bytes is allocated and returns 0 (go on) or
+ * before a body of len bytes is allocated and returns 0 (go on),
  * ATTND_FRAME_PAUSE (not now: the reader keeps the header and the bytes after
- * it, as for a pause, and asks again at the next resume); release is told when
+ * it, as for a pause, and asks again at the next resume) or a negative
+ * ATTND_E* (never: the reader fails with it, bad_len set); release is told when
  * that body leaves the reader, complete (handed to the frame callback) or not
  * (freed). */
 typedef int (*attnd_frame_admit_cb)(void *arg, size_t len);
