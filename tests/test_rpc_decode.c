@@ -306,6 +306,78 @@ static void test_decode_bounds(void **state) {
   tconn_free(&t);
 }
 
+/* Junk fields cost the loop thread nothing beyond a budget: a call holding
+ * more fields than any valid one is refused after walking that many (its
+ * id answered, the connection kept), a Request with more than 64 top-level
+ * fields is not a Request (id 0, close). */
+static void test_field_budget(void **state) {
+  fix_t *f = *state;
+  f->cfg.max_context = 500;
+  tconn_t t;
+  attnd_v1_Response r;
+  tconn_init(f, &t, 1000, 0);
+  /* OpenSession: 1024 + max_context fields at most. */
+  for (int k = 0; k < 2; k++) {
+    pbw_t o;
+    pbw_init(&o);
+    for (int i = 0; i < (k ? 1600 : 1400); i++)
+      pbw_uint(&o, 100, 0);
+    send_call(&t, 1 + (uint64_t)k, attnd_v1_Request_open_session_tag, &o);
+    resp(&t, t.nout - 1, &r);
+    if (k == 0) {
+      assert_int_equal(r.status.code, 0); /* unknown fields within the budget are skipped */
+    } else {
+      assert_int_equal(r.id, 2);
+      assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+      assert_non_null(strstr(r.status.message, "open_session: more than 1524 protobuf fields"));
+      assert_false(t.close_after[t.nout - 1]);
+    }
+  }
+  /* Inside an item's mask's tensor, as anywhere the decoder goes. */
+  pbw_t p, it, mask, ten;
+  pbw_init(&ten);
+  for (int i = 0; i < 2000; i++)
+    pbw_uint(&ten, 100, 0);
+  pbw_init(&mask);
+  pbw_sub(&mask, 4, &ten);
+  pbw_init(&it);
+  pbw_sub(&it, 5, &mask);
+  pbw_init(&p);
+  pbw_sub(&p, 1, &it);
+  int plans = fe.plans;
+  pbw_t h;
+  pbw_init(&h);
+  for (int i = 0; i < 1100; i++)
+    pbw_uint(&h, 100, 0);
+  send_call(&t, 3, attnd_v1_Request_health_tag, &h);
+  resp(&t, t.nout - 1, &r);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(r.status.message, "health: more than 1024 protobuf fields"));
+  /* 65 top-level fields. */
+  pbw_t w;
+  pbw_init(&w);
+  pbw_uint(&w, 1, 4);
+  for (int i = 0; i < 64; i++)
+    pbw_uint(&w, 100, 0);
+  pbw_bytes(&w, attnd_v1_Request_health_tag, "", 0);
+  send_frame(&t, &w);
+  resp(&t, t.nout - 1, &r);
+  assert_int_equal(r.id, 0);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  assert_true(t.close_after[t.nout - 1]);
+  tconn_free(&t);
+  /* A Plan's budget adds its items' (1024 + 672 pool tokens + 16 x 10
+   * sessions here), and counts fields nested in an item's mask's tensor. */
+  f->cfg.max_sessions = 10;
+  tconn_init(f, &t, 1000, 0);
+  send_call(&t, 5, attnd_v1_Request_plan_tag, &p);
+  resp(&t, 0, &r);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(r.status.message, "plan: more than 1856 protobuf fields"));
+  assert_int_equal(fe.plans, plans);
+  tconn_free(&t);
+}
+
 /* A sliding window wider than any position is valid (the same as causal):
  * 2^31 and 2^32-1 pass, clamped to max_context for the kernels' int32
  * arithmetic; 0 is still refused. */
@@ -333,6 +405,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_mask_expansion, setup, teardown),
       cmocka_unit_test_setup_teardown(test_decode_bounds, setup, teardown),
       cmocka_unit_test_setup_teardown(test_window_width, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_field_budget, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

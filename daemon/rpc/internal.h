@@ -9,6 +9,7 @@
  *   auth.c     tokens (--token-file, constant-time comparison) and Hello
  *   decode.c   nanopb callbacks: token ids, tensors (pointers into the
  *              frame), items with their masks expanded to the kernels' form
+ *   fields.c   the field budget walked before a call is decoded
  *   encode.c   a Response out: one frame, or pieces for sendv
  */
 #ifndef ATTND_RPC_INTERNAL_H
@@ -161,6 +162,16 @@ int attnd_rpc_tensor_finish(attnd_tensor_t *t, bool has, const attnd_v1_Tensor *
                             const char *name, char *msg, size_t cap);
 /* The engine's static facts (Health's; fetched once). */
 const attnd_engine_info_t *attnd_rpc_info(attnd_rpc_t *r);
+
+/* ---- fields.c ---- */
+
+/* How many protobuf fields a call may hold, its submessages included: more
+ * than any valid call needs (unpacked token ids, items with masks and
+ * tensors), and little enough to walk in milliseconds. */
+uint64_t attnd_rpc_field_budget(attnd_rpc_t *r, uint32_t call_tag);
+/* Walks the call's message (n bytes at p) against the budget before it is
+ * decoded: 0, or ATTND_EINVAL with q->msg set. */
+int attnd_rpc_fields_check(attnd_rpc_req_t *q, uint32_t call_tag, const uint8_t *p, size_t n);
 
 /* ---- encode.c ---- */
 

@@ -227,7 +227,10 @@ void attnd_rpc_fail(attnd_rpc_req_t *q, int err, const char *fmt, ...) {
 
 /* The outer Request, walked by hand (decode.c says why): its id and the
  * call's tag and bytes, in any order, the last call winning as in protobuf.
- * 0, or -1 when the frame is not a Request. */
+ * 0, or -1 when the frame is not a Request. More than REQUEST_MAX_FIELDS
+ * top-level fields is not one either: the walk must not cost a field per
+ * few bytes of a frame of junk. */
+#define REQUEST_MAX_FIELDS 64
 static int walk_request(const uint8_t *frame, size_t len, uint64_t *id, uint32_t *call_tag,
                         const uint8_t **call_ptr, uint32_t *call_len) {
   pb_istream_t s = pb_istream_from_buffer(frame, len);
@@ -235,7 +238,9 @@ static int walk_request(const uint8_t *frame, size_t len, uint64_t *id, uint32_t
   *call_tag = 0;
   *call_ptr = NULL;
   *call_len = 0;
-  while (s.bytes_left) {
+  for (int nfields = 0; s.bytes_left; nfields++) {
+    if (nfields == REQUEST_MAX_FIELDS)
+      return -1;
     pb_wire_type_t wt;
     uint32_t tag;
     bool eof;
@@ -325,8 +330,15 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
   if (refuse_early(q, call_tag))
     return;
   const attnd_rpc_method_t *m = &attnd_rpc_methods[method];
+  int rc = attnd_rpc_fields_check(q, call_tag, call_ptr, call_len);
+  if (rc) {
+    char msg[sizeof(q->msg)];
+    snprintf(msg, sizeof(msg), "%s", q->msg);
+    attnd_rpc_fail(q, rc, "%s", msg);
+    return;
+  }
   pb_istream_t cs = pb_istream_from_buffer(call_ptr, call_len);
-  int rc = m->decode(q, &cs);
+  rc = m->decode(q, &cs);
   if (rc) {
     char msg[sizeof(q->msg)];
     snprintf(msg, sizeof(msg), "%s", q->msg);

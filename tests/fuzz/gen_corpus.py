@@ -281,6 +281,16 @@ def seeds():
     s.raw(struct.pack(">I", 3) + b"\xff\xff\xff")
     step(s, 0, [(1, 4, 1, [5], False, None)])
     out["end_after_steps"] = s
+
+    # The field budget: an OpenSession with more unknown fields than any
+    # valid one (1024 + max_context), then a Request with 65 top-level fields.
+    s = Seed()
+    junk = b"\xa0\x06\x00" * 1400  # field 100 = 0, 4200 bytes (a 2-byte length)
+    body = b"\x08\x01\x2a" + bytes([0x80 | (len(junk) & 0x7f), len(junk) >> 7]) + junk
+    s.raw(struct.pack(">I", len(body)) + body)
+    body = b"\x08\x02" + b"\xa0\x06\x00" * 64 + b"\x1a\x00"
+    s.raw(struct.pack(">I", len(body)) + body)
+    out["field_budget"] = s
     return out
 
 
