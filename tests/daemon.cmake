@@ -15,7 +15,7 @@ attnd_add_test(test_net_frame SOURCES test_net_frame.c LIBS attnd_net TIMEOUT 30
 add_library(attnd_net_fixture STATIC ${CMAKE_CURRENT_SOURCE_DIR}/net_fixture.c)
 target_link_libraries(attnd_net_fixture PUBLIC attnd_net PkgConfig::CMOCKA Threads::Threads)
 target_include_directories(attnd_net_fixture PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
-foreach(m listen conn drain metrics)
+foreach(m listen conn limits drain metrics)
   attnd_add_test(test_net_${m} SOURCES test_net_${m}.c LIBS attnd_net_fixture TIMEOUT 120
                  LABELS server)
 endforeach()

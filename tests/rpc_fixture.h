@@ -36,8 +36,8 @@ typedef struct {
 
 typedef struct {
   int hold; /* 1: calls wait for fake_complete() */
-  held_t held[16];
-  int nheld;
+  held_t *held;
+  int nheld, capheld;
   /* What the last step saw. */
   attnd_step_req_t step;
   attnd_item_t items[8];
@@ -45,6 +45,7 @@ typedef struct {
   const uint8_t *frame_lo, *frame_hi;
   int step_in_frame;
   uint64_t last_identity;
+  int scales_calls; /* SetScales calls that reached the engine */
   uint64_t closed_conn;
   uint64_t next_plan;
   uint8_t echo[4096];
@@ -66,6 +67,8 @@ typedef struct {
   int nout;
   int released;
   int progress;
+  int count_only; /* 1: responses are counted (nresp), not kept */
+  long nresp;
 } tconn_t;
 
 typedef struct {
@@ -78,6 +81,8 @@ typedef struct {
 
 /* Completes the i-th held call. */
 void fake_complete(int i);
+/* Completes every held call, newest first. */
+void fake_complete_all(void);
 
 void t_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_after);
 

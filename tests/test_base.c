@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -101,6 +102,53 @@ static void test_idmap(void **state) {
   assert_true(a != 0 && b != 0 && a != b);
 }
 
+/* Keys a client chose to collide: the inverse of the unseeded finalizer
+ * (murmur3's fmix64) applied to i << 20, so that the finalizer alone would
+ * put every one of them in bucket 0 of any map up to 2^20 buckets. */
+static uint64_t aimed_key(uint64_t i) {
+  uint64_t y = i << 20;
+  y ^= y >> 33;
+  y *= 0x4f74430c22a54005ull; /* the inverse of 0xff51afd7ed558ccd mod 2^64 */
+  y ^= y >> 33;
+  return y;
+}
+
+/* O(1) by structure: with 100k keys, sequential or aimed at one bucket, a
+ * lookup compares a handful of entries, never a number that grows with the
+ * map. Key 0 is a key like any other. */
+static void test_idmap_probes(void **state) {
+  enum { N = 100000 };
+  static int v;
+  for (int kind = 0; kind < 2; kind++) {
+    attnd_idmap_t m;
+    assert_int_equal(attnd_idmap_init(&m), 0);
+    for (uint64_t i = 0; i < N; i++) {
+      uint64_t k = kind ? aimed_key(i) : i;
+      assert_null(attnd_idmap_get(&m, k));
+      assert_int_equal(attnd_idmap_put(&m, k, &v), 0);
+    }
+    uint64_t total = 0;
+    uint32_t worst = 0;
+    for (uint64_t i = 0; i < N; i++) {
+      uint64_t k = kind ? aimed_key(i) : i;
+      assert_ptr_equal(attnd_idmap_get(&m, k), &v);
+      uint32_t p = attnd_idmap_probes(&m, k);
+      total += p;
+      worst = p > worst ? p : worst;
+    }
+    fprintf(stderr, "idmap %s keys: %d keys, %.2f probes per lookup, worst %u\n",
+            kind ? "aimed" : "sequential", N, (double)total / N, worst);
+    assert_true(total <= 2 * (uint64_t)N);
+    assert_true(worst <= 16);
+    assert_true(attnd_idmap_probes(&m, UINT64_MAX - 5) <= 16); /* an absent key */
+    for (uint64_t i = 0; i < N; i++)
+      attnd_idmap_del(&m, kind ? aimed_key(i) : i);
+    assert_int_equal(m.count, 0);
+    assert_null(attnd_idmap_get(&m, 0));
+    attnd_idmap_free(&m);
+  }
+}
+
 static void test_counters(void **state) {
   attnd_status_counts_t c;
   memset(&c, 0, sizeof(c));
@@ -140,9 +188,10 @@ static void test_alloc(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_codes),    cmocka_unit_test(test_kernel_codes),
-      cmocka_unit_test(test_list),     cmocka_unit_test(test_idmap),
-      cmocka_unit_test(test_counters), cmocka_unit_test(test_alloc),
+      cmocka_unit_test(test_codes),        cmocka_unit_test(test_kernel_codes),
+      cmocka_unit_test(test_list),         cmocka_unit_test(test_idmap),
+      cmocka_unit_test(test_idmap_probes), cmocka_unit_test(test_counters),
+      cmocka_unit_test(test_alloc),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -286,6 +286,69 @@ static void test_steps_real_engine(void **state) {
   h_down(h);
 }
 
+/* No admitted call is left without an answer while the connection can be
+ * written: steps followed by a half-close (shutdown(SHUT_WR)) are all
+ * answered before the daemon closes; steps followed by a frame that does not
+ * parse (or one over --max-frame) are answered first, then the framing
+ * error's Response{id 0}, then the close. */
+static void test_answers_before_close(void **state) {
+  harness_t *h = h_up(NULL);
+  attnd_v1_Response r;
+  int c = connect_unix(h->cfg.socket_path);
+  uint64_t s1 = open_session(c, 1);
+  uint64_t s2 = open_session(c, 2);
+  close(c);
+  for (int how = 0; how < 3; how++) {
+    c = connect_unix(h->cfg.socket_path);
+    pbw_t all, w;
+    pbw_init(&all);
+    build_step(&w, 10, s1, 8);
+    append_frame(&all, &w);
+    build_step(&w, 11, s2, 8);
+    append_frame(&all, &w);
+    if (how == 1) {
+      pbw_init(&w);
+      pbw_raw(&w, "\xff\xff\xff\xff\xff", 5);
+      append_frame(&all, &w);
+      build_step(&w, 12, s1, 8); /* after the bad frame: not a request */
+      append_frame(&all, &w);
+    } else if (how == 2) {
+      uint8_t hdr[4];
+      attnd_rpc_frame_header(hdr, 0x7ffffff0);
+      pbw_raw(&all, hdr, 4);
+    }
+    write_all(c, all.b, all.n);
+    pbw_free(&all);
+    if (how == 0)
+      assert_int_equal(shutdown(c, SHUT_WR), 0);
+    int seen10 = 0, seen11 = 0;
+    for (int i = 0; i < 2; i++) {
+      assert_int_equal(recv_resp(c, &r), 0);
+      assert_int_equal(r.status.code, 0);
+      assert_int_equal(r.which_result, attnd_v1_Response_step_tag);
+      seen10 += r.id == 10;
+      seen11 += r.id == 11;
+    }
+    assert_int_equal(seen10, 1);
+    assert_int_equal(seen11, 1);
+    if (how) {
+      assert_int_equal(recv_resp(c, &r), 0);
+      assert_int_equal(r.id, 0);
+      assert_int_equal(r.status.code,
+                       how == 1 ? ATTND_STATUS_INVALID_ARGUMENT : ATTND_STATUS_RESOURCE_EXHAUSTED);
+    }
+    expect_eof(c);
+    close(c);
+  }
+  /* The steps really ran: 6, none of them twice, nothing after the bad frame. */
+  c = connect_unix(h->cfg.socket_path);
+  send_call(c, 3, attnd_v1_Request_stats_tag);
+  assert_int_equal(recv_resp(c, &r), 0);
+  assert_int_equal(r.result.stats.steps, 6);
+  close(c);
+  h_down(h);
+}
+
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -389,7 +452,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stats_roundtrip),   cmocka_unit_test(test_bad_inputs),
       cmocka_unit_test(test_pipelining),        cmocka_unit_test(test_backpressure),
-      cmocka_unit_test(test_steps_real_engine), cmocka_unit_test(test_throughput),
+      cmocka_unit_test(test_steps_real_engine), cmocka_unit_test(test_answers_before_close),
+      cmocka_unit_test(test_throughput),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

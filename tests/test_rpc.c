@@ -101,6 +101,101 @@ static void test_duplicate_id_and_out_of_order(void **state) {
   tconn_free(&t);
 }
 
+/* Ids a client picked to share one bucket of an unseeded 64-bit finalizer
+ * (the inverse of murmur3's fmix64 applied to i << 20). */
+static uint64_t aimed_id(uint64_t i) {
+  uint64_t y = i << 20;
+  y ^= y >> 33;
+  y *= 0x4f74430c22a54005ull;
+  y ^= y >> 33;
+  return y;
+}
+
+/* A deep pipeline: 20000 calls in flight on one connection, their ids
+ * sequential or aimed at one bucket. The duplicate-id check of every new
+ * call compares a handful of entries, not one per call in flight (a list
+ * walk made 150k pipelined steps take minutes), and still finds a duplicate. */
+static void test_deep_pipeline_o1(void **state) {
+  fix_t *f = *state;
+  enum { N = 20000 };
+  for (int kind = 0; kind < 2; kind++) {
+    tconn_t t;
+    tconn_init(f, &t, 1000, 0);
+    t.count_only = 1;
+    fe.hold = 1;
+    for (uint64_t i = 0; i < N; i++)
+      send_call(&t, kind ? aimed_id(i + 1) : i + 1, attnd_v1_Request_truncate_tag, NULL);
+    assert_int_equal(t.rc.pending, N);
+    assert_int_equal(t.nresp, 0);
+    uint64_t total = 0;
+    uint32_t worst = 0;
+    for (uint64_t i = 0; i < N; i++) {
+      uint32_t p = attnd_rpc_conn_id_probes(&t.rc, kind ? aimed_id(i + 1) : i + 1);
+      total += p;
+      worst = p > worst ? p : worst;
+    }
+    uint32_t absent = attnd_rpc_conn_id_probes(&t.rc, kind ? aimed_id(N + 7) : N + 7);
+    fprintf(stderr, "%s ids, %d in flight: %.2f probes per lookup, worst %u, absent id %u\n",
+            kind ? "aimed" : "sequential", N, (double)total / N, worst, absent);
+    assert_true(total <= 2 * (uint64_t)N);
+    assert_true(worst <= 16 && absent <= 16);
+    /* A duplicate deep in the pipeline is still refused, with its id. */
+    t.count_only = 0;
+    send_call(&t, kind ? aimed_id(N / 2) : N / 2, attnd_v1_Request_truncate_tag, NULL);
+    assert_int_equal(t.nout, 1);
+    attnd_v1_Response r;
+    resp(&t, 0, &r);
+    assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(r.status.message, "already in flight"));
+    t.count_only = 1;
+    fake_complete_all();
+    assert_int_equal(t.nresp, N + 1);
+    assert_int_equal(t.rc.pending, 0);
+    assert_int_equal(attnd_rpc_conn_id_probes(&t.rc, 1), 0);
+    fe.hold = 0;
+    tconn_free(&t);
+  }
+  assert_int_equal(f->rpc.inflight, 0);
+}
+
+/* A frame that does not parse ends the connection, but only after every
+ * call admitted before it has been answered: its Response{id 0} waits for
+ * them, frames after it are not requests, and close_after comes with that
+ * last answer only. */
+static void test_frame_error_after_answers(void **state) {
+  fix_t *f = *state;
+  tconn_t t;
+  attnd_v1_Response r;
+  tconn_init(f, &t, 1000, 0);
+  fe.hold = 1;
+  send_call(&t, 1, attnd_v1_Request_truncate_tag, NULL);
+  send_call(&t, 2, attnd_v1_Request_fork_tag, NULL);
+  pbw_t w;
+  pbw_init(&w);
+  pbw_raw(&w, "\xff\xff\xff", 3);
+  send_frame(&t, &w);
+  assert_int_equal(t.nout, 0);
+  assert_true(t.rc.ending);
+  send_call(&t, 3, attnd_v1_Request_health_tag, NULL); /* after the end: dropped */
+  assert_int_equal(t.nout, 0);
+  fake_complete(1);
+  assert_int_equal(t.nout, 1);
+  fake_complete(0);
+  assert_int_equal(t.nout, 3);
+  resp(&t, 0, &r);
+  assert_int_equal(r.id, 2);
+  assert_false(t.close_after[0]);
+  resp(&t, 1, &r);
+  assert_int_equal(r.id, 1);
+  assert_false(t.close_after[1]);
+  resp(&t, 2, &r);
+  assert_int_equal(r.id, 0);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  assert_true(t.close_after[2]);
+  fe.hold = 0;
+  tconn_free(&t);
+}
+
 static int idle_calls;
 
 static void on_idle(void *arg) {
@@ -212,6 +307,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_missing_and_unknown_call, setup, teardown),
       cmocka_unit_test_setup_teardown(test_garbled, setup, teardown),
       cmocka_unit_test_setup_teardown(test_duplicate_id_and_out_of_order, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_deep_pipeline_o1, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_frame_error_after_answers, setup, teardown),
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
       cmocka_unit_test_setup_teardown(test_disconnect_mid_request, setup, teardown),
       cmocka_unit_test_setup_teardown(test_fuzz_requests, setup, teardown),

@@ -191,10 +191,221 @@ static void test_mask_expansion(void **state) {
   tconn_free(&t);
 }
 
+/* An item with n and `ntok` token ids (tokens_first: before n on the wire). */
+static void put_tok_item(pbw_t *w, uint64_t session, uint32_t n, uint32_t ntok, int tokens_first) {
+  pbw_t it, tok;
+  pbw_init(&it);
+  pbw_init(&tok);
+  for (uint32_t i = 0; i < ntok; i++)
+    pbw_varint(&tok, 100 + i);
+  pbw_fixed64(&it, 1, session);
+  if (tokens_first)
+    pbw_sub(&it, 6, &tok);
+  pbw_uint(&it, 2, 0);
+  pbw_uint(&it, 3, n);
+  if (!tokens_first)
+    pbw_sub(&it, 6, &tok);
+  pbw_sub(w, 1, &it);
+}
+
+static int plan_code(tconn_t *t, uint64_t id, pbw_t *p, attnd_v1_Response *r) {
+  int before = t->nout;
+  send_call(t, id, attnd_v1_Request_plan_tag, p);
+  assert_int_equal(t->nout, before + 1);
+  resp(t, before, r);
+  return (int)r->status.code;
+}
+
+/* Lists are bounded before they cost work proportional to their length
+ * (docs/protocol.md section 7): an OpenSession's tokens by max_context, a
+ * Plan's items by --max-sessions, an item's tokens by its n and max_context,
+ * all items' tokens by the KV pool (42 blocks of 16 here), doc_lengths by
+ * start + n, the masks' expanded intervals by --max-frame. The engine sees
+ * none of the refused calls. */
+static void test_decode_bounds(void **state) {
+  fix_t *f = *state;
+  f->cfg.max_context = 500; /* below the pool's 672 tokens */
+  f->cfg.max_sessions = 3;
+  f->cfg.max_frame = 4096;
+  tconn_t t;
+  attnd_v1_Response r;
+  tconn_init(f, &t, 1000, 0);
+  /* OpenSession: max_context ids pass, one more does not, nor a packed run
+   * announcing far more (refused from its length). */
+  for (int k = 0; k < 3; k++) {
+    uint32_t n = k == 0 ? 500 : k == 1 ? 501 : 200000;
+    pbw_t o, tok;
+    pbw_init(&o);
+    pbw_init(&tok);
+    for (uint32_t i = 0; i < n; i++)
+      pbw_varint(&tok, i);
+    pbw_sub(&o, 1, &tok);
+    send_call(&t, 1, attnd_v1_Request_open_session_tag, &o);
+    resp(&t, t.nout - 1, &r);
+    if (k == 0) {
+      assert_int_equal(r.status.code, 0);
+      assert_int_equal(r.result.open_session.cached_len, 500); /* the fake echoes the count */
+    } else {
+      assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+      assert_non_null(strstr(r.status.message, "more than max_context 500 token ids"));
+    }
+  }
+  /* Unpacked ids are counted one by one, and stop one past the bound. */
+  pbw_t o;
+  pbw_init(&o);
+  for (uint32_t i = 0; i < 501; i++)
+    pbw_uint(&o, 1, i);
+  send_call(&t, 2, attnd_v1_Request_open_session_tag, &o);
+  resp(&t, t.nout - 1, &r);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  int plans = fe.plans;
+  pbw_t p;
+  /* An item's tokens: more than its n (n first), more than max_context (tokens first). */
+  pbw_init(&p);
+  put_tok_item(&p, 0x11, 4, 5, 0);
+  assert_int_equal(plan_code(&t, 3, &p, &r), ATTND_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(r.status.message, "item 0: more token ids than its n 4"));
+  pbw_init(&p);
+  put_tok_item(&p, 0x11, 4, 501, 1);
+  assert_int_equal(plan_code(&t, 4, &p, &r), ATTND_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(r.status.message, "item 0: more token ids than max_context 500"));
+  /* Items beyond --max-sessions. */
+  pbw_init(&p);
+  for (int i = 0; i < 4; i++)
+    put_tok_item(&p, 0x20 + (uint64_t)i, 1, 1, 0);
+  assert_int_equal(plan_code(&t, 5, &p, &r), ATTND_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(r.status.message, "more than 3 items"));
+  /* All items' tokens beyond the pool's 672. */
+  pbw_init(&p);
+  put_tok_item(&p, 0x31, 400, 400, 0);
+  put_tok_item(&p, 0x32, 400, 400, 0);
+  assert_int_equal(plan_code(&t, 6, &p, &r), ATTND_STATUS_RESOURCE_EXHAUSTED);
+  assert_non_null(strstr(r.status.message, "KV pool"));
+  /* More doc lengths than keys. */
+  int32_t docs[6] = {3, 0, 0, 0, 0, 0};
+  uint32_t dshape[1] = {5};
+  pbw_init(&p);
+  put_mask_item(&p, 0, 3, attnd_v1_Mask_Kind_DOCUMENT, 0, docs, 5, dshape, 1);
+  assert_int_equal(plan_code(&t, 7, &p, &r), ATTND_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(r.status.message, "doc_lengths for kv_len 3"));
+  /* Document masks expand to 16 bytes a key: 2 x 200 keys > --max-frame 4096. */
+  int32_t d1[1] = {200};
+  uint32_t s1[1] = {1};
+  pbw_init(&p);
+  put_mask_item(&p, 0, 200, attnd_v1_Mask_Kind_DOCUMENT, 0, d1, 1, s1, 1);
+  put_mask_item(&p, 0, 200, attnd_v1_Mask_Kind_DOCUMENT, 0, d1, 1, s1, 1);
+  assert_int_equal(plan_code(&t, 8, &p, &r), ATTND_STATUS_RESOURCE_EXHAUSTED);
+  assert_non_null(strstr(r.status.message, "--max-frame"));
+  assert_int_equal(fe.plans, plans); /* none reached the engine */
+  /* Within every bound: admitted. */
+  pbw_init(&p);
+  put_tok_item(&p, 0x41, 300, 300, 1);
+  put_tok_item(&p, 0x42, 300, 300, 0);
+  assert_int_equal(plan_code(&t, 9, &p, &r), 0);
+  assert_int_equal(fe.plans, plans + 1);
+  tconn_free(&t);
+}
+
+/* Junk fields cost the loop thread nothing beyond a budget: a call holding
+ * more fields than any valid one is refused after walking that many (its
+ * id answered, the connection kept), a Request with more than 64 top-level
+ * fields is not a Request (id 0, close). */
+static void test_field_budget(void **state) {
+  fix_t *f = *state;
+  f->cfg.max_context = 500;
+  tconn_t t;
+  attnd_v1_Response r;
+  tconn_init(f, &t, 1000, 0);
+  /* OpenSession: 1024 + max_context fields at most. */
+  for (int k = 0; k < 2; k++) {
+    pbw_t o;
+    pbw_init(&o);
+    for (int i = 0; i < (k ? 1600 : 1400); i++)
+      pbw_uint(&o, 100, 0);
+    send_call(&t, 1 + (uint64_t)k, attnd_v1_Request_open_session_tag, &o);
+    resp(&t, t.nout - 1, &r);
+    if (k == 0) {
+      assert_int_equal(r.status.code, 0); /* unknown fields within the budget are skipped */
+    } else {
+      assert_int_equal(r.id, 2);
+      assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+      assert_non_null(strstr(r.status.message, "open_session: more than 1524 protobuf fields"));
+      assert_false(t.close_after[t.nout - 1]);
+    }
+  }
+  /* Inside an item's mask's tensor, as anywhere the decoder goes. */
+  pbw_t p, it, mask, ten;
+  pbw_init(&ten);
+  for (int i = 0; i < 2000; i++)
+    pbw_uint(&ten, 100, 0);
+  pbw_init(&mask);
+  pbw_sub(&mask, 4, &ten);
+  pbw_init(&it);
+  pbw_sub(&it, 5, &mask);
+  pbw_init(&p);
+  pbw_sub(&p, 1, &it);
+  int plans = fe.plans;
+  pbw_t h;
+  pbw_init(&h);
+  for (int i = 0; i < 1100; i++)
+    pbw_uint(&h, 100, 0);
+  send_call(&t, 3, attnd_v1_Request_health_tag, &h);
+  resp(&t, t.nout - 1, &r);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(r.status.message, "health: more than 1024 protobuf fields"));
+  /* 65 top-level fields. */
+  pbw_t w;
+  pbw_init(&w);
+  pbw_uint(&w, 1, 4);
+  for (int i = 0; i < 64; i++)
+    pbw_uint(&w, 100, 0);
+  pbw_bytes(&w, attnd_v1_Request_health_tag, "", 0);
+  send_frame(&t, &w);
+  resp(&t, t.nout - 1, &r);
+  assert_int_equal(r.id, 0);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  assert_true(t.close_after[t.nout - 1]);
+  tconn_free(&t);
+  /* A Plan's budget adds its items' (1024 + 672 pool tokens + 16 x 10
+   * sessions here), and counts fields nested in an item's mask's tensor. */
+  f->cfg.max_sessions = 10;
+  tconn_init(f, &t, 1000, 0);
+  send_call(&t, 5, attnd_v1_Request_plan_tag, &p);
+  resp(&t, 0, &r);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(r.status.message, "plan: more than 1856 protobuf fields"));
+  assert_int_equal(fe.plans, plans);
+  tconn_free(&t);
+}
+
+/* A sliding window wider than any position is valid (the same as causal):
+ * 2^31 and 2^32-1 pass, clamped to max_context for the kernels' int32
+ * arithmetic; 0 is still refused. */
+static void test_window_width(void **state) {
+  fix_t *f = *state;
+  tconn_t t;
+  attnd_v1_Response r;
+  tconn_init(f, &t, 1000, 0);
+  uint32_t w[4] = {1, 0x80000000u, 0xFFFFFFFFu, 4000};
+  int32_t want[4] = {1, f->cfg.max_context, f->cfg.max_context, 4000};
+  for (int k = 0; k < 4; k++) {
+    pbw_t p;
+    pbw_init(&p);
+    put_mask_item(&p, 0, 3, attnd_v1_Mask_Kind_SLIDING_WINDOW, w[k], NULL, 0, NULL, 0);
+    assert_int_equal(plan_code(&t, 1 + (uint64_t)k, &p, &r), 0);
+    assert_int_equal(fe.plan_mask[0].kind, ATTND_MASK_SLIDING);
+    assert_int_equal(fe.plan_mask[0].param, want[k]);
+  }
+  tconn_free(&t);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_step_wire_checks, setup, teardown),
       cmocka_unit_test_setup_teardown(test_mask_expansion, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_decode_bounds, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_window_width, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_field_budget, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

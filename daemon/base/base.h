@@ -219,11 +219,16 @@ static inline void attnd_list_remove(attnd_list_t *x) {
  * guessable from one another. */
 uint64_t attnd_random_id(void);
 
-/* uint64 -> pointer map (chained, grows). Key 0 is not allowed. */
+/* uint64 -> pointer map (chained, grows at load 1; every operation O(1)
+ * expected). Any key, 0 included; a key is put at most once (check with get).
+ * Keys may be chosen by clients (request ids), so buckets are picked by a
+ * hash keyed with a random seed drawn at init: a client cannot aim many keys
+ * at one bucket. */
 typedef struct attnd_idnode_s attnd_idnode_t;
 typedef struct {
   attnd_idnode_t **b;
   uint32_t nb, count;
+  uint64_t seed;
 } attnd_idmap_t;
 
 int attnd_idmap_init(attnd_idmap_t *m);
@@ -231,6 +236,9 @@ void attnd_idmap_free(attnd_idmap_t *m);
 void *attnd_idmap_get(const attnd_idmap_t *m, uint64_t key);
 int attnd_idmap_put(attnd_idmap_t *m, uint64_t key, void *val);
 void attnd_idmap_del(attnd_idmap_t *m, uint64_t key);
+/* How many entries a lookup of key compares (its bucket's chain up to key, or
+ * all of it when key is absent): what the tests bound to show O(1). */
+uint32_t attnd_idmap_probes(const attnd_idmap_t *m, uint64_t key);
 
 /* ---- counters and histograms -------------------------------------------------
  * Written and read on the loop thread only (no locking). Counters only grow. */

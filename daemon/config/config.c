@@ -84,6 +84,10 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->threads = 0;
   c->prefix_cache = 1;
   c->hello_timeout_ms = 10000;
+  c->max_partial_bytes = 0;
+  c->frame_deadline_ms = 30000;
+  c->idle_timeout_s = 300;
+  c->max_conns_per_identity = 0;
   c->engine_offload_bytes = ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES;
   c->rpc_ref_min = ATTND_DEFAULT_RPC_REF_MIN;
   c->worker_threads = 0;
@@ -181,6 +185,9 @@ int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen) {
   if (c->max_inflight < c->max_frame)
     ERR("--max-inflight %llu: must be >= --max-frame %llu", (unsigned long long)c->max_inflight,
         (unsigned long long)c->max_frame);
+  if (c->max_partial_bytes && c->max_partial_bytes < c->max_frame)
+    ERR("--max-partial-bytes %llu: must be 0 (auto) or >= --max-frame %llu",
+        (unsigned long long)c->max_partial_bytes, (unsigned long long)c->max_frame);
   if (c->listen[0] && attnd_config_hostport(c->listen, host, sizeof(host), &port))
     ERR("--listen '%s': expected HOST:PORT", c->listen);
   if (c->metrics[0] && attnd_config_hostport(c->metrics, host, sizeof(host), &port))

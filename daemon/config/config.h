@@ -91,6 +91,15 @@ typedef struct {
    * shared with other users, loopback proves nothing about who connects. */
   int require_token; /* --require-token, default false */
 
+  /* Connection limits (docs/protocol.md §9). */
+  uint64_t max_partial_bytes; /* --max-partial-bytes: partly received frames, all
+                               * connections; 0 = 1/4 of RAM within [max-frame, 2G] */
+  int frame_deadline_ms;      /* --frame-deadline: a started frame must be complete
+                               * within this many ms, default 30000; 0 = none */
+  int idle_timeout_s;         /* --idle-timeout: idle connections close after this
+                               * many seconds, default 300; 0 = never */
+  int max_conns_per_identity; /* --max-connections-per-identity, default 0 = no cap */
+
   /* Tuning: thresholds and switches that change how work is done, never its
    * result (docs/operations.md). */
   uint64_t engine_offload_bytes;      /* --engine-offload-bytes: steps with more q+k+v

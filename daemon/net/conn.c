@@ -1,21 +1,46 @@
 /* conn.c: one RPC connection (internal.h): frames read straight into their
  * own buffers and handed to the RPC layer, backpressure (--max-inflight),
- * responses written in one writev per read or as pieces from the engine's
- * buffers, and the connection's two-sided lifetime (handle and requests). */
+ * fair turns between connections, responses written in one writev per read or
+ * as pieces from the engine's buffers, and the connection's two-sided
+ * lifetime (handle and requests).
+ *
+ * Ending: a connection stops reading for good when the client half-closed
+ * (EOF), when a framing error or a Hello failure closes it, or when a limit
+ * (Hello, frame deadline, idle) ends it; it is closed only once every call it
+ * admitted has been answered and every answer written (docs/protocol.md §2). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
 
-static void flow_update(attnd_conn_t *c);
 static void flush_batch(attnd_conn_t *c);
 
-void attnd_conn_close_when_flushed(attnd_conn_t *c) {
-  c->close_when_flushed = 1;
+/* ---- reading on and off ---- */
+
+static void read_stop(attnd_conn_t *c) {
   if (c->reading)
     uv_read_stop(&c->h.stream);
   c->reading = 0;
+}
+
+static int conn_ending(const attnd_conn_t *c) {
+  return c->eof || c->close_when_flushed || c->rc.ending;
+}
+
+/* Closes an ending connection once nothing it admitted is unanswered or
+ * unwritten. */
+static void maybe_close(attnd_conn_t *c) {
+  if (!c->closing && conn_ending(c) && c->rc.pending == 0 && c->write_bytes == 0 && c->nbatch == 0)
+    attnd_conn_close(c);
+}
+
+void attnd_conn_close_when_flushed(attnd_conn_t *c) {
+  if (!c->close_when_flushed)
+    c->ending_ms = uv_now(c->srv->loop);
+  c->close_when_flushed = 1;
+  read_stop(c);
+  attnd_net_unqueue(c);
 }
 
 /* ---- lifetime ---- */
@@ -42,14 +67,17 @@ void attnd_conn_close(attnd_conn_t *c) {
   attnd_server_t *s = c->srv;
   c->closing = 1;
   flush_batch(c); /* frees what was never sent */
-  if (c->reading)
-    uv_read_stop(&c->h.stream);
-  c->reading = 0;
+  read_stop(c);
+  attnd_net_unqueue(c);
+  /* A partial frame's bytes leave the daemon-wide budget now, not at the
+   * handle's close callback. */
+  attnd_frame_reader_abort(&c->fr);
   attnd_list_remove(&c->link);
   if (c->counted) {
     s->rpc.counters.connections--;
     s->st.connections--;
   }
+  attnd_net_ident_drop(s, c);
   ATTND_LOGD("conn_closed", "conn=%llu pending=%u", (unsigned long long)c->rc.id, c->rc.pending);
   attnd_rpc_conn_closed(&c->rc);
   uv_close(&c->h.handle, conn_close_cb);
@@ -60,7 +88,14 @@ static void rc_released(attnd_rpc_conn_t *rc) {
 }
 
 static void rc_progress(attnd_rpc_conn_t *rc) {
-  flow_update(ATTND_CONN_OF(rc));
+  attnd_conn_t *c = ATTND_CONN_OF(rc);
+  c->active_ms = uv_now(c->srv->loop);
+  attnd_conn_flow(c);
+}
+
+static int rc_identity(attnd_rpc_conn_t *rc, uint64_t identity) {
+  attnd_conn_t *c = ATTND_CONN_OF(rc);
+  return attnd_net_ident_move(c->srv, c, identity);
 }
 
 /* ---- writing ---- */
@@ -95,14 +130,12 @@ static void write_cb(uv_write_t *req, int status) {
   if (c->closing)
     return;
   if (status < 0) {
+    /* The client is gone for writing too: nothing more can be answered. */
     attnd_conn_close(c);
     return;
   }
-  if (c->close_when_flushed && c->write_bytes == 0) {
-    attnd_conn_close(c);
-    return;
-  }
-  flow_update(c);
+  c->active_ms = uv_now(c->srv->loop);
+  attnd_conn_flow(c);
 }
 
 static void note_inflight(attnd_conn_t *c) {
@@ -157,9 +190,8 @@ static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_af
   uv_buf_t ub = uv_buf_init((char *)buf, (unsigned)len);
   c->write_bytes += len;
   note_inflight(c);
-  if (close_after) {
+  if (close_after)
     attnd_conn_close_when_flushed(c);
-  }
   if (c->in_feed) {
     c->batch[c->nbatch++] = ub;
     c->batch_len += len;
@@ -197,9 +229,8 @@ static void rc_sendv(attnd_rpc_conn_t *rc, const attnd_rpc_seg_t *segs, int n, i
   }
   c->write_bytes += len;
   note_inflight(c);
-  if (close_after) {
+  if (close_after)
     attnd_conn_close_when_flushed(c);
-  }
   flush_batch(c); /* keep the order of responses already batched */
   submit(c, bufs, (unsigned)n, len, owned, nowned);
   free(bufs);
@@ -209,22 +240,33 @@ static void rc_sendv(attnd_rpc_conn_t *rc, const attnd_rpc_seg_t *segs, int n, i
 
 static int frame_cb(void *arg, uint8_t *frame, size_t len) {
   attnd_conn_t *c = arg;
-  if (c->closing || c->close_when_flushed) {
+  if (c->closing || conn_ending(c)) {
     free(frame);
     return -1;
   }
   attnd_rpc_handle_frame(&c->rc, frame, len);
   note_inflight(c);
-  if (c->closing || c->close_when_flushed)
+  if (c->closing || conn_ending(c))
     return -1;
-  if (c->rc.req_bytes + c->write_bytes > c->srv->cfg->max_inflight)
+  c->turn_frames++;
+  if (c->rc.req_bytes + c->write_bytes > c->srv->cfg->max_inflight ||
+      c->turn_frames >= FRAMES_PER_TURN)
     return ATTND_FRAME_PAUSE;
   return 0;
 }
 
+/* A frame whose header arrived starts its deadline (--frame-deadline). */
+static void note_frame_start(attnd_conn_t *c) {
+  if (attnd_frame_reader_partial(&c->fr) && c->frame_seq != c->fr.nstarted) {
+    c->frame_seq = c->fr.nstarted;
+    c->frame_t0_ms = uv_now(c->srv->loop);
+  }
+}
+
 /* Acts on what the frame reader returned. */
 static void feed_result(attnd_conn_t *c, int rc) {
-  if (rc >= 0 || c->closing || c->close_when_flushed)
+  note_frame_start(c);
+  if (rc >= 0 || c->closing || conn_ending(c))
     return;
   attnd_server_t *s = c->srv;
   char msg[160];
@@ -233,9 +275,18 @@ static void feed_result(attnd_conn_t *c, int rc) {
              (unsigned long long)c->fr.bad_len, (unsigned long long)s->cfg->max_frame);
     ATTND_LOGI("bad_frame", "conn=%llu reason=too_large len=%llu", (unsigned long long)c->rc.id,
                (unsigned long long)c->fr.bad_len);
+    read_stop(c);
     attnd_rpc_frame_error(&c->rc, ATTND_ENOSPC, msg);
+  } else if (rc == ATTND_EUNAUTH) {
+    snprintf(msg, sizeof(msg), "frame of %llu bytes before Hello{token}",
+             (unsigned long long)c->fr.bad_len);
+    ATTND_LOGI("bad_frame", "conn=%llu reason=large_before_hello len=%llu",
+               (unsigned long long)c->rc.id, (unsigned long long)c->fr.bad_len);
+    read_stop(c);
+    attnd_rpc_frame_error(&c->rc, ATTND_EUNAUTH, msg);
   } else if (rc == ATTND_EINVAL) {
     ATTND_LOGI("bad_frame", "conn=%llu reason=zero_length", (unsigned long long)c->rc.id);
+    read_stop(c);
     attnd_rpc_frame_error(&c->rc, ATTND_EINVAL, "zero-length frame");
   } else {
     ATTND_LOGW("conn_error", "conn=%llu err=\"%s\"", (unsigned long long)c->rc.id,
@@ -258,41 +309,70 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 
 static void read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   attnd_conn_t *c = st->data;
-  if (nread < 0) {
-    if (nread != UV_EOF)
-      ATTND_LOGD("conn_read_error", "conn=%llu err=%s", (unsigned long long)c->rc.id,
-                 uv_err_name((int)nread));
-    else if (attnd_frame_reader_partial(&c->fr))
+  if (nread == UV_EOF) {
+    /* A half-close: the client sends nothing more but may still read. Every
+     * call it sent is answered, then the connection closes. */
+    if (attnd_frame_reader_partial(&c->fr))
       ATTND_LOGI("conn_eof_mid_frame", "conn=%llu", (unsigned long long)c->rc.id);
+    attnd_frame_reader_abort(&c->fr);
+    if (!c->eof)
+      c->ending_ms = uv_now(c->srv->loop);
+    c->eof = 1;
+    read_stop(c);
+    attnd_net_unqueue(c);
+    maybe_close(c);
+    return;
+  }
+  if (nread < 0) {
+    ATTND_LOGD("conn_read_error", "conn=%llu err=%s", (unsigned long long)c->rc.id,
+               uv_err_name((int)nread));
     attnd_conn_close(c);
     return;
   }
   if (nread == 0 || c->closing)
     return;
+  c->active_ms = uv_now(c->srv->loop);
   c->in_feed = 1;
   int rc = attnd_frame_reader_feed(&c->fr, (const uint8_t *)buf->base, (size_t)nread, frame_cb, c);
   c->in_feed = 0;
   flush_batch(c); /* before any framing error, to keep responses in order */
   feed_result(c, rc);
-  flow_update(c);
+  attnd_conn_flow(c);
 }
 
-/* Backpressure: stop reading above --max-inflight, resume (first with the
- * bytes a pause left unparsed) once at or below it. */
-static void flow_update(attnd_conn_t *c) {
+/* Decides whether the connection reads: not above --max-inflight
+ * (backpressure), not while its body waits for the partial-frame budget, not
+ * past its turn (FRAMES_PER_TURN frames, then the other connections go
+ * first), never once ending. Bytes a pause left unparsed are parsed first. */
+void attnd_conn_flow(attnd_conn_t *c) {
   attnd_server_t *s = c->srv;
-  if (c->closing || c->close_when_flushed || c->in_feed)
+  if (c->closing || c->in_feed)
     return;
+  if (conn_ending(c)) {
+    read_stop(c);
+    maybe_close(c);
+    return;
+  }
+  if (c->queued) {
+    read_stop(c); /* its queue resumes it */
+    return;
+  }
   for (;;) {
     uint64_t inflight = c->rc.req_bytes + c->write_bytes;
     if (inflight > s->cfg->max_inflight) {
-      if (c->reading) {
-        uv_read_stop(&c->h.stream);
-        c->reading = 0;
+      read_stop(c);
+      if (!c->bp_paused) {
+        c->bp_paused = 1;
         s->st.reads_paused++;
         ATTND_LOGD("conn_paused", "conn=%llu inflight=%llu", (unsigned long long)c->rc.id,
                    (unsigned long long)inflight);
       }
+      return;
+    }
+    c->bp_paused = 0;
+    if (c->turn_frames >= FRAMES_PER_TURN) {
+      read_stop(c);
+      attnd_net_turn_defer(c);
       return;
     }
     if (attnd_frame_reader_paused(&c->fr)) {
@@ -301,9 +381,16 @@ static void flow_update(attnd_conn_t *c) {
       c->in_feed = 0;
       flush_batch(c);
       feed_result(c, rc);
-      if (c->closing || c->close_when_flushed)
+      if (c->closing || conn_ending(c)) {
+        read_stop(c);
+        maybe_close(c);
         return;
-      continue; /* re-check the bound after the kept frames */
+      }
+      if (c->queued) { /* the body waits for the partial-frame budget */
+        read_stop(c);
+        return;
+      }
+      continue; /* re-check the bounds after the kept frames */
     }
     if (!c->reading && !s->finishing) {
       if (uv_read_start(&c->h.stream, alloc_cb, read_cb) != 0) {
@@ -318,6 +405,16 @@ static void flow_update(attnd_conn_t *c) {
 
 /* ---- a new connection ---- */
 
+static int fr_admit(void *arg, size_t len) {
+  attnd_conn_t *c = arg;
+  return attnd_net_budget_admit(c->srv, c, len);
+}
+
+static void fr_release(void *arg, size_t len) {
+  attnd_conn_t *c = arg;
+  attnd_net_budget_release(c->srv, len);
+}
+
 attnd_conn_t *attnd_conn_new(attnd_server_t *s, int is_tcp) {
   attnd_conn_t *c = calloc(1, sizeof(*c));
   if (!c)
@@ -329,8 +426,10 @@ attnd_conn_t *attnd_conn_new(attnd_server_t *s, int is_tcp) {
     uv_pipe_init(s->loop, &c->h.pipe, 0);
   c->h.handle.data = c;
   attnd_list_init(&c->link);
-  c->accepted_ms = uv_now(s->loop);
+  attnd_list_init(&c->qlink);
+  c->accepted_ms = c->active_ms = uv_now(s->loop);
   attnd_frame_reader_init(&c->fr, s->cfg->max_frame);
+  attnd_frame_reader_hooks(&c->fr, fr_admit, fr_release, c);
   s->open++;
   attnd_list_insert_head(&s->conns, &c->link);
   return c;
@@ -343,11 +442,22 @@ void attnd_conn_start(attnd_server_t *s, attnd_conn_t *c, uint64_t identity, int
   c->rc.sendv = rc_sendv;
   c->rc.progress = rc_progress;
   c->rc.released = rc_released;
+  c->rc.identity_cb = rc_identity;
   if (s->rpc.counters.connections >= (uint32_t)s->cfg->max_connections) {
     s->rpc.counters.connections_refused++;
     ATTND_LOGW("conn_refused", "peer=%s reason=max_connections limit=%d", peer,
                s->cfg->max_connections);
-    attnd_rpc_send_error(&c->rc, 0, ATTND_ENOSPC, "too many connections (--max-connections)", 1);
+    attnd_rpc_conn_end(&c->rc, ATTND_ENOSPC, "too many connections (--max-connections)");
+    return;
+  }
+  /* Until a Hello names it, an off-loopback connection has no identity to
+   * count (the Hello deadline bounds how long it can hold a slot). */
+  if (!need_hello && attnd_net_ident_move(s, c, identity) != 0) {
+    s->rpc.counters.connections_refused++;
+    ATTND_LOGW("conn_refused", "peer=%s reason=max_connections_per_identity limit=%d", peer,
+               s->cfg->max_conns_per_identity);
+    attnd_rpc_conn_end(&c->rc, ATTND_ENOSPC,
+                       "too many connections of this identity (--max-connections-per-identity)");
     return;
   }
   c->counted = 1;

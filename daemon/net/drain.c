@@ -11,6 +11,7 @@ static void final_close_cb(uv_handle_t *h) {
   void (*cb)(void *) = s->drain_cb;
   void *arg = s->drain_arg;
   attnd_rpc_free(&s->rpc);
+  attnd_net_limits_free(s);
   free(s);
   ATTND_LOGD("server_closed", "%s", "");
   if (cb)
@@ -44,6 +45,7 @@ static void close_drained(uv_timer_t *t) {
     else
       attnd_conn_close_when_flushed(c);
   }
+  attnd_net_limits_close(s, 1);
   if (!attnd_list_empty(&s->conns)) {
     uv_timer_start(&s->drain_timer, drain_timeout_cb, DRAIN_FLUSH_TIMEOUT_MS, 0);
   }
@@ -59,6 +61,7 @@ static void finish_drain(void *arg) {
   s->finishing = 1;
   s->rpc.idle_cb = NULL;
   if (attnd_list_empty(&s->conns)) {
+    attnd_net_limits_close(s, 1);
     attnd_net_check_done(s);
     return;
   }

@@ -10,14 +10,40 @@ void attnd_frame_reader_init(attnd_frame_reader_t *r, uint64_t max_frame) {
   r->max_frame = max_frame;
 }
 
-void attnd_frame_reader_free(attnd_frame_reader_t *r) {
+void attnd_frame_reader_hooks(attnd_frame_reader_t *r, attnd_frame_admit_cb admit,
+                              attnd_frame_release_cb release, void *arg) {
+  r->admit = admit;
+  r->release = release;
+  r->hook_arg = arg;
+}
+
+static void drop_body(attnd_frame_reader_t *r) {
+  if (!r->body)
+    return;
   free(r->body);
+  r->body = NULL;
+  if (r->release)
+    r->release(r->hook_arg, r->body_len);
+  r->body_len = r->body_got = 0;
+}
+
+void attnd_frame_reader_free(attnd_frame_reader_t *r) {
+  drop_body(r);
   free(r->scratch);
   free(r->pend);
-  r->body = NULL;
   r->scratch = NULL;
   r->pend = NULL;
-  r->pend_len = 0;
+  r->pend_len = r->pend_off = 0;
+}
+
+void attnd_frame_reader_abort(attnd_frame_reader_t *r) {
+  drop_body(r);
+  free(r->pend);
+  r->pend = NULL;
+  r->pend_len = r->pend_off = 0;
+  r->hdr_got = 0;
+  if (!r->err)
+    r->err = ATTND_ECANCELED;
 }
 
 int attnd_frame_reader_partial(const attnd_frame_reader_t *r) {
@@ -44,16 +70,48 @@ static int finish(attnd_frame_reader_t *r, attnd_frame_cb cb, void *arg) {
   r->body = NULL;
   r->body_len = r->body_got = 0;
   r->hdr_got = 0;
+  if (r->release)
+    r->release(r->hook_arg, n);
   return cb(arg, f, n);
 }
 
-int attnd_frame_reader_paused(const attnd_frame_reader_t *r) {
-  return r->pend != NULL;
+/* The header says `want` bytes: allocate them once the budget admits them. */
+static int start_body(attnd_frame_reader_t *r) {
+  int rc = r->admit ? r->admit(r->hook_arg, r->want) : 0;
+  if (rc < 0) {
+    r->bad_len = r->want;
+    return r->err = rc;
+  }
+  if (rc)
+    return ATTND_FRAME_PAUSE;
+  if (!(r->body = malloc(r->want))) {
+    if (r->release)
+      r->release(r->hook_arg, r->want);
+    return r->err = ATTND_ENOMEM;
+  }
+  r->body_len = r->want;
+  r->body_got = 0;
+  return 0;
 }
 
-/* Keeps the unparsed rest after a pause (it may live in scratch, which the
- * next read would overwrite, so it is copied). */
+int attnd_frame_reader_paused(const attnd_frame_reader_t *r) {
+  return r->pend != NULL || (r->hdr_got == 4 && !r->body && !r->err);
+}
+
+/* Keeps the unparsed rest after a pause. Bytes from a read (scratch, which
+ * the next read overwrites) are copied; bytes of the kept buffer itself (a
+ * pause while resuming) only move its offset, so many short pauses over one
+ * read's frames copy nothing. */
 static int keep(attnd_frame_reader_t *r, const uint8_t *data, size_t n) {
+  if (r->pend && data >= r->pend && data <= r->pend + r->pend_len) {
+    r->pend_off = (size_t)(data - r->pend);
+    if (r->pend_off == r->pend_len) {
+      free(r->pend);
+      r->pend = NULL;
+      r->pend_len = r->pend_off = 0;
+    }
+    return ATTND_FRAME_PAUSE;
+  }
   if (n == 0)
     return ATTND_FRAME_PAUSE;
   uint8_t *p = malloc(n);
@@ -62,18 +120,21 @@ static int keep(attnd_frame_reader_t *r, const uint8_t *data, size_t n) {
   memcpy(p, data, n);
   r->pend = p;
   r->pend_len = n;
+  r->pend_off = 0;
   return ATTND_FRAME_PAUSE;
 }
 
 int attnd_frame_reader_resume(attnd_frame_reader_t *r, attnd_frame_cb cb, void *arg) {
   uint8_t *p = r->pend;
-  size_t n = r->pend_len;
-  r->pend = NULL;
-  r->pend_len = 0;
   if (!p)
-    return r->err;
-  int rc = attnd_frame_reader_feed(r, p, n, cb, arg);
-  free(p);
+    return attnd_frame_reader_feed(r, NULL, 0, cb, arg);
+  int rc = attnd_frame_reader_feed(r, p + r->pend_off, r->pend_len - r->pend_off, cb, arg);
+  /* Everything kept was parsed (or the reader failed): the buffer goes. */
+  if (rc != ATTND_FRAME_PAUSE && r->pend == p) {
+    free(p);
+    r->pend = NULL;
+    r->pend_len = r->pend_off = 0;
+  }
   return rc;
 }
 
@@ -81,8 +142,10 @@ int attnd_frame_reader_feed(attnd_frame_reader_t *r, const uint8_t *data, size_t
                             attnd_frame_cb cb, void *arg) {
   if (r->err)
     return r->err;
-  while (n > 0) {
+  for (;;) {
     if (r->body) {
+      if (n == 0)
+        break;
       size_t want = r->body_len - r->body_got;
       size_t take = n < want ? n : want;
       /* Bytes read straight into the body need no copy. */
@@ -100,6 +163,19 @@ int attnd_frame_reader_feed(attnd_frame_reader_t *r, const uint8_t *data, size_t
       }
       continue;
     }
+    if (r->hdr_got == 4) {
+      /* A header parsed earlier whose body waits for admission. */
+      int rc = start_body(r);
+      if (rc == ATTND_FRAME_PAUSE)
+        return keep(r, data, n);
+      if (rc < 0)
+        return rc;
+      continue;
+    }
+    if (n == 0)
+      break;
+    if (r->hdr_got == 0)
+      r->nstarted++;
     size_t take = 4 - r->hdr_got;
     if (take > n)
       take = n;
@@ -119,10 +195,7 @@ int attnd_frame_reader_feed(attnd_frame_reader_t *r, const uint8_t *data, size_t
       r->bad_len = len;
       return r->err = ATTND_ENOSPC;
     }
-    if (!(r->body = malloc((size_t)len)))
-      return r->err = ATTND_ENOMEM;
-    r->body_len = (size_t)len;
-    r->body_got = 0;
+    r->want = (size_t)len;
   }
   return 0;
 }

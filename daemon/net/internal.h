@@ -4,6 +4,9 @@
  *   sock.c     the one TCP socket helper (HOST:PORT -> a bound listener)
  *   listen.c   the Unix and TCP listeners, accepting, identities, Hello deadline
  *   conn.c     a connection: reading frames, backpressure, writing (writev)
+ *   limits.c   what bounds connections: fair turns, the partial-frame budget,
+ *              connections per identity, and the sweep of the Hello deadline,
+ *              the frame deadline and the idle timeout
  *   frame.c    the frame reader
  *   drain.c    the drain: stop accepting, answer what is in flight, close
  *   server.c   the server as a whole (start, stats)
@@ -41,6 +44,22 @@
  * writev (pipelined small calls would otherwise cost a syscall each). */
 #define WRITE_BATCH 64
 
+/* A connection handles at most this many frames in a row; then it waits for
+ * the next loop iteration, after every other connection that has something to
+ * do, so a deep pipeline of tiny calls cannot keep the loop from others. */
+#define FRAMES_PER_TURN 64
+
+/* Frames this small are admitted past the partial-frame budget (limits.c);
+ * the largest frame a connection may start before its Hello. */
+#define SMALL_FRAME ATTND_FRAME_SCRATCH
+
+/* The auto --max-partial-bytes: a quarter of the host's memory, within
+ * [--max-frame, PARTIAL_AUTO_MAX]. */
+#define PARTIAL_AUTO_MAX (2ull << 30)
+
+/* Where a connection waits (attnd_conn_t.queued). */
+enum { CONN_Q_NONE = 0, CONN_Q_TURN = 1, CONN_Q_BUDGET = 2 };
+
 typedef struct attnd_conn_s attnd_conn_t;
 
 struct attnd_conn_s {
@@ -58,10 +77,27 @@ struct attnd_conn_s {
   int reading;
   int closing;
   int handle_closed;
-  int in_feed;                 /* inside the frame reader: no re-entry */
-  int close_when_flushed;      /* close once every queued response is written */
-  int counted;                 /* counts against --max-connections */
-  uint64_t accepted_ms;        /* uv_now() at accept, for the Hello deadline */
+  int in_feed;            /* inside the frame reader: no re-entry */
+  int bp_paused;          /* stopped by backpressure (counted once per pause) */
+  int close_when_flushed; /* an answer asked to close: no more reading, close
+                           * once every call is answered and written */
+  int eof;                /* the client half-closed: the same */
+  uint64_t ending_ms;     /* when it started ending (for clients that do not read) */
+  int counted;            /* counts against --max-connections */
+  uint64_t accepted_ms;   /* uv_now() at accept, for the Hello deadline */
+  uint64_t active_ms;     /* last byte read or written, or call answered (--idle-timeout) */
+  uint64_t idle_check_ms; /* the identity's sessions are asked again from then */
+  uint64_t frame_seq;     /* the reader's nstarted when frame_t0_ms was taken */
+  uint64_t frame_t0_ms;   /* the partial frame's header arrived (--frame-deadline) */
+  /* The turn and budget queues (limits.c). */
+  attnd_list_t qlink;
+  int queued;           /* CONN_Q_* */
+  unsigned turn_frames; /* frames handled since its last turn began */
+  size_t budget_want;   /* CONN_Q_BUDGET: the body it waits to allocate */
+  size_t budget_grant;  /* bytes reserved for it when it left the budget queue */
+  /* Connections per identity (limits.c). */
+  uint64_t ident;
+  int ident_counted;
   uv_buf_t batch[WRITE_BATCH]; /* responses waiting for the end of the read */
   unsigned nbatch;
   size_t batch_len;
@@ -83,8 +119,18 @@ struct attnd_server_s {
   int open; /* listeners + connections not yet freed */
   int draining, finishing, done;
   uv_timer_t drain_timer;
-  uv_timer_t hello_timer; /* closes off-loopback connections that never say Hello */
-  int has_hello_timer;
+  /* Ends connections past the Hello deadline, the frame deadline or the idle
+   * timeout (limits.c). */
+  uv_timer_t sweep_timer;
+  int has_sweep;
+  /* Connections waiting for their next turn, run from an idle handle (so
+   * the loop polls every socket before it); and connections whose next body
+   * waits for the partial-frame budget, in arrival order. */
+  uv_idle_t turn_idle;
+  int has_turn_idle, turn_active;
+  attnd_list_t turn_q, budget_q;
+  uint64_t partial_used, partial_max; /* bytes of partly received frames, and the budget */
+  attnd_idmap_t ident_conns; /* identity -> open connections (--max-connections-per-identity) */
   void (*drain_cb)(void *arg);
   void *drain_arg;
   attnd_server_stats_t st;
@@ -110,12 +156,35 @@ void attnd_net_close_listeners(attnd_server_t *s);
 /* ---- conn.c ---- */
 
 attnd_conn_t *attnd_conn_new(attnd_server_t *s, int is_tcp);
+/* Reads, pauses or closes as the connection's state says (backpressure,
+ * turns, the budget, ending). */
+void attnd_conn_flow(attnd_conn_t *c);
 /* Accepted, identity known: either start serving or refuse politely. */
 void attnd_conn_start(attnd_server_t *s, attnd_conn_t *c, uint64_t identity, int need_hello,
                       const char *peer);
 void attnd_conn_close(attnd_conn_t *c);
 /* Stops reading and closes once every queued response is written. */
 void attnd_conn_close_when_flushed(attnd_conn_t *c);
+
+/* ---- limits.c ---- */
+
+/* Sets up the turn queue, the budget and the sweep timer. */
+int attnd_net_limits_start(attnd_server_t *s, char *err, size_t errlen);
+/* Closes the sweep timer (at the start of a drain) and, with all too, the
+ * turn handle (once no connection reads any more), resuming whatever waited. */
+void attnd_net_limits_close(attnd_server_t *s, int all);
+void attnd_net_limits_free(attnd_server_t *s);
+/* The connection ran out of its turn: it continues in the next iteration. */
+void attnd_net_turn_defer(attnd_conn_t *c);
+/* Takes c out of the turn or budget queue (a grant it held is returned). */
+void attnd_net_unqueue(attnd_conn_t *c);
+/* The frame reader's budget hooks (net.h attnd_frame_admit_cb). */
+int attnd_net_budget_admit(attnd_server_t *s, attnd_conn_t *c, size_t len);
+void attnd_net_budget_release(attnd_server_t *s, size_t len);
+/* Counts c under identity (moving it from the one it had): 0, or ATTND_ENOSPC
+ * over --max-connections-per-identity (nothing changes then). */
+int attnd_net_ident_move(attnd_server_t *s, attnd_conn_t *c, uint64_t identity);
+void attnd_net_ident_drop(attnd_server_t *s, attnd_conn_t *c);
 
 /* ---- drain.c ---- */
 

@@ -1,7 +1,7 @@
 /* listen.c: the RPC listeners (net.h, internal.h): the Unix socket (its
  * private directory, a stale socket replaced, the peer's uid as identity)
- * and the TCP listener (loopback or Hello{token}), and the sweep that closes
- * off-loopback connections which never authenticate. */
+ * and the TCP listener (loopback or Hello{token}). The Hello deadline of
+ * off-loopback connections is kept by the sweep in limits.c. */
 #include <errno.h>
 #include <netinet/in.h>
 #include <stdio.h>
@@ -80,21 +80,6 @@ static void on_tcp_conn(uv_stream_t *server, int status) {
   /* Off loopback, Hello{token} must come first (docs/protocol.md); with
    * --require-token on loopback too. */
   attnd_conn_start(s, c, ATTND_IDENTITY_ANON, !loop || s->cfg->require_token, name);
-}
-
-/* Off-loopback connections get --hello-timeout to authenticate; after that
- * they are told so and closed. */
-static void hello_sweep_cb(uv_timer_t *t) {
-  attnd_server_t *s = t->data;
-  uint64_t now = uv_now(s->loop);
-  ATTND_LIST_FOREACH(it, nx, &s->conns) {
-    attnd_conn_t *c = ATTND_LIST_DATA(it, attnd_conn_t, link);
-    if (c->rc.need_hello && !c->close_when_flushed &&
-        now - c->accepted_ms >= (uint64_t)s->cfg->hello_timeout_ms) {
-      ATTND_LOGI("hello_timeout", "conn=%llu", (unsigned long long)c->rc.id);
-      attnd_rpc_send_error(&c->rc, 0, ATTND_EUNAUTH, "no Hello{token} in time", 1);
-    }
-  }
 }
 
 /* ---- listeners ---- */
@@ -222,16 +207,6 @@ int attnd_net_start_tcp(attnd_server_t *s, char *err, size_t errlen) {
   if (rc)
     return rc;
   s->rpc.tcp_port = s->tcp_port;
-  uint64_t period = (uint64_t)s->cfg->hello_timeout_ms / 4;
-  if (period < 10)
-    period = 10;
-  if (period > 1000)
-    period = 1000;
-  uv_timer_init(s->loop, &s->hello_timer);
-  s->hello_timer.data = s;
-  s->has_hello_timer = 1;
-  s->open++;
-  uv_timer_start(&s->hello_timer, hello_sweep_cb, period, period);
   ATTND_LOGI("listening", "tcp=%s port=%d", host, s->tcp_port);
   return 0;
 }
@@ -247,8 +222,5 @@ void attnd_net_close_listeners(attnd_server_t *s) {
     s->has_tcp = 0;
     uv_close((uv_handle_t *)&s->tcp_l, listener_close_cb);
   }
-  if (s->has_hello_timer) {
-    s->has_hello_timer = 0;
-    uv_close((uv_handle_t *)&s->hello_timer, listener_close_cb);
-  }
+  attnd_net_limits_close(s, 0);
 }

@@ -50,22 +50,46 @@
 #define ATTND_FRAME_PAUSE 1
 typedef int (*attnd_frame_cb)(void *arg, uint8_t *frame, size_t len);
 
+/* Optional hooks around a frame body's buffer, for a budget shared by many
+ * readers (the daemon-wide budget of partly received frames): admit is asked
+ * before a body of len bytes is allocated and returns 0 (go on),
+ * ATTND_FRAME_PAUSE (not now: the reader keeps the header and the bytes after
+ * it, as for a pause, and asks again at the next resume) or a negative
+ * ATTND_E* (never: the reader fails with it, bad_len set); release is told when
+ * that body leaves the reader, complete (handed to the frame callback) or not
+ * (freed). */
+typedef int (*attnd_frame_admit_cb)(void *arg, size_t len);
+typedef void (*attnd_frame_release_cb)(void *arg, size_t len);
+
 typedef struct {
   uint64_t max_frame;
   uint8_t hdr[4];
   size_t hdr_got;
+  size_t want;   /* the parsed length while the body waits for admission */
   uint8_t *body; /* frame in progress, NULL between frames */
   size_t body_len;
   size_t body_got;
-  uint8_t *scratch; /* ATTND_FRAME_SCRATCH bytes, allocated lazily */
-  int err;          /* sticky: ATTND_EINVAL (N == 0), ATTND_ENOSPC (N > max) */
-  uint64_t bad_len; /* the rejected length, for the log */
-  uint8_t *pend;    /* bytes received but not parsed because of a pause */
-  size_t pend_len;
+  uint8_t *scratch;  /* ATTND_FRAME_SCRATCH bytes, allocated lazily */
+  int err;           /* sticky: ATTND_EINVAL (N == 0), ATTND_ENOSPC (N > max) */
+  uint64_t bad_len;  /* the rejected length, for the log */
+  uint8_t *pend;     /* bytes received but not parsed because of a pause */
+  size_t pend_len;   /* bytes in pend */
+  size_t pend_off;   /* the first of them not parsed yet */
+  uint64_t nstarted; /* frames whose first header byte arrived, ever */
+  attnd_frame_admit_cb admit;
+  attnd_frame_release_cb release;
+  void *hook_arg;
 } attnd_frame_reader_t;
 
 void attnd_frame_reader_init(attnd_frame_reader_t *r, uint64_t max_frame);
+/* Sets the budget hooks (NULL: every body is admitted). */
+void attnd_frame_reader_hooks(attnd_frame_reader_t *r, attnd_frame_admit_cb admit,
+                              attnd_frame_release_cb release, void *arg);
+/* Frees everything, a partial body included (released through the hook). */
 void attnd_frame_reader_free(attnd_frame_reader_t *r);
+/* Drops a partly received frame now (its body is released) and accepts
+ * nothing more: for a connection that is being closed. */
+void attnd_frame_reader_abort(attnd_frame_reader_t *r);
 
 /* Where the next read should go: the rest of the frame in progress, or scratch.
  * Returns ATTND_ENOMEM if a buffer cannot be allocated. */
@@ -81,9 +105,11 @@ int attnd_frame_reader_buf(attnd_frame_reader_t *r, uint8_t **base, size_t *len)
 int attnd_frame_reader_feed(attnd_frame_reader_t *r, const uint8_t *data, size_t n,
                             attnd_frame_cb cb, void *arg);
 
-/* Parses the bytes kept by a pause; returns as attnd_frame_reader_feed. */
+/* Parses the bytes kept by a pause (and asks admission again for a body
+ * that waits for it); returns as attnd_frame_reader_feed. */
 int attnd_frame_reader_resume(attnd_frame_reader_t *r, attnd_frame_cb cb, void *arg);
-/* 1 while bytes kept by a pause wait for attnd_frame_reader_resume(). */
+/* 1 while bytes kept by a pause, or a body not admitted yet, wait for
+ * attnd_frame_reader_resume() (read nothing more before it). */
 int attnd_frame_reader_paused(const attnd_frame_reader_t *r);
 
 /* 1 while a frame is partly received (a header byte or more). */
@@ -97,6 +123,14 @@ typedef struct {
   uint32_t connections;
   uint64_t peak_conn_inflight; /* largest in-flight bytes seen on one connection */
   uint64_t reads_paused;       /* times a connection stopped reading for backpressure */
+  uint64_t turns_deferred;     /* times a connection gave way after FRAMES_PER_TURN frames */
+  uint64_t partial_bytes;      /* now: bytes of partly received frames (all connections) */
+  uint64_t partial_budget;     /* --max-partial-bytes in force */
+  uint64_t peak_partial_bytes; /* the most partial_bytes ever was */
+  uint64_t budget_waits;       /* times a frame body waited for the budget */
+  uint64_t frame_timeouts;     /* connections closed past --frame-deadline */
+  uint64_t idle_closed;        /* connections closed past --idle-timeout */
+  uint64_t hello_timeouts;     /* connections closed past --hello-timeout */
 } attnd_server_stats_t;
 
 /* Binds the listeners named by cfg (which must outlive the server). On error

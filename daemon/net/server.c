@@ -20,6 +20,8 @@ int attnd_server_start(attnd_server_t **out, uv_loop_t *loop, const attnd_config
   uv_timer_init(loop, &s->drain_timer);
   s->drain_timer.data = s;
   s->open++; /* the timer, closed last */
+  if ((rc = attnd_net_limits_start(s, err, errlen)))
+    goto fail;
   if (cfg->socket_path[0] && (rc = attnd_net_start_unix(s, err, errlen)))
     goto fail;
   if (cfg->listen[0] && (rc = attnd_net_start_tcp(s, err, errlen)))
@@ -42,4 +44,5 @@ int attnd_server_tcp_port(const attnd_server_t *s) {
 
 void attnd_server_stats(const attnd_server_t *s, attnd_server_stats_t *st) {
   *st = s->st;
+  st->partial_bytes = s->partial_used;
 }

@@ -18,6 +18,26 @@
 bool attnd_rpc_dec_u32_cb(pb_istream_t *s, const pb_field_t *f, void **arg) {
   attnd_u32vec_t *v = *arg;
   uint32_t x;
+  uint32_t max = v->max;
+  if (v->nfield && *v->nfield && (!max || *v->nfield < max))
+    max = *v->nfield;
+  /* nanopb hands a repeated scalar's callback a substream exactly as long as
+   * the field's data: a packed run, or one value copied aside. A uint32
+   * varint takes at most 10 bytes, so more bytes than 10 per id still
+   * allowed means too many ids, known before any is decoded. */
+  uint64_t room = max > v->n ? (uint64_t)(max - v->n) : 0;
+  if (max && (v->n >= max || s->bytes_left > 10 * room)) {
+    v->over = 1;
+    return false;
+  }
+  if (v->total && v->total_max) {
+    uint64_t troom = *v->total < v->total_max ? v->total_max - *v->total : 0;
+    if (troom == 0 || s->bytes_left > 10 * troom) {
+      v->over = 2;
+      return false;
+    }
+    ++*v->total;
+  }
   if (!pb_decode_varint32(s, &x))
     return false;
   if (v->n == v->cap) {
@@ -123,6 +143,13 @@ static int expand_documents(attnd_mask_t *mk, const attnd_tensor_t *doc, uint64_
     snprintf(msg, msglen, "item %u: doc_lengths must be INT32 [ndocs]", i);
     return ATTND_EINVAL;
   }
+  /* More documents than keys would all be empty but the first kv_len:
+   * refused before walking them. */
+  if (doc->shape[0] > kv_len) {
+    snprintf(msg, msglen, "item %u: %u doc_lengths for kv_len %llu (at most one per key)", i,
+             doc->shape[0], (unsigned long long)kv_len);
+    return ATTND_EINVAL;
+  }
   int32_t *v = attnd_xcalloc(4 * kv_len, sizeof(int32_t));
   mk->intervals = v;
   int64_t pos = 0;
@@ -154,7 +181,7 @@ static int expand_documents(attnd_mask_t *mk, const attnd_tensor_t *doc, uint64_
  * the request's own (aligned copies), freed with it. */
 static int expand_mask(const attnd_config_t *cfg, attnd_item_t *x, uint32_t i, int kind,
                        const attnd_v1_Mask *m, const attnd_tensor_t *doc, const attnd_tensor_t *iv,
-                       char *msg, size_t msglen) {
+                       uint64_t *mask_bytes, char *msg, size_t msglen) {
   uint64_t kv_len = (uint64_t)x->start + x->n;
   attnd_mask_t *mk = &x->mask;
   mk->causal = 1;
@@ -166,12 +193,16 @@ static int expand_mask(const attnd_config_t *cfg, attnd_item_t *x, uint32_t i, i
     mk->kind = ATTND_MASK_FULL;
     return 0;
   case attnd_v1_Mask_Kind_SLIDING_WINDOW:
-    if (m->window == 0 || m->window > INT32_MAX) {
+    if (m->window == 0) {
       snprintf(msg, msglen, "item %u: sliding window must be >= 1", i);
       return ATTND_EINVAL;
     }
+    /* Every window of at least max_context keys sees every earlier key of
+     * any row (positions are below max_context): the same mask, and one
+     * the kernels' int32 arithmetic holds. */
     mk->kind = ATTND_MASK_SLIDING;
-    mk->param = (int32_t)m->window;
+    mk->param =
+        m->window > (uint32_t)cfg->max_context ? (int32_t)cfg->max_context : (int32_t)m->window;
     return 0;
   case attnd_v1_Mask_Kind_PREFIX_LM:
     mk->kind = ATTND_MASK_PREFIX_LM;
@@ -193,6 +224,15 @@ static int expand_mask(const attnd_config_t *cfg, attnd_item_t *x, uint32_t i, i
   }
   mk->kind = ATTND_MASK_INTERVALS;
   mk->intervals_len = (uint32_t)kv_len;
+  /* A document mask of a few bytes expands to 16 bytes per key: all items'
+   * together may not take more than a frame could carry as custom masks. */
+  *mask_bytes += 16 * kv_len;
+  if (*mask_bytes > cfg->max_frame) {
+    snprintf(msg, msglen,
+             "item %u: the items' masks take %llu bytes as intervals, more than --max-frame %llu",
+             i, (unsigned long long)*mask_bytes, (unsigned long long)cfg->max_frame);
+    return ATTND_ENOSPC;
+  }
   if (kind == attnd_v1_Mask_Kind_CUSTOM) {
     if (!iv->present || iv->dtype != ATTND_DT_INT32 || iv->ndim != 2 || iv->shape[0] != 4 ||
         iv->shape[1] != kv_len || iv->nbytes != 16 * kv_len || !iv->data) {
@@ -209,17 +249,49 @@ static int expand_mask(const attnd_config_t *cfg, attnd_item_t *x, uint32_t i, i
   return expand_documents(mk, doc, kv_len, i, msg, msglen);
 }
 
+/* The KV pool's tokens: no Plan or Step can write more positions than it
+ * has (every position written lies in a block of its own session), so no
+ * request needs more token ids. */
+static uint64_t pool_tokens(attnd_rpc_t *r) {
+  uint64_t t = (uint64_t)attnd_rpc_info(r)->kv_blocks * (uint64_t)r->cfg->shape.block_size;
+  return t ? t : 1;
+}
+
 bool attnd_rpc_dec_item_cb(pb_istream_t *s, const pb_field_t *f, void **arg) {
   attnd_rpc_req_t *q = *arg;
+  attnd_rpc_t *r = q->conn->rpc;
+  const attnd_config_t *cfg = r->cfg;
   attnd_v1_Item it = attnd_v1_Item_init_zero;
   attnd_u32vec_t tok = {0};
   attnd_tensor_t doc = {0}, iv = {0};
+  /* Items name distinct sessions: never more than --max-sessions. */
+  if (q->nitems >= (uint32_t)cfg->max_sessions) {
+    snprintf(q->msg, sizeof(q->msg), "more than %d items (--max-sessions; each names a session)",
+             cfg->max_sessions);
+    q->decode_failed = ATTND_EINVAL;
+    return false;
+  }
+  tok.max = (uint32_t)cfg->max_context;
+  tok.nfield = &it.n;
+  tok.total = &q->tokens_total;
+  tok.total_max = pool_tokens(r);
   it.tokens.funcs.decode = attnd_rpc_dec_u32_cb;
   it.tokens.arg = &tok;
   attnd_rpc_set_tensor_cb(&it.mask.doc_lengths, &doc);
   attnd_rpc_set_tensor_cb(&it.mask.intervals, &iv);
   if (!pb_decode(s, attnd_v1_Item_fields, &it)) {
     free(tok.v);
+    if (tok.over == 1) {
+      snprintf(q->msg, sizeof(q->msg), "item %u: more token ids than %s %u", q->nitems,
+               it.n && it.n < tok.max ? "its n" : "max_context",
+               it.n && it.n < tok.max ? it.n : tok.max);
+      q->decode_failed = ATTND_EINVAL;
+    } else if (tok.over == 2) {
+      snprintf(q->msg, sizeof(q->msg),
+               "item %u: the items carry more token ids than the KV pool holds (%llu tokens)",
+               q->nitems, (unsigned long long)tok.total_max);
+      q->decode_failed = ATTND_ENOSPC;
+    }
     return false;
   }
   if (q->nitems == q->cap_items) {
@@ -248,8 +320,8 @@ bool attnd_rpc_dec_item_cb(pb_istream_t *s, const pb_field_t *f, void **arg) {
                               q->msg, sizeof(q->msg)))
     q->decode_failed = ATTND_EINVAL;
   if (!q->decode_failed) {
-    int rc = expand_mask(q->conn->rpc->cfg, x, q->nitems - 1, it.has_mask ? (int)it.mask.kind : 0,
-                         &it.mask, &docs, &ivs, q->msg, sizeof(q->msg));
+    int rc = expand_mask(cfg, x, q->nitems - 1, it.has_mask ? (int)it.mask.kind : 0, &it.mask,
+                         &docs, &ivs, &q->mask_bytes, q->msg, sizeof(q->msg));
     if (rc)
       q->decode_failed = rc;
   }
@@ -272,6 +344,18 @@ int attnd_rpc_pb_decode(attnd_rpc_req_t *q, pb_istream_t *s, const pb_msgdesc_t 
                         void *msg) {
   if (pb_decode(s, fields, msg))
     return 0;
+  /* A callback that stopped the decode for a reason of ours said why. */
+  if (q->decode_failed)
+    return q->decode_failed;
   decode_error_msg(attnd_rpc_method_name(q->method), PB_GET_ERROR(s), q->msg, sizeof(q->msg));
   return ATTND_EINVAL;
+}
+
+const attnd_engine_info_t *attnd_rpc_info(attnd_rpc_t *r) {
+  if (!r->have_info) {
+    memset(&r->info, 0, sizeof(r->info));
+    attnd_engine_info(r->engine, &r->info);
+    r->have_info = 1;
+  }
+  return &r->info;
 }

@@ -180,5 +180,5 @@ void attnd_rpc_frame_error(attnd_rpc_conn_t *c, int err, const char *msg) {
   r->counters.requests[ATTND_M_UNKNOWN]++;
   r->counters.frame_errors++;
   attnd_rpc_count(r, ATTND_M_UNKNOWN, attnd_err_status(err));
-  attnd_rpc_send_error(c, 0, err, msg, 1);
+  attnd_rpc_conn_end(c, err, msg);
 }

@@ -67,12 +67,7 @@ void attnd_rpc_encode_health(attnd_rpc_req_t *q, const attnd_result_t *res,
   attnd_v1_HealthResponse *h = &resp->result.health;
   /* The engine's static facts, fetched once (the backend may read files to
    * describe its device: not on every call). */
-  if (!r->have_info) {
-    memset(&r->info, 0, sizeof(r->info));
-    attnd_engine_info(r->engine, &r->info);
-    r->have_info = 1;
-  }
-  const attnd_engine_info_t *info = &r->info;
+  const attnd_engine_info_t *info = attnd_rpc_info(r);
   snprintf(h->status, sizeof(h->status), "%s", r->draining ? "draining" : "serving");
   snprintf(h->version, sizeof(h->version), "%s", ATTND_VERSION);
   snprintf(h->backend, sizeof(h->backend), "%s", info->backend ? info->backend : "unknown");

@@ -9,6 +9,7 @@
  *   auth.c     tokens (--token-file, constant-time comparison) and Hello
  *   decode.c   nanopb callbacks: token ids, tensors (pointers into the
  *              frame), items with their masks expanded to the kernels' form
+ *   fields.c   the field budget walked before a call is decoded
  *   encode.c   a Response out: one frame, or pieces for sendv
  */
 #ifndef ATTND_RPC_INTERNAL_H
@@ -23,9 +24,18 @@
 #include "engine.h"
 #include "rpc.h"
 
+/* Token ids being decoded (attnd_rpc_dec_u32_cb). The count is bounded
+ * before the ids cost anything: a packed run longer than 10 bytes per id
+ * still allowed is refused from its length on the wire, unpacked ids one past
+ * the bound. */
 typedef struct {
   uint32_t *v;
   uint32_t n, cap;
+  uint32_t max;           /* more ids than this are refused (0: no bound) */
+  const uint32_t *nfield; /* the item's n as decoded so far (0: not seen yet), or NULL */
+  uint64_t *total;        /* ids of the whole request so far, against total_max */
+  uint64_t total_max;
+  int over; /* 1: more than max (or n); 2: the request's total past total_max */
 } attnd_u32vec_t;
 
 /* Bytes a response field encodes from (enc_bytes_cb's argument). */
@@ -36,8 +46,7 @@ typedef struct {
 
 struct attnd_rpc_req_s {
   attnd_rpc_conn_t *conn;
-  attnd_list_t link; /* the connection's requests in flight */
-  int linked;        /* holds the connection (an engine call) */
+  int linked; /* holds the connection (an engine call); in its in-flight map */
   uint64_t id;
   int method;
   uint8_t *frame;
@@ -66,6 +75,8 @@ struct attnd_rpc_req_s {
   uint32_t nsessions;
   attnd_rpc_bytes_t out, lse; /* a Step's outputs while its response is encoded */
   int decode_failed;          /* a callback failed for a reason of ours: its ATTND_E* (msg set) */
+  uint64_t tokens_total;      /* token ids decoded over all items */
+  uint64_t mask_bytes;        /* bytes of the items' masks in the kernels' form */
   char msg[200];
 };
 
@@ -75,6 +86,7 @@ struct attnd_rpc_req_s {
 enum {
   RPC_M_DRAINING = 1, /* answered while the daemon drains */
   RPC_M_NO_HELLO = 2, /* allowed before an off-loopback Hello */
+  RPC_M_OPERATOR = 4, /* changes daemon-wide state: operators only (PERMISSION_DENIED) */
 };
 
 typedef struct {
@@ -124,7 +136,7 @@ static inline uint64_t attnd_rpc_now_ns(void) {
 
 /* ---- auth.c ---- */
 
-/* Reads --token-file into r->tokens. */
+/* Reads --token-file into r->tokens (replacing them). */
 int attnd_rpc_load_tokens(attnd_rpc_t *r, const char *path, char *err, size_t errlen);
 /* Wipes and frees them. */
 void attnd_rpc_free_tokens(attnd_rpc_t *r);
@@ -135,7 +147,12 @@ void attnd_rpc_free_tokens(attnd_rpc_t *r);
  * something a client can act on (q->msg); 0 or ATTND_EINVAL. */
 int attnd_rpc_pb_decode(attnd_rpc_req_t *q, pb_istream_t *s, const pb_msgdesc_t *fields, void *msg);
 /* nanopb callbacks: token ids into an attnd_u32vec_t, tensor bytes left in
- * the frame, items into q->items. */
+ * the frame, items into q->items. Bounds (docs/protocol.md §7): an
+ * OpenSession's tokens at most max_context; a Plan's or Step's items at most
+ * --max-sessions, an item's tokens at most its n and max_context, all items'
+ * tokens at most what the KV pool holds, an item's doc_lengths at most
+ * start + n, all items' masks in the kernels' form at most --max-frame bytes.
+ * Each is checked before work proportional to what it bounds. */
 bool attnd_rpc_dec_u32_cb(pb_istream_t *s, const pb_field_t *f, void **arg);
 bool attnd_rpc_dec_item_cb(pb_istream_t *s, const pb_field_t *f, void **arg);
 void attnd_rpc_set_tensor_cb(attnd_v1_Tensor *pb, attnd_tensor_t *t);
@@ -143,6 +160,18 @@ void attnd_rpc_set_tensor_cb(attnd_v1_Tensor *pb, attnd_tensor_t *t);
  * a known dtype, 1 to 4 dims, and as many bytes as the shape needs. */
 int attnd_rpc_tensor_finish(attnd_tensor_t *t, bool has, const attnd_v1_Tensor *pb,
                             const char *name, char *msg, size_t cap);
+/* The engine's static facts (Health's; fetched once). */
+const attnd_engine_info_t *attnd_rpc_info(attnd_rpc_t *r);
+
+/* ---- fields.c ---- */
+
+/* How many protobuf fields a call may hold, its submessages included: more
+ * than any valid call needs (unpacked token ids, items with masks and
+ * tensors), and little enough to walk in milliseconds. */
+uint64_t attnd_rpc_field_budget(attnd_rpc_t *r, uint32_t call_tag);
+/* Walks the call's message (n bytes at p) against the budget before it is
+ * decoded: 0, or ATTND_EINVAL with q->msg set. */
+int attnd_rpc_fields_check(attnd_rpc_req_t *q, uint32_t call_tag, const uint8_t *p, size_t n);
 
 /* ---- encode.c ---- */
 

@@ -11,9 +11,19 @@
 /* ---- sessions ---- */
 
 static int decode_open(attnd_rpc_req_t *q, pb_istream_t *s) {
+  const attnd_config_t *cfg = q->conn->rpc->cfg;
+  /* A prompt longer than max_context can never be a session's: refused
+   * from its length on the wire, before its ids are decoded. */
+  q->open_tokens.max = (uint32_t)cfg->max_context;
   q->m.open.tokens.funcs.decode = attnd_rpc_dec_u32_cb;
   q->m.open.tokens.arg = &q->open_tokens;
-  return attnd_rpc_pb_decode(q, s, attnd_v1_OpenSessionRequest_fields, &q->m.open);
+  int rc = attnd_rpc_pb_decode(q, s, attnd_v1_OpenSessionRequest_fields, &q->m.open);
+  if (rc && q->open_tokens.over) {
+    snprintf(q->msg, sizeof(q->msg), "open_session: more than max_context %d token ids",
+             cfg->max_context);
+    return ATTND_EINVAL;
+  }
+  return rc;
 }
 
 static void call_open(attnd_rpc_req_t *q) {
@@ -224,7 +234,8 @@ const attnd_rpc_method_t attnd_rpc_methods[ATTND_M_COUNT] = {
     ROW(ATTND_M_TRUNCATE, "truncate", truncate, 0, decode_truncate, call_truncate, encode_empty),
     ROW(ATTND_M_PLAN, "plan", plan, 0, decode_plan, call_plan, encode_plan),
     ROW(ATTND_M_STEP, "step", step, 0, decode_step, call_step, encode_step),
-    ROW(ATTND_M_SET_SCALES, "set_scales", set_scales, 0, decode_scales, call_scales, encode_scales),
+    ROW(ATTND_M_SET_SCALES, "set_scales", set_scales, RPC_M_OPERATOR, decode_scales, call_scales,
+        encode_scales),
     ROW(ATTND_M_LIST_SESSIONS, "list_sessions", list_sessions, 0, attnd_rpc_decode_none,
         attnd_rpc_call_list_sessions, attnd_rpc_encode_list_sessions),
 };

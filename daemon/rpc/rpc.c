@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -27,6 +28,7 @@ int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
   r->start_ns = attnd_rpc_now_ns();
   r->next_conn_id = 1;
   r->ref_min = (size_t)cfg->rpc_ref_min;
+  r->own_uid = (uint64_t)geteuid();
   /* The epoch tells clients the daemon restarted; it must not repeat. */
   if (getrandom(&r->epoch, sizeof(r->epoch), 0) != (ssize_t)sizeof(r->epoch)) {
     snprintf(err, errlen, "getrandom: %s", strerror(errno));
@@ -54,10 +56,16 @@ void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity,
   c->id = r->next_conn_id++;
   c->identity = identity;
   c->need_hello = need_hello;
-  attnd_list_init(&c->reqs);
+  c->is_unix = identity < (1ull << 32); /* rpc.h: only a Unix peer's uid is that small */
   c->plan_cap = (uint32_t)(r->cfg->max_plans > 0 ? r->cfg->max_plans : 64);
   c->plan_ids = attnd_xcalloc(c->plan_cap, sizeof(uint64_t));
   c->plan_decode = attnd_xcalloc(c->plan_cap, 1);
+}
+
+/* The in-flight map goes with the last request of a closed connection. */
+static void conn_let_go(attnd_rpc_conn_t *c) {
+  if (c->closed && c->pending == 0 && c->inflight.b)
+    attnd_idmap_free(&c->inflight);
 }
 
 int attnd_rpc_conn_closed(attnd_rpc_conn_t *c) {
@@ -70,7 +78,12 @@ int attnd_rpc_conn_closed(attnd_rpc_conn_t *c) {
   c->plan_ids = NULL;
   c->plan_decode = NULL;
   c->plan_cap = 0;
+  conn_let_go(c);
   return c->pending == 0;
+}
+
+uint32_t attnd_rpc_conn_id_probes(const attnd_rpc_conn_t *c, uint64_t id) {
+  return c->inflight.b ? attnd_idmap_probes(&c->inflight, id) : 0;
 }
 
 /* ---- requests ---- */
@@ -85,7 +98,6 @@ static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, ui
   q->frame_len = len;
   q->t0_ns = attnd_rpc_now_ns();
   q->step_kind = -1;
-  attnd_list_init(&q->link);
   return q;
 }
 
@@ -104,7 +116,13 @@ static void req_free(attnd_rpc_req_t *q) {
 void attnd_rpc_req_hold(attnd_rpc_req_t *q) {
   attnd_rpc_conn_t *c = q->conn;
   q->linked = 1;
-  attnd_list_insert_head(&c->reqs, &q->link);
+  /* Small bookkeeping: a daemon that cannot allocate a map node cannot
+   * answer anyone (base.h, allocation). */
+  if ((!c->inflight.b && attnd_idmap_init(&c->inflight) != 0) ||
+      attnd_idmap_put(&c->inflight, q->id, q) != 0) {
+    ATTND_LOGE("out_of_memory", "what=inflight_map conn=%llu", (unsigned long long)c->id);
+    abort();
+  }
   c->pending++;
   c->req_bytes += q->frame_len + 4;
   c->rpc->inflight++;
@@ -112,7 +130,7 @@ void attnd_rpc_req_hold(attnd_rpc_req_t *q) {
 
 static void req_release(attnd_rpc_req_t *q) {
   attnd_rpc_conn_t *c = q->conn;
-  attnd_list_remove(&q->link);
+  attnd_idmap_del(&c->inflight, q->id);
   c->pending--;
   c->req_bytes -= q->frame_len + 4;
   c->rpc->inflight--;
@@ -179,6 +197,8 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
                    (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);
     attnd_hist_add(&r->counters.step_queue[q->step_kind], (double)res->queued_us);
   }
+  if (q->close_after)
+    c->ending = 1; /* this answer closes the connection: nothing later is a request */
   if (!c->closed)
     answer(q, res, code);
   free(res->out);
@@ -191,7 +211,13 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
   req_free(q);
   if (!linked)
     return;
+  /* The connection is ending: its own answer goes after every call's. */
+  if (!c->closed && c->end_deferred && c->pending == 0) {
+    c->end_deferred = 0;
+    attnd_rpc_send_error(c, 0, c->end_err, c->end_msg, 1);
+  }
   if (c->closed) {
+    conn_let_go(c);
     if (c->pending == 0 && c->released)
       c->released(c);
   } else if (c->progress) {
@@ -216,7 +242,10 @@ void attnd_rpc_fail(attnd_rpc_req_t *q, int err, const char *fmt, ...) {
 
 /* The outer Request, walked by hand (decode.c says why): its id and the
  * call's tag and bytes, in any order, the last call winning as in protobuf.
- * 0, or -1 when the frame is not a Request. */
+ * 0, or -1 when the frame is not a Request. More than REQUEST_MAX_FIELDS
+ * top-level fields is not one either: the walk must not cost a field per
+ * few bytes of a frame of junk. */
+#define REQUEST_MAX_FIELDS 64
 static int walk_request(const uint8_t *frame, size_t len, uint64_t *id, uint32_t *call_tag,
                         const uint8_t **call_ptr, uint32_t *call_len) {
   pb_istream_t s = pb_istream_from_buffer(frame, len);
@@ -224,7 +253,9 @@ static int walk_request(const uint8_t *frame, size_t len, uint64_t *id, uint32_t
   *call_tag = 0;
   *call_ptr = NULL;
   *call_len = 0;
-  while (s.bytes_left) {
+  for (int nfields = 0; s.bytes_left; nfields++) {
+    if (nfields == REQUEST_MAX_FIELDS)
+      return -1;
     pb_wire_type_t wt;
     uint32_t tag;
     bool eof;
@@ -260,23 +291,45 @@ static int refuse_early(attnd_rpc_req_t *q, uint32_t call_tag) {
     attnd_rpc_fail(q, ATTND_ENOTIMPL, "missing or unknown call");
     return 1;
   }
-  ATTND_LIST_FOREACH(it, nx, &c->reqs) {
-    if (ATTND_LIST_DATA(it, attnd_rpc_req_t, link)->id == q->id) {
-      attnd_rpc_fail(q, ATTND_EINVAL, "id %llu is already in flight on this connection",
-                     (unsigned long long)q->id);
-      return 1;
-    }
+  if (c->inflight.b && attnd_idmap_get(&c->inflight, q->id)) {
+    attnd_rpc_fail(q, ATTND_EINVAL, "id %llu is already in flight on this connection",
+                   (unsigned long long)q->id);
+    return 1;
   }
   if (c->rpc->draining && !(m->flags & RPC_M_DRAINING)) {
     attnd_rpc_fail(q, ATTND_EUNAVAIL, "the daemon is draining (shutting down)");
     return 1;
   }
+  if ((m->flags & RPC_M_OPERATOR) && !attnd_rpc_conn_operator(c)) {
+    attnd_rpc_fail(q, ATTND_EPERM,
+                   "%s changes daemon-wide state: only an operator may call it (the daemon's "
+                   "uid or root on the Unix socket, or an operator token)",
+                   m->name);
+    return 1;
+  }
   return 0;
+}
+
+void attnd_rpc_conn_end(attnd_rpc_conn_t *c, int err, const char *msg) {
+  if (c->ending || c->closed)
+    return;
+  c->ending = 1;
+  if (c->pending == 0) {
+    attnd_rpc_send_error(c, 0, err, msg, 1);
+    return;
+  }
+  c->end_deferred = 1;
+  c->end_err = err;
+  snprintf(c->end_msg, sizeof(c->end_msg), "%s", msg ? msg : "");
 }
 
 void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
   attnd_rpc_t *r = c->rpc;
   r->counters.bytes_in += len + 4;
+  if (c->ending || c->closed) { /* not a request any more (attnd_rpc_conn_end) */
+    free(frame);
+    return;
+  }
   uint64_t id;
   uint32_t call_tag, call_len;
   const uint8_t *call_ptr;
@@ -292,8 +345,15 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
   if (refuse_early(q, call_tag))
     return;
   const attnd_rpc_method_t *m = &attnd_rpc_methods[method];
+  int rc = attnd_rpc_fields_check(q, call_tag, call_ptr, call_len);
+  if (rc) {
+    char msg[sizeof(q->msg)];
+    snprintf(msg, sizeof(msg), "%s", q->msg);
+    attnd_rpc_fail(q, rc, "%s", msg);
+    return;
+  }
   pb_istream_t cs = pb_istream_from_buffer(call_ptr, call_len);
-  int rc = m->decode(q, &cs);
+  rc = m->decode(q, &cs);
   if (rc) {
     char msg[sizeof(q->msg)];
     snprintf(msg, sizeof(msg), "%s", q->msg);

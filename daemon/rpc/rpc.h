@@ -70,6 +70,9 @@ const char *attnd_rpc_code_name(int code);
 #define ATTND_IDENTITY_ANON 0x4000000000000000ull
 #define ATTND_IDENTITY_TOKEN_BIT 0x8000000000000000ull
 
+/* The token set read from --token-file (auth.c). */
+typedef struct attnd_rpc_tokens_s attnd_rpc_tokens_t;
+
 typedef struct attnd_rpc_s attnd_rpc_t;
 typedef struct attnd_rpc_conn_s attnd_rpc_conn_t;
 typedef struct attnd_rpc_req_s attnd_rpc_req_t;
@@ -101,20 +104,32 @@ struct attnd_rpc_s {
    * read files to describe its device: not on every call). */
   attnd_engine_info_t info;
   int have_info;
-  /* Accepted Hello tokens (from --token-file); never logged. */
-  char **tokens;
-  size_t ntokens;
+  /* Accepted Hello tokens (--token-file); never logged. Replaced as a whole
+   * by attnd_auth_reload(). */
+  attnd_rpc_tokens_t *tokens;
+  uint64_t own_uid; /* the daemon's uid: its peers on the Unix socket are operators */
 };
 
 struct attnd_rpc_conn_s {
   attnd_rpc_t *rpc;
   uint64_t id; /* names the connection to the engine (plans end with it) */
   uint64_t identity;
-  int need_hello;     /* off-loopback TCP: a valid Hello must come first */
-  int closed;         /* the transport is gone: results are dropped */
+  int need_hello;    /* off-loopback TCP: a valid Hello must come first */
+  int is_unix;       /* identity is a Unix peer's uid (a wrong Hello token keeps it) */
+  uint64_t op_token; /* the operator token's identity it presented in Hello, or 0 */
+  int closed;        /* the transport is gone: results are dropped */
+  /* Ending (attnd_rpc_conn_end): no more requests; the connection-level
+   * answer waits in end_* until every call in flight is answered. */
+  int ending;
+  int end_deferred;
+  int end_err;
+  char end_msg[200];
   uint32_t pending;   /* requests in flight */
   uint64_t req_bytes; /* bytes of request frames held by requests in flight */
-  attnd_list_t reqs;  /* requests in flight (for duplicate ids) */
+  /* Requests in flight by id, for the duplicate-id check: O(1) per request
+   * however deep the pipeline (allocated at the first one, freed once the
+   * connection is closed and let go). */
+  attnd_idmap_t inflight;
   /* Plans made on this connection and whether they are decode steps, for the
    * step latency histograms (a ring of the last max_plans). */
   uint64_t *plan_ids;
@@ -132,6 +147,10 @@ struct attnd_rpc_conn_s {
   void (*progress)(attnd_rpc_conn_t *c);
   /* The last request let go of a closed connection: the owner may free it. */
   void (*released)(attnd_rpc_conn_t *c);
+  /* Optional: a Hello is about to make identity the connection's. 0 goes on;
+   * ATTND_ENOSPC refuses it (too many connections of that identity): the
+   * Hello is answered RESOURCE_EXHAUSTED and the connection closes. */
+  int (*identity_cb)(attnd_rpc_conn_t *c, uint64_t identity);
 };
 
 /* Draws the epoch and reads the token file. */
@@ -145,8 +164,14 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len);
 /* Sends a Response with no result whose status is attnd_err_status(err). */
 void attnd_rpc_send_error(attnd_rpc_conn_t *c, uint64_t id, int err, const char *msg,
                           int close_after);
-/* A framing error (err: ATTND_EINVAL, ATTND_ENOSPC, ...): counts it, answers
- * Response{id 0} and closes the connection once that is written. */
+/* Ends the connection (docs/protocol.md §2): no later frame is a request,
+ * and once every call in flight has been answered it gets Response{id 0,
+ * attnd_err_status(err), msg} with close_after set. The transport stops
+ * reading at once (c->ending) and closes once that answer is written. The
+ * first reason wins. */
+void attnd_rpc_conn_end(attnd_rpc_conn_t *c, int err, const char *msg);
+/* A framing error (err: ATTND_EINVAL, ATTND_ENOSPC, ...): counted, then
+ * attnd_rpc_conn_end(). */
 void attnd_rpc_frame_error(attnd_rpc_conn_t *c, int err, const char *msg);
 /* The transport closed. Returns 1 when no request holds the connection. */
 int attnd_rpc_conn_closed(attnd_rpc_conn_t *c);
@@ -156,7 +181,26 @@ int attnd_rpc_conn_closed(attnd_rpc_conn_t *c);
  * (net.h) reads the same. */
 void attnd_rpc_frame_header(uint8_t out[4], uint32_t n);
 
-/* Constant-time comparison of a token against the accepted ones: 1 if accepted. */
+/* How many entries the duplicate-id check compares to find id among this
+ * connection's requests in flight: bounded by a small constant however many
+ * are in flight (the tests check it). */
+uint32_t attnd_rpc_conn_id_probes(const attnd_rpc_conn_t *c, uint64_t id);
+
+/* Constant-time comparison of a token against the accepted ones: 0 when it
+ * is not accepted, 1 when it is, 2 when it is an operator's. */
 int attnd_rpc_token_ok(const attnd_rpc_t *r, const char *token);
+
+/* Whether the connection may change daemon-wide state (SetScales): its
+ * Unix peer is root or the daemon's own uid, or it presented a token that is
+ * an operator's in the token file as now loaded. */
+int attnd_rpc_conn_operator(const attnd_rpc_conn_t *c);
+
+/* Rereads --token-file (on SIGHUP) and puts the new set in force at once, for
+ * every later Hello and operator check; a connection already authenticated
+ * keeps its identity, but a removed operator token stops being an operator's.
+ * On error (the file unreadable or invalid) the old set stays in force and a
+ * one-line reason (never a token) is written to err. 0 or a negative ATTND_E*;
+ * without --token-file, 0 and nothing changes. Loop thread only. */
+int attnd_auth_reload(attnd_rpc_t *r, char *err, size_t errlen);
 
 #endif /* ATTND_RPC_H */

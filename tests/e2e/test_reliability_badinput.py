@@ -17,7 +17,7 @@ import numpy as np
 
 from harness import Daemon
 from test_reliability_util import (ABORTED, BS, D, EXHAUSTED, INVALID, KVH, LAYERS, NOT_FOUND, OK,
-                                   PRECOND, QH, RANGE, SHAPE, UNAUTH, UNIMPL, RawConn, bf16,
+                                   PERM, PRECOND, QH, RANGE, SHAPE, UNAUTH, UNIMPL, RawConn, bf16,
                                    item, must, open_req, pb, simple, step_req, tensor)
 
 MAX_CONTEXT = 256
@@ -100,12 +100,15 @@ def framing(data):
     return ("raw", data)
 
 
-# name -> (builder(ctx) -> Request | ("raw", bytes), expected codes, expect close)
+# name -> (builder(ctx) -> Request | ("raw", bytes), expected codes, expect close, operator)
+# Rows run over TCP loopback (the anonymous identity, not an operator); rows
+# with op=True on the Unix socket as the daemon's own uid, an operator
+# (SetScales changes daemon-wide state: docs/protocol.md section 7).
 def table():
     T = []
 
-    def add(name, build, codes, close=False):
-        T.append((name, build, set(codes) if isinstance(codes, (list, tuple, set)) else {codes}, close))
+    def add(name, build, codes, close=False, op=False):
+        T.append((name, build, set(codes) if isinstance(codes, (list, tuple, set)) else {codes}, close, op))
 
     # ---- Step: shapes ----
     add("step q heads mismatch", mutate_step(lambda s, c: (set_shape(s.q, [1, QH - 1, D]),
@@ -146,6 +149,8 @@ def table():
     add("step layer huge", mutate_step(lambda s, c: setattr(s, "layer", 0xFFFFFFFF)), [INVALID, RANGE])
     add("step layer 1 ahead of layer 0", mutate_step(lambda s, c: None, layer=1, n=2), INVALID)
     add("step tokens count != n", mutate_step(lambda s, c: s.items[0].tokens.append(5)), INVALID)
+    add("step tokens beyond max_context", mutate_step(
+        lambda s, c: s.items[0].tokens.extend(range(10 * MAX_CONTEXT))), INVALID)
     add("step tokens differ from layer 0", mutate_step(
         lambda s, c: (s.items[0].tokens.__setitem__(0, 999)), layer=1, start=0), INVALID)
     add("step no items, no plan", mutate_step(lambda s, c: s.ClearField("items")), INVALID)
@@ -159,6 +164,13 @@ def table():
     add("step plan and inline items", mutate_step(lambda s, c: setattr(s, "plan", 5)), INVALID)
     # ---- Step: masks ----
     add("mask sliding window 0", lambda c: with_mask(step_req(0, [(c.victim, c.vlen, 1)]), pb.Mask.SLIDING_WINDOW), INVALID)
+    # Windows wider than any position are valid (the same as causal): a rewrite of the last position.
+    add("mask sliding window 2^32-1", lambda c: with_mask(step_req(0, [(c.victim, c.vlen - 1, 1)]),
+                                                          pb.Mask.SLIDING_WINDOW, window=0xFFFFFFFF), OK)
+    add("mask sliding window 2^31", lambda c: with_mask(step_req(0, [(c.victim, c.vlen - 1, 1)]),
+                                                        pb.Mask.SLIDING_WINDOW, window=1 << 31), OK)
+    add("mask more documents than keys", lambda c: with_mask(
+        step_req(0, [(c.victim, c.vlen, 1)]), pb.Mask.DOCUMENT, docs=[c.vlen + 1] + [0] * (c.vlen + 1)), INVALID)
     add("mask unknown kind", lambda c: with_mask(step_req(0, [(c.victim, c.vlen, 1)]), 9), [INVALID, UNIMPL])
     add("mask documents not summing to kv_len", lambda c: with_mask(
         step_req(0, [(c.victim, c.vlen, 1)]), pb.Mask.DOCUMENT, docs=[1, 1]), INVALID)
@@ -192,7 +204,8 @@ def table():
     add("planned step with wrong rows", lambda c: planned_bad_rows(c), INVALID)
     # ---- OpenSession / CloseSession / Fork / Truncate ----
     add("open salt over 64 bytes", lambda c: open_req([1, 2], salt=b"x" * 65), INVALID)
-    add("open tokens beyond max_context", lambda c: open_req(list(range(MAX_CONTEXT + 10))), [INVALID, RANGE, OK])
+    add("open tokens beyond max_context", lambda c: open_req(list(range(MAX_CONTEXT + 1))), INVALID)
+    add("open tokens 1000x max_context", lambda c: open_req([7] * (1000 * MAX_CONTEXT)), INVALID)
     add("close unknown session", lambda c: simple("close_session", session=0x5555), NOT_FOUND)
     add("close closed session", lambda c: simple("close_session", session=c.closed), NOT_FOUND)
     add("close another identity's session", lambda c: simple("close_session", session=c.sentinel), [NOT_FOUND, 7])
@@ -202,18 +215,25 @@ def table():
     add("truncate uneven layers", lambda c: simple("truncate", session=c.uneven, len=1), PRECOND)
     add("truncate unknown session", lambda c: simple("truncate", session=0x5555, len=0), NOT_FOUND)
     # ---- SetScales (int8 daemon: per head [kv_heads] or per channel [kv_heads, head_dim]) ----
-    add("scales wrong shape [3]", lambda c: scales_req(0, kshape=(KVH + 1,)), INVALID)
-    add("scales wrong shape [kv, d+1]", lambda c: scales_req(0, kshape=(KVH, D + 1), vshape=(KVH, D + 1)), INVALID)
-    add("scales k and v shapes differ", lambda c: scales_req(0, kshape=(KVH,), vshape=(KVH, D)), [INVALID, PRECOND, OK])
-    add("scales zero", lambda c: scales_req(0, value=0.0), INVALID)
-    add("scales negative", lambda c: scales_req(0, kval=-1.0), INVALID)
-    add("scales NaN", lambda c: scales_req(0, kval=np.nan), INVALID)
-    add("scales Inf", lambda c: scales_req(0, kval=np.inf), INVALID)
-    add("scales fp16", lambda c: scales_req(0, dtype=pb.DTYPE_FP16), INVALID)
-    add("scales zero points on int8", lambda c: scales_req(0, kshape=(KVH, D), vshape=(KVH, D), zero=True), INVALID)
-    add("scales missing v", lambda c: scales_req(0, vshape=None), INVALID)
-    add("scales layer out of range", lambda c: scales_req(LAYERS), [INVALID, RANGE])
-    add("scales change while KV is held", lambda c: scales_req(0, value=0.07), PRECOND)
+    add("scales wrong shape [3]", lambda c: scales_req(0, kshape=(KVH + 1,)), INVALID, op=True)
+    add("scales wrong shape [kv, d+1]", lambda c: scales_req(0, kshape=(KVH, D + 1), vshape=(KVH, D + 1)), INVALID,
+        op=True)
+    add("scales k and v shapes differ", lambda c: scales_req(0, kshape=(KVH,), vshape=(KVH, D)), [INVALID, PRECOND, OK],
+        op=True)
+    add("scales zero", lambda c: scales_req(0, value=0.0), INVALID, op=True)
+    add("scales negative", lambda c: scales_req(0, kval=-1.0), INVALID, op=True)
+    add("scales NaN", lambda c: scales_req(0, kval=np.nan), INVALID, op=True)
+    add("scales Inf", lambda c: scales_req(0, kval=np.inf), INVALID, op=True)
+    add("scales fp16", lambda c: scales_req(0, dtype=pb.DTYPE_FP16), INVALID, op=True)
+    add("scales zero points on int8", lambda c: scales_req(0, kshape=(KVH, D), vshape=(KVH, D), zero=True), INVALID,
+        op=True)
+    add("scales missing v", lambda c: scales_req(0, vshape=None), INVALID, op=True)
+    add("scales layer out of range", lambda c: scales_req(LAYERS), [INVALID, RANGE], op=True)
+    add("scales change while KV is held", lambda c: scales_req(0, value=0.07), PRECOND, op=True)
+    # Not an operator: refused whatever it asks, before anything is looked at.
+    add("scales from anonymous TCP", lambda c: scales_req(0, kshape=(KVH, D), vshape=(KVH, D), value=0.03,
+                                                           drop=True), PERM)
+    add("scales from anonymous TCP, bad shape", lambda c: scales_req(0, kshape=(KVH + 1,)), PERM)
     # ---- Calls and Hello ----
     add("no call", lambda c: pb.Request(), UNIMPL)
     add("unknown call 99", lambda c: framing(frame(b"\x08\x07" + b"\x9a\x06\x02zz")), UNIMPL)
@@ -320,10 +340,11 @@ class BadInputTest(unittest.TestCase):
         ctx.uneven = must(conn.call(open_req()), "open").open_session.session
         must(conn.call(step_req(0, [(ctx.uneven, 0, 3)], rng=rng)), "uneven prefill")
 
+        ctx.op = RawConn(self.d.socket)
         rows = table()
         results = []
         failures = []
-        for (name, build, codes, close) in rows:
+        for (name, build, codes, close, op) in rows:
             got_code, got_close, msg = None, False, ""
             try:
                 req = build(ctx)
@@ -346,7 +367,7 @@ class BadInputTest(unittest.TestCase):
                     got_close = t.is_closed()
                     t.close()
                 else:
-                    r = conn.call(req)
+                    r = (ctx.op if op else conn).call(req)
                     got_code, msg = r.status.code, r.status.message
             except Exception as e:  # noqa: BLE001 (a row must never take the test down silently)
                 msg = f"{type(e).__name__}: {e}"
@@ -367,6 +388,7 @@ class BadInputTest(unittest.TestCase):
         lens = {s.session: s.len for s in ls}
         self.assertEqual(lens.get(ctx.victim), ctx.vlen)
         conn.close()
+        ctx.op.close()
         # The sentinel's retried probe is bitwise identical on every layer.
         for layer in range(LAYERS):
             r = must(sent.call(step_req(layer, [(s_id, 20, 1, [20])], q=probe[layer].step.q.data,

@@ -1,7 +1,9 @@
 """Limits and access against the real daemon (CPU): max connections, max
-sessions, max frame, max in-flight bytes per connection, Unix socket
-permissions, Hello{token} required (--require-token on 127.0.0.1: tests send
-traffic to loopback only), and tokens never reaching the log."""
+sessions, max frame, max in-flight bytes per connection, the partial-frame
+budget and frame deadline, the idle timeout, connections per identity,
+answers before a close, Unix socket permissions, Hello{token} required
+(--require-token on 127.0.0.1: tests send traffic to loopback only), operator
+tokens, and tokens never reaching the log."""
 import os
 import socket
 import stat
@@ -14,8 +16,8 @@ import unittest
 import numpy as np
 
 from harness import Daemon
-from test_reliability_util import (Closed, D, EXHAUSTED, KVH, OK, QH, SHAPE, UNAUTH, RawConn, bf16, must,
-                                   open_req, pb, simple, step_req)
+from test_reliability_util import (INVALID, PERM, UNAVAIL, Closed, D, EXHAUSTED, KVH, OK, QH, SHAPE, UNAUTH,
+                                   RawConn, bf16, must, open_req, pb, rss_kb, simple, step_req)
 
 
 def padded_health(total):
@@ -179,6 +181,129 @@ class LimitsTest(unittest.TestCase):
         self.assertLess(pushed, pushed_loose)
 
 
+class ConnectionLimitsTest(unittest.TestCase):
+    """docs/protocol.md sections 2 and 9, through the daemon's own flags."""
+
+    def start(self, extra):
+        d = Daemon(["--kv-memory", "16M"] + extra, shape=SHAPE)
+        try:
+            d.wait_ready()
+        except BaseException:
+            d.close()
+            raise
+        return d
+
+    def test_partial_frames_and_deadline(self):
+        # Six connections start 3 MiB frames and stall: the 8 MiB budget lets
+        # two hold theirs, the others wait unread; at the deadline each is
+        # told RESOURCE_EXHAUSTED (id 0) and closed, and the memory is back.
+        d = self.start(["--max-frame", "4M", "--max-partial-bytes", "8M", "--frame-deadline", "1500"])
+        try:
+            base = rss_kb(d.proc.pid)
+            conns = []
+            for _ in range(6):
+                c = RawConn(d.socket)
+                c.send_raw(struct.pack(">I", 3 << 20) + b"\x08\x01" + b"\0" * (1 << 20))
+                conns.append(c)
+            time.sleep(0.5)
+            held = rss_kb(d.proc.pid) - base
+            with RawConn(d.socket) as other:  # small frames never wait
+                must(other.call(simple("health")), "health while frames stall")
+            codes = []
+            for c in conns:
+                c.sock.settimeout(15)
+                r = c.recv_any()
+                codes.append((r.id, r.status.code))
+                self.assertIn("--frame-deadline", r.status.message)
+                self.assertTrue(c.is_closed())
+                c.close()
+            print(f"partial frames: 6 x 3 MiB started, {held // 1024} MiB held under an 8 MiB budget")
+            self.assertEqual(set(codes), {(0, EXHAUSTED)})
+            self.assertLess(held, 12 * 1024)
+            self.assertEqual(d.stop(), 0)
+        finally:
+            d.close()
+
+    def test_answers_before_close_and_idle(self):
+        d = self.start(["--idle-timeout", "1"])
+        try:
+            with RawConn(d.socket) as c:
+                s = must(c.call(open_req()), "open").open_session.session
+                # Steps then a half-close: every step answered, then EOF.
+                for i in range(3):
+                    c.send(step_req(0, [(s, 0, 4)]))
+                c.sock.shutdown(socket.SHUT_WR)
+                got = sorted(c.recv_any().status.code for _ in range(3))
+                self.assertEqual(got, [OK] * 3)
+                self.assertTrue(c.is_closed())
+            with RawConn(d.socket) as c:
+                c.send(step_req(0, [(s, 0, 4)]))
+                c.send_raw(struct.pack(">I", 3) + b"\xff\xff\xff")
+                r = c.recv_any()
+                self.assertEqual((r.status.code, r.HasField("step")), (OK, True))
+                r = c.recv_any()
+                self.assertEqual((r.id, r.status.code), (0, INVALID))
+                self.assertTrue(c.is_closed())
+            # An identity with a session open keeps its idle connection; a
+            # TCP (anonymous) one without is told UNAVAILABLE and closed.
+            with RawConn(d.socket) as keep, RawConn(("127.0.0.1", d.tcp_port)) as idle:
+                must(keep.call(simple("health")), "health")
+                must(idle.call(simple("health")), "health")
+                idle.sock.settimeout(10)
+                r = idle.recv_any()
+                self.assertEqual((r.id, r.status.code), (0, UNAVAIL))
+                self.assertIn("--idle-timeout", r.status.message)
+                self.assertTrue(idle.is_closed())
+                must(keep.call(simple("health")), "the session owner's connection stays")
+            self.assertEqual(d.stop(), 0)
+        finally:
+            d.close()
+
+    def test_operator_tokens_and_per_identity(self):
+        import tempfile
+        import shutil
+        base = tempfile.mkdtemp(prefix="attnd-rel-op-")
+        try:
+            tf = os.path.join(base, "tokens")
+            with open(tf, "w") as f:
+                f.write("plain-tok\noperator:op-tok\n")
+            d = Daemon(["--kv-memory", "8M", "--token-file", tf, "--max-connections-per-identity", "2"],
+                       shape=SHAPE, tmp=base)
+            try:
+                d.wait_ready()
+                tcp = ("127.0.0.1", d.tcp_port)
+
+                def scales(c):
+                    r = pb.Request()
+                    r.set_scales.layer = 0
+                    return c.call(r).status.code
+
+                with RawConn(tcp) as anon, RawConn(tcp) as plain, RawConn(d.socket) as own:
+                    h = pb.Request()
+                    h.hello.token = "plain-tok"
+                    must(plain.call(h), "hello")
+                    self.assertEqual(scales(anon), PERM)
+                    self.assertEqual(scales(plain), PERM)
+                    # The daemon's own uid is an operator: the call reaches the
+                    # engine, which refuses scales for a bf16 cache.
+                    self.assertEqual(scales(own), INVALID)
+                    with RawConn(tcp) as op:
+                        h.hello.token = "op-tok"
+                        must(op.call(h), "operator hello")
+                        self.assertEqual(scales(op), INVALID)
+                    # A third connection of the daemon's uid is one too many.
+                    with RawConn(d.socket) as own2, RawConn(d.socket) as own3:
+                        must(own2.call(simple("health")), "second of the uid")
+                        r = own3.recv_any()
+                        self.assertEqual((r.id, r.status.code), (0, EXHAUSTED))
+                        self.assertTrue(own3.is_closed())
+                self.assertEqual(d.stop(), 0)
+            finally:
+                d.close()
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+
 class AccessTest(unittest.TestCase):
     def test_unix_socket_permissions(self):
         tmp_d = Daemon(["--kv-memory", "8M"], shape=SHAPE)
@@ -288,9 +413,28 @@ class AccessTest(unittest.TestCase):
                         r = lc.call(simple("close_session", session=s))
                         self.assertNotEqual(r.status.code, OK)
                     must(c.call(simple("close_session", session=s)), "close")
+                # SIGHUP rereads the token file: the new token works, the dropped one no longer does.
+                fresh = "tok-NEW-0d5b8e1f3a"
+                with open(tf, "w") as f:
+                    f.write(good + "\n" + fresh + "\n")
+                import signal
+                d.proc.send_signal(signal.SIGHUP)
+                deadline = time.monotonic() + 10
+                while "tokens=reloaded" not in open(d.log_path, errors="replace").read():
+                    self.assertLess(time.monotonic(), deadline, "no reload logged after SIGHUP")
+                    time.sleep(0.05)
+                with RawConn((ip, port)) as c:
+                    h = pb.Request()
+                    h.hello.token = fresh
+                    must(c.call(h), "hello with the token added before SIGHUP")
+                with RawConn((ip, port)) as c:
+                    h = pb.Request()
+                    h.hello.token = good2
+                    self.assertEqual(c.call(h).status.code, UNAUTH, "a token removed before SIGHUP still works")
                 self.assertEqual(d.stop(), 0)
                 with open(d.log_path, "rb") as f:
                     log = f.read().decode(errors="replace")
+                self.assertNotIn(fresh, log, "the reloaded token reached the log")
                 self.assertNotIn(good, log, "the accepted token reached the log")
                 self.assertNotIn(good2, log, "the second token reached the log")
                 self.assertNotIn(bad, log, "a rejected token reached the log")

@@ -14,7 +14,8 @@
  *
  * After each input the harness checks what must hold whatever the bytes were:
  * every response decodes as a Response, every request that reached dispatch
- * is answered exactly once (unless the connection was told to close), and
+ * is answered exactly once (a connection that ends, on a framing error or a
+ * failed Hello, still answers every call admitted before it), and
  * once every session is closed the engine's bookkeeping passes
  * attnd_engine_check() and no block stays in use. Any failure aborts, so
  * libFuzzer records the input as a crash.
@@ -36,14 +37,18 @@
 #include "net.h"
 #include "rpc.h"
 
-#define FUZZ_IDENTITY 1000u
+/* The connection is the daemon's own uid on the Unix socket: an operator, so
+ * SetScales seeds reach the engine (docs/protocol.md section 1). */
+#define FUZZ_IDENTITY ((uint64_t)geteuid())
 
 /* ---- deterministic ids ----------------------------------------------------- */
 
 static uint64_t next_id;
 uint64_t __real_attnd_random_id(void);
 uint64_t __wrap_attnd_random_id(void);
-uint64_t __wrap_attnd_random_id(void) { return ++next_id; }
+uint64_t __wrap_attnd_random_id(void) {
+  return ++next_id;
+}
 
 /* ---- one fake transport --------------------------------------------------- */
 
@@ -75,7 +80,8 @@ static void f_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_aft
   fconn_t *c = (fconn_t *)rc;
   if (len < 4)
     die("response shorter than its header", NULL);
-  uint32_t n = ((uint32_t)buf[0] << 24) | ((uint32_t)buf[1] << 16) | ((uint32_t)buf[2] << 8) | buf[3];
+  uint32_t n =
+      ((uint32_t)buf[0] << 24) | ((uint32_t)buf[1] << 16) | ((uint32_t)buf[2] << 8) | buf[3];
   if (n != len - 4)
     die("response header disagrees with its length", NULL);
   /* Every response must decode (its oneof results are plain messages except
@@ -95,7 +101,9 @@ static void f_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_aft
   free(buf);
 }
 static void f_progress(attnd_rpc_conn_t *rc) {}
-static void f_released(attnd_rpc_conn_t *rc) { ((fconn_t *)rc)->released = 1; }
+static void f_released(attnd_rpc_conn_t *rc) {
+  ((fconn_t *)rc)->released = 1;
+}
 
 /* Runs the loop until no request is in flight anywhere. */
 static void drain(void) {
@@ -105,7 +113,8 @@ static void drain(void) {
 
 static int frame_cb(void *arg, uint8_t *frame, size_t len) {
   fconn_t *c = arg;
-  if (c->close_seen) {
+  /* As the transport does: once the connection ends, nothing more is read. */
+  if (c->close_seen || c->rc.ending) {
     free(frame);
     return -1;
   }
@@ -115,7 +124,7 @@ static int frame_cb(void *arg, uint8_t *frame, size_t len) {
    * single input can pin bounded. */
   if (c->rc.pending >= 8)
     drain();
-  return c->close_seen ? -1 : 0;
+  return c->close_seen || c->rc.ending ? -1 : 0;
 }
 
 static void rm_state(void) {
@@ -143,12 +152,24 @@ static void setup(void) {
   /* A tiny model: 2 layers, GQA 4/2, d 64, blocks of 16 tokens, a context of
    * 256 and a pool of 48 blocks, so OUT_OF_RANGE and RESOURCE_EXHAUSTED are
    * a few frames away. */
-  char *argv[] = {"fuzz_rpc",          "--backend=cpu",     "--layers=2",
-                  "--q-heads=4",       "--kv-heads=2",      "--head-dim=64",
-                  "--block-size=16",   "--max-context=256", "--kv-memory=393216",
-                  "--max-sessions=8",  "--max-plans=4",     "--threads=1",
-                  "--max-frame=1M",    "--max-inflight=4M", "--log-level=error",
-                  "--model-id=fuzz",   "--rope=neox",       sd,
+  char *argv[] = {"fuzz_rpc",
+                  "--backend=cpu",
+                  "--layers=2",
+                  "--q-heads=4",
+                  "--kv-heads=2",
+                  "--head-dim=64",
+                  "--block-size=16",
+                  "--max-context=256",
+                  "--kv-memory=393216",
+                  "--max-sessions=8",
+                  "--max-plans=4",
+                  "--threads=1",
+                  "--max-frame=1M",
+                  "--max-inflight=4M",
+                  "--log-level=error",
+                  "--model-id=fuzz",
+                  "--rope=neox",
+                  sd,
                   kvarg};
   int argc = (int)(sizeof(argv) / sizeof(argv[0]));
   char err[256];
@@ -213,10 +234,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   attnd_frame_reader_t fr;
   attnd_frame_reader_init(&fr, F.cfg.max_frame);
   int rc = attnd_frame_reader_feed(&fr, data, size, frame_cb, &c);
-  if (rc == ATTND_ENOSPC && !c.close_seen) {
+  int ended = c.close_seen || c.rc.ending;
+  if (rc == ATTND_ENOSPC && !ended) {
     c.handed++; /* the framing error is answered too */
     attnd_rpc_frame_error(&c.rc, ATTND_ENOSPC, "frame too large");
-  } else if (rc == ATTND_EINVAL && !c.close_seen) {
+  } else if (rc == ATTND_EINVAL && !ended) {
     c.handed++;
     attnd_rpc_frame_error(&c.rc, ATTND_EINVAL, "zero-length frame");
   } else if (rc < 0 && rc != -1) {
@@ -224,14 +246,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   attnd_frame_reader_free(&fr);
 
-  if (!c.close_seen) {
-    drain();
-    if (c.answered != c.handed) {
-      fprintf(stderr, "fuzz_rpc: %llu requests, %llu responses\n", (unsigned long long)c.handed,
-              (unsigned long long)c.answered);
-      abort();
-    }
+  /* Every frame handed over is answered, close or not. */
+  drain();
+  if (c.answered != c.handed) {
+    fprintf(stderr, "fuzz_rpc: %llu requests, %llu responses\n", (unsigned long long)c.handed,
+            (unsigned long long)c.answered);
+    abort();
   }
+  if (c.rc.ending && !c.close_seen)
+    die("an ended connection was never told to close", NULL);
   /* The transport goes away: in-flight results are dropped, plans end. */
   if (!attnd_rpc_conn_closed(&c.rc)) {
     while (!c.released)

@@ -249,6 +249,48 @@ def seeds():
     s = Seed()
     s.raw(b"\x7f\x00\x00\x00" + b"\x08\x01")
     out["huge_frame"] = s
+
+    # The decoder's bounds (context 256, 48 blocks of 16 = 768 tokens, 8
+    # sessions): a prompt of max_context ids and one past it; an item with
+    # more ids than its n, one with its ids before n and past max_context;
+    # more doc lengths than keys; a window of 2^32-1 (valid); four items
+    # whose 800 ids are more than the pool holds.
+    s = Seed()
+    open_(s, list(range(256)))
+    open_(s, list(range(257)))
+    step(s, 0, [(1, 0, 2, [1, 2, 3], False, None)], rows_q=2)
+    r = s.req()
+    it = r.plan.items.add()
+    it.tokens.extend(range(300))
+    it.session = 1
+    it.n = 1
+    s.add(r)
+    step(s, 0, [(1, 0, 2, [1, 2], False, (pb.Mask.DOCUMENT, [2, 0, 0]))])
+    step(s, 0, [(1, 0, 2, [1, 2], False, (pb.Mask.SLIDING_WINDOW, 0xFFFFFFFF))])
+    for i in range(3):
+        open_(s)
+    plan(s, [(i + 1, 0, 200, list(range(200)), False, None) for i in range(4)])
+    out["bounds"] = s
+
+    # A connection that ends: two steps in flight, then a frame that does not
+    # parse (answered after both), then a step that is no longer a request.
+    s = Seed()
+    open_(s)
+    step(s, 0, [(1, 0, 4, [1, 2, 3, 4], False, None)])
+    step(s, 1, [(1, 0, 4, [1, 2, 3, 4], False, None)])
+    s.raw(struct.pack(">I", 3) + b"\xff\xff\xff")
+    step(s, 0, [(1, 4, 1, [5], False, None)])
+    out["end_after_steps"] = s
+
+    # The field budget: an OpenSession with more unknown fields than any
+    # valid one (1024 + max_context), then a Request with 65 top-level fields.
+    s = Seed()
+    junk = b"\xa0\x06\x00" * 1400  # field 100 = 0, 4200 bytes (a 2-byte length)
+    body = b"\x08\x01\x2a" + bytes([0x80 | (len(junk) & 0x7f), len(junk) >> 7]) + junk
+    s.raw(struct.pack(">I", len(body)) + body)
+    body = b"\x08\x02" + b"\xa0\x06\x00" * 64 + b"\x1a\x00"
+    s.raw(struct.pack(">I", len(body)) + body)
+    out["field_budget"] = s
     return out
 
 
