@@ -156,6 +156,13 @@ int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part,
 /* 1 when every element of a bf16/fp16/fp32 array is finite. */
 int attnd_cpu_all_finite(attnd_dtype_t dt, const void *p, size_t count);
 
+/* The largest magnitude in a bf16/fp16/fp32 array, as its bit pattern with the
+ * sign cleared (0 for count 0; integer types: 0). Magnitudes order as these
+ * patterns do, infinities above every finite value and NaNs above infinities,
+ * so one comparison with a bound's pattern checks finiteness and the bound
+ * together. Elements need not be aligned. */
+uint32_t attnd_cpu_max_abs_bits(attnd_dtype_t dt, const void *p, size_t count);
+
 #ifdef __cplusplus
 }
 #endif

@@ -381,6 +381,15 @@ void step_submit(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan, uin
     k[(T - 1) * kvrow + 3] = 0x7fc0; /* bf16 NaN */
   if (opt->corrupt_q && Tq)
     q[5] = 0x7f80; /* bf16 +inf */
+  if (opt->poke) {
+    oracle_to_dtype(ATTND_DT_BF16,
+                    opt->poke == 'q'   ? q
+                    : opt->poke == 'k' ? k
+                                       : v,
+                    opt->poke_elem, opt->poke_value);
+    if (opt->poke == 'q') /* the oracle replays q0 */
+      oracle_to_dtype(ATTND_DT_BF16, q0, opt->poke_elem, opt->poke_value);
+  }
   itembuf_t *ib = &pd->ib;
   build_items(sp, n, ib);
   for (int i = 0; i < n; i++) {

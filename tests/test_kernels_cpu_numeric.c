@@ -60,6 +60,35 @@ static void test_all_finite(void **state) {
   assert_int_equal(attnd_cpu_all_finite(ATTND_DT_BF16, raw + 1, 37), 0);
 }
 
+/* The largest magnitude as a pattern: what the engine's scan compares with a
+ * bound's pattern (finite values in order, then infinity, then NaN). */
+static void test_max_abs_bits(void **state) {
+  (void)state;
+  uint16_t h[41];
+  uint8_t raw[2 * 41 + 1];
+  for (int dt = ATTND_DT_BF16; dt <= ATTND_DT_FP16; dt++) {
+    fill_random((attnd_dtype_t)dt, h, 41, 1.0);
+    uint32_t want = 0;
+    for (int i = 0; i < 41; i++)
+      want = (h[i] & 0x7fffu) > want ? (h[i] & 0x7fffu) : want;
+    assert_int_equal(attnd_cpu_max_abs_bits((attnd_dtype_t)dt, h, 41), want);
+    h[17] = 0x8000u | (uint16_t)(want + 1); /* a larger negative value */
+    assert_int_equal(attnd_cpu_max_abs_bits((attnd_dtype_t)dt, h, 41), want + 1);
+    uint16_t inf = dt == ATTND_DT_BF16 ? 0x7f80u : 0x7c00u;
+    h[40] = (uint16_t)(0x8000u | inf); /* -inf */
+    assert_int_equal(attnd_cpu_max_abs_bits((attnd_dtype_t)dt, h, 41), inf);
+    h[3] = (uint16_t)(inf | 1u); /* NaN */
+    memcpy(raw + 1, h, sizeof(h)); /* unaligned */
+    assert_int_equal(attnd_cpu_max_abs_bits((attnd_dtype_t)dt, raw + 1, 41), inf | 1u);
+    assert_int_equal(attnd_cpu_max_abs_bits((attnd_dtype_t)dt, h, 0), 0);
+  }
+  float f[5] = {1.0f, -3.0f, 2.0f, 0.5f, -0.0f};
+  uint32_t three;
+  float t = 3.0f;
+  memcpy(&three, &t, 4);
+  assert_int_equal(attnd_cpu_max_abs_bits(ATTND_DT_FP32, f, 5), three);
+}
+
 /* ---- element conversions of the kernels against the oracle's rounding -------- */
 
 static float f32_of_bits(uint32_t u) {
@@ -200,6 +229,7 @@ int main(void) {
   printf("seed: ATTND_TEST_SEED=%llu\n", (unsigned long long)g_rng);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_all_finite),
+      cmocka_unit_test(test_max_abs_bits),
       cmocka_unit_test(test_conversions_match_oracle),
       cmocka_unit_test(test_rope_fp32_contract),
   };

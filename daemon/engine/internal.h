@@ -297,10 +297,19 @@ typedef struct attnd_ejob_s {
 /* ---- the finiteness scan (scan.c) ---------------------------------------------- */
 
 typedef struct {
-  const uint8_t *q, *k, *v;   /* 2-byte aligned views of the tensors (NULL: not scanned) */
-  void *qbuf, *kbuf, *vbuf;   /* copies behind the views when the request's were not aligned */
-  size_t bad_q, bad_k, bad_v; /* first row holding a non-finite value; SIZE_MAX: none */
+  const uint8_t *q, *k, *v;        /* 2-byte aligned views of the tensors (NULL: not scanned) */
+  void *qbuf, *kbuf, *vbuf;        /* copies behind the views when the request's were not aligned */
+  size_t bad_q, bad_k, bad_v;      /* first row past its bound (non-finite or too large);
+                                    * SIZE_MAX: none */
+  uint32_t bits_q, bits_k, bits_v; /* that row's largest magnitude, as dtype bits */
 } attnd_scan_t;
+
+/* The largest magnitude a tensor may hold (docs/numerics.md §6). */
+typedef struct {
+  uint32_t bits;    /* the largest allowed magnitude, as an activation-dtype pattern */
+  double value;     /* the bound as a number */
+  const char *name; /* the bound as the docs write it ("2^48", ...) */
+} attnd_scan_bound_t;
 
 /* ---- the engine ---------------------------------------------------------------- */
 
@@ -362,6 +371,11 @@ int attnd_queue_busy(const attnd_engine_t *e);
 /* The whole scan of a step; reads only the request and the model shape, which
  * never changes, so it may run on a worker thread. */
 void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, attnd_scan_t *sc);
+/* The bounds of q, k and v for a model shape. */
+void attnd_scan_bounds(const attnd_kshape_t *sh, attnd_scan_bound_t *q, attnd_scan_bound_t *k,
+                       attnd_scan_bound_t *v);
+/* A magnitude pattern of the activation dtype (bf16 or fp16) as a number. */
+double attnd_scan_value(attnd_dtype_t dt, uint32_t bits);
 
 static inline int attnd_scan_row_in(size_t row, uint32_t first, uint32_t n) {
   return row >= first && row - first < n;

@@ -18,6 +18,7 @@
  * A failure in check or reserve answers the call and leaves every session
  * and the pool as they were (blocks evicted from the prefix cache to make
  * room stay evicted: nothing a session sees). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,6 +114,25 @@ static int check_tensors(admit_t *a) {
   return 0;
 }
 
+/* Item i holds a value of tensor t (its magnitude pattern: bits) that is
+ * non-finite or past the tensor's bound. */
+static int bad_value(admit_t *a, uint32_t i, const char *t, uint32_t bits) {
+  const attnd_kshape_t *sh = &a->e->shape;
+  double x = attnd_scan_value(sh->dtype, bits);
+  if (!isfinite(x)) {
+    snprintf(a->msg, sizeof(a->msg), "item %u: %s holds a non-finite value (%s)", i, t,
+             isnan(x) ? "NaN" : "infinity");
+    return ATTND_EINVAL;
+  }
+  attnd_scan_bound_t b[3];
+  attnd_scan_bounds(sh, &b[0], &b[1], &b[2]);
+  const attnd_scan_bound_t *bt = &b[t[0] == 'q' ? 0 : t[0] == 'k' ? 1 : 2];
+  snprintf(a->msg, sizeof(a->msg),
+           "item %u: %s holds %.6g, past the bound |%s| <= %s (docs/numerics.md section 6)", i, t,
+           x, t, bt->name);
+  return ATTND_EINVAL;
+}
+
 /* Per item: the session is usable, the positions follow what the layer
  * holds, layers > 0 repeat layer 0's tokens, and no row is non-finite. */
 static int check_items(admit_t *a) {
@@ -147,12 +167,15 @@ static int check_items(admit_t *a) {
     /* The scan recorded the first bad row of each tensor; no item before
      * this one holds a bad row, so this item fails exactly when it holds
      * that row (the same answer as scanning item by item). */
-    if (attnd_scan_row_in(sc->bad_k, kv_row, it->n) ||
-        attnd_scan_row_in(sc->bad_v, kv_row, it->n) ||
-        (it->has_q && attnd_scan_row_in(sc->bad_q, q_row, it->n))) {
-      snprintf(a->msg, sizeof(a->msg), "item %u: q, k or v holds a non-finite value", i);
-      return ATTND_EINVAL;
-    }
+    int rc = 0;
+    if (attnd_scan_row_in(sc->bad_k, kv_row, it->n))
+      rc = bad_value(a, i, "k", sc->bits_k);
+    else if (attnd_scan_row_in(sc->bad_v, kv_row, it->n))
+      rc = bad_value(a, i, "v", sc->bits_v);
+    else if (it->has_q && attnd_scan_row_in(sc->bad_q, q_row, it->n))
+      rc = bad_value(a, i, "q", sc->bits_q);
+    if (rc)
+      return rc;
     kv_row += it->n;
     if (it->has_q)
       q_row += it->n;

@@ -242,3 +242,30 @@ int attnd_cpu_all_finite(attnd_dtype_t dt, const void *p, size_t count) {
   }
   return bad == 0;
 }
+
+uint32_t attnd_cpu_max_abs_bits(attnd_dtype_t dt, const void *p, size_t count) {
+  /* A max over the magnitude bits, no early exit, so the loop vectorizes;
+   * memcpy reads because request bytes need not be element-aligned. */
+  const uint8_t *c = p;
+  if (dt == ATTND_DT_BF16 || dt == ATTND_DT_FP16) {
+    uint16_t m = 0;
+    for (size_t i = 0; i < count; i++) {
+      uint16_t h;
+      memcpy(&h, c + 2 * i, 2);
+      h &= 0x7fffu;
+      m = h > m ? h : m;
+    }
+    return m;
+  }
+  if (dt == ATTND_DT_FP32) {
+    uint32_t m = 0;
+    for (size_t i = 0; i < count; i++) {
+      uint32_t w;
+      memcpy(&w, c + 4 * i, 4);
+      w &= 0x7fffffffu;
+      m = w > m ? w : m;
+    }
+    return m;
+  }
+  return 0;
+}
