@@ -135,7 +135,6 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
   attnd_list_init(&e->plist);
   attnd_list_init(&e->queue);
   attnd_scales_update_fingerprint(e);
-  uv_mutex_init(&e->persist_mu);
   start_idle_sweep(e);
   *out = e;
   return 0;
@@ -167,7 +166,6 @@ static void idle_closed(uv_handle_t *h) {
   attnd_prefix_free(e->px);
   attnd_blocks_free(&e->pool);
   attnd_scales_free(&e->sc);
-  uv_mutex_destroy(&e->persist_mu);
   free(e);
   if (cb)
     cb(arg);

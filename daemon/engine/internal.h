@@ -335,8 +335,6 @@ struct attnd_engine_s {
   void *close_arg;
   attnd_engine_stats_t st;
   uint64_t gen;
-  uv_mutex_t persist_mu;
-  uint64_t persist_seq, persist_written;
   void (*fatal_cb)(void *); /* attnd_engine_on_fatal */
   void *fatal_arg;
   int fatal;          /* the backend reported ATTND_EDEVICE */
@@ -466,8 +464,15 @@ void attnd_ejob_submit(attnd_engine_t *e, attnd_ejob_t *j);
 
 /* ---- scales.c ---- */
 
-void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
-                        void *arg);
+/* SetScales in the order queue.c runs it: every check that can fail (0 or an
+ * error with msg); the table as it will be after the call, serialized for
+ * the file (the live table unchanged); then, once the file is written (or
+ * without persistence), the change itself, answered through cb. */
+int attnd_scales_check(attnd_engine_t *e, const attnd_scales_req_t *req, char *msg, size_t msglen);
+int attnd_scales_snapshot(attnd_engine_t *e, const attnd_scales_req_t *req, uint8_t **buf,
+                          size_t *len);
+void attnd_scales_commit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
+                         void *arg);
 /* Submits a SCALES job with a snapshot of a layer's scales from the table. */
 void attnd_scales_submit(attnd_engine_t *e, int layer);
 /* Recomputes the prefix fingerprint from the model and the scale versions. */
