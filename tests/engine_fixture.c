@@ -455,6 +455,10 @@ int step_finish(fx_t *f, pend_t *pd, char *msg, uint8_t **out_copy) {
     snprintf(msg, 256, "%s", x->r.message);
   int status = x->r.status;
   if (status == 0) {
+    int decode = 1; /* the kind the latency histograms file it under */
+    for (int i = 0; i < n; i++)
+      decode &= sp[i].n == 1;
+    assert_int_equal(x->r.decode, decode);
     assert_int_equal(x->r.out_rows, pd->Tq);
     assert_int_equal(x->r.out_bytes, pd->Tq * qrow * (opt->fp32_out ? 4 : 2));
     oracle_scales_t sc = oscales(f, layer);

@@ -287,6 +287,7 @@ typedef struct attnd_ejob_s {
   float *lse;
   void *qbuf, *kbuf, *vbuf; /* aligned copies when the request's were not */
   attnd_dtype_t out_dtype;
+  int decode; /* EJ_STEP: every item has n == 1 */
   int32_t *copies;
   uint64_t *sessions; /* EJ_STEP: the items' sessions, marked broken on failure */
   uint32_t nsessions;

@@ -85,6 +85,7 @@ static void job_done(attnd_job_t *job) {
       r.out_bytes = job->out_bytes;
       r.lse = j->lse;
       r.lse_bytes = job->lse_bytes;
+      r.decode = j->decode;
       j->out = NULL;
       j->lse = NULL;
     }

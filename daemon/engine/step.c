@@ -372,6 +372,7 @@ static void step_commit(admit_t *a) {
   }
   e->st.steps++;
   e->st.tokens_written += p->T;
+  a->j->decode = !any_prefill;
   if (any_prefill)
     e->st.prefill_steps++;
   else

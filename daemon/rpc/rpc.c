@@ -55,9 +55,6 @@ void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity,
   c->identity = identity;
   c->need_hello = need_hello;
   attnd_list_init(&c->reqs);
-  c->plan_cap = (uint32_t)(r->cfg->max_plans > 0 ? r->cfg->max_plans : 64);
-  c->plan_ids = attnd_xcalloc(c->plan_cap, sizeof(uint64_t));
-  c->plan_decode = attnd_xcalloc(c->plan_cap, 1);
 }
 
 int attnd_rpc_conn_closed(attnd_rpc_conn_t *c) {
@@ -65,11 +62,6 @@ int attnd_rpc_conn_closed(attnd_rpc_conn_t *c) {
     return c->pending == 0;
   c->closed = 1;
   attnd_engine_conn_closed(c->rpc->engine, c->id);
-  free(c->plan_ids);
-  free(c->plan_decode);
-  c->plan_ids = NULL;
-  c->plan_decode = NULL;
-  c->plan_cap = 0;
   return c->pending == 0;
 }
 
@@ -84,7 +76,6 @@ static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, ui
   q->frame = frame;
   q->frame_len = len;
   q->t0_ns = attnd_rpc_now_ns();
-  q->step_kind = -1;
   attnd_list_init(&q->link);
   return q;
 }
@@ -161,8 +152,9 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
       attnd_rpc_code_name(code), (unsigned long long)res->queued_us,
       (unsigned long long)res->computing_us, c->closed ? " dropped=1" : "",
       res->status ? " msg=\"" : "", res->status ? res->message : "", res->status ? "\"" : "");
-  if (code == ATTND_STATUS_OK && q->step_kind >= 0)
-    attnd_hist_add(&r->counters.step_latency[q->step_kind],
+  /* The engine tells a step's kind, whichever connection made its plan. */
+  if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP)
+    attnd_hist_add(&r->counters.step_latency[res->decode ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL],
                    (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);
   if (!c->closed)
     answer(q, res, code);
