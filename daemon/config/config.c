@@ -78,11 +78,13 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->max_inflight = 1ull << 30;
   c->max_connections = 1024;
   c->max_sessions = 65536;
+  c->max_sessions_per_identity = 0; /* a quarter of max_sessions */
   c->max_plans = 64;
   c->threads = 0;
   c->prefix_cache = 1;
   c->hello_timeout_ms = 10000;
   c->engine_offload_bytes = ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES;
+  c->engine_chunk_keys = ATTND_DEFAULT_ENGINE_CHUNK_KEYS;
   c->rpc_ref_min = ATTND_DEFAULT_RPC_REF_MIN;
   c->worker_threads = 0;
   c->cuda_pinned_max = 0;
@@ -191,6 +193,7 @@ const char *attnd_config_usage(void) {
          "  --kv-memory BYTES      KV pool size (K/M/G suffix); default 1G CPU, 90% free GPU "
          "memory\n"
          "  --max-sessions N       default 65536\n"
+         "  --max-sessions-per-identity N  default 0 = max-sessions / 4\n"
          "  --session-idle SECONDS default 600\n"
          "  --no-prefix-cache      disable prefix sharing\n"
          "  --state-dir DIR        persisted scales\n"
@@ -198,6 +201,8 @@ const char *attnd_config_usage(void) {
          "  --worker-threads N     libuv worker pool, default 0 = max(4, --threads or cores)\n"
          "  --engine-offload-bytes BYTES  steps with more q+k+v bytes are scanned on the\n"
          "                         worker pool behind an admission queue, default 1M\n"
+         "  --engine-chunk-keys N  large steps' attention runs in chunks of about N keys\n"
+         "                         per q head, between other steps; default 64K, 0 = whole\n"
          "  --rpc-ref-min BYTES    step outputs this large go to the socket without a copy, "
          "default 64K\n"
          "  --cuda-pinned-max BYTES  pinned staging cap, default 0 = 1/8 of RAM in [256M, 8G]\n"

@@ -129,7 +129,7 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
     goto fail_scales;
   if ((rc = restore_scales(e, err, errlen)) != 0)
     goto fail_load;
-  if (attnd_idmap_init(&e->sessions) || attnd_idmap_init(&e->plans))
+  if (attnd_idmap_init(&e->sessions) || attnd_idmap_init(&e->plans) || attnd_idmap_init(&e->idents))
     abort();
   attnd_list_init(&e->slist);
   attnd_list_init(&e->plist);
@@ -163,6 +163,7 @@ static void idle_closed(uv_handle_t *h) {
   e->be->ops->destroy(e->be);
   attnd_idmap_free(&e->sessions);
   attnd_idmap_free(&e->plans);
+  attnd_idmap_free(&e->idents);
   attnd_prefix_free(e->px);
   attnd_blocks_free(&e->pool);
   attnd_scales_free(&e->sc);

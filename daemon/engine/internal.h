@@ -327,6 +327,8 @@ struct attnd_engine_s {
   attnd_idmap_t sessions, plans;
   attnd_list_t slist; /* sessions, newest first */
   uint32_t nsessions;
+  attnd_idmap_t idents;    /* identity -> uint32_t sessions it holds (nonzero identities) */
+  uint32_t ident0_sessions; /* ... and identity 0's (an idmap key cannot be 0) */
   attnd_list_t plist; /* live plans, oldest first */
   uint32_t nplans;
   uint32_t pending; /* jobs, queued calls and persist works not yet done */
