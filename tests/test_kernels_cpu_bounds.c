@@ -73,9 +73,9 @@ static void run_case(attnd_kv_type_t kv, attnd_dtype_t dt, attnd_rope_t rope, co
   sess_init(&e, &a, 128);
   sess_init(&e, &b, 128);
   titem_t pre[2] = {item(&a, 0, 40 + rnd(60)), item(&b, 0, 1 + rnd(20))};
-  run_step(&e, pre, 2, (run_opts_t){.out_fp32 = rnd(2), .want_lse = 1});
+  run_step(&e, pre, 2, (run_opts_t){.out_fp32 = rnd(2), .want_lse = 1, .chunked = 1});
   titem_t dec[2] = {item(&a, pre[0].n, 1), item(&b, pre[1].n, 1 + rnd(7))};
-  run_step(&e, dec, 2, (run_opts_t){.out_fp32 = rnd(2), .want_lse = 1});
+  run_step(&e, dec, 2, (run_opts_t){.out_fp32 = rnd(2), .want_lse = 1, .chunked = 1});
   sess_free(&a);
   sess_free(&b);
   env_free(&e);

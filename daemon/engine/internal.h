@@ -10,7 +10,8 @@
  *               prefix lookup
  *   blocks.c    the block pool's bookkeeping (free, used, cached LRU)
  *   prefix.c    the prefix index of published blocks (xxh3-128 chained hashes)
- *   jobs.c      backend jobs: per-layer order, completion, failures
+ *   jobs.c      backend jobs: submission, completion, failures
+ *   sched.c     the order jobs of a layer wait for each other in (per block)
  *   scales.c    SetScales: the static scales table, its versions, persistence
  *   scales_file.c  the scales.bin file
  *   engine.c    lifetime (backend selection, init, close) and introspection
@@ -271,8 +272,17 @@ struct attnd_plan_s {
 
 enum { EJ_STEP = 0, EJ_COPY = 1, EJ_SCALES = 2 };
 
+typedef struct attnd_ejob_s attnd_ejob_t;
+
+/* A job's place among a block's readers in the scheduler (sched.c). */
+typedef struct {
+  attnd_list_t link; /* on the (layer, block)'s list of readers */
+  attnd_ejob_t *job;
+  int32_t block;
+} attnd_rnode_t;
+
 /* A job the engine submits, with everything it owns until it is done. */
-typedef struct attnd_ejob_s {
+struct attnd_ejob_s {
   attnd_job_t job; /* first: the backend hands back &job */
   attnd_engine_t *e;
   int kind;
@@ -293,7 +303,20 @@ typedef struct attnd_ejob_s {
   uint32_t nsessions;
   /* EJ_SCALES: the snapshot the backend reads until done */
   float *sk, *sv, *zk, *zv;
-} attnd_ejob_t;
+  uint64_t t_admit_us; /* handed to the scheduler */
+  /* The scheduler's (sched.c): what it touches, who waits for it. */
+  int32_t *wblocks; /* blocks it writes */
+  uint32_t nw;
+  attnd_rnode_t *rnodes; /* blocks it only reads */
+  uint32_t nr;
+  attnd_ejob_t **waiters; /* later jobs waiting for this one */
+  uint32_t nwaiters, waiters_cap;
+  attnd_ejob_t *last_waiter; /* the last one added (each is added once) */
+  uint32_t nwait;            /* unfinished jobs this one waits for */
+  int dep_failed;            /* one of them failed: this one fails unrun */
+  attnd_list_t llink;        /* its layer's unfinished jobs */
+  attnd_list_t qlink;        /* the ready queue */
+};
 
 /* ---- the finiteness scan (scan.c) ---------------------------------------------- */
 
@@ -327,9 +350,9 @@ struct attnd_engine_s {
   attnd_idmap_t sessions, plans;
   attnd_list_t slist; /* sessions, newest first */
   uint32_t nsessions;
-  attnd_idmap_t idents;    /* identity -> uint32_t sessions it holds (nonzero identities) */
+  attnd_idmap_t idents;     /* identity -> uint32_t sessions it holds (nonzero identities) */
   uint32_t ident0_sessions; /* ... and identity 0's (an idmap key cannot be 0) */
-  attnd_list_t plist; /* live plans, oldest first */
+  attnd_list_t plist;       /* live plans, oldest first */
   uint32_t nplans;
   uint32_t pending; /* jobs, queued calls and persist works not yet done */
   uv_timer_t idle;
@@ -345,6 +368,13 @@ struct attnd_engine_s {
   uint32_t nqueued;
   int admitting;        /* the queue is being pumped: a nested call leaves the work to it */
   size_t offload_bytes; /* a step with more q+k+v bytes is scanned on the threadpool */
+  /* The scheduler (sched.c), per (layer, block) and per layer. */
+  attnd_ejob_t **sb_w;    /* [layers * blocks]: last unfinished job writing the block */
+  attnd_list_t *sb_r;     /* [layers * blocks]: unfinished jobs reading it since (rnodes) */
+  attnd_list_t *ljobs;    /* [layers]: unfinished jobs, in admission order */
+  attnd_ejob_t **barrier; /* [layers]: the unfinished SCALES job */
+  attnd_list_t readyq;    /* jobs whose wait ended, to hand to the backend */
+  int sched_busy;         /* readyq is being drained */
 };
 
 /* ---- engine.c ---- */
@@ -360,6 +390,9 @@ static inline uint32_t attnd_engine_nblocks(const attnd_engine_t *e, uint64_t le
 }
 static inline uint64_t attnd_engine_now_ms(attnd_engine_t *e) {
   return uv_now(e->loop);
+}
+static inline uint64_t attnd_engine_now_us(void) {
+  return uv_hrtime() / 1000;
 }
 
 /* ---- queue.c ---- */
@@ -461,9 +494,29 @@ void attnd_cache_trim(attnd_engine_t *e, attnd_session_t *s, uint32_t keep);
 /* A new job of a kind for a layer (attnd_job_t filled as far as it can be). */
 attnd_ejob_t *attnd_ejob_new(attnd_engine_t *e, int kind, int layer);
 void attnd_ejob_free(attnd_ejob_t *j);
-/* Hands a job to the backend (which keeps each layer's jobs in this order);
- * it counts as pending until done. */
+/* Submits an admitted job: to the scheduler, which hands it to the backend
+ * once the jobs it depends on are done; pending until done. Its blocks
+ * (attnd_sched_write, attnd_sched_read) are set. */
 void attnd_ejob_submit(attnd_engine_t *e, attnd_ejob_t *j);
+/* The scheduler's two ends: to the backend, or failed without running. */
+void attnd_ejob_start(attnd_engine_t *e, attnd_ejob_t *j);
+void attnd_ejob_fail_unrun(attnd_engine_t *e, attnd_ejob_t *j);
+
+/* ---- sched.c ---- */
+
+int attnd_sched_init(attnd_engine_t *e);
+void attnd_sched_free(attnd_engine_t *e);
+/* Room for a job's blocks, then each block it writes or only reads. */
+void attnd_sched_reserve(attnd_ejob_t *j, uint32_t nwrite, uint32_t nread);
+void attnd_sched_write(attnd_ejob_t *j, int32_t block);
+void attnd_sched_read(attnd_ejob_t *j, int32_t block);
+/* Enters a job; it starts now (attnd_ejob_start) if it waits for nothing. */
+void attnd_sched_submit(attnd_engine_t *e, attnd_ejob_t *j);
+/* A job is done (failed: so are those waiting for it): it leaves the
+ * scoreboard and jobs whose wait ends join the ready queue. */
+void attnd_sched_done(attnd_engine_t *e, attnd_ejob_t *j, int failed);
+/* Hands the ready queue to the backend (failing jobs whose wait failed). */
+void attnd_sched_run(attnd_engine_t *e);
 
 /* ---- scales.c ---- */
 

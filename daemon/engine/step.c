@@ -248,10 +248,15 @@ static void batch_item(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const att
   k->mask_param = it->mask_param;
   k->causal = it->causal;
   k->block_table = (int32_t)*mo;
+  uint32_t b0 = it->start / e->bs; /* the first block it writes */
   for (uint32_t bi = 0; bi < nb; bi++) {
     j->meta[(*mo)++] = s->table[bi];
     j->refs[j->nrefs++] = s->table[bi];
     attnd_blocks_ref(&e->pool, s->table[bi], 0);
+    if (bi >= b0)
+      attnd_sched_write(j, s->table[bi]);
+    else if (it->has_q) /* only items with q read their older blocks */
+      attnd_sched_read(j, s->table[bi]);
   }
   if (it->intervals) {
     k->intervals = (int32_t)*mo;
@@ -275,12 +280,15 @@ static void step_build_batch(admit_t *a) {
   a->j = j;
   j->cb = a->cb;
   j->arg = a->arg;
-  size_t nmeta = 0, nrefs = 0;
+  size_t nmeta = 0, nrefs = 0, nw = 0, nr = 0;
   for (uint32_t i = 0; i < p->nitems; i++) {
-    uint32_t kv_len = p->items[i].start + p->items[i].n;
+    uint32_t kv_len = p->items[i].start + p->items[i].n, b0 = p->items[i].start / e->bs;
     nmeta += attnd_engine_nblocks(e, kv_len) + (p->items[i].intervals ? 4 * (size_t)kv_len : 0);
     nrefs += attnd_engine_nblocks(e, kv_len);
+    nw += attnd_engine_nblocks(e, kv_len) - b0;
+    nr += p->items[i].has_q ? b0 : 0;
   }
+  attnd_sched_reserve(j, (uint32_t)nw, (uint32_t)nr);
   j->kitems = attnd_xcalloc(p->nitems, sizeof(attnd_kitem_t));
   j->sessions = attnd_xcalloc(p->nitems, sizeof(uint64_t));
   j->nsessions = p->nitems;

@@ -514,27 +514,46 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
     }
 }
 
-int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, int nparts) {
+/* Query rows per unit: past 32 query vectors (16 for d 256) q and the
+ * accumulators leave L1 and prefill gets slower again (measured on 2 cores:
+ * 16 -> 32 took 512 rows over 4k keys from ~590 to ~420 ms, 64 was back at
+ * ~540). At most 16 q heads share a unit, so even a decode step of an MQA
+ * model (one kv head) has units for more than one thread. */
+static void unit_geometry(const attnd_kshape_t *s, int *gsub, int *rt) {
+  const int G = s->q_heads / s->kv_heads;
+  const int qmax = KC_Q_FLOATS / s->head_dim < KC_QT ? KC_Q_FLOATS / s->head_dim : KC_QT;
+  *gsub = G < 16 ? G : 16;
+  *rt = qmax / *gsub;
+}
+
+int attnd_cpu_attend_tile_rows(const attnd_kshape_t *s) {
+  if (attnd_kshape_check(s) != 0)
+    return -1;
+  int gsub, rt;
+  unit_geometry(s, &gsub, &rt);
+  return rt;
+}
+
+int attnd_cpu_attend_rows(const attnd_kshape_t *s, const attnd_kbatch_t *b, int32_t row0,
+                          int32_t row1, int part, int nparts) {
   if (kc_batch_check(s, b) != 0 || nparts <= 0 || part < 0 || part >= nparts)
     return -1;
   kc_ctx_t cx = {.s = s, .b = b, .L = kc_layout(s), .G = s->q_heads / s->kv_heads};
   const int H = s->kv_heads;
-  /* Larger units decode each K/V chunk for more queries (prefill rows), but
-   * past 32 query vectors (16 for d 256) q and the accumulators leave L1 and
-   * prefill gets slower again (measured on 2 cores: 16 -> 32 took 512 rows
-   * over 4k keys from ~590 to ~420 ms, 64 was back at ~540). At most 16 q
-   * heads share a unit, so even a decode step of an MQA model (one kv head)
-   * has units for more than one thread. */
-  const int qmax = KC_Q_FLOATS / s->head_dim < KC_QT ? KC_Q_FLOATS / s->head_dim : KC_QT;
-  const int gsub = cx.G < 16 ? cx.G : 16;
+  int gsub, rt;
+  unit_geometry(s, &gsub, &rt);
   const int ngroups = (cx.G + gsub - 1) / gsub;
-  const int rt = qmax / gsub;
+  /* Units are (item, row tile, kv head, q-head group); tiles start at each
+   * item's first row, so a row range that starts and ends on tile bounds
+   * computes every row exactly as the whole batch does. */
   int64_t u = 0;
   for (int i = 0; i < b->nitems; i++) {
     const attnd_kitem_t *it = &b->items[i];
-    if (it->q_row < 0)
+    if (it->q_row < 0 || it->q_row + it->n <= row0 || it->q_row >= row1)
       continue;
     for (int r0 = 0; r0 < it->n; r0 += rt) {
+      if (it->q_row + r0 < row0 || it->q_row + r0 >= row1)
+        continue;
       int rn = it->n - r0 < rt ? it->n - r0 : rt;
       for (int h = 0; h < H; h++)
         for (int g = 0; g < ngroups; g++, u++) {
@@ -547,4 +566,8 @@ int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part,
     }
   }
   return 0;
+}
+
+int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, int nparts) {
+  return attnd_cpu_attend_rows(s, b, 0, b->total_q, part, nparts);
 }
