@@ -268,6 +268,35 @@ static void test_cow_order(void **state) {
   fx_free(f);
 }
 
+static void count_fatal(void *arg) {
+  (*(int *)arg)++;
+}
+
+/* A sticky device error answers UNAVAILABLE, as does a step pipelined behind
+ * the failed one (it fails unrun), and tells the daemon once, so that it
+ * drains and exits for its supervisor to restart it. */
+static void test_device_lost(void **state) {
+  fx_t *f = fx_new(ATTND_KV_BF16, 32);
+  int fatal = 0;
+  attnd_engine_on_fatal(f->e, count_fatal, &fatal);
+  sim_t *a = sim_new();
+  fill_tokens(f, a, 0, 100);
+  open_session(f, a, 0, NULL, 0);
+  pend_t *pd = calloc(2, sizeof(*pd));
+  spec_t p1 = {.sim = a, .start = 0, .n = 12}, p2 = {.sim = a, .start = 12, .n = 1};
+  attnd_backend_cpu_fail_next = ATTND_CPU_FAIL_DEVICE;
+  step_submit(f, 0, &p1, 1, 0, 1, NULL, &pd[0]);
+  step_submit(f, 0, &p2, 1, 0, 1, NULL, &pd[1]);
+  char msg[256];
+  expect(f, step_finish(f, &pd[0], msg, NULL), ATTND_EDEVICE, msg, NULL);
+  expect(f, step_finish(f, &pd[1], msg, NULL), ATTND_EDEVICE, msg, "unusable");
+  assert_int_equal(attnd_err_status(ATTND_EDEVICE), ATTND_STATUS_UNAVAILABLE);
+  assert_int_equal(fatal, 1);
+  free(pd);
+  sim_free(a);
+  fx_free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pipelined),
@@ -276,6 +305,7 @@ int main(void) {
       cmocka_unit_test(test_copy_fault),
       cmocka_unit_test(test_fault_spreads),
       cmocka_unit_test(test_cow_order),
+      cmocka_unit_test(test_device_lost),
       /* Again with every step queued behind a threadpool scan. */
       cmocka_unit_test_setup_teardown(test_pipelined, queued_on, queued_off),
       cmocka_unit_test_setup_teardown(test_backend_fault, queued_on, queued_off),

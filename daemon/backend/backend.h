@@ -118,9 +118,10 @@ int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd
                              int layers, const attnd_backend_opts_t *o, char *err, size_t errlen);
 /* Test hook: ATTND_CPU_FAIL_STEP makes the CPU backend's next STEP job, and
  * ATTND_CPU_FAIL_COPY its next COPY job, fail with ATTND_EINTERNAL after its
- * work ran, as a failed device call would (and clears it). Never set outside
- * tests. */
-enum { ATTND_CPU_FAIL_STEP = 1, ATTND_CPU_FAIL_COPY = 2 };
+ * work ran, as a failed device call would; ATTND_CPU_FAIL_DEVICE the next
+ * STEP with ATTND_EDEVICE, as a sticky device error would (the hook clears
+ * itself). Never set outside tests. */
+enum { ATTND_CPU_FAIL_STEP = 1, ATTND_CPU_FAIL_COPY = 2, ATTND_CPU_FAIL_DEVICE = 3 };
 extern int attnd_backend_cpu_fail_next;
 
 /* 1 when a usable CUDA device exists (any error from cudaGetDeviceCount: 0).

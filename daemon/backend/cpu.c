@@ -80,7 +80,7 @@ struct run_s {
   int nchunks;
   int32_t *bounds; /* attend chunks: q rows [nchunks + 1] */
   int rc;
-  int inject; /* attnd_backend_cpu_fail_next matched this job */
+  int inject; /* the ATTND_CPU_FAIL_* of attnd_backend_cpu_fail_next that hit this job */
 };
 
 struct cpu_backend_s {
@@ -154,8 +154,8 @@ static void run_finish(run_t *r) {
   attnd_job_t *job = r->job;
   layer_q_t *q = &be->lq[job->layer];
   job->t_end_us = attnd_backend_now_us();
-  if (!r->rc && r->inject)
-    r->rc = ATTND_EINTERNAL; /* as a failed device call would */
+  if (!r->rc && r->inject) /* as a failed device call, or a sticky error, would */
+    r->rc = r->inject == ATTND_CPU_FAIL_DEVICE ? ATTND_EDEVICE : ATTND_EINTERNAL;
   job->status = r->rc;
   if (r->rc)
     snprintf(job->message, sizeof(job->message), "cpu backend: %s", attnd_strerror(r->rc));
@@ -308,9 +308,10 @@ static void run_start(run_t *r) {
   be->lq[job->layer].nrun++;
   job->t_start_us = attnd_backend_now_us();
   if (job->kind == ATTND_JOB_COPY || job->kind == ATTND_JOB_SCALES) {
-    r->inject = job->kind == ATTND_JOB_COPY && attnd_backend_cpu_fail_next == ATTND_CPU_FAIL_COPY;
-    if (r->inject)
+    if (job->kind == ATTND_JOB_COPY && attnd_backend_cpu_fail_next == ATTND_CPU_FAIL_COPY) {
+      r->inject = ATTND_CPU_FAIL_COPY;
       attnd_backend_cpu_fail_next = 0;
+    }
     phase_begin(r, job->kind == ATTND_JOB_COPY ? PH_COPY : PH_SCALES, 1);
     pump(be);
     return;
@@ -335,9 +336,11 @@ static void run_start(run_t *r) {
       b->v_zero = sc->vz;
     }
   }
-  r->inject = attnd_backend_cpu_fail_next == ATTND_CPU_FAIL_STEP;
-  if (r->inject)
+  if (attnd_backend_cpu_fail_next == ATTND_CPU_FAIL_STEP ||
+      attnd_backend_cpu_fail_next == ATTND_CPU_FAIL_DEVICE) {
+    r->inject = attnd_backend_cpu_fail_next;
     attnd_backend_cpu_fail_next = 0;
+  }
   r->large = attnd_backend_job_large(job, be->chunk_keys);
   int wparts = be->nparts;
   if (r->large && (b->total_kv + ATTND_BACKEND_WRITE_ROWS - 1) / ATTND_BACKEND_WRITE_ROWS > wparts)
