@@ -11,14 +11,17 @@
  * once the previous one is answered) until A's step is answered: printed are
  * the prefill's time, the decode steps' median and maximum during it, and the
  * target of docs/sessions.md section 5 (twice the idle latency plus one
- * chunk, a chunk's time estimated as the prefill's time over its number of
- * chunks). One JSON line follows for bench/RESULTS.md. */
+ * chunk, the largest chunk's time estimated from the prefill's time and the
+ * chunks' weights). One JSON line follows for bench/RESULTS.md. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <uv.h>
 
 #include "engine.h"
+
+/* Idle decode steps measured; decode steps at most during the prefill. */
+enum { IDLE = 20, MAXDEC = 20000 };
 
 typedef struct {
   int done, status;
@@ -121,8 +124,8 @@ int main(int argc, char **argv) {
   cfg.shape = s;
   cfg.layers = 1;
   cfg.backend = ATTND_BACKEND_CPU;
-  cfg.max_context = prefill + ctxlen + 64;
-  uint64_t blocks = (uint64_t)(prefill + ctxlen + 200) / 64 + 8;
+  cfg.max_context = prefill + ctxlen + MAXDEC + 64;
+  uint64_t blocks = (uint64_t)(prefill + ctxlen + MAXDEC + 200) / 64 + 8;
   cfg.kv_memory = blocks * attnd_kv_block_bytes(&s);
   cfg.prefix_cache = 0;
   cfg.threads = threads;
@@ -135,7 +138,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   ctx_t c = {.e = e, .loop = &loop, .qh = qh, .kvh = kvh, .hd = hd};
-  uint32_t *tokens = calloc((size_t)prefill + (size_t)ctxlen + 4096, sizeof(uint32_t));
+  uint32_t *tokens = calloc((size_t)prefill + (size_t)ctxlen + MAXDEC + 64, sizeof(uint32_t));
   size_t big = (size_t)(prefill > ctxlen ? prefill : ctxlen);
   uint16_t *q = random_bf16(big * (size_t)qh * hd, 1), *kv = random_bf16(big * (size_t)kvh * hd, 2);
   res_t x;
@@ -151,7 +154,6 @@ int main(int argc, char **argv) {
   step_send(&c, b, 0, (uint32_t)ctxlen, q, kv, tokens, &it, &x);
   wait_res(&loop, &x);
   uint32_t pos = (uint32_t)ctxlen;
-  enum { IDLE = 20, MAXDEC = 4096 };
   uint64_t idle[IDLE];
   for (int i = 0; i < IDLE; i++) {
     uint64_t t0 = uv_hrtime();
@@ -182,21 +184,38 @@ int main(int argc, char **argv) {
   wait_res(&loop, &px);
   double pre_ms = (double)(px.t_done - p0) / 1e6;
   qsort(dec, (size_t)nd, sizeof(uint64_t), cmp_u64);
-  /* Chunks as the engine cuts them: causal work rows * keys / 2 over the
-   * budget, at least one per 8-row tile of the last rows (estimate). */
-  double work = (double)prefill * (double)prefill / 2.0;
-  double chunks = chunk_keys ? work / (double)chunk_keys : 1.0;
-  if (chunks < 1)
-    chunks = 1;
-  double chunk_ms = pre_ms / chunks;
+  /* Chunks as the CPU backend cuts them (daemon/backend/cpu.c: units of a
+   * row tile and kv head, each weighing its rows times the keys it sees,
+   * over its share of the heads), and one chunk's time: the prefill ran its
+   * chunks one per core on `threads` cores, so a chunk of weight w took
+   * about prefill_ms * threads * w / total. */
+  int rt, tu;
+  attnd_cpu_attend_geometry(&s, &rt, &tu);
+  double total = 0, acc = 0, biggest = 0, chunks = 0;
+  for (int r0 = 0; r0 < prefill; r0 += rt) {
+    int rn = prefill - r0 < rt ? prefill - r0 : rt;
+    double w = (double)((uint64_t)rn * (uint64_t)(r0 + rn) / (uint64_t)tu + 1);
+    for (int k = 0; k < tu; k++) {
+      if (chunk_keys && acc > 0 && acc + w > (double)chunk_keys) {
+        biggest = acc > biggest ? acc : biggest;
+        chunks++;
+        acc = 0;
+      }
+      acc += w;
+      total += w;
+    }
+  }
+  biggest = acc > biggest ? acc : biggest;
+  chunks++;
+  double chunk_ms = pre_ms * threads * biggest / total;
   double idle_ms = (double)idle[IDLE / 2] / 1e6;
   double med_ms = nd ? (double)dec[nd / 2] / 1e6 : 0, max_ms = nd ? (double)dec[nd - 1] / 1e6 : 0;
   double p90_ms = nd ? (double)dec[nd * 9 / 10] / 1e6 : 0;
   printf("shape %d q / %d kv heads, d %d, %d threads, chunk-keys %llu\n", qh, kvh, hd, threads,
          (unsigned long long)chunk_keys);
   printf("idle decode at ctx %d: median %.3f ms\n", ctxlen, idle_ms);
-  printf("prefill of %d tokens: %.1f ms (about %.0f chunks of %.2f ms)\n", prefill, pre_ms, chunks,
-         chunk_ms);
+  printf("prefill of %d tokens: %.1f ms (%.0f chunks, the largest about %.2f ms)\n", prefill,
+         pre_ms, chunks, chunk_ms);
   printf("decode during the prefill: %d steps, median %.3f ms, p90 %.3f ms, max %.3f ms (target 2 "
          "x idle + one chunk = %.3f ms)\n",
          nd, med_ms, p90_ms, max_ms, 2 * idle_ms + chunk_ms);

@@ -154,15 +154,17 @@ int attnd_cpu_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, 
 int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, int nparts);
 
 /* The attend phase in pieces, so that a long step can be interleaved with
- * other work: attnd_cpu_attend_rows() computes only the q rows [row0, row1)
- * of the batch (rows of q/out/lse), split into nparts parts the same way.
- * Rows are computed in tiles of attnd_cpu_attend_tile_rows(s) rows counted
- * from each item's first q row; when row0 and row1 fall on such tile bounds
- * (or an item's end), every row comes out bit for bit as attnd_cpu_attend()
- * computes it. attnd_cpu_attend(s, b, p, n) is the range [0, total_q). */
-int attnd_cpu_attend_rows(const attnd_kshape_t *s, const attnd_kbatch_t *b, int32_t row0,
-                          int32_t row1, int part, int nparts);
-int attnd_cpu_attend_tile_rows(const attnd_kshape_t *s);
+ * other work. Its work is a list of units: item by item (items with q), tiles
+ * of tile_rows q rows counted from the item's first row, and per tile
+ * tile_units units (kv heads times q-head groups), each computing its own rows
+ * and heads of out and lse. attnd_cpu_attend_units() computes units [u0, u1)
+ * of the batch, split into nparts parts; every unit comes out bit for bit as
+ * attnd_cpu_attend() computes it, whatever the range. A unit's cost is about
+ * its tile's rows times the keys they see. attnd_cpu_attend(s, b, p, n) is
+ * every unit. */
+int attnd_cpu_attend_geometry(const attnd_kshape_t *s, int *tile_rows, int *tile_units);
+int attnd_cpu_attend_units(const attnd_kshape_t *s, const attnd_kbatch_t *b, int64_t u0,
+                           int64_t u1, int part, int nparts);
 
 /* 1 when every element of a bf16/fp16/fp32 array is finite. */
 int attnd_cpu_all_finite(attnd_dtype_t dt, const void *p, size_t count);

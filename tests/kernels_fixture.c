@@ -343,10 +343,10 @@ double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
 
   np = opt.nparts_attend ? opt.nparts_attend : 1 + rnd(4);
   if (opt.chunked && Tq > 0) {
-    /* The attention again in row chunks cut at random tile bounds, run in
-     * reverse order, each in its own number of parts: the bytes must equal
-     * the whole batch's (the CPU backend cuts large steps like this). The
-     * rotated q stays as the write left it: attend does not change it. */
+    /* The attention again in ranges of units cut at random, run in reverse
+     * order, each in its own number of parts: the bytes must equal the whole
+     * batch's (the CPU backend cuts large steps like this). The rotated q
+     * stays as the write left it: attend does not change it. */
     for (int p = np - 1; p >= 0; p--)
       assert_int_equal(attnd_cpu_attend(s, &b, p, np), 0);
     uint8_t *whole = malloc(osz * qc + 4);
@@ -354,27 +354,28 @@ double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
     memcpy(whole, out, osz * qc);
     memcpy(whole_lse, lse, sizeof(float) * (size_t)Tq * QH);
     memset(out, 0xff, osz * qc);
-    int rt = attnd_cpu_attend_tile_rows(s), ncut = 0;
-    int32_t *cut = malloc(sizeof(int32_t) * ((size_t)Tq + 2));
+    int rt, tu;
+    assert_int_equal(attnd_cpu_attend_geometry(s, &rt, &tu), 0);
+    int64_t nunits = 0;
+    for (int i = 0; i < ni; i++)
+      if (ki[i].q_row >= 0)
+        nunits += (int64_t)((ki[i].n + rt - 1) / rt) * tu;
+    int ncut = 0;
+    int64_t *cut = malloc(sizeof(int64_t) * ((size_t)nunits + 2));
     cut[ncut++] = 0;
-    for (int i = 0; i < ni; i++) {
-      const attnd_kitem_t *k = &ki[i];
-      if (k->q_row < 0)
-        continue;
-      for (int r0 = 0; r0 < k->n; r0 += rt)
-        if (k->q_row + r0 > cut[ncut - 1] && rnd(2))
-          cut[ncut++] = k->q_row + r0;
-    }
-    cut[ncut++] = Tq;
+    for (int64_t u = 1; u < nunits; u++)
+      if (rnd(3) == 0)
+        cut[ncut++] = u;
+    cut[ncut++] = nunits + rnd(2) * 1000; /* past the end is fine */
     for (int c = ncut - 2; c >= 0; c--) {
       int parts = 1 + rnd(3);
       for (int p = 0; p < parts; p++)
-        assert_int_equal(attnd_cpu_attend_rows(s, &b, cut[c], cut[c + 1], p, parts), 0);
+        assert_int_equal(attnd_cpu_attend_units(s, &b, cut[c], cut[c + 1], p, parts), 0);
     }
     if (memcmp(whole, out, osz * qc) != 0)
-      fail_msg("attention in %d row chunks differs from the whole batch's", ncut - 1);
+      fail_msg("attention in %d unit ranges differs from the whole batch's", ncut - 1);
     if (opt.want_lse && memcmp(whole_lse, lse, sizeof(float) * (size_t)Tq * QH) != 0)
-      fail_msg("lse in %d row chunks differs from the whole batch's", ncut - 1);
+      fail_msg("lse in %d unit ranges differs from the whole batch's", ncut - 1);
     free(cut);
     free(whole);
     free(whole_lse);

@@ -63,7 +63,7 @@ typedef struct {
 typedef struct {
   int out_fp32, want_lse;
   int nparts_write, nparts_attend; /* 0: random 1..4 */
-  int chunked; /* 1: also attend in row chunks; their bytes must equal the whole's */
+  int chunked; /* 1: also attend in unit ranges; their bytes must equal the whole's */
 } run_opts_t;
 
 /* Seeds g_rng from ATTND_TEST_SEED or the clock, and prints it. */

@@ -326,7 +326,7 @@ static void test_tuning(void **state) {
   assert_int_equal(c.cuda_completion, ATTND_COMPLETION_POLL);
   assert_int_equal(c.cuda_trace, 0);
   assert_int_equal(c.worker_threads, 0);
-  assert_int_equal(c.engine_chunk_keys, 64u << 10);
+  assert_int_equal(c.engine_chunk_keys, 16u << 10);
   assert_int_equal(c.max_sessions_per_identity, 0);
   const char *ck[] = {"--engine-chunk-keys", "1M", "--max-sessions-per-identity=7", NULL};
   assert_int_equal(parse(&c, ck), 0);

@@ -2,17 +2,17 @@
  *
  * Work. A STEP job runs in two phases: the write phase (RoPE, quantize,
  * store: attnd_cpu_write over slices of its k/v rows), then, once every write
- * task is back on the loop, the attend phase (attnd_cpu_attend_rows over its
- * q rows), so every new token is in the cache before any row reads it. A
+ * task is back on the loop, the attend phase (attnd_cpu_attend_units over its
+ * attention units), so every new token is in the cache before any row reads
+ * it. A
  * small job splits each phase into nparts tasks, one per core. A large one
  * (attention reading more than chunk_keys keys per q head over its rows, or
  * more than ATTND_BACKEND_WRITE_ROWS new tokens) is cut into chunks instead:
  * write tasks of that many rows, attend tasks of about chunk_keys key reads
- * each, cut on the kernels' row-tile bounds, so that the result is the same
- * bit for bit however it is cut. COPY jobs memcpy whole blocks (the canonical layout
- * makes a block one byte range), SCALES jobs copy the layer's static scales:
- * one task each. The loop thread only plans and counts tasks; no math runs
- * on it.
+ * per q head each, cut between the kernels' units (a tile of rows for one kv
+ * head), so that the result is the same bit for bit however it is cut. COPY jobs memcpy whole
+ * blocks (the canonical layout makes a block one byte range), SCALES jobs copy the layer's static
+ * scales: one task each. The loop thread only plans and counts tasks; no math runs on it.
  *
  * Scheduling. At most nparts tasks are out on the pool at once, and each
  * free slot takes the next task from two round-robin rings of runs that have
@@ -78,7 +78,7 @@ struct run_s {
   int wparts;      /* write tasks */
   int aparts;      /* attend tasks per chunk: nparts for one chunk, else 1 */
   int nchunks;
-  int32_t *bounds; /* attend chunks: q rows [nchunks + 1] */
+  int64_t *bounds; /* attend chunks: attention units [nchunks + 1] */
   int rc;
   int inject; /* the ATTND_CPU_FAIL_* of attnd_backend_cpu_fail_next that hit this job */
 };
@@ -89,9 +89,10 @@ struct cpu_backend_s {
   uint8_t **cache; /* [layers] */
   int nparts;
   uint64_t chunk_keys; /* 0: never cut */
-  int tile_rows;       /* attnd_cpu_attend_tile_rows */
-  cpu_scales_t *sc;    /* [layers] */
-  layer_q_t *lq;       /* [layers] */
+  int tile_rows;       /* attnd_cpu_attend_geometry */
+  int tile_units;
+  cpu_scales_t *sc; /* [layers] */
+  layer_q_t *lq;    /* [layers] */
   int inflight;
   attnd_list_t ring[2]; /* runs with tasks to hand out: small, large */
   int out, out_small;   /* tasks on the pool, and how many are small runs' */
@@ -130,8 +131,8 @@ static void task_work(uv_work_t *w) {
     break;
   case PH_ATTEND: {
     int c = t->idx / r->aparts;
-    t->rc = attnd_cpu_attend_rows(s, &job->batch, r->bounds[c], r->bounds[c + 1],
-                                  t->idx % r->aparts, r->aparts);
+    t->rc = attnd_cpu_attend_units(s, &job->batch, r->bounds[c], r->bounds[c + 1],
+                                   t->idx % r->aparts, r->aparts);
     break;
   }
   case PH_SCALES:
@@ -183,16 +184,18 @@ static void phase_begin(run_t *r, int phase, int ntasks) {
   attnd_list_insert_tail(&r->be->ring[r->large], &r->rl);
 }
 
-/* Chunk bounds of the attend phase, in q rows on tile bounds: each chunk
- * reads about chunk_keys keys per q head (a tile's keys estimated by its
- * mask: causal masks see up to the tile's last row). O(tiles), on the loop
- * thread, when the phase begins. */
+/* Chunk bounds of the attend phase, in the kernels' units (a row tile's kv
+ * heads and q-head groups): each chunk reads about chunk_keys keys per q head
+ * (a unit of a tile with rn rows seeing `keys` keys weighs rn * keys times
+ * its share of the q heads; causal masks see up to the tile's last row).
+ * O(tiles), on the loop thread, when the phase begins. */
 static void plan_chunks(run_t *r) {
   const attnd_kbatch_t *b = &r->job->batch;
   cpu_backend_t *be = r->be;
-  int cap = 8, n = 0, rt = be->tile_rows;
-  r->bounds = attnd_xcalloc((size_t)cap + 1, sizeof(int32_t));
+  int cap = 8, n = 0, rt = be->tile_rows, tu = be->tile_units;
+  r->bounds = attnd_xcalloc((size_t)cap + 1, sizeof(int64_t));
   uint64_t acc = 0;
+  int64_t u = 0;
   for (int i = 0; i < b->nitems; i++) {
     const attnd_kitem_t *it = &b->items[i];
     if (it->q_row < 0)
@@ -205,19 +208,22 @@ static void plan_chunks(run_t *r) {
       int64_t keys = causal ? (int64_t)it->start + r0 + rn : kv_len;
       if (it->mask_kind == ATTND_MASK_SLIDING && keys > (int64_t)it->mask_param + rn)
         keys = (int64_t)it->mask_param + rn;
-      if (acc > 0 && acc + (uint64_t)(rn * keys) > be->chunk_keys) {
-        if (n + 1 >= cap) {
-          cap *= 2;
-          r->bounds = attnd_xrealloc(r->bounds, ((size_t)cap + 1) * sizeof(int32_t));
+      uint64_t w = (uint64_t)(rn * keys) / (uint64_t)tu + 1; /* one unit's share */
+      for (int k = 0; k < tu; k++, u++) {
+        if (acc > 0 && acc + w > be->chunk_keys) {
+          if (n + 1 >= cap) {
+            cap *= 2;
+            r->bounds = attnd_xrealloc(r->bounds, ((size_t)cap + 1) * sizeof(int64_t));
+          }
+          r->bounds[++n] = u;
+          acc = 0;
         }
-        r->bounds[++n] = it->q_row + r0;
-        acc = 0;
+        acc += w;
       }
-      acc += (uint64_t)(rn * keys);
     }
   }
   r->bounds[0] = 0;
-  r->bounds[++n] = b->total_q;
+  r->bounds[++n] = u;
   r->nchunks = n;
 }
 
@@ -228,8 +234,8 @@ static void phase_done(run_t *r) {
       plan_chunks(r);
       r->aparts = r->nchunks == 1 ? r->be->nparts : 1;
     } else {
-      r->bounds = attnd_xcalloc(2, sizeof(int32_t));
-      r->bounds[1] = job->batch.total_q;
+      r->bounds = attnd_xcalloc(2, sizeof(int64_t));
+      r->bounds[1] = INT64_MAX; /* every unit */
       r->nchunks = 1;
       r->aparts = r->be->nparts;
     }
@@ -467,7 +473,7 @@ int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd
   be->loop = loop;
   be->nparts = threads;
   be->chunk_keys = o->chunk_keys;
-  be->tile_rows = attnd_cpu_attend_tile_rows(s);
+  attnd_cpu_attend_geometry(s, &be->tile_rows, &be->tile_units);
   attnd_list_init(&be->ring[0]);
   attnd_list_init(&be->ring[1]);
   be->cache = calloc((size_t)layers, sizeof(*be->cache));

@@ -202,7 +202,7 @@ const char *attnd_config_usage(void) {
          "  --engine-offload-bytes BYTES  steps with more q+k+v bytes are scanned on the\n"
          "                         worker pool behind an admission queue, default 1M\n"
          "  --engine-chunk-keys N  large steps' attention runs in chunks of about N keys\n"
-         "                         per q head, between other steps; default 64K, 0 = whole\n"
+         "                         per q head, between other steps; default 16K, 0 = whole\n"
          "  --rpc-ref-min BYTES    step outputs this large go to the socket without a copy, "
          "default 64K\n"
          "  --cuda-pinned-max BYTES  pinned staging cap, default 0 = 1/8 of RAM in [256M, 8G]\n"

@@ -17,7 +17,7 @@
 
 /* Defaults of the tuning options (the rest are set in attnd_config_defaults). */
 #define ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES ((uint64_t)1 << 20)
-#define ATTND_DEFAULT_ENGINE_CHUNK_KEYS ((uint64_t)1 << 16)
+#define ATTND_DEFAULT_ENGINE_CHUNK_KEYS ((uint64_t)1 << 14)
 #define ATTND_DEFAULT_RPC_REF_MIN ((uint64_t)64 << 10)
 #define ATTND_DEFAULT_CUDA_HOSTFN_MIN ((uint64_t)1 << 20)
 

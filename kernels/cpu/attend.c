@@ -526,48 +526,56 @@ static void unit_geometry(const attnd_kshape_t *s, int *gsub, int *rt) {
   *rt = qmax / *gsub;
 }
 
-int attnd_cpu_attend_tile_rows(const attnd_kshape_t *s) {
+int attnd_cpu_attend_geometry(const attnd_kshape_t *s, int *tile_rows, int *tile_units) {
   if (attnd_kshape_check(s) != 0)
     return -1;
   int gsub, rt;
   unit_geometry(s, &gsub, &rt);
-  return rt;
+  const int G = s->q_heads / s->kv_heads;
+  *tile_rows = rt;
+  *tile_units = s->kv_heads * ((G + gsub - 1) / gsub);
+  return 0;
 }
 
-int attnd_cpu_attend_rows(const attnd_kshape_t *s, const attnd_kbatch_t *b, int32_t row0,
-                          int32_t row1, int part, int nparts) {
-  if (kc_batch_check(s, b) != 0 || nparts <= 0 || part < 0 || part >= nparts)
+int attnd_cpu_attend_units(const attnd_kshape_t *s, const attnd_kbatch_t *b, int64_t u0, int64_t u1,
+                           int part, int nparts) {
+  if (kc_batch_check(s, b) != 0 || nparts <= 0 || part < 0 || part >= nparts || u0 < 0)
     return -1;
   kc_ctx_t cx = {.s = s, .b = b, .L = kc_layout(s), .G = s->q_heads / s->kv_heads};
-  const int H = s->kv_heads;
   int gsub, rt;
   unit_geometry(s, &gsub, &rt);
   const int ngroups = (cx.G + gsub - 1) / gsub;
-  /* Units are (item, row tile, kv head, q-head group); tiles start at each
-   * item's first row, so a row range that starts and ends on tile bounds
-   * computes every row exactly as the whole batch does. */
-  int64_t u = 0;
-  for (int i = 0; i < b->nitems; i++) {
+  const int64_t tu = (int64_t)s->kv_heads * ngroups; /* units per row tile */
+  /* Units are numbered item by item (items with q), row tile by row tile
+   * (tiles start at each item's first row), then kv head, then q-head group:
+   * each computes its own output rows and heads, the same way whichever
+   * range or part it falls in. */
+  int64_t base = 0;
+  for (int i = 0; i < b->nitems && base < u1; i++) {
     const attnd_kitem_t *it = &b->items[i];
-    if (it->q_row < 0 || it->q_row + it->n <= row0 || it->q_row >= row1)
+    if (it->q_row < 0)
       continue;
-    for (int r0 = 0; r0 < it->n; r0 += rt) {
-      if (it->q_row + r0 < row0 || it->q_row + r0 >= row1)
-        continue;
-      int rn = it->n - r0 < rt ? it->n - r0 : rt;
-      for (int h = 0; h < H; h++)
-        for (int g = 0; g < ngroups; g++, u++) {
-          if (u % nparts != part)
-            continue;
-          int g0 = g * gsub;
-          int gn = cx.G - g0 < gsub ? cx.G - g0 : gsub;
-          attend_unit(&cx, it, h, g0, gn, r0, rn);
-        }
+    const int64_t ntiles = (it->n + rt - 1) / rt, end = base + ntiles * tu;
+    if (end <= u0) {
+      base = end;
+      continue;
     }
+    int64_t u = base > u0 ? base : u0;
+    for (; u < end && u < u1; u++) {
+      if ((u - u0) % nparts != part)
+        continue;
+      int64_t k = u - base;
+      int r0 = (int)(k / tu) * rt, h = (int)(k % tu) / ngroups, g = (int)(k % ngroups);
+      int rn = it->n - r0 < rt ? it->n - r0 : rt;
+      int g0 = g * gsub;
+      int gn = cx.G - g0 < gsub ? cx.G - g0 : gsub;
+      attend_unit(&cx, it, h, g0, gn, r0, rn);
+    }
+    base = end;
   }
   return 0;
 }
 
 int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, int nparts) {
-  return attnd_cpu_attend_rows(s, b, 0, b->total_q, part, nparts);
+  return attnd_cpu_attend_units(s, b, 0, INT64_MAX, part, nparts);
 }
