@@ -4,7 +4,7 @@
  *
  *   bench_interleave [PREFILL [CTX [THREADS [CHUNK_KEYS [QH KVH]]]]]
  *
- * defaults 16384 1024 2 65536 8 2 (head_dim 128, block 64, bf16, one layer).
+ * defaults 16384 1024 2 16384 8 2 (head_dim 128, block 64, bf16, one layer).
  * Session B is prefilled to CTX tokens; its idle decode latency is the median
  * of 20 decode steps with nothing else running. Then session A's PREFILL-token
  * prefill is submitted as one Step, and B decodes step after step (each sent
@@ -105,7 +105,7 @@ int main(int argc, char **argv) {
   int prefill = argc > 1 ? atoi(argv[1]) : 16384;
   int ctxlen = argc > 2 ? atoi(argv[2]) : 1024;
   int threads = argc > 3 ? atoi(argv[3]) : 2;
-  uint64_t chunk_keys = argc > 4 ? strtoull(argv[4], NULL, 0) : 65536;
+  uint64_t chunk_keys = argc > 4 ? strtoull(argv[4], NULL, 0) : 16384;
   int qh = argc > 5 ? atoi(argv[5]) : 8, kvh = argc > 6 ? atoi(argv[6]) : 2, hd = 128;
   uv_loop_t loop;
   uv_loop_init(&loop);
