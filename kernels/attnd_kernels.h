@@ -153,8 +153,28 @@ int attnd_kv_type_dynamic(attnd_kv_type_t t);
 int attnd_cpu_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, int nparts);
 int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, int nparts);
 
+/* The attend phase in pieces, so that a long step can be interleaved with
+ * other work. Its work is a list of units: item by item (items with q), tiles
+ * of tile_rows q rows counted from the item's first row, and per tile
+ * tile_units units (kv heads times q-head groups), each computing its own rows
+ * and heads of out and lse. attnd_cpu_attend_units() computes units [u0, u1)
+ * of the batch, split into nparts parts; every unit comes out bit for bit as
+ * attnd_cpu_attend() computes it, whatever the range. A unit's cost is about
+ * its tile's rows times the keys they see. attnd_cpu_attend(s, b, p, n) is
+ * every unit. */
+int attnd_cpu_attend_geometry(const attnd_kshape_t *s, int *tile_rows, int *tile_units);
+int attnd_cpu_attend_units(const attnd_kshape_t *s, const attnd_kbatch_t *b, int64_t u0,
+                           int64_t u1, int part, int nparts);
+
 /* 1 when every element of a bf16/fp16/fp32 array is finite. */
 int attnd_cpu_all_finite(attnd_dtype_t dt, const void *p, size_t count);
+
+/* The largest magnitude in a bf16/fp16/fp32 array, as its bit pattern with the
+ * sign cleared (0 for count 0; integer types: 0). Magnitudes order as these
+ * patterns do, infinities above every finite value and NaNs above infinities,
+ * so one comparison with a bound's pattern checks finiteness and the bound
+ * together. Elements need not be aligned. */
+uint32_t attnd_cpu_max_abs_bits(attnd_dtype_t dt, const void *p, size_t count);
 
 #ifdef __cplusplus
 }

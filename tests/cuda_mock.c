@@ -10,7 +10,9 @@
  * as a wrong result rather than passing by luck, and attnd_cuda_mock_hold()
  * lets a test enqueue everything before any stream starts. Host functions
  * (cudaLaunchHostFunc) run on the stream's thread in order, and are skipped
- * after a sticky fault as on a device. A write whose block table names a
+ * after a sticky fault as on a device; cudaStreamWaitEvent holds a stream
+ * until another reached the event; stream priorities are accepted and not
+ * modelled (every stream runs on its own thread). A write whose block table names a
  * block >= ATTND_CUDA_MOCK_FAULT_BLOCK (default 2^24) reports
  * cudaErrorIllegalAddress to every later callback (a sticky fault).
  *
@@ -26,7 +28,7 @@
 #include "attnd_cuda.h"
 #include "attnd_kernels.h"
 
-enum { OP_COPY, OP_SET, OP_WRITE, OP_ATTEND, OP_CALLBACK, OP_HOSTFN, OP_FREE, OP_EVENT };
+enum { OP_COPY, OP_SET, OP_WRITE, OP_ATTEND, OP_CALLBACK, OP_HOSTFN, OP_FREE, OP_EVENT, OP_WAIT };
 
 typedef struct op_s {
   int kind;
@@ -122,6 +124,10 @@ static void run_op(struct CUstream_st *st, op_t *o) {
     break;
   case OP_FREE:
     free(o->dst);
+    break;
+  case OP_WAIT: /* cudaStreamWaitEvent: until another stream reached the event */
+    while (atomic_load((_Atomic double *)o->dst) == 0.0 && !atomic_load(&g_sticky))
+      nanosleep(&(struct timespec){0, 50000}, NULL);
     break;
   case OP_EVENT: { /* an event is a timestamp taken when the stream reaches it */
     struct timespec ts;
@@ -240,6 +246,19 @@ cudaError_t cudaGetLastError(void) {
 
 const char *cudaGetErrorString(cudaError_t error) {
   return error == cudaErrorIllegalAddress ? "an illegal memory access (mock)" : "mock error";
+}
+
+cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
+  *least = 0;
+  *greatest = -5;
+  return cudaSuccess;
+}
+
+/* Priorities are not modelled: every stream is a thread of its own, so a
+ * high-priority stream's work is never queued behind another stream's. */
+cudaError_t cudaStreamCreateWithPriority(cudaStream_t *pStream, unsigned int flags, int priority) {
+  (void)priority;
+  return cudaStreamCreateWithFlags(pStream, flags);
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *pStream, unsigned int flags) {
@@ -396,6 +415,15 @@ cudaError_t cudaEventQuery(cudaEvent_t ev) {
 cudaError_t cudaEventDestroy(cudaEvent_t ev) {
   free((void *)ev);
   return cudaSuccess;
+}
+
+/* The stream waits until the event's last record (the pool never records an
+ * event again before its waits are done) has been reached. */
+cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t ev, unsigned int flags) {
+  (void)flags;
+  op_t *o = op_new(OP_WAIT);
+  o->dst = (void *)ev;
+  return push(st, o);
 }
 
 cudaError_t cudaLaunchHostFunc(cudaStream_t st, cudaHostFn_t fn, void *userData) {

@@ -69,6 +69,9 @@ void fx_config(fx_t *f, attnd_kv_type_t kv, uint32_t blocks) {
   f->cfg.max_plans = 4;
   f->cfg.threads = 2;
   f->cfg.engine_offload_bytes = ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES;
+  /* Small: every prefill of more than a block or so runs in chunks (one
+   * 16-row tile each), so the chunked path is what the oracle judges. */
+  f->cfg.engine_chunk_keys = 256;
   snprintf(f->cfg.model_id, sizeof(f->cfg.model_id), "test-model");
   snprintf(f->cfg.state_dir, sizeof(f->cfg.state_dir), "%s", f->state_dir);
 }
@@ -381,6 +384,15 @@ void step_submit(fx_t *f, int layer, const spec_t *sp, int n, uint64_t plan, uin
     k[(T - 1) * kvrow + 3] = 0x7fc0; /* bf16 NaN */
   if (opt->corrupt_q && Tq)
     q[5] = 0x7f80; /* bf16 +inf */
+  if (opt->poke) {
+    oracle_to_dtype(ATTND_DT_BF16,
+                    opt->poke == 'q'   ? q
+                    : opt->poke == 'k' ? k
+                                       : v,
+                    opt->poke_elem, opt->poke_value);
+    if (opt->poke == 'q') /* the oracle replays q0 */
+      oracle_to_dtype(ATTND_DT_BF16, q0, opt->poke_elem, opt->poke_value);
+  }
   itembuf_t *ib = &pd->ib;
   build_items(sp, n, ib);
   for (int i = 0; i < n; i++) {
@@ -446,6 +458,10 @@ int step_finish(fx_t *f, pend_t *pd, char *msg, uint8_t **out_copy) {
     snprintf(msg, 256, "%s", x->r.message);
   int status = x->r.status;
   if (status == 0) {
+    int decode = 1; /* the kind the latency histograms file it under */
+    for (int i = 0; i < n; i++)
+      decode &= sp[i].n == 1;
+    assert_int_equal(x->r.decode, decode);
     assert_int_equal(x->r.out_rows, pd->Tq);
     assert_int_equal(x->r.out_bytes, pd->Tq * qrow * (opt->fp32_out ? 4 : 2));
     oracle_scales_t sc = oscales(f, layer);

@@ -80,6 +80,9 @@ typedef struct {
   int bad_rows;   /* k claims one row more than the items have */
   int odd_offset; /* tensor bytes at an odd address (decoded in place from a frame) */
   int corrupt_q;  /* 1: infinity in q of the first row */
+  char poke;      /* 'q', 'k' or 'v': element poke_elem of that tensor becomes poke_value */
+  uint32_t poke_elem;
+  double poke_value; /* rounded to bf16 */
 } stepopt_t;
 
 /* One step in flight: its inputs, kept to replay it on the oracle. */

@@ -112,6 +112,10 @@ void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
       memcpy(fe.plan_iv[i], items[i].mask.intervals, 16 * (size_t)items[i].mask.intervals_len);
   }
   r.plan = ++fe.next_plan;
+  int decode = nitems > 0;
+  for (uint32_t i = 0; i < nitems; i++)
+    decode &= items[i].n == 1;
+  fe.plan_decode[r.plan % 64] = (uint8_t)decode;
   finish(cb, arg, &r);
 }
 void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
@@ -119,6 +123,11 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   attnd_result_t r;
   memset(&r, 0, sizeof(r));
   fe.step = *req;
+  /* The step's kind, as the engine reports it: from its plan, whichever
+   * connection made it, or from its inline items. */
+  r.decode = req->plan ? fe.plan_decode[req->plan % 64] : req->nitems > 0;
+  for (uint32_t i = 0; i < req->nitems; i++)
+    r.decode &= req->items[i].n == 1;
   for (uint32_t i = 0; i < req->nitems && i < 8; i++) {
     fe.items[i] = req->items[i];
     for (uint32_t t = 0; t < req->items[i].ntokens && t < 16; t++)

@@ -53,6 +53,7 @@ typedef struct {
   int plans;
   attnd_mask_t plan_mask[8];
   int32_t plan_iv[8][4 * 64];
+  uint8_t plan_decode[64]; /* by plan id: every item has n == 1 */
 } fake_engine_t;
 
 extern fake_engine_t fe;

@@ -326,6 +326,12 @@ static void test_tuning(void **state) {
   assert_int_equal(c.cuda_completion, ATTND_COMPLETION_POLL);
   assert_int_equal(c.cuda_trace, 0);
   assert_int_equal(c.worker_threads, 0);
+  assert_int_equal(c.engine_chunk_keys, 16u << 10);
+  assert_int_equal(c.max_sessions_per_identity, 0);
+  const char *ck[] = {"--engine-chunk-keys", "1M", "--max-sessions-per-identity=7", NULL};
+  assert_int_equal(parse(&c, ck), 0);
+  assert_int_equal(c.engine_chunk_keys, 1u << 20);
+  assert_int_equal(c.max_sessions_per_identity, 7);
   const char *a[] = {"--engine-offload-bytes",
                      "0",
                      "--rpc-ref-min=0",
@@ -386,7 +392,7 @@ static void test_tuning(void **state) {
   const char *u = attnd_config_usage();
   const char *names[] = {"--worker-threads",  "--engine-offload-bytes", "--rpc-ref-min",
                          "--cuda-pinned-max", "--cuda-hostfn-min",      "--cuda-completion",
-                         "--cuda-trace"};
+                         "--cuda-trace",      "--engine-chunk-keys"};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
     if (!strstr(u, names[i]))
       fail_msg("--help does not name %s", names[i]);

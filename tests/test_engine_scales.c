@@ -259,15 +259,82 @@ static void test_scales_between_steps(void **state) {
   fx_free(f);
 }
 
+/* A SetScales whose state file cannot be written answers INTERNAL and
+ * changes nothing: the layer keeps its KV (drop_cached_kv notwithstanding),
+ * the old scales stay in force for the next step, the prefix index keeps its
+ * blocks and no version is used up. Once the file can be written again, the
+ * same call succeeds. */
+static void test_scales_persist_failure(void **state) {
+  fx_t *f = calloc(1, sizeof(*f));
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  snprintf(f->state_dir, sizeof(f->state_dir), "/tmp/attnd-eng-XXXXXX");
+  assert_non_null(mkdtemp(f->state_dir));
+  f->rng = 7;
+  fx_config(f, ATTND_KV_INT8, 32);
+  fx_start(f);
+  uint64_t v0;
+  for (int l = 0; l < LAYERS; l++)
+    assert_int_equal(set_scales(f, l, 0, &v0), 0);
+  sim_t *a = sim_new(), *b = sim_new();
+  fill_tokens(f, a, 0, 100);
+  memcpy(b->tokens, a->tokens, sizeof(a->tokens));
+  open_session(f, a, 0, NULL, 0);
+  spec_t sp = {.sim = a, .start = 0, .n = 2 * BS + 1, .stream = 5};
+  plan_all_layers(f, &sp, 1);
+  attnd_engine_stats_t st;
+  attnd_engine_stats(f->e, &st);
+  uint32_t cached = st.blocks_used;
+  /* The state directory becomes a plain file: no temp file can be made. */
+  char moved[96], cmd[256];
+  snprintf(moved, sizeof(moved), "%s.away", f->state_dir);
+  assert_int_equal(rename(f->state_dir, moved), 0);
+  FILE *blocker = fopen(f->state_dir, "w");
+  assert_non_null(blocker);
+  fclose(blocker);
+  float keep_k[KVH * HD], keep_v[KVH * HD];
+  memcpy(keep_k, f->ks[0], sizeof(keep_k));
+  memcpy(keep_v, f->vs[0], sizeof(keep_v));
+  g_scale_mult = 0.1; /* scales that would clip most values: wrong ones show */
+  uint64_t v1 = 0;
+  int rc = set_scales(f, 0, 1, &v1);
+  g_scale_mult = 1.0;
+  assert_int_equal(rc, ATTND_EINTERNAL);
+  memcpy(f->ks[0], keep_k, sizeof(keep_k)); /* what the engine must still use */
+  memcpy(f->vs[0], keep_v, sizeof(keep_v));
+  check_engine(f);
+  assert_int_equal(session_len(f, a->id), 2 * BS + 1); /* nothing dropped */
+  spec_t dec = {.sim = a, .start = 2 * BS + 1, .n = 1};
+  fill_tokens(f, a, 2 * BS + 1, 2 * BS + 2);
+  plan_all_layers(f, &dec, 1); /* the old scales, checked against the oracle */
+  /* The prefix index kept a's full blocks: a new session hits them. */
+  assert_int_equal(open_session(f, b, 2 * BS + 1, NULL, 0), 2 * BS);
+  attnd_engine_stats(f->e, &st);
+  assert_true(st.blocks_used >= cached);
+  /* Writable again: the call succeeds, with the next version. */
+  assert_int_equal(unlink(f->state_dir), 0);
+  assert_int_equal(rename(moved, f->state_dir), 0);
+  uint64_t v2 = 0;
+  assert_int_equal(set_scales(f, 0, 1, &v2), 0);
+  assert_int_equal(v2, v0 + 1);
+  assert_int_equal(session_len(f, a->id), 0); /* layer 0 dropped (ListSessions: len[0]) */
+  sim_free(a);
+  sim_free(b);
+  snprintf(cmd, sizeof(cmd), "rm -rf %s", f->state_dir);
+  assert_int_equal(system(cmd), 0);
+  fx_free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_validate),
       cmocka_unit_test(test_persist),
       cmocka_unit_test(test_scales_persist),
       cmocka_unit_test(test_scales_between_steps),
+      cmocka_unit_test(test_scales_persist_failure),
       /* Again with every step queued behind a threadpool scan. */
       cmocka_unit_test_setup_teardown(test_scales_persist, queued_on, queued_off),
       cmocka_unit_test_setup_teardown(test_scales_between_steps, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_scales_persist_failure, queued_on, queued_off),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -61,6 +61,7 @@ static void test_limits_and_info(void **state) {
   assert_int_equal(uv_loop_init(&f->loop), 0);
   fx_config(f, ATTND_KV_FP8_DYNAMIC, 10);
   f->cfg.max_sessions = 2;
+  f->cfg.max_sessions_per_identity = 2; /* the daemon-wide limit is what is tested */
   fx_start(f);
   attnd_engine_info_t info;
   attnd_engine_info(f->e, &info);
@@ -117,8 +118,63 @@ static void test_idle_close(void **state) {
   fx_free(f);
 }
 
+static uint64_t open_as(fx_t *f, uint64_t identity, int *status) {
+  res_t x = {0};
+  attnd_engine_open_session(f->e, identity, NULL, 0, NULL, 0, on_done, &x);
+  wait_res(f, &x);
+  *status = x.r.status;
+  return x.r.session;
+}
+
+/* One identity cannot take every session: past its quota (by default a
+ * quarter of --max-sessions) OpenSession and Fork answer RESOURCE_EXHAUSTED,
+ * while other identities (root's uid 0 among them) still open theirs; a
+ * close frees a place. --max-sessions-per-identity sets the quota. */
+static void test_identity_quota(void **state) {
+  fx_t *f = calloc(1, sizeof(*f));
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  fx_config(f, ATTND_KV_BF16, 32);
+  f->cfg.max_sessions = 9; /* quota 2 */
+  fx_start(f);
+  int st;
+  uint64_t a1 = open_as(f, 1, &st);
+  assert_int_equal(st, 0);
+  open_as(f, 1, &st);
+  assert_int_equal(st, 0);
+  res_t x = {0};
+  attnd_engine_open_session(f->e, 1, NULL, 0, NULL, 0, on_done, &x);
+  wait_res(f, &x);
+  expect(f, x.r.status, ATTND_ENOSPC, x.r.message, "--max-sessions-per-identity");
+  assert_int_equal(simple_call(f, 1, a1, 0, NULL), ATTND_ENOSPC); /* fork */
+  for (uint64_t id = 0; id < 4; id += 3) {                        /* uid 0 and another uid */
+    open_as(f, id, &st);
+    assert_int_equal(st, 0);
+    open_as(f, id, &st);
+    assert_int_equal(st, 0);
+    open_as(f, id, &st);
+    assert_int_equal(st, ATTND_ENOSPC);
+  }
+  assert_int_equal(simple_call(f, 0, a1, 0, NULL), 0); /* close: room again */
+  uint64_t a3 = open_as(f, 1, &st);
+  assert_int_equal(st, 0);
+  assert_int_equal(simple_call(f, 1, a3, 0, NULL), ATTND_ENOSPC);
+  check_engine(f);
+  fx_stop(f);
+  /* An explicit quota. */
+  f->cfg.max_sessions_per_identity = 3;
+  fx_start(f);
+  for (int i = 0; i < 3; i++) {
+    open_as(f, 5, &st);
+    assert_int_equal(st, 0);
+  }
+  open_as(f, 5, &st);
+  assert_int_equal(st, ATTND_ENOSPC);
+  fx_free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_identity_quota),
       cmocka_unit_test(test_fork_truncate),
       cmocka_unit_test(test_limits_and_info),
       cmocka_unit_test(test_idle_close),

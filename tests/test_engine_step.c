@@ -233,6 +233,76 @@ static void test_invalid_leave_state(void **state) {
   fx_free(f);
 }
 
+/* Finite values past the bounds the kernels are faithful within
+ * (docs/numerics.md section 6) are refused like non-finite ones: the step
+ * answers INVALID_ARGUMENT naming the item, the tensor and the bound, and
+ * nothing is written. At the bound a step is computed, and matches the
+ * oracle. bf16 activations: |q|, |k| <= 2^48, |v| <= 2^100; an fp16 cache
+ * adds 65504 for v and 65504/sqrt(2) for k (RoPE on). */
+static void bounds_case(attnd_kv_type_t kv) {
+  fx_t *f = fx_new(kv, 64);
+  sim_t *a = sim_new(), *b = sim_new();
+  fill_tokens(f, a, 0, 100);
+  fill_tokens(f, b, 0, 100);
+  open_session(f, a, 0, NULL, 0);
+  open_session(f, b, 0, NULL, 0);
+  spec_t pre[2] = {{.sim = a, .start = 0, .n = 9}, {.sim = b, .start = 0, .n = 4}};
+  plan_all_layers(f, pre, 2);
+  spec_t s[2] = {{.sim = a, .start = 9, .n = 3}, {.sim = b, .start = 4, .n = 2}};
+  const size_t kvrow = KVH * HD, qrow = QH * HD;
+  int fp16 = kv == ATTND_KV_FP16;
+  struct {
+    char t;
+    double over, at;
+    const char *bound;
+  } cases[] = {
+      {'q', 1e19, 0x1p48, "|q| <= 2^48"},
+      {'k', 1e19, fp16 ? 46080.0 : 0x1p48, fp16 ? "|k| <= 65504/sqrt(2)" : "|k| <= 2^48"},
+      {'k', 0x1p48 + 0x1p41, fp16 ? 32768.0 : 0x1p48, fp16 ? "65504/sqrt(2)" : "2^48"},
+      {'v', 3e38, fp16 ? 65280.0 : 0x1p100, fp16 ? "|v| <= 65504" : "|v| <= 2^100"},
+      {'v', fp16 ? 65536.0 : 0x1p100 + 0x1p93, fp16 ? 65280.0 : 0x1p100, fp16 ? "65504" : "2^100"},
+  };
+  char msg[256], need[128];
+  uint32_t len_a = 9, len_b = 4;
+  for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+    for (int sign = -1; sign <= 1; sign += 2) {
+      /* Past the bound in item 1 (its second row): refused, nothing written. */
+      size_t row = 4; /* q and k/v rows alike: item 1 starts at row 3 */
+      stepopt_t o = {
+          .wrong_token_item = -1, .poke = cases[c].t, .poke_value = sign * cases[c].over};
+      o.poke_elem = (uint32_t)(row * (cases[c].t == 'q' ? qrow : kvrow) + 7);
+      snprintf(need, sizeof(need), "item 1: %c holds", cases[c].t);
+      int rc = step_ex(f, 0, s, 2, 0, 1, &o, msg, NULL);
+      expect(f, rc, ATTND_EINVAL, msg, need);
+      expect(f, rc, ATTND_EINVAL, msg, cases[c].bound);
+      assert_int_equal(session_len(f, a->id), len_a);
+      assert_int_equal(session_len(f, b->id), len_b);
+      /* At the bound: computed, and equal to the oracle within the bound. */
+      o.poke_value = sign * cases[c].at;
+      rc = step_ex(f, 0, s, 2, 0, 1, &o, msg, NULL);
+      if (rc)
+        fail_msg("%c = %g at the bound: %d %s", cases[c].t, o.poke_value, rc, msg);
+      len_a = 12; /* later cases rewrite the same positions */
+      len_b = 6;
+    }
+  }
+  assert_int_equal(session_len(f, a->id), len_a);
+  for (int l = 1; l < LAYERS; l++)
+    assert_int_equal(step(f, l, s, 2, 0), 0);
+  check_engine(f);
+  sim_free(a);
+  sim_free(b);
+  fx_free(f);
+}
+
+static void test_bounds_bf16(void **state) {
+  bounds_case(ATTND_KV_BF16);
+}
+
+static void test_bounds_fp16_cache(void **state) {
+  bounds_case(ATTND_KV_FP16);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_grow_bf16),
@@ -244,11 +314,14 @@ int main(void) {
       cmocka_unit_test(test_grow_int4),
       cmocka_unit_test(test_mixed_batch),
       cmocka_unit_test(test_invalid_leave_state),
+      cmocka_unit_test(test_bounds_bf16),
+      cmocka_unit_test(test_bounds_fp16_cache),
       /* Again with every step queued behind a threadpool scan. */
       cmocka_unit_test_setup_teardown(test_grow_bf16, queued_on, queued_off),
       cmocka_unit_test_setup_teardown(test_grow_int4, queued_on, queued_off),
       cmocka_unit_test_setup_teardown(test_mixed_batch, queued_on, queued_off),
       cmocka_unit_test_setup_teardown(test_invalid_leave_state, queued_on, queued_off),
+      cmocka_unit_test_setup_teardown(test_bounds_bf16, queued_on, queued_off),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -177,6 +177,20 @@ static void test_plan_then_step(void **state) {
   assert_false(fe.step.q.present);
   /* Every item of the plan has n == 1: a decode step. */
   assert_int_equal(f->rpc.counters.step_latency[ATTND_STEP_DECODE].count, 1);
+  /* A Step naming that plan from another connection of the identity is
+   * counted too (the engine reports the kind). */
+  tconn_t t2;
+  tconn_init(f, &t2, 1000, 0);
+  pbw_init(&st);
+  pbw_uint(&st, 1, 2);
+  pbw_fixed64(&st, 2, plan);
+  pbw_tensor(&st, 5, attnd_v1_DType_DTYPE_BF16, ks, 3, kv, sizeof(kv));
+  pbw_tensor(&st, 6, attnd_v1_DType_DTYPE_BF16, ks, 3, kv, sizeof(kv));
+  send_call(&t2, 9, attnd_v1_Request_step_tag, &st);
+  resp(&t2, 0, &r);
+  assert_int_equal(r.status.code, 0);
+  assert_int_equal(f->rpc.counters.step_latency[ATTND_STEP_DECODE].count, 2);
+  tconn_free(&t2);
   /* A plan and inline items together is a wire-level error. */
   pbw_init(&st);
   pbw_fixed64(&st, 2, plan);

@@ -6,14 +6,25 @@
  * submits jobs on the loop thread; the backend runs them off the loop and calls
  * job->done_cb on the loop thread (uv_async_t + queue, or uv_queue_work).
  *
- * Ordering contract: jobs of the same layer run in submission order, each
- * finished (its writes visible) before the next one of that layer starts; jobs
- * of different layers may run concurrently. COPY jobs (copy-on-write of whole
- * blocks) are submitted once per layer, so they order with that layer's steps.
- * SCALES jobs set a layer's static scales the same way: the layer's jobs
- * submitted before one see the old scales, the jobs after it the new ones.
- * A job holds no reference of its own: the engine keeps the blocks a job reads
- * or writes referenced until done_cb. */
+ * Ordering contract: an ordered job (the default) runs after every job of
+ * its layer submitted before it has finished (its writes visible), and
+ * before the layer's later ordered jobs start; jobs of different layers may
+ * run concurrently. COPY jobs (copy-on-write of whole blocks) are submitted
+ * once per layer, so they order with that layer's steps. SCALES jobs set a
+ * layer's static scales the same way: the layer's jobs submitted before one
+ * see the old scales, the jobs after it the new ones. An unordered job
+ * (job->unordered) carries the submitter's promise that it conflicts with no
+ * unfinished job of its layer (reads nothing they write, writes nothing they
+ * touch, no SCALES job in between): the backend may run it at once, beside
+ * them or before them. The engine submits only unordered jobs, each once
+ * the jobs it depends on are done (engine/sched.c). A job holds no reference
+ * of its own: the engine keeps the blocks a job reads or writes referenced
+ * until done_cb.
+ *
+ * Large steps (their attention reads more than opts.chunk_keys keys per q
+ * head, or they write many tokens) give way to small ones: the CPU backend
+ * runs them in chunks interleaved with other jobs' work, the CUDA backend
+ * runs small unordered jobs on high-priority streams beside them. */
 #ifndef ATTND_BACKEND_H
 #define ATTND_BACKEND_H
 
@@ -46,6 +57,8 @@ struct attnd_job_s {
    * [kv_heads][head_dim]; int4 also k_zero, v_zero [kv_heads][head_dim]. */
   const float *k_scale, *v_scale, *k_zero, *v_zero;
   int per_channel;
+  /* 1: may run beside or before unfinished jobs of its layer (see above). */
+  int unordered;
   /* Filled by the backend. */
   int status; /* 0 or a negative ATTND_E* */
   char message[128];
@@ -90,6 +103,11 @@ typedef struct {
   int cuda_callbacks;       /* CUDA: 1 = stream callbacks signal completion,
                              * 0 = an event poller thread (default) */
   int cuda_trace;           /* CUDA: 1 = log where steps' time goes */
+  uint64_t chunk_keys;      /* a step whose attention reads more keys per q head
+                             * (summed over its rows) is large: the CPU backend
+                             * cuts it into chunks of about this much, the CUDA
+                             * backend keeps it off the priority streams; 0 =
+                             * none is (--engine-chunk-keys) */
 } attnd_backend_opts_t;
 
 void attnd_backend_opts_defaults(attnd_backend_opts_t *o);
@@ -98,9 +116,12 @@ void attnd_backend_opts_defaults(attnd_backend_opts_t *o);
  * o->kv_memory allows. */
 int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd_kshape_t *s,
                              int layers, const attnd_backend_opts_t *o, char *err, size_t errlen);
-/* Test hook: when set, the CPU backend's next STEP job fails with
- * ATTND_EABORTED after its parts ran, as a device fault would (and clears
- * it). Never set outside tests. */
+/* Test hook: ATTND_CPU_FAIL_STEP makes the CPU backend's next STEP job, and
+ * ATTND_CPU_FAIL_COPY its next COPY job, fail with ATTND_EINTERNAL after its
+ * work ran, as a failed device call would; ATTND_CPU_FAIL_DEVICE the next
+ * STEP with ATTND_EDEVICE, as a sticky device error would (the hook clears
+ * itself). Never set outside tests. */
+enum { ATTND_CPU_FAIL_STEP = 1, ATTND_CPU_FAIL_COPY = 2, ATTND_CPU_FAIL_DEVICE = 3 };
 extern int attnd_backend_cpu_fail_next;
 
 /* 1 when a usable CUDA device exists (any error from cudaGetDeviceCount: 0).

@@ -74,7 +74,7 @@ static void CUDART_CB stream_cb(cudaStream_t st, cudaError_t status, void *arg) 
   push_done(be, r);
 }
 
-static cudaEvent_t ev_get(cu_backend_t *be) {
+cudaEvent_t attnd_cu_ev_get(cu_backend_t *be) {
   if (be->nevfree > 0)
     return be->evfree[--be->nevfree];
   cudaEvent_t ev = NULL;
@@ -105,7 +105,7 @@ void attnd_cu_ev_put(cu_backend_t *be, cudaEvent_t ev) {
 cudaError_t attnd_cu_track(cu_backend_t *be, cu_run_t *r, cudaStream_t st) {
   if (!be->poll)
     return cudaStreamAddCallback(st, stream_cb, r, 0);
-  cudaEvent_t ev = ev_get(be);
+  cudaEvent_t ev = attnd_cu_ev_get(be);
   if (!ev)
     return cudaErrorMemoryAllocation;
   cudaError_t e = cudaEventRecord(ev, st);
@@ -189,7 +189,9 @@ static void finish_run(cu_backend_t *be, cu_run_t *r) {
   if (r->traced)
     attnd_cu_trace_run(be, r);
   attnd_cu_ev_put(be, r->done_ev);
-  r->done_ev = NULL;
+  attnd_cu_ev_put(be, r->fence_ev);
+  r->done_ev = r->fence_ev = NULL;
+  be->streams[r->stream].nrun--;
   if (!r->status && r->async != cudaSuccess) {
     int sticky = attnd_cu_sticky(r->async);
     r->status = sticky ? ATTND_EDEVICE : ATTND_ECUDA;

@@ -8,10 +8,16 @@
  * zero points) live in one small device array, [layer][k_scale, v_scale,
  * k_zero, v_zero][kv_heads * head_dim] fp32.
  *
- * Ordering. A small pool of non-blocking streams; layer l always runs on
- * stream l % nstreams, so a layer's jobs execute in submission order (a
- * stream is FIFO) and different layers overlap on different streams. Each
- * stream owns a device staging buffer (inputs and outputs of the job running
+ * Ordering. A small pool of non-blocking streams; layer l's ordered jobs and
+ * its large ones always run on stream l % nstreams, so they execute in
+ * submission order (a stream is FIFO) and different layers overlap on
+ * different streams. Small unordered jobs (backend.h: the engine vouches
+ * that they conflict with nothing unfinished; a decode step, a copy) run on
+ * a twin stream of the greatest priority, so a decode is not queued behind
+ * another session's long prefill on its layer: the device schedules its
+ * blocks ahead of the prefill's waiting ones. An ordered job waits on its
+ * layer's priority stream through an event when that stream has work of its
+ * own. Each stream owns a device staging buffer (inputs and outputs of the job running
  * on it) and an attention workspace; both grow on demand with the
  * stream-ordered allocator (cudaFreeAsync + cudaMallocAsync on that stream),
  * so growing never waits for the device and never frees memory a queued
@@ -90,7 +96,7 @@ static void cu_describe(attnd_backend_t *base, char *device, size_t len, uint64_
  * handle's close callback. */
 static void release(cu_backend_t *be) {
   cudaSetDevice(be->device);
-  for (int i = 0; i < be->nstreams; i++) {
+  for (int i = 0; i < 2 * be->nstreams; i++) {
     cu_stream_t *cs = &be->streams[i];
     if (!cs->st)
       continue;
@@ -147,7 +153,7 @@ static void cu_destroy(attnd_backend_t *base) {
   cudaSetDevice(be->device);
   /* Teardown is the one place that waits for the device: every stream
    * callback has run once its stream is synchronized. */
-  for (int i = 0; i < be->nstreams; i++)
+  for (int i = 0; i < 2 * be->nstreams; i++)
     if (be->streams[i].st)
       cudaStreamSynchronize(be->streams[i].st);
   /* Every pending event is complete now: the poller finishes those runs,
@@ -192,6 +198,7 @@ static void apply_opts(cu_backend_t *be, const attnd_backend_opts_t *o) {
     be->pinned_max = (size_t)o->cuda_pinned_max;
   be->hostfn_min = (size_t)o->cuda_hostfn_min;
   be->poll = !o->cuda_callbacks;
+  be->chunk_keys = o->chunk_keys;
   if (o->cuda_trace)
     be->trace = attnd_xcalloc(1, sizeof(cu_trace_t));
 }
@@ -199,10 +206,16 @@ static void apply_opts(cu_backend_t *be, const attnd_backend_opts_t *o) {
 /* Streams and the static-scale array. */
 static int create_streams(cu_backend_t *be, int layers, char *err, size_t errlen) {
   cudaError_t e;
+  int least = 0, greatest = 0;
+  if ((e = cudaDeviceGetStreamPriorityRange(&least, &greatest)) != cudaSuccess) {
+    snprintf(err, errlen, "cudaDeviceGetStreamPriorityRange: %s", cudaGetErrorString(e));
+    return ATTND_ECUDA;
+  }
   be->nstreams = layers < CU_MAX_STREAMS ? layers : CU_MAX_STREAMS;
-  for (int i = 0; i < be->nstreams; i++)
-    if ((e = cudaStreamCreateWithFlags(&be->streams[i].st, cudaStreamNonBlocking)) != cudaSuccess) {
-      snprintf(err, errlen, "cudaStreamCreateWithFlags: %s", cudaGetErrorString(e));
+  for (int i = 0; i < 2 * be->nstreams; i++)
+    if ((e = cudaStreamCreateWithPriority(&be->streams[i].st, cudaStreamNonBlocking,
+                                          i < be->nstreams ? least : greatest)) != cudaSuccess) {
+      snprintf(err, errlen, "cudaStreamCreateWithPriority: %s", cudaGetErrorString(e));
       return ATTND_ECUDA;
     }
   be->scales_ok = attnd_xcalloc((size_t)layers, sizeof(int));
@@ -279,7 +292,7 @@ static int warm_up(cu_backend_t *be, char *err, size_t errlen) {
     attnd_cu_stage_put(be, warm[--nwarm]);
   if (rc)
     return rc;
-  for (int i = 0; i < be->nstreams; i++) {
+  for (int i = 0; i < 2 * be->nstreams; i++) {
     cu_stream_t *cs = &be->streams[i];
     if ((e = attnd_cu_dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, CU_DBUF_MIN, CU_DBUF_MIN)) !=
         cudaSuccess) {

@@ -1,14 +1,13 @@
 /* cuda_enqueue.c: a job's work, enqueued on its layer's stream from the loop
  * thread (internal.h).
  *
- * Layer l always runs on stream l % nstreams, so a layer's jobs execute in
- * submission order (a stream is FIFO) and different layers overlap on
- * different streams. A STEP: items and meta (and, for small steps, q, k and
- * v) are copied into a pinned buffer, one H2D copy moves everything to the
- * stream's device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H
- * copy of out (+ lse) and the completion marker (cuda_complete.c). A COPY is
- * one D2D cudaMemcpyAsync per block pair within the layer's pool, a SCALES
- * job one H2D copy into the layer's scales. Nothing here waits for the
+ * Layer l's ordered and large jobs run on stream l % nstreams (FIFO, in
+ * submission order), its small unordered ones on the priority twin of that
+ * stream; different layers overlap on different streams. A STEP: items and meta (and, for small
+ * steps, q, k and v) are copied into a pinned buffer, one H2D copy moves everything to the stream's
+ * device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H copy of out (+ lse) and the
+ * completion marker (cuda_complete.c). A COPY is one D2D cudaMemcpyAsync per block pair within the
+ * layer's pool, a SCALES job one H2D copy into the layer's scales. Nothing here waits for the
  * device. */
 #ifdef ATTND_HAVE_CUDA
 
@@ -251,6 +250,29 @@ enqueued:
   return 0;
 }
 
+/* An ordered job on a layer's stream comes after the work of the layer's
+ * unordered jobs on the priority twin: an event recorded there, waited for
+ * here (both calls only enqueue). 0, or -1 with r->status set. */
+static int fence_priority(cu_backend_t *be, cu_run_t *r) {
+  cu_stream_t *ps = &be->streams[r->stream + be->nstreams];
+  if (r->job->unordered || ps->nrun == 0)
+    return 0;
+  r->fence_ev = attnd_cu_ev_get(be);
+  if (!r->fence_ev) {
+    attnd_cu_run_fail_cuda(r, __FILE__, __LINE__, "cudaEventCreate (fence)",
+                           cudaErrorMemoryAllocation);
+    return -1;
+  }
+  cudaError_t e = cudaEventRecord(r->fence_ev, ps->st);
+  if (e == cudaSuccess)
+    e = cudaStreamWaitEvent(be->streams[r->stream].st, r->fence_ev, 0);
+  if (e != cudaSuccess) {
+    attnd_cu_run_fail_cuda(r, __FILE__, __LINE__, "cudaStreamWaitEvent (fence)", e);
+    return -1;
+  }
+  return 0;
+}
+
 /* Enqueues a job's work and its completion; 1 when it must wait for a pinned
  * buffer instead (nothing enqueued, the caller queues it). */
 static int start_run(cu_backend_t *be, cu_run_t *r) {
@@ -259,6 +281,8 @@ static int start_run(cu_backend_t *be, cu_run_t *r) {
   if (atomic_load(&be->dead)) {
     r->status = ATTND_EDEVICE;
     snprintf(r->msg, sizeof(r->msg), "the CUDA device is unusable after an earlier error");
+  } else if (!r->fence_ev && r->stream < be->nstreams && fence_priority(be, r) != 0) {
+    /* r->status says why; the completion below still follows. */
   } else if (job->kind == ATTND_JOB_COPY) {
     enqueue_copy(be, r);
   } else if (job->kind == ATTND_JOB_SCALES) {
@@ -271,6 +295,7 @@ static int start_run(cu_backend_t *be, cu_run_t *r) {
    * done_cb comes after those of the layer's earlier jobs (a stream callback
    * runs exactly once, with the error, even after a sticky one). */
   r->t_enq = attnd_cu_now_us();
+  be->streams[r->stream].nrun++;
   cudaError_t e = attnd_cu_track(be, r, be->streams[r->stream].st);
   if (e != cudaSuccess) {
     attnd_cu_run_fail_cuda(r, __FILE__, __LINE__,
@@ -310,6 +335,8 @@ int attnd_cu_submit(attnd_backend_t *base, attnd_job_t *job) {
   r->be = be;
   r->job = job;
   r->stream = job->layer % be->nstreams;
+  if (job->unordered && !attnd_backend_job_large(job, be->chunk_keys))
+    r->stream += be->nstreams; /* the priority twin */
   job->status = 0;
   job->message[0] = 0;
   job->t_submit_us = attnd_cu_now_us();
@@ -317,8 +344,9 @@ int attnd_cu_submit(attnd_backend_t *base, attnd_job_t *job) {
   be->inflight++;
   attnd_cu_update_ref(be);
   /* Behind any waiting job (one FIFO for all layers keeps each layer's
-   * order), or waiting itself when no pinned buffer is free. */
-  if (be->whead || start_run(be, r)) {
+   * order; an unordered job need not keep it), or waiting itself when no
+   * pinned buffer is free. */
+  if ((be->whead && !job->unordered) || start_run(be, r)) {
     r->next = NULL;
     if (be->wtail)
       be->wtail->next = r;

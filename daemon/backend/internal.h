@@ -25,6 +25,15 @@ static inline uint64_t attnd_backend_now_us(void) {
   return uv_hrtime() / 1000;
 }
 
+/* New tokens per write task of a large step on the CPU backend: a few
+ * milliseconds of RoPE and quantization for the default model. */
+#define ATTND_BACKEND_WRITE_ROWS 1024
+
+/* 1 for a large step (backend.h): attention reading more than chunk_keys
+ * keys per q head over its rows (its rows times their context, an upper
+ * bound), or more than ATTND_BACKEND_WRITE_ROWS new tokens. Host batch. */
+int attnd_backend_job_large(const attnd_job_t *job, uint64_t chunk_keys);
+
 #ifdef ATTND_HAVE_CUDA
 
 #include <cuda_runtime_api.h>
@@ -40,8 +49,9 @@ _Static_assert(ATTND_CUDA_ECUDA == ATTND_KERNEL_ECUDA, "attnd_cuda.h ECUDA moved
 _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE moved");
 
 /* Streams: enough for the layers of one step to overlap, few enough that the
- * per-stream buffers stay small. */
-#define CU_MAX_STREAMS 8 /* at most 64: the poller keeps a bit per stream */
+ * per-stream buffers stay small. As many again of high priority take the
+ * small unordered jobs (backend.h). */
+#define CU_MAX_STREAMS 8 /* 2x at most 64: the poller keeps a bit per stream */
 /* Pinned staging buffers are allocated in power-of-two sizes from this up. */
 #define CU_STAGE_MIN ((size_t)2 << 20)
 /* Device staging grows to at least this. */
@@ -77,6 +87,7 @@ typedef struct cu_run_s {
   int traced;
   uint64_t t_enq, t_cb;
   cudaEvent_t done_ev;    /* polled completion: recorded behind the run's work */
+  cudaEvent_t fence_ev;   /* an ordered run's wait for its layer's priority stream */
   struct cu_run_s *pnext; /* pending list of the poller (under pmu) */
   struct cu_run_s *next;  /* wait queue (loop thread), then done queue (under mu) */
 } cu_run_t;
@@ -97,6 +108,7 @@ typedef struct {
   void *ws; /* attention workspace */
   size_t wcap;
   uint64_t last_end_us; /* end of the last job on this stream (under mu) */
+  int nrun;             /* runs enqueued here and not finished (loop thread) */
 } cu_stream_t;
 
 struct cu_backend_s {
@@ -110,8 +122,11 @@ struct cu_backend_s {
   size_t nsc;         /* kv_heads * head_dim */
   int *scales_ok;     /* [layers] scales enqueued (loop thread, in job order) */
   int *per_channel;   /* [layers] */
-  cu_stream_t streams[CU_MAX_STREAMS];
+  /* [0, nstreams): layer l's ordered and large jobs on stream l % nstreams;
+   * [nstreams, 2 nstreams): its small unordered jobs, high priority. */
+  cu_stream_t streams[2 * CU_MAX_STREAMS];
   int nstreams;
+  uint64_t chunk_keys;     /* backend.h: a larger step stays off the priority streams */
   cu_stage_t *free_stages; /* loop thread only */
   cu_stage_t **owned;      /* every stage ever allocated, freed at destroy */
   size_t nowned, owned_cap;
@@ -189,6 +204,8 @@ void attnd_cu_complete_untracked(cu_backend_t *be, cu_run_t *r);
 void attnd_cu_async_cb(uv_async_t *h);
 void attnd_cu_poller_main(void *arg);
 void attnd_cu_poller_stop(cu_backend_t *be);
+/* Events from a recycled pool (loop thread); NULL when none can be made. */
+cudaEvent_t attnd_cu_ev_get(cu_backend_t *be);
 void attnd_cu_ev_put(cu_backend_t *be, cudaEvent_t ev);
 
 /* ---- cuda_trace.c ---- */

@@ -80,6 +80,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->max_inflight = 1ull << 30;
   c->max_connections = 1024;
   c->max_sessions = 65536;
+  c->max_sessions_per_identity = 0; /* a quarter of max_sessions */
   c->max_plans = 64;
   c->threads = 0;
   c->prefix_cache = 1;
@@ -89,6 +90,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->idle_timeout_s = 300;
   c->max_conns_per_identity = 0;
   c->engine_offload_bytes = ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES;
+  c->engine_chunk_keys = ATTND_DEFAULT_ENGINE_CHUNK_KEYS;
   c->rpc_ref_min = ATTND_DEFAULT_RPC_REF_MIN;
   c->worker_threads = 0;
   c->cuda_pinned_max = 0;

@@ -21,6 +21,7 @@
 
 /* Defaults of the tuning options (the rest are set in attnd_config_defaults). */
 #define ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES ((uint64_t)1 << 20)
+#define ATTND_DEFAULT_ENGINE_CHUNK_KEYS ((uint64_t)1 << 14)
 #define ATTND_DEFAULT_RPC_REF_MIN ((uint64_t)64 << 10)
 #define ATTND_DEFAULT_CUDA_HOSTFN_MIN ((uint64_t)1 << 20)
 
@@ -73,6 +74,7 @@ typedef struct {
   uint64_t max_inflight; /* --max-inflight bytes per connection, >= max_frame */
   int max_connections;   /* --max-connections */
   int max_sessions;      /* --max-sessions */
+  int max_sessions_per_identity; /* --max-sessions-per-identity; 0 = max_sessions / 4 */
   int max_plans;         /* live plans per connection (oldest ends first) */
   int threads;           /* CPU backend worker parts, 0 = number of cores */
   int prefix_cache;      /* 1: prefix caching on (default) */
@@ -105,6 +107,9 @@ typedef struct {
   uint64_t engine_offload_bytes;      /* --engine-offload-bytes: steps with more q+k+v
                                        * bytes are scanned for non-finite values on
                                        * the worker pool, default 1M */
+  uint64_t engine_chunk_keys;         /* --engine-chunk-keys: a large step's attention runs
+                                       * in chunks reading about this many keys per q
+                                       * head, interleaved with other steps; 0 = whole */
   uint64_t rpc_ref_min;               /* --rpc-ref-min: step outputs this large are written
                                        * to the socket from the engine's buffer, default 64K */
   int worker_threads;                 /* --worker-threads: libuv worker pool size

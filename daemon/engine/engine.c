@@ -60,6 +60,7 @@ static int create_backend(attnd_engine_t *e, const attnd_config_t *cfg, char *er
   bo.cuda_hostfn_min = cfg->cuda_hostfn_min;
   bo.cuda_callbacks = cfg->cuda_completion == ATTND_COMPLETION_CALLBACK;
   bo.cuda_trace = cfg->cuda_trace;
+  bo.chunk_keys = cfg->engine_chunk_keys;
   if (use_cuda)
     return attnd_backend_cuda_create(&e->be, e->loop, &e->shape, e->layers, &bo, err, errlen);
   return attnd_backend_cpu_create(&e->be, e->loop, &e->shape, e->layers, &bo, err, errlen);
@@ -125,23 +126,26 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
     goto fail_pool;
   if ((rc = attnd_prefix_init(&e->px, &e->pool, e->bs)) != 0)
     goto fail_prefix;
+  if ((rc = attnd_sched_init(e)) != 0)
+    goto fail_sched;
   if ((rc = attnd_scales_init(&e->sc, &e->shape, e->layers, cfg->state_dir)) != 0)
     goto fail_scales;
   if ((rc = restore_scales(e, err, errlen)) != 0)
     goto fail_load;
-  if (attnd_idmap_init(&e->sessions) || attnd_idmap_init(&e->plans))
+  if (attnd_idmap_init(&e->sessions) || attnd_idmap_init(&e->plans) || attnd_idmap_init(&e->idents))
     abort();
   attnd_list_init(&e->slist);
   attnd_list_init(&e->plist);
   attnd_list_init(&e->queue);
   attnd_scales_update_fingerprint(e);
-  uv_mutex_init(&e->persist_mu);
   start_idle_sweep(e);
   *out = e;
   return 0;
 fail_load:
   attnd_scales_free(&e->sc);
 fail_scales:
+  attnd_sched_free(e);
+fail_sched:
   attnd_prefix_free(e->px);
 fail_prefix:
   attnd_blocks_free(&e->pool);
@@ -164,10 +168,11 @@ static void idle_closed(uv_handle_t *h) {
   e->be->ops->destroy(e->be);
   attnd_idmap_free(&e->sessions);
   attnd_idmap_free(&e->plans);
+  attnd_idmap_free(&e->idents);
   attnd_prefix_free(e->px);
+  attnd_sched_free(e);
   attnd_blocks_free(&e->pool);
   attnd_scales_free(&e->sc);
-  uv_mutex_destroy(&e->persist_mu);
   free(e);
   if (cb)
     cb(arg);

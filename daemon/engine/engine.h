@@ -92,6 +92,7 @@ typedef struct {
   uint32_t out_rows; /* Tq */
   float *lse;        /* NULL when not asked */
   size_t lse_bytes;
+  int decode; /* Step: every item has n == 1 (else a prefill), whichever plan it names */
   uint64_t queued_us;
   uint64_t computing_us;
 } attnd_result_t;

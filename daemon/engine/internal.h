@@ -10,7 +10,8 @@
  *               prefix lookup
  *   blocks.c    the block pool's bookkeeping (free, used, cached LRU)
  *   prefix.c    the prefix index of published blocks (xxh3-128 chained hashes)
- *   jobs.c      backend jobs: per-layer order, completion, failures
+ *   jobs.c      backend jobs: submission, completion, failures
+ *   sched.c     the order jobs of a layer wait for each other in (per block)
  *   scales.c    SetScales: the static scales table, its versions, persistence
  *   scales_file.c  the scales.bin file
  *   engine.c    lifetime (backend selection, init, close) and introspection
@@ -271,8 +272,17 @@ struct attnd_plan_s {
 
 enum { EJ_STEP = 0, EJ_COPY = 1, EJ_SCALES = 2 };
 
+typedef struct attnd_ejob_s attnd_ejob_t;
+
+/* A job's place among a block's readers in the scheduler (sched.c). */
+typedef struct {
+  attnd_list_t link; /* on the (layer, block)'s list of readers */
+  attnd_ejob_t *job;
+  int32_t block;
+} attnd_rnode_t;
+
 /* A job the engine submits, with everything it owns until it is done. */
-typedef struct attnd_ejob_s {
+struct attnd_ejob_s {
   attnd_job_t job; /* first: the backend hands back &job */
   attnd_engine_t *e;
   int kind;
@@ -287,20 +297,43 @@ typedef struct attnd_ejob_s {
   float *lse;
   void *qbuf, *kbuf, *vbuf; /* aligned copies when the request's were not */
   attnd_dtype_t out_dtype;
+  int decode; /* EJ_STEP: every item has n == 1 */
   int32_t *copies;
   uint64_t *sessions; /* EJ_STEP: the items' sessions, marked broken on failure */
   uint32_t nsessions;
   /* EJ_SCALES: the snapshot the backend reads until done */
   float *sk, *sv, *zk, *zv;
-} attnd_ejob_t;
+  uint64_t t_admit_us; /* handed to the scheduler */
+  /* The scheduler's (sched.c): what it touches, who waits for it. */
+  int32_t *wblocks; /* blocks it writes */
+  uint32_t nw;
+  attnd_rnode_t *rnodes; /* blocks it only reads */
+  uint32_t nr;
+  attnd_ejob_t **waiters; /* later jobs waiting for this one */
+  uint32_t nwaiters, waiters_cap;
+  attnd_ejob_t *last_waiter; /* the last one added (each is added once) */
+  uint32_t nwait;            /* unfinished jobs this one waits for */
+  int dep_failed;            /* one of them failed: this one fails unrun */
+  attnd_list_t llink;        /* its layer's unfinished jobs */
+  attnd_list_t qlink;        /* the ready queue */
+};
 
 /* ---- the finiteness scan (scan.c) ---------------------------------------------- */
 
 typedef struct {
-  const uint8_t *q, *k, *v;   /* 2-byte aligned views of the tensors (NULL: not scanned) */
-  void *qbuf, *kbuf, *vbuf;   /* copies behind the views when the request's were not aligned */
-  size_t bad_q, bad_k, bad_v; /* first row holding a non-finite value; SIZE_MAX: none */
+  const uint8_t *q, *k, *v;        /* 2-byte aligned views of the tensors (NULL: not scanned) */
+  void *qbuf, *kbuf, *vbuf;        /* copies behind the views when the request's were not aligned */
+  size_t bad_q, bad_k, bad_v;      /* first row past its bound (non-finite or too large);
+                                    * SIZE_MAX: none */
+  uint32_t bits_q, bits_k, bits_v; /* that row's largest magnitude, as dtype bits */
 } attnd_scan_t;
+
+/* The largest magnitude a tensor may hold (docs/numerics.md §6). */
+typedef struct {
+  uint32_t bits;    /* the largest allowed magnitude, as an activation-dtype pattern */
+  double value;     /* the bound as a number */
+  const char *name; /* the bound as the docs write it ("2^48", ...) */
+} attnd_scan_bound_t;
 
 /* ---- the engine ---------------------------------------------------------------- */
 
@@ -317,7 +350,9 @@ struct attnd_engine_s {
   attnd_idmap_t sessions, plans;
   attnd_list_t slist; /* sessions, newest first */
   uint32_t nsessions;
-  attnd_list_t plist; /* live plans, oldest first */
+  attnd_idmap_t idents;     /* identity -> uint32_t sessions it holds (nonzero identities) */
+  uint32_t ident0_sessions; /* ... and identity 0's (an idmap key cannot be 0) */
+  attnd_list_t plist;       /* live plans, oldest first */
   uint32_t nplans;
   uint32_t pending; /* jobs, queued calls and persist works not yet done */
   uv_timer_t idle;
@@ -326,8 +361,6 @@ struct attnd_engine_s {
   void *close_arg;
   attnd_engine_stats_t st;
   uint64_t gen;
-  uv_mutex_t persist_mu;
-  uint64_t persist_seq, persist_written;
   void (*fatal_cb)(void *); /* attnd_engine_on_fatal */
   void *fatal_arg;
   int fatal;          /* the backend reported ATTND_EDEVICE */
@@ -335,6 +368,13 @@ struct attnd_engine_s {
   uint32_t nqueued;
   int admitting;        /* the queue is being pumped: a nested call leaves the work to it */
   size_t offload_bytes; /* a step with more q+k+v bytes is scanned on the threadpool */
+  /* The scheduler (sched.c), per (layer, block) and per layer. */
+  attnd_ejob_t **sb_w;    /* [layers * blocks]: last unfinished job writing the block */
+  attnd_list_t *sb_r;     /* [layers * blocks]: unfinished jobs reading it since (rnodes) */
+  attnd_list_t *ljobs;    /* [layers]: unfinished jobs, in admission order */
+  attnd_ejob_t **barrier; /* [layers]: the unfinished SCALES job */
+  attnd_list_t readyq;    /* jobs whose wait ended, to hand to the backend */
+  int sched_busy;         /* readyq is being drained */
 };
 
 /* ---- engine.c ---- */
@@ -351,6 +391,9 @@ static inline uint32_t attnd_engine_nblocks(const attnd_engine_t *e, uint64_t le
 static inline uint64_t attnd_engine_now_ms(attnd_engine_t *e) {
   return uv_now(e->loop);
 }
+static inline uint64_t attnd_engine_now_us(void) {
+  return uv_hrtime() / 1000;
+}
 
 /* ---- queue.c ---- */
 
@@ -362,6 +405,11 @@ int attnd_queue_busy(const attnd_engine_t *e);
 /* The whole scan of a step; reads only the request and the model shape, which
  * never changes, so it may run on a worker thread. */
 void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, attnd_scan_t *sc);
+/* The bounds of q, k and v for a model shape. */
+void attnd_scan_bounds(const attnd_kshape_t *sh, attnd_scan_bound_t *q, attnd_scan_bound_t *k,
+                       attnd_scan_bound_t *v);
+/* A magnitude pattern of the activation dtype (bf16 or fp16) as a number. */
+double attnd_scan_value(attnd_dtype_t dt, uint32_t bits);
 
 static inline int attnd_scan_row_in(size_t row, uint32_t first, uint32_t n) {
   return row >= first && row - first < n;
@@ -446,14 +494,41 @@ void attnd_cache_trim(attnd_engine_t *e, attnd_session_t *s, uint32_t keep);
 /* A new job of a kind for a layer (attnd_job_t filled as far as it can be). */
 attnd_ejob_t *attnd_ejob_new(attnd_engine_t *e, int kind, int layer);
 void attnd_ejob_free(attnd_ejob_t *j);
-/* Hands a job to the backend (which keeps each layer's jobs in this order);
- * it counts as pending until done. */
+/* Submits an admitted job: to the scheduler, which hands it to the backend
+ * once the jobs it depends on are done; pending until done. Its blocks
+ * (attnd_sched_write, attnd_sched_read) are set. */
 void attnd_ejob_submit(attnd_engine_t *e, attnd_ejob_t *j);
+/* The scheduler's two ends: to the backend, or failed without running. */
+void attnd_ejob_start(attnd_engine_t *e, attnd_ejob_t *j);
+void attnd_ejob_fail_unrun(attnd_engine_t *e, attnd_ejob_t *j);
+
+/* ---- sched.c ---- */
+
+int attnd_sched_init(attnd_engine_t *e);
+void attnd_sched_free(attnd_engine_t *e);
+/* Room for a job's blocks, then each block it writes or only reads. */
+void attnd_sched_reserve(attnd_ejob_t *j, uint32_t nwrite, uint32_t nread);
+void attnd_sched_write(attnd_ejob_t *j, int32_t block);
+void attnd_sched_read(attnd_ejob_t *j, int32_t block);
+/* Enters a job; it starts now (attnd_ejob_start) if it waits for nothing. */
+void attnd_sched_submit(attnd_engine_t *e, attnd_ejob_t *j);
+/* A job is done (failed: so are those waiting for it): it leaves the
+ * scoreboard and jobs whose wait ends join the ready queue. */
+void attnd_sched_done(attnd_engine_t *e, attnd_ejob_t *j, int failed);
+/* Hands the ready queue to the backend (failing jobs whose wait failed). */
+void attnd_sched_run(attnd_engine_t *e);
 
 /* ---- scales.c ---- */
 
-void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
-                        void *arg);
+/* SetScales in the order queue.c runs it: every check that can fail (0 or an
+ * error with msg); the table as it will be after the call, serialized for
+ * the file (the live table unchanged); then, once the file is written (or
+ * without persistence), the change itself, answered through cb. */
+int attnd_scales_check(attnd_engine_t *e, const attnd_scales_req_t *req, char *msg, size_t msglen);
+int attnd_scales_snapshot(attnd_engine_t *e, const attnd_scales_req_t *req, uint8_t **buf,
+                          size_t *len);
+void attnd_scales_commit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
+                         void *arg);
 /* Submits a SCALES job with a snapshot of a layer's scales from the table. */
 void attnd_scales_submit(attnd_engine_t *e, int layer);
 /* Recomputes the prefix fingerprint from the model and the scale versions. */

@@ -98,6 +98,11 @@ void attnd_cache_submit_cow(attnd_engine_t *e, attnd_cowlist_t *cow) {
       attnd_blocks_ref(&e->pool, cow->pairs[i], 0);
     }
     j->nrefs = 2 * cow->n;
+    attnd_sched_reserve(j, cow->n, cow->n);
+    for (uint32_t i = 0; i < cow->n; i++) {
+      attnd_sched_read(j, cow->pairs[2 * i]);
+      attnd_sched_write(j, cow->pairs[2 * i + 1]);
+    }
     attnd_ejob_submit(e, j);
   }
   for (uint32_t i = 0; i < cow->n; i++)

@@ -26,6 +26,12 @@
  * arrival: they change nothing, whatever runs before them. A scan cannot be
  * cancelled once started, so a queued call counts as pending work and
  * attnd_engine_close waits for it to be admitted (it arrived before the close).
+ *
+ * SetScales with persistence on always goes through the queue: at its head
+ * (everything before it admitted) it is checked, the table as it will be is
+ * written to the state file on the threadpool while the call keeps the head,
+ * and only then is it admitted: applied, or, when the file could not be
+ * written, answered INTERNAL having changed nothing.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,7 +56,7 @@ enum {
  * structs and the salt) is copied. */
 typedef struct call_s call_t;
 struct call_s {
-  uv_work_t work; /* the scan of a large step */
+  uv_work_t work; /* the scan of a large step, or a SetScales's file write */
   attnd_engine_t *e;
   attnd_list_t link; /* the admission queue */
   int kind;
@@ -66,6 +72,11 @@ struct call_s {
   uint32_t nitems;
   attnd_step_req_t step;
   attnd_scales_req_t scales;
+  int answered;   /* refused before its admission (a SetScales's checks) */
+  int persisting; /* SetScales: its checks ran at the head of the queue */
+  int persist_rc; /* and how it went */
+  uint8_t *persist_buf;
+  size_t persist_len;
   attnd_scan_t scan;
   attnd_engine_done_cb cb;
   void *arg;
@@ -90,6 +101,8 @@ static call_t *call_new(attnd_engine_t *e, int kind, uint64_t identity, attnd_en
   return c;
 }
 
+static void queue_pump(attnd_engine_t *e);
+
 static void call_admit(attnd_engine_t *e, call_t *c) {
   switch (c->kind) {
   case CALL_OPEN:
@@ -112,12 +125,61 @@ static void call_admit(attnd_engine_t *e, call_t *c) {
                      c->scanned ? &c->scan : NULL);
     break;
   case CALL_SCALES:
-    attnd_scales_admit(e, &c->scales, c->cb, c->arg);
+    free(c->persist_buf);
+    if (c->persist_rc)
+      attnd_engine_answer(c->cb, c->arg, ATTND_EINTERNAL,
+                          "scales not persisted to %.120s (%s): nothing changed", e->sc.path,
+                          attnd_strerror(c->persist_rc));
+    else
+      attnd_scales_commit(e, &c->scales, c->cb, c->arg);
     break;
   case CALL_CONN_CLOSED:
     attnd_plan_conn_closed(e, c->conn);
     break;
   }
+}
+
+static void persist_work(uv_work_t *w) {
+  call_t *c = (call_t *)w;
+  c->persist_rc = attnd_scales_write_file(c->e->sc.path, c->persist_buf, c->persist_len);
+}
+
+static void persist_done(uv_work_t *w, int status) {
+  call_t *c = (call_t *)w;
+  if (status != 0 && !c->persist_rc)
+    c->persist_rc = ATTND_EINTERNAL;
+  c->scanning = 0;
+  queue_pump(c->e);
+}
+
+/* A SetScales reaching the head of the queue: everything before it is
+ * admitted, so its checks see the state it will change. When they pass, the
+ * table as the call leaves it is written first (worker pool) while the call
+ * holds the head, so no later call is admitted before the scales are on disk;
+ * only then does the admission apply them. 1 when the call now waits for its
+ * write; 0 when it can be admitted (or was answered: c->answered). */
+static int scales_start(attnd_engine_t *e, call_t *c) {
+  char msg[200];
+  c->persisting = 1;
+  int rc = attnd_scales_check(e, &c->scales, msg, sizeof(msg));
+  if (rc) {
+    attnd_engine_answer(c->cb, c->arg, rc, "%s", msg);
+    c->answered = 1;
+    return 0;
+  }
+  if (!e->sc.path[0])
+    return 0;
+  if ((rc = attnd_scales_snapshot(e, &c->scales, &c->persist_buf, &c->persist_len)) != 0) {
+    c->persist_rc = rc;
+    return 0;
+  }
+  c->scanning = 1;
+  if (uv_queue_work(e->loop, &c->work, persist_work, persist_done) != 0) {
+    c->scanning = 0; /* cannot happen with valid arguments: fail the call */
+    c->persist_rc = ATTND_EINTERNAL;
+    return 0;
+  }
+  return 1;
 }
 
 /* Admits queued calls from the head while the head's scan is done. A call's
@@ -130,11 +192,14 @@ static void queue_pump(attnd_engine_t *e) {
   attnd_list_t *first;
   while ((first = attnd_list_first(&e->queue)) != NULL) {
     call_t *c = ATTND_LIST_DATA(first, call_t, link);
+    if (c->kind == CALL_SCALES && !c->persisting && scales_start(e, c))
+      break;
     if (c->scanning)
       break;
     attnd_list_remove(&c->link);
     e->nqueued--;
-    call_admit(e, c);
+    if (!c->answered)
+      call_admit(e, c);
     free(c);
     e->pending--;
   }
@@ -292,10 +357,18 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
                              attnd_engine_done_cb cb, void *arg) {
   if (!check_open(e, cb, arg))
     return;
-  if (!must_queue(e)) {
-    attnd_scales_admit(e, req, cb, arg);
+  if (!must_queue(e) && !e->sc.path[0]) {
+    /* Nothing to persist: checked and applied at once. */
+    char msg[200];
+    int rc = attnd_scales_check(e, req, msg, sizeof(msg));
+    if (rc)
+      attnd_engine_answer(cb, arg, rc, "%s", msg);
+    else
+      attnd_scales_commit(e, req, cb, arg);
     return;
   }
+  /* Through the queue, even when it is empty: the file is written while the
+   * call holds the queue's head (scales_start). */
   call_t *c = call_new(e, CALL_SCALES, 0, cb, arg);
   c->scales = *req;
   call_push(e, c);

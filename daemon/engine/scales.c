@@ -1,8 +1,10 @@
 /* scales.c: static quantization scales (internal.h, docs/numerics.md): the
- * per-layer table, its checks and versions, and SetScales: validated, applied
- * (dropping the layer's KV when asked), the prefix fingerprint renewed, the
- * backend's copy updated in the layer's job order, and the table persisted on
- * the worker pool (scales_file.c) before the call is answered. */
+ * per-layer table, its checks and versions, and SetScales in three steps:
+ * checked (validation, KV in the layer), the table as it will be persisted
+ * (scales_file.c, on the worker pool, by the admission queue in queue.c),
+ * and only then applied (dropping the layer's KV when asked), the prefix
+ * fingerprint renewed and the backend's copy updated in the layer's job
+ * order. A call whose file cannot be written changes nothing. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -161,49 +163,6 @@ void attnd_scales_versions(const attnd_scales_t *s, uint64_t *v) {
 
 /* ---- SetScales ---- */
 
-typedef struct {
-  uv_work_t w;
-  attnd_engine_t *e;
-  uint8_t *buf;
-  size_t len;
-  uint64_t seq;
-  int rc;
-  uint64_t version;
-  attnd_engine_done_cb cb;
-  void *arg;
-} persist_t;
-
-static void persist_work(uv_work_t *w) {
-  persist_t *p = (persist_t *)w;
-  attnd_engine_t *e = p->e;
-  /* Works may run concurrently; the newest snapshot must be the one left. */
-  uv_mutex_lock(&e->persist_mu);
-  if (p->seq > e->persist_written) {
-    p->rc = attnd_scales_write_file(e->sc.path, p->buf, p->len);
-    if (p->rc == 0)
-      e->persist_written = p->seq;
-  }
-  uv_mutex_unlock(&e->persist_mu);
-}
-
-static void persist_done(uv_work_t *w, int status) {
-  persist_t *p = (persist_t *)w;
-  attnd_engine_t *e = p->e;
-  attnd_result_t r;
-  memset(&r, 0, sizeof(r));
-  r.status = status ? ATTND_EINTERNAL : p->rc;
-  r.version = p->version;
-  if (r.status)
-    snprintf(r.message, sizeof(r.message),
-             "scales set (version %llu) but not persisted to %.120s: %s",
-             (unsigned long long)p->version, e->sc.path, attnd_strerror(r.status));
-  p->cb(p->arg, &r);
-  free(p->buf);
-  free(p);
-  e->pending--;
-  attnd_engine_maybe_finish_close(e);
-}
-
 void attnd_scales_update_fingerprint(attnd_engine_t *e) {
   uint64_t *v = attnd_xcalloc((size_t)e->layers, sizeof(uint64_t));
   attnd_scales_versions(&e->sc, v);
@@ -234,25 +193,64 @@ void attnd_scales_submit(attnd_engine_t *e, int layer) {
   attnd_ejob_submit(e, j);
 }
 
-void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
-                        void *arg) {
-  char msg[200];
-  int rc = attnd_scales_validate(&e->sc, req, msg, sizeof(msg));
-  if (rc) {
-    attnd_engine_answer(cb, arg, rc, "%s", msg);
-    return;
-  }
-  uint32_t l = req->layer;
+/* 1 when layer l holds KV: a session's KV there, or any cached block (a
+ * published block spans every layer). */
+static int layer_holds_kv(attnd_engine_t *e, uint32_t l) {
   int holds = attnd_prefix_count(e->px) > 0;
   ATTND_LIST_FOREACH(it, nx, &e->slist)
   holds |= ATTND_LIST_DATA(it, attnd_session_t, link)->len[l] > 0;
-  if (holds && !req->drop_cached_kv) {
-    attnd_engine_answer(
-        cb, arg, ATTND_EPRECOND,
-        "layer %u holds KV (sessions or cached blocks); set drop_cached_kv to drop it", l);
-    return;
+  return holds;
+}
+
+int attnd_scales_check(attnd_engine_t *e, const attnd_scales_req_t *req, char *msg, size_t msglen) {
+  int rc = attnd_scales_validate(&e->sc, req, msg, msglen);
+  if (rc)
+    return rc;
+  if (!req->drop_cached_kv && layer_holds_kv(e, req->layer)) {
+    snprintf(msg, msglen,
+             "layer %u holds KV (sessions or cached blocks); set drop_cached_kv to drop it",
+             req->layer);
+    return ATTND_EPRECOND;
   }
-  if (holds) {
+  return 0;
+}
+
+int attnd_scales_snapshot(attnd_engine_t *e, const attnd_scales_req_t *req, uint8_t **buf,
+                          size_t *len) {
+  /* The table as the call leaves it: applied to the live table, serialized,
+   * and put back, all on the loop thread, so nobody sees the new scales
+   * before they are on disk. */
+  attnd_scales_t *sc = &e->sc;
+  attnd_layer_scales_t *l = &sc->l[req->layer], keep = *l;
+  size_t n = (size_t)sc->kv_heads * (size_t)sc->head_dim;
+  float *old = attnd_xcalloc(4 * n, sizeof(float));
+  memcpy(old, l->k_scale, n * sizeof(float));
+  memcpy(old + n, l->v_scale, n * sizeof(float));
+  if (l->k_zero) {
+    memcpy(old + 2 * n, l->k_zero, n * sizeof(float));
+    memcpy(old + 3 * n, l->v_zero, n * sizeof(float));
+  }
+  uint64_t last = sc->last_version;
+  attnd_scales_apply(sc, req);
+  int rc = attnd_scales_serialize(sc, buf, len);
+  memcpy(l->k_scale, old, n * sizeof(float));
+  memcpy(l->v_scale, old + n, n * sizeof(float));
+  if (l->k_zero) {
+    memcpy(l->k_zero, old + 2 * n, n * sizeof(float));
+    memcpy(l->v_zero, old + 3 * n, n * sizeof(float));
+  }
+  l->present = keep.present;
+  l->per_channel = keep.per_channel;
+  l->version = keep.version;
+  sc->last_version = last;
+  free(old);
+  return rc;
+}
+
+void attnd_scales_commit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_engine_done_cb cb,
+                         void *arg) {
+  uint32_t l = req->layer;
+  if (req->drop_cached_kv && layer_holds_kv(e, l)) {
     /* Cached blocks hold every layer; with new scales for one of them none
      * can be reused. Sessions keep their blocks and recompute this layer. */
     attnd_prefix_drop_all(e->px);
@@ -266,25 +264,8 @@ void attnd_scales_admit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd_
   uint64_t version = attnd_scales_apply(&e->sc, req);
   attnd_scales_update_fingerprint(e);
   attnd_scales_submit(e, (int)l);
-  if (!e->sc.path[0]) {
-    attnd_result_t r;
-    memset(&r, 0, sizeof(r));
-    r.version = version;
-    cb(arg, &r);
-    return;
-  }
-  persist_t *p = attnd_xcalloc(1, sizeof(*p));
-  p->e = e;
-  p->cb = cb;
-  p->arg = arg;
-  p->version = version;
-  p->seq = ++e->persist_seq;
-  if ((rc = attnd_scales_serialize(&e->sc, &p->buf, &p->len)) != 0 ||
-      uv_queue_work(e->loop, &p->w, persist_work, persist_done) != 0) {
-    free(p->buf);
-    free(p);
-    attnd_engine_answer(cb, arg, rc ? rc : ATTND_EINTERNAL, "scales set but not persisted");
-    return;
-  }
-  e->pending++;
+  attnd_result_t r;
+  memset(&r, 0, sizeof(r));
+  r.version = version;
+  cb(arg, &r);
 }

@@ -1,5 +1,6 @@
 /* session.c: sessions and their state changes (docs/sessions.md): open
- * (with a prefix-cache lookup), close, fork, truncate, and the idle sweep. */
+ * (with a prefix-cache lookup), close, fork, truncate, the idle sweep, and
+ * the daemon-wide and per-identity session limits. */
 
 #include <stdlib.h>
 #include <string.h>
@@ -86,6 +87,59 @@ static int session_usable(attnd_session_t *s, attnd_engine_done_cb cb, void *arg
   return 0;
 }
 
+/* ---- per-identity session counts (docs/sessions.md section 1) ---- */
+
+/* The sessions an identity may hold: --max-sessions-per-identity, or a
+ * quarter of --max-sessions (0: no limit, as without --max-sessions). */
+static uint32_t identity_quota(const attnd_engine_t *e) {
+  if (e->cfg.max_sessions_per_identity > 0)
+    return (uint32_t)e->cfg.max_sessions_per_identity;
+  if (e->cfg.max_sessions <= 0)
+    return 0;
+  return e->cfg.max_sessions / 4 > 0 ? (uint32_t)(e->cfg.max_sessions / 4) : 1;
+}
+
+static uint32_t identity_sessions(const attnd_engine_t *e, uint64_t identity) {
+  if (identity == 0)
+    return e->ident0_sessions;
+  const uint32_t *n = attnd_idmap_get(&e->idents, identity);
+  return n ? *n : 0;
+}
+
+static void identity_count(attnd_engine_t *e, uint64_t identity, int delta) {
+  if (identity == 0) {
+    e->ident0_sessions += (uint32_t)delta;
+    return;
+  }
+  uint32_t *n = attnd_idmap_get(&e->idents, identity);
+  if (!n) {
+    n = attnd_xcalloc(1, sizeof(*n));
+    if (attnd_idmap_put(&e->idents, identity, n) != 0)
+      abort();
+  }
+  *n += (uint32_t)delta;
+  if (*n == 0) {
+    attnd_idmap_del(&e->idents, identity);
+    free(n);
+  }
+}
+
+/* 0 when identity may open one more session, else ATTND_ENOSPC (answered). */
+static int session_room(attnd_engine_t *e, uint64_t identity, attnd_engine_done_cb cb, void *arg) {
+  if (e->cfg.max_sessions > 0 && e->nsessions >= (uint32_t)e->cfg.max_sessions) {
+    attnd_engine_answer(cb, arg, ATTND_ENOSPC, "max sessions (%d) reached", e->cfg.max_sessions);
+    return ATTND_ENOSPC;
+  }
+  uint32_t quota = identity_quota(e);
+  if (quota && identity_sessions(e, identity) >= quota) {
+    attnd_engine_answer(cb, arg, ATTND_ENOSPC,
+                        "this identity's session quota (%u, --max-sessions-per-identity) reached",
+                        quota);
+    return ATTND_ENOSPC;
+  }
+  return 0;
+}
+
 static attnd_session_t *session_create(attnd_engine_t *e, uint64_t identity) {
   attnd_session_t *s = attnd_session_new(e->layers);
   uint64_t id;
@@ -99,6 +153,7 @@ static attnd_session_t *session_create(attnd_engine_t *e, uint64_t identity) {
     abort();
   attnd_list_insert_head(&e->slist, &s->link);
   e->nsessions++;
+  identity_count(e, identity, 1);
   return s;
 }
 
@@ -108,6 +163,7 @@ void attnd_session_destroy(attnd_engine_t *e, attnd_session_t *s) {
   attnd_idmap_del(&e->sessions, s->id);
   attnd_list_remove(&s->link);
   e->nsessions--;
+  identity_count(e, s->identity, -1);
   attnd_session_free(s);
 }
 
@@ -117,10 +173,8 @@ void attnd_session_destroy(attnd_engine_t *e, attnd_session_t *s) {
 void attnd_session_open(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
                         uint32_t ntokens, const uint8_t *salt, size_t saltlen,
                         attnd_engine_done_cb cb, void *arg) {
-  if (e->cfg.max_sessions > 0 && e->nsessions >= (uint32_t)e->cfg.max_sessions) {
-    attnd_engine_answer(cb, arg, ATTND_ENOSPC, "max sessions (%d) reached", e->cfg.max_sessions);
+  if (session_room(e, identity, cb, arg))
     return;
-  }
   attnd_session_t *s = session_create(e, identity);
   s->saltlen = (uint32_t)saltlen;
   if (saltlen)
@@ -172,10 +226,8 @@ void attnd_session_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
   attnd_session_t *s = session_for_rollback(e, identity, session, cb, arg);
   if (!s)
     return;
-  if (e->cfg.max_sessions > 0 && e->nsessions >= (uint32_t)e->cfg.max_sessions) {
-    attnd_engine_answer(cb, arg, ATTND_ENOSPC, "max sessions (%d) reached", e->cfg.max_sessions);
+  if (session_room(e, identity, cb, arg))
     return;
-  }
   attnd_session_end_plan(e, s);
   s->last_used_ms = attnd_engine_now_ms(e);
   attnd_session_t *f = session_create(e, identity);

@@ -18,6 +18,7 @@
  * A failure in check or reserve answers the call and leaves every session
  * and the pool as they were (blocks evicted from the prefix cache to make
  * room stay evicted: nothing a session sees). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,6 +114,25 @@ static int check_tensors(admit_t *a) {
   return 0;
 }
 
+/* Item i holds a value of tensor t (its magnitude pattern: bits) that is
+ * non-finite or past the tensor's bound. */
+static int bad_value(admit_t *a, uint32_t i, const char *t, uint32_t bits) {
+  const attnd_kshape_t *sh = &a->e->shape;
+  double x = attnd_scan_value(sh->dtype, bits);
+  if (!isfinite(x)) {
+    snprintf(a->msg, sizeof(a->msg), "item %u: %s holds a non-finite value (%s)", i, t,
+             isnan(x) ? "NaN" : "infinity");
+    return ATTND_EINVAL;
+  }
+  attnd_scan_bound_t b[3];
+  attnd_scan_bounds(sh, &b[0], &b[1], &b[2]);
+  const attnd_scan_bound_t *bt = &b[t[0] == 'q' ? 0 : t[0] == 'k' ? 1 : 2];
+  snprintf(a->msg, sizeof(a->msg),
+           "item %u: %s holds %.6g, past the bound |%s| <= %s (docs/numerics.md section 6)", i, t,
+           x, t, bt->name);
+  return ATTND_EINVAL;
+}
+
 /* Per item: the session is usable, the positions follow what the layer
  * holds, layers > 0 repeat layer 0's tokens, and no row is non-finite. */
 static int check_items(admit_t *a) {
@@ -147,12 +167,15 @@ static int check_items(admit_t *a) {
     /* The scan recorded the first bad row of each tensor; no item before
      * this one holds a bad row, so this item fails exactly when it holds
      * that row (the same answer as scanning item by item). */
-    if (attnd_scan_row_in(sc->bad_k, kv_row, it->n) ||
-        attnd_scan_row_in(sc->bad_v, kv_row, it->n) ||
-        (it->has_q && attnd_scan_row_in(sc->bad_q, q_row, it->n))) {
-      snprintf(a->msg, sizeof(a->msg), "item %u: q, k or v holds a non-finite value", i);
-      return ATTND_EINVAL;
-    }
+    int rc = 0;
+    if (attnd_scan_row_in(sc->bad_k, kv_row, it->n))
+      rc = bad_value(a, i, "k", sc->bits_k);
+    else if (attnd_scan_row_in(sc->bad_v, kv_row, it->n))
+      rc = bad_value(a, i, "v", sc->bits_v);
+    else if (it->has_q && attnd_scan_row_in(sc->bad_q, q_row, it->n))
+      rc = bad_value(a, i, "q", sc->bits_q);
+    if (rc)
+      return rc;
     kv_row += it->n;
     if (it->has_q)
       q_row += it->n;
@@ -225,10 +248,15 @@ static void batch_item(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const att
   k->mask_param = it->mask_param;
   k->causal = it->causal;
   k->block_table = (int32_t)*mo;
+  uint32_t b0 = it->start / e->bs; /* the first block it writes */
   for (uint32_t bi = 0; bi < nb; bi++) {
     j->meta[(*mo)++] = s->table[bi];
     j->refs[j->nrefs++] = s->table[bi];
     attnd_blocks_ref(&e->pool, s->table[bi], 0);
+    if (bi >= b0)
+      attnd_sched_write(j, s->table[bi]);
+    else if (it->has_q) /* only items with q read their older blocks */
+      attnd_sched_read(j, s->table[bi]);
   }
   if (it->intervals) {
     k->intervals = (int32_t)*mo;
@@ -252,12 +280,15 @@ static void step_build_batch(admit_t *a) {
   a->j = j;
   j->cb = a->cb;
   j->arg = a->arg;
-  size_t nmeta = 0, nrefs = 0;
+  size_t nmeta = 0, nrefs = 0, nw = 0, nr = 0;
   for (uint32_t i = 0; i < p->nitems; i++) {
-    uint32_t kv_len = p->items[i].start + p->items[i].n;
+    uint32_t kv_len = p->items[i].start + p->items[i].n, b0 = p->items[i].start / e->bs;
     nmeta += attnd_engine_nblocks(e, kv_len) + (p->items[i].intervals ? 4 * (size_t)kv_len : 0);
     nrefs += attnd_engine_nblocks(e, kv_len);
+    nw += attnd_engine_nblocks(e, kv_len) - b0;
+    nr += p->items[i].has_q ? b0 : 0;
   }
+  attnd_sched_reserve(j, (uint32_t)nw, (uint32_t)nr);
   j->kitems = attnd_xcalloc(p->nitems, sizeof(attnd_kitem_t));
   j->sessions = attnd_xcalloc(p->nitems, sizeof(uint64_t));
   j->nsessions = p->nitems;
@@ -349,6 +380,7 @@ static void step_commit(admit_t *a) {
   }
   e->st.steps++;
   e->st.tokens_written += p->T;
+  a->j->decode = !any_prefill;
   if (any_prefill)
     e->st.prefill_steps++;
   else

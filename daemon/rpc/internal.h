@@ -52,7 +52,6 @@ struct attnd_rpc_req_s {
   uint8_t *frame;
   size_t frame_len;
   uint64_t t0_ns;  /* frame decoded */
-  int step_kind;   /* ATTND_STEP_*, or -1 when not known */
   int close_after; /* close the connection once the answer is written */
   /* The call's message as decoded; tensor and mask data point into frame. */
   union {

@@ -77,25 +77,6 @@ static void encode_empty(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1
 
 /* ---- plans and steps ---- */
 
-/* Decode steps (every item n == 1) and prefills have latency histograms of
- * their own; a step names its kind through its plan, so the connection keeps
- * the last max_plans plans' kinds in a ring. */
-static int items_kind(const attnd_item_t *it, uint32_t n) {
-  if (n == 0)
-    return -1;
-  for (uint32_t i = 0; i < n; i++)
-    if (it[i].n != 1)
-      return ATTND_STEP_PREFILL;
-  return ATTND_STEP_DECODE;
-}
-
-static int plan_kind(attnd_rpc_conn_t *c, uint64_t plan) {
-  for (uint32_t i = 0; i < c->plan_cap; i++)
-    if (c->plan_ids[i] == plan)
-      return c->plan_decode[i] ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL;
-  return -1;
-}
-
 static int decode_plan(attnd_rpc_req_t *q, pb_istream_t *s) {
   q->m.plan.items.funcs.decode = attnd_rpc_dec_item_cb;
   q->m.plan.items.arg = q;
@@ -110,11 +91,7 @@ static void call_plan(attnd_rpc_req_t *q) {
 }
 
 static void encode_plan(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1_Response *resp) {
-  attnd_rpc_conn_t *c = q->conn;
   resp->result.plan.plan = res->plan;
-  c->plan_ids[c->plan_next] = res->plan;
-  c->plan_decode[c->plan_next] = items_kind(q->items, q->nitems) == ATTND_STEP_DECODE;
-  c->plan_next = (c->plan_next + 1) % c->plan_cap;
 }
 
 static int decode_step(attnd_rpc_req_t *q, pb_istream_t *s) {
@@ -148,7 +125,6 @@ static int decode_step(attnd_rpc_req_t *q, pb_istream_t *s) {
 
 static void call_step(attnd_rpc_req_t *q) {
   attnd_rpc_conn_t *c = q->conn;
-  q->step_kind = q->step.plan ? plan_kind(c, q->step.plan) : items_kind(q->items, q->nitems);
   attnd_rpc_req_hold(q);
   attnd_engine_step(c->rpc->engine, c->identity, c->id, &q->step, attnd_rpc_done, q);
 }

@@ -57,9 +57,6 @@ void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity,
   c->identity = identity;
   c->need_hello = need_hello;
   c->is_unix = identity < (1ull << 32); /* rpc.h: only a Unix peer's uid is that small */
-  c->plan_cap = (uint32_t)(r->cfg->max_plans > 0 ? r->cfg->max_plans : 64);
-  c->plan_ids = attnd_xcalloc(c->plan_cap, sizeof(uint64_t));
-  c->plan_decode = attnd_xcalloc(c->plan_cap, 1);
 }
 
 /* The in-flight map goes with the last request of a closed connection. */
@@ -73,11 +70,6 @@ int attnd_rpc_conn_closed(attnd_rpc_conn_t *c) {
     return c->pending == 0;
   c->closed = 1;
   attnd_engine_conn_closed(c->rpc->engine, c->id);
-  free(c->plan_ids);
-  free(c->plan_decode);
-  c->plan_ids = NULL;
-  c->plan_decode = NULL;
-  c->plan_cap = 0;
   conn_let_go(c);
   return c->pending == 0;
 }
@@ -97,7 +89,6 @@ static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, ui
   q->frame = frame;
   q->frame_len = len;
   q->t0_ns = attnd_rpc_now_ns();
-  q->step_kind = -1;
   return q;
 }
 
@@ -192,10 +183,12 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
                       "conn=%llu id=%llu msg=\"%s\"", (unsigned long long)c->id,
                       (unsigned long long)q->id, msg);
   }
-  if (code == ATTND_STATUS_OK && q->step_kind >= 0) {
-    attnd_hist_add(&r->counters.step_latency[q->step_kind],
+  /* The engine tells a step's kind, whichever connection made its plan. */
+  if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP) {
+    const int kind = res->decode ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL;
+    attnd_hist_add(&r->counters.step_latency[kind],
                    (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);
-    attnd_hist_add(&r->counters.step_queue[q->step_kind], (double)res->queued_us);
+    attnd_hist_add(&r->counters.step_queue[kind], (double)res->queued_us);
   }
   if (q->close_after)
     c->ending = 1; /* this answer closes the connection: nothing later is a request */

@@ -130,11 +130,6 @@ struct attnd_rpc_conn_s {
    * however deep the pipeline (allocated at the first one, freed once the
    * connection is closed and let go). */
   attnd_idmap_t inflight;
-  /* Plans made on this connection and whether they are decode steps, for the
-   * step latency histograms (a ring of the last max_plans). */
-  uint64_t *plan_ids;
-  uint8_t *plan_decode;
-  uint32_t plan_cap, plan_next;
   /* Sends a whole response frame (header included; ownership of buf passes).
    * close_after: close the connection once it is written. */
   void (*send)(attnd_rpc_conn_t *c, uint8_t *buf, size_t len, int close_after);

@@ -514,37 +514,68 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
     }
 }
 
-int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, int nparts) {
-  if (kc_batch_check(s, b) != 0 || nparts <= 0 || part < 0 || part >= nparts)
+/* Query rows per unit: past 32 query vectors (16 for d 256) q and the
+ * accumulators leave L1 and prefill gets slower again (measured on 2 cores:
+ * 16 -> 32 took 512 rows over 4k keys from ~590 to ~420 ms, 64 was back at
+ * ~540). At most 16 q heads share a unit, so even a decode step of an MQA
+ * model (one kv head) has units for more than one thread. */
+static void unit_geometry(const attnd_kshape_t *s, int *gsub, int *rt) {
+  const int G = s->q_heads / s->kv_heads;
+  const int qmax = KC_Q_FLOATS / s->head_dim < KC_QT ? KC_Q_FLOATS / s->head_dim : KC_QT;
+  *gsub = G < 16 ? G : 16;
+  *rt = qmax / *gsub;
+}
+
+int attnd_cpu_attend_geometry(const attnd_kshape_t *s, int *tile_rows, int *tile_units) {
+  if (attnd_kshape_check(s) != 0)
+    return -1;
+  int gsub, rt;
+  unit_geometry(s, &gsub, &rt);
+  const int G = s->q_heads / s->kv_heads;
+  *tile_rows = rt;
+  *tile_units = s->kv_heads * ((G + gsub - 1) / gsub);
+  return 0;
+}
+
+int attnd_cpu_attend_units(const attnd_kshape_t *s, const attnd_kbatch_t *b, int64_t u0, int64_t u1,
+                           int part, int nparts) {
+  if (kc_batch_check(s, b) != 0 || nparts <= 0 || part < 0 || part >= nparts || u0 < 0)
     return -1;
   kc_ctx_t cx = {.s = s, .b = b, .L = kc_layout(s), .G = s->q_heads / s->kv_heads};
-  const int H = s->kv_heads;
-  /* Larger units decode each K/V chunk for more queries (prefill rows), but
-   * past 32 query vectors (16 for d 256) q and the accumulators leave L1 and
-   * prefill gets slower again (measured on 2 cores: 16 -> 32 took 512 rows
-   * over 4k keys from ~590 to ~420 ms, 64 was back at ~540). At most 16 q
-   * heads share a unit, so even a decode step of an MQA model (one kv head)
-   * has units for more than one thread. */
-  const int qmax = KC_Q_FLOATS / s->head_dim < KC_QT ? KC_Q_FLOATS / s->head_dim : KC_QT;
-  const int gsub = cx.G < 16 ? cx.G : 16;
+  int gsub, rt;
+  unit_geometry(s, &gsub, &rt);
   const int ngroups = (cx.G + gsub - 1) / gsub;
-  const int rt = qmax / gsub;
-  int64_t u = 0;
-  for (int i = 0; i < b->nitems; i++) {
+  const int64_t tu = (int64_t)s->kv_heads * ngroups; /* units per row tile */
+  /* Units are numbered item by item (items with q), row tile by row tile
+   * (tiles start at each item's first row), then kv head, then q-head group:
+   * each computes its own output rows and heads, the same way whichever
+   * range or part it falls in. */
+  int64_t base = 0;
+  for (int i = 0; i < b->nitems && base < u1; i++) {
     const attnd_kitem_t *it = &b->items[i];
     if (it->q_row < 0)
       continue;
-    for (int r0 = 0; r0 < it->n; r0 += rt) {
-      int rn = it->n - r0 < rt ? it->n - r0 : rt;
-      for (int h = 0; h < H; h++)
-        for (int g = 0; g < ngroups; g++, u++) {
-          if (u % nparts != part)
-            continue;
-          int g0 = g * gsub;
-          int gn = cx.G - g0 < gsub ? cx.G - g0 : gsub;
-          attend_unit(&cx, it, h, g0, gn, r0, rn);
-        }
+    const int64_t ntiles = (it->n + rt - 1) / rt, end = base + ntiles * tu;
+    if (end <= u0) {
+      base = end;
+      continue;
     }
+    int64_t u = base > u0 ? base : u0;
+    for (; u < end && u < u1; u++) {
+      if ((u - u0) % nparts != part)
+        continue;
+      int64_t k = u - base;
+      int r0 = (int)(k / tu) * rt, h = (int)(k % tu) / ngroups, g = (int)(k % ngroups);
+      int rn = it->n - r0 < rt ? it->n - r0 : rt;
+      int g0 = g * gsub;
+      int gn = cx.G - g0 < gsub ? cx.G - g0 : gsub;
+      attend_unit(&cx, it, h, g0, gn, r0, rn);
+    }
+    base = end;
   }
   return 0;
+}
+
+int attnd_cpu_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, int nparts) {
+  return attnd_cpu_attend_units(s, b, 0, INT64_MAX, part, nparts);
 }

@@ -2,7 +2,7 @@
  *
  * Written with integer shifts so that the conversion loops vectorize and give
  * the same bits on every x86-64 CPU. Rounding is round-to-nearest-even as
- * DESIGN.md 4 requires; e4m3 saturates to +-448 (satfinite).
+ * docs/numerics.md §2 requires; e4m3 saturates to +-448 (satfinite).
  */
 #ifndef ATTND_CPU_NUMERIC_H
 #define ATTND_CPU_NUMERIC_H
@@ -93,20 +93,6 @@ static inline float kc_e4m3_to_f32(uint8_t b) {
   uint32_t is_sub = 0u - (uint32_t)((b & 0x78u) == 0);
   uint32_t bits = (kc_f2u(sub) & is_sub) | (normal & ~is_sub);
   return kc_u2f(bits | ((uint32_t)(b & 0x80u) << 24));
-}
-
-/* double -> float with round-to-odd: a second rounding of the result to a
- * format with at least 2 fewer significand bits (bf16, fp16) then equals one
- * direct rounding of x, so RoPE results are rounded once, like the oracle's. */
-static inline float kc_f64_to_f32_odd(double x) {
-  float f = (float)x;
-  if ((double)f != x && isfinite(x)) {
-    uint32_t u = kc_f2u(f);
-    if (fabs((double)f) > fabs(x))
-      u -= 1; /* step back toward zero: truncation */
-    f = kc_u2f(u | 1u);
-  }
-  return f;
 }
 
 #endif /* ATTND_CPU_NUMERIC_H */

@@ -1,10 +1,13 @@
-/* write.c: phase 1 of the CPU backend (attnd_cpu_write) and attnd_cpu_all_finite.
+/* write.c: phase 1 of the CPU backend (attnd_cpu_write), attnd_cpu_all_finite
+ * and attnd_cpu_max_abs_bits.
  *
  * For every new token: RoPE on k (and on q, in place), rounding to the
  * activation dtype, quantization to the cache type and the store at its slot
- * through the item's block table. Numerics follow DESIGN.md 4-5 to the bit:
- * the rotation is done in fp64 and rounded once to the dtype, quantizer
- * divisions are fp32, rounding is RNE, so the cache bytes equal the oracle's.
+ * through the item's block table. Numerics follow docs/numerics.md §2 and §4
+ * to the bit: the rotation is evaluated in fp32, every operation correctly
+ * rounded (no fused multiply-add), then rounded to the dtype, exactly as the
+ * CUDA kernel does; quantizer divisions are fp32, rounding is RNE, so the
+ * cache bytes equal the oracle's.
  */
 #include <math.h>
 #include <stddef.h>
@@ -18,11 +21,22 @@
 #define KC_MAX_HALF 128 /* rotary_dim / 2 <= head_dim / 2 <= 128 */
 
 /* Rounds to the activation dtype and returns the value as fp32 (exact). */
-static inline float round_dt_f64(attnd_dtype_t dt, double x) {
-  float f = kc_f64_to_f32_odd(x);
+static inline float round_dt(attnd_dtype_t dt, float f) {
   if (dt == ATTND_DT_BF16)
     return kc_bf16_to_f32(kc_f32_to_bf16(f));
   return kc_fp16_to_f32(kc_f32_to_fp16(f));
+}
+
+/* One correctly rounded fp32 product and sum. The double product of two
+ * floats is exact, and a double sum of two floats rounded to fp32 equals
+ * the fp32 sum (53 >= 2 * 24 + 2 bits: double rounding is innocuous for one
+ * operation), so these are the IEEE fp32 operations whatever the compiler's
+ * contraction setting: a conversion between them cannot fuse into an FMA. */
+static inline float mul_rn(float a, float b) {
+  return (float)((double)a * (double)b);
+}
+static inline float add_rn(float a, float b) {
+  return (float)((double)a + (double)b);
 }
 
 static inline float load_dt(attnd_dtype_t dt, const uint16_t *p, int i) {
@@ -36,27 +50,29 @@ static inline uint16_t store_dt(attnd_dtype_t dt, float x) {
 /* cos/sin of one position for every rotary frequency. */
 typedef struct {
   int half, rd;
-  double c[KC_MAX_HALF], s[KC_MAX_HALF];
+  float c[KC_MAX_HALF], s[KC_MAX_HALF];
 } rope_row_t;
 
 static void rope_row_init(rope_row_t *r, const float *inv_freq, int half, int rd, int pos) {
   r->half = half;
   r->rd = rd;
   for (int i = 0; i < half; i++) {
-    float angle = (float)pos * inv_freq[i]; /* fp32, as DESIGN.md 5 says */
-    r->c[i] = (double)cosf(angle);
-    r->s[i] = (double)sinf(angle);
+    float angle = mul_rn((float)pos, inv_freq[i]); /* one fp32 multiply (numerics.md §4) */
+    r->c[i] = cosf(angle);
+    r->s[i] = sinf(angle);
   }
 }
 
-/* x: one head vector as fp32 dtype values; rotated in place and rounded. */
+/* x: one head vector as fp32 dtype values; rotated in place and rounded:
+ * x'_a = fp32(fp32(x_a c) - fp32(x_b s)), x'_b = fp32(fp32(x_b c) +
+ * fp32(x_a s)), each then rounded to the dtype. */
 static void rope_apply(attnd_rope_t mode, attnd_dtype_t dt, const rope_row_t *r, float *x) {
   for (int i = 0; i < r->half; i++) {
     int a = mode == ATTND_ROPE_NEOX ? i : 2 * i;
     int b = mode == ATTND_ROPE_NEOX ? i + r->half : 2 * i + 1;
-    double xa = (double)x[a], xb = (double)x[b];
-    x[a] = round_dt_f64(dt, xa * r->c[i] - xb * r->s[i]);
-    x[b] = round_dt_f64(dt, xb * r->c[i] + xa * r->s[i]);
+    float xa = x[a], xb = x[b];
+    x[a] = round_dt(dt, add_rn(mul_rn(xa, r->c[i]), -mul_rn(xb, r->s[i])));
+    x[b] = round_dt(dt, add_rn(mul_rn(xb, r->c[i]), mul_rn(xa, r->s[i])));
   }
 }
 
@@ -225,4 +241,31 @@ int attnd_cpu_all_finite(attnd_dtype_t dt, const void *p, size_t count) {
     return 1; /* integers are always finite */
   }
   return bad == 0;
+}
+
+uint32_t attnd_cpu_max_abs_bits(attnd_dtype_t dt, const void *p, size_t count) {
+  /* A max over the magnitude bits, no early exit, so the loop vectorizes;
+   * memcpy reads because request bytes need not be element-aligned. */
+  const uint8_t *c = p;
+  if (dt == ATTND_DT_BF16 || dt == ATTND_DT_FP16) {
+    uint16_t m = 0;
+    for (size_t i = 0; i < count; i++) {
+      uint16_t h;
+      memcpy(&h, c + 2 * i, 2);
+      h &= 0x7fffu;
+      m = h > m ? h : m;
+    }
+    return m;
+  }
+  if (dt == ATTND_DT_FP32) {
+    uint32_t m = 0;
+    for (size_t i = 0; i < count; i++) {
+      uint32_t w;
+      memcpy(&w, c + 4 * i, 4);
+      w &= 0x7fffffffu;
+      m = w > m ? w : m;
+    }
+    return m;
+  }
+  return 0;
 }

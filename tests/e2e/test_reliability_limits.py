@@ -84,7 +84,8 @@ class LimitsTest(unittest.TestCase):
             self.finish(d)
 
     def test_max_sessions(self):
-        d = self.start(["--max-sessions", "3"])
+        # The daemon-wide limit (one identity here: its quota as large).
+        d = self.start(["--max-sessions", "3", "--max-sessions-per-identity", "3"])
         try:
             with RawConn(d.socket) as c:
                 ids = [must(c.call(open_req()), "open").open_session.session for _ in range(3)]

@@ -158,7 +158,9 @@ class LoadTest(unittest.TestCase):
         # the next cycle evicts them and every pool page is touched during the
         # two warm-up cycles; later growth would be a leak, not the pool.
         d = Daemon(["--kv-memory", "96M", "--max-context", "1024", "--max-connections", str(CONNS + 50),
-                    "--max-sessions", str(CONNS * PER_CONN + 100), "--log-level", "warn"], shape=SHAPE)
+                    "--max-sessions", str(CONNS * PER_CONN + 100),
+                    "--max-sessions-per-identity", str(CONNS * PER_CONN + 100),
+                    "--log-level", "warn"], shape=SHAPE)
         try:
             d.wait_ready()
             pid = d.proc.pid

@@ -173,6 +173,10 @@ void oracle_to_dtype(attnd_dtype_t dt, void *p, size_t i, double x) {
 
 /* ---- RoPE ----------------------------------------------------------------- */
 
+static double f32(double x) {
+  return oracle_round(ATTND_DT_FP32, x);
+}
+
 void oracle_rope(const attnd_kshape_t *s, int pos, const double *in, double *out) {
   int D = s->head_dim;
   int rd = s->rotary_dim ? s->rotary_dim : D;
@@ -183,7 +187,7 @@ void oracle_rope(const attnd_kshape_t *s, int pos, const double *in, double *out
   int half = rd / 2;
   for (int i = 0; i < half; i++) {
     float inv_freq = (float)pow(s->rope_theta, -2.0 * (double)i / (double)rd);
-    float angle = (float)pos * inv_freq; /* fp32 multiply, as the contract says */
+    float angle = (float)f32((double)pos * (double)inv_freq); /* one fp32 multiply */
     double c = (double)cosf(angle), sn = (double)sinf(angle);
     int a, b;
     if (s->rope == ATTND_ROPE_NEOX) {
@@ -193,9 +197,13 @@ void oracle_rope(const attnd_kshape_t *s, int pos, const double *in, double *out
       a = 2 * i;
       b = 2 * i + 1;
     }
+    /* The rotation in fp32, every operation rounded on its own (no fused
+     * multiply-add): a product of two fp32 values is exact in double, and
+     * rounding a double sum of two fp32 values to fp32 is the fp32 sum. */
     double x = in[a], y = in[b];
-    out[a] = oracle_round(s->dtype, x * c - y * sn);
-    out[b] = oracle_round(s->dtype, y * c + x * sn);
+    double xc = f32(x * c), ys = f32(y * sn), yc = f32(y * c), xs = f32(x * sn);
+    out[a] = oracle_round(s->dtype, f32(xc - ys));
+    out[b] = oracle_round(s->dtype, f32(yc + xs));
   }
 }
 

@@ -4,8 +4,8 @@
  * kernels/cuda (it includes attnd_kernels.h for the shape and enum types only),
  * so a bug in a backend's paging, quantization or softmax cannot hide by being
  * repeated here. Everything is plain loops in double, except the few steps the
- * numerics contract defines in fp32 (quantizer divisions, RoPE angles), which
- * are done in fp32 exactly as the contract says.
+ * numerics contract defines in fp32 (quantizer divisions, RoPE angles and
+ * rotation), which are done in fp32 exactly as the contract says.
  */
 #ifndef ATTND_ORACLE_H
 #define ATTND_ORACLE_H

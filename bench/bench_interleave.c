@@ -1,0 +1,238 @@
+/* bench_interleave.c: how long one session's decode step takes on a layer
+ * while another session's long prefill runs on the same layer (CPU backend,
+ * through the engine; bench/README.md).
+ *
+ *   bench_interleave [PREFILL [CTX [THREADS [CHUNK_KEYS [QH KVH]]]]]
+ *
+ * defaults 16384 1024 2 16384 8 2 (head_dim 128, block 64, bf16, one layer).
+ * Session B is prefilled to CTX tokens; its idle decode latency is the median
+ * of 20 decode steps with nothing else running. Then session A's PREFILL-token
+ * prefill is submitted as one Step, and B decodes step after step (each sent
+ * once the previous one is answered) until A's step is answered: printed are
+ * the prefill's time, the decode steps' median and maximum during it, and the
+ * target of docs/sessions.md section 5 (twice the idle latency plus one
+ * chunk, the largest chunk's time estimated from the prefill's time and the
+ * chunks' weights). One JSON line follows for bench/RESULTS.md. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "engine.h"
+
+/* Idle decode steps measured; decode steps at most during the prefill. */
+enum { IDLE = 20, MAXDEC = 20000 };
+
+typedef struct {
+  int done, status;
+  uint64_t plan, session;
+  uint64_t t_done;
+  char msg[256];
+} res_t;
+
+static void on_done(void *arg, attnd_result_t *r) {
+  res_t *x = arg;
+  free(r->out);
+  free(r->lse);
+  x->status = r->status;
+  x->plan = r->plan;
+  x->session = r->session;
+  x->t_done = uv_hrtime();
+  snprintf(x->msg, sizeof(x->msg), "%s", r->message);
+  x->done = 1;
+}
+
+static void wait_res(uv_loop_t *loop, res_t *x) {
+  while (!x->done)
+    uv_run(loop, UV_RUN_ONCE);
+  if (x->status) {
+    fprintf(stderr, "call failed: %d %s\n", x->status, x->msg);
+    exit(1);
+  }
+}
+
+static void closed_cb(void *arg) {
+  *(int *)arg = 1;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+static attnd_tensor_t t3(uint16_t *p, uint32_t rows, uint32_t heads, uint32_t d) {
+  attnd_tensor_t t = {.present = 1, .dtype = ATTND_DT_BF16, .ndim = 3, .data = (uint8_t *)p};
+  t.shape[0] = rows;
+  t.shape[1] = heads;
+  t.shape[2] = d;
+  t.nbytes = (size_t)rows * heads * d * 2;
+  return t;
+}
+
+/* Random bf16 values in [-2, 2). */
+static uint16_t *random_bf16(size_t n, uint64_t seed) {
+  uint16_t *p = malloc(n * 2);
+  for (size_t i = 0; i < n; i++) {
+    seed ^= seed << 13, seed ^= seed >> 7, seed ^= seed << 17;
+    float x = (float)((double)(seed >> 11) / 9007199254740992.0 * 4.0 - 2.0);
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    p[i] = (uint16_t)(bits >> 16);
+  }
+  return p;
+}
+
+typedef struct {
+  attnd_engine_t *e;
+  uv_loop_t *loop;
+  int qh, kvh, hd;
+} ctx_t;
+
+/* One inline step of n new tokens of a session at start, q for every row. */
+static void step_send(ctx_t *c, uint64_t session, uint32_t start, uint32_t n, uint16_t *q,
+                      uint16_t *kv, uint32_t *tokens, attnd_item_t *it, res_t *x) {
+  *it = (attnd_item_t){
+      .session = session, .start = start, .n = n, .tokens = tokens + start, .ntokens = n};
+  attnd_step_req_t r = {.layer = 0, .items = it, .nitems = 1};
+  r.q = t3(q, n, (uint32_t)c->qh, (uint32_t)c->hd);
+  r.k = t3(kv, n, (uint32_t)c->kvh, (uint32_t)c->hd);
+  r.v = t3(kv, n, (uint32_t)c->kvh, (uint32_t)c->hd);
+  memset(x, 0, sizeof(*x));
+  attnd_engine_step(c->e, 1, 1, &r, on_done, x);
+}
+
+int main(int argc, char **argv) {
+  int prefill = argc > 1 ? atoi(argv[1]) : 16384;
+  int ctxlen = argc > 2 ? atoi(argv[2]) : 1024;
+  int threads = argc > 3 ? atoi(argv[3]) : 2;
+  uint64_t chunk_keys = argc > 4 ? strtoull(argv[4], NULL, 0) : 16384;
+  int qh = argc > 5 ? atoi(argv[5]) : 8, kvh = argc > 6 ? atoi(argv[6]) : 2, hd = 128;
+  uv_loop_t loop;
+  uv_loop_init(&loop);
+  attnd_config_t cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  attnd_kshape_t s = {.q_heads = qh,
+                      .kv_heads = kvh,
+                      .head_dim = hd,
+                      .block_size = 64,
+                      .dtype = ATTND_DT_BF16,
+                      .kv = ATTND_KV_BF16,
+                      .rope = ATTND_ROPE_NEOX,
+                      .rope_theta = 500000.0,
+                      .rotary_dim = hd,
+                      .softmax_scale = 0.08838834764831845f};
+  cfg.shape = s;
+  cfg.layers = 1;
+  cfg.backend = ATTND_BACKEND_CPU;
+  cfg.max_context = prefill + ctxlen + MAXDEC + 64;
+  uint64_t blocks = (uint64_t)(prefill + ctxlen + MAXDEC + 200) / 64 + 8;
+  cfg.kv_memory = blocks * attnd_kv_block_bytes(&s);
+  cfg.prefix_cache = 0;
+  cfg.threads = threads;
+  cfg.engine_offload_bytes = ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES;
+  cfg.engine_chunk_keys = chunk_keys;
+  attnd_engine_t *e;
+  char err[256];
+  if (attnd_engine_init(&e, &loop, &cfg, err, sizeof(err)) != 0) {
+    fprintf(stderr, "init: %s\n", err);
+    return 1;
+  }
+  ctx_t c = {.e = e, .loop = &loop, .qh = qh, .kvh = kvh, .hd = hd};
+  uint32_t *tokens = calloc((size_t)prefill + (size_t)ctxlen + MAXDEC + 64, sizeof(uint32_t));
+  size_t big = (size_t)(prefill > ctxlen ? prefill : ctxlen);
+  uint16_t *q = random_bf16(big * (size_t)qh * hd, 1), *kv = random_bf16(big * (size_t)kvh * hd, 2);
+  res_t x;
+  attnd_item_t it;
+  memset(&x, 0, sizeof(x));
+  attnd_engine_open_session(e, 1, NULL, 0, NULL, 0, on_done, &x);
+  wait_res(&loop, &x);
+  uint64_t a = x.session;
+  memset(&x, 0, sizeof(x));
+  attnd_engine_open_session(e, 1, NULL, 0, NULL, 0, on_done, &x);
+  wait_res(&loop, &x);
+  uint64_t b = x.session;
+  step_send(&c, b, 0, (uint32_t)ctxlen, q, kv, tokens, &it, &x);
+  wait_res(&loop, &x);
+  uint32_t pos = (uint32_t)ctxlen;
+  uint64_t idle[IDLE];
+  for (int i = 0; i < IDLE; i++) {
+    uint64_t t0 = uv_hrtime();
+    step_send(&c, b, pos++, 1, q, kv, tokens, &it, &x);
+    wait_res(&loop, &x);
+    idle[i] = uv_hrtime() - t0;
+  }
+  qsort(idle, IDLE, sizeof(uint64_t), cmp_u64);
+  /* The long prefill, then decode steps of b until it is answered. */
+  res_t px;
+  attnd_item_t pit;
+  uint64_t p0 = uv_hrtime();
+  step_send(&c, a, 0, (uint32_t)prefill, q, kv, tokens, &pit, &px);
+  static uint64_t dec[MAXDEC];
+  int nd = 0;
+  while (!px.done && nd < MAXDEC) {
+    uint64_t t0 = uv_hrtime();
+    step_send(&c, b, pos++, 1, q, kv, tokens, &it, &x);
+    while (!x.done)
+      uv_run(&loop, UV_RUN_ONCE);
+    if (x.status) {
+      fprintf(stderr, "decode failed: %s\n", x.msg);
+      return 1;
+    }
+    if (!px.done || px.t_done > t0) /* started while the prefill ran */
+      dec[nd++] = uv_hrtime() - t0;
+  }
+  wait_res(&loop, &px);
+  double pre_ms = (double)(px.t_done - p0) / 1e6;
+  qsort(dec, (size_t)nd, sizeof(uint64_t), cmp_u64);
+  /* Chunks as the CPU backend cuts them (daemon/backend/cpu.c: units of a
+   * row tile and kv head, each weighing its rows times the keys it sees,
+   * over its share of the heads), and one chunk's time: the prefill ran its
+   * chunks one per core on `threads` cores, so a chunk of weight w took
+   * about prefill_ms * threads * w / total. */
+  int rt, tu;
+  attnd_cpu_attend_geometry(&s, &rt, &tu);
+  double total = 0, acc = 0, biggest = 0, chunks = 0;
+  for (int r0 = 0; r0 < prefill; r0 += rt) {
+    int rn = prefill - r0 < rt ? prefill - r0 : rt;
+    double w = (double)((uint64_t)rn * (uint64_t)(r0 + rn) / (uint64_t)tu + 1);
+    for (int k = 0; k < tu; k++) {
+      if (chunk_keys && acc > 0 && acc + w > (double)chunk_keys) {
+        biggest = acc > biggest ? acc : biggest;
+        chunks++;
+        acc = 0;
+      }
+      acc += w;
+      total += w;
+    }
+  }
+  biggest = acc > biggest ? acc : biggest;
+  chunks++;
+  double chunk_ms = pre_ms * threads * biggest / total;
+  double idle_ms = (double)idle[IDLE / 2] / 1e6;
+  double med_ms = nd ? (double)dec[nd / 2] / 1e6 : 0, max_ms = nd ? (double)dec[nd - 1] / 1e6 : 0;
+  double p90_ms = nd ? (double)dec[nd * 9 / 10] / 1e6 : 0;
+  printf("shape %d q / %d kv heads, d %d, %d threads, chunk-keys %llu\n", qh, kvh, hd, threads,
+         (unsigned long long)chunk_keys);
+  printf("idle decode at ctx %d: median %.3f ms\n", ctxlen, idle_ms);
+  printf("prefill of %d tokens: %.1f ms (%.0f chunks, the largest about %.2f ms)\n", prefill,
+         pre_ms, chunks, chunk_ms);
+  printf("decode during the prefill: %d steps, median %.3f ms, p90 %.3f ms, max %.3f ms (target 2 "
+         "x idle + one chunk = %.3f ms)\n",
+         nd, med_ms, p90_ms, max_ms, 2 * idle_ms + chunk_ms);
+  printf("{\"prefill\": %d, \"ctx\": %d, \"threads\": %d, \"chunk_keys\": %llu, \"q_heads\": %d, "
+         "\"kv_heads\": %d, \"idle_ms\": %.4f, \"prefill_ms\": %.2f, \"chunk_ms\": %.3f, "
+         "\"decodes\": %d, \"during_median_ms\": %.4f, \"during_p90_ms\": %.4f, \"during_max_ms\": "
+         "%.4f}\n",
+         prefill, ctxlen, threads, (unsigned long long)chunk_keys, qh, kvh, idle_ms, pre_ms,
+         chunk_ms, nd, med_ms, p90_ms, max_ms);
+  int closed = 0;
+  attnd_engine_close(e, closed_cb, &closed);
+  while (!closed)
+    uv_run(&loop, UV_RUN_ONCE);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  uv_loop_close(&loop);
+  free(q);
+  free(kv);
+  free(tokens);
+  return 0;
+}
