@@ -1,8 +1,8 @@
-// decode.cu: the split-KV side of attention. Batches with few query rows per
-// item (decode) give too few CTAs to fill the GPU with one CTA per (item, kv
-// head); their key range is then split across CTAs, each writing a partial
-// output normalized by its own sum plus that part's lse, and merge_kernel
-// combines the parts by lse (FlashDecoding; FlashInfer's cascade merge).
+// decode.cu: split-KV planning. Decode batches (every item <= 16 query
+// vectors) go to the decode kernel, cut by a flat split (every CTA the same
+// number of key chunks, whatever the contexts' lengths) or a per-item split;
+// prefill batches to the tiled kernel, split per item when they have too few
+// CTAs to fill the GPU. decode.cuh describes both cuts.
 #include <math.h>
 #include <stdlib.h>
 
@@ -11,83 +11,73 @@
 namespace attnd {
 namespace {
 
-constexpr int kMaxSplits = 32;
-
-// One warp per (query row, q head): out = sum_s w_s o_s, w_s = exp(lse_s - lse).
-__global__ void merge_kernel(const float *__restrict__ ws_o, const float *__restrict__ ws_lse, int nsplit,
-                             int rows, int q_heads, int d, int dt, int out_fp32, void *out, float *lse) {
-  const int gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (gw >= rows * q_heads)
-    return;
-  const size_t stride_o = (size_t)rows * q_heads * d, stride_l = (size_t)rows * q_heads;
-  float m = -INFINITY;
-  for (int s = 0; s < nsplit; s++)
-    m = fmaxf(m, ws_lse[s * stride_l + gw]);
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum = 0.f;
-  if (m != -INFINITY) {
-    for (int s = 0; s < nsplit; s++) {
-      const float l = ws_lse[s * stride_l + gw];
-      if (l == -INFINITY)
-        continue;
-      const float w = expf(l - m);
-      sum += w;
-      const float *o = ws_o + s * stride_o + (size_t)gw * d;
-      for (int e = 0; e < d / 32; e++)
-        acc[e] += w * o[lane + 32 * e];
-    }
+// Runtime shape values to template arguments of the decode kernel.
+template <int D, int DT> struct DecDispatch {
+  template <int KV> static int occ(bool tr) {
+    return tr ? decode_occupancy<D, DT, KV, true>() : decode_occupancy<D, DT, KV, false>();
   }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  for (int e = 0; e < d / 32; e++)
-    store_dt(out_fp32 ? ATTND_DT_FP32 : dt, out, (size_t)gw * d + lane + 32 * e, acc[e] * inv);
-  if (lse && lane == 0)
-    lse[gw] = sum > 0.f ? m + logf(sum) : -INFINITY;
+  template <int KV> static int items(bool tr) {
+    return tr ? decode_flat_items<D, DT, KV, true>() : decode_flat_items<D, DT, KV, false>();
+  }
+  template <int KV> static cudaError_t run(bool tr, const DecodeParams &p, dim3 g, bool pdl, cudaStream_t st) {
+    return tr ? launch_decode_one<D, DT, KV, true>(p, g, 0, pdl, st) : launch_decode_one<D, DT, KV, false>(p, g, 0, pdl, st);
+  }
+};
+
+// Calls F::template call<D, DT, KV>(args...) for the runtime values.
+template <class F, class... Args> auto with_types(int d, int dt, int kv, Args &&...a) {
+#define ATTND_KV_CASES(D, DT)                                                                                  \
+  switch (kv) {                                                                                                \
+  case ATTND_KV_BF16: return F::template call<D, DT, ATTND_KV_BF16>(a...);                                     \
+  case ATTND_KV_FP16: return F::template call<D, DT, ATTND_KV_FP16>(a...);                                     \
+  case ATTND_KV_INT8: return F::template call<D, DT, ATTND_KV_INT8>(a...);                                     \
+  case ATTND_KV_FP8: return F::template call<D, DT, ATTND_KV_FP8>(a...);                                       \
+  case ATTND_KV_INT8_DYNAMIC: return F::template call<D, DT, ATTND_KV_INT8_DYNAMIC>(a...);                     \
+  case ATTND_KV_FP8_DYNAMIC: return F::template call<D, DT, ATTND_KV_FP8_DYNAMIC>(a...);                       \
+  default: return F::template call<D, DT, ATTND_KV_INT4>(a...);                                                \
+  }
+#define ATTND_DT_CASES(D)                                                                                      \
+  if (dt == ATTND_DT_BF16) {                                                                                   \
+    ATTND_KV_CASES(D, ATTND_DT_BF16)                                                                           \
+  } else {                                                                                                     \
+    ATTND_KV_CASES(D, ATTND_DT_FP16)                                                                           \
+  }
+  if (d == 64) {
+    ATTND_DT_CASES(64)
+  } else if (d == 128) {
+    ATTND_DT_CASES(128)
+  } else {
+    ATTND_DT_CASES(256)
+  }
+#undef ATTND_DT_CASES
+#undef ATTND_KV_CASES
 }
+
+struct OccF {
+  template <int D, int DT, int KV> static int call(bool tr) { return DecDispatch<D, DT>::template occ<KV>(tr); }
+};
+struct ItemsF {
+  template <int D, int DT, int KV> static int call(bool tr) { return DecDispatch<D, DT>::template items<KV>(tr); }
+};
+struct RunF {
+  template <int D, int DT, int KV>
+  static cudaError_t call(bool tr, const DecodeParams &p, dim3 g, bool pdl, cudaStream_t st) {
+    return DecDispatch<D, DT>::template run<KV>(tr, p, g, pdl, st);
+  }
+};
 
 } // namespace
 
 size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q) {
-  return (size_t)total_q * s->q_heads * (s->head_dim + 1) * sizeof(float);
+  return (size_t)total_q * s->q_heads * (s->head_dim + 2) * sizeof(float);
 }
 
-bool direct_decode(const attnd_kshape_t *s, int max_vec) {
-  static const int off = getenv("ATTND_FLASH_DEBUG") ? (atoi(getenv("ATTND_FLASH_DEBUG")) & 4) : 0;
-  const bool eight = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8 || s->kv == ATTND_KV_INT8_DYNAMIC ||
-                     s->kv == ATTND_KV_FP8_DYNAMIC;
-  return !off && s->head_dim <= 128 &&
-         (eight ? max_vec <= 16 : s->kv == ATTND_KV_INT4 && max_vec <= 8);
-}
-
-template <int D, int DT> static int occ_kv(int kv, int mv) {
-  switch (kv) {
-  case ATTND_KV_INT8: return direct_occupancy<D, DT, ATTND_KV_INT8>(mv);
-  case ATTND_KV_FP8: return direct_occupancy<D, DT, ATTND_KV_FP8>(mv);
-  case ATTND_KV_INT8_DYNAMIC: return direct_occupancy<D, DT, ATTND_KV_INT8_DYNAMIC>(mv);
-  case ATTND_KV_INT4: return direct_occupancy<D, DT, ATTND_KV_INT4>(mv);
-  default: return direct_occupancy<D, DT, ATTND_KV_FP8_DYNAMIC>(mv);
-  }
-}
-
-int direct_ctas_per_sm(const attnd_kshape_t *s, int mv) {
-  if (s->head_dim == 64)
-    return s->dtype == ATTND_DT_BF16 ? occ_kv<64, ATTND_DT_BF16>(s->kv, mv) : occ_kv<64, ATTND_DT_FP16>(s->kv, mv);
-  return s->dtype == ATTND_DT_BF16 ? occ_kv<128, ATTND_DT_BF16>(s->kv, mv) : occ_kv<128, ATTND_DT_FP16>(s->kv, mv);
-}
-
-// Resident CTAs per SM of the attention kernel's decode variant (shared memory
-// bound): 16-bit caches stage 2x32 KB per tile, the quantized ones less.
-static int slots_per_sm(const attnd_kshape_t *s, int max_vec) {
-  if (direct_decode(s, max_vec))
-    return direct_ctas_per_sm(s, max_vec);
-  if (s->head_dim > 128)
-    return 1;
-  return (s->kv == ATTND_KV_BF16 || s->kv == ATTND_KV_FP16) ? 2 : 3;
-}
-
-int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int *split_keys) {
+int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int slots_per_sm, int tile_vec,
+                int *split_keys) {
   const int G = s->q_heads / s->kv_heads;
-  const long tiles = ((long)b->max_n * G + kBM - 1) / kBM;
+  const long tiles = ((long)b->max_n * G + tile_vec - 1) / tile_vec;
   const long base = (long)b->nitems * s->kv_heads * tiles;
-  const long slots = (long)num_sms() * slots_per_sm(s, b->max_n * G);
+  const long slots = (long)num_sms() * slots_per_sm;
   int nsplit = 1;
   if (b->total_q > 0 && base < 4 * slots) {
     // The fewest parts whose CTAs fill their waves to 90% (an idle slot in
@@ -120,18 +110,96 @@ int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
   return nsplit > 1 ? (b->max_kv_len + keys - 1) / keys : 1;
 }
 
-int launch_merge(const attnd_kshape_t *s, const attnd_kbatch_t *b, const FlashParams &p, cudaStream_t st) {
-  const long warps = (long)b->total_q * s->q_heads;
-  const int threads = 256;
-  const long blocks = (warps * 32 + threads - 1) / threads;
-  merge_kernel<<<(unsigned)blocks, threads, 0, st>>>(p.ws_o, p.ws_lse, p.nsplit, b->total_q, s->q_heads,
-                                                     s->head_dim, s->dtype, b->out_fp32, b->out, b->lse);
-  ATTND_CU_LAUNCH("merge_kernel launch");
+size_t flat_workspace_bytes(int nctas, int max_vec, int d, int nitems) {
+  return flat_prefix_offset(nctas, max_vec, d) * sizeof(float) + ((size_t)nitems + 1) * sizeof(int);
+}
+
+int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,
+                DecodePlan *pl) {
+  const int G = s->q_heads / s->kv_heads, max_vec = b->max_n * G;
+  pl->tr = max_vec <= 8;
+  const int occ = with_types<OccF>(s->head_dim, s->dtype, s->kv, pl->tr);
+  const long slots = (long)num_sms() * occ;
+  pl->flat = 0;
+  pl->nctas = 0;
+  pl->nsplit = 1;
+  pl->split_keys = 0;
+  if (o.split != 2 && b->nitems <= kFlatMaxItems &&
+      b->nitems <= with_types<ItemsF>(s->head_dim, s->dtype, s->kv, pl->tr)) {
+    // CTAs: one full wave, fewer when the keys are too few for every CTA to
+    // get min_chunks (the bound counts every item at the longest context).
+    const long chunks_max = (long)b->nitems * s->kv_heads * ((b->max_kv_len + kDecKeys - 1) / kDecKeys + 1);
+    const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 16;
+    long c = chunks_max / min_chunks;
+    if (c > slots)
+      c = slots;
+    if (c < 1)
+      c = 1;
+    while (c > 1 && flat_workspace_bytes((int)c, max_vec, s->head_dim, b->nitems) > ws_bytes)
+      c = c * 3 / 4;
+    if (c > 1 || o.split == 1) {
+      pl->flat = 1;
+      pl->nctas = (int)c;
+      return 0;
+    }
+  }
+  pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys);
+  return 0;
+}
+
+int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, size_t ws_bytes,
+                  const attnd_cuda_opts_t &o, cudaStream_t st) {
+  DecodePlan pl;
+  plan_decode(s, b, ws_bytes, o, &pl);
+  DecodeParams p;
+  p.items = b->items;
+  p.meta = b->meta;
+  p.q = b->q;
+  p.out = b->out;
+  p.lse = b->lse;
+  p.cache = b->cache;
+  p.block_bytes = b->block_bytes;
+  p.k_scale = b->k_scale;
+  p.v_scale = b->v_scale;
+  p.k_zero = b->k_zero;
+  p.v_zero = b->v_zero;
+  p.ws = reinterpret_cast<float *>(ws);
+  p.nitems = b->nitems;
+  p.out_fp32 = b->out_fp32;
+  p.per_channel = b->scale_per_channel;
+  p.q_heads = s->q_heads;
+  p.kv_heads = s->kv_heads;
+  p.group = s->q_heads / s->kv_heads;
+  p.bs = s->block_size;
+  p.total_q = b->total_q;
+  p.max_vec = b->max_n * p.group;
+  p.scale_log2 = s->softmax_scale * 1.4426950408889634f;
+  p.flat = pl.flat;
+  p.nctas = pl.nctas;
+  p.nsplit = pl.nsplit;
+  p.split_keys = pl.split_keys;
+  p.debug = o.debug;
+  const bool pdl = !o.no_pdl;
+  dim3 grid = pl.flat ? dim3((unsigned)pl.nctas) : dim3((unsigned)(b->nitems * s->kv_heads), 1u, (unsigned)pl.nsplit);
+  cudaError_t e = with_types<RunF>(s->head_dim, s->dtype, s->kv, pl.tr, p, grid, pdl, st);
+  if (e != cudaSuccess)
+    return set_error(__FILE__, __LINE__, "decode_kernel launch", e);
+  if (pl.flat && pl.nctas > 1)
+    return launch_merge_flat(s, p, pdl, st);
+  if (!pl.flat && pl.nsplit > 1) {
+    const float *ws_o = p.ws, *ws_lse = p.ws + (size_t)pl.nsplit * b->total_q * s->q_heads * s->head_dim;
+    return launch_merge_split(s, b, ws_o, ws_lse, pl.nsplit, pdl, st);
+  }
   return 0;
 }
 
 } // namespace attnd
 
 extern "C" size_t attnd_cuda_attend_workspace(const attnd_kshape_t *s, int32_t total_q) {
-  return attnd::kMaxSplits * attnd::split_bytes_per_part(s, total_q);
+  const size_t split = attnd::kMaxSplits * attnd::split_bytes_per_part(s, total_q);
+  // Flat split: two slots per CTA, at most 8 CTAs per SM.
+  const int G = s->q_heads / s->kv_heads;
+  const long mv = (long)total_q * G < attnd::kDecMaxVec ? (long)total_q * G : attnd::kDecMaxVec;
+  const size_t flat = attnd::flat_workspace_bytes(attnd::num_sms() * 8, (int)mv, s->head_dim, total_q);
+  return split > flat ? split : flat;
 }

@@ -1,30 +1,26 @@
-// flash.cuh: the tiled attention kernel shared by the decode and prefill
-// paths (decode.cu plans split-KV and merges; prefill.cu dispatches).
+// flash.cuh: the tiled attention kernel's parameters (flash_impl.cuh), for
+// items of more than 16 query vectors (prefill rows). Batches whose items all
+// have at most 16 go to the decode kernel (decode.cuh, decode_kernel.cuh).
 //
-// A CTA takes one (item, kv head, tile of query vectors, KV split). Query
+// A CTA takes one (item, kv head, tile of 128 query vectors, KV split). Query
 // vectors are (row, q head of the GQA group) pairs numbered row-major, so the
-// group's q heads share every K/V tile the CTA loads; a tile is kBM = 64
-// vectors, 16 per warp. Each K/V tile of kBN = 64 keys is read from the paged
-// cache, dequantized in registers and stored to shared memory in the
-// activation dtype (the matrix-unit operand type, DESIGN.md 5); S = Q K^T and
-// O += P V run on tensor cores (mma.sync m16n8k16, fp32 accumulators), with an
-// online softmax in the exp2 domain guarded for rows with no visible key.
-// The running max that P is taken relative to is rounded up to an integer (in
-// the exp2 domain): P = 2^(s - m) is then rounded to the operand dtype the same
-// way whatever m is (rounding commutes with powers of two), and every rescale
-// is exact, so a row's output does not depend on how its keys were tiled or
-// split: a prefix-cache hit (new rows only, decode kernels) and a full
-// recompute (prefill kernel) agree to fp32 summation order, not to bf16's P.
-// Key tiles outside the union of the tile's rows' visible ranges are never
-// loaded; FlashMask interval tiles are skipped when every key's intervals
-// cover all the tile's rows; per-element masks only run on boundary tiles.
+// group's q heads share every K/V tile the CTA loads. S = Q K^T and O += P V
+// run on tensor cores (mma.sync m16n8k16, fp32 accumulators) with an online
+// softmax in the exp2 domain guarded for rows with no visible key; the
+// running max is an integer (primitives.cuh, softmax_ref), so a row's output
+// does not depend on how its keys were tiled or split: a prefix-cache hit (new
+// rows only, decode kernel) and a full recompute (this kernel) agree to fp32
+// summation order. Key tiles outside the union of the tile's rows' visible
+// ranges are never loaded; FlashMask interval tiles are skipped when every
+// key's intervals cover all the tile's rows; per-element masks only run on
+// boundary tiles.
 #pragma once
 
 #include "common.cuh"
 
 namespace attnd {
 
-constexpr int kBM = 64, kBN = 64, kWarpsF = 4; // kBM: decode query tile (prefill uses 128)
+constexpr int kBN = 64; // key granularity of split-KV parts
 
 // Shared between the launchers and the kernel. Pointers are device memory.
 struct FlashParams {
@@ -43,11 +39,11 @@ struct FlashParams {
   float scale_log2;           // softmax_scale * log2(e)
   int nsplit, split_keys;     // split-KV: keys [s*split_keys, (s+1)*split_keys)
   float *ws_o;                // nsplit > 1: [nsplit][Tq][q_heads][D] fp32, normalized
-  float *ws_lse;              // nsplit > 1: [nsplit][Tq][q_heads] natural-log lse
+  float *ws_lse;              // nsplit > 1: [nsplit][Tq][q_heads] natural-log lse, then as many lset
   int total_q;
   int max_vec;                // max over items of n * group (query vectors)
-  int debug;                  // ATTND_FLASH_DEBUG: 1 skip loads, 2 skip math (timing only)
-  int direct;                 // decode through decode_direct.cuh (8-bit caches, <= 16 vectors)
+  int debug;                  // attnd_cuda_opts_t.debug: 1 skip loads, 2 skip math (timing only)
+  int pdl;                    // launched with programmatic dependent launch
 };
 
 template <int D, int DT, int KV> cudaError_t launch_flash(const FlashParams &p, int nitems, cudaStream_t st);

@@ -1,6 +1,6 @@
 // write_cache.cu: phase 1, fused. For every new token: RoPE on its q heads (in
 // place) and k heads, rounding to the activation dtype, quantization to the
-// cache type and the paged store of k and v (DESIGN.md 4 and 5).
+// cache type and the paged store of k and v (docs/numerics.md).
 //
 // One warp per (new token, head row): q heads, then k heads, then v heads of
 // the token; 8 warps per CTA. Every row is independent, so a decode step's few
@@ -13,7 +13,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "common.cuh"
+#include "primitives.cuh"
 
 namespace attnd {
 namespace {
@@ -23,7 +23,7 @@ constexpr int kWarps = 8;
 struct WriteParams {
   attnd_kbatch_t b;
   int q_heads, kv_heads, d, bs, dt, kv, rope, rd;
-  float inv_freq[128]; // theta^(-2i/rd), fp64 rounded to fp32 (DESIGN.md 5)
+  float inv_freq[128]; // theta^(-2i/rd), fp64 rounded to fp32 (docs/numerics.md)
 };
 
 // The item whose k/v rows hold row t: the last one with kv_row <= t (items
@@ -42,6 +42,11 @@ __device__ int find_item(const attnd_kitem_t *items, int nitems, int t) {
 
 __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constant__ WriteParams P) {
   __shared__ float buf[kWarps][256];
+  // Launched with programmatic dependent launch: the attention kernel after
+  // this one may start its prologue now; this kernel waits for the one
+  // before it (which may still read the cache being written).
+  pdl_trigger();
+  pdl_wait();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int per_token = P.q_heads + 2 * P.kv_heads;
   const long gw = (long)blockIdx.x * kWarps + warp;
@@ -106,7 +111,7 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
           sign = (i & 1) ? 1.f : -1.f;
         }
         // fp32 angle and accurate sin/cos; no contraction into fma, so the
-        // result is the correctly rounded fp32 expression of DESIGN.md 5.
+        // result is the correctly rounded fp32 expression of docs/numerics.md.
         const float ang = __fmul_rn((float)pos, P.inv_freq[f]);
         float sn, cs;
         sincosf(ang, &sn, &cs);
@@ -189,7 +194,8 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
 
 using namespace attnd;
 
-extern "C" int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream) {
+extern "C" int attnd_cuda_write_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream,
+                                     const attnd_cuda_opts_t *opts) {
   if (attnd_kshape_check(s) != 0)
     return set_invalid(__FILE__, __LINE__, "unsupported shape");
   if (b->total_kv <= 0 || b->nitems <= 0)
@@ -226,7 +232,13 @@ extern "C" int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b
   const long ctas = (warps + kWarps - 1) / kWarps;
   if (ctas > 0x7fffffffL)
     return set_invalid(__FILE__, __LINE__, "too many rows for one write launch");
-  write_kernel<<<(unsigned)ctas, kWarps * 32, 0, (cudaStream_t)stream>>>(P);
-  ATTND_CU_LAUNCH("write_kernel launch");
+  const bool pdl = !(opts && opts->no_pdl);
+  cudaError_t e = launch_ex(write_kernel, dim3((unsigned)ctas), dim3(kWarps * 32), 0, pdl, (cudaStream_t)stream, P);
+  if (e != cudaSuccess)
+    return set_error(__FILE__, __LINE__, "write_kernel launch", e);
   return 0;
+}
+
+extern "C" int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream) {
+  return attnd_cuda_write_opts(s, b, stream, nullptr);
 }

@@ -1,0 +1,135 @@
+// merge.cu: the merge of partial attention states. A part is an output
+// normalized by its own sum, that sum's log (lset) and the part's lse; parts of
+// the same query row combine as out = sum_s w_s o_s / sum_s w_s with
+// w_s = exp(lset_s - max lset) and lse = log sum_s exp(lse_s) (FlashDecoding;
+// FlashInfer's cascade merge). lset and lse differ where the kernels
+// normalize by the sum of P as rounded for the matrix units (decode_kernel.cuh).
+// Parts with no visible key weigh nothing; a row with none gets 0 and -inf.
+#include <math.h>
+
+#include "decode.cuh"
+#include "primitives.cuh"
+
+namespace attnd {
+namespace {
+
+// Per-item split: one warp per (query row, q head) over nsplit parts.
+__global__ void merge_split_kernel(const float *__restrict__ ws_o, const float *__restrict__ ws_lse, int nsplit,
+                                   int rows, int q_heads, int d, int dt, int out_fp32, void *out, float *lse) {
+  pdl_wait();
+  const int gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  if (gw >= rows * q_heads)
+    return;
+  const size_t stride_o = (size_t)rows * q_heads * d, stride_l = (size_t)rows * q_heads;
+  const float *ws_lset = ws_lse + (size_t)nsplit * stride_l;
+  float m = -INFINITY, ml = -INFINITY;
+  for (int s = 0; s < nsplit; s++) {
+    m = fmaxf(m, ws_lset[s * stride_l + gw]);
+    ml = fmaxf(ml, ws_lse[s * stride_l + gw]);
+  }
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum = 0.f, suml = 0.f;
+  if (m != -INFINITY) {
+    for (int s = 0; s < nsplit; s++) {
+      const float l = ws_lset[s * stride_l + gw];
+      if (l == -INFINITY)
+        continue;
+      const float w = expf(l - m);
+      sum += w;
+      suml += expf(ws_lse[s * stride_l + gw] - ml);
+      const float *o = ws_o + s * stride_o + (size_t)gw * d;
+      for (int e = 0; e < d / 32; e++)
+        acc[e] += w * o[lane + 32 * e];
+    }
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  for (int e = 0; e < d / 32; e++)
+    store_dt(out_fp32 ? ATTND_DT_FP32 : dt, out, (size_t)gw * d + lane + 32 * e, acc[e] * inv);
+  if (lse && lane == 0)
+    lse[gw] = sum > 0.f ? ml + logf(suml) : -INFINITY;
+}
+
+// The CTA whose chunk range holds chunk u (the last one starting at or before it).
+__device__ int flat_cta(long long u, int nctas, long long w) {
+  int c = (int)((u * nctas) / w);
+  while (c + 1 < nctas && flat_start(c + 1, nctas, w) <= u)
+    c++;
+  while (c > 0 && flat_start(c, nctas, w) > u)
+    c--;
+  return c;
+}
+
+// Flat split: one CTA per (item, kv head); nothing to do when one decode CTA
+// covered the whole (item, kv head) (it wrote the output). Otherwise the
+// parts are: the first CTA's slot (2c0 when its range starts with this item,
+// else 2c0 + 1, its last piece), the slots 2c of the CTAs strictly inside,
+// and slot 2c1 of the last CTA (its first piece).
+__global__ void merge_flat_kernel(const __grid_constant__ DecodeParams P, int d, int dt) {
+  pdl_wait();
+  const int item = blockIdx.x / P.kv_heads, h = blockIdx.x % P.kv_heads;
+  const attnd_kitem_t it = P.items[item];
+  if (it.q_row < 0)
+    return;
+  const int *pre = reinterpret_cast<const int *>(P.ws + flat_prefix_offset(P.nctas, P.max_vec, d));
+  const long long W = (long long)P.kv_heads * pre[P.nitems];
+  const int nch = pre[item + 1] - pre[item];
+  const long long s0 = (long long)P.kv_heads * pre[item] + (long long)h * nch, s1 = s0 + nch;
+  const int c0 = flat_cta(s0, P.nctas, W), c1 = flat_cta(s1 - 1, P.nctas, W);
+  if (c0 == c1)
+    return;
+  const int first0 = flat_start(c0, P.nctas, W) == s0 ? 0 : 1;
+  const int G = P.group, nvec = it.n * G;
+  const size_t sf = flat_slot_floats(P.max_vec, d);
+  auto slot = [&](int c) -> const float * {
+    return P.ws + (size_t)(2 * c + (c == c0 ? first0 : 0)) * sf;
+  };
+  for (int idx = threadIdx.x; idx < nvec * d; idx += blockDim.x) {
+    const int v = idx / d, e = idx % d;
+    const size_t il = (size_t)P.max_vec * d + v, it2 = (size_t)P.max_vec * (d + 1) + v;
+    float m = -INFINITY, ml = -INFINITY;
+    for (int c = c0; c <= c1; c++) {
+      m = fmaxf(m, slot(c)[it2]);
+      ml = fmaxf(ml, slot(c)[il]);
+    }
+    float acc = 0.f, sum = 0.f, suml = 0.f;
+    if (m != -INFINITY)
+      for (int c = c0; c <= c1; c++) {
+        const float *s = slot(c);
+        if (s[it2] == -INFINITY)
+          continue;
+        const float w = expf(s[it2] - m);
+        sum += w;
+        suml += expf(s[il] - ml);
+        acc += w * s[(size_t)v * d + e];
+      }
+    const int row = it.q_row + v / G, qh = h * G + v % G;
+    const size_t ob = ((size_t)row * P.q_heads + qh) * d + e;
+    store_dt(P.out_fp32 ? ATTND_DT_FP32 : dt, P.out, ob, sum > 0.f ? acc / sum : 0.f);
+    if (P.lse && e == 0)
+      P.lse[(size_t)row * P.q_heads + qh] = sum > 0.f ? ml + logf(suml) : -INFINITY;
+  }
+}
+
+} // namespace
+
+int launch_merge_flat(const attnd_kshape_t *s, const DecodeParams &p, bool pdl, cudaStream_t st) {
+  const unsigned blocks = (unsigned)p.nitems * (unsigned)p.kv_heads;
+  cudaError_t e = launch_ex(merge_flat_kernel, dim3(blocks), dim3(128), 0, pdl, st, p, s->head_dim, (int)s->dtype);
+  if (e != cudaSuccess)
+    return set_error(__FILE__, __LINE__, "merge_flat_kernel launch", e);
+  return 0;
+}
+
+int launch_merge_split(const attnd_kshape_t *s, const attnd_kbatch_t *b, const float *ws_o, const float *ws_lse,
+                       int nsplit, bool pdl, cudaStream_t st) {
+  const long warps = (long)b->total_q * s->q_heads;
+  const int threads = 256;
+  const long blocks = (warps * 32 + threads - 1) / threads;
+  cudaError_t e = launch_ex(merge_split_kernel, dim3((unsigned)blocks), dim3(threads), 0, pdl, st, ws_o, ws_lse,
+                            nsplit, (int)b->total_q, (int)s->q_heads, (int)s->head_dim, (int)s->dtype,
+                            (int)b->out_fp32, b->out, b->lse);
+  if (e != cudaSuccess)
+    return set_error(__FILE__, __LINE__, "merge_split_kernel launch", e);
+  return 0;
+}
+
+} // namespace attnd
