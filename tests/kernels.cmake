@@ -13,3 +13,5 @@ if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/test_kernels_cpu.c)
   target_compile_definitions(test_kernels_cpu_baseline PRIVATE ATTND_KC_BASELINE)
   target_compile_options(test_kernels_cpu_baseline PRIVATE -O3)
 endif()
+# The CPU kernels at the largest magnitudes they promise to compute faithfully.
+attnd_add_test(test_kernels_cpu_bound SOURCES test_kernels_cpu_bound.c LIBS attnd_kernels_cpu attnd_oracle m)
