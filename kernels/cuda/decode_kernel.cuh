@@ -801,11 +801,6 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
   const long long W = (long long)KVH * pre[P.nitems];
   long long u = flat_start(cta, P.nctas, W);
   const long long u1 = flat_start(cta + 1, P.nctas, W);
-  if (cta == 0 && P.nctas > 1) { // for the merge
-    int *wpre = reinterpret_cast<int *>(P.ws + flat_prefix_offset(P.nctas, P.max_vec, D));
-    for (int i = threadIdx.x; i <= P.nitems; i += C::NTH)
-      wpre[i] = pre[i];
-  }
   // The item holding chunk u: the last i with KVH pre[i] <= u (it has chunks).
   int i = 0;
   if (u < u1) {
@@ -820,7 +815,12 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
     i = a;
   }
   long long base = (long long)KVH * pre[i];
-  pdl_wait();
+  pdl_wait(); // q, the cache and the workspace belong to the previous kernel until here
+  if (cta == 0 && P.nctas > 1) { // the prefix sums, for the merge
+    int *wpre = reinterpret_cast<int *>(P.ws + flat_prefix_offset(P.nctas, P.max_vec, D));
+    for (int j = threadIdx.x; j <= P.nitems; j += C::NTH)
+      wpre[j] = pre[j];
+  }
   bool first = true;
   while (u < u1) {
     const attnd_kitem_t it = P.items[i];

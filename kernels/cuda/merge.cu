@@ -62,7 +62,8 @@ __device__ int flat_cta(long long u, int nctas, long long w) {
 // covered the whole (item, kv head) (it wrote the output). Otherwise the
 // parts are: the first CTA's slot (2c0 when its range starts with this item,
 // else 2c0 + 1, its last piece), the slots 2c of the CTAs strictly inside,
-// and slot 2c1 of the last CTA (its first piece).
+// and slot 2c1 of the last CTA (its first piece); CTAs with no chunks (more
+// CTAs than chunks) are skipped.
 __global__ void merge_flat_kernel(const __grid_constant__ DecodeParams P, int d, int dt) {
   pdl_wait();
   const int item = blockIdx.x / P.kv_heads, h = blockIdx.x % P.kv_heads;
@@ -82,11 +83,17 @@ __global__ void merge_flat_kernel(const __grid_constant__ DecodeParams P, int d,
   auto slot = [&](int c) -> const float * {
     return P.ws + (size_t)(2 * c + (c == c0 ? first0 : 0)) * sf;
   };
+  // CTAs with an empty range (more CTAs than chunks) wrote nothing.
+  auto empty = [&](int c) -> bool {
+    return c != c0 && c != c1 && flat_start(c + 1, P.nctas, W) == flat_start(c, P.nctas, W);
+  };
   for (int idx = threadIdx.x; idx < nvec * d; idx += blockDim.x) {
     const int v = idx / d, e = idx % d;
     const size_t il = (size_t)P.max_vec * d + v, it2 = (size_t)P.max_vec * (d + 1) + v;
     float m = -INFINITY, ml = -INFINITY;
     for (int c = c0; c <= c1; c++) {
+      if (empty(c))
+        continue;
       m = fmaxf(m, slot(c)[it2]);
       ml = fmaxf(ml, slot(c)[il]);
     }
@@ -94,7 +101,7 @@ __global__ void merge_flat_kernel(const __grid_constant__ DecodeParams P, int d,
     if (m != -INFINITY)
       for (int c = c0; c <= c1; c++) {
         const float *s = slot(c);
-        if (s[it2] == -INFINITY)
+        if (empty(c) || s[it2] == -INFINITY)
           continue;
         const float w = expf(s[it2] - m);
         sum += w;
