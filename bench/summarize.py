@@ -6,6 +6,7 @@ time against cuDNN SDPA over contiguous bf16 KV, the shape sweep against the
 d128 / GQA 4 / block 64 row, uneven batches and small-batch launch sequences.
 
 usage: summarize.py bench.json [reference.json]
+(bench.json may be several bench_kernels outputs merged: see merge_json.)
 """
 import json
 import sys
@@ -34,8 +35,12 @@ def main():
     print("\nsweep B64 ctx4096: fraction relative to the d128/GQA4/bs64 row of the same type (target within 0.90..1.10)")
     print(f"{'variant':<16}" + "".join(f"{k:>14}" for k in KV))
     for v in ("d64", "d256", "gqa1", "gqa8", "gqa16", "bs16", "bs128"):
-        print(v.ljust(16) + "".join(f"{b.get(f'sweep_B64_ctx4096_{v}_{k}', {}).get('rel_base', float('nan')):>14.2f}"
-                                    for k in KV))
+        cells = ""
+        for k in KV:
+            base = b.get(f"decode_B64_ctx4096_{k}", {}).get("pct_read")
+            p = b.get(f"sweep_B64_ctx4096_{v}_{k}", {}).get("pct_read")
+            cells += f"{(p / base) if base and p else float('nan'):>14.2f}"
+        print(v.ljust(16) + cells)
     print("\nuneven (64 sessions, 128..32768): % of read roof (target >= 80), flat / per-item split")
     print("".ljust(16) + "".join(
         f"{b.get(f'uneven_B64_{k}', {}).get('pct_read', float('nan')):>7.1f}/"
