@@ -234,8 +234,8 @@ void rows_small(double read) {
   struct V {
     const char *name;
     attnd_cuda_opts_t o;
-  } vs[] = {{"flat16", {0, 1, 16, 0}}, {"flat4", {0, 1, 4, 0}},   {"flat8", {0, 1, 8, 0}},
-            {"flat32", {0, 1, 32, 0}}, {"peritem", {0, 2, 0, 0}}, {"flat16_nopdl", {0, 1, 16, 1}}};
+  } vs[] = {{"flat8", {0, 1, 8, 0}},   {"flat4", {0, 1, 4, 0}},   {"flat16", {0, 1, 16, 0}},
+            {"flat32", {0, 1, 32, 0}}, {"peritem", {0, 2, 0, 0}}, {"flat8_nopdl", {0, 1, 8, 1}}};
   printf("\n%-30s %8s %8s %8s   (us of device time per layer step: write + attention + merge)\n",
          "small batches, ctx 4096", "single", "graph", "floor");
   for (int B : Bs)
@@ -258,14 +258,21 @@ void rows_small(double read) {
         q.S.push_back(x);
       }
       const double floor_us = first.cache_bytes / (read * 1e9) * 1e6;
-      std::string js;
+      // The parts of the default sequence alone: the write kernel, the attention (and merge).
+      int rot = 0;
+      const float w_us = 1e3f * median_ms([&] { Setup &x = q.S[rot++ % q.S.size()]; CKA(attnd_cuda_write(&x.s, &x.b, nullptr)); }, 5, 100);
+      const float a_us = 1e3f * median_ms([&] { Setup &x = q.S[rot++ % q.S.size()]; CKA(attnd_cuda_attend(&x.s, &x.b, x.ws, x.ws_bytes, nullptr)); }, 5, 100);
+      printf("%-22s %-12s %8.1f %8s %8s   (write kernel alone)\n", nm, "write", w_us, "", "");
+      printf("%-22s %-12s %8.1f %8s %8s   (attention + merge alone, default options)\n", nm, "attend", a_us, "", "");
+      char wb[96];
+      snprintf(wb, sizeof wb, "\"write_alone_us\": %.2f, \"attend_alone_us\": %.2f", w_us, a_us);
+      std::string js = wb;
       for (auto &v : vs) {
         float su, gu;
         time_small(q, &v.o, &su, &gu);
         printf("%-22s %-12s %8.1f %8.1f %8.1f\n", nm, v.name, su, gu, floor_us);
         char buf[160];
-        snprintf(buf, sizeof buf, "%s\"%s_single_us\": %.2f, \"%s_graph_us\": %.2f", js.empty() ? "" : ", ", v.name, su,
-                 v.name, gu);
+        snprintf(buf, sizeof buf, ", \"%s_single_us\": %.2f, \"%s_graph_us\": %.2f", v.name, su, v.name, gu);
         js += buf;
       }
       jrow(nm, "%s, \"floor_us\": %.2f, \"rotate\": %d", js.c_str(), floor_us, R);

@@ -52,9 +52,11 @@ def main():
             d = b.get(f"small_B{B}_ctx4096_{k}")
             if not d:
                 continue
-            best = min((v, n) for n, v in d.items() if n.endswith("_us") and n != "floor_us" and v > 0)
-            print(f"B{B} {k:<13} best {best[0]:6.1f} us ({best[1]}), floor {d['floor_us']:.1f} us; " +
-                  ", ".join(f"{n[:-3]} {v:.1f}" for n, v in d.items() if n.endswith("_us") and n != "floor_us"))
+            seq = {n: v for n, v in d.items() if n.endswith(("_single_us", "_graph_us")) and v > 0}
+            best = min((v, n) for n, v in seq.items())
+            print(f"B{B} {k:<13} best {best[0]:6.1f} us ({best[1]}), floor {d['floor_us']:.1f} us, "
+                  f"write alone {d.get('write_alone_us', 0):.1f}, attention alone {d.get('attend_alone_us', 0):.1f}; " +
+                  ", ".join(f"{n[:-3]} {v:.1f}" for n, v in seq.items()))
     for n in ("decode_bf16_cudnn_B1_ctx4096", "decode_bf16_flash_B1_ctx4096"):
         if n in r:
             print(f"  torch {n}: {r[n].get('us')} us")

@@ -50,7 +50,7 @@ typedef struct {
                    * loads, 2 skip the math of the attention kernels */
   int split;      /* decode batches: 0 choose, 1 flat split (every CTA the
                    * same number of key chunks), 2 per-item split */
-  int min_chunks; /* flat split: fewest 16-key chunks per CTA (0: 16) */
+  int min_chunks; /* flat split: fewest 16-key chunks per CTA (0: 8) */
   int no_pdl;     /* 1: launch without programmatic dependent launch */
 } attnd_cuda_opts_t;
 

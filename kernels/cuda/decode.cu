@@ -111,7 +111,7 @@ int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
 }
 
 size_t flat_workspace_bytes(int nctas, int max_vec, int d, int nitems) {
-  return flat_prefix_offset(nctas, max_vec, d) * sizeof(float) + ((size_t)nitems + 1) * sizeof(int);
+  return flat_prefix_offset(nctas, max_vec, d) * sizeof(float) + ((size_t)nitems + 2) * sizeof(int);
 }
 
 int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,
@@ -129,7 +129,7 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
     // CTAs: one full wave, fewer when the keys are too few for every CTA to
     // get min_chunks (the bound counts every item at the longest context).
     const long chunks_max = (long)b->nitems * s->kv_heads * ((b->max_kv_len + kDecKeys - 1) / kDecKeys + 1);
-    const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 16;
+    const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 8;
     long c = chunks_max / min_chunks;
     if (c > slots)
       c = slots;

@@ -31,7 +31,8 @@ struct DecodeParams {
   size_t block_bytes;
   const float *k_scale, *v_scale; // static types: [kvh] or [kvh][D] (int4: [kvh][D])
   const float *k_zero, *v_zero;   // int4: [kvh][D]
-  float *ws;           // flat: [2 nctas] slots (flat_slot_floats), then int32 [nitems + 1] prefix;
+  float *ws;           // flat: [2 nctas] slots (flat_slot_floats), then int32 [nitems + 1] prefix
+                       // and the CTA count used;
                        // per-item: [nsplit][Tq][q_heads][D] o, then [nsplit][Tq][q_heads] lse, lset
   int nitems, out_fp32, per_channel;
   int q_heads, kv_heads, group, bs, total_q, max_vec;

@@ -64,6 +64,21 @@ template <int D_, int DT_, int KV_, bool TR_> struct Dec {
   static constexpr int NO = TR ? D / 16 : D / 8;                 // O tiles per lane
   static constexpr int LD = D + 8;                               // padded q row: conflict-free ldmatrix
   static constexpr int MINB = dec_minb<KV, D>(TR);
+  // Operand dtypes of the two products. fp16 wherever the stored values are
+  // exact in it (every cache but bf16): the bytes become operands in one to
+  // three instructions per pair instead of the seven of an exact int8 -> bf16
+  // conversion. q (bf16 activations) is scaled by a power of two into fp16's
+  // range; P goes in as P 2^14 (fp16's subnormals start at 2^-14); the dynamic
+  // types' P carries V's scale and keeps the activation dtype (bf16's range),
+  // and with fp16 activations it is taken relative to a running power-of-two
+  // reference of those scales (kSigma).
+  static constexpr int KDT = (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) ? ATTND_DT_BF16 : ATTND_DT_FP16;
+  static constexpr int PDT = (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) ? ATTND_DT_BF16
+                             : K::kDyn                                    ? DT
+                                                                          : ATTND_DT_FP16;
+  static constexpr bool kQScale = KDT != DT;
+  static constexpr bool kSigma = K::kDyn && PDT == ATTND_DT_FP16;
+  static constexpr float kPShift = PDT == ATTND_DT_FP16 ? 14.f : 0.f;
   // A lane's share of one K row, in 16-byte pieces (int4 at D 64: one 8-byte piece).
   static constexpr int KSB = RB / 4;                 // bytes
   static constexpr int NKP = KSB >= 16 ? KSB / 16 : 1;
@@ -79,8 +94,8 @@ template <int D_, int DT_, int KV_, bool TR_> struct Dec {
   static constexpr size_t kQ = 0; // [16][LD]: TR rows 0..7 hi, 8..15 lo; rows form: hi
   static constexpr size_t kQlo = kQ + (size_t)16 * LD * 2;                         // rows form: lo
   static constexpr size_t kVs = kQlo + (!TR && K::kStatic ? (size_t)16 * LD * 2 : 0); // [2][D] v scale, zero
-  static constexpr size_t kMisc = kVs + (K::kStatic ? (size_t)2 * D * 4 : 0); // [16] c, M, L, Lt; [8] scratch
-  static constexpr size_t kP = kMisc + 72 * 4;                                 // TR: [warps][8][16] P
+  static constexpr size_t kMisc = kVs + (K::kStatic ? (size_t)2 * D * 4 : 0); // [16] c, M, L, Lt; [16] scratch
+  static constexpr size_t kP = kMisc + 80 * 4;                                 // TR: [warps][8][16] P
   static constexpr size_t kStages = kP + (TR ? (size_t)NW * 8 * KS * 2 : 0);
   static constexpr int kAvail = 233472 / MINB - 1024 - (int)kStages;
   static constexpr int NS = dec_clamp(kAvail / (NW * kStage), 2, 6); // cp.async stages per warp
@@ -139,11 +154,11 @@ template <class C> __device__ __forceinline__ void k_piece(const uint8_t *sK, in
 // (hi = 0) or {2c+8, 2c+9} (hi = 1).
 template <class C> __device__ __forceinline__ uint32_t k_op(const uint32_t *w, int u, int hi) {
   if constexpr (C::K::kI4)
-    return pair4<C::DT>(w[u >> 1], 2 * (u & 1) + hi);
+    return pair4<C::KDT>(w[u >> 1], 2 * (u & 1) + hi);
   else if constexpr (C::K::k16)
-    return word16<C::KV, C::DT>(w[2 * u + hi]);
+    return word16<C::KV, C::KDT>(w[2 * u + hi]);
   else
-    return pair8<C::KV, C::DT>(w[u], w[u], hi ? 2 : 0, hi ? 3 : 1);
+    return pair8<C::KV, C::KDT>(w[u], w[u], hi ? 2 : 0, hi ? 3 : 1);
 }
 
 // Piece p of lane g's channels of V row r (C::VPW words).
@@ -169,24 +184,23 @@ template <class C> __device__ __forceinline__ void v_piece(const uint8_t *sV, in
 template <class C> __device__ __forceinline__ uint32_t v_pair(const uint32_t *xa, const uint32_t *xb, int jj) {
   if constexpr (C::K::kI4) {
     const uint32_t x = __byte_perm(xa[jj >> 3], xb[jj >> 3], (jj & 4) ? 0x7632 : 0x5410);
-    return pair4<C::DT>(x, jj & 3);
+    return pair4<C::PDT>(x, jj & 3);
   } else if constexpr (C::K::k16) {
-    return word16<C::KV, C::DT>(__byte_perm(xa[jj >> 1], xb[jj >> 1], (jj & 1) ? 0x7632 : 0x5410));
+    return word16<C::KV, C::PDT>(__byte_perm(xa[jj >> 1], xb[jj >> 1], (jj & 1) ? 0x7632 : 0x5410));
   } else {
-    return pair8<C::KV, C::DT>(xa[jj >> 2], xb[jj >> 2], jj & 3, jj & 3);
+    return pair8<C::KV, C::PDT>(xa[jj >> 2], xb[jj >> 2], jj & 3, jj & 3);
   }
 }
 
-// cp.async of the chunk of 16 keys at j0 (all in one block: chunks are
-// 16-aligned, blocks hold >= 16 keys) into a stage; rows past jmax are
-// zero-filled, so a stale tail of the block is never read as a value.
+// cp.async of the chunk of 16 keys at j0 (all in one block, physical block
+// pblk: chunks are 16-aligned, blocks hold >= 16 keys) into a stage; rows past
+// jmax are zero-filled, so a stale tail of the block is never read as a value.
 template <class C>
-__device__ __forceinline__ void dec_issue(const DecodeParams &P, const int32_t *bt, int kvh, int j0, int jmax,
-                                          uint8_t *sb, int lane) {
+__device__ __forceinline__ void dec_issue(const DecodeParams &P, int pblk, int kvh, int j0, int jmax, uint8_t *sb,
+                                          int lane) {
   constexpr int KS = C::KS, RB = C::RB, CPR = C::CPR;
   const int nval = min(KS, jmax - j0 + 1);
-  const int bs_shift = __ffs(P.bs) - 1;
-  const size_t blk = (size_t)bt[j0 >> bs_shift] * P.block_bytes;
+  const size_t blk = (size_t)pblk * P.block_bytes;
   const int rib = kvh * P.bs + (j0 & (P.bs - 1)); // row in the block's [kv head][token] order
   const size_t v_region = (size_t)P.kv_heads * P.bs * RB;
   const uint8_t *kp = P.cache + blk + (size_t)rib * RB;
@@ -215,7 +229,7 @@ struct DecPiece {
   int kind, mp, causal, kv_len;
   int klo, khi;      // keys of this piece
   int prow[2];       // absolute positions of this lane's two vectors
-  float sl2;         // score scale into the exp2 domain (static K scale folded in)
+  float sl2;         // score scale into the exp2 domain (static K scale, q's power of two folded in)
   bool qlo_cols;     // TR: columns 4..7 hold the lo halves of vectors 0..3
   bool lo_pass;      // a second product with the lo halves of q
 };
@@ -224,6 +238,7 @@ struct DecPiece {
 template <class C> struct DecAcc {
   float o[C::NO][4];
   float m[2], l[2], lt[2]; // running max (exp2 domain), sum of P, sum of P as rounded (!kDyn)
+  float sig;               // kSigma: the power of two V's scales are taken relative to
 };
 
 // Masks one score of key j for the vector at absolute position p.
@@ -231,13 +246,23 @@ __device__ __forceinline__ float dec_mask(const DecPiece &pc, float x, int j, in
   return j >= pc.klo && j <= pc.khi && visible(pc.kind, pc.mp, pc.causal, pc.iv, pc.kv_len, p, j) ? x : -INFINITY;
 }
 
+// kSigma: raises the warp's V-scale reference to cover this chunk's largest
+// scale (vmax, already reduced over the warp); returns the factor O is
+// rescaled by (exact: a ratio of powers of two; 0 before the first chunk).
+template <class C> __device__ __forceinline__ float dec_sigma(DecAcc<C> &acc, float vmax) {
+  const float sn = fmaxf(acc.sig, pow2_ceil(vmax));
+  const float beta = acc.sig / sn;
+  acc.sig = sn;
+  return beta;
+}
+
 // One chunk in the transposed form: S^T = K q^T, online softmax, O^T += V^T P^T.
 template <class C>
 __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *sb, const uint32_t (*qb)[2],
-                                             const typename Act<C::DT>::T *sQ, typename Act<C::DT>::T *sP,
+                                             const typename Act<C::KDT>::T *sQ, typename Act<C::PDT>::T *sP,
                                              int j0, bool need_mask, DecAcc<C> &acc) {
-  using A = Act<C::DT>;
-  constexpr int KS = C::KS, D = C::D, LD = C::LD;
+  using PA = Act<C::PDT>;
+  constexpr int KS = C::KS, LD = C::LD;
   const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
   const uint8_t *sK = sb, *sV = sb + KS * C::RB;
   const float *sKs = reinterpret_cast<const float *>(sb + 2 * KS * C::RB), *sVsc = sKs + KS;
@@ -260,9 +285,9 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
       for (int h = 0; h < 2; h++) {
         const uint32_t a[4] = {k_op<C>(w0, u + h, 0), k_op<C>(w1, u + h, 0), k_op<C>(w0, u + h, 1),
                                k_op<C>(w1, u + h, 1)};
-        mma16816<C::DT>(h ? sb2 : sa, a, qb[t + h][0], qb[t + h][1]);
+        mma16816<C::KDT>(h ? sb2 : sa, a, qb[t + h][0], qb[t + h][1]);
         if (pc.lo_pass)
-          mma16816<C::DT>(h ? sb2 : sa, a, ql[2 * h], ql[2 * h + 1]);
+          mma16816<C::KDT>(h ? sb2 : sa, a, ql[2 * h], ql[2 * h + 1]);
       }
     }
   }
@@ -282,7 +307,15 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
     sa[e] = x;
     mx[e & 1] = fmaxf(mx[e & 1], x);
   }
-  float alpha[2];
+  float alpha[2], beta = 1.f, vinv = 1.f;
+  if constexpr (C::kSigma) {
+    float vm = fmaxf(sVsc[g], sVsc[g + 8]);
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 4));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 8));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 16));
+    beta = dec_sigma(acc, vm);
+    vinv = 1.f / acc.sig; // a power of two: exact
+  }
 #pragma unroll
   for (int vi = 0; vi < 2; vi++) {
     mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 4));
@@ -292,7 +325,7 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
     const float mref = softmax_ref(acc.m[vi], mx[vi], mnew);
     alpha[vi] = ex2(acc.m[vi] - mref);
     acc.m[vi] = mnew;
-    mx[vi] = mref;
+    mx[vi] = mref - C::kPShift; // P' = P 2^kPShift
   }
   // P^T to the warp's [vector][key] tile (the B operand wants keys along a
   // lane's register pair), V's per-token scale folded in.
@@ -303,24 +336,25 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
     acc.l[vi] = (e >> 1) ? acc.l[vi] + pe : acc.l[vi] * alpha[vi] + pe;
     float pv = pe;
     if constexpr (C::K::kDyn)
-      pv *= sVsc[key];
-    const typename A::T pr = A::from_f(pv);
+      pv *= C::kSigma ? sVsc[key] * vinv : sVsc[key];
+    const typename PA::T pr = PA::from_f(pv);
     sP[v * KS + key] = pr;
     if constexpr (!C::K::kDyn)
-      acc.lt[vi] = (e >> 1) ? acc.lt[vi] + A::to_f(pr) : acc.lt[vi] * alpha[vi] + A::to_f(pr);
+      acc.lt[vi] = (e >> 1) ? acc.lt[vi] + PA::to_f(pr) : acc.lt[vi] * alpha[vi] + PA::to_f(pr);
   }
   __syncwarp();
   const uint32_t pb0 = *reinterpret_cast<const uint32_t *>(sP + g * KS + 2 * c4);
   const uint32_t pb1 = *reinterpret_cast<const uint32_t *>(sP + g * KS + 2 * c4 + 8);
   // Past the first chunks the running max rarely moves: alpha is then exactly
   // 1 and the rescale of O is skipped (same result).
-  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+  const float r0 = alpha[0] * beta, r1 = alpha[1] * beta;
+  if (__any_sync(0xffffffffu, r0 != 1.f || r1 != 1.f)) {
 #pragma unroll
     for (int i = 0; i < C::NO; i++) {
-      acc.o[i][0] *= alpha[0];
-      acc.o[i][1] *= alpha[1];
-      acc.o[i][2] *= alpha[0];
-      acc.o[i][3] *= alpha[1];
+      acc.o[i][0] *= r0;
+      acc.o[i][1] *= r1;
+      acc.o[i][2] *= r0;
+      acc.o[i][3] *= r1;
     }
   }
   // O^T += V^T P^T: m-tile mt holds channels 2 mt (row g) and 2 mt + 1 (row
@@ -335,19 +369,18 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
     for (int jj = 0; jj < C::CPP; jj += 2) {
       const uint32_t a[4] = {v_pair<C>(x[0], x[1], jj), v_pair<C>(x[0], x[1], jj + 1), v_pair<C>(x[2], x[3], jj),
                              v_pair<C>(x[2], x[3], jj + 1)};
-      mma16816<C::DT>(acc.o[(p * C::CPP + jj) / 2], a, pb0, pb1);
+      mma16816<C::PDT>(acc.o[(p * C::CPP + jj) / 2], a, pb0, pb1);
     }
   }
-  (void)D;
 }
 
 // One chunk in the rows form: S = q K^T, online softmax, O += P V.
 template <class C>
 __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t *sb,
-                                               const typename Act<C::DT>::T *sQ,
-                                               const typename Act<C::DT>::T *sQlo, int j0, bool need_mask,
+                                               const typename Act<C::KDT>::T *sQ,
+                                               const typename Act<C::KDT>::T *sQlo, int j0, bool need_mask,
                                                DecAcc<C> &acc) {
-  using A = Act<C::DT>;
+  using PA = Act<C::PDT>;
   constexpr int KS = C::KS, LD = C::LD;
   const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
   const uint8_t *sK = sb, *sV = sb + KS * C::RB;
@@ -370,12 +403,12 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
       ldsm_x4(a[0], a[1], a[2], a[3], sQ + (lane & 15) * LD + t * 16 + (lane >> 4) * 8);
 #pragma unroll
       for (int nt = 0; nt < 2; nt++)
-        mma16816<C::DT>(s[nt], a, k_op<C>(w[nt], u, 0), k_op<C>(w[nt], u, 1));
+        mma16816<C::KDT>(s[nt], a, k_op<C>(w[nt], u, 0), k_op<C>(w[nt], u, 1));
       if (pc.lo_pass) {
         ldsm_x4(a[0], a[1], a[2], a[3], sQlo + (lane & 15) * LD + t * 16 + (lane >> 4) * 8);
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
-          mma16816<C::DT>(s[nt], a, k_op<C>(w[nt], u, 0), k_op<C>(w[nt], u, 1));
+          mma16816<C::KDT>(s[nt], a, k_op<C>(w[nt], u, 0), k_op<C>(w[nt], u, 1));
       }
     }
   }
@@ -394,7 +427,14 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
       s[nt][e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);
     }
-  float alpha[2];
+  float alpha[2], beta = 1.f, vinv = 1.f;
+  if constexpr (C::kSigma) {
+    float vm = fmaxf(fmaxf(sVsc[2 * c4], sVsc[2 * c4 + 1]), fmaxf(sVsc[8 + 2 * c4], sVsc[9 + 2 * c4]));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));
+    beta = dec_sigma(acc, vm);
+    vinv = 1.f / acc.sig;
+  }
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
@@ -403,7 +443,7 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
     const float mref = softmax_ref(acc.m[ri], mx[ri], mnew);
     alpha[ri] = ex2(acc.m[ri] - mref);
     acc.m[ri] = mnew;
-    mx[ri] = mref;
+    mx[ri] = mref - C::kPShift; // P' = P 2^kPShift
   }
   float rs[2] = {0.f, 0.f};
   uint32_t pa[4];
@@ -414,12 +454,16 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
     rs[0] += p0 + p1;
     rs[1] += p2 + p3;
     if constexpr (C::K::kDyn) {
-      const float2 vs = *reinterpret_cast<const float2 *>(sVsc + nt * 8 + 2 * c4);
-      pa[nt * 2 + 0] = A::pack2(p0 * vs.x, p1 * vs.y);
-      pa[nt * 2 + 1] = A::pack2(p2 * vs.x, p3 * vs.y);
+      float2 vs = *reinterpret_cast<const float2 *>(sVsc + nt * 8 + 2 * c4);
+      if constexpr (C::kSigma) {
+        vs.x *= vinv;
+        vs.y *= vinv;
+      }
+      pa[nt * 2 + 0] = PA::pack2(p0 * vs.x, p1 * vs.y);
+      pa[nt * 2 + 1] = PA::pack2(p2 * vs.x, p3 * vs.y);
     } else {
-      pa[nt * 2 + 0] = A::pack2(p0, p1);
-      pa[nt * 2 + 1] = A::pack2(p2, p3);
+      pa[nt * 2 + 0] = PA::pack2(p0, p1);
+      pa[nt * 2 + 1] = PA::pack2(p2, p3);
     }
   }
 #pragma unroll
@@ -427,17 +471,18 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
     acc.l[ri] = acc.l[ri] * alpha[ri] + rs[ri];
     if constexpr (!C::K::kDyn) {
       const uint32_t r0 = pa[ri], r1 = pa[2 + ri];
-      acc.lt[ri] = acc.lt[ri] * alpha[ri] + ((op_half<C::DT>(r0, false) + op_half<C::DT>(r0, true)) +
-                                             (op_half<C::DT>(r1, false) + op_half<C::DT>(r1, true)));
+      acc.lt[ri] = acc.lt[ri] * alpha[ri] + ((op_half<C::PDT>(r0, false) + op_half<C::PDT>(r0, true)) +
+                                             (op_half<C::PDT>(r1, false) + op_half<C::PDT>(r1, true)));
     }
   }
-  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+  const float r0 = alpha[0] * beta, r1 = alpha[1] * beta;
+  if (__any_sync(0xffffffffu, r0 != 1.f || r1 != 1.f)) {
 #pragma unroll
     for (int i = 0; i < C::NO; i++) {
-      acc.o[i][0] *= alpha[0];
-      acc.o[i][1] *= alpha[0];
-      acc.o[i][2] *= alpha[1];
-      acc.o[i][3] *= alpha[1];
+      acc.o[i][0] *= r0;
+      acc.o[i][1] *= r0;
+      acc.o[i][2] *= r1;
+      acc.o[i][3] *= r1;
     }
   }
   // O += P V: n-tile j is channel j of lane g's slice, key rows 2c, 2c+1, 2c+8, 2c+9.
@@ -449,7 +494,7 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
       v_piece<C>(sV, 2 * c4 + (k & 1) + (k >> 1) * 8, g, p, x[k]);
 #pragma unroll
     for (int jj = 0; jj < C::CPP; jj++)
-      mma16816<C::DT>(acc.o[p * C::CPP + jj], pa, v_pair<C>(x[0], x[1], jj), v_pair<C>(x[2], x[3], jj));
+      mma16816<C::PDT>(acc.o[p * C::CPP + jj], pa, v_pair<C>(x[0], x[1], jj), v_pair<C>(x[2], x[3], jj));
   }
 }
 
@@ -510,7 +555,9 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
   for (int ri = 0; ri < 2; ri++) {
     const int r = C::TR ? 2 * c4 + ri : g + 8 * ri;
     const float Ls = sL[r], Ln = C::K::kDyn ? Ls : sLt[r];
-    const float f = Ls > 0.f ? ex2(acc.m[ri] - sM[r]) / Ln : 0.f;
+    float f = Ls > 0.f ? ex2(acc.m[ri] - sM[r]) / Ln : 0.f;
+    if constexpr (C::kSigma)
+      f *= acc.sig; // O was accumulated relative to this warp's V-scale reference
     if constexpr (C::TR) {
 #pragma unroll
       for (int mt = 0; mt < C::NO; mt++)
@@ -526,7 +573,7 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
     }
   }
   __syncthreads();
-  using A = Act<C::DT>;
+  using A = Act<C::DT>; // the output's dtype
   for (int idx = tid; idx < nvec * D; idx += C::NTH) {
     const int r = idx / D, d = idx % D;
     float x = 0.f;
@@ -541,7 +588,7 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
     // lse from the sum of P; lset from the sum that normalized O (the merge weights).
     float lse = -INFINITY, lset = -INFINITY;
     if (Ls > 0.f) {
-      const float ref = sM[r] - (C::K::kI4 ? sC[r] : 0.f);
+      const float ref = sM[r] - C::kPShift - (C::K::kI4 ? sC[r] : 0.f); // the sums hold P 2^kPShift
       lse = (ref + log2f(Ls)) * 0.69314718055994531f;
       lset = C::K::kDyn ? lse : (ref + log2f(sLt[r])) * 0.69314718055994531f;
     }
@@ -577,17 +624,18 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
 template <class C>
 __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kitem_t &it, int kvh, int klo, int khi,
                           int out_kind, int out_idx) {
-  using A = Act<C::DT>;
-  using T = typename A::T;
+  using A = Act<C::DT>;  // the activations (q)
+  using KA = Act<C::KDT>; // q and K as the first product's operands
+  using KT = typename KA::T;
   constexpr int D = C::D, LD = C::LD, NW = C::NW, NS = C::NS, KS = C::KS;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c4 = lane & 3;
   const int G = P.group, nvec = it.n * G;
-  T *sQ = reinterpret_cast<T *>(smem + C::kQ);
-  T *sQlo = reinterpret_cast<T *>(smem + C::kQlo);
+  KT *sQ = reinterpret_cast<KT *>(smem + C::kQ);
+  KT *sQlo = reinterpret_cast<KT *>(smem + C::kQlo);
   float *sVs = reinterpret_cast<float *>(smem + C::kVs);
   float *sMisc = reinterpret_cast<float *>(smem + C::kMisc);
   float *sC = sMisc, *scratch = sMisc + 64;
-  T *sP = reinterpret_cast<T *>(smem + C::kP) + warp * 8 * KS;
+  auto *sP = reinterpret_cast<typename Act<C::PDT>::T *>(smem + C::kP) + warp * 8 * KS;
   uint8_t *myStages = smem + C::kStages + (size_t)warp * NS * C::kStage;
   const int32_t *bt = P.meta + it.block_table;
   const bool no_load = P.debug & 1, no_math = P.debug & 2; // timing experiments only
@@ -596,12 +644,17 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   const int jfirst = klo & ~(KS - 1);
   const int nchunks = khi >= jfirst ? (khi - jfirst) / KS + 1 : 0;
   const int cnt = nchunks > warp ? (nchunks - 1 - warp) / NW + 1 : 0;
+  const int bs_shift = __ffs(P.bs) - 1;
+  // Physical block of this warp's chunk k. The one for the next refill is
+  // read a chunk ahead, so its latency hides behind a chunk's math.
+  auto blk_of = [&](int k) -> int { return bt[(jfirst + (warp + NW * k) * KS) >> bs_shift]; };
 #pragma unroll
   for (int n = 0; n < NS - 1; n++) {
     if (n < cnt && !no_load)
-      dec_issue<C>(P, bt, kvh, jfirst + (warp + NW * n) * KS, khi, myStages + n * C::kStage, lane);
+      dec_issue<C>(P, blk_of(n), kvh, jfirst + (warp + NW * n) * KS, khi, myStages + n * C::kStage, lane);
     cp_async_commit();
   }
+  int next_blk = NS - 1 < cnt ? blk_of(NS - 1) : 0;
 
   // While the first chunks are on their way: the static scales, and q.
   DecPiece pc;
@@ -615,6 +668,17 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   pc.sl2 = P.scale_log2;
   bool qsplit = false;
   float rscale = 1.f;
+  // Block-wide max of x >= 0 (every thread gets it).
+  auto block_max = [&](float x) -> float {
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    __syncthreads(); // scratch is free
+    if (lane == 0)
+      scratch[warp] = x;
+    __syncthreads();
+    return fmaxf(fmaxf(scratch[0], scratch[1]), fmaxf(scratch[2], scratch[3]));
+  };
   if constexpr (C::K::kStatic) {
     qsplit = C::K::kI4 || P.per_channel;
     if (!qsplit) {
@@ -623,38 +687,46 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
       float mx = 0.f;
       for (int d = tid; d < D; d += C::NTH)
         mx = fmaxf(mx, P.k_scale[kvh * D + d]);
-#pragma unroll
-      for (int x = 16; x; x >>= 1)
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-      if (lane == 0)
-        scratch[warp] = mx;
-      __syncthreads();
-      mx = fmaxf(fmaxf(scratch[0], scratch[1]), fmaxf(scratch[2], scratch[3]));
-      const int e = scale_exp(mx);
+      const int e = scale_exp(block_max(mx));
       rscale = ldexpf(1.f, -e);
       pc.sl2 = ldexpf(pc.sl2, e);
     }
   }
+  // q element idx of the [16][D] tile (0 past nvec), static K scale folded in.
+  auto q_at = [&](int idx) -> float {
+    const int r = idx / D, d = idx % D;
+    if (r >= nvec)
+      return 0.f;
+    const int row = it.q_row + r / G, h = kvh * G + r % G;
+    float x = A::to_f(reinterpret_cast<const typename A::T *>(P.q)[((size_t)row * P.q_heads + h) * D + d]);
+    if constexpr (C::K::kStatic)
+      if (qsplit)
+        x *= P.k_scale[kvh * D + d] * rscale;
+    return x;
+  };
+  constexpr int QV = C::TR ? 8 : 16; // vectors a form reads
+  float qscale = 1.f;
+  if constexpr (C::kQScale) {
+    // bf16 q into fp16's range: a power of two puts the largest |q| in [2^14, 2^15).
+    float mx = 0.f;
+    for (int idx = tid; idx < QV * D; idx += C::NTH)
+      mx = fmaxf(mx, fabsf(q_at(idx)));
+    mx = block_max(mx);
+    const int e = mx > 0.f ? scale_exp(mx) - 15 : 0;
+    qscale = ldexpf(1.f, -e);
+    pc.sl2 = ldexpf(pc.sl2, e);
+  }
   pc.qlo_cols = C::TR && qsplit && nvec <= 4;
   pc.lo_pass = qsplit && !pc.qlo_cols;
-  for (int idx = tid; idx < 16 * D; idx += C::NTH) {
+  for (int idx = tid; idx < QV * D; idx += C::NTH) {
     const int r = idx / D, d = idx % D;
-    float x = 0.f;
-    if (r < nvec) {
-      const int row = it.q_row + r / G, h = kvh * G + r % G;
-      x = A::to_f(reinterpret_cast<const T *>(P.q)[((size_t)row * P.q_heads + h) * D + d]);
-      if constexpr (C::K::kStatic)
-        if (qsplit)
-          x *= P.k_scale[kvh * D + d] * rscale;
-    }
-    const T hi = A::from_f(x);
-    const T lo = A::from_f(x - A::to_f(hi));
+    const float x = q_at(idx) * qscale;
+    const KT hi = KA::from_f(x);
+    const KT lo = KA::from_f(x - KA::to_f(hi));
     const int col = qcol<C>(d);
     if constexpr (C::TR) {
-      if (r < 8) {
-        sQ[r * LD + col] = hi;
-        sQ[(r + 8) * LD + col] = lo;
-      }
+      sQ[r * LD + col] = hi;
+      sQ[(r + 8) * LD + col] = lo; // rows 8..15: lo of vectors 0..7
     } else {
       sQ[r * LD + col] = hi;
       if constexpr (C::K::kStatic)
@@ -675,8 +747,8 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
       double c = 0.0;
       for (int d = 0; d < D; d++) {
         const int col = qcol<C>(d);
-        const double qv = (double)A::to_f(sQ[tid * LD + col]) +
-                          (double)A::to_f(C::TR ? sQ[(tid + 8) * LD + col] : sQlo[tid * LD + col]);
+        const double qv = (double)KA::to_f(sQ[tid * LD + col]) +
+                          (double)KA::to_f(C::TR ? sQ[(tid + 8) * LD + col] : sQlo[tid * LD + col]);
         c += qv * (double)P.k_zero[kvh * D + d];
       }
       sC[tid] = (float)(c * (double)pc.sl2);
@@ -695,6 +767,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
 #pragma unroll
   for (int i = 0; i < C::NO; i++)
     acc.o[i][0] = acc.o[i][1] = acc.o[i][2] = acc.o[i][3] = 0.f;
+  acc.sig = 0.f;
 #pragma unroll
   for (int i = 0; i < 2; i++) {
     acc.m[i] = -INFINITY;
@@ -707,9 +780,13 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   const int pmin = it.start, pmax = it.start + it.n - 1;
   for (int n = 0; n < cnt; n++) {
     // The stage of chunk n - 1 is free (the warp passed its end): refill it.
-    if (n + NS - 1 < cnt && !no_load)
-      dec_issue<C>(P, bt, kvh, jfirst + (warp + NW * (n + NS - 1)) * KS, khi,
-                   myStages + ((n + NS - 1) % NS) * C::kStage, lane);
+    if (n + NS - 1 < cnt) {
+      if (!no_load)
+        dec_issue<C>(P, next_blk, kvh, jfirst + (warp + NW * (n + NS - 1)) * KS, khi,
+                     myStages + ((n + NS - 1) % NS) * C::kStage, lane);
+      if (n + NS < cnt)
+        next_blk = blk_of(n + NS);
+    }
     cp_async_commit();
     cp_async_wait<NS - 1>();
     __syncwarp();
@@ -738,14 +815,24 @@ __device__ __forceinline__ int dec_item_chunks(const attnd_kitem_t &it, int &jfi
   return hi >= jfirst ? (hi - jfirst) / kDecKeys + 1 : 1;
 }
 
-// Flat split: pre[i] = chunks of items 0..i-1 (one kv head's share), pre[n] = all.
-template <class C> __device__ void dec_prefix(const DecodeParams &P, int *pre, int *scratch) {
+// Flat split: pre[i] = chunks of items 0..i-1 (one kv head's share), pre[n] =
+// all; returns the CTAs to use of the nctas launched: when every item with q
+// has the same chunk count, a multiple of the segments (each (item, kv head)
+// cut into equal parts, no piece straddling two: a balanced batch runs as a
+// per-item split would); otherwise all of them (at most one per chunk).
+template <class C> __device__ int dec_prefix(const DecodeParams &P, int *pre, int *scratch) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n = P.nitems;
   const int per = (n + C::NTH - 1) / C::NTH, i0 = min(n, tid * per), i1 = min(n, i0 + per);
-  int sum = 0, jf, lo, hi;
+  int sum = 0, mn = 0x7fffffff, mx = 0, nq = 0, jf, lo, hi;
   for (int i = i0; i < i1; i++) {
     const attnd_kitem_t it = P.items[i];
-    sum += dec_item_chunks(it, jf, lo, hi);
+    const int c = dec_item_chunks(it, jf, lo, hi);
+    sum += c;
+    if (c > 0) {
+      mn = min(mn, c);
+      mx = max(mx, c);
+      nq++;
+    }
   }
   int incl = sum;
 #pragma unroll
@@ -754,8 +841,19 @@ template <class C> __device__ void dec_prefix(const DecodeParams &P, int *pre, i
     if (lane >= x)
       incl += y;
   }
+#pragma unroll
+  for (int x = 16; x; x >>= 1) {
+    mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, x));
+    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+    nq += __shfl_xor_sync(0xffffffffu, nq, x);
+  }
   if (lane == 31)
     scratch[warp] = incl;
+  if (lane == 0) {
+    scratch[4 + warp] = mn;
+    scratch[8 + warp] = mx;
+    scratch[12 + warp] = nq;
+  }
   __syncthreads();
   int run = incl - sum;
   for (int w = 0; w < warp; w++)
@@ -767,7 +865,18 @@ template <class C> __device__ void dec_prefix(const DecodeParams &P, int *pre, i
   }
   if (tid == C::NTH - 1)
     pre[n] = run;
+  mn = min(min(scratch[4], scratch[5]), min(scratch[6], scratch[7]));
+  mx = max(max(scratch[8], scratch[9]), max(scratch[10], scratch[11]));
+  nq = scratch[12] + scratch[13] + scratch[14] + scratch[15];
   __syncthreads();
+  const long long w = (long long)P.kv_heads * pre[n];
+  if (mn == mx && nq > 0) {
+    const long long segs = (long long)P.kv_heads * nq;
+    long long k = P.nctas / segs;
+    k = k < 1 ? 1 : k > mx ? mx : k;
+    return (int)min((long long)P.nctas, segs * k);
+  }
+  return (int)min((long long)P.nctas, w);
 }
 
 template <int D, int DT, int KV, bool TR>
@@ -793,14 +902,16 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
     dec_piece<C>(P, smem, it, kvh, lo, hi, out_kind, split);
     return;
   }
-  // Flat split: this CTA's chunks [u, u1) of the W in all.
+  // Flat split: this CTA's chunks [u, u1) of the W in all, over nc CTAs.
   int *pre = reinterpret_cast<int *>(smem + C::kStages);
   int *scratch = reinterpret_cast<int *>(smem + C::kMisc) + 64;
-  dec_prefix<C>(P, pre, scratch);
+  const int nc = dec_prefix<C>(P, pre, scratch);
   const int cta = blockIdx.x, KVH = P.kv_heads;
+  if (cta >= nc)
+    return;
   const long long W = (long long)KVH * pre[P.nitems];
-  long long u = flat_start(cta, P.nctas, W);
-  const long long u1 = flat_start(cta + 1, P.nctas, W);
+  long long u = flat_start(cta, nc, W);
+  const long long u1 = flat_start(cta + 1, nc, W);
   // The item holding chunk u: the last i with KVH pre[i] <= u (it has chunks).
   int i = 0;
   if (u < u1) {
@@ -816,10 +927,12 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
   }
   long long base = (long long)KVH * pre[i];
   pdl_wait(); // q, the cache and the workspace belong to the previous kernel until here
-  if (cta == 0 && P.nctas > 1) { // the prefix sums, for the merge
+  if (cta == 0 && P.nctas > 1) { // the prefix sums and the CTA count, for the merge
     int *wpre = reinterpret_cast<int *>(P.ws + flat_prefix_offset(P.nctas, P.max_vec, D));
     for (int j = threadIdx.x; j <= P.nitems; j += C::NTH)
       wpre[j] = pre[j];
+    if (threadIdx.x == 0)
+      wpre[P.nitems + 1] = nc;
   }
   bool first = true;
   while (u < u1) {

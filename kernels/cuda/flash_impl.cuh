@@ -47,6 +47,11 @@ template <int D_, int DT_, int KV_> struct Tiled {
   static constexpr size_t kC = kFlags + kMaxTileFlags;                   // int4: [BM] q'.z_k; [8] scratch
   static constexpr size_t kBytes = kC + (size_t)BM * 4 + 32;
   static constexpr size_t kQlo = kBytes; // [BM][LD], only when q is split (extra dynamic smem)
+  // P goes to the matrix units as P 2^14 in fp16 (fp16's subnormals start at
+  // 2^-14); the dynamic types' P carries V's scale, taken relative to a running
+  // power-of-two reference of those scales in fp16 (kSigma, decode_kernel.cuh).
+  static constexpr float kPShift = DT == ATTND_DT_FP16 ? 14.f : 0.f;
+  static constexpr bool kSigma = K::kDyn && DT == ATTND_DT_FP16;
   static_assert(BN * CPR >= 32, "a tile has at least one chunk per lane");
 };
 
@@ -207,6 +212,7 @@ __device__ __forceinline__ void tiled_dequant(const uint8_t *sRawStage, typename
 template <class C> struct TileAcc {
   float o[C::NT][4];
   float m[2], l[2], lt[2];
+  float sig; // kSigma: the power of two V's scales are taken relative to
 };
 
 // One key tile for one warp: S = Q K^T, mask, online softmax, O += P V.
@@ -259,7 +265,19 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const typename Act<
       s[nt][e] = v;
       mx[e >> 1] = fmaxf(mx[e >> 1], v);
     }
-  float alpha[2];
+  float alpha[2], beta = 1.f, vinv = 1.f;
+  if constexpr (C::kSigma) {
+    float vm = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; nt++)
+      vm = fmaxf(vm, fmaxf(sDsStage[BN + nt * 8 + (lane & 3) * 2], sDsStage[BN + nt * 8 + (lane & 3) * 2 + 1]));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));
+    const float sn = fmaxf(acc.sig, pow2_ceil(vm));
+    beta = acc.sig / sn; // exact: powers of two; 0 before the first tile
+    acc.sig = sn;
+    vinv = 1.f / sn;
+  }
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
@@ -268,7 +286,7 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const typename Act<
     const float mref = softmax_ref(acc.m[ri], mx[ri], mnew);
     alpha[ri] = ex2(acc.m[ri] - mref);
     acc.m[ri] = mnew;
-    mx[ri] = mref;
+    mx[ri] = mref - C::kPShift; // P' = P 2^kPShift
   }
   float rs[2] = {0.f, 0.f}, rt[2] = {0.f, 0.f};
   uint32_t pa[BN / 16][4];
@@ -281,8 +299,9 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const typename Act<
     uint32_t w0, w1;
     if constexpr (C::K::kDyn) {
       const float *vs = sDsStage + BN + nt * 8 + (lane & 3) * 2;
-      w0 = A::pack2(p0 * vs[0], p1 * vs[1]);
-      w1 = A::pack2(p2 * vs[0], p3 * vs[1]);
+      const float v0 = vs[0] * vinv, v1 = vs[1] * vinv;
+      w0 = A::pack2(p0 * v0, p1 * v1);
+      w1 = A::pack2(p2 * v0, p3 * v1);
     } else {
       w0 = A::pack2(p0, p1);
       w1 = A::pack2(p2, p3);
@@ -299,12 +318,13 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const typename Act<
     acc.l[ri] = acc.l[ri] * alpha[ri] + rs[ri];
     acc.lt[ri] = acc.lt[ri] * alpha[ri] + rt[ri];
   }
+  const float r0 = alpha[0] * beta, r1 = alpha[1] * beta;
 #pragma unroll
   for (int i = 0; i < C::NT; i++) {
-    acc.o[i][0] *= alpha[0];
-    acc.o[i][1] *= alpha[0];
-    acc.o[i][2] *= alpha[1];
-    acc.o[i][3] *= alpha[1];
+    acc.o[i][0] *= r0;
+    acc.o[i][1] *= r0;
+    acc.o[i][2] *= r1;
+    acc.o[i][3] *= r1;
   }
   // O += P V
 #pragma unroll
@@ -346,8 +366,9 @@ __device__ __forceinline__ void tiled_write(const FlashParams &P, const TileCtx 
     // the weight of this part in a merge; lse is the sum of P's.
     const bool any = acc.l[ri] > 0.f;
     const float ln = C::K::kDyn ? acc.l[ri] : acc.lt[ri];
-    const float inv = any ? 1.f / ln : 0.f;
-    const float ref = acc.m[ri] - (C::K::kI4 ? sC[warp * 16 + (lane >> 2) + ri * 8] : 0.f);
+    const float inv = any ? (C::kSigma ? acc.sig : 1.f) / ln : 0.f;
+    // The sums hold P 2^kPShift.
+    const float ref = acc.m[ri] - C::kPShift - (C::K::kI4 ? sC[warp * 16 + (lane >> 2) + ri * 8] : 0.f);
     const float lse = any ? (ref + log2f(acc.l[ri])) * 0.69314718055994531f : -INFINITY;
     const float lset = any ? (ref + log2f(ln)) * 0.69314718055994531f : -INFINITY;
     float o[NT][2];
@@ -481,6 +502,7 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
              (double)P.k_zero[x.kvh * D + d];
       sC[tid] = (float)(c * (double)x.sl2);
     }
+    __syncthreads(); // read by other warps at the end, also when no key tile runs
   }
 
   auto tile_skip = [&](int t) -> bool {
@@ -505,6 +527,7 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
   const int wv0 = x.v0 + warp * 16;
   const bool warp_live = wv0 < x.vend;
   int prow[2];
+  acc.sig = 0.f;
 #pragma unroll
   for (int i = 0; i < 2; i++) {
     acc.m[i] = -INFINITY;

@@ -37,13 +37,17 @@ __global__ void merge_split_kernel(const float *__restrict__ ws_o, const float *
       sum += w;
       suml += expf(ws_lse[s * stride_l + gw] - ml);
       const float *o = ws_o + s * stride_o + (size_t)gw * d;
-      for (int e = 0; e < d / 32; e++)
-        acc[e] += w * o[lane + 32 * e];
+#pragma unroll
+      for (int e = 0; e < 8; e++) // d / 32 of them (constant indices keep acc in registers)
+        if (e < d / 32)
+          acc[e] += w * o[lane + 32 * e];
     }
   }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  for (int e = 0; e < d / 32; e++)
-    store_dt(out_fp32 ? ATTND_DT_FP32 : dt, out, (size_t)gw * d + lane + 32 * e, acc[e] * inv);
+#pragma unroll
+  for (int e = 0; e < 8; e++)
+    if (e < d / 32)
+      store_dt(out_fp32 ? ATTND_DT_FP32 : dt, out, (size_t)gw * d + lane + 32 * e, acc[e] * inv);
   if (lse && lane == 0)
     lse[gw] = sum > 0.f ? ml + logf(suml) : -INFINITY;
 }
@@ -63,55 +67,83 @@ __device__ int flat_cta(long long u, int nctas, long long w) {
 // parts are: the first CTA's slot (2c0 when its range starts with this item,
 // else 2c0 + 1, its last piece), the slots 2c of the CTAs strictly inside,
 // and slot 2c1 of the last CTA (its first piece); CTAs with no chunks (more
-// CTAs than chunks) are skipped.
-__global__ void merge_flat_kernel(const __grid_constant__ DecodeParams P, int d, int dt) {
+// CTAs than chunks) are skipped. A warp per query vector: lanes take parts
+// for the maxima and sums, then channels (coalesced) for the weighted sum.
+__global__ void __launch_bounds__(128) merge_flat_kernel(const __grid_constant__ DecodeParams P, int d, int dt) {
   pdl_wait();
   const int item = blockIdx.x / P.kv_heads, h = blockIdx.x % P.kv_heads;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const attnd_kitem_t it = P.items[item];
   if (it.q_row < 0)
     return;
   const int *pre = reinterpret_cast<const int *>(P.ws + flat_prefix_offset(P.nctas, P.max_vec, d));
+  const int nc = pre[P.nitems + 1]; // CTAs the decode kernel used
   const long long W = (long long)P.kv_heads * pre[P.nitems];
   const int nch = pre[item + 1] - pre[item];
   const long long s0 = (long long)P.kv_heads * pre[item] + (long long)h * nch, s1 = s0 + nch;
-  const int c0 = flat_cta(s0, P.nctas, W), c1 = flat_cta(s1 - 1, P.nctas, W);
+  const int c0 = flat_cta(s0, nc, W), c1 = flat_cta(s1 - 1, nc, W);
   if (c0 == c1)
     return;
-  const int first0 = flat_start(c0, P.nctas, W) == s0 ? 0 : 1;
-  const int G = P.group, nvec = it.n * G;
+  const int first0 = flat_start(c0, nc, W) == s0 ? 0 : 1;
+  const int G = P.group, nvec = it.n * G, np = c1 - c0 + 1;
   const size_t sf = flat_slot_floats(P.max_vec, d);
-  auto slot = [&](int c) -> const float * {
-    return P.ws + (size_t)(2 * c + (c == c0 ? first0 : 0)) * sf;
-  };
-  // CTAs with an empty range (more CTAs than chunks) wrote nothing.
-  auto empty = [&](int c) -> bool {
-    return c != c0 && c != c1 && flat_start(c + 1, P.nctas, W) == flat_start(c, P.nctas, W);
-  };
-  for (int idx = threadIdx.x; idx < nvec * d; idx += blockDim.x) {
-    const int v = idx / d, e = idx % d;
-    const size_t il = (size_t)P.max_vec * d + v, it2 = (size_t)P.max_vec * (d + 1) + v;
+  auto slot = [&](int c) -> const float * { return P.ws + (size_t)(2 * c + (c == c0 ? first0 : 0)) * sf; };
+  auto empty = [&](int c) -> bool { return c != c0 && c != c1 && flat_start(c + 1, nc, W) == flat_start(c, nc, W); };
+  const size_t il = (size_t)P.max_vec * d, it2 = (size_t)P.max_vec * (d + 1);
+  for (int v = warp; v < nvec; v += 4) {
     float m = -INFINITY, ml = -INFINITY;
-    for (int c = c0; c <= c1; c++) {
+    for (int q = lane; q < np; q += 32) {
+      const int c = c0 + q;
       if (empty(c))
         continue;
-      m = fmaxf(m, slot(c)[it2]);
-      ml = fmaxf(ml, slot(c)[il]);
+      m = fmaxf(m, slot(c)[it2 + v]);
+      ml = fmaxf(ml, slot(c)[il + v]);
     }
-    float acc = 0.f, sum = 0.f, suml = 0.f;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      ml = fmaxf(ml, __shfl_xor_sync(0xffffffffu, ml, o));
+    }
+    float sum = 0.f, suml = 0.f;
     if (m != -INFINITY)
-      for (int c = c0; c <= c1; c++) {
-        const float *s = slot(c);
-        if (empty(c) || s[it2] == -INFINITY)
+      for (int q = lane; q < np; q += 32) {
+        const int c = c0 + q;
+        if (empty(c) || slot(c)[it2 + v] == -INFINITY)
           continue;
-        const float w = expf(s[it2] - m);
-        sum += w;
-        suml += expf(s[il] - ml);
-        acc += w * s[(size_t)v * d + e];
+        sum += expf(slot(c)[it2 + v] - m);
+        suml += expf(slot(c)[il + v] - ml);
       }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      suml += __shfl_xor_sync(0xffffffffu, suml, o);
+    }
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (m != -INFINITY) {
+#pragma unroll 4
+      for (int q = 0; q < np; q++) {
+        const int c = c0 + q;
+        if (empty(c))
+          continue;
+        const float *s = slot(c);
+        const float l = s[it2 + v];
+        if (l == -INFINITY)
+          continue;
+        const float w = expf(l - m);
+#pragma unroll
+        for (int e = 0; e < 8; e++) // d / 32 of them (constant indices keep acc in registers)
+          if (e < d / 32)
+            acc[e] += w * s[(size_t)v * d + lane + 32 * e];
+      }
+    }
     const int row = it.q_row + v / G, qh = h * G + v % G;
-    const size_t ob = ((size_t)row * P.q_heads + qh) * d + e;
-    store_dt(P.out_fp32 ? ATTND_DT_FP32 : dt, P.out, ob, sum > 0.f ? acc / sum : 0.f);
-    if (P.lse && e == 0)
+    const size_t ob = ((size_t)row * P.q_heads + qh) * d;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; e++)
+      if (e < d / 32)
+        store_dt(P.out_fp32 ? ATTND_DT_FP32 : dt, P.out, ob + lane + 32 * e, acc[e] * inv);
+    if (P.lse && lane == 0)
       P.lse[(size_t)row * P.q_heads + qh] = sum > 0.f ? ml + logf(suml) : -INFINITY;
   }
 }

@@ -58,6 +58,12 @@ __device__ __forceinline__ float softmax_ref(float m_old, float tile_max, float 
   return m_new == -INFINITY ? 0.f : m_new;
 }
 
+// Smallest power of two >= x (x >= 0 finite), at least 2^-126.
+__device__ __forceinline__ float pow2_ceil(float x) {
+  const uint32_t u = __float_as_uint(fmaxf(x, 0x1p-126f));
+  return __uint_as_float((u + 0x7fffffu) & 0x7f800000u);
+}
+
 // ---- asynchronous copies ----------------------------------------------------
 // nbytes 0: nothing is read and the 16 bytes are zero-filled.
 __device__ __forceinline__ void cp_async16n(void *smem, const void *gmem, int nbytes) {

@@ -27,15 +27,15 @@ struct WriteParams {
 };
 
 // The item whose k/v rows hold row t: the last one with kv_row <= t (items
-// are packed in order, so kv_row increases).
-__device__ int find_item(const attnd_kitem_t *items, int nitems, int t) {
-  int lo = 0, hi = nitems - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) >> 1;
-    if (items[mid].kv_row <= t)
-      lo = mid;
-    else
-      hi = mid - 1;
+// are packed in order, so kv_row increases). The warp searches 32 items a
+// round, so a batch of up to 1024 items costs two dependent loads, not ten.
+__device__ int find_item(const attnd_kitem_t *items, int nitems, int t, int lane) {
+  int lo = 0, hi = nitems; // items[lo].kv_row <= t; the answer is in [lo, hi)
+  while (hi - lo > 1) {
+    const int step = (hi - lo + 31) / 32, idx = lo + lane * step;
+    const unsigned m = __ballot_sync(0xffffffffu, idx < hi && items[idx].kv_row <= t);
+    lo += (31 - __clz(m)) * step;
+    hi = min(hi, lo + step);
   }
   return lo;
 }
@@ -43,10 +43,10 @@ __device__ int find_item(const attnd_kitem_t *items, int nitems, int t) {
 __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constant__ WriteParams P) {
   __shared__ float buf[kWarps][256];
   // Launched with programmatic dependent launch: the attention kernel after
-  // this one may start its prologue now; this kernel waits for the one
-  // before it (which may still read the cache being written).
+  // this one may start its prologue now; this kernel reads its inputs at
+  // once but waits for the kernel before it (which may still read the cache
+  // and q) before its first store.
   pdl_trigger();
-  pdl_wait();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int per_token = P.q_heads + 2 * P.kv_heads;
   const long gw = (long)blockIdx.x * kWarps + warp;
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
     return;
   const int t = (int)(gw / per_token);
   const attnd_kbatch_t &b = P.b;
-  const attnd_kitem_t it = b.items[find_item(b.items, b.nitems, t)];
+  const attnd_kitem_t it = b.items[find_item(b.items, b.nitems, t, lane)];
   const int r = t - it.kv_row;
   const int pos = it.start + r;
   const int d = P.d, epl = d / 32, c0 = lane * epl;
@@ -121,6 +121,7 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
     }
     for (int e = 0; e < epl; e++)
       x[e] = round_dt(P.dt, x[e]);
+    pdl_wait();
     if (kind == 0) {
       for (int e = 0; e < epl; e++)
         store_dt(P.dt, b.q, base + c0 + e, x[e]);
