@@ -192,15 +192,17 @@ template <class C> __device__ __forceinline__ uint32_t v_pair(const uint32_t *xa
   }
 }
 
-// cp.async of the chunk of 16 keys at j0 (all in one block, physical block
-// pblk: chunks are 16-aligned, blocks hold >= 16 keys) into a stage; rows past
-// jmax are zero-filled, so a stale tail of the block is never read as a value.
+// cp.async of the chunk of 16 keys at j0 (all in one block: chunks are
+// 16-aligned, blocks hold >= 16 keys) into a stage; rows past jmax are
+// zero-filled, so a stale tail of the block is never read as a value. (Reading
+// the block-table entry a chunk ahead, in a register, made the copies slower
+// on the H200: bench/RESULTS.md, decode round 2.)
 template <class C>
-__device__ __forceinline__ void dec_issue(const DecodeParams &P, int pblk, int kvh, int j0, int jmax, uint8_t *sb,
-                                          int lane) {
+__device__ __forceinline__ void dec_issue(const DecodeParams &P, const int32_t *bt, int kvh, int j0, int jmax,
+                                          uint8_t *sb, int lane) {
   constexpr int KS = C::KS, RB = C::RB, CPR = C::CPR;
   const int nval = min(KS, jmax - j0 + 1);
-  const size_t blk = (size_t)pblk * P.block_bytes;
+  const size_t blk = (size_t)bt[j0 >> (__ffs(P.bs) - 1)] * P.block_bytes;
   const int rib = kvh * P.bs + (j0 & (P.bs - 1)); // row in the block's [kv head][token] order
   const size_t v_region = (size_t)P.kv_heads * P.bs * RB;
   const uint8_t *kp = P.cache + blk + (size_t)rib * RB;
@@ -325,14 +327,14 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
     const float mref = softmax_ref(acc.m[vi], mx[vi], mnew);
     alpha[vi] = ex2(acc.m[vi] - mref);
     acc.m[vi] = mnew;
-    mx[vi] = mref - C::kPShift; // P' = P 2^kPShift
+    mx[vi] = mref;
   }
   // P^T to the warp's [vector][key] tile (the B operand wants keys along a
   // lane's register pair), V's per-token scale folded in.
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     const int key = g + 8 * (e >> 1), v = 2 * c4 + (e & 1), vi = e & 1;
-    const float pe = ex2(sa[e] - mx[vi]);
+    const float pe = ex2((sa[e] - mx[vi]) + C::kPShift); // P' = P 2^kPShift (shift after the difference: exact)
     acc.l[vi] = (e >> 1) ? acc.l[vi] + pe : acc.l[vi] * alpha[vi] + pe;
     float pv = pe;
     if constexpr (C::K::kDyn)
@@ -443,14 +445,15 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
     const float mref = softmax_ref(acc.m[ri], mx[ri], mnew);
     alpha[ri] = ex2(acc.m[ri] - mref);
     acc.m[ri] = mnew;
-    mx[ri] = mref - C::kPShift; // P' = P 2^kPShift
+    mx[ri] = mref;
   }
   float rs[2] = {0.f, 0.f};
   uint32_t pa[4];
+  constexpr float sh = C::kPShift; // P' = P 2^kPShift, added after the difference (exact)
 #pragma unroll
   for (int nt = 0; nt < 2; nt++) {
-    const float p0 = ex2(s[nt][0] - mx[0]), p1 = ex2(s[nt][1] - mx[0]);
-    const float p2 = ex2(s[nt][2] - mx[1]), p3 = ex2(s[nt][3] - mx[1]);
+    const float p0 = ex2((s[nt][0] - mx[0]) + sh), p1 = ex2((s[nt][1] - mx[0]) + sh);
+    const float p2 = ex2((s[nt][2] - mx[1]) + sh), p3 = ex2((s[nt][3] - mx[1]) + sh);
     rs[0] += p0 + p1;
     rs[1] += p2 + p3;
     if constexpr (C::K::kDyn) {
@@ -588,9 +591,10 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
     // lse from the sum of P; lset from the sum that normalized O (the merge weights).
     float lse = -INFINITY, lset = -INFINITY;
     if (Ls > 0.f) {
-      const float ref = sM[r] - C::kPShift - (C::K::kI4 ? sC[r] : 0.f); // the sums hold P 2^kPShift
-      lse = (ref + log2f(Ls)) * 0.69314718055994531f;
-      lset = C::K::kDyn ? lse : (ref + log2f(sLt[r])) * 0.69314718055994531f;
+      // The sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
+      const float ref = sM[r] - (C::K::kI4 ? sC[r] : 0.f);
+      lse = (ref + (log2f(Ls) - C::kPShift)) * 0.69314718055994531f;
+      lset = C::K::kDyn ? lse : (ref + (log2f(sLt[r]) - C::kPShift)) * 0.69314718055994531f;
     }
     const int row = it.q_row + r / G, h = kvh * G + r % G;
     const size_t ob = ((size_t)row * P.q_heads + h) * D + d;
@@ -644,17 +648,12 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   const int jfirst = klo & ~(KS - 1);
   const int nchunks = khi >= jfirst ? (khi - jfirst) / KS + 1 : 0;
   const int cnt = nchunks > warp ? (nchunks - 1 - warp) / NW + 1 : 0;
-  const int bs_shift = __ffs(P.bs) - 1;
-  // Physical block of this warp's chunk k. The one for the next refill is
-  // read a chunk ahead, so its latency hides behind a chunk's math.
-  auto blk_of = [&](int k) -> int { return bt[(jfirst + (warp + NW * k) * KS) >> bs_shift]; };
 #pragma unroll
   for (int n = 0; n < NS - 1; n++) {
     if (n < cnt && !no_load)
-      dec_issue<C>(P, blk_of(n), kvh, jfirst + (warp + NW * n) * KS, khi, myStages + n * C::kStage, lane);
+      dec_issue<C>(P, bt, kvh, jfirst + (warp + NW * n) * KS, khi, myStages + n * C::kStage, lane);
     cp_async_commit();
   }
-  int next_blk = NS - 1 < cnt ? blk_of(NS - 1) : 0;
 
   // While the first chunks are on their way: the static scales, and q.
   DecPiece pc;
@@ -780,13 +779,9 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   const int pmin = it.start, pmax = it.start + it.n - 1;
   for (int n = 0; n < cnt; n++) {
     // The stage of chunk n - 1 is free (the warp passed its end): refill it.
-    if (n + NS - 1 < cnt) {
-      if (!no_load)
-        dec_issue<C>(P, next_blk, kvh, jfirst + (warp + NW * (n + NS - 1)) * KS, khi,
-                     myStages + ((n + NS - 1) % NS) * C::kStage, lane);
-      if (n + NS < cnt)
-        next_blk = blk_of(n + NS);
-    }
+    if (n + NS - 1 < cnt && !no_load)
+      dec_issue<C>(P, bt, kvh, jfirst + (warp + NW * (n + NS - 1)) * KS, khi,
+                   myStages + ((n + NS - 1) % NS) * C::kStage, lane);
     cp_async_commit();
     cp_async_wait<NS - 1>();
     __syncwarp();

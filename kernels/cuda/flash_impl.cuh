@@ -50,8 +50,16 @@ template <int D_, int DT_, int KV_> struct Tiled {
   // P goes to the matrix units as P 2^14 in fp16 (fp16's subnormals start at
   // 2^-14); the dynamic types' P carries V's scale, taken relative to a running
   // power-of-two reference of those scales in fp16 (kSigma, decode_kernel.cuh).
-  static constexpr float kPShift = DT == ATTND_DT_FP16 ? 14.f : 0.f;
-  static constexpr bool kSigma = K::kDyn && DT == ATTND_DT_FP16;
+  // The P V product's operand dtype, as the decode kernel's (decode_kernel.cuh):
+  // fp16 wherever V's stored values are exact in it, the activation dtype for
+  // the dynamic types (their P carries V's scale). Both kernels must round P
+  // the same way: a prefix-cache hit (decode kernel) must equal a full
+  // recompute (this kernel).
+  static constexpr int PDT = (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) ? ATTND_DT_BF16
+                             : K::kDyn                                    ? DT
+                                                                          : ATTND_DT_FP16;
+  static constexpr float kPShift = PDT == ATTND_DT_FP16 ? 14.f : 0.f;
+  static constexpr bool kSigma = K::kDyn && PDT == ATTND_DT_FP16;
   static_assert(BN * CPR >= 32, "a tile has at least one chunk per lane");
 };
 
@@ -175,14 +183,11 @@ __device__ __forceinline__ void tiled_issue(const FlashParams &P, const TileCtx 
 // Converts the staged raw tile into the operand tiles (registers in between):
 // stored values, exact in the operand dtype; scales and zero points are
 // applied elsewhere (scores, P, O).
-template <class C>
-__device__ __forceinline__ void tiled_dequant(const uint8_t *sRawStage, typename Act<C::DT>::T *sOp) {
-  using A = Act<C::DT>;
+template <class C, int ODT>
+__device__ __forceinline__ void tiled_dequant_one(const uint8_t *raw, uint16_t *dst) {
+  using A = Act<ODT>;
   constexpr int BN = C::BN, CPR = C::CPR, EPC = C::EPC, LD = C::LD, RAWLD = C::RAWLD;
-#pragma unroll
-  for (int which = 0; which < 2; which++) {
-    const uint8_t *raw = sRawStage + (size_t)which * BN * RAWLD;
-    typename A::T *dst = sOp + which * BN * LD;
+  {
 #pragma unroll
     for (int i = 0; i < C::CHI; i++) {
       const int c = threadIdx.x + i * C::NTH, key = c / CPR, col = (c % CPR) * EPC;
@@ -193,9 +198,9 @@ __device__ __forceinline__ void tiled_dequant(const uint8_t *sRawStage, typename
 #pragma unroll
       for (int e = 0; e < EPC; e += 2) {
         if constexpr (C::K::kFp8) {
-          packed[e / 2] = pair8<C::KV, C::DT>((&rv.x)[e >> 2], (&rv.x)[e >> 2], e & 3, (e & 3) + 1);
+          packed[e / 2] = pair8<C::KV, ODT>((&rv.x)[e >> 2], (&rv.x)[e >> 2], e & 3, (e & 3) + 1);
         } else if constexpr (C::K::k16) {
-          packed[e / 2] = word16<C::KV, C::DT>((&rv.x)[e >> 1]);
+          packed[e / 2] = word16<C::KV, ODT>((&rv.x)[e >> 1]);
         } else {
           packed[e / 2] = A::pack2(chunk_elem<C::KV>(rv, e), chunk_elem<C::KV>(rv, e + 1));
         }
@@ -208,6 +213,12 @@ __device__ __forceinline__ void tiled_dequant(const uint8_t *sRawStage, typename
   }
 }
 
+// K in the activation dtype (the Q K product), V in C::PDT (the P V product).
+template <class C> __device__ __forceinline__ void tiled_dequant(const uint8_t *sRawStage, uint16_t *sOp) {
+  tiled_dequant_one<C, C::DT>(sRawStage, sOp);
+  tiled_dequant_one<C, C::PDT>(sRawStage + (size_t)C::BN * C::RAWLD, sOp + C::BN * C::LD);
+}
+
 // Per-warp online softmax state: rows lane/4 and lane/4 + 8 of the warp's 16.
 template <class C> struct TileAcc {
   float o[C::NT][4];
@@ -217,11 +228,10 @@ template <class C> struct TileAcc {
 
 // One key tile for one warp: S = Q K^T, mask, online softmax, O += P V.
 template <class C>
-__device__ __forceinline__ void tiled_tile(const TileCtx &x, const typename Act<C::DT>::T *sQ,
-                                           const typename Act<C::DT>::T *sQlo, const typename Act<C::DT>::T *sK,
-                                           const typename Act<C::DT>::T *sV, const float *sDsStage, int j0,
+__device__ __forceinline__ void tiled_tile(const TileCtx &x, const uint16_t *sQ, const uint16_t *sQlo,
+                                           const uint16_t *sK, const uint16_t *sV, const float *sDsStage, int j0,
                                            bool need_mask, const int *prow, TileAcc<C> &acc) {
-  using A = Act<C::DT>;
+  using A = Act<C::PDT>; // P's dtype
   constexpr int BN = C::BN, D = C::D, LD = C::LD;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, qr0 = warp * 16;
   float s[BN / 8][4];
@@ -286,14 +296,15 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const typename Act<
     const float mref = softmax_ref(acc.m[ri], mx[ri], mnew);
     alpha[ri] = ex2(acc.m[ri] - mref);
     acc.m[ri] = mnew;
-    mx[ri] = mref - C::kPShift; // P' = P 2^kPShift
+    mx[ri] = mref;
   }
   float rs[2] = {0.f, 0.f}, rt[2] = {0.f, 0.f};
   uint32_t pa[BN / 16][4];
 #pragma unroll
   for (int nt = 0; nt < BN / 8; nt++) {
-    const float p0 = ex2(s[nt][0] - mx[0]), p1 = ex2(s[nt][1] - mx[0]);
-    const float p2 = ex2(s[nt][2] - mx[1]), p3 = ex2(s[nt][3] - mx[1]);
+    // P' = P 2^kPShift, the shift added after the difference (exact).
+    const float p0 = ex2((s[nt][0] - mx[0]) + C::kPShift), p1 = ex2((s[nt][1] - mx[0]) + C::kPShift);
+    const float p2 = ex2((s[nt][2] - mx[1]) + C::kPShift), p3 = ex2((s[nt][3] - mx[1]) + C::kPShift);
     rs[0] += p0 + p1;
     rs[1] += p2 + p3;
     uint32_t w0, w1;
@@ -307,8 +318,8 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const typename Act<
       w1 = A::pack2(p2, p3);
     }
     if constexpr (!C::K::kDyn) {
-      rt[0] += op_half<C::DT>(w0, false) + op_half<C::DT>(w0, true);
-      rt[1] += op_half<C::DT>(w1, false) + op_half<C::DT>(w1, true);
+      rt[0] += op_half<C::PDT>(w0, false) + op_half<C::PDT>(w0, true);
+      rt[1] += op_half<C::PDT>(w1, false) + op_half<C::PDT>(w1, true);
     }
     pa[nt / 2][(nt & 1) * 2 + 0] = w0;
     pa[nt / 2][(nt & 1) * 2 + 1] = w1;
@@ -333,8 +344,8 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const typename Act<
     for (int n0 = 0; n0 < D; n0 += 16) {
       uint32_t b0, b1, b2, b3;
       ldsm_x4_t(b0, b1, b2, b3, sV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8);
-      mma16816<C::DT>(acc.o[n0 / 8], pa[kk], b0, b1);
-      mma16816<C::DT>(acc.o[n0 / 8 + 1], pa[kk], b2, b3);
+      mma16816<C::PDT>(acc.o[n0 / 8], pa[kk], b0, b1);
+      mma16816<C::PDT>(acc.o[n0 / 8 + 1], pa[kk], b2, b3);
     }
 }
 
@@ -367,10 +378,10 @@ __device__ __forceinline__ void tiled_write(const FlashParams &P, const TileCtx 
     const bool any = acc.l[ri] > 0.f;
     const float ln = C::K::kDyn ? acc.l[ri] : acc.lt[ri];
     const float inv = any ? (C::kSigma ? acc.sig : 1.f) / ln : 0.f;
-    // The sums hold P 2^kPShift.
-    const float ref = acc.m[ri] - C::kPShift - (C::K::kI4 ? sC[warp * 16 + (lane >> 2) + ri * 8] : 0.f);
-    const float lse = any ? (ref + log2f(acc.l[ri])) * 0.69314718055994531f : -INFINITY;
-    const float lset = any ? (ref + log2f(ln)) * 0.69314718055994531f : -INFINITY;
+    // The sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
+    const float ref = acc.m[ri] - (C::K::kI4 ? sC[warp * 16 + (lane >> 2) + ri * 8] : 0.f);
+    const float lse = any ? (ref + (log2f(acc.l[ri]) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
+    const float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
     float o[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -422,7 +433,7 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
   T *sQ = reinterpret_cast<T *>(smem + C::kQ);
   T *sQlo = reinterpret_cast<T *>(smem + C::kQlo);
   uint8_t *sRaw = smem + C::kRaw;
-  T *sOp = reinterpret_cast<T *>(smem + C::kOp);
+  uint16_t *sOp = reinterpret_cast<uint16_t *>(smem + C::kOp); // K (activation dtype), V (C::PDT)
   float *sDs = reinterpret_cast<float *>(smem + C::kDs);
   float *sScale = reinterpret_cast<float *>(smem + C::kScale); // v scale, v zero
   uint8_t *sFlags = smem + C::kFlags;                          // bit0: skip, bit1: needs mask
@@ -551,10 +562,10 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
     const bool need_mask = x.it.mask_kind == ATTND_MASK_INTERVALS
                                ? t >= kMaxTileFlags || (sFlags[t] & 2)
                                : tile_needs_mask(x.it, x.pmin, x.pmax, x.lo, x.hi, j0, BN);
-    const T *sK, *sV;
+    const uint16_t *sK, *sV;
     if constexpr (C::kDirect) {
-      sK = reinterpret_cast<const T *>(sRaw + (size_t)(stage * 2) * BN * RAWLD);
-      sV = reinterpret_cast<const T *>(sRaw + (size_t)(stage * 2 + 1) * BN * RAWLD);
+      sK = reinterpret_cast<const uint16_t *>(sRaw + (size_t)(stage * 2) * BN * RAWLD);
+      sV = reinterpret_cast<const uint16_t *>(sRaw + (size_t)(stage * 2 + 1) * BN * RAWLD);
     } else {
       tiled_dequant<C>(sRaw + (size_t)(stage * 2) * BN * RAWLD, sOp);
       __syncthreads();
@@ -562,7 +573,8 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
       sV = sOp + BN * LD;
     }
     if (warp_live && !no_math)
-      tiled_tile<C>(x, sQ, sQlo, sK, sV, sDs + stage * 2 * BN, j0, need_mask, prow, acc);
+      tiled_tile<C>(x, reinterpret_cast<const uint16_t *>(sQ), reinterpret_cast<const uint16_t *>(sQlo), sK, sV,
+                    sDs + stage * 2 * BN, j0, need_mask, prow, acc);
     __syncthreads(); // the stage and operand tiles are rewritten next
     t = tn;
     stage ^= 1;

@@ -13,7 +13,10 @@
 namespace attnd {
 namespace {
 
-// Per-item split: one warp per (query row, q head) over nsplit parts.
+// Per-item split: one warp per (query row, q head) over nsplit <= 32 parts.
+// Lane s holds part s's weight; the weighted sum then reads the parts four at
+// a time, their loads independent (a loop of dependent loads over 32 parts
+// cost ~30 us).
 __global__ void merge_split_kernel(const float *__restrict__ ws_o, const float *__restrict__ ws_lse, int nsplit,
                                    int rows, int q_heads, int d, int dt, int out_fp32, void *out, float *lse) {
   pdl_wait();
@@ -22,25 +25,41 @@ __global__ void merge_split_kernel(const float *__restrict__ ws_o, const float *
     return;
   const size_t stride_o = (size_t)rows * q_heads * d, stride_l = (size_t)rows * q_heads;
   const float *ws_lset = ws_lse + (size_t)nsplit * stride_l;
-  float m = -INFINITY, ml = -INFINITY;
-  for (int s = 0; s < nsplit; s++) {
-    m = fmaxf(m, ws_lset[s * stride_l + gw]);
-    ml = fmaxf(ml, ws_lse[s * stride_l + gw]);
+  const float lt = lane < nsplit ? ws_lset[lane * stride_l + gw] : -INFINITY;
+  const float ll = lane < nsplit ? ws_lse[lane * stride_l + gw] : -INFINITY;
+  float m = lt, ml = ll;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    ml = fmaxf(ml, __shfl_xor_sync(0xffffffffu, ml, o));
   }
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum = 0.f, suml = 0.f;
-  if (m != -INFINITY) {
-    for (int s = 0; s < nsplit; s++) {
-      const float l = ws_lset[s * stride_l + gw];
-      if (l == -INFINITY)
-        continue;
-      const float w = expf(l - m);
-      sum += w;
-      suml += expf(ws_lse[s * stride_l + gw] - ml);
-      const float *o = ws_o + s * stride_o + (size_t)gw * d;
+  const float w = m == -INFINITY || lt == -INFINITY ? 0.f : expf(lt - m);
+  float sum = w, suml = ml == -INFINITY || ll == -INFINITY ? 0.f : expf(ll - ml);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    suml += __shfl_xor_sync(0xffffffffu, suml, o);
+  }
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int s0 = 0; s0 < nsplit; s0 += 4) {
+    float ws4[4], ov[4][8];
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+      ws4[u] = __shfl_sync(0xffffffffu, w, (s0 + u) & 31);
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const bool live = s0 + u < nsplit && ws4[u] != 0.f;
+      const float *o = ws_o + (size_t)(s0 + u) * stride_o + (size_t)gw * d;
 #pragma unroll
       for (int e = 0; e < 8; e++) // d / 32 of them (constant indices keep acc in registers)
-        if (e < d / 32)
-          acc[e] += w * o[lane + 32 * e];
+        ov[u][e] = live && e < d / 32 ? o[lane + 32 * e] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const float wu = s0 + u < nsplit ? ws4[u] : 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; e++)
+        acc[e] += wu * ov[u][e];
     }
   }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -70,6 +89,7 @@ __device__ int flat_cta(long long u, int nctas, long long w) {
 // CTAs than chunks) are skipped. A warp per query vector: lanes take parts
 // for the maxima and sums, then channels (coalesced) for the weighted sum.
 __global__ void __launch_bounds__(128) merge_flat_kernel(const __grid_constant__ DecodeParams P, int d, int dt) {
+  extern __shared__ float sw[]; // [4 warps][nc] weights of the parts
   pdl_wait();
   const int item = blockIdx.x / P.kv_heads, h = blockIdx.x % P.kv_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -90,6 +110,7 @@ __global__ void __launch_bounds__(128) merge_flat_kernel(const __grid_constant__
   auto slot = [&](int c) -> const float * { return P.ws + (size_t)(2 * c + (c == c0 ? first0 : 0)) * sf; };
   auto empty = [&](int c) -> bool { return c != c0 && c != c1 && flat_start(c + 1, nc, W) == flat_start(c, nc, W); };
   const size_t il = (size_t)P.max_vec * d, it2 = (size_t)P.max_vec * (d + 1);
+  float *w = sw + warp * P.nctas;
   for (int v = warp; v < nvec; v += 4) {
     float m = -INFINITY, ml = -INFINITY;
     for (int q = lane; q < np; q += 32) {
@@ -105,37 +126,43 @@ __global__ void __launch_bounds__(128) merge_flat_kernel(const __grid_constant__
       ml = fmaxf(ml, __shfl_xor_sync(0xffffffffu, ml, o));
     }
     float sum = 0.f, suml = 0.f;
-    if (m != -INFINITY)
-      for (int q = lane; q < np; q += 32) {
-        const int c = c0 + q;
-        if (empty(c) || slot(c)[it2 + v] == -INFINITY)
-          continue;
-        sum += expf(slot(c)[it2 + v] - m);
+    for (int q = lane; q < np; q += 32) {
+      const int c = c0 + q;
+      float wq = 0.f;
+      if (!empty(c) && m != -INFINITY && slot(c)[it2 + v] != -INFINITY) {
+        wq = expf(slot(c)[it2 + v] - m);
         suml += expf(slot(c)[il + v] - ml);
       }
+      w[q] = wq;
+      sum += wq;
+    }
 #pragma unroll
     for (int o = 16; o; o >>= 1) {
       sum += __shfl_xor_sync(0xffffffffu, sum, o);
       suml += __shfl_xor_sync(0xffffffffu, suml, o);
     }
+    __syncwarp();
+    // The weighted sum, four parts at a time with independent loads.
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (m != -INFINITY) {
-#pragma unroll 4
-      for (int q = 0; q < np; q++) {
-        const int c = c0 + q;
-        if (empty(c))
-          continue;
-        const float *s = slot(c);
-        const float l = s[it2 + v];
-        if (l == -INFINITY)
-          continue;
-        const float w = expf(l - m);
+    for (int q0 = 0; q0 < np; q0 += 4) {
+      float wu[4], ov[4][8];
+#pragma unroll
+      for (int u = 0; u < 4; u++)
+        wu[u] = q0 + u < np ? w[q0 + u] : 0.f;
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const float *o = slot(c0 + q0 + u) + (size_t)v * d;
 #pragma unroll
         for (int e = 0; e < 8; e++) // d / 32 of them (constant indices keep acc in registers)
-          if (e < d / 32)
-            acc[e] += w * s[(size_t)v * d + lane + 32 * e];
+          ov[u][e] = wu[u] != 0.f && e < d / 32 ? o[lane + 32 * e] : 0.f;
       }
+#pragma unroll
+      for (int u = 0; u < 4; u++)
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+          acc[e] += wu[u] * ov[u][e];
     }
+    __syncwarp(); // w is rewritten for the next vector
     const int row = it.q_row + v / G, qh = h * G + v % G;
     const size_t ob = ((size_t)row * P.q_heads + qh) * d;
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -152,7 +179,13 @@ __global__ void __launch_bounds__(128) merge_flat_kernel(const __grid_constant__
 
 int launch_merge_flat(const attnd_kshape_t *s, const DecodeParams &p, bool pdl, cudaStream_t st) {
   const unsigned blocks = (unsigned)p.nitems * (unsigned)p.kv_heads;
-  cudaError_t e = launch_ex(merge_flat_kernel, dim3(blocks), dim3(128), 0, pdl, st, p, s->head_dim, (int)s->dtype);
+  const size_t smem = (size_t)4 * p.nctas * sizeof(float); // a warp's part weights
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(merge_flat_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess)
+      return set_error(__FILE__, __LINE__, "merge_flat_kernel attribute", e);
+  }
+  cudaError_t e = launch_ex(merge_flat_kernel, dim3(blocks), dim3(128), smem, pdl, st, p, s->head_dim, (int)s->dtype);
   if (e != cudaSuccess)
     return set_error(__FILE__, __LINE__, "merge_flat_kernel launch", e);
   return 0;
