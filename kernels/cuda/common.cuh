@@ -1,6 +1,6 @@
 // common.cuh: element types, conversions and error reporting shared by the
 // CUDA kernels, and the launch helper. Nothing here is an op; see write_cache.cu,
-// decode.cu, prefill.cu.
+// split_plan.cu, attend.cu.
 #pragma once
 
 #include <cuda_bf16.h>

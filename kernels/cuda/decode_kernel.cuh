@@ -4,7 +4,7 @@
 // registers. Included by the generated decode_inst_<kv>.cu files.
 //
 // A CTA of four warps takes a piece of one (item, kv head): a range of its
-// 16-key chunks (decode.cuh says how pieces are cut: flat or per-item
+// 16-key chunks (decode_params.cuh says how pieces are cut: flat or per-item
 // split). Warp w takes chunks w, w + 4, ... of the piece with its own online
 // softmax state and its own cp.async stages (no CTA barrier in the key
 // loop); the four states are merged by lse through shared memory at the end.
@@ -37,7 +37,7 @@
 // so O = s sum P~ (u - z) / l with no cancellation of two large terms.
 #pragma once
 
-#include "decode.cuh"
+#include "decode_params.cuh"
 #include "primitives.cuh"
 
 namespace attnd {

@@ -7,7 +7,7 @@
 // Parts with no visible key weigh nothing; a row with none gets 0 and -inf.
 #include <math.h>
 
-#include "decode.cuh"
+#include "decode_params.cuh"
 #include "primitives.cuh"
 
 namespace attnd {

@@ -1,12 +1,12 @@
-// decode.cu: split-KV planning. Decode batches (every item <= 16 query
+// split_plan.cu: split-KV planning. Decode batches (every item <= 16 query
 // vectors) go to the decode kernel, cut by a flat split (every CTA the same
 // number of key chunks, whatever the contexts' lengths) or a per-item split;
 // prefill batches to the tiled kernel, split per item when they have too few
-// CTAs to fill the GPU. decode.cuh describes both cuts.
+// CTAs to fill the GPU. decode_params.cuh describes both cuts.
 #include <math.h>
 #include <stdlib.h>
 
-#include "decode.cuh"
+#include "decode_params.cuh"
 
 namespace attnd {
 namespace {

@@ -1,8 +1,8 @@
-// decode.cuh: the decode kernel's parameters (decode_kernel.cuh), split-KV
-// planning (decode.cu) and the merges of partial states (merge.cu).
+// decode_params.cuh: the decode kernel's parameters (decode_kernel.cuh), split-KV
+// planning (split_plan.cu) and the merges of partial states (merge.cu).
 #pragma once
 
-#include "flash.cuh"
+#include "tiled_params.cuh"
 
 namespace attnd {
 
@@ -77,7 +77,7 @@ int launch_merge_flat(const attnd_kshape_t *s, const DecodeParams &p, bool pdl, 
 int launch_merge_split(const attnd_kshape_t *s, const attnd_kbatch_t *b, const float *ws_o, const float *ws_lse,
                        int nsplit, bool pdl, cudaStream_t st);
 
-// The split planning of the tiled kernel (flash_impl.cuh) and the decode path.
+// The split planning of the tiled kernel (tiled_kernel.cuh) and the decode path.
 size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q);
 // Parts per item (1: no split) for CTAs of tile_vec query vectors, slots_per_sm
 // of them resident per SM, and the keys per part.

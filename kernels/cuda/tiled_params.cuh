@@ -1,6 +1,6 @@
-// flash.cuh: the tiled attention kernel's parameters (flash_impl.cuh), for
+// tiled_params.cuh: the tiled attention kernel's parameters (tiled_kernel.cuh), for
 // items of more than 16 query vectors (prefill rows). Batches whose items all
-// have at most 16 go to the decode kernel (decode.cuh, decode_kernel.cuh).
+// have at most 16 go to the decode kernel (decode_params.cuh, decode_kernel.cuh).
 //
 // A CTA takes one (item, kv head, tile of 128 query vectors, KV split). Query
 // vectors are (row, q head of the GQA group) pairs numbered row-major, so the

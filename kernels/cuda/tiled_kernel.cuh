@@ -1,4 +1,4 @@
-// flash_impl.cuh: the tiled attention kernel (see flash.cuh), for items of
+// tiled_kernel.cuh: the tiled attention kernel (see tiled_params.cuh), for items of
 // more than 16 query vectors (prefill rows; decode shapes go to
 // decode_kernel.cuh). Included by the generated tiled_inst_<kv>.cu files.
 //
@@ -16,7 +16,7 @@
 // takes V's zero point out exactly.
 #pragma once
 
-#include "flash.cuh"
+#include "tiled_params.cuh"
 #include "primitives.cuh"
 
 namespace attnd {

@@ -1,13 +1,13 @@
-// prefill.cu: attnd_cuda_attend, the entry of phase 2, which chooses a
+// attend.cu: attnd_cuda_attend, the entry of phase 2, which chooses a
 // kernel. Batches whose items all have at most 16 query vectors (n x group)
-// go to the decode kernel (decode.cu plans the cut, decode_kernel.cuh);
-// the others to the tiled kernel (flash_impl.cuh), split over their keys when
+// go to the decode kernel (split_plan.cu plans the cut, decode_kernel.cuh);
+// the others to the tiled kernel (tiled_kernel.cuh), split over their keys when
 // they have too few CTAs to fill the GPU, merged by merge.cu. Runtime shape
 // values become template arguments here: head dim, activation dtype and cache
 // type; block size, scale mode and masks stay runtime values.
 #include <math.h>
 
-#include "decode.cuh"
+#include "decode_params.cuh"
 
 namespace attnd {
 namespace {
