@@ -48,8 +48,9 @@ const char *attnd_cuda_last_error(void);
 typedef struct {
   int debug;      /* timing experiments only, results wrong: 1 skip the K/V
                    * loads, 2 skip the math of the attention kernels */
-  int split;      /* decode batches: 0 choose, 1 flat split (every CTA the
-                   * same number of key chunks), 2 per-item split */
+  int split;      /* decode batches: 0 choose (kernels/cuda/README.md), 1 flat
+                   * split (every CTA the same number of key chunks), 2 per-item
+                   * split */
   int min_chunks; /* flat split: fewest 16-key chunks per CTA (0: 8) */
   int no_pdl;     /* 1: launch without programmatic dependent launch */
 } attnd_cuda_opts_t;

@@ -124,6 +124,16 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
   pl->nctas = 0;
   pl->nsplit = 1;
   pl->split_keys = 0;
+  // Choosing: where the per-item plan splits the items (few items for the GPU),
+  // it ran faster than the flat split on the H200, balanced or not; where it
+  // does not (one CTA per item), the flat split keeps long items of an uneven
+  // batch from running in one CTA each (2x for the 8-bit types) at ~10% on
+  // balanced batches (bench/RESULTS.md, decode round 3).
+  if (o.split == 0) {
+    pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys);
+    if (pl->nsplit > 1)
+      return 0;
+  }
   if (o.split != 2 && b->nitems <= kFlatMaxItems &&
       b->nitems <= with_types<ItemsF>(s->head_dim, s->dtype, s->kv, pl->tr)) {
     // CTAs: one full wave, fewer when the keys are too few for every CTA to
