@@ -16,18 +16,20 @@
 
 #include "oracle.h"
 
-#define CK(call)                                                                                        \
-  do {                                                                                                  \
-    cudaError_t e_ = (call);                                                                            \
-    if (e_ != cudaSuccess)                                                                              \
-      fail_msg("%s:%d %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                     \
+#define CK(call)                                                                                   \
+  do {                                                                                             \
+    cudaError_t e_ = (call);                                                                       \
+    if (e_ != cudaSuccess)                                                                         \
+      fail_msg("%s:%d %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                 \
   } while (0)
 
 uint64_t g_rng;
 double g_hit_worst;
 int g_hit_checks;
 
-int harness_rnd(int n) { return (int)(oracle_rng_next(&g_rng) % (uint64_t)n); }
+int harness_rnd(int n) {
+  return (int)(oracle_rng_next(&g_rng) % (uint64_t)n);
+}
 
 double harness_bound(attnd_kv_type_t kv) {
   switch (kv) {
@@ -47,7 +49,9 @@ double harness_bound(attnd_kv_type_t kv) {
 /* Half an output rounding's worth: rows over one or two keys are exact on the
  * CPU backend (P is fp32 there) and off by a rounding of P on the GPU, where
  * the matrix units take P in the activation dtype (docs/numerics.md). */
-double harness_ratio_floor(attnd_dtype_t dt) { return dt == ATTND_DT_BF16 ? 0x1p-10 : 0x1p-13; }
+double harness_ratio_floor(attnd_dtype_t dt) {
+  return dt == ATTND_DT_BF16 ? 0x1p-10 : 0x1p-13;
+}
 
 /* Fills an interval mask for one item: random column intervals, plus rows
  * [start+1, start+3) masked from every key (fully masked rows). */
@@ -66,7 +70,9 @@ static void make_intervals(int32_t *iv, int kv_len, int start, int n) {
   }
 }
 
-static size_t dt_size(attnd_dtype_t dt) { return dt == ATTND_DT_FP32 ? 4 : 2; }
+static size_t dt_size(attnd_dtype_t dt) {
+  return dt == ATTND_DT_FP32 ? 4 : 2;
+}
 
 static void *dev_copy(const void *h, size_t bytes) {
   void *d = NULL;
@@ -76,7 +82,9 @@ static void *dev_copy(const void *h, size_t bytes) {
   return d;
 }
 
-static double mag_or(double m, double dflt) { return m > 0 ? m : dflt; }
+static double mag_or(double m, double dflt) {
+  return m > 0 ? m : dflt;
+}
 
 /* One element of q or k: normal times the magnitude, or near the bound. */
 static double draw(const case_opts_t *o, double mag, double sd) {
@@ -88,7 +96,8 @@ static double draw(const case_opts_t *o, double mag, double sd) {
 }
 
 /* Static scale of channel d of kv head h (K or V). */
-static double static_scale(const attnd_kshape_t *s, const oracle_scales_t *sc, int is_v, int h, int d) {
+static double static_scale(const attnd_kshape_t *s, const oracle_scales_t *sc, int is_v, int h,
+                           int d) {
   const float *a = is_v ? sc->v_scale : sc->k_scale;
   if (!a)
     return 0.0;
@@ -97,8 +106,8 @@ static double static_scale(const attnd_kshape_t *s, const oracle_scales_t *sc, i
 
 /* Rows [0, nrows) of k or v ([rows][kv_heads][D]), row t at absolute position
  * pos0[t]; w: [kv_heads][D] unit directions of the sink keys. */
-static void fill_kv(const attnd_kshape_t *s, const case_opts_t *o, const oracle_scales_t *sc, const double *w,
-                    int is_v, void *dst, int nrows, const int *pos) {
+static void fill_kv(const attnd_kshape_t *s, const case_opts_t *o, const oracle_scales_t *sc,
+                    const double *w, int is_v, void *dst, int nrows, const int *pos) {
   const int D = s->head_dim, KVH = s->kv_heads;
   const double mag = mag_or(is_v ? o->v_mag : o->k_mag, 1.0);
   for (int t = 0; t < nrows; t++)
@@ -135,7 +144,8 @@ static void fill_kv(const attnd_kshape_t *s, const case_opts_t *o, const oracle_
 
 /* q rows [Tq][q_heads][D]: 1.5 N (times the magnitude), plus the sink
  * direction of the head's kv head. */
-static void fill_q(const attnd_kshape_t *s, const case_opts_t *o, const double *w, void *dst, int rows) {
+static void fill_q(const attnd_kshape_t *s, const case_opts_t *o, const double *w, void *dst,
+                   int rows) {
   const int D = s->head_dim, QH = s->q_heads, G = s->q_heads / s->kv_heads;
   const double mag = mag_or(o->q_mag, 1.0);
   for (int t = 0; t < rows; t++)
@@ -174,9 +184,10 @@ static int do_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws,
  * instead of tiled, other splits), and the fp32 outputs must still equal the
  * full step's rows up to fp32 summation order (docs/numerics.md: a hit and a
  * full compute agree within 1e-3; the kernels keep it near 1e-6). */
-static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, const attnd_kitem_t *full_items,
-                      int nitems, const int32_t *d_meta, uint8_t *d_cache, size_t bb, const float *d_sc[4],
-                      int per_channel, const void *q, const void *k, const void *v, const float *full_out,
+static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti,
+                      const attnd_kitem_t *full_items, int nitems, const int32_t *d_meta,
+                      uint8_t *d_cache, size_t bb, const float *d_sc[4], int per_channel,
+                      const void *q, const void *k, const void *v, const float *full_out,
                       const case_opts_t *o) {
   const int D = s->head_dim, KVH = s->kv_heads, QH = s->q_heads, H = 8;
   const size_t es = dt_size(s->dtype);
@@ -195,13 +206,17 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
     }
   if (n == 0)
     return;
-  uint8_t *hq = malloc(es * n * H * QH * D), *hk = malloc(es * n * H * KVH * D), *hv = malloc(es * n * H * KVH * D);
+  uint8_t *hq = malloc(es * n * H * QH * D), *hk = malloc(es * n * H * KVH * D),
+          *hv = malloc(es * n * H * KVH * D);
   for (int j = 0; j < n; j++) {
     const attnd_kitem_t *f = &full_items[src[j]];
     const size_t skip = (size_t)(f->n - H);
-    memcpy(hq + es * j * H * QH * D, (const uint8_t *)q + es * (f->q_row + skip) * QH * D, es * H * QH * D);
-    memcpy(hk + es * j * H * KVH * D, (const uint8_t *)k + es * (f->kv_row + skip) * KVH * D, es * H * KVH * D);
-    memcpy(hv + es * j * H * KVH * D, (const uint8_t *)v + es * (f->kv_row + skip) * KVH * D, es * H * KVH * D);
+    memcpy(hq + es * j * H * QH * D, (const uint8_t *)q + es * (f->q_row + skip) * QH * D,
+           es * H * QH * D);
+    memcpy(hk + es * j * H * KVH * D, (const uint8_t *)k + es * (f->kv_row + skip) * KVH * D,
+           es * H * KVH * D);
+    memcpy(hv + es * j * H * KVH * D, (const uint8_t *)v + es * (f->kv_row + skip) * KVH * D,
+           es * H * KVH * D);
   }
   attnd_kitem_t *d_items = dev_copy(items, sizeof(attnd_kitem_t) * n);
   void *d_q = dev_copy(hq, es * n * H * QH * D), *d_k = dev_copy(hk, es * n * H * KVH * D),
@@ -215,10 +230,26 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
   void *d_ws = NULL;
   if (ws_bytes)
     CK(cudaMalloc(&d_ws, ws_bytes));
-  attnd_kbatch_t b = {.items = d_items, .nitems = n, .meta = d_meta, .total_q = n * H, .total_kv = n * H,
-                      .max_kv_len = maxl, .max_n = H, .q = d_q, .k = d_k, .v = d_v, .out = d_out, .out_fp32 = 1,
-                      .lse = d_lse, .cache = d_cache, .block_bytes = bb, .k_scale = d_sc[0], .v_scale = d_sc[1],
-                      .k_zero = d_sc[2], .v_zero = d_sc[3], .scale_per_channel = per_channel};
+  attnd_kbatch_t b = {.items = d_items,
+                      .nitems = n,
+                      .meta = d_meta,
+                      .total_q = n * H,
+                      .total_kv = n * H,
+                      .max_kv_len = maxl,
+                      .max_n = H,
+                      .q = d_q,
+                      .k = d_k,
+                      .v = d_v,
+                      .out = d_out,
+                      .out_fp32 = 1,
+                      .lse = d_lse,
+                      .cache = d_cache,
+                      .block_bytes = bb,
+                      .k_scale = d_sc[0],
+                      .v_scale = d_sc[1],
+                      .k_zero = d_sc[2],
+                      .v_zero = d_sc[3],
+                      .scale_per_channel = per_channel};
   int rc = do_write(s, &b, o);
   if (rc)
     fail_msg("hit write: %d %s", rc, attnd_cuda_last_error());
@@ -229,7 +260,8 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
   CK(cudaMemcpy(out, d_out, out_bytes, cudaMemcpyDeviceToHost));
   for (int j = 0; j < n; j++) {
     const attnd_kitem_t *f = &full_items[src[j]];
-    const float *ref = full_out + (size_t)(f->q_row + f->n - H) * QH * D, *got = out + (size_t)j * H * QH * D;
+    const float *ref = full_out + (size_t)(f->q_row + f->n - H) * QH * D,
+                *got = out + (size_t)j * H * QH * D;
     double num = 0, den = 0;
     for (size_t e = 0; e < (size_t)H * QH * D; e++) {
       num += ((double)got[e] - ref[e]) * ((double)got[e] - ref[e]);
@@ -237,7 +269,8 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
     }
     const double err = den > 0 ? sqrt(num / den) : sqrt(num);
     if (!(err <= 1e-4))
-      fail_msg("case %d kv %s D %d G %d item %d: last %d rows alone (a prefix hit) vs the full step: rel L2 %g > 1e-4",
+      fail_msg("case %d kv %s D %d G %d item %d: last %d rows alone (a prefix hit) vs the full "
+               "step: rel L2 %g > 1e-4",
                ncase, attnd_kv_type_name(s->kv), D, QH / KVH, src[j], H, err);
     if (err > g_hit_worst)
       g_hit_worst = err;
@@ -257,8 +290,8 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
 }
 
 /* Checks one item's lse against the oracle's, and fully masked rows. */
-static void check_lse(int ncase, const attnd_kshape_t *s, int i, int rows, const float *lse, const double *rl,
-                      attnd_dtype_t odt, const void *got, const char *who) {
+static void check_lse(int ncase, const attnd_kshape_t *s, int i, int rows, const float *lse,
+                      const double *rl, attnd_dtype_t odt, const void *got, const char *who) {
   const int D = s->head_dim;
   for (int r = 0; r < rows; r++) {
     const float g = lse[r];
@@ -269,14 +302,14 @@ static void check_lse(int ncase, const attnd_kshape_t *s, int i, int rows, const
         if (oracle_from_dtype(odt, got, (size_t)r * D + e) != 0.0)
           fail_msg("%s case %d item %d: fully masked row %d not zero", who, ncase, i, r);
     } else if (!(fabs(g - rl[r]) <= 2e-2 + 1e-3 * fabs(rl[r]))) {
-      fail_msg("%s case %d kv %s item %d row %d: lse %g, oracle %g", who, ncase, attnd_kv_type_name(s->kv), i, r, g,
-               rl[r]);
+      fail_msg("%s case %d kv %s item %d row %d: lse %g, oracle %g", who, ncase,
+               attnd_kv_type_name(s->kv), i, r, g, rl[r]);
     }
   }
 }
 
-void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems, const case_opts_t *o,
-              case_result_t *res) {
+void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,
+              const case_opts_t *o, case_result_t *res) {
   const int D = s->head_dim, KVH = s->kv_heads, QH = s->q_heads, bs = s->block_size;
   const size_t es = dt_size(s->dtype);
   const size_t bb = attnd_kv_block_bytes(s);
@@ -306,7 +339,9 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
   float *sc4[4] = {NULL, NULL, NULL, NULL};
   const int nsc = (s->kv == ATTND_KV_INT4 || per_channel) ? KVH * D : KVH;
   if (attnd_kv_type_static(s->kv)) {
-    const double base = s->kv == ATTND_KV_INT4 ? 0.45 : s->kv == ATTND_KV_INT8 ? 3.5 / 127 : 3.0 / 448;
+    const double base = s->kv == ATTND_KV_INT4   ? 0.45
+                        : s->kv == ATTND_KV_INT8 ? 3.5 / 127
+                                                 : 3.0 / 448;
     for (int w = 0; w < 2; w++) {
       sc4[w] = malloc(sizeof(float) * nsc);
       const double m = mag_or(w ? o->v_mag : o->k_mag, 1.0);
@@ -373,7 +408,8 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
     attnd_kitem_t items[8];
     int T = 0, maxl = 1;
     for (int i = 0; i < nitems; i++) {
-      items[i] = (attnd_kitem_t){.start = 0, .n = ti[i].hist, .q_row = -1, .kv_row = T, .block_table = bt_off[i]};
+      items[i] = (attnd_kitem_t){
+          .start = 0, .n = ti[i].hist, .q_row = -1, .kv_row = T, .block_table = bt_off[i]};
       T += ti[i].hist;
       if (ti[i].hist > maxl)
         maxl = ti[i].hist;
@@ -390,9 +426,21 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
                            (uint8_t *)v + es * items[i].kv_row * KVH * D, &sc);
     attnd_kitem_t *d_items = dev_copy(items, sizeof(attnd_kitem_t) * nitems);
     void *d_k = dev_copy(k, es * T * KVH * D), *d_v = dev_copy(v, es * T * KVH * D);
-    attnd_kbatch_t b = {.items = d_items, .nitems = nitems, .meta = d_meta, .total_q = 0, .total_kv = T,
-                        .max_kv_len = maxl, .max_n = maxl, .k = d_k, .v = d_v, .cache = d_cache, .block_bytes = bb,
-                        .k_scale = d_sc[0], .v_scale = d_sc[1], .k_zero = d_sc[2], .v_zero = d_sc[3],
+    attnd_kbatch_t b = {.items = d_items,
+                        .nitems = nitems,
+                        .meta = d_meta,
+                        .total_q = 0,
+                        .total_kv = T,
+                        .max_kv_len = maxl,
+                        .max_n = maxl,
+                        .k = d_k,
+                        .v = d_v,
+                        .cache = d_cache,
+                        .block_bytes = bb,
+                        .k_scale = d_sc[0],
+                        .v_scale = d_sc[1],
+                        .k_zero = d_sc[2],
+                        .v_zero = d_sc[3],
                         .scale_per_channel = per_channel};
     int rc = do_write(s, &b, o);
     if (rc)
@@ -424,9 +472,15 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
   attnd_kitem_t items[8];
   int T = 0, Tq = 0, maxl = 1, maxn = 1;
   for (int i = 0; i < nitems; i++) {
-    items[i] = (attnd_kitem_t){.start = ti[i].start, .n = ti[i].n, .q_row = ti[i].has_q ? Tq : -1, .kv_row = T,
-                               .mask_kind = ti[i].mask_kind, .mask_param = ti[i].mask_param, .causal = ti[i].causal,
-                               .intervals = iv_off[i] < 0 ? 0 : iv_off[i], .block_table = bt_off[i]};
+    items[i] = (attnd_kitem_t){.start = ti[i].start,
+                               .n = ti[i].n,
+                               .q_row = ti[i].has_q ? Tq : -1,
+                               .kv_row = T,
+                               .mask_kind = ti[i].mask_kind,
+                               .mask_param = ti[i].mask_param,
+                               .causal = ti[i].causal,
+                               .intervals = iv_off[i] < 0 ? 0 : iv_off[i],
+                               .block_table = bt_off[i]};
     T += ti[i].n;
     if (ti[i].has_q)
       Tq += ti[i].n;
@@ -439,16 +493,19 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
   for (int i = 0; i < nitems; i++)
     for (int t = 0; t < ti[i].n; t++)
       pos[items[i].kv_row + t] = ti[i].start + t;
-  void *q = malloc(es * Tq * QH * D + 16), *k = malloc(es * T * KVH * D + 16), *v = malloc(es * T * KVH * D + 16);
+  void *q = malloc(es * Tq * QH * D + 16), *k = malloc(es * T * KVH * D + 16),
+       *v = malloc(es * T * KVH * D + 16);
   fill_q(s, o, wdir, q, Tq);
   fill_kv(s, o, &sc, wdir, 0, k, T, pos);
   fill_kv(s, o, &sc, wdir, 1, v, T, pos);
   const attnd_dtype_t odt = o->out_fp32 ? ATTND_DT_FP32 : s->dtype;
   const size_t out_bytes = dt_size(odt) * Tq * QH * D;
   void *out = malloc(out_bytes + 16), *cpu_out = o->cpu ? malloc(out_bytes + 16) : NULL;
-  float *lse = malloc(sizeof(float) * Tq * QH + 16), *cpu_lse = o->cpu ? malloc(sizeof(float) * Tq * QH + 16) : NULL;
+  float *lse = malloc(sizeof(float) * Tq * QH + 16),
+        *cpu_lse = o->cpu ? malloc(sizeof(float) * Tq * QH + 16) : NULL;
   attnd_kitem_t *d_items = dev_copy(items, sizeof(attnd_kitem_t) * nitems);
-  void *d_q = dev_copy(q, es * Tq * QH * D), *d_k = dev_copy(k, es * T * KVH * D), *d_v = dev_copy(v, es * T * KVH * D);
+  void *d_q = dev_copy(q, es * Tq * QH * D), *d_k = dev_copy(k, es * T * KVH * D),
+       *d_v = dev_copy(v, es * T * KVH * D);
   void *d_out, *d_lse, *d_ws = NULL;
   CK(cudaMalloc(&d_out, out_bytes + 16));
   CK(cudaMalloc(&d_lse, sizeof(float) * Tq * QH + 16));
@@ -459,10 +516,26 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
     CK(cudaMalloc(&d_ws, ws_bytes));
     CK(cudaMemset(d_ws, 0xff, ws_bytes));
   }
-  attnd_kbatch_t b = {.items = d_items, .nitems = nitems, .meta = d_meta, .total_q = Tq, .total_kv = T,
-                      .max_kv_len = maxl, .max_n = maxn, .q = d_q, .k = d_k, .v = d_v, .out = d_out,
-                      .out_fp32 = o->out_fp32, .lse = d_lse, .cache = d_cache, .block_bytes = bb, .k_scale = d_sc[0],
-                      .v_scale = d_sc[1], .k_zero = d_sc[2], .v_zero = d_sc[3], .scale_per_channel = per_channel};
+  attnd_kbatch_t b = {.items = d_items,
+                      .nitems = nitems,
+                      .meta = d_meta,
+                      .total_q = Tq,
+                      .total_kv = T,
+                      .max_kv_len = maxl,
+                      .max_n = maxn,
+                      .q = d_q,
+                      .k = d_k,
+                      .v = d_v,
+                      .out = d_out,
+                      .out_fp32 = o->out_fp32,
+                      .lse = d_lse,
+                      .cache = d_cache,
+                      .block_bytes = bb,
+                      .k_scale = d_sc[0],
+                      .v_scale = d_sc[1],
+                      .k_zero = d_sc[2],
+                      .v_zero = d_sc[3],
+                      .scale_per_channel = per_channel};
   int rc = do_write(s, &b, o);
   if (rc)
     fail_msg("write: %d %s", rc, attnd_cuda_last_error());
@@ -500,25 +573,29 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
   }
 
   if (o->out_fp32 && o->check_hit)
-    check_hit(s, ncase, ti, items, nitems, d_meta, d_cache, bb, d_sc, per_channel, q, k, v, (const float *)out, o);
+    check_hit(s, ncase, ti, items, nitems, d_meta, d_cache, bb, d_sc, per_channel, q, k, v,
+              (const float *)out, o);
 
   const double floor = harness_ratio_floor(s->dtype);
   for (int i = 0; i < nitems; i++) {
-    oracle_session_write(s, &os[i], ti[i].start, ti[i].n, (uint8_t *)k + es * items[i].kv_row * KVH * D,
+    oracle_session_write(s, &os[i], ti[i].start, ti[i].n,
+                         (uint8_t *)k + es * items[i].kv_row * KVH * D,
                          (uint8_t *)v + es * items[i].kv_row * KVH * D, &sc);
     if (!ti[i].has_q)
       continue;
     const size_t cnt = (size_t)ti[i].n * QH * D;
     double *ref = malloc(sizeof(double) * cnt), *rl = malloc(sizeof(double) * ti[i].n * QH);
-    oracle_session_attend(s, &os[i], ti[i].start, ti[i].n, (uint8_t *)q + es * items[i].q_row * QH * D,
-                          ti[i].mask_kind, ti[i].mask_param, ti[i].causal, iv_off[i] >= 0 ? meta + iv_off[i] : NULL,
+    oracle_session_attend(s, &os[i], ti[i].start, ti[i].n,
+                          (uint8_t *)q + es * items[i].q_row * QH * D, ti[i].mask_kind,
+                          ti[i].mask_param, ti[i].causal, iv_off[i] >= 0 ? meta + iv_off[i] : NULL,
                           ref, rl);
     const void *got = (uint8_t *)out + dt_size(odt) * items[i].q_row * QH * D;
     const double err = oracle_rel_l2(ref, odt, got, cnt);
     if (!(err <= harness_bound(s->kv)))
-      fail_msg("case %d kv %s D %d bs %d G %d item %d (start %d n %d mask %d) splits %d: rel L2 %g > %g", ncase,
-               attnd_kv_type_name(s->kv), D, bs, QH / KVH, i, ti[i].start, ti[i].n, ti[i].mask_kind, res->splits,
-               err, harness_bound(s->kv));
+      fail_msg(
+          "case %d kv %s D %d bs %d G %d item %d (start %d n %d mask %d) splits %d: rel L2 %g > %g",
+          ncase, attnd_kv_type_name(s->kv), D, bs, QH / KVH, i, ti[i].start, ti[i].n,
+          ti[i].mask_kind, res->splits, err, harness_bound(s->kv));
     if (err > res->cuda_err)
       res->cuda_err = err;
     check_lse(ncase, s, i, ti[i].n * QH, lse + items[i].q_row * QH, rl, odt, got, "cuda");

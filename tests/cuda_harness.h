@@ -29,13 +29,13 @@ typedef enum {
 
 typedef struct {
   int out_fp32, use_ws, per_channel;
-  int style;     /* case_style_t */
-  double q_mag;  /* scale of q (0: 1) */
-  double k_mag;  /* scale of k (0: 1) */
-  double v_mag;  /* scale of v (0: 1) */
+  int style;      /* case_style_t */
+  double q_mag;   /* scale of q (0: 1) */
+  double k_mag;   /* scale of k (0: 1) */
+  double v_mag;   /* scale of v (0: 1) */
   int near_bound; /* 1: |q| and |k| elements in [0.25, 1] * q_mag / k_mag, random sign */
-  int cpu;       /* also run the CPU backend and record its errors */
-  int check_hit; /* with out_fp32: the last 8 rows alone must equal the full step */
+  int cpu;        /* also run the CPU backend and record its errors */
+  int check_hit;  /* with out_fp32: the last 8 rows alone must equal the full step */
 #ifndef ATTND_HARNESS_OLD_API
   const attnd_cuda_opts_t *opts; /* launch options (NULL: defaults) */
 #endif
@@ -58,7 +58,7 @@ double harness_ratio_floor(attnd_dtype_t dt);
 
 /* Runs one case; fails the test (cmocka fail_msg) on a bound, lse, masked-row
  * or prefix-hit violation. The CPU ratio is only recorded in res. */
-void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems, const case_opts_t *o,
-              case_result_t *res);
+void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,
+              const case_opts_t *o, case_result_t *res);
 
 #endif /* ATTND_CUDA_HARNESS_H */

@@ -43,9 +43,12 @@ static const attnd_cuda_opts_t k_opts[5] = {{.split = 0},
                                             {.split = 0, .no_pdl = 1},
                                             {.split = 1, .min_chunks = 150}};
 
-static double case_run(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems, int out_fp32, int use_ws,
-                       int per_channel) {
-  case_opts_t o = {.out_fp32 = out_fp32, .use_ws = use_ws, .per_channel = per_channel, .check_hit = 1,
+static double case_run(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,
+                       int out_fp32, int use_ws, int per_channel) {
+  case_opts_t o = {.out_fp32 = out_fp32,
+                   .use_ws = use_ws,
+                   .per_channel = per_channel,
+                   .check_hit = 1,
                    .opts = &k_opts[ncase % 5]};
   case_result_t r;
   run_case(s, ncase, ti, nitems, &o, &r);
@@ -78,8 +81,8 @@ static void test_matrix(void **state) {
     return;
   }
   static const int dims[3] = {64, 128, 256}, bss[4] = {16, 32, 64, 128}, groups[4] = {1, 4, 8, 16};
-  static const int masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING, ATTND_MASK_PREFIX_LM,
-                               ATTND_MASK_FULL};
+  static const int masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING,
+                               ATTND_MASK_PREFIX_LM, ATTND_MASK_FULL};
   const int pw = pairwise_mode();
   int ncase = 0;
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
@@ -88,9 +91,13 @@ static void test_matrix(void **state) {
         if (pw && (di + bi + kv) % 12 != 0 && !(bi == kv % 4 && di == kv % 3))
           continue;
         const int G = groups[(bi + di + kv) % 4];
-        attnd_kshape_t s = {.kv_heads = G >= 8 ? 1 : 2, .head_dim = dims[di], .block_size = bss[bi],
-                            .dtype = (ncase & 1) ? ATTND_DT_FP16 : ATTND_DT_BF16, .kv = (attnd_kv_type_t)kv,
-                            .rope = (attnd_rope_t)(ncase % 3), .rope_theta = 10000.0 + 490000.0 * (ncase & 1),
+        attnd_kshape_t s = {.kv_heads = G >= 8 ? 1 : 2,
+                            .head_dim = dims[di],
+                            .block_size = bss[bi],
+                            .dtype = (ncase & 1) ? ATTND_DT_FP16 : ATTND_DT_BF16,
+                            .kv = (attnd_kv_type_t)kv,
+                            .rope = (attnd_rope_t)(ncase % 3),
+                            .rope_theta = 10000.0 + 490000.0 * (ncase & 1),
                             .rotary_dim = (ncase % 4 == 3) ? dims[di] / 2 : 0};
         s.q_heads = s.kv_heads * G;
         s.softmax_scale = (float)(1.0 / sqrt((double)s.head_dim));
@@ -99,7 +106,11 @@ static void test_matrix(void **state) {
             /* decode over a long history */
             {.hist = 200 + harness_rnd(600), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
             /* prefill chunk under a mask */
-            {.hist = harness_rnd(150), .n = 20 + harness_rnd(110), .has_q = 1, .mask_kind = mk, .mask_param = 1 + harness_rnd(90),
+            {.hist = harness_rnd(150),
+             .n = 20 + harness_rnd(110),
+             .has_q = 1,
+             .mask_kind = mk,
+             .mask_param = 1 + harness_rnd(90),
              .causal = harness_rnd(2)},
             /* write-only */
             {.hist = harness_rnd(50), .n = 1 + harness_rnd(30), .has_q = 0},
@@ -111,7 +122,8 @@ static void test_matrix(void **state) {
         ti[3].start = ti[3].hist - 2;
         if (mk == ATTND_MASK_PREFIX_LM)
           ti[1].mask_param = harness_rnd(ti[1].hist + ti[1].n + 1);
-        const double e = case_run(&s, ncase, ti, 4, ncase % 4 == 2, ncase % 3 != 1, (ncase >> 1) & 1);
+        const double e =
+            case_run(&s, ncase, ti, 4, ncase % 4 == 2, ncase % 3 != 1, (ncase >> 1) & 1);
         record(s.kv, e);
         ncase++;
       }
@@ -130,8 +142,8 @@ static void test_decode_matrix(void **state) {
     return;
   }
   static const int dims[3] = {64, 128, 256}, bss[4] = {16, 32, 64, 128}, groups[4] = {1, 4, 8, 16};
-  static const int masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING, ATTND_MASK_PREFIX_LM,
-                               ATTND_MASK_FULL};
+  static const int masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING,
+                               ATTND_MASK_PREFIX_LM, ATTND_MASK_FULL};
   const int pw = pairwise_mode();
   int ncase = 0;
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
@@ -140,9 +152,13 @@ static void test_decode_matrix(void **state) {
         if (pw && (di + bi + kv) % 12 != 1 && !(bi == (kv + 1) % 4 && di == (kv + 1) % 3))
           continue;
         const int G = groups[(bi + 2 * di + kv + ncase / 7) % 4];
-        attnd_kshape_t s = {.kv_heads = G >= 8 ? 1 : 2, .head_dim = dims[di], .block_size = bss[bi],
-                            .dtype = (ncase & 2) ? ATTND_DT_FP16 : ATTND_DT_BF16, .kv = (attnd_kv_type_t)kv,
-                            .rope = (attnd_rope_t)(ncase % 3), .rope_theta = 10000.0,
+        attnd_kshape_t s = {.kv_heads = G >= 8 ? 1 : 2,
+                            .head_dim = dims[di],
+                            .block_size = bss[bi],
+                            .dtype = (ncase & 2) ? ATTND_DT_FP16 : ATTND_DT_BF16,
+                            .kv = (attnd_kv_type_t)kv,
+                            .rope = (attnd_rope_t)(ncase % 3),
+                            .rope_theta = 10000.0,
                             .rotary_dim = 0};
         s.q_heads = s.kv_heads * G;
         s.softmax_scale = (float)(1.0 / sqrt((double)s.head_dim));
@@ -152,8 +168,12 @@ static void test_decode_matrix(void **state) {
         tcase_item_t ti[4];
         for (int i = 0; i < 4; i++) {
           const int mk = masks[(ncase + i) % 5];
-          ti[i] = (tcase_item_t){.hist = (i == 0 ? 300 : 1) + harness_rnd(i == 0 ? 700 : 200), .n = 1 + harness_rnd(nmax),
-                                 .has_q = 1, .mask_kind = mk, .mask_param = 1 + harness_rnd(300), .causal = harness_rnd(2)};
+          ti[i] = (tcase_item_t){.hist = (i == 0 ? 300 : 1) + harness_rnd(i == 0 ? 700 : 200),
+                                 .n = 1 + harness_rnd(nmax),
+                                 .has_q = 1,
+                                 .mask_kind = mk,
+                                 .mask_param = 1 + harness_rnd(300),
+                                 .causal = harness_rnd(2)};
           ti[i].start = ti[i].hist;
           if (mk == ATTND_MASK_PREFIX_LM)
             ti[i].mask_param = harness_rnd(ti[i].hist + ti[i].n + 1);
@@ -162,7 +182,8 @@ static void test_decode_matrix(void **state) {
         if (ti[3].hist > 0) {
           ti[3].start = ti[3].hist - 1;
         }
-        const double e = case_run(&s, 2000 + ncase, ti, 4, ncase % 3 == 0, ncase % 4 != 3, ncase & 1);
+        const double e =
+            case_run(&s, 2000 + ncase, ti, 4, ncase % 3 == 0, ncase % 4 != 3, ncase & 1);
         record(s.kv, e);
         ncase++;
       }
@@ -181,13 +202,23 @@ static void test_long_history(void **state) {
                                          ATTND_KV_FP8_DYNAMIC, ATTND_KV_BF16};
   const int n = pairwise_mode() ? 2 : 5;
   for (int c = 0; c < n; c++) {
-    attnd_kshape_t s = {.q_heads = 32, .kv_heads = 8, .head_dim = 128, .block_size = 64,
-                        .dtype = ATTND_DT_BF16, .kv = kvs[c], .rope = ATTND_ROPE_NEOX,
-                        .rope_theta = 500000.0, .rotary_dim = 0};
+    attnd_kshape_t s = {.q_heads = 32,
+                        .kv_heads = 8,
+                        .head_dim = 128,
+                        .block_size = 64,
+                        .dtype = ATTND_DT_BF16,
+                        .kv = kvs[c],
+                        .rope = ATTND_ROPE_NEOX,
+                        .rope_theta = 500000.0,
+                        .rotary_dim = 0};
     s.softmax_scale = (float)(1.0 / sqrt(128.0));
     tcase_item_t ti[3] = {
         {.hist = 6000 + harness_rnd(3000), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
-        {.hist = 3000 + harness_rnd(3000), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_SLIDING, .mask_param = 1024},
+        {.hist = 3000 + harness_rnd(3000),
+         .n = 1,
+         .has_q = 1,
+         .mask_kind = ATTND_MASK_SLIDING,
+         .mask_param = 1024},
         {.hist = 2000 + harness_rnd(1000), .n = 4, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
     };
     for (int i = 0; i < 3; i++)
@@ -202,12 +233,13 @@ static void test_report(void **state) {
     skip();
     return;
   }
-  print_message("prefix hit (last 8 rows alone) vs full step, fp32 out: %d checks, worst rel L2 %.3e (bound 1e-4)\n",
+  print_message("prefix hit (last 8 rows alone) vs full step, fp32 out: %d checks, worst rel L2 "
+                "%.3e (bound 1e-4)\n",
                 g_hit_checks, g_hit_worst);
   assert_true(g_hit_checks > 0);
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
-    print_message("kv %-13s cases %3d  max rel L2 %.3e  (bound %.0e)\n", attnd_kv_type_name(kv), g_cases[kv],
-                  g_max_err[kv], harness_bound(kv));
+    print_message("kv %-13s cases %3d  max rel L2 %.3e  (bound %.0e)\n", attnd_kv_type_name(kv),
+                  g_cases[kv], g_max_err[kv], harness_bound(kv));
 }
 
 static void test_device_count(void **state) {
@@ -236,10 +268,8 @@ int main(void) {
     return 77;
   }
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_device_count),
-      cmocka_unit_test(test_matrix),
-      cmocka_unit_test(test_decode_matrix),
-      cmocka_unit_test(test_long_history),
+      cmocka_unit_test(test_device_count),  cmocka_unit_test(test_matrix),
+      cmocka_unit_test(test_decode_matrix), cmocka_unit_test(test_long_history),
       cmocka_unit_test(test_report),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

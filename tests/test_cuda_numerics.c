@@ -41,8 +41,8 @@ static int pairwise_mode(void) {
   return e && *e && strcmp(e, "0") != 0;
 }
 
-static const int k_masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING, ATTND_MASK_PREFIX_LM,
-                               ATTND_MASK_FULL};
+static const int k_masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING,
+                               ATTND_MASK_PREFIX_LM, ATTND_MASK_FULL};
 
 /* A mixed batch (tiled kernel) or a decode-shaped one (decode kernel). */
 static void make_items(int ncase, int decode, int G, tcase_item_t *ti) {
@@ -50,8 +50,12 @@ static void make_items(int ncase, int decode, int G, tcase_item_t *ti) {
     const int mk = k_masks[ncase % 5];
     tcase_item_t m[4] = {
         {.hist = 100 + harness_rnd(400), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
-        {.hist = harness_rnd(100), .n = 20 + harness_rnd(60), .has_q = 1, .mask_kind = mk,
-         .mask_param = 1 + harness_rnd(60), .causal = harness_rnd(2)},
+        {.hist = harness_rnd(100),
+         .n = 20 + harness_rnd(60),
+         .has_q = 1,
+         .mask_kind = mk,
+         .mask_param = 1 + harness_rnd(60),
+         .causal = harness_rnd(2)},
         {.hist = harness_rnd(30), .n = 1 + harness_rnd(10), .has_q = 0},
         {.hist = 20 + harness_rnd(60), .n = 3, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
     };
@@ -66,8 +70,12 @@ static void make_items(int ncase, int decode, int G, tcase_item_t *ti) {
   const int nmax = (ncase & 1) && G <= 8 ? 8 / G : 16 / G;
   for (int i = 0; i < 4; i++) {
     const int mk = k_masks[(ncase + i) % 5];
-    ti[i] = (tcase_item_t){.hist = (i == 0 ? 200 : 1) + harness_rnd(i == 0 ? 600 : 150), .n = 1 + harness_rnd(nmax),
-                           .has_q = 1, .mask_kind = mk, .mask_param = 1 + harness_rnd(200), .causal = harness_rnd(2)};
+    ti[i] = (tcase_item_t){.hist = (i == 0 ? 200 : 1) + harness_rnd(i == 0 ? 600 : 150),
+                           .n = 1 + harness_rnd(nmax),
+                           .has_q = 1,
+                           .mask_kind = mk,
+                           .mask_param = 1 + harness_rnd(200),
+                           .causal = harness_rnd(2)};
     ti[i].start = ti[i].hist;
     if (mk == ATTND_MASK_PREFIX_LM)
       ti[i].mask_param = harness_rnd(ti[i].hist + ti[i].n + 1);
@@ -86,16 +94,22 @@ static void record(const attnd_kshape_t *s, int ncase, const case_result_t *r, c
   g_n[kv][di]++;
   if (r->worst_ratio > 1.0) {
     g_bad[kv][di]++;
-    print_message("case %d %s kv %s %s D %d G %d: cuda %.3e cpu %.3e: over 2x cpu + floor (%.2f)\n", ncase, what,
-                  attnd_kv_type_name(s->kv), s->dtype == ATTND_DT_BF16 ? "bf16" : "fp16", s->head_dim,
+    print_message("case %d %s kv %s %s D %d G %d: cuda %.3e cpu %.3e: over 2x cpu + floor (%.2f)\n",
+                  ncase, what, attnd_kv_type_name(s->kv),
+                  s->dtype == ATTND_DT_BF16 ? "bf16" : "fp16", s->head_dim,
                   s->q_heads / s->kv_heads, r->cuda_err, r->cpu_err, r->worst_ratio);
   }
 }
 
 static attnd_kshape_t shape(int kv, int d, int bs, int G, int fp16, int rope) {
-  attnd_kshape_t s = {.kv_heads = G >= 8 ? 1 : 2, .head_dim = d, .block_size = bs,
-                      .dtype = fp16 ? ATTND_DT_FP16 : ATTND_DT_BF16, .kv = (attnd_kv_type_t)kv,
-                      .rope = (attnd_rope_t)rope, .rope_theta = 10000.0, .rotary_dim = 0};
+  attnd_kshape_t s = {.kv_heads = G >= 8 ? 1 : 2,
+                      .head_dim = d,
+                      .block_size = bs,
+                      .dtype = fp16 ? ATTND_DT_FP16 : ATTND_DT_BF16,
+                      .kv = (attnd_kv_type_t)kv,
+                      .rope = (attnd_rope_t)rope,
+                      .rope_theta = 10000.0,
+                      .rotary_dim = 0};
   s.q_heads = s.kv_heads * G;
   s.softmax_scale = (float)(1.0 / sqrt((double)d));
   return s;
@@ -119,7 +133,8 @@ static void test_styles(void **state) {
                                    style == CASE_SINKS ? ATTND_ROPE_NONE : 1 + ncase % 2);
           tcase_item_t ti[4];
           make_items(ncase, decode, G, ti);
-          case_opts_t o = {.use_ws = ncase % 3 != 2, .per_channel = (ncase >> 2) & 1, .style = style, .cpu = 1};
+          case_opts_t o = {
+              .use_ws = ncase % 3 != 2, .per_channel = (ncase >> 2) & 1, .style = style, .cpu = 1};
           case_result_t r;
           run_case(&s, 3000 + ncase, ti, 4, &o, &r);
           record(&s, 3000 + ncase, &r, names[style]);
@@ -163,21 +178,25 @@ static void test_bound(void **state) {
           }
           case_result_t r;
           run_case(&s, 4000 + ncase, ti, 4, &o, &r);
-          record(&s, 4000 + ncase, &r, which == 0 ? "q,k at the bound" : which == 1 ? "q huge, k tiny" : "v at the bound");
+          record(&s, 4000 + ncase, &r,
+                 which == 0   ? "q,k at the bound"
+                 : which == 1 ? "q huge, k tiny"
+                              : "v at the bound");
         }
 }
 
 static void test_report(void **state) {
   (void)state;
-  print_message("%-13s %-5s %5s %11s %11s %11s %s\n", "kv", "act", "cases", "cuda err", "cpu err", "worst ratio",
-                "(ratio: cuda / (2 cpu + floor), must be <= 1)");
+  print_message("%-13s %-5s %5s %11s %11s %11s %s\n", "kv", "act", "cases", "cuda err", "cpu err",
+                "worst ratio", "(ratio: cuda / (2 cpu + floor), must be <= 1)");
   int bad = 0, n = 0;
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
     for (int di = 0; di < 2; di++) {
       if (!g_n[kv][di])
         continue;
-      print_message("%-13s %-5s %5d %11.3e %11.3e %11.3f %s\n", attnd_kv_type_name(kv), di ? "fp16" : "bf16",
-                    g_n[kv][di], g_cuda[kv][di], g_cpu[kv][di], g_ratio[kv][di], g_bad[kv][di] ? "FAIL" : "");
+      print_message("%-13s %-5s %5d %11.3e %11.3e %11.3f %s\n", attnd_kv_type_name(kv),
+                    di ? "fp16" : "bf16", g_n[kv][di], g_cuda[kv][di], g_cpu[kv][di],
+                    g_ratio[kv][di], g_bad[kv][di] ? "FAIL" : "");
       bad += g_bad[kv][di];
       n += g_n[kv][di];
     }

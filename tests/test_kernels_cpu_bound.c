@@ -39,7 +39,8 @@ static double draw(double mag, int near) {
 
 /* One session of hist cached tokens and a step of n new ones (causal), q/k
  * at qm/km (near the bound when near), v at vm; returns the worst rel L2. */
-static double run(const attnd_kshape_t *s, int hist, int n, double qm, double km, double vm, int near) {
+static double run(const attnd_kshape_t *s, int hist, int n, double qm, double km, double vm,
+                  int near) {
   const int D = s->head_dim, KVH = s->kv_heads, QH = s->q_heads, bs = s->block_size;
   const int len = hist + n, nb = (len + bs - 1) / bs;
   const size_t bb = attnd_kv_block_bytes(s);
@@ -50,7 +51,9 @@ static double run(const attnd_kshape_t *s, int hist, int n, double qm, double km
     bt[i] = nb - 1 - i;
   float *sc[4] = {NULL, NULL, NULL, NULL};
   if (attnd_kv_type_static(s->kv)) {
-    const double base = s->kv == ATTND_KV_INT4 ? 0.45 : s->kv == ATTND_KV_INT8 ? 3.5 / 127 : 3.0 / 448;
+    const double base = s->kv == ATTND_KV_INT4   ? 0.45
+                        : s->kv == ATTND_KV_INT8 ? 3.5 / 127
+                                                 : 3.0 / 448;
     for (int w = 0; w < 4; w++) {
       sc[w] = malloc(sizeof(float) * KVH * D);
       for (int i = 0; i < KVH * D; i++)
@@ -70,13 +73,30 @@ static double run(const attnd_kshape_t *s, int hist, int n, double qm, double km
     oracle_to_dtype(s->dtype, q, i, draw(qm, near) * (near ? 1.0 : 1.5));
   memcpy(q0, q, 2 * (size_t)n * QH * D);
   attnd_kitem_t it = {.start = 0, .n = hist, .q_row = -1, .kv_row = 0, .block_table = 0};
-  attnd_kbatch_t b = {.items = &it, .nitems = 1, .meta = bt, .total_kv = hist, .max_kv_len = hist, .max_n = hist,
-                      .k = k, .v = v, .cache = cache, .block_bytes = bb, .k_scale = sc[0], .v_scale = sc[1],
-                      .k_zero = sc[2], .v_zero = sc[3], .scale_per_channel = 1};
+  attnd_kbatch_t b = {.items = &it,
+                      .nitems = 1,
+                      .meta = bt,
+                      .total_kv = hist,
+                      .max_kv_len = hist,
+                      .max_n = hist,
+                      .k = k,
+                      .v = v,
+                      .cache = cache,
+                      .block_bytes = bb,
+                      .k_scale = sc[0],
+                      .v_scale = sc[1],
+                      .k_zero = sc[2],
+                      .v_zero = sc[3],
+                      .scale_per_channel = 1};
   assert_int_equal(attnd_cpu_write(s, &b, 0, 1), 0);
   uint16_t *out = malloc(2 * (size_t)n * QH * D);
   float *lse = malloc(sizeof(float) * n * QH);
-  attnd_kitem_t st = {.start = hist, .n = n, .q_row = 0, .kv_row = 0, .mask_kind = ATTND_MASK_CAUSAL, .block_table = 0};
+  attnd_kitem_t st = {.start = hist,
+                      .n = n,
+                      .q_row = 0,
+                      .kv_row = 0,
+                      .mask_kind = ATTND_MASK_CAUSAL,
+                      .block_table = 0};
   b.items = &st;
   b.total_q = n;
   b.total_kv = n;
@@ -97,16 +117,18 @@ static double run(const attnd_kshape_t *s, int hist, int n, double qm, double km
   oracle_session_attend(s, &os, hist, n, q0, ATTND_MASK_CAUSAL, 0, 0, NULL, ref, rl);
   const double err = oracle_rel_l2(ref, s->dtype, out, (size_t)n * QH * D);
   if (!(err <= g_bound[s->kv]))
-    fail_msg("kv %s D %d q %g k %g v %g: rel L2 %g > %g", attnd_kv_type_name(s->kv), D, qm, km, vm, err,
-             g_bound[s->kv]);
+    fail_msg("kv %s D %d q %g k %g v %g: rel L2 %g > %g", attnd_kv_type_name(s->kv), D, qm, km, vm,
+             err, g_bound[s->kv]);
   for (int r = 0; r < n * QH; r++) {
     if (!isfinite(lse[r]) || !(fabs(lse[r] - rl[r]) <= 2e-2 + 1e-3 * fabs(rl[r])))
-      fail_msg("kv %s D %d row %d: lse %g, oracle %g", attnd_kv_type_name(s->kv), D, r, lse[r], rl[r]);
+      fail_msg("kv %s D %d row %d: lse %g, oracle %g", attnd_kv_type_name(s->kv), D, r, lse[r],
+               rl[r]);
     double nrm = 0;
     for (int d = 0; d < D; d++)
       nrm += fabs(oracle_from_dtype(s->dtype, out, (size_t)r * D + d));
     if (nrm == 0.0)
-      fail_msg("kv %s D %d row %d: a zero output row (nothing is masked)", attnd_kv_type_name(s->kv), D, r);
+      fail_msg("kv %s D %d row %d: a zero output row (nothing is masked)",
+               attnd_kv_type_name(s->kv), D, r);
   }
   oracle_session_free(&os);
   for (int w = 0; w < 4; w++)
@@ -130,12 +152,18 @@ static void test_bound(void **state) {
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
     for (int di = 0; di < 3; di++)
       for (int fp16 = 0; fp16 < 2; fp16++) {
-        attnd_kshape_t s = {.q_heads = 4, .kv_heads = 2, .head_dim = dims[di], .block_size = 16,
-                            .dtype = fp16 ? ATTND_DT_FP16 : ATTND_DT_BF16, .kv = (attnd_kv_type_t)kv,
-                            .rope = ATTND_ROPE_NEOX, .rope_theta = 10000.0};
+        attnd_kshape_t s = {.q_heads = 4,
+                            .kv_heads = 2,
+                            .head_dim = dims[di],
+                            .block_size = 16,
+                            .dtype = fp16 ? ATTND_DT_FP16 : ATTND_DT_BF16,
+                            .kv = (attnd_kv_type_t)kv,
+                            .rope = ATTND_ROPE_NEOX,
+                            .rope_theta = 10000.0};
         s.softmax_scale = (float)(1.0 / sqrt((double)s.head_dim));
         const int small = fp16 || kv == ATTND_KV_FP16;
-        const double qk = fp16 ? 0x1p15 : 0x1p48, kk = small ? 0x1p15 : 0x1p48, vv = small ? 0x1p13 : 0x1p98;
+        const double qk = fp16 ? 0x1p15 : 0x1p48, kk = small ? 0x1p15 : 0x1p48,
+                     vv = small ? 0x1p13 : 0x1p98;
         double worst = 0, e;
         e = run(&s, 60 + (int)(oracle_rng_next(&g_rng) % 100), 3, qk, kk, 1.0, 1);
         worst = fmax(worst, e);
@@ -143,8 +171,8 @@ static void test_bound(void **state) {
         worst = fmax(worst, e);
         e = run(&s, 60, 2, 1.0, 1.0, vv, 0);
         worst = fmax(worst, e);
-        print_message("kv %-13s D %3d %s: worst rel L2 %.3e\n", attnd_kv_type_name(kv), dims[di], fp16 ? "fp16" : "bf16",
-                      worst);
+        print_message("kv %-13s D %3d %s: worst rel L2 %.3e\n", attnd_kv_type_name(kv), dims[di],
+                      fp16 ? "fp16" : "bf16", worst);
       }
 }
 
