@@ -2,7 +2,7 @@
  *
  * Written with integer shifts so that the conversion loops vectorize and give
  * the same bits on every x86-64 CPU. Rounding is round-to-nearest-even as
- * DESIGN.md 4 requires; e4m3 saturates to +-448 (satfinite).
+ * docs/numerics.md requires; e4m3 saturates to +-448 (satfinite).
  */
 #ifndef ATTND_CPU_NUMERIC_H
 #define ATTND_CPU_NUMERIC_H

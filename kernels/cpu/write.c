@@ -2,7 +2,7 @@
  *
  * For every new token: RoPE on k (and on q, in place), rounding to the
  * activation dtype, quantization to the cache type and the store at its slot
- * through the item's block table. Numerics follow DESIGN.md 4-5 to the bit:
+ * through the item's block table. Numerics follow docs/numerics.md to the bit:
  * the rotation is done in fp64 and rounded once to the dtype, quantizer
  * divisions are fp32, rounding is RNE, so the cache bytes equal the oracle's.
  */
@@ -43,7 +43,7 @@ static void rope_row_init(rope_row_t *r, const float *inv_freq, int half, int rd
   r->half = half;
   r->rd = rd;
   for (int i = 0; i < half; i++) {
-    float angle = (float)pos * inv_freq[i]; /* fp32, as DESIGN.md 5 says */
+    float angle = (float)pos * inv_freq[i]; /* fp32, as docs/numerics.md says */
     r->c[i] = (double)cosf(angle);
     r->s[i] = (double)sinf(angle);
   }
