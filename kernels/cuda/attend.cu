@@ -1,8 +1,10 @@
 // attend.cu: attnd_cuda_attend, the entry of phase 2, which chooses a
 // kernel. Batches whose items all have at most 16 query vectors (n x group)
 // go to the decode kernel (split_plan.cu plans the cut, decode_kernel.cuh);
-// the others to the tiled kernel (tiled_kernel.cuh), split over their keys when
-// they have too few CTAs to fill the GPU, merged by merge.cu. Runtime shape
+// the others to the Hopper prefill path on an sm_90 device with sm_90a code
+// (prefill_sm90.cuh; attnd_cuda_opts_t.sm90 = 1 turns it off), else to the
+// tiled kernel (tiled_kernel.cuh); both split over their keys when they have
+// too few CTAs to fill the GPU, merged by merge.cu. Runtime shape
 // values become template arguments here: head dim, activation dtype and cache
 // type; block size, scale mode and masks stay runtime values.
 #include <math.h>
@@ -74,8 +76,8 @@ int launch_tiled(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspa
     p.ws_o = reinterpret_cast<float *>(workspace);
     p.ws_lse = p.ws_o + (size_t)p.nsplit * b->total_q * s->q_heads * s->head_dim;
   }
-  if (sm90_eligible(s, p)) { // prefill-shaped batches on Hopper: wgmma + TMA (prefill_sm90.cuh)
-    const int rc = launch_sm90(s, p, b->nitems, st);
+  if (sm90_eligible(s, p, o)) { // prefill-shaped batches on Hopper: wgmma + TMA (prefill_sm90.cuh)
+    const int rc = launch_sm90(s, p, b->nitems, o, st);
     if (rc != 0)
       return rc;
     return p.nsplit > 1 ? launch_merge_split(s, b, p.ws_o, p.ws_lse, p.nsplit, p.pdl != 0, st) : 0;
@@ -98,7 +100,7 @@ int launch_tiled(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspa
 
 using namespace attnd;
 
-static const attnd_cuda_opts_t k_default_opts = {0, 0, 0, 0};
+static const attnd_cuda_opts_t k_default_opts = {};
 
 extern "C" int attnd_cuda_attend_splits_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes,
                                              const attnd_cuda_opts_t *opts) {

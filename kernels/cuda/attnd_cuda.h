@@ -53,6 +53,14 @@ typedef struct {
                    * split */
   int min_chunks; /* flat split: fewest 16-key chunks per CTA (0: 8) */
   int no_pdl;     /* 1: launch without programmatic dependent launch */
+  int sm90;       /* prefill-shaped batches on a Hopper GPU: 0 the Hopper path
+                   * (prefill_sm90.cuh) where the build has sm_90a code, 1 the
+                   * tiled kernel (A/B checks and timing) */
+  int sm90_sched; /* Hopper path, timing only: bit 0 no pingpong between the
+                   * consumer warpgroups, bit 1 no softmax / P V overlap inside
+                   * one, bit 2 no softmax at all (results wrong) */
+  int sm90_gchunk; /* Hopper path: (item, kv head) groups whose query tiles
+                    * launch together (0: enough to fill the GPU once) */
 } attnd_cuda_opts_t;
 
 /* Phase 1: RoPE on q (in place) and the new k, rounding to the activation

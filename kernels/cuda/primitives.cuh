@@ -260,6 +260,40 @@ __device__ __forceinline__ bool tile_needs_mask(const attnd_kitem_t &it, int pmi
   return m;
 }
 
+// FlashMask intervals: classifies key tiles [0, min(ntiles, nflags)) of BN
+// keys from jfirst for the query rows at positions [pmin, pmax] (keys [lo, hi]
+// in range). flags[t] bit 0: every key of the tile is masked for every row
+// (the tile is skipped); bit 1: some key may be masked for some row (the
+// tile is masked per element). One warp per tile (nw warps from warp 0),
+// BN / 32 keys per lane. Shared by the tiled kernel and the Hopper path, so
+// that both skip the same keys.
+template <int BN>
+__device__ void classify_tiles(const attnd_kitem_t &it, const int32_t *iv, int kv_len, int lo, int hi,
+                               int jfirst, int ntiles, int nflags, int pmin, int pmax, int nw,
+                               uint8_t *flags) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int t = warp; t < min(ntiles, nflags); t += nw) {
+    bool masked_all = true, vis_all = true;
+    for (int h2 = 0; h2 < BN / 32; h2++) {
+      const int j = jfirst + t * BN + h2 * 32 + lane;
+      if (j < kv_len && j >= lo && j <= hi) {
+        const int a = iv[j], bb = iv[kv_len + j], c = iv[2 * kv_len + j], dd = iv[3 * kv_len + j];
+        const bool cov1 = a <= pmin && pmax < bb, cov2 = c <= pmin && pmax < dd;
+        const bool cov12 = a <= pmin && c <= bb && pmax < dd; // the union covers
+        masked_all &= (it.causal && j > pmax) || cov1 || cov2 || cov12;
+        const bool hit1 = a < bb && a <= pmax && pmin < bb, hit2 = c < dd && c <= pmax && pmin < dd;
+        vis_all &= !(it.causal && j > pmin) && !hit1 && !hit2;
+      } else {
+        vis_all = false;
+      }
+    }
+    masked_all = __all_sync(0xffffffffu, masked_all);
+    vis_all = __all_sync(0xffffffffu, vis_all);
+    if (lane == 0)
+      flags[t] = (masked_all ? 1 : 0) | (vis_all ? 0 : 2);
+  }
+}
+
 // ---- static scales in the scores --------------------------------------------------
 // q.(k s) for a static K scale s: per kv head, s multiplies the fp32 score
 // scale (exact). Per channel it must go into q: q s / 2^e (2^e >= max_d s_d,

@@ -107,33 +107,13 @@ __device__ void tiled_load_q(const FlashParams &P, const TileCtx &x, float rscal
   }
 }
 
-// FlashMask intervals: classify every key tile once. A tile is skipped when
-// each of its keys is masked for every row of this query tile (causal, or an
-// interval covering [pmin, pmax]); it needs no per-element mask when no key
-// is masked for any row. One warp per tile, two keys per lane.
+// FlashMask intervals: classify every key tile once (primitives.cuh). A tile
+// is skipped when each of its keys is masked for every row of this query tile
+// (causal, or an interval covering [pmin, pmax]); it needs no per-element
+// mask when no key is masked for any row.
 template <class C> __device__ void tiled_classify(const TileCtx &x, uint8_t *sFlags) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kv_len = x.kv_len;
-  const int32_t *iv = x.iv;
-  for (int t = warp; t < min(x.ntiles, kMaxTileFlags); t += C::NW) {
-    bool masked_all = true, vis_all = true;
-    for (int h2 = 0; h2 < C::BN / 32; h2++) {
-      const int j = x.jfirst + t * C::BN + h2 * 32 + lane;
-      if (j < kv_len && j >= x.lo && j <= x.hi) {
-        const int a = iv[j], bb = iv[kv_len + j], c = iv[2 * kv_len + j], dd = iv[3 * kv_len + j];
-        const bool cov1 = a <= x.pmin && x.pmax < bb, cov2 = c <= x.pmin && x.pmax < dd;
-        const bool cov12 = a <= x.pmin && c <= bb && x.pmax < dd; // the union covers
-        masked_all &= (x.it.causal && j > x.pmax) || cov1 || cov2 || cov12;
-        const bool hit1 = a < bb && a <= x.pmax && x.pmin < bb, hit2 = c < dd && c <= x.pmax && x.pmin < dd;
-        vis_all &= !(x.it.causal && j > x.pmin) && !hit1 && !hit2;
-      } else {
-        vis_all = false;
-      }
-    }
-    masked_all = __all_sync(0xffffffffu, masked_all);
-    vis_all = __all_sync(0xffffffffu, vis_all);
-    if (lane == 0)
-      sFlags[t] = (masked_all ? 1 : 0) | (vis_all ? 0 : 2);
-  }
+  classify_tiles<C::BN>(x.it, x.iv, x.kv_len, x.lo, x.hi, x.jfirst, x.ntiles, kMaxTileFlags, x.pmin, x.pmax, C::NW,
+                        sFlags);
 }
 
 // Issues the paged cp.async copies of key tile t into stage st (zero-filled
