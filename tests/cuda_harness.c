@@ -198,9 +198,11 @@ static int do_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws,
 int g_ab_checks, g_ab_differ;
 double g_ab_worst, g_ab_worst_short;
 
+#ifndef ATTND_HARNESS_OLD_API
+
 /* The Hopper prefill path (kernels/cuda/prefill_sm90.cuh, selected by default
  * on sm_90 for prefill-shaped batches) against the tiled kernel (forced by
- * ATTND_SM90=0) over the same cache, both with fp32 outputs: one numerics
+ * attnd_cuda_opts_t.sm90 = 1) over the same cache, both with fp32 outputs: one numerics
  * contract, so they agree to fp32 summation order (the prefix-hit bound,
  * 1e-4), lse included. Outputs that differ in no bit at all mean both ran the
  * same kernel; they are counted so that the report shows the path ran. */
@@ -210,6 +212,12 @@ static void check_ab(const attnd_kshape_t *s, int ncase, attnd_kbatch_t b, const
   const int QH = s->q_heads, D = s->head_dim, Tq = b.total_q;
   const size_t n = (size_t)Tq * QH * D;
   float *ho[2], *hl[2];
+  /* The same launch options, the tiled kernel asked for. */
+  attnd_cuda_opts_t topts = {0};
+  if (o->opts)
+    topts = *o->opts;
+  topts.sm90 = 1;
+  const case_opts_t tiled = {.use_ws = o->use_ws, .opts = &topts};
   for (int k = 0; k < 2; k++) {
     float *d_o, *d_l;
     CK(cudaMalloc((void **)&d_o, sizeof(float) * n));
@@ -219,11 +227,7 @@ static void check_ab(const attnd_kshape_t *s, int ncase, attnd_kbatch_t b, const
     b.out = d_o;
     b.out_fp32 = 1;
     b.lse = d_l;
-    if (k == 1)
-      setenv("ATTND_SM90", "0", 1);
-    const int rc = do_attend(s, &b, d_ws, ws_bytes, o);
-    if (k == 1)
-      unsetenv("ATTND_SM90");
+    const int rc = do_attend(s, &b, d_ws, ws_bytes, k == 1 ? &tiled : o);
     if (rc)
       fail_msg("case %d A/B attend %d: %d %s", ncase, k, rc, attnd_cuda_last_error());
     CK(cudaDeviceSynchronize());
@@ -255,8 +259,8 @@ static void check_ab(const attnd_kshape_t *s, int ncase, attnd_kbatch_t b, const
     if (!(err <= bound))
       fail_msg("case %d kv %s D %d bs %d G %d item %d (start %d n %d mask %d): Hopper path vs "
                "tiled kernel rel L2 %g > %g",
-               ncase, attnd_kv_type_name(s->kv), D, s->block_size, QH / s->kv_heads, i,
-               ti[i].start, ti[i].n, ti[i].mask_kind, err, bound);
+               ncase, attnd_kv_type_name(s->kv), D, s->block_size, QH / s->kv_heads, i, ti[i].start,
+               ti[i].n, ti[i].mask_kind, err, bound);
     if (ti[i].n >= 8 && err > g_ab_worst)
       g_ab_worst = err;
     if (ti[i].n < 8 && err > g_ab_worst_short)
@@ -274,6 +278,8 @@ static void check_ab(const attnd_kshape_t *s, int ncase, attnd_kbatch_t b, const
     free(hl[k]);
   }
 }
+
+#endif /* ATTND_HARNESS_OLD_API */
 
 /* A prefix-cache hit, for a kernel, is new rows over KV already cached. For
  * every item with q and >= 9 rows, its last 8 rows run again alone (their k/v
@@ -672,8 +678,10 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
     free(qc);
   }
 
+#ifndef ATTND_HARNESS_OLD_API
   if (o->check_ab)
     check_ab(s, ncase, b, ti, items, nitems, d_ws, ws_bytes, o);
+#endif
   if (o->out_fp32 && o->check_hit)
     check_hit(s, ncase, ti, items, nitems, d_meta, d_cache, bb, d_sc, per_channel, q, k, v,
               (const float *)out, o);

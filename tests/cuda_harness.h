@@ -37,9 +37,9 @@ typedef struct {
   int near_bound; /* 1: |q| and |k| elements in [0.25, 1] * q_mag / k_mag, random sign */
   int cpu;        /* also run the CPU backend and record its errors */
   int check_hit;  /* with out_fp32: the last 8 rows alone must equal the full step */
-  int check_ab;   /* also run the batch on the tiled kernel (ATTND_SM90=0) and require the
-                   * Hopper path (prefill_sm90.cuh) to agree with it (fp32 outputs, lse) */
 #ifndef ATTND_HARNESS_OLD_API
+  int check_ab; /* also run the batch on the tiled kernel (opts with sm90 = 1) and require
+                 * the Hopper path (prefill_sm90.cuh) to agree with it (fp32 outputs, lse) */
   const attnd_cuda_opts_t *opts; /* launch options (NULL: defaults) */
 #endif
 } case_opts_t;

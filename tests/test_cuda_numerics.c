@@ -1,9 +1,14 @@
 /* test_cuda_numerics.c: the numerics of the CUDA kernels, judged against the
  * float64 oracle and against the CPU backend run on the same inputs.
  *
- * Every cache type x head dim 64/128/256, both activation dtypes, both
- * attention kernels (a mixed batch with a prefill item goes to the tiled
- * kernel, a decode-shaped batch to the decode kernel), three input styles:
+ * Every cache type x head dim 64/128/256, both activation dtypes, every
+ * attention kernel: a mixed batch with a short prefill item on the tiled
+ * kernel (launch option sm90 = 1), a decode-shaped batch on the decode
+ * kernel, and a prefill-shaped batch (chunks of 40..159 rows over cached
+ * histories, a prefill from position 0 with documents: several key and query
+ * tiles) on the default path, the Hopper kernel of prefill_sm90.cuh on an
+ * sm_90 device, checked against the tiled kernel too (the harness's A/B).
+ * Three input styles:
  * V rows at or near the zero point with all-zero rows (int4 zero points
  * integers, halves and random), sink-like tokens that take about half the
  * attention with zero values, and plain normal inputs. Each item must stay
@@ -12,9 +17,10 @@
  * the largest magnitude the kernels compute faithfully (2^48 for bf16, the
  * fp16 range for fp16 values), q huge over tiny k, and v near 2^100: no Inf,
  * no NaN, no masked-looking zeros, the same bounds.
- * ATTND_GPU_TEST_PAIRWISE=1 runs a subset, for compute-sanitizer. Uses only
- * the plain API (attnd_cuda_write / attnd_cuda_attend), so the same cases run
- * against any build of the kernels. */
+ * ATTND_GPU_TEST_PAIRWISE=1 runs a subset, for compute-sanitizer. Built with
+ * ATTND_HARNESS_OLD_API it uses only the plain API (attnd_cuda_write /
+ * attnd_cuda_attend, every batch on the default path), so the same cases run
+ * against an older build of the kernels. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -44,9 +50,56 @@ static int pairwise_mode(void) {
 static const int k_masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING,
                                ATTND_MASK_PREFIX_LM, ATTND_MASK_FULL};
 
-/* A mixed batch (tiled kernel) or a decode-shaped one (decode kernel). */
-static void make_items(int ncase, int decode, int G, tcase_item_t *ti) {
-  if (!decode) {
+/* Which kernel a case's batch is shaped for. */
+enum { K_MIXED = 0, K_DECODE = 1, K_PREFILL = 2, K_KINDS = 3 };
+static const char *const k_kind_names[K_KINDS] = {"mixed", "decode", "prefill"};
+
+/* Launch options per batch kind: the mixed batches on the tiled kernel, the
+ * others on the default path. */
+#ifndef ATTND_HARNESS_OLD_API
+static const attnd_cuda_opts_t k_tiled_opts = {.sm90 = 1};
+static void kind_opts(int kind, case_opts_t *o) {
+  o->opts = kind == K_MIXED ? &k_tiled_opts : NULL;
+  o->check_ab = kind == K_PREFILL;
+}
+#else
+static void kind_opts(int kind, case_opts_t *o) {
+  (void)kind;
+  (void)o;
+}
+#endif
+
+/* A mixed batch (a short prefill item beside decode rows), a decode-shaped
+ * one, or a prefill-shaped one. */
+static void make_items(int ncase, int kind, int G, tcase_item_t *ti) {
+  if (kind == K_PREFILL) {
+    tcase_item_t m[4] = {
+        {.hist = 100 + harness_rnd(300),
+         .n = 40 + harness_rnd(120),
+         .has_q = 1,
+         .mask_kind = k_masks[ncase % 5],
+         .mask_param = 1 + harness_rnd(200),
+         .causal = harness_rnd(2),
+         .docs = harness_rnd(2)},
+        {.hist = 0,
+         .n = 60 + harness_rnd(100),
+         .has_q = 1,
+         .mask_kind = k_masks[(ncase + 2) % 5],
+         .mask_param = 1 + harness_rnd(100),
+         .causal = harness_rnd(2),
+         .docs = 1},
+        {.hist = 100 + harness_rnd(300), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
+        {.hist = harness_rnd(30), .n = 1 + harness_rnd(10), .has_q = 0},
+    };
+    memcpy(ti, m, sizeof m);
+    for (int i = 0; i < 4; i++) {
+      ti[i].start = ti[i].hist;
+      if (ti[i].mask_kind == ATTND_MASK_PREFIX_LM)
+        ti[i].mask_param = harness_rnd(ti[i].hist + ti[i].n + 1);
+    }
+    return;
+  }
+  if (kind == K_MIXED) {
     const int mk = k_masks[ncase % 5];
     tcase_item_t m[4] = {
         {.hist = 100 + harness_rnd(400), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
@@ -82,7 +135,8 @@ static void make_items(int ncase, int decode, int G, tcase_item_t *ti) {
   }
 }
 
-static void record(const attnd_kshape_t *s, int ncase, const case_result_t *r, const char *what) {
+static void record(const attnd_kshape_t *s, int ncase, const case_result_t *r, const char *what,
+                   int kind) {
   const int di = s->dtype == ATTND_DT_FP16;
   const int kv = s->kv;
   if (r->cuda_err > g_cuda[kv][di])
@@ -94,8 +148,9 @@ static void record(const attnd_kshape_t *s, int ncase, const case_result_t *r, c
   g_n[kv][di]++;
   if (r->worst_ratio > 1.0) {
     g_bad[kv][di]++;
-    print_message("case %d %s kv %s %s D %d G %d: cuda %.3e cpu %.3e: over 2x cpu + floor (%.2f)\n",
-                  ncase, what, attnd_kv_type_name(s->kv),
+    print_message("case %d %s (%s batch) kv %s %s D %d G %d: cuda %.3e cpu %.3e: over 2x cpu + "
+                  "floor (%.2f)\n",
+                  ncase, what, k_kind_names[kind], attnd_kv_type_name(s->kv),
                   s->dtype == ATTND_DT_BF16 ? "bf16" : "fp16", s->head_dim,
                   s->q_heads / s->kv_heads, r->cuda_err, r->cpu_err, r->worst_ratio);
   }
@@ -124,20 +179,21 @@ static void test_styles(void **state) {
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
     for (int di = 0; di < 3; di++)
       for (int style = 0; style < 3; style++)
-        for (int decode = 0; decode < 2; decode++, ncase++) {
-          if (pw && (kv + di + style + decode) % 5 != 0)
+        for (int kind = 0; kind < K_KINDS; kind++, ncase++) {
+          if (pw && (kv + di + style + kind) % 5 != 0)
             continue;
           const int G = groups[(ncase / 2) % 3];
           /* Sinks without RoPE: their direction must stay aligned with q's. */
           attnd_kshape_t s = shape(kv, dims[di], bss[ncase % 4], G, (ncase >> 1) & 1,
                                    style == CASE_SINKS ? ATTND_ROPE_NONE : 1 + ncase % 2);
           tcase_item_t ti[4];
-          make_items(ncase, decode, G, ti);
+          make_items(ncase, kind, G, ti);
           case_opts_t o = {
-              .use_ws = ncase % 3 != 2, .per_channel = (ncase >> 2) & 1, .style = style, .cpu = 1};
+              .use_ws = ncase % 4 != 2, .per_channel = (ncase >> 2) & 1, .style = style, .cpu = 1};
+          kind_opts(kind, &o);
           case_result_t r;
           run_case(&s, 3000 + ncase, ti, 4, &o, &r);
-          record(&s, 3000 + ncase, &r, names[style]);
+          record(&s, 3000 + ncase, &r, names[style], kind);
         }
 }
 
@@ -158,9 +214,9 @@ static void test_bound(void **state) {
             continue;
           const int G = (ncase % 3) == 0 ? 1 : 4;
           attnd_kshape_t s = shape(kv, dims[di], 64, G, fp16, ATTND_ROPE_NEOX);
-          const int decode = ncase & 1;
+          const int kind = ncase % K_KINDS;
           tcase_item_t ti[4];
-          make_items(ncase, decode, G, ti);
+          make_items(ncase, kind, G, ti);
           const double big_qk = fp16 ? 0x1p15 : 0x1p48;
           const double big_k = fp16 || kv == ATTND_KV_FP16 ? 0x1p15 : 0x1p48;
           const double big_v = fp16 || kv == ATTND_KV_FP16 ? 0x1p13 : 0x1p98;
@@ -176,12 +232,14 @@ static void test_bound(void **state) {
           } else {
             o.v_mag = big_v;
           }
+          kind_opts(kind, &o);
           case_result_t r;
           run_case(&s, 4000 + ncase, ti, 4, &o, &r);
           record(&s, 4000 + ncase, &r,
                  which == 0   ? "q,k at the bound"
                  : which == 1 ? "q huge, k tiny"
-                              : "v at the bound");
+                              : "v at the bound",
+                 kind);
         }
 }
 
@@ -200,6 +258,11 @@ static void test_report(void **state) {
       bad += g_bad[kv][di];
       n += g_n[kv][di];
     }
+#ifndef ATTND_HARNESS_OLD_API
+  print_message("prefill-shaped batches, default path vs tiled kernel (A/B): %d batches, %d with "
+                "differing bits, worst rel L2 %.3e (items >= 8 rows, bound 1e-4)\n",
+                g_ab_checks, g_ab_differ, g_ab_worst);
+#endif
   assert_true(n > 0);
   assert_int_equal(bad, 0);
 }

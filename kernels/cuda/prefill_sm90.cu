@@ -54,7 +54,8 @@ int dispatch_kv(int kv, const FlashParams &p, int sched, int gchunk, int nitems,
 }
 
 template <int D>
-int dispatch_dt(int dt, int kv, const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st) {
+int dispatch_dt(int dt, int kv, const FlashParams &p, int sched, int gchunk, int nitems,
+                cudaStream_t st) {
   return dt == ATTND_DT_BF16 ? dispatch_kv<D, ATTND_DT_BF16>(kv, p, sched, gchunk, nitems, st)
                              : dispatch_kv<D, ATTND_DT_FP16>(kv, p, sched, gchunk, nitems, st);
 }
@@ -97,8 +98,8 @@ bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p, const attnd_cu
 #endif
 }
 
-int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems, const attnd_cuda_opts_t &o,
-                cudaStream_t st) {
+int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems,
+                const attnd_cuda_opts_t &o, cudaStream_t st) {
   // The kernel's bit 0 means pingpong on; the option's bit 0 turns it off.
   const int sched = (o.sm90_sched & 7) ^ 1, gchunk = o.sm90_gchunk;
   switch (s->head_dim) {

@@ -50,8 +50,8 @@ struct Sm90Params { // 64-byte aligned through CUtensorMap
 bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p, const attnd_cuda_opts_t &o);
 
 // Enqueues the Hopper kernel; 0 or an attnd_cuda.h error code (with the call site).
-int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems, const attnd_cuda_opts_t &o,
-                cudaStream_t st);
+int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems,
+                const attnd_cuda_opts_t &o, cudaStream_t st);
 
 // Per (head dim, activation dtype, cache type); defined in prefill_sm90_impl.cuh.
 template <int D, int DT, int KV>

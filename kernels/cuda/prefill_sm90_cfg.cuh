@@ -46,7 +46,8 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr uint32_t kQ = 0; // [CH][kBMq][128 B]
   // Static types: q's lo half (per channel scales), the same layout.
   static constexpr uint32_t kQlo = kQ + kBMq * D * 2;
-  static constexpr uint32_t kOp = kQlo + (kStatic ? kBMq * D * 2 : 0); // [kStages][K, V][CH][BN][128 B]
+  static constexpr uint32_t kOp =
+      kQlo + (kStatic ? kBMq * D * 2 : 0); // [kStages][K, V][CH][BN][128 B]
   // Converting types: two raw stages, each K [BN][RB], V [BN][RB], then
   // (dynamic types) the K and V scales [2][BN] fp32, read there by the consumers.
   static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
@@ -64,7 +65,8 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr uint32_t kBytes = kEnd + kSlack;
   static_assert(kBytes <= 232448, "shared memory of one CTA");
   static_assert(RB % 16 == 0, "raw rows are whole 16-byte units");
-  static_assert(kQlo % 1024 == 0 && kOp % 1024 == 0 && KT % 1024 == 0, "operand tiles 1024-aligned");
+  static_assert(kQlo % 1024 == 0 && kOp % 1024 == 0 && KT % 1024 == 0,
+                "operand tiles 1024-aligned");
 };
 
 // 16 raw bytes -> K::kElemPerChunk operand elements of dtype ODT (packed
