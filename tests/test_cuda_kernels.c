@@ -15,7 +15,7 @@
  * cases (zero points, sinks, magnitudes at the bound, CPU backend ratio).
  * A prefill-shaped matrix (longer chunks over longer histories, document
  * masks) covers the Hopper path of prefill_sm90.cuh; every case also runs the
- * batch once more on the tiled kernel (ATTND_SM90=0) and requires the two to
+ * batch once more on the tiled kernel (launch option sm90 = 1) and requires the two to
  * agree to fp32 summation order. ATTND_GPU_TEST_ONLY=substring runs only the
  * matrices whose name contains it. */
 #include <math.h>
