@@ -40,7 +40,10 @@
 namespace attnd {
 namespace sm90 {
 
-template <int D, int DT, int KV>
+// LO: q split into hi + lo halves with a second Q K^T product (per-channel
+// static scales; int4 always), a template argument so that no branch sits
+// between the wgmma instructions (ptxas would fence them).
+template <int D, int DT, int KV, bool LO>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ Sm90Params P) {
 #if ATTND_SM90_DEVICE
@@ -260,10 +263,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // exact hi + lo pair of operands (sQ, sQlo: a second Q K^T product), and
   // 2^e in the score scale (primitives.cuh, scale_exp).
   float sl2 = F.scale_log2, rscale = 1.f;
-  bool lo_pass = false;
+  constexpr bool lo_pass = C::kStatic && LO;
   if constexpr (C::kStatic) {
-    if (KV == ATTND_KV_INT4 || F.per_channel) {
-      lo_pass = true;
+    if constexpr (LO) {
       float mx = 0.f;
       for (int d = lane; d < D; d += 32)
         mx = fmaxf(mx, F.k_scale[kvh * D + d]);
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int r = vv / G, h = kvh * G + vv % G;
         val = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
                                                ((size_t)(it.q_row + r) * F.q_heads + h) * D + col);
-        if (C::kStatic && lo_pass) {
+        if constexpr (lo_pass) {
           uint32_t *w = &val.x, *wl = &vlo.x;
 #pragma unroll
           for (int e = 0; e < 8; e += 2) {
@@ -305,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       const uint32_t off = (cu >> 3) * kBMq * 128 + sw128_off(c * 64 + v, cu & 7);
       *reinterpret_cast<uint4 *>(sQ + off) = val;
-      if (C::kStatic && lo_pass)
+      if constexpr (lo_pass)
         *reinterpret_cast<uint4 *>(sQlo + off) = vlo;
     }
     fence_proxy_async();
@@ -383,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kd = 0; kd < D / 16; kd++)
       Wgmma<BN, DT>::ss(sacc, dQ(sQa, kd), dK(s, kd), kd > 0);
-    if (C::kStatic && lo_pass) {
+    if constexpr (lo_pass) {
 #pragma unroll
       for (int kd = 0; kd < D / 16; kd++)
         Wgmma<BN, DT>::ss(sacc, dQ(sQloa, kd), dK(s, kd), 1);
@@ -682,6 +684,24 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 } // namespace sm90
 
+namespace sm90 {
+// Sets the kernel's shared-memory limit (once) and launches it.
+template <int D, int DT, int KV, bool LO>
+cudaError_t launch_k(const Sm90Params &P, dim3 grid, bool pdl, cudaStream_t st) {
+  using C = Cfg<D, DT, KV>;
+  static bool attr_done = false; // per instantiation; benign race: both set the same value
+  if (!attr_done) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(prefill_sm90_kernel<D, DT, KV, LO>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes);
+    if (e != cudaSuccess)
+      return e;
+    attr_done = true;
+  }
+  return launch_ex(prefill_sm90_kernel<D, DT, KV, LO>, grid, dim3(kThreads), C::kBytes, pdl, st, P);
+}
+} // namespace sm90
+
 template <int D, int DT, int KV>
 int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st) {
   using C = sm90::Cfg<D, DT, KV>;
@@ -712,12 +732,6 @@ int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaS
     if (r != CUDA_SUCCESS)
       return set_error(__FILE__, __LINE__, "cuTensorMapEncodeTiled", cudaErrorInvalidValue);
   }
-  static bool attr_done = false; // per instantiation; benign race: both set the same value
-  if (!attr_done) {
-    ATTND_CU(cudaFuncSetAttribute(sm90::prefill_sm90_kernel<D, DT, KV>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes));
-    attr_done = true;
-  }
   const long tiles = ((long)p.max_vec + sm90::kBMq - 1) / sm90::kBMq;
   const long groups = (long)nitems * p.kv_heads;
   if (tiles * groups > 0x7fffffffL)
@@ -730,8 +744,13 @@ int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaS
   P.gchunk = (int)chunk;
   P.ngroups_items = nitems;
   dim3 grid((unsigned)(tiles * groups), 1u, (unsigned)p.nsplit);
-  const cudaError_t e = launch_ex(sm90::prefill_sm90_kernel<D, DT, KV>, grid, dim3(sm90::kThreads),
-                                  C::kBytes, p.pdl != 0, st, P);
+  // q's hi + lo split: per-channel static scales (int4 always).
+  cudaError_t e;
+  if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8)
+    e = p.per_channel ? sm90::launch_k<D, DT, KV, true>(P, grid, p.pdl != 0, st)
+                      : sm90::launch_k<D, DT, KV, false>(P, grid, p.pdl != 0, st);
+  else
+    e = sm90::launch_k<D, DT, KV, KV == ATTND_KV_INT4>(P, grid, p.pdl != 0, st);
   if (e != cudaSuccess)
     return set_error(__FILE__, __LINE__, "prefill_sm90_kernel launch", e);
   return 0;
