@@ -41,6 +41,7 @@
 /* Per cache type and activation dtype (0 bf16, 1 fp16). */
 static double g_cuda[ATTND_KV_COUNT_][2], g_cpu[ATTND_KV_COUNT_][2], g_ratio[ATTND_KV_COUNT_][2];
 static int g_n[ATTND_KV_COUNT_][2], g_bad[ATTND_KV_COUNT_][2];
+static double g_kind_ratio[3]; /* worst ratio per batch kind (K_MIXED, ...) */
 
 static int pairwise_mode(void) {
   const char *e = getenv("ATTND_GPU_TEST_PAIRWISE");
@@ -146,6 +147,8 @@ static void record(const attnd_kshape_t *s, int ncase, const case_result_t *r, c
   if (r->worst_ratio > g_ratio[kv][di])
     g_ratio[kv][di] = r->worst_ratio;
   g_n[kv][di]++;
+  if (r->worst_ratio > g_kind_ratio[kind])
+    g_kind_ratio[kind] = r->worst_ratio;
   if (r->worst_ratio > 1.0) {
     g_bad[kv][di]++;
     print_message("case %d %s (%s batch) kv %s %s D %d G %d: cuda %.3e cpu %.3e: over 2x cpu + "
@@ -258,6 +261,9 @@ static void test_report(void **state) {
       bad += g_bad[kv][di];
       n += g_n[kv][di];
     }
+  print_message("worst ratio per batch: mixed (tiled kernel) %.3f, decode %.3f, prefill-shaped "
+                "(default path) %.3f\n",
+                g_kind_ratio[K_MIXED], g_kind_ratio[K_DECODE], g_kind_ratio[K_PREFILL]);
 #ifndef ATTND_HARNESS_OLD_API
   print_message("prefill-shaped batches, default path vs tiled kernel (A/B): %d batches, %d with "
                 "differing bits, worst rel L2 %.3e (items >= 8 rows, bound 1e-4)\n",

@@ -92,6 +92,7 @@ step() {
   local res=ok
   [ "$rc" -ne 0 ] && res="rc=$rc"
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && res="timeout"
+  [ "$rc" -eq 77 ] && res="no-gpu"
   echo "$name: $res in ${took} s" | tee -a "$out/$log"
   summary+=("$(printf '%-22s %-8s %5s %5s  %s' "$name" "$res" "$took" "$est" "$log")")
 }
@@ -145,9 +146,9 @@ run() {
     for r in "${summary[@]}"; do echo "$r"; done
     echo "-- test_cuda_kernels"
     grep -E "Hopper path vs tiled|prefix hit .* vs full|\[  PASSED|\[  FAILED|FAIL|> 1e-|rel L2 .* >" \
-      "$out/test.log" 2>/dev/null | head -8
+      "$out/test.log" 2>/dev/null | head -10
     echo "-- test_cuda_numerics"
-    grep -E "A/B|\[  PASSED|\[  FAILED|FAIL|over 2x" "$out/numerics.log" 2>/dev/null | head -8
+    grep -E "A/B|worst ratio per|^[a-z0-9_]+ +(bf16|fp16) |\[  PASSED|\[  FAILED|FAIL|over 2x" "$out/numerics.log" 2>/dev/null | head -24
     echo "-- sanitizers"
     grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$out/memcheck.log" "$out/racecheck.log" 2>/dev/null
     echo "-- bench_prefill (ms, TFLOP/s)"
