@@ -297,11 +297,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 8; e += 2) {
             const T *pr = reinterpret_cast<const T *>(&w[e / 2]);
-            const float a = A::to_f(pr[0]) * (F.k_scale[kvh * D + col + e] * rscale);
-            const float b = A::to_f(pr[1]) * (F.k_scale[kvh * D + col + e + 1] * rscale);
+            // Rounded as tiled_load_q's FMUL, FMUL, FADD (explicit: no contraction).
+            const float a =
+                __fmul_rn(A::to_f(pr[0]), __fmul_rn(F.k_scale[kvh * D + col + e], rscale));
+            const float b =
+                __fmul_rn(A::to_f(pr[1]), __fmul_rn(F.k_scale[kvh * D + col + e + 1], rscale));
             const uint32_t hw = A::pack2(a, b);
             w[e / 2] = hw;
-            wl[e / 2] = A::pack2(a - op_half<DT>(hw, false), b - op_half<DT>(hw, true));
+            wl[e / 2] =
+                A::pack2(__fsub_rn(a, op_half<DT>(hw, false)), __fsub_rn(b, op_half<DT>(hw, true)));
           }
         }
       }
