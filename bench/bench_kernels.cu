@@ -1,44 +1,36 @@
-// bench_kernels: times the CUDA kernels on the shapes of the issue and prints
-// a table (JSON to $OUT/bench.json when OUT is set).
-//   decode  B=64 ctx 4096 and B=8 ctx 32768, 32 q / 8 kv heads, d 128, every
-//           cache type: GB/s of cache bytes read (K, V and dynamic scales);
-//   prefill B=4 S=8192 causal bf16: TFLOP/s (4*B*Hq*S*S*D/2 FLOPs);
-//           document mask (FlashMask intervals) and sliding window 1024:
-//           effective TFLOP/s over the visible (q, k) pairs;
-//   copy    device-to-device cudaMemcpy of 2 GiB: GB/s read + written, the
-//           ceiling the decode numbers are compared with (same run).
+// bench_kernels: times the CUDA kernels and prints a table (JSON rows to
+// $OUT/bench.json when OUT is set). bench/README.md lists the rows:
+//   copy, read  the two bandwidth ceilings of this device, same run;
+//   decode      (bench_decode.cu) every cache type over paged caches, as GB/s
+//               of cache bytes read and a fraction of the read roof; shape
+//               sweeps, uneven batches, small-batch launch sequences;
+//   prefill     B=4 S=8192 causal bf16: TFLOP/s (4*B*Hq*S*S*D/2 FLOPs);
+//               document mask (FlashMask intervals) and sliding window 1024:
+//               effective TFLOP/s over the visible (q, k) pairs.
 // CUDA events around each launch, warm-up first, median of many runs. The
-// caches are 0.1 to 1 GB, far over the 60 MB L2, so one input set suffices.
-#include <algorithm>
-#include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <string>
-#include <vector>
+// caches are 0.1 to 2 GB, far over the 60 MB L2, so one input set suffices
+// (the small-batch rows rotate among several).
+#include <numeric>
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
+#include "bench_common.cuh"
 
-#include "attnd_cuda.h"
+std::string g_json = "{";
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
-      exit(1);                                                                             \
-    }                                                                                      \
-  } while (0)
-#define CKA(x)                                                                             \
-  do {                                                                                     \
-    int r_ = (x);                                                                          \
-    if (r_ != 0) {                                                                         \
-      fprintf(stderr, "%s:%d %s: %d %s\n", __FILE__, __LINE__, #x, r_, attnd_cuda_last_error()); \
-      exit(1);                                                                             \
-    }                                                                                      \
-  } while (0)
+bool bench_wanted(const char *name) {
+  const char *f = getenv("ATTND_BENCH_FILTER");
+  return !f || !*f || strstr(name, f) != nullptr;
+}
+
+void jrow(const char *name, const char *fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  if (g_json.size() > 1)
+    g_json += ",\n";
+  g_json += std::string("\"") + name + "\": {" + buf + "}";
+}
 
 __global__ void fill_normalish(__nv_bfloat16 *p, size_t n, uint64_t seed) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -54,88 +46,50 @@ __global__ void fill_normalish(__nv_bfloat16 *p, size_t n, uint64_t seed) {
   }
 }
 
-static std::string g_json = "{";
-// ATTND_BENCH_FILTER=substring runs only the rows whose name contains it.
-static bool wanted(const char *name) {
-  const char *f = getenv("ATTND_BENCH_FILTER");
-  return !f || !*f || strstr(name, f) != nullptr;
-}
-static void jrow(const char *name, const char *fmt, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, sizeof buf, fmt, ap);
-  va_end(ap);
-  if (g_json.size() > 1)
-    g_json += ",\n";
-  g_json += std::string("\"") + name + "\": {" + buf + "}";
-}
-
-template <class F> static float median_ms(F fn, int warm, int iters) {
-  for (int i = 0; i < warm; i++)
-    fn();
-  CK(cudaDeviceSynchronize());
-  std::vector<float> ts;
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < iters; i++) {
-    CK(cudaEventRecord(a));
-    fn();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
-}
-
-struct Setup {
-  attnd_kshape_t s;
-  attnd_kbatch_t b;
-  std::vector<void *> frees;
-  void *ws = nullptr;
-  size_t ws_bytes = 0;
-};
-
-// B items of n new tokens over ctx - n cached ones each (ctx total), the cache
-// filled by attnd_cuda_write from random k/v; returns the step batch.
-static void setup(Setup &S, attnd_kv_type_t kv, int B, int ctx, int n, int mask, int mask_param,
-                  const std::vector<int> *doc_lens) {
+void setup_ex(Setup &S, const BenchShape &sh, const std::vector<int> &ctx, int n, int mask, int mask_param,
+              const std::vector<int> *doc_lens) {
   attnd_kshape_t &s = S.s;
   s = {};
-  s.q_heads = 32;
-  s.kv_heads = 8;
-  s.head_dim = 128;
-  s.block_size = 64;
+  s.q_heads = sh.q_heads;
+  s.kv_heads = sh.kv_heads;
+  s.head_dim = sh.head_dim;
+  s.block_size = sh.block_size;
   s.dtype = ATTND_DT_BF16;
-  s.kv = kv;
+  s.kv = sh.kv;
   s.rope = ATTND_ROPE_NEOX;
   s.rope_theta = 500000.0;
-  s.softmax_scale = 1.f / sqrtf(128.f);
-  const int D = 128, KVH = 8, QH = 32, bs = 64;
-  const int nb = (ctx + bs - 1) / bs;
+  s.softmax_scale = 1.f / sqrtf((float)sh.head_dim);
+  const int D = sh.head_dim, KVH = sh.kv_heads, QH = sh.q_heads, bs = sh.block_size, B = (int)ctx.size();
   const size_t bb = attnd_kv_block_bytes(&s);
+  std::vector<int> nb(B), boff(B + 1, 0), koff(B + 1, 0);
+  int maxctx = 1;
+  for (int i = 0; i < B; i++) {
+    nb[i] = (ctx[i] + bs - 1) / bs;
+    boff[i + 1] = boff[i] + nb[i];
+    koff[i + 1] = koff[i] + ctx[i];
+    maxctx = std::max(maxctx, ctx[i]);
+  }
+  const size_t nblocks = (size_t)boff[B];
   uint8_t *cache;
-  CK(cudaMalloc(&cache, bb * nb * B));
+  CK(cudaMalloc(&cache, bb * nblocks));
   S.frees.push_back(cache);
-  // Block tables: item i gets blocks in a strided order (not contiguous).
-  std::vector<int32_t> meta((size_t)nb * B);
-  for (int i = 0; i < B; i++)
-    for (int l = 0; l < nb; l++)
-      meta[(size_t)i * nb + l] = (int32_t)(((size_t)l * B + i) % ((size_t)nb * B));
-  size_t iv_off = meta.size();
+  // Block tables: a strided permutation of the pool (not contiguous per session).
+  std::vector<int32_t> meta(nblocks);
+  size_t stride = 7919;
+  while (nblocks > 1 && std::gcd(stride, nblocks) != 1)
+    stride++;
+  for (size_t l = 0; l < nblocks; l++)
+    meta[l] = (int32_t)((l * stride) % nblocks);
+  const size_t iv_off = meta.size();
   if (mask == ATTND_MASK_INTERVALS) {
     // Documents: keys of a document are masked for rows after its end.
     for (int i = 0; i < B; i++) {
-      std::vector<int32_t> iv(4 * (size_t)ctx, 0);
+      std::vector<int32_t> iv(4 * (size_t)ctx[i], 0);
       int a = 0;
       for (int l : *doc_lens) {
-        for (int j = a; j < a + l; j++) {
+        for (int j = a; j < a + l && j < ctx[i]; j++) {
           iv[j] = a + l;
-          iv[ctx + j] = ctx;
+          iv[ctx[i] + j] = ctx[i];
         }
         a += l;
       }
@@ -152,35 +106,44 @@ static void setup(Setup &S, attnd_kv_type_t kv, int B, int ctx, int n, int mask,
   {
     std::vector<float> h(4 * KVH * D);
     for (int i = 0; i < KVH * D; i++) {
-      float base = kv == ATTND_KV_INT4 ? 0.5f : kv == ATTND_KV_INT8 ? 4.f / 127 : 4.f / 448;
+      float base = sh.kv == ATTND_KV_INT4 ? 0.5f : sh.kv == ATTND_KV_INT8 ? 4.f / 127 : 4.f / 448;
       h[i] = h[KVH * D + i] = base;
       h[2 * KVH * D + i] = h[3 * KVH * D + i] = 7.5f;
     }
     CK(cudaMemcpy(scales, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
   }
-  const bool st = attnd_kv_type_static(kv);
-  const size_t T = (size_t)ctx * B;
+  const bool st = attnd_kv_type_static(sh.kv);
+  const size_t T = (size_t)koff[B];
   __nv_bfloat16 *k, *v, *q;
   CK(cudaMalloc(&k, T * KVH * D * 2));
   CK(cudaMalloc(&v, T * KVH * D * 2));
   CK(cudaMalloc(&q, (size_t)n * B * QH * D * 2));
-  S.frees.push_back(k);
-  S.frees.push_back(v);
-  S.frees.push_back(q);
   fill_normalish<<<1024, 256>>>(k, T * KVH * D, 1);
   fill_normalish<<<1024, 256>>>(v, T * KVH * D, 2);
   fill_normalish<<<1024, 256>>>(q, (size_t)n * B * QH * D, 3);
-  // History: positions 0..ctx-1 of every item, written once.
+  // History: positions 0..ctx-1 of every item, written once; the step's k/v
+  // are the last n rows of each item's history (rewritten with the same values).
   std::vector<attnd_kitem_t> hist(B), step(B);
+  __nv_bfloat16 *sk, *sv;
+  CK(cudaMalloc(&sk, (size_t)n * B * KVH * D * 2));
+  CK(cudaMalloc(&sv, (size_t)n * B * KVH * D * 2));
+  S.frees.push_back(sk);
+  S.frees.push_back(sv);
+  S.frees.push_back(q);
+  size_t ivo = iv_off;
   for (int i = 0; i < B; i++) {
-    hist[i] = {0, ctx, -1, ctx * i, 0, 0, 0, 0, nb * i};
-    step[i] = {ctx - n, n, n * i, n * i, mask, mask_param, 1,
-               (int32_t)(iv_off + (size_t)i * 4 * ctx), nb * i};
+    hist[i] = {0, ctx[i], -1, koff[i], 0, 0, 0, 0, boff[i]};
+    step[i] = {ctx[i] - n, n, n * i, n * i, mask, mask_param, 1, (int32_t)ivo, boff[i]};
+    if (mask == ATTND_MASK_INTERVALS)
+      ivo += 4 * (size_t)ctx[i];
+    CK(cudaMemcpy(sk + (size_t)n * i * KVH * D, k + (size_t)(koff[i + 1] - n) * KVH * D, (size_t)n * KVH * D * 2,
+                  cudaMemcpyDeviceToDevice));
+    CK(cudaMemcpy(sv + (size_t)n * i * KVH * D, v + (size_t)(koff[i + 1] - n) * KVH * D, (size_t)n * KVH * D * 2,
+                  cudaMemcpyDeviceToDevice));
   }
   attnd_kitem_t *d_hist, *d_step;
   CK(cudaMalloc(&d_hist, B * sizeof(attnd_kitem_t)));
   CK(cudaMalloc(&d_step, B * sizeof(attnd_kitem_t)));
-  S.frees.push_back(d_hist);
   S.frees.push_back(d_step);
   CK(cudaMemcpy(d_hist, hist.data(), B * sizeof(attnd_kitem_t), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_step, step.data(), B * sizeof(attnd_kitem_t), cudaMemcpyHostToDevice));
@@ -189,18 +152,22 @@ static void setup(Setup &S, attnd_kv_type_t kv, int B, int ctx, int n, int mask,
   hb.nitems = B;
   hb.meta = d_meta;
   hb.total_kv = (int)T;
-  hb.max_kv_len = ctx;
-  hb.max_n = ctx;
+  hb.max_kv_len = maxctx;
+  hb.max_n = maxctx;
   hb.k = k;
   hb.v = v;
   hb.cache = cache;
   hb.block_bytes = bb;
   hb.k_scale = st ? scales : nullptr;
   hb.v_scale = st ? scales + KVH * D : nullptr;
-  hb.k_zero = kv == ATTND_KV_INT4 ? scales + 2 * KVH * D : nullptr;
-  hb.v_zero = kv == ATTND_KV_INT4 ? scales + 3 * KVH * D : nullptr;
+  hb.k_zero = sh.kv == ATTND_KV_INT4 ? scales + 2 * KVH * D : nullptr;
+  hb.v_zero = sh.kv == ATTND_KV_INT4 ? scales + 3 * KVH * D : nullptr;
   hb.scale_per_channel = 1;
   CKA(attnd_cuda_write(&s, &hb, nullptr));
+  CK(cudaDeviceSynchronize());
+  cudaFree(k);
+  cudaFree(v);
+  cudaFree(d_hist);
   attnd_kbatch_t &b = S.b;
   b = hb;
   b.items = d_step;
@@ -208,6 +175,8 @@ static void setup(Setup &S, attnd_kv_type_t kv, int B, int ctx, int n, int mask,
   b.total_kv = n * B;
   b.max_n = n;
   b.q = q;
+  b.k = sk;
+  b.v = sv;
   void *out;
   float *lse;
   CK(cudaMalloc(&out, (size_t)n * B * QH * D * 2));
@@ -219,10 +188,18 @@ static void setup(Setup &S, attnd_kv_type_t kv, int B, int ctx, int n, int mask,
   S.ws_bytes = attnd_cuda_attend_workspace(&s, b.total_q);
   CK(cudaMalloc(&S.ws, S.ws_bytes));
   S.frees.push_back(S.ws);
+  S.cache_bytes = (double)T * attnd_kv_bytes_per_token(&s);
   CK(cudaDeviceSynchronize());
 }
 
-static void teardown(Setup &S) {
+void setup(Setup &S, attnd_kv_type_t kv, int B, int ctx, int n, int mask, int mask_param,
+           const std::vector<int> *doc_lens) {
+  BenchShape sh;
+  sh.kv = kv;
+  setup_ex(S, sh, std::vector<int>(B, ctx), n, mask, mask_param, doc_lens);
+}
+
+void teardown(Setup &S) {
   for (void *p : S.frees)
     cudaFree(p);
   S.frees.clear();
@@ -240,7 +217,7 @@ int main() {
   printf("device: %s, %.0f GiB, cc %d.%d\n", name, mem / 1073741824.0, ma, mi);
   jrow("device", "\"name\": \"%s\", \"cc\": \"%d.%d\"", name, ma, mi);
 
-  // Copy ceiling.
+  // Copy ceiling (bytes read + written).
   double copy_gbps;
   {
     size_t n = (size_t)2 << 30;
@@ -255,29 +232,8 @@ int main() {
     cudaFree(a);
     cudaFree(b);
   }
-
-  printf("\n%-14s %-14s %9s %9s %9s %7s %6s\n", "decode", "cache", "us", "GB/s", "%copy", "splits", "write_us");
-  const int dshapes[2][2] = {{64, 4096}, {8, 32768}};
-  for (auto &sh : dshapes) {
-    for (int kv = 0; kv < ATTND_KV_COUNT_; kv++) {
-      char nm[64];
-      snprintf(nm, sizeof nm, "decode_B%d_ctx%d_%s", sh[0], sh[1], attnd_kv_type_name((attnd_kv_type_t)kv));
-      if (!wanted(nm))
-        continue;
-      Setup S;
-      setup(S, (attnd_kv_type_t)kv, sh[0], sh[1], 1, ATTND_MASK_CAUSAL, 0, nullptr);
-      const int splits = attnd_cuda_attend_splits(&S.s, &S.b, S.ws_bytes);
-      float ms = median_ms([&] { CKA(attnd_cuda_attend(&S.s, &S.b, S.ws, S.ws_bytes, nullptr)); }, 5, 50);
-      float wms = median_ms([&] { CKA(attnd_cuda_write(&S.s, &S.b, nullptr)); }, 3, 20);
-      const double bytes = (double)sh[0] * sh[1] * attnd_kv_bytes_per_token(&S.s);
-      const double gbps = bytes / (ms * 1e-3) / 1e9;
-      printf("B%-3d ctx%-6d %-14s %9.1f %9.0f %8.1f%% %6d %8.1f\n", sh[0], sh[1],
-             attnd_kv_type_name((attnd_kv_type_t)kv), ms * 1e3, gbps, 100.0 * gbps / copy_gbps, splits, wms * 1e3);
-      jrow(nm, "\"us\": %.1f, \"GBps\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"write_us\": %.1f", ms * 1e3,
-           gbps, 100.0 * gbps / copy_gbps, splits, wms * 1e3);
-      teardown(S);
-    }
-  }
+  const double read_gbps = bench_read_roof();
+  bench_decode_rows(copy_gbps, read_gbps);
 
   printf("\n%-34s %9s %9s\n", "prefill B4 S8192 32/8 d128 bf16", "ms", "TFLOP/s");
   const int B = 4, S_ = 8192, QH = 32, D = 128;
@@ -304,7 +260,7 @@ int main() {
   for (auto &pm : pms) {
     char nm[64];
     snprintf(nm, sizeof nm, "prefill_B4_S8192_%s", pm.name);
-    if (!wanted(nm))
+    if (!bench_wanted(nm))
       continue;
     Setup S;
     setup(S, (attnd_kv_type_t)pm.kv, B, S_, S_, pm.mask, pm.param, &lens);

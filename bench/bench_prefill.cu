@@ -7,9 +7,14 @@
 //     visible (q, k) pairs; causal over the quantized caches;
 //   chunked prefill, 2048 new tokens over 6144 cached (B4), every cache type;
 //   small prefills: 1 x 512 over 0 and over 8192 cached, 64 x 64 over 2048.
-// Each row runs the Hopper path's variants (ATTND_SM90_SCHED: pingpong,
-// intra-warpgroup overlap) and the tiled kernel (ATTND_SM90=0) in this one
-// process. CUDA events around each call, warm-up first, median.
+// Each row runs the Hopper path's variants (attnd_cuda_opts_t.sm90_sched:
+// pingpong, intra-warpgroup overlap; sm90_gchunk: the launch order) and the
+// tiled kernel (sm90 = 1) in this one process. CUDA events around each call,
+// warm-up first, median. By default only the main rows run (causal d128/d64/
+// d256, document, sliding, append over bf16 and int8_dynamic, the small
+// prefills); ATTND_BENCH_PREFILL=all runs every row (this tool's own
+// environment variables: the kernels read none). ATTND_BENCH_FILTER=substring
+// runs only the rows whose name contains it.
 #include <algorithm>
 #include <math.h>
 #include <stdarg.h>
@@ -232,23 +237,32 @@ static void teardown(Setup &S) {
 }
 
 struct Variant {
-  const char *name, *sm90, *sched, *gchunk;
+  const char *name;
+  attnd_cuda_opts_t opts;
 };
 // Variants timed per row: the Hopper path's schedules (pingpong, no
 // intra-warpgroup overlap, the launch order of round 1: every group's tiles
 // interleaved, no softmax: a timing experiment with wrong output), then the
-// tiled kernel.
-static const Variant kVariants[] = {{"pp", "1", "1", ""},
-                                    {"nopp", "1", "0", ""},
-                                    {"pp_serial", "1", "3", ""},
-                                    {"nopp_serial", "1", "2", ""},
-                                    {"pp_allgroups", "1", "1", "1000000"},
-                                    {"pp_nosoftmax", "1", "5", ""},
-                                    {"tiled", "0", "1", ""}};
+// tiled kernel. sm90_sched bit 0 turns pingpong off, bit 1 the overlap, bit 2
+// the softmax.
+static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
+  attnd_cuda_opts_t o = {};
+  o.sm90 = sm90;
+  o.sm90_sched = sched;
+  o.sm90_gchunk = gchunk;
+  return o;
+}
+static const Variant kVariants[] = {{"pp", variant_opts(0, 0, 0)},
+                                    {"nopp", variant_opts(0, 1, 0)},
+                                    {"pp_serial", variant_opts(0, 2, 0)},
+                                    {"nopp_serial", variant_opts(0, 3, 0)},
+                                    {"pp_allgroups", variant_opts(0, 0, 1000000)},
+                                    {"pp_nosoftmax", variant_opts(0, 4, 0)},
+                                    {"tiled", variant_opts(1, 0, 0)}};
 
 struct Row {
   const char *name;
-  int kv, D, B, ctx, n, mask, param, all_variants;
+  int kv, D, B, ctx, n, mask, param, all_variants, main_row;
 };
 
 int main() {
@@ -263,6 +277,8 @@ int main() {
   printf("device: %s, %.0f GiB, cc %d.%d\n", name, mem / 1073741824.0, ma, mi);
   jrow("device", "\"name\": \"%s\", \"cc\": \"%d.%d\"", name, ma, mi);
 
+  const char *which = getenv("ATTND_BENCH_PREFILL");
+  const bool all_rows = which && strcmp(which, "all") == 0;
   const int S_ = 8192;
   std::vector<int> lens;
   {
@@ -277,32 +293,32 @@ int main() {
     }
   }
   const Row rows[] = {
-      {"causal_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1},
-      {"causal_d64_bf16", ATTND_KV_BF16, 64, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1},
-      {"causal_d256_bf16", ATTND_KV_BF16, 256, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1},
-      {"document_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_INTERVALS, 0, 1},
-      {"sliding1024_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_SLIDING, 1024, 1},
-      {"causal_d128_int8", ATTND_KV_INT8, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 0},
-      {"causal_d128_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 0},
-      {"append2048_over6144_bf16", ATTND_KV_BF16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 1},
-      {"append2048_over6144_fp16", ATTND_KV_FP16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0},
-      {"append2048_over6144_int8", ATTND_KV_INT8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0},
-      {"append2048_over6144_fp8", ATTND_KV_FP8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0},
+      {"causal_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1, 1},
+      {"causal_d64_bf16", ATTND_KV_BF16, 64, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1, 1},
+      {"causal_d256_bf16", ATTND_KV_BF16, 256, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1, 1},
+      {"document_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_INTERVALS, 0, 1, 1},
+      {"sliding1024_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_SLIDING, 1024, 1, 1},
+      {"causal_d128_int8", ATTND_KV_INT8, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"causal_d128_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"append2048_over6144_bf16", ATTND_KV_BF16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 1, 1},
+      {"append2048_over6144_fp16", ATTND_KV_FP16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"append2048_over6144_int8", ATTND_KV_INT8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"append2048_over6144_fp8", ATTND_KV_FP8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
       {"append2048_over6144_int8_dynamic", ATTND_KV_INT8_DYNAMIC, 128, 4, 8192, 2048,
-       ATTND_MASK_CAUSAL, 0, 0},
+       ATTND_MASK_CAUSAL, 0, 0, 1},
       {"append2048_over6144_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, 8192, 2048,
-       ATTND_MASK_CAUSAL, 0, 0},
-      {"append2048_over6144_int4", ATTND_KV_INT4, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0},
-      {"small_1x512_over0", ATTND_KV_BF16, 128, 1, 512, 512, ATTND_MASK_CAUSAL, 0, 1},
-      {"small_1x512_over8192", ATTND_KV_BF16, 128, 1, 8704, 512, ATTND_MASK_CAUSAL, 0, 1},
-      {"small_64x64_over2048", ATTND_KV_BF16, 128, 64, 2112, 64, ATTND_MASK_CAUSAL, 0, 1},
+       ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"append2048_over6144_int4", ATTND_KV_INT4, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"small_1x512_over0", ATTND_KV_BF16, 128, 1, 512, 512, ATTND_MASK_CAUSAL, 0, 1, 1},
+      {"small_1x512_over8192", ATTND_KV_BF16, 128, 1, 8704, 512, ATTND_MASK_CAUSAL, 0, 1, 1},
+      {"small_64x64_over2048", ATTND_KV_BF16, 128, 64, 2112, 64, ATTND_MASK_CAUSAL, 0, 1, 1},
   };
   printf("\n%-34s %-12s %9s %9s %6s\n", "prefill (32/8 heads, bs 64)", "variant", "ms", "TFLOP/s",
          "splits");
   for (const Row &r : rows) {
     char nm[96];
     snprintf(nm, sizeof nm, "prefill_%s", r.name);
-    if (!wanted(nm))
+    if (!wanted(nm) || (!r.main_row && !all_rows))
       continue;
     Setup S;
     setup(S, (attnd_kv_type_t)r.kv, r.D, r.B, r.ctx, r.n, r.mask, r.param, &lens);
@@ -325,11 +341,9 @@ int main() {
     for (const Variant &v : kVariants) {
       if (!r.all_variants && strcmp(v.name, "pp") != 0 && strcmp(v.name, "tiled") != 0)
         continue;
-      setenv("ATTND_SM90", v.sm90, 1);
-      setenv("ATTND_SM90_SCHED", v.sched, 1);
-      setenv("ATTND_SM90_GCHUNK", v.gchunk, 1);
       const float ms = median_ms(
-          [&] { CKA(attnd_cuda_attend(&S.s, &S.b, S.ws, S.ws_bytes, nullptr)); }, 2, iters);
+          [&] { CKA(attnd_cuda_attend_opts(&S.s, &S.b, S.ws, S.ws_bytes, nullptr, &v.opts)); }, 2,
+          iters);
       const double tf = flops / (ms * 1e-3) / 1e12;
       printf("%-34s %-12s %9.3f %9.1f %6d\n", r.name, v.name, ms, tf, splits);
       char buf[160];
@@ -337,9 +351,6 @@ int main() {
                js.empty() ? "" : ", ", v.name, ms, tf);
       js += buf;
     }
-    unsetenv("ATTND_SM90");
-    unsetenv("ATTND_SM90_SCHED");
-    unsetenv("ATTND_SM90_GCHUNK");
     jrow(nm, "\"splits\": %d, %s", splits, js.c_str());
     teardown(S);
   }

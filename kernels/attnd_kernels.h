@@ -1,7 +1,7 @@
 /* attnd_kernels.h: the one C ABI between the daemon and its attention math.
  *
  * Both backends (kernels/cpu, kernels/cuda) compute the same function, defined
- * by DESIGN.md sections 4 and 5, over the same data layout defined here. The
+ * by docs/numerics.md, over the same data layout defined here. The
  * daemon builds one attnd_kbatch_t per (layer, step) and runs two phases:
  *
  *   1. write:  RoPE on q (in place) and on the new k; k and v rounded to the

@@ -19,3 +19,5 @@ if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/test_kernels_cpu.c)
     target_compile_options(${t}_baseline PRIVATE -O3)
   endforeach()
 endif()
+# The CPU kernels at the largest magnitudes they promise to compute faithfully.
+attnd_add_test(test_kernels_cpu_bound SOURCES test_kernels_cpu_bound.c LIBS attnd_kernels_cpu attnd_oracle m)

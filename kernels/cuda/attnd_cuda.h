@@ -43,9 +43,31 @@ int attnd_cuda_device_info(int device, char *name, size_t len, uint64_t *total_m
 /* Message of the last error returned on this thread ("" if none). */
 const char *attnd_cuda_last_error(void);
 
+/* Launch options, for benchmarks and tests (NULL everywhere means the
+ * defaults, all zero). The kernels read no environment. */
+typedef struct {
+  int debug;      /* timing experiments only, results wrong: 1 skip the K/V
+                   * loads, 2 skip the math of the attention kernels */
+  int split;      /* decode batches: 0 choose (kernels/cuda/README.md), 1 flat
+                   * split (every CTA the same number of key chunks), 2 per-item
+                   * split */
+  int min_chunks; /* flat split: fewest 16-key chunks per CTA (0: 8) */
+  int no_pdl;     /* 1: launch without programmatic dependent launch */
+  int sm90;       /* prefill-shaped batches on a Hopper GPU: 0 the Hopper path
+                   * (prefill_sm90.cuh) where the build has sm_90a code, 1 the
+                   * tiled kernel (A/B checks and timing) */
+  int sm90_sched; /* Hopper path, timing only: bit 0 no pingpong between the
+                   * consumer warpgroups, bit 1 no softmax / P V overlap inside
+                   * one, bit 2 no softmax at all (results wrong) */
+  int sm90_gchunk; /* Hopper path: (item, kv head) groups whose query tiles
+                    * launch together (0: enough to fill the GPU once) */
+} attnd_cuda_opts_t;
+
 /* Phase 1: RoPE on q (in place) and the new k, rounding to the activation
  * dtype, quantization and paged write of k and v: one fused kernel. */
 int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream);
+int attnd_cuda_write_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream,
+                          const attnd_cuda_opts_t *opts);
 
 /* Bytes of device scratch that attnd_cuda_attend can use to split long
  * contexts (split-KV) for batches of up to total_q query rows. Passing less
@@ -57,11 +79,16 @@ size_t attnd_cuda_attend_workspace(const attnd_kshape_t *s, int32_t total_q);
  * batch on the same stream (or after an event of it). */
 int attnd_cuda_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
                       size_t workspace_bytes, void *stream);
+int attnd_cuda_attend_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
+                           size_t workspace_bytes, void *stream, const attnd_cuda_opts_t *opts);
 
-/* Splits the attend kernel would use for this batch (for benchmarks and tests
- * that want to know which path ran). */
+/* Parts the attend kernel would cut this batch into (for benchmarks and tests
+ * that want to know which path ran): 1 for no split, the number of CTAs of a
+ * flat split, the parts per item of a per-item split. */
 int attnd_cuda_attend_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b,
                              size_t workspace_bytes);
+int attnd_cuda_attend_splits_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b,
+                                  size_t workspace_bytes, const attnd_cuda_opts_t *opts);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,6 @@
 // common.cuh: element types, conversions and error reporting shared by the
-// CUDA kernels. Nothing here is an op; see write_cache.cu, decode.cu, prefill.cu.
+// CUDA kernels, and the launch helper. Nothing here is an op; see write_cache.cu,
+// split_plan.cu, attend.cu.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -94,5 +95,27 @@ __host__ __device__ __forceinline__ bool kv_dynamic(int kv) {
 }
 
 int num_sms();
+
+// Launches with the programmatic-serialization attribute (PDL) when pdl.
+template <class K, class... Args>
+cudaError_t launch_ex(K kernel, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t st, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (e == cudaErrorNotSupported && pdl) { // a platform without PDL: plain stream order
+    cudaGetLastError();
+    cfg.numAttrs = 0;
+    e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  }
+  return e;
+}
 
 } // namespace attnd

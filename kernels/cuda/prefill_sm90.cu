@@ -1,9 +1,7 @@
 // prefill_sm90.cu: which launches take the Hopper path (prefill_sm90.cuh) and
 // the dispatch of runtime shape values to its instantiations. Everything the
-// Hopper kernel does not take falls back to the tiled kernel in prefill.cu.
+// Hopper kernel does not take goes to the tiled kernel (attend.cu).
 #include <atomic>
-#include <stdlib.h>
-#include <string.h>
 
 #include "prefill_sm90.cuh"
 
@@ -34,31 +32,32 @@ int device_cc() {
 }
 
 template <int D, int DT>
-int dispatch_kv(int kv, const FlashParams &p, int sched, int nitems, cudaStream_t st) {
+int dispatch_kv(int kv, const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st) {
   switch (kv) {
   case ATTND_KV_BF16:
-    return launch_sm90_t<D, DT, ATTND_KV_BF16>(p, sched, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_BF16>(p, sched, gchunk, nitems, st);
   case ATTND_KV_FP16:
-    return launch_sm90_t<D, DT, ATTND_KV_FP16>(p, sched, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_FP16>(p, sched, gchunk, nitems, st);
   case ATTND_KV_INT8:
-    return launch_sm90_t<D, DT, ATTND_KV_INT8>(p, sched, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_INT8>(p, sched, gchunk, nitems, st);
   case ATTND_KV_FP8:
-    return launch_sm90_t<D, DT, ATTND_KV_FP8>(p, sched, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_FP8>(p, sched, gchunk, nitems, st);
   case ATTND_KV_INT8_DYNAMIC:
-    return launch_sm90_t<D, DT, ATTND_KV_INT8_DYNAMIC>(p, sched, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_INT8_DYNAMIC>(p, sched, gchunk, nitems, st);
   case ATTND_KV_FP8_DYNAMIC:
-    return launch_sm90_t<D, DT, ATTND_KV_FP8_DYNAMIC>(p, sched, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_FP8_DYNAMIC>(p, sched, gchunk, nitems, st);
   case ATTND_KV_INT4:
-    return launch_sm90_t<D, DT, ATTND_KV_INT4>(p, sched, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_INT4>(p, sched, gchunk, nitems, st);
   default:
     return set_invalid(__FILE__, __LINE__, "unknown cache type");
   }
 }
 
 template <int D>
-int dispatch_dt(int dt, int kv, const FlashParams &p, int sched, int nitems, cudaStream_t st) {
-  return dt == ATTND_DT_BF16 ? dispatch_kv<D, ATTND_DT_BF16>(kv, p, sched, nitems, st)
-                             : dispatch_kv<D, ATTND_DT_FP16>(kv, p, sched, nitems, st);
+int dispatch_dt(int dt, int kv, const FlashParams &p, int sched, int gchunk, int nitems,
+                cudaStream_t st) {
+  return dt == ATTND_DT_BF16 ? dispatch_kv<D, ATTND_DT_BF16>(kv, p, sched, gchunk, nitems, st)
+                             : dispatch_kv<D, ATTND_DT_FP16>(kv, p, sched, gchunk, nitems, st);
 }
 
 } // namespace
@@ -78,18 +77,17 @@ TensorMapEncodeFn tensor_map_encoder() {
   return fn;
 }
 
-bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p) {
+bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p, const attnd_cuda_opts_t &o) {
 #ifndef ATTND_SM90A
   (void)s;
   (void)p;
+  (void)o;
   return false; // the build has no sm_90a code: the kernels are stubs
 #else
-  // Read on every call (a getenv), so that a benchmark can compare both paths in one process.
-  const char *e = getenv("ATTND_SM90");
-  if (e && strcmp(e, "0") == 0)
-    return false;
-  if (p.max_vec <= 16 || p.direct)
-    return false; // decode-shaped batches: the decode kernels
+  if (o.sm90 != 0)
+    return false; // the tiled kernel asked for (A/B checks, timing)
+  if (p.max_vec <= 16)
+    return false; // decode-shaped batches: the decode kernel
   if (s->head_dim != 64 && s->head_dim != 128 && s->head_dim != 256)
     return false;
   if (device_cc() != 90)
@@ -100,18 +98,17 @@ bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p) {
 #endif
 }
 
-int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems, cudaStream_t st) {
-  // ATTND_SM90_SCHED: bit 0 pingpong between the consumer warpgroups, bit 1
-  // no intra-warpgroup overlap (A/B timing); default 1.
-  const char *e = getenv("ATTND_SM90_SCHED");
-  const int sched = e && *e ? atoi(e) : 1;
+int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems,
+                const attnd_cuda_opts_t &o, cudaStream_t st) {
+  // The kernel's bit 0 means pingpong on; the option's bit 0 turns it off.
+  const int sched = (o.sm90_sched & 7) ^ 1, gchunk = o.sm90_gchunk;
   switch (s->head_dim) {
   case 64:
-    return dispatch_dt<64>(s->dtype, s->kv, p, sched, nitems, st);
+    return dispatch_dt<64>(s->dtype, s->kv, p, sched, gchunk, nitems, st);
   case 128:
-    return dispatch_dt<128>(s->dtype, s->kv, p, sched, nitems, st);
+    return dispatch_dt<128>(s->dtype, s->kv, p, sched, gchunk, nitems, st);
   case 256:
-    return dispatch_dt<256>(s->dtype, s->kv, p, sched, nitems, st);
+    return dispatch_dt<256>(s->dtype, s->kv, p, sched, gchunk, nitems, st);
   default:
     return set_invalid(__FILE__, __LINE__, "head dim of the Hopper path");
   }

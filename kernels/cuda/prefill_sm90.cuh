@@ -1,25 +1,28 @@
 // prefill_sm90.cuh: the Hopper (sm_90a) path of the attention kernel for
 // steps with many query rows per item (prefill, chunked prefill over a cached
 // prefix, mixed batches): wgmma for S = Q K^T and O += P V, K/V tiles brought
-// by the bulk copy engine into a two-stage shared-memory pipeline, one
+// by the bulk copy engine into a multi-stage shared-memory pipeline, one
 // producer warpgroup and two consumer warpgroups (setmaxnreg). The kernel body
 // is prefill_sm90_impl.cuh, instantiated one cache type per file
 // (prefill_sm90_<kv>.cu); prefill_sm90.cu decides eligibility and dispatches.
 //
-// Same function and numerics as the tiled kernel of flash.cuh (see its header
-// comment): query vectors are (row, q head of the GQA group) pairs, operands
-// in the activation dtype, P taken relative to an integer running max in the
-// exp2 domain and rounded to the activation dtype, fp32 softmax state and
-// accumulation, exact zero output and -inf lse for rows with no visible key,
-// and the same placement of quantization scales (static K scales folded into
-// q, V scales applied to O, int4 zero points, dynamic scales on the scores
-// and on P), so that a prefix hit served by another kernel agrees with it to
-// fp32 summation order.
+// Same function as the tiled kernel (tiled_params.cuh, tiled_kernel.cuh), to
+// fp32 summation order: query vectors are (row, q head of the GQA group)
+// pairs; the same operand dtypes (q and K in the activation dtype, P V in
+// Tiled::PDT, P as P 2^14 where that is fp16); scores scaled, shifted and
+// exponentiated with the same fp32 operations against an integer running max
+// (exp2 domain); the same placement of every scale (static K scale per kv
+// head in the score scale, per channel in q as an exact hi + lo pair, int4's
+// K zero point out of the lse in fp64, dynamic scales on the scores and on P,
+// O normalized by the sum of P as rounded for the matrix units and V's static
+// scale and zero point applied to O; kernels/cuda/README.md tabulates them);
+// exact zero output and -inf lse for rows with no visible key. A prefix hit
+// served by the decode kernel agrees with it as it does with the tiled kernel.
 #pragma once
 
 #include <cuda.h>
 
-#include "flash.cuh"
+#include "tiled_params.cuh"
 
 namespace attnd {
 
@@ -27,10 +30,11 @@ namespace attnd {
 // only; a 4-D view of the block pool as 16-bit elements
 // {head_dim, block_size, 2 * kv_heads (K heads then V heads), blocks}, box
 // {64, min(block_size, BN), 1, 1}, 128-byte swizzle (the wgmma operand layout).
-// f: the same fields as the tiled kernel (flash.cuh documents each pointer).
+// f: the same fields as the tiled kernel (tiled_params.cuh documents each pointer).
 // sched: bit 0 = pingpong between the two consumer warpgroups (named
 // barriers), bit 1 = no intra-warpgroup overlap (softmax waits for P V),
-// bit 2 = skip the softmax (timing experiments only: the output is wrong).
+// bit 2 = skip the softmax (timing experiments only: the output is wrong);
+// attnd_cuda_opts_t.sm90_sched with bit 0 inverted (0 there is the default).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).
 struct Sm90Params { // 64-byte aligned through CUtensorMap
@@ -42,15 +46,16 @@ struct Sm90Params { // 64-byte aligned through CUtensorMap
 
 // 1 when this launch runs on the Hopper path: the device is compute
 // capability 9.0, the build holds sm_90a code, the batch is prefill-shaped
-// (more than 16 query vectors in some item) and ATTND_SM90 is not "0".
-bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p);
+// (more than 16 query vectors in some item) and o.sm90 is 0.
+bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p, const attnd_cuda_opts_t &o);
 
 // Enqueues the Hopper kernel; 0 or an attnd_cuda.h error code (with the call site).
-int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems, cudaStream_t st);
+int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems,
+                const attnd_cuda_opts_t &o, cudaStream_t st);
 
 // Per (head dim, activation dtype, cache type); defined in prefill_sm90_impl.cuh.
 template <int D, int DT, int KV>
-int launch_sm90_t(const FlashParams &p, int sched, int nitems, cudaStream_t st);
+int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st);
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda
 // link); NULL when the driver has none.

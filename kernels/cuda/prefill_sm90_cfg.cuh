@@ -4,7 +4,7 @@
 
 #include <stdint.h>
 
-#include "common.cuh"
+#include "primitives.cuh"
 
 namespace attnd {
 namespace sm90 {
@@ -18,24 +18,36 @@ constexpr int kRegsProducer = 40, kRegsConsumer = 232;
 // Tile shapes and the shared-memory layout of one instantiation (bytes from a
 // 1024-aligned base; every operand tile is 1024-aligned for the swizzle).
 template <int D, int DT, int KV> struct Cfg {
+  using K = KvT<KV>;
   static constexpr bool kDirect =
       (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) || (KV == ATTND_KV_FP16 && DT == ATTND_DT_FP16);
-  static constexpr bool kDyn = KV == ATTND_KV_INT8_DYNAMIC || KV == ATTND_KV_FP8_DYNAMIC;
-  static constexpr bool kStatic = KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8 || KV == ATTND_KV_INT4;
-  static constexpr int RB = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 2 * D
-                            : KV == ATTND_KV_INT4                        ? D / 2
-                                                                         : D;
-  // Keys per tile: shared memory bound (Q, two operand stages, two raw stages).
+  static constexpr bool kDyn = K::kDyn;
+  static constexpr bool kStatic = K::kStatic;
+  // The P V product's operand dtype, P's shift and the dynamic types'
+  // V-scale reference: the tiled kernel's (Tiled::PDT, tiled_kernel.cuh), so
+  // that both round P the same way.
+  static constexpr int PDT = (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) ? ATTND_DT_BF16
+                             : kDyn                                       ? DT
+                                                                          : ATTND_DT_FP16;
+  static constexpr float kPShift = PDT == ATTND_DT_FP16 ? 14.f : 0.f;
+  static constexpr bool kSigma = kDyn && PDT == ATTND_DT_FP16;
+  static constexpr int RB = K::k16 ? 2 * D : K::kI4 ? D / 2 : D;
+  // Keys per tile: shared memory bound (Q, and for static types q's lo half,
+  // the operand stages, the raw stages). Static int8/fp8 at D 128 take 64:
+  // 128 would leave no room for the lo half.
   static constexpr int BN = kDirect    ? (D == 256 ? 64 : 128)
                             : D == 64  ? 128
-                            : D == 128 ? (RB <= 128 ? 128 : 64)
+                            : D == 128 ? (RB <= 128 && !(kStatic && !K::kI4) ? 128 : 64)
                                        : 32;
   static constexpr int CH = D / 64;          // 64-element (128-byte) column chunks
   static constexpr uint32_t KT = BN * D * 2; // one operand tile (K or V)
   // Pipeline stages: three where shared memory allows (16-bit caches, D <= 128).
   static constexpr int kStages = kDirect && D <= 128 ? 3 : 2;
-  static constexpr uint32_t kQ = 0;                  // [CH][kBMq][128 B]
-  static constexpr uint32_t kOp = kQ + kBMq * D * 2; // [kStages][K, V][CH][BN][128 B]
+  static constexpr uint32_t kQ = 0; // [CH][kBMq][128 B]
+  // Static types: q's lo half (per channel scales), the same layout.
+  static constexpr uint32_t kQlo = kQ + kBMq * D * 2;
+  static constexpr uint32_t kOp =
+      kQlo + (kStatic ? kBMq * D * 2 : 0); // [kStages][K, V][CH][BN][128 B]
   // Converting types: two raw stages, each K [BN][RB], V [BN][RB], then
   // (dynamic types) the K and V scales [2][BN] fp32, read there by the consumers.
   static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
@@ -53,65 +65,26 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr uint32_t kBytes = kEnd + kSlack;
   static_assert(kBytes <= 232448, "shared memory of one CTA");
   static_assert(RB % 16 == 0, "raw rows are whole 16-byte units");
+  static_assert(kQlo % 1024 == 0 && kOp % 1024 == 0 && KT % 1024 == 0,
+                "operand tiles 1024-aligned");
 };
 
-__device__ __forceinline__ float ex2f(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// 16 raw bytes -> EPU operand elements (packed pairs), values as stored.
-template <int KV, int DT>
+// 16 raw bytes -> K::kElemPerChunk operand elements of dtype ODT (packed
+// pairs), values as stored (exact; int8 and e4m3 through primitives.cuh's
+// pair8, 16-bit words through word16, int4 nibbles through chunk_elem), as
+// the tiled kernel converts them.
+template <int KV, int ODT>
 __device__ __forceinline__ void convert16(const uint4 &rv, uint32_t *out) {
-  using A = Act<DT>;
-  const uint32_t w[4] = {rv.x, rv.y, rv.z, rv.w};
-  if constexpr (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) {
+  using K = KvT<KV>;
+  const uint32_t *w = &rv.x;
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-      float lo, hi;
-      if constexpr (KV == ATTND_KV_BF16) {
-        lo = __uint_as_float(w[k] << 16);
-        hi = __uint_as_float(w[k] & 0xffff0000u);
-      } else {
-        lo = __half2float(__ushort_as_half((unsigned short)(w[k] & 0xffffu)));
-        hi = __half2float(__ushort_as_half((unsigned short)(w[k] >> 16)));
-      }
-      out[k] = A::pack2(lo, hi);
-    }
-  } else if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_INT8_DYNAMIC) {
-    // Biased byte u = x + 128 as the low mantissa byte of 2^23, minus 2^23 + 128: exact.
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const uint32_t u = w[k] ^ 0x80808080u;
-      const float f0 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7650u)) - 8388736.f;
-      const float f1 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7651u)) - 8388736.f;
-      const float f2 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7652u)) - 8388736.f;
-      const float f3 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7653u)) - 8388736.f;
-      out[2 * k] = A::pack2(f0, f1);
-      out[2 * k + 1] = A::pack2(f2, f3);
-    }
-  } else if constexpr (KV == ATTND_KV_FP8 || KV == ATTND_KV_FP8_DYNAMIC) {
-    // e4m3 pairs -> f16 pairs (exact), then to bf16 when that is the operand type.
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-      const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2(
-          (__nv_fp8x2_storage_t)((w[k >> 1] >> ((k & 1) * 16)) & 0xffffu), __NV_E4M3);
-      if constexpr (DT == ATTND_DT_FP16) {
-        out[k] = (uint32_t)h2.x | ((uint32_t)h2.y << 16);
-      } else {
-        const float2 f2 = __half22float2(__half2(h2));
-        out[k] = A::pack2(f2.x, f2.y);
-      }
-    }
-  } else { // int4: channel 2c in the low nibble, 2c+1 in the high one; u in 0..15, exact
-#pragma unroll
-    for (int k = 0; k < 16; k++) {
-      const uint32_t b = (w[k >> 2] >> ((k & 3) * 8)) & 0xffu;
-      const float lo = __uint_as_float(0x4B000000u | (b & 0xfu)) - 8388608.f;
-      const float hi = __uint_as_float(0x4B000000u | (b >> 4)) - 8388608.f;
-      out[k] = A::pack2(lo, hi);
-    }
+  for (int e = 0; e < K::kElemPerChunk; e += 2) {
+    if constexpr (K::kInt8 || K::kFp8)
+      out[e / 2] = pair8<KV, ODT>(w[e >> 2], w[e >> 2], e & 3, (e & 3) + 1);
+    else if constexpr (K::k16)
+      out[e / 2] = word16<KV, ODT>(w[e >> 1]);
+    else
+      out[e / 2] = Act<ODT>::pack2(chunk_elem<KV>(rv, e), chunk_elem<KV>(rv, e + 1));
   }
 }
 

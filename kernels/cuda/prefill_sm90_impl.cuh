@@ -1,30 +1,36 @@
 // prefill_sm90_impl.cuh: the body of the Hopper prefill kernel (see
 // prefill_sm90.cuh). Included only by the prefill_sm90_<kv>.cu instantiation files.
 //
-// One CTA per (item, kv head, tile of kBM = 128 query vectors, KV split), 384
+// One CTA per (item, kv head, tile of kBMq = 128 query vectors, KV split), 384
 // threads in three warpgroups:
 //   warpgroup 0, producer (40 registers): warp 0 lane 0 issues the copies of
 //     each live key tile into the stage (TMA 4-D tiles, 128B-swizzled, for
 //     16-bit caches in the activation dtype; 1-D bulk copies of the raw rows
 //     for every other cache type); warps 1-3 finish the stage: quantized and
 //     cross-dtype tiles are converted from the raw rows into the swizzled
-//     operand tiles (values as stored, exact), keys past the visible range are
-//     zeroed in the V (and converted K) tile so that P = 0 never meets a
-//     non-finite V;
+//     operand tiles (values as stored, exact: K in the activation dtype, V in
+//     Cfg::PDT), keys past the visible range are zeroed in the V (and
+//     converted K) tile so that P = 0 never meets a non-finite V;
 //   warpgroups 1 and 2, consumers (232 registers): 64 query vectors each;
-//     S = Q K^T (wgmma, both operands in shared memory), the online softmax
-//     in registers, O += P V (wgmma, P from registers, V N-major).
-// Pipeline per key tile i, stage i % 2: the producer waits for the consumers
-// to release the stage (empty), the copy engine completes on raw_full, the
-// finishing warps arrive on full, and the consumers wait for full. Inside a
-// consumer, tile i's Q K^T is issued together with tile i-1's P V and the
-// softmax of tile i runs while P V is still on the tensor cores (intra-
-// warpgroup overlap); with pingpong the two consumers also take turns issuing
-// their products (named barriers), so one's softmax hides behind the other's.
+//     S = Q K^T (wgmma, both operands in shared memory; a second product from
+//     q's lo half for per-channel static scales), the online softmax in
+//     registers, O += P V (wgmma, P from registers, V N-major).
+// Pipeline per key tile i, stage i % kStages: the producer waits for the
+// consumers to release the stage (empty), the copy engine completes on
+// raw_full, the finishing warps arrive on full, and the consumers wait for
+// full. Inside a consumer, tile i's Q K^T is issued together with tile i-1's
+// P V and the softmax of tile i runs while P V is still on the tensor cores
+// (intra-warpgroup overlap); with pingpong the two consumers also take turns
+// issuing their products (named barriers), so one's softmax hides behind the
+// other's.
+//
+// Numerics: line for line the tiled kernel's (tiled_kernel.cuh: tiled_load_q,
+// tiled_tile, tiled_write); the fp32 operations that turn a score into P are
+// written with explicit rounding (__fmul_rn, __fadd_rn) so that no
+// contraction makes them differ from its FMUL, FADD, FADD.
 #pragma once
 
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "prefill_sm90.cuh"
@@ -34,12 +40,16 @@
 namespace attnd {
 namespace sm90 {
 
-template <int D, int DT, int KV>
+// LO: q split into hi + lo halves with a second Q K^T product (per-channel
+// static scales; int4 always), a template argument so that no branch sits
+// between the wgmma instructions (ptxas would fence them).
+template <int D, int DT, int KV, bool LO>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ Sm90Params P) {
 #if ATTND_SM90_DEVICE
   using C = Cfg<D, DT, KV>;
   using A = Act<DT>;
+  using PA = Act<C::PDT>; // P's dtype
   using T = typename A::T;
   constexpr int BN = C::BN, CH = C::CH, RB = C::RB;
   constexpr uint32_t KT = C::KT;
@@ -51,6 +61,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t *smem = smem_raw + mis;
   const FlashParams &F = P.f;
 
+  pdl_trigger();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // blockIdx.x -> (item, kv head) group and query tile. Groups are taken P.gchunk
   // at a time, their tiles interleaved heaviest (last) first, so that the CTAs
@@ -78,15 +89,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int32_t *iv = kind == ATTND_MASK_INTERVALS ? F.meta + it.intervals : nullptr;
   const int32_t *bt = F.meta + it.block_table;
 
-  // Keys any row of this CTA may see.
-  int lo = 0, hi = kv_len - 1;
-  if (kind == ATTND_MASK_CAUSAL || (kind == ATTND_MASK_INTERVALS && it.causal))
-    hi = min(hi, pmax);
-  else if (kind == ATTND_MASK_SLIDING) {
-    hi = min(hi, pmax);
-    lo = max(0, pmin - mp + 1);
-  } else if (kind == ATTND_MASK_PREFIX_LM)
-    hi = min(hi, max(pmax, mp - 1));
+  // Keys any row of this CTA may see (primitives.cuh), cut to the split's part.
+  int lo, hi;
+  key_range(it, pmin, pmax, lo, hi);
   if (F.nsplit > 1) {
     lo = max(lo, split * F.split_keys);
     hi = min(hi, (split + 1) * F.split_keys - 1);
@@ -114,32 +119,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_init(BAR(12), 1);
     mbar_init_fence();
   }
-  // FlashMask intervals: classify every key tile once (skipped when each of its
-  // keys is masked for every row of the CTA; needing no per-element mask when
-  // none is masked for any row). One warp per tile.
-  if (kind == ATTND_MASK_INTERVALS) {
-    for (int t = warp; t < min(ntiles, C::kNF); t += kThreads / 32) {
-      bool masked_all = true, vis_all = true;
-      for (int h2 = 0; h2 < BN / 32; h2++) {
-        const int j = jfirst + t * BN + h2 * 32 + lane;
-        if (j < kv_len && j >= lo && j <= hi) {
-          const int a = iv[j], bb = iv[kv_len + j], c = iv[2 * kv_len + j], dd = iv[3 * kv_len + j];
-          const bool cov1 = a <= pmin && pmax < bb, cov2 = c <= pmin && pmax < dd;
-          const bool cov12 = a <= pmin && c <= bb && pmax < dd; // the union covers
-          masked_all &= (it.causal && j > pmax) || cov1 || cov2 || cov12;
-          const bool hit1 = a < bb && a <= pmax && pmin < bb,
-                     hit2 = c < dd && c <= pmax && pmin < dd;
-          vis_all &= !(it.causal && j > pmin) && !hit1 && !hit2;
-        } else {
-          vis_all = false;
-        }
-      }
-      masked_all = __all_sync(0xffffffffu, masked_all);
-      vis_all = __all_sync(0xffffffffu, vis_all);
-      if (lane == 0)
-        sFlags[t] = (masked_all ? 1 : 0) | (vis_all ? 0 : 2);
-    }
-  }
+  // FlashMask intervals: every key tile classified once, as the tiled kernel
+  // does (skipped: each key masked for every row; bit 1: masked per element).
+  if (kind == ATTND_MASK_INTERVALS)
+    classify_tiles<BN>(it, iv, kv_len, lo, hi, jfirst, ntiles, C::kNF, pmin, pmax, kThreads / 32,
+                       sFlags);
   __syncthreads();
 
   auto next_tile = [&](int t) -> int { // first live tile index >= t, or ntiles
@@ -162,6 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
       if constexpr (C::kDirect)
         tma_prefetch_desc(&P.tmap);
+      pdl_wait(); // the cache is written by the previous kernel
       int i = 0;
       for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
         const int j0 = jfirst + t * BN;
@@ -229,44 +214,36 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         mbar_wait_wd(BAR(s), (i / kS) & 1);
         constexpr int UPR = RB / 16; // raw 16-byte units per row
-        constexpr int EPU = (KV == ATTND_KV_BF16 || KV == ATTND_KV_FP16) ? 8
-                            : KV == ATTND_KV_INT4                        ? 32
-                                                                         : 16;
-        constexpr int NU = 2 * BN * UPR;
-        uint8_t *raw = smem + C::kRaw + s * C::kRawStage;
-        // Two units per round, both loads first (the chain is latency bound).
-        for (int u0 = ct; u0 < NU; u0 += 2 * kCvt) {
-          uint4 rv[2];
-          int key[2], cu[2], which[2];
-#pragma unroll
-          for (int x = 0; x < 2; x++) {
-            const int u = u0 + x * kCvt, uu = u < NU ? u : u0;
-            which[x] = uu / (BN * UPR);
-            const int rem = uu % (BN * UPR);
-            key[x] = rem / UPR;
-            cu[x] = rem % UPR;
-            rv[x] = key[x] < lim ? *reinterpret_cast<const uint4 *>(raw + which[x] * BN * RB +
-                                                                    key[x] * RB + cu[x] * 16)
-                                 : make_uint4(0, 0, 0, 0);
+        constexpr int EPU = KvT<KV>::kElemPerChunk;
+        const uint8_t *raw = smem + C::kRaw + s * C::kRawStage;
+        // Unit u of K and of V per round, both loads first (the chain is
+        // latency bound); K for Q K^T in the activation dtype, V for P V in
+        // C::PDT (as tiled_dequant). Zero raw bytes convert to zero operands.
+        for (int u = ct; u < BN * UPR; u += kCvt) {
+          const int key = u / UPR, cu = u % UPR;
+          uint4 rk = make_uint4(0, 0, 0, 0), rv = make_uint4(0, 0, 0, 0);
+          if (key < lim) {
+            rk = *reinterpret_cast<const uint4 *>(raw + key * RB + cu * 16);
+            rv = *reinterpret_cast<const uint4 *>(raw + BN * RB + key * RB + cu * 16);
           }
+          const int e0 = cu * EPU, q0 = (e0 & 63) >> 3;
+          const uint32_t off = (e0 >> 6) * BN * 128 + key * 128;
+          uint32_t o[EPU / 2];
+          convert16<KV, DT>(rk, o);
 #pragma unroll
-          for (int x = 0; x < 2; x++) {
-            if (x == 1 && u0 + kCvt >= NU)
-              break;
-            const int e0 = cu[x] * EPU, q0 = (e0 & 63) >> 3;
-            uint8_t *dst = (which[x] ? opV : opK) + (e0 >> 6) * BN * 128 + key[x] * 128;
-            uint32_t o[EPU / 2];
-            convert16<KV, DT>(rv[x], o); // zero raw bytes convert to zero operands
+          for (int q = 0; q < EPU / 8; q++)
+            *reinterpret_cast<uint4 *>(opK + off + (((q0 + q) ^ (key & 7)) << 4)) =
+                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+          convert16<KV, C::PDT>(rv, o);
 #pragma unroll
-            for (int q = 0; q < EPU / 8; q++)
-              *reinterpret_cast<uint4 *>(dst + (((q0 + q) ^ (key[x] & 7)) << 4)) =
-                  make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-          }
+          for (int q = 0; q < EPU / 8; q++)
+            *reinterpret_cast<uint4 *>(opV + off + (((q0 + q) ^ (key & 7)) << 4)) =
+                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
         }
         if constexpr (C::kDyn) {
-          // Scales of keys past the visible range: 0 (masked keys; stale or poisoned bytes
-          // otherwise).
-          float *rs = reinterpret_cast<float *>(raw + 2 * BN * RB);
+          // Scales of keys past the visible range: 0 (masked keys; stale or
+          // poisoned bytes otherwise), as the tiled kernel's zero-filled copies.
+          float *rs = reinterpret_cast<float *>(smem + C::kRaw + s * C::kRawStage + 2 * BN * RB);
           for (int k = ct; k < 2 * BN; k += kCvt)
             if ((k % BN) >= lim)
               rs[k] = 0.f;
@@ -281,51 +258,81 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- consumers ----
   regs_inc<kRegsConsumer>();
   const int c = wg - 1, t128 = tid & 127, cw = t128 >> 5;
+  // Static K scale, as the tiled kernel: per kv head in the fp32 score scale;
+  // per channel (int4 always) in q as q s / 2^e, 2^e >= every s_d, kept as an
+  // exact hi + lo pair of operands (sQ, sQlo: a second Q K^T product), and
+  // 2^e in the score scale (primitives.cuh, scale_exp).
+  float sl2 = F.scale_log2, rscale = 1.f;
+  constexpr bool lo_pass = C::kStatic && LO;
+  if constexpr (C::kStatic) {
+    if constexpr (LO) {
+      float mx = 0.f;
+      for (int d = lane; d < D; d += 32)
+        mx = fmaxf(mx, F.k_scale[kvh * D + d]);
+#pragma unroll
+      for (int o = 16; o; o >>= 1)
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const int e = scale_exp(mx);
+      rscale = ldexpf(1.f, -e);
+      sl2 = ldexpf(sl2, e);
+    } else {
+      sl2 *= F.k_scale[kvh];
+    }
+  }
+  pdl_wait(); // q is rotated in place by the previous kernel
   // Q rows of this warpgroup -> shared memory in the swizzled K-major layout
-  // (zeros past the last vector); static types fold the K scale into q here.
+  // (zeros past the last vector), hi and lo halves as tiled_load_q makes them.
   {
-    uint8_t *sQ = smem + C::kQ;
-    float *sC = reinterpret_cast<float *>(smem + C::kC);
+    uint8_t *sQ = smem + C::kQ, *sQlo = smem + C::kQlo;
     constexpr int UQ = D / 8; // 16-byte units per q row
     for (int u = t128; u < 64 * UQ; u += 128) {
-      const int v = u / UQ, cu = u % UQ, vv = v0 + c * 64 + v;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      float cz = 0.f;
+      const int v = u / UQ, cu = u % UQ, vv = v0 + c * 64 + v, col = cu * 8;
+      uint4 val = make_uint4(0, 0, 0, 0), vlo = make_uint4(0, 0, 0, 0);
       if (vv < nvec) {
         const int r = vv / G, h = kvh * G + vv % G;
-        val =
-            *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
-                                             ((size_t)(it.q_row + r) * F.q_heads + h) * D + cu * 8);
-        if constexpr (C::kStatic) {
-          uint32_t *w = &val.x;
-          const bool pc = KV == ATTND_KV_INT4 || F.per_channel;
+        val = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
+                                               ((size_t)(it.q_row + r) * F.q_heads + h) * D + col);
+        if constexpr (lo_pass) {
+          uint32_t *w = &val.x, *wl = &vlo.x;
 #pragma unroll
           for (int e = 0; e < 8; e += 2) {
             const T *pr = reinterpret_cast<const T *>(&w[e / 2]);
-            const int col = cu * 8 + e;
-            const float s0 = pc ? F.k_scale[kvh * D + col] : F.k_scale[kvh];
-            const float s1 = pc ? F.k_scale[kvh * D + col + 1] : F.k_scale[kvh];
-            w[e / 2] = A::pack2(A::to_f(pr[0]) * s0, A::to_f(pr[1]) * s1);
-            if constexpr (KV == ATTND_KV_INT4) {
-              const T *qr = reinterpret_cast<const T *>(&w[e / 2]);
-              cz += A::to_f(qr[0]) * F.k_zero[kvh * D + col] +
-                    A::to_f(qr[1]) * F.k_zero[kvh * D + col + 1];
-            }
+            // Rounded as tiled_load_q's FMUL, FMUL, FADD (explicit: no contraction).
+            const float a =
+                __fmul_rn(A::to_f(pr[0]), __fmul_rn(F.k_scale[kvh * D + col + e], rscale));
+            const float b =
+                __fmul_rn(A::to_f(pr[1]), __fmul_rn(F.k_scale[kvh * D + col + e + 1], rscale));
+            const uint32_t hw = A::pack2(a, b);
+            w[e / 2] = hw;
+            wl[e / 2] =
+                A::pack2(__fsub_rn(a, op_half<DT>(hw, false)), __fsub_rn(b, op_half<DT>(hw, true)));
           }
         }
       }
-      *reinterpret_cast<uint4 *>(sQ + (cu >> 3) * kBMq * 128 + sw128_off(c * 64 + v, cu & 7)) = val;
-      if constexpr (KV == ATTND_KV_INT4) {
-        // The UQ units of one row are UQ consecutive lanes (128 % UQ == 0).
-#pragma unroll
-        for (int off = 1; off < UQ && off < 32; off <<= 1)
-          cz += __shfl_xor_sync(0xffffffffu, cz, off);
-        if (cu == 0)
-          sC[c * 64 + v] = cz;
-      }
+      const uint32_t off = (cu >> 3) * kBMq * 128 + sw128_off(c * 64 + v, cu & 7);
+      *reinterpret_cast<uint4 *>(sQ + off) = val;
+      if constexpr (lo_pass)
+        *reinterpret_cast<uint4 *>(sQlo + off) = vlo;
     }
     fence_proxy_async();
     named_sync(1 + c, 128);
+    if constexpr (KV == ATTND_KV_INT4) {
+      // q'.(u - z) = q'.u - q'.z: the second term is the same for every key
+      // of a row, so the scores leave it out and the lse takes it out (fp64
+      // sum over the channels in order, of hi + lo, as the tiled kernel).
+      if (t128 < 64) {
+        const int row = c * 64 + t128;
+        double cz = 0.0;
+        for (int d = 0; d < D; d++) {
+          const uint32_t off = (d >> 6) * kBMq * 128 + sw128_off(row, (d & 63) >> 3) + (d & 7) * 2;
+          cz += ((double)A::to_f(*reinterpret_cast<const T *>(sQ + off)) +
+                 (double)A::to_f(*reinterpret_cast<const T *>(sQlo + off))) *
+                (double)F.k_zero[kvh * D + d];
+        }
+        reinterpret_cast<float *>(smem + C::kC)[row] = (float)(cz * (double)sl2);
+      }
+      named_sync(1 + c, 128); // read by the warpgroup's epilogue, also when no key tile runs
+    }
   }
 
   const int ra = cw * 16 + (lane >> 2); // this thread's rows: ra and ra + 8 of the warpgroup's 64
@@ -346,24 +353,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto need_mask = [&](int t, int j0) -> bool {
     if (kind == ATTND_MASK_INTERVALS)
       return t >= C::kNF || (sFlags[t] & 2);
-    bool nm = j0 < lo || j0 + BN - 1 > hi || j0 + BN > kv_len;
-    if (kind == ATTND_MASK_CAUSAL || kind == ATTND_MASK_SLIDING)
-      nm = nm || j0 + BN - 1 > wpmin;
-    if (kind == ATTND_MASK_SLIDING)
-      nm = nm || j0 < wpmax - mp + 1;
-    if (kind == ATTND_MASK_PREFIX_LM)
-      nm = nm || (j0 + BN - 1 > wpmin && j0 + BN - 1 >= mp);
-    return nm;
+    return tile_needs_mask(it, wpmin, wpmax, lo, hi, j0, BN);
   };
 
-  const float sl2 = F.scale_log2;
-  const uint32_t sQa = smem_u32(smem + C::kQ), sOp = smem_u32(smem + C::kOp);
+  const uint32_t sQa = smem_u32(smem + C::kQ), sQloa = smem_u32(smem + C::kQlo),
+                 sOp = smem_u32(smem + C::kOp);
   // Dynamic types: stage s's K scales at sDs(s)[0..BN), V scales at [BN, 2 BN).
   auto sDs = [&](int s) {
     return reinterpret_cast<const float *>(smem + C::kRaw + s * C::kRawStage + 2 * BN * RB);
   };
-  auto dQ = [&](int kd) {
-    return desc_sw128(sQa + (kd >> 2) * kBMq * 128 + c * 64 * 128 + (kd & 3) * 32, 16, 1024);
+  auto dQ = [&](uint32_t base, int kd) {
+    return desc_sw128(base + (kd >> 2) * kBMq * 128 + c * 64 * 128 + (kd & 3) * 32, 16, 1024);
   };
   auto dK = [&](int s, int kd) {
     return desc_sw128(sOp + s * 2 * KT + (kd >> 2) * BN * 128 + (kd & 3) * 32, 16, 1024);
@@ -378,37 +378,47 @@ __global__ void __launch_bounds__(kThreads, 1)
     o[k] = 0.f;
   float sacc[BN / 2];
   uint32_t pr[BN / 16][4];
-  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f};
+  // Running max (exp2 domain), sum of P, sum of P as rounded for P V (not
+  // the dynamic types), the V-scale reference (kSigma) and its inverse.
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f}, lt_r[2] = {0.f, 0.f};
+  float sig = 0.f, vinv = 1.f;
   const bool pp = P.sched & 1, serial = (P.sched & 2) != 0;
   const int me = 3 + c, other = 3 + (c ^ 1);
 
   auto issue_qk = [&](int s) {
 #pragma unroll
     for (int kd = 0; kd < D / 16; kd++)
-      Wgmma<BN, DT>::ss(sacc, dQ(kd), dK(s, kd), kd > 0);
+      Wgmma<BN, DT>::ss(sacc, dQ(sQa, kd), dK(s, kd), kd > 0);
+    if constexpr (lo_pass) {
+#pragma unroll
+      for (int kd = 0; kd < D / 16; kd++)
+        Wgmma<BN, DT>::ss(sacc, dQ(sQloa, kd), dK(s, kd), 1);
+    }
   };
   auto issue_pv = [&](int s) {
 #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++)
-      Wgmma<D, DT>::rs(o, pr[kk], dV(s, kk), 1);
+      Wgmma<D, C::PDT>::rs(o, pr[kk], dV(s, kk), 1);
   };
-  // Scores of tile t (stage s) -> unnormalized probabilities in sacc, in place:
-  // p = 2^(s * scale - m) with m an integer (one FFMA per score; dynamic
-  // types scale the scores first, as the tiled kernel does).
-  auto softmax = [&](int t, int s, float(&alpha)[2]) {
+  // Scores of tile t (stage s) -> P' = P 2^kPShift in sacc, in place, with
+  // the tiled kernel's operations: v = s sl2 (dynamic types: times the K
+  // scale, before the mask), m the running max rounded up to an integer,
+  // P' = 2^((v - m) + kPShift); alpha and beta rescale O (beta: kSigma's
+  // change of reference).
+  auto softmax = [&](int t, int s, float(&alpha)[2], float &beta) {
     const int j0 = jfirst + t * BN;
-    if (P.sched & 4) { // timing only (ATTND_SM90_SCHED bit 2): no softmax at all, wrong results
+    beta = 1.f;
+    if (P.sched & 4) { // timing only (sm90_sched bit 2): no softmax at all, wrong results
       alpha[0] = alpha[1] = 1.f;
       return;
     }
-    if constexpr (C::kDyn) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; nt++)
+    for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) // before the mask: -inf * 0 is NaN
-          sacc[nt * 4 + e] = __fmul_rn(__fmul_rn(sacc[nt * 4 + e], sl2),
-                                       sDs(s)[nt * 8 + (lane & 3) * 2 + (e & 1)]);
-    }
+      for (int e = 0; e < 4; e++) { // before the mask: -inf * 0 is NaN
+        const float x = __fmul_rn(sacc[nt * 4 + e], sl2);
+        sacc[nt * 4 + e] = C::kDyn ? __fmul_rn(x, sDs(s)[nt * 8 + (lane & 3) * 2 + (e & 1)]) : x;
+      }
     if (need_mask(t, j0)) {
       if (kind == ATTND_MASK_INTERVALS) {
 #pragma unroll
@@ -435,7 +445,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
       } else {
         // Each row's visible keys are one range [rlo, rhi], plus [lo, phi]
-        // for prefix-LM (the prefix); both already cut to [lo, hi].
+        // for prefix-LM (the prefix); both already cut to [lo, hi]
+        // (primitives.cuh's visible(), as ranges).
         int rlo[2], rhi[2], phi[2];
 #pragma unroll
         for (int ri = 0; ri < 2; ri++) {
@@ -461,27 +472,39 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; e++)
         mx[e >> 1] = fmaxf(mx[e >> 1], sacc[nt * 4 + e]);
-    float mneg[2];
+    if constexpr (C::kSigma) {
+      // V's scales taken relative to a running power of two (tiled_tile):
+      // the tile's largest, over the quad's keys.
+      const float *vs = sDs(s) + BN;
+      float vm = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; nt++)
+        vm = fmaxf(vm, fmaxf(vs[nt * 8 + (lane & 3) * 2], vs[nt * 8 + (lane & 3) * 2 + 1]));
+      vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
+      vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));
+      const float sn = fmaxf(sig, pow2_ceil(vm));
+      beta = sig / sn; // exact: powers of two; 0 before the first tile
+      sig = sn;
+      vinv = 1.f / sn;
+    }
+    float mref[2];
 #pragma unroll
     for (int ri = 0; ri < 2; ri++) {
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
-      const float mc = C::kDyn ? mx[ri] : mx[ri] * sl2; // sl2 > 0: the max of the scaled scores
-      const float mnew = ceilf(fmaxf(m_r[ri], mc));     // an integer: see flash.cuh
-      // No visible key so far: m stays -inf and 0 is the reference (every p = 0).
-      const float mref = mnew == -INFINITY ? 0.f : mnew;
-      alpha[ri] = ex2f(m_r[ri] - mref);
+      float mnew;
+      mref[ri] = softmax_ref(m_r[ri], mx[ri], mnew);
+      alpha[ri] = ex2(m_r[ri] - mref[ri]);
       m_r[ri] = mnew;
-      mneg[ri] = -mref;
     }
     float rs[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        const float x = sacc[nt * 4 + e];
-        const float p =
-            C::kDyn ? ex2f(__fadd_rn(x, mneg[e >> 1])) : ex2f(fmaf(x, sl2, mneg[e >> 1]));
+        // P' = P 2^kPShift, the shift added after the difference (exact).
+        const float d = __fadd_rn(sacc[nt * 4 + e], -mref[e >> 1]);
+        const float p = ex2(C::kPShift != 0.f ? __fadd_rn(d, C::kPShift) : d);
         sacc[nt * 4 + e] = p;
         rs[e >> 1] += p;
       }
@@ -489,9 +512,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int ri = 0; ri < 2; ri++)
       l_r[ri] = l_r[ri] * alpha[ri] + rs[ri];
   };
-  // Probabilities -> the A fragments of P V (rounded to the operand dtype;
-  // dynamic V scales multiply P here).
-  auto to_p = [&](int s) {
+  // P' -> the A fragments of P V, rounded to C::PDT (dynamic V scales, over
+  // the reference, multiply P here); the rounded values' sum joins lt.
+  auto to_p = [&](int s, const float(&alpha)[2]) {
+    float rt[2] = {0.f, 0.f};
 #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++)
 #pragma unroll
@@ -499,23 +523,34 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int nt = 2 * kk + h;
         if constexpr (C::kDyn) {
           const float *vs = sDs(s) + BN + nt * 8 + (lane & 3) * 2;
-          pr[kk][2 * h] = A::pack2(sacc[nt * 4] * vs[0], sacc[nt * 4 + 1] * vs[1]);
-          pr[kk][2 * h + 1] = A::pack2(sacc[nt * 4 + 2] * vs[0], sacc[nt * 4 + 3] * vs[1]);
+          const float w0 = vs[0] * vinv, w1 = vs[1] * vinv;
+          pr[kk][2 * h] = PA::pack2(sacc[nt * 4] * w0, sacc[nt * 4 + 1] * w1);
+          pr[kk][2 * h + 1] = PA::pack2(sacc[nt * 4 + 2] * w0, sacc[nt * 4 + 3] * w1);
         } else {
-          pr[kk][2 * h] = A::pack2(sacc[nt * 4], sacc[nt * 4 + 1]);
-          pr[kk][2 * h + 1] = A::pack2(sacc[nt * 4 + 2], sacc[nt * 4 + 3]);
+          const uint32_t a0 = PA::pack2(sacc[nt * 4], sacc[nt * 4 + 1]);
+          const uint32_t a1 = PA::pack2(sacc[nt * 4 + 2], sacc[nt * 4 + 3]);
+          rt[0] += op_half<C::PDT>(a0, false) + op_half<C::PDT>(a0, true);
+          rt[1] += op_half<C::PDT>(a1, false) + op_half<C::PDT>(a1, true);
+          pr[kk][2 * h] = a0;
+          pr[kk][2 * h + 1] = a1;
         }
       }
+    if constexpr (!C::kDyn) {
+#pragma unroll
+      for (int ri = 0; ri < 2; ri++)
+        lt_r[ri] = lt_r[ri] * alpha[ri] + rt[ri];
+    }
   };
-  auto rescale = [&](const float(&alpha)[2]) {
-    if (alpha[0] == 1.f && alpha[1] == 1.f)
+  auto rescale = [&](const float(&alpha)[2], float beta) {
+    const float r0 = alpha[0] * beta, r1 = alpha[1] * beta;
+    if (r0 == 1.f && r1 == 1.f)
       return;
 #pragma unroll
     for (int nt = 0; nt < D / 8; nt++) {
-      o[nt * 4] *= alpha[0];
-      o[nt * 4 + 1] *= alpha[0];
-      o[nt * 4 + 2] *= alpha[1];
-      o[nt * 4 + 3] *= alpha[1];
+      o[nt * 4] *= r0;
+      o[nt * 4 + 1] *= r0;
+      o[nt * 4 + 2] *= r1;
+      o[nt * 4 + 3] *= r1;
     }
   };
 
@@ -531,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (t < ntiles) {
     if (pp && c == 1)
       named_arrive(3, 256); // consumer 0 issues first
-    float alpha[2];
+    float alpha[2], beta;
     wait_tile(t, 0, 0);
     if (pp)
       named_sync(me, 256);
@@ -542,8 +577,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       named_arrive(other, 256);
     wgmma_wait<0>();
     fence_regs(sacc);
-    softmax(t, 0, alpha);
-    to_p(0);
+    softmax(t, 0, alpha, beta);
+    to_p(0, alpha); // O is still 0: nothing to rescale
     int sprev = 0, i = 1;
     for (t = next_tile(t + 1); t < ntiles; t = next_tile(t + 1), i++) {
       const int s = i % kS;
@@ -562,15 +597,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       else
         wgmma_wait<1>(); // Q K^T of this tile done; P V of the last may still run
       fence_regs(sacc);
-      softmax(t, s, alpha);
+      softmax(t, s, alpha, beta);
       wgmma_wait<0>();
       fence_regs(o);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; kk++)
         fence_regs(pr[kk]);
       mbar_arrive(BAR(8 + sprev)); // the last tile's stage is free
-      rescale(alpha);
-      to_p(s);
+      rescale(alpha, beta);
+      to_p(s, alpha);
       sprev = s;
     }
     if (pp)
@@ -585,11 +620,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_arrive(BAR(8 + sprev));
   }
 
-  // ---- epilogue: row sums across the quad, normalize, write ----
+  // ---- epilogue (tiled_write): row sums across the quad, normalize, write ----
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     l_r[ri] += __shfl_xor_sync(0xffffffffu, l_r[ri], 1);
     l_r[ri] += __shfl_xor_sync(0xffffffffu, l_r[ri], 2);
+    if constexpr (!C::kDyn) {
+      lt_r[ri] += __shfl_xor_sync(0xffffffffu, lt_r[ri], 1);
+      lt_r[ri] += __shfl_xor_sync(0xffffffffu, lt_r[ri], 2);
+    }
   }
   const float *sC = reinterpret_cast<const float *>(smem + C::kC);
 #pragma unroll
@@ -598,21 +637,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       continue;
     const int vv = v0 + c * 64 + ra + ri * 8;
     const int row = it.q_row + vv / G, h = kvh * G + vv % G;
+    // O is normalized by the sum of P as rounded for the matrix units (but
+    // for the dynamic types, whose P carries V's scale): lset is its log,
+    // the weight of this part in a merge; lse is the sum of P's. The sums
+    // hold P 2^kPShift: the shift comes off their logs (exact), not off m.
     const bool any = l_r[ri] > 0.f;
-    const float inv = any ? 1.f / l_r[ri] : 0.f;
-    float lse = any ? (m_r[ri] + log2f(l_r[ri])) * 0.69314718055994531f : -INFINITY;
-    if constexpr (KV == ATTND_KV_INT4) {
-      if (any)
-        lse -= F.scale_log2 * 0.69314718055994531f * sC[c * 64 + ra + ri * 8];
-    }
+    const float ln = C::kDyn ? l_r[ri] : lt_r[ri];
+    const float inv = any ? (C::kSigma ? sig : 1.f) / ln : 0.f;
+    const float ref = m_r[ri] - (KV == ATTND_KV_INT4 ? sC[c * 64 + ra + ri * 8] : 0.f);
+    const float lse =
+        any ? (ref + (log2f(l_r[ri]) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
+    const float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
     // Channel d of this row, normalized; static V scales (and int4's zero
-    // point: O = s (sum p u / l - z), 0 for a row with no key) applied here.
+    // point: O = s (sum P~ u / sum P~ - z), 0 for a row with no key) applied here.
     auto fin = [&](int nt, int k) -> float {
       const int d = nt * 8 + (lane & 3) * 2 + k;
       const float x = o[nt * 4 + ri * 2 + k] * inv;
       if constexpr (KV == ATTND_KV_INT4)
         return any ? (x - F.v_zero[kvh * D + d]) * F.v_scale[kvh * D + d] : 0.f;
-      else if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8)
+      else if constexpr (C::kStatic)
         return x * (F.per_channel ? F.v_scale[kvh * D + d] : F.v_scale[kvh]);
       else
         return x;
@@ -631,10 +674,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         dst[nt * 4] = A::pack2(fin(nt, 0), fin(nt, 1));
     }
     if ((lane & 3) == 0) {
-      if (F.nsplit > 1)
-        F.ws_lse[((size_t)split * F.total_q + row) * F.q_heads + h] = lse;
-      else if (F.lse)
+      if (F.nsplit > 1) {
+        const size_t li = ((size_t)split * F.total_q + row) * F.q_heads + h;
+        F.ws_lse[li] = lse;
+        F.ws_lse[(size_t)F.nsplit * F.total_q * F.q_heads + li] = lset;
+      } else if (F.lse) {
         F.lse[(size_t)row * F.q_heads + h] = lse;
+      }
     }
   }
 #endif // ATTND_SM90_DEVICE
@@ -642,8 +688,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 } // namespace sm90
 
+namespace sm90 {
+// Sets the kernel's shared-memory limit (once) and launches it.
+template <int D, int DT, int KV, bool LO>
+cudaError_t launch_k(const Sm90Params &P, dim3 grid, bool pdl, cudaStream_t st) {
+  using C = Cfg<D, DT, KV>;
+  static bool attr_done = false; // per instantiation; benign race: both set the same value
+  if (!attr_done) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(prefill_sm90_kernel<D, DT, KV, LO>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes);
+    if (e != cudaSuccess)
+      return e;
+    attr_done = true;
+  }
+  return launch_ex(prefill_sm90_kernel<D, DT, KV, LO>, grid, dim3(kThreads), C::kBytes, pdl, st, P);
+}
+} // namespace sm90
+
 template <int D, int DT, int KV>
-int launch_sm90_t(const FlashParams &p, int sched, int nitems, cudaStream_t st) {
+int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st) {
   using C = sm90::Cfg<D, DT, KV>;
   Sm90Params P;
   memset(&P, 0, sizeof P);
@@ -672,39 +736,42 @@ int launch_sm90_t(const FlashParams &p, int sched, int nitems, cudaStream_t st) 
     if (r != CUDA_SUCCESS)
       return set_error(__FILE__, __LINE__, "cuTensorMapEncodeTiled", cudaErrorInvalidValue);
   }
-  static bool attr_done = false; // per instantiation; benign race: both set the same value
-  if (!attr_done) {
-    ATTND_CU(cudaFuncSetAttribute(sm90::prefill_sm90_kernel<D, DT, KV>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes));
-    attr_done = true;
-  }
   const long tiles = ((long)p.max_vec + sm90::kBMq - 1) / sm90::kBMq;
   const long groups = (long)nitems * p.kv_heads;
   if (tiles * groups > 0x7fffffffL)
     return set_invalid(__FILE__, __LINE__, "too many query tiles for the grid");
-  // Enough groups per chunk to fill the GPU once (one CTA per SM).
-  // ATTND_SM90_GCHUNK overrides it (A/B timing of the launch order).
-  const char *gc = getenv("ATTND_SM90_GCHUNK");
-  long chunk = gc && *gc ? atol(gc) : (num_sms() + tiles - 1) / tiles;
+  // Enough groups per chunk to fill the GPU once (one CTA per SM), unless
+  // the launch options say how many (A/B timing of the launch order).
+  long chunk = gchunk > 0 ? gchunk : (num_sms() + tiles - 1) / tiles;
   chunk = chunk < 1 ? 1 : chunk > groups ? groups : chunk;
   P.qtiles = (int)tiles;
   P.gchunk = (int)chunk;
   P.ngroups_items = nitems;
   dim3 grid((unsigned)(tiles * groups), 1u, (unsigned)p.nsplit);
-  sm90::prefill_sm90_kernel<D, DT, KV><<<grid, sm90::kThreads, C::kBytes, st>>>(P);
-  ATTND_CU_LAUNCH("prefill_sm90_kernel launch");
+  // q's hi + lo split: per-channel static scales (int4 always).
+  cudaError_t e;
+  if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8)
+    e = p.per_channel ? sm90::launch_k<D, DT, KV, true>(P, grid, p.pdl != 0, st)
+                      : sm90::launch_k<D, DT, KV, false>(P, grid, p.pdl != 0, st);
+  else
+    e = sm90::launch_k<D, DT, KV, KV == ATTND_KV_INT4>(P, grid, p.pdl != 0, st);
+  if (e != cudaSuccess)
+    return set_error(__FILE__, __LINE__, "prefill_sm90_kernel launch", e);
   return 0;
 }
 
 #define ATTND_SM90_INST(KVT)                                                                       \
-  template int launch_sm90_t<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, cudaStream_t); \
-  template int launch_sm90_t<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, int,               \
+  template int launch_sm90_t<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,           \
+                                                     cudaStream_t);                                \
+  template int launch_sm90_t<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,          \
                                                       cudaStream_t);                               \
-  template int launch_sm90_t<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, int,               \
+  template int launch_sm90_t<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,          \
                                                       cudaStream_t);                               \
-  template int launch_sm90_t<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, cudaStream_t); \
-  template int launch_sm90_t<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, int,               \
+  template int launch_sm90_t<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,           \
+                                                     cudaStream_t);                                \
+  template int launch_sm90_t<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,          \
                                                       cudaStream_t);                               \
-  template int launch_sm90_t<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, cudaStream_t);
+  template int launch_sm90_t<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,          \
+                                                      cudaStream_t);
 
 } // namespace attnd

@@ -1,6 +1,6 @@
 // write_cache.cu: phase 1, fused. For every new token: RoPE on its q heads (in
 // place) and k heads, rounding to the activation dtype, quantization to the
-// cache type and the paged store of k and v (DESIGN.md 4 and 5).
+// cache type and the paged store of k and v (docs/numerics.md).
 //
 // One warp per (new token, head row): q heads, then k heads, then v heads of
 // the token; 8 warps per CTA. Every row is independent, so a decode step's few
@@ -13,7 +13,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "common.cuh"
+#include "primitives.cuh"
 
 namespace attnd {
 namespace {
@@ -23,25 +23,30 @@ constexpr int kWarps = 8;
 struct WriteParams {
   attnd_kbatch_t b;
   int q_heads, kv_heads, d, bs, dt, kv, rope, rd;
-  float inv_freq[128]; // theta^(-2i/rd), fp64 rounded to fp32 (DESIGN.md 5)
+  float inv_freq[128]; // theta^(-2i/rd), fp64 rounded to fp32 (docs/numerics.md)
 };
 
 // The item whose k/v rows hold row t: the last one with kv_row <= t (items
-// are packed in order, so kv_row increases).
-__device__ int find_item(const attnd_kitem_t *items, int nitems, int t) {
-  int lo = 0, hi = nitems - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) >> 1;
-    if (items[mid].kv_row <= t)
-      lo = mid;
-    else
-      hi = mid - 1;
+// are packed in order, so kv_row increases). The warp searches 32 items a
+// round, so a batch of up to 1024 items costs two dependent loads, not ten.
+__device__ int find_item(const attnd_kitem_t *items, int nitems, int t, int lane) {
+  int lo = 0, hi = nitems; // items[lo].kv_row <= t; the answer is in [lo, hi)
+  while (hi - lo > 1) {
+    const int step = (hi - lo + 31) / 32, idx = lo + lane * step;
+    const unsigned m = __ballot_sync(0xffffffffu, idx < hi && items[idx].kv_row <= t);
+    lo += (31 - __clz(m)) * step;
+    hi = min(hi, lo + step);
   }
   return lo;
 }
 
 __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constant__ WriteParams P) {
   __shared__ float buf[kWarps][256];
+  // Launched with programmatic dependent launch: the attention kernel after
+  // this one may start its prologue now; this kernel reads its inputs at
+  // once but waits for the kernel before it (which may still read the cache
+  // and q) before its first store.
+  pdl_trigger();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int per_token = P.q_heads + 2 * P.kv_heads;
   const long gw = (long)blockIdx.x * kWarps + warp;
@@ -49,7 +54,7 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
     return;
   const int t = (int)(gw / per_token);
   const attnd_kbatch_t &b = P.b;
-  const attnd_kitem_t it = b.items[find_item(b.items, b.nitems, t)];
+  const attnd_kitem_t it = b.items[find_item(b.items, b.nitems, t, lane)];
   const int r = t - it.kv_row;
   const int pos = it.start + r;
   const int d = P.d, epl = d / 32, c0 = lane * epl;
@@ -106,7 +111,7 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
           sign = (i & 1) ? 1.f : -1.f;
         }
         // fp32 angle and accurate sin/cos; no contraction into fma, so the
-        // result is the correctly rounded fp32 expression of DESIGN.md 5.
+        // result is the correctly rounded fp32 expression of docs/numerics.md.
         const float ang = __fmul_rn((float)pos, P.inv_freq[f]);
         float sn, cs;
         sincosf(ang, &sn, &cs);
@@ -116,6 +121,7 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
     }
     for (int e = 0; e < epl; e++)
       x[e] = round_dt(P.dt, x[e]);
+    pdl_wait();
     if (kind == 0) {
       for (int e = 0; e < epl; e++)
         store_dt(P.dt, b.q, base + c0 + e, x[e]);
@@ -189,7 +195,8 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
 
 using namespace attnd;
 
-extern "C" int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream) {
+extern "C" int attnd_cuda_write_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream,
+                                     const attnd_cuda_opts_t *opts) {
   if (attnd_kshape_check(s) != 0)
     return set_invalid(__FILE__, __LINE__, "unsupported shape");
   if (b->total_kv <= 0 || b->nitems <= 0)
@@ -226,7 +233,13 @@ extern "C" int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b
   const long ctas = (warps + kWarps - 1) / kWarps;
   if (ctas > 0x7fffffffL)
     return set_invalid(__FILE__, __LINE__, "too many rows for one write launch");
-  write_kernel<<<(unsigned)ctas, kWarps * 32, 0, (cudaStream_t)stream>>>(P);
-  ATTND_CU_LAUNCH("write_kernel launch");
+  const bool pdl = !(opts && opts->no_pdl);
+  cudaError_t e = launch_ex(write_kernel, dim3((unsigned)ctas), dim3(kWarps * 32), 0, pdl, (cudaStream_t)stream, P);
+  if (e != cudaSuccess)
+    return set_error(__FILE__, __LINE__, "write_kernel launch", e);
   return 0;
+}
+
+extern "C" int attnd_cuda_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *stream) {
+  return attnd_cuda_write_opts(s, b, stream, nullptr);
 }

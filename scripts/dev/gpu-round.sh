@@ -1,64 +1,169 @@
 #!/usr/bin/env bash
-# gpu-round.sh: one round of GPU work, in two halves.
+# gpu-round.sh: one round of GPU work on the kernels, in two halves.
 #
 #   scripts/dev/gpu-round.sh build   (on the build machine, with nvcc)
-#       builds the GPU test and benchmark for sm_90a with the CUDA runtime
-#       linked statically into build-gpu/, and stages what the H200 needs in
-#       build-gpu/stage/ (binaries, libcmocka beside them, torch_reference.py).
-#   scripts/dev/gpu-round.sh run     (on the GPU machine, with build-gpu/stage/
-#       copied into the same checkout there): every GPU test, compute-sanitizer
-#       memcheck and racecheck on the pairwise mode, the kernel benchmarks and
-#       PyTorch's reference, logs and JSON to $OUT (or ./gpu-out).
+#       builds the GPU tests and benchmarks for sm_90a with the CUDA runtime
+#       linked statically into build-gpu/ and packs what the GPU machine needs
+#       into build-gpu/stage/round.tar.xz (~18 MB; a round carries at most
+#       64 MiB): test_cuda_kernels, test_cuda_numerics, bench_kernels,
+#       bench_prefill (host debug info stripped), libcmocka beside them,
+#       bench/torch_reference.py and bench/summarize.py.
+#   scripts/dev/gpu-round.sh run     (on the GPU machine, from the root of the
+#       same checkout with build-gpu/stage/ copied there) runs, each step under
+#       a timeout of at most what is left of ROUND_SECONDS (default 420):
+#         1. test_cuda_kernels (every matrix: decode, mixed, prefill-shaped with
+#            the Hopper path against the tiled kernel, long histories)   ~90 s
+#         2. test_cuda_numerics (zero points, sinks, magnitudes, CPU ratio) ~60 s
+#         3. compute-sanitizer memcheck, pairwise test_cuda_kernels        ~40 s
+#         4. compute-sanitizer racecheck, pairwise prefill matrix (the
+#            Hopper path and, through the A/B, the tiled kernel)           ~50 s
+#         5. bench_prefill, its main rows (ATTND_BENCH_PREFILL=all: every row) ~30 s
+#         6. bench_kernels, the decode rows (B64 ctx4096, B8 ctx32768, every type) ~40 s
+#         7. bench/torch_reference.py, ATTND_REF_SECTIONS (default
+#            copy,read,prefill,flex,decode,shapes,append; sections are dropped
+#            from the end when less than ~15 s each is left)               ~100 s
+#       and prints a summary table last (also $OUT/summary.txt): each step's
+#       result, seconds and key lines. Logs and JSON go to $OUT (default
+#       ./gpu-out). A step that would start with less than 10 s left is
+#       skipped and says so. The estimates come from the GPU rounds in
+#       bench/RESULTS.md (tests under 240 s timeouts, racecheck cut at 16-20 s
+#       over the whole pairwise suite, the benchmarks' row counts); the
+#       summary prints the measured seconds, to correct them.
 set -u
 here=$(cd "$(dirname "$0")/../.." && pwd)
 stage=$here/build-gpu/stage
 
-case "${1:-run}" in
-build)
+build() {
   set -e
   cmake -S "$here" -B "$here/build-gpu" -DPython3_EXECUTABLE=/usr/bin/python3 \
     -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  cmake --build "$here/build-gpu" -j2 --target test_cuda_kernels bench_kernels bench_prefill
+  cmake --build "$here/build-gpu" -j2 --target test_cuda_kernels test_cuda_numerics bench_kernels \
+    bench_prefill
   rm -rf "$stage" && mkdir -p "$stage"
-  # Packed: every binary carries all the kernels (~44 MB each), over the 64 MiB
-  # a round may carry unpacked.
-  tar czf "$stage/bin.tgz" -C "$here/build-gpu/tests" test_cuda_kernels -C "$here/build-gpu/bench" bench_kernels \
-    bench_prefill -C /usr/lib/x86_64-linux-gnu $(cd /usr/lib/x86_64-linux-gnu && ls libcmocka.so.0*)
-  cp "$here/bench/torch_reference.py" "$stage/"
-  du -sh "$stage"
-  ;;
-run)
+  local tmp
+  tmp=$(mktemp -d)
+  local f
+  for f in tests/test_cuda_kernels tests/test_cuda_numerics bench/bench_kernels bench/bench_prefill; do
+    cp "$here/build-gpu/$f" "$tmp/" && strip --strip-debug "$tmp/$(basename "$f")"
+  done
+  cp -a /usr/lib/x86_64-linux-gnu/libcmocka.so.0* "$tmp/"
+  cp "$here/bench/torch_reference.py" "$here/bench/summarize.py" "$tmp/"
+  # The four binaries carry the same device code (compressed already by
+  # -Xfatbin=-compress-all): xz's 64 MiB window stores it once (~18 MB in
+  # all; gzip's 32 KB window left 67 MiB).
+  tar -C "$tmp" -cf - . | xz -9 -T2 >"$stage/round.tar.xz"
+  rm -rf "$tmp"
+  local bytes
+  bytes=$(stat -c %s "$stage/round.tar.xz")
+  echo "staged $stage/round.tar.xz: $((bytes / 1048576)) MiB"
+  if [ "$bytes" -ge $((64 * 1048576)) ]; then
+    echo "over the 64 MiB a round may carry" >&2
+    exit 1
+  fi
+}
+
+# ---- run ----------------------------------------------------------------------
+t0=0
+budget=0
+summary=()
+
+left() { echo $((budget - ($(date +%s) - t0))); }
+
+# step NAME EST CAP LOG CMD...: runs CMD with stdout+stderr to $out/LOG under
+# a timeout of min(CAP, what is left); records rc and seconds for the summary.
+step() {
+  local name=$1 est=$2 cap=$3 log=$4
+  shift 4
+  local l
+  l=$(left)
+  if [ "$l" -lt 10 ]; then
+    echo "== $name: skipped ($l s left)"
+    summary+=("$(printf '%-22s %-8s %5s %5s  %s' "$name" skipped - "$est" "no time left")")
+    return 0
+  fi
+  local lim=$cap
+  [ "$lim" -gt "$l" ] && lim=$l
+  echo "== $name (limit ${lim} s, estimate ${est} s)"
+  local s
+  s=$(date +%s)
+  timeout -k 5 "$lim" "$@" >"$out/$log" 2>&1
+  local rc=$?
+  local took=$(($(date +%s) - s))
+  local res=ok
+  [ "$rc" -ne 0 ] && res="rc=$rc"
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && res="timeout"
+  [ "$rc" -eq 77 ] && res="no-gpu"
+  echo "$name: $res in ${took} s" | tee -a "$out/$log"
+  summary+=("$(printf '%-22s %-8s %5s %5s  %s' "$name" "$res" "$took" "$est" "$log")")
+}
+
+run() {
   out=${OUT:-$here/gpu-out}
   mkdir -p "$out"
+  budget=${ROUND_SECONDS:-420}
+  t0=$(date +%s)
   cd "$stage" || exit 1
-  [ -f bin.tgz ] && tar xzf bin.tgz
+  [ -f round.tar.xz ] && tar xJf round.tar.xz
   export LD_LIBRARY_PATH=$stage${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-  echo "== tests (full matrix)"
-  timeout 240 ./test_cuda_kernels >"$out/test.log" 2>&1
-  echo "test_cuda_kernels rc=$?" | tee -a "$out/test.log"
-  grep -E "kv |FAIL|PASSED|rel L2|lse|seed|device 0" "$out/test.log" | head -40
-  echo "== compute-sanitizer memcheck (pairwise mode)"
-  ATTND_GPU_TEST_PAIRWISE=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
-    ./test_cuda_kernels >"$out/memcheck.log" 2>&1
-  echo "memcheck rc=$?" | tee -a "$out/memcheck.log"
-  grep -E "ERROR SUMMARY|Invalid|FAIL|PASSED" "$out/memcheck.log" | head -20
-  echo "== compute-sanitizer racecheck (pairwise mode)"
-  ATTND_GPU_TEST_PAIRWISE=1 timeout 240 compute-sanitizer --tool racecheck --error-exitcode 3 \
-    ./test_cuda_kernels >"$out/racecheck.log" 2>&1
-  echo "racecheck rc=$?" | tee -a "$out/racecheck.log"
-  grep -E "RACECHECK SUMMARY|FAIL|PASSED" "$out/racecheck.log" | head -20
-  if [ "${ATTND_ROUND_NO_BENCH:-0}" = 1 ]; then exit 0; fi
-  echo "== bench_kernels"
-  OUT=$out timeout 200 ./bench_kernels 2>&1 | tee "$out/bench.log"
-  echo "== bench_prefill"
-  OUT=$out timeout 200 ./bench_prefill 2>&1 | tee "$out/prefill.log"
-  if [ "${ATTND_ROUND_NO_ANCHORS:-0}" = 1 ]; then exit 0; fi
-  echo "== PyTorch reference (bench/torch_reference.py)"
-  OUT=$out PYTHONUNBUFFERED=1 timeout 240 python3 torch_reference.py >"$out/reference.log" 2>&1
-  echo "anchors rc=$?"
-  grep -E "copy_bw|prefill_causal_sdpa|flex_doc|flex_sliding|decode_bf16_(cudnn|flash)_B(64|8)_|int8_dequant" "$out/reference.log"
-  ;;
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
+    | tee "$out/gpu.txt"
+
+  step test_cuda_kernels 90 200 test.log ./test_cuda_kernels
+  grep -E "FAIL|rel L2 .* >|Hopper path vs|prefix hit|^kv |seed" "$out/test.log" | head -30
+  step test_cuda_numerics 60 150 numerics.log ./test_cuda_numerics
+  grep -E "FAIL|over 2x|A/B|^\[ *[A-Z]|^kv|^[a-z0-9_]+ +(bf16|fp16) " "$out/numerics.log" | head -30
+  step memcheck 40 120 memcheck.log env ATTND_GPU_TEST_PAIRWISE=1 \
+    compute-sanitizer --tool memcheck --error-exitcode 3 ./test_cuda_kernels
+  grep -E "ERROR SUMMARY|Invalid|FAIL" "$out/memcheck.log" | head -10
+  step racecheck 50 120 racecheck.log env ATTND_GPU_TEST_PAIRWISE=1 \
+    ATTND_GPU_TEST_ONLY=test_prefill_matrix \
+    compute-sanitizer --tool racecheck --error-exitcode 3 ./test_cuda_kernels
+  grep -E "RACECHECK SUMMARY|hazard|FAIL" "$out/racecheck.log" | head -10
+  if [ "${ATTND_ROUND_NO_BENCH:-0}" != 1 ]; then
+    step bench_prefill 30 90 prefill.log env OUT="$out" ./bench_prefill
+    step bench_kernels_decode 40 90 bench.log env OUT="$out" ATTND_BENCH_FILTER=decode_B ./bench_kernels
+    # Sections dropped from the end while less than ~15 s each is left.
+    local secs=${ATTND_REF_SECTIONS:-copy,read,prefill,flex,decode,shapes,append}
+    local n
+    n=$(echo "$secs" | tr ',' '\n' | wc -l)
+    while [ "$n" -gt 1 ] && [ "$(left)" -lt $((15 * n)) ]; do
+      secs=${secs%,*}
+      n=$((n - 1))
+    done
+    step torch_reference 100 240 reference.log env OUT="$out" PYTHONUNBUFFERED=1 \
+      ATTND_REF_SECTIONS="$secs" python3 torch_reference.py
+    if [ -f "$out/bench.json" ]; then
+      local ref=()
+      [ -f "$out/reference.json" ] && ref=("$out/reference.json")
+      python3 summarize.py "$out/bench.json" "${ref[@]}" >"$out/decode-summary.txt" 2>&1
+    fi
+  fi
+
+  {
+    echo "ROUND SUMMARY ($(date -u +%FT%TZ), $(head -2 "$out/gpu.txt" | tail -1), budget ${budget} s, used $(($(date +%s) - t0)) s)"
+    printf '%-22s %-8s %5s %5s  %s\n' step result s est log
+    local r
+    for r in "${summary[@]}"; do echo "$r"; done
+    echo "-- test_cuda_kernels"
+    grep -E "Hopper path vs tiled|prefix hit .* vs full|\[  PASSED|\[  FAILED|FAIL|> 1e-|rel L2 .* >" \
+      "$out/test.log" 2>/dev/null | head -10
+    echo "-- test_cuda_numerics"
+    grep -E "A/B|worst ratio per|^[a-z0-9_]+ +(bf16|fp16) |\[  PASSED|\[  FAILED|FAIL|over 2x" "$out/numerics.log" 2>/dev/null | head -24
+    echo "-- sanitizers"
+    grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$out/memcheck.log" "$out/racecheck.log" 2>/dev/null
+    echo "-- bench_prefill (ms, TFLOP/s)"
+    grep -E "^(causal|document|sliding|append|small)\S* +(pp|tiled) " "$out/prefill.log" 2>/dev/null
+    echo "-- decode (bench_kernels, summarize.py)"
+    head -12 "$out/decode-summary.txt" 2>/dev/null
+    echo "-- PyTorch"
+    grep -E "copy_bw|prefill_causal_sdpa|flex_doc|flex_sliding|append|decode_bf16_cudnn_B(64|8)_" \
+      "$out/reference.log" 2>/dev/null | head -14
+  } | tee "$out/summary.txt"
+}
+
+case "${1:-run}" in
+build) build ;;
+run) run ;;
 *)
   echo "usage: $0 build|run" >&2
   exit 2

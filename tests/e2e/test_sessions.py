@@ -134,7 +134,7 @@ class SessionsTest(DaemonTestCase):
     # same kernel path either way). The CUDA kernels round P to bf16 for the matrix
     # units (docs/numerics.md allows it) and a hit runs its 8 rows on another kernel
     # than the 40-row prefill; P is taken relative to an integer running max
-    # (kernels/cuda/flash.cuh), so its rounding does not depend on the path and
+    # (kernels/cuda/primitives.cuh, softmax_ref), so its rounding does not depend on the path and
     # the two differ by fp32 summation order only (1.2e-3 before that change).
     def test_prefix_cache_hit_gives_the_same_outputs(self):
         m = self.m

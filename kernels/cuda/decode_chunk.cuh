@@ -1,0 +1,286 @@
+// decode_chunk.cuh: one 16-key chunk of the decode kernel for one warp, in
+// its two forms (decode_kernel.cuh): the scores on tensor cores, the mask,
+// the online softmax and the P V product.
+#pragma once
+
+#include "decode_layout.cuh"
+
+namespace attnd {
+
+// What a warp needs to score one chunk.
+struct DecPiece {
+  const int32_t *iv; // interval mask or NULL
+  int kind, mp, causal, kv_len;
+  int klo, khi;      // keys of this piece
+  int prow[2];       // absolute positions of this lane's two vectors
+  float sl2;         // score scale into the exp2 domain (static K scale, q's power of two folded in)
+  bool qlo_cols;     // TR: columns 4..7 hold the lo halves of vectors 0..3
+  bool lo_pass;      // a second product with the lo halves of q
+};
+
+// Per-lane online softmax state.
+template <class C> struct DecAcc {
+  float o[C::NO][4];
+  float m[2], l[2], lt[2]; // running max (exp2 domain), sum of P, sum of P as rounded (!kDyn)
+  float sig;               // kSigma: the power of two V's scales are taken relative to
+};
+
+// Masks one score of key j for the vector at absolute position p.
+__device__ __forceinline__ float dec_mask(const DecPiece &pc, float x, int j, int p) {
+  return j >= pc.klo && j <= pc.khi && visible(pc.kind, pc.mp, pc.causal, pc.iv, pc.kv_len, p, j) ? x : -INFINITY;
+}
+
+// kSigma: raises the warp's V-scale reference to cover this chunk's largest
+// scale (vmax, already reduced over the warp); returns the factor O is
+// rescaled by (exact: a ratio of powers of two; 0 before the first chunk).
+template <class C> __device__ __forceinline__ float dec_sigma(DecAcc<C> &acc, float vmax) {
+  const float sn = fmaxf(acc.sig, pow2_ceil(vmax));
+  const float beta = acc.sig / sn;
+  acc.sig = sn;
+  return beta;
+}
+
+// One chunk in the transposed form: S^T = K q^T, online softmax, O^T += V^T P^T.
+template <class C>
+__device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *sb, const uint32_t (*qb)[2],
+                                             const typename Act<C::KDT>::T *sQ, typename Act<C::PDT>::T *sP,
+                                             int j0, bool need_mask, DecAcc<C> &acc) {
+  using PA = Act<C::PDT>;
+  constexpr int KS = C::KS, LD = C::LD;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
+  const uint8_t *sK = sb, *sV = sb + KS * C::RB;
+  const float *sKs = reinterpret_cast<const float *>(sb + 2 * KS * C::RB), *sVsc = sKs + KS;
+
+  // S^T: 16 keys x 8 vectors; two accumulators halve the dependency chain.
+  float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int p = 0; p < C::NKP; p++) {
+    uint32_t w0[C::KPW], w1[C::KPW];
+    k_piece<C>(sK, g, c4, p, w0);
+    k_piece<C>(sK, g + 8, c4, p, w1);
+#pragma unroll
+    for (int u = 0; u < C::TPP; u += 2) {
+      const int t = p * C::TPP + u;
+      uint32_t ql[4];
+      if (pc.lo_pass)
+        ldsm_x4(ql[0], ql[1], ql[2], ql[3],
+                sQ + (8 + (lane & 7)) * LD + t * 16 + ((lane >> 3) & 1) * 8 + (lane >> 4) * 16);
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const uint32_t a[4] = {k_op<C>(w0, u + h, 0), k_op<C>(w1, u + h, 0), k_op<C>(w0, u + h, 1),
+                               k_op<C>(w1, u + h, 1)};
+        mma16816<C::KDT>(h ? sb2 : sa, a, qb[t + h][0], qb[t + h][1]);
+        if (pc.lo_pass)
+          mma16816<C::KDT>(h ? sb2 : sa, a, ql[2 * h], ql[2 * h + 1]);
+      }
+    }
+  }
+  // Element e: key g + 8 (e >> 1), vector 2c + (e & 1).
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    const int key = g + 8 * (e >> 1);
+    float x = sa[e] + sb2[e];
+    if (pc.qlo_cols)
+      x += __shfl_xor_sync(0xffffffffu, x, 2); // lane c ^ 2 holds the other half
+    x *= pc.sl2;
+    if constexpr (C::K::kDyn)
+      x *= sKs[key];
+    if (need_mask)
+      x = dec_mask(pc, x, j0 + key, pc.prow[e & 1]);
+    sa[e] = x;
+    mx[e & 1] = fmaxf(mx[e & 1], x);
+  }
+  float alpha[2], beta = 1.f, vinv = 1.f;
+  if constexpr (C::kSigma) {
+    float vm = fmaxf(sVsc[g], sVsc[g + 8]);
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 4));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 8));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 16));
+    beta = dec_sigma(acc, vm);
+    vinv = 1.f / acc.sig; // a power of two: exact
+  }
+#pragma unroll
+  for (int vi = 0; vi < 2; vi++) {
+    mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 4));
+    mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 8));
+    mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 16));
+    float mnew;
+    const float mref = softmax_ref(acc.m[vi], mx[vi], mnew);
+    alpha[vi] = ex2(acc.m[vi] - mref);
+    acc.m[vi] = mnew;
+    mx[vi] = mref;
+  }
+  // P^T to the warp's [vector][key] tile (the B operand wants keys along a
+  // lane's register pair), V's per-token scale folded in.
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    const int key = g + 8 * (e >> 1), v = 2 * c4 + (e & 1), vi = e & 1;
+    const float pe = ex2((sa[e] - mx[vi]) + C::kPShift); // P' = P 2^kPShift (shift after the difference: exact)
+    acc.l[vi] = (e >> 1) ? acc.l[vi] + pe : acc.l[vi] * alpha[vi] + pe;
+    float pv = pe;
+    if constexpr (C::K::kDyn)
+      pv *= C::kSigma ? sVsc[key] * vinv : sVsc[key];
+    const typename PA::T pr = PA::from_f(pv);
+    sP[v * KS + key] = pr;
+    if constexpr (!C::K::kDyn)
+      acc.lt[vi] = (e >> 1) ? acc.lt[vi] + PA::to_f(pr) : acc.lt[vi] * alpha[vi] + PA::to_f(pr);
+  }
+  __syncwarp();
+  const uint32_t pb0 = *reinterpret_cast<const uint32_t *>(sP + g * KS + 2 * c4);
+  const uint32_t pb1 = *reinterpret_cast<const uint32_t *>(sP + g * KS + 2 * c4 + 8);
+  // Past the first chunks the running max rarely moves: alpha is then exactly
+  // 1 and the rescale of O is skipped (same result).
+  const float r0 = alpha[0] * beta, r1 = alpha[1] * beta;
+  if (__any_sync(0xffffffffu, r0 != 1.f || r1 != 1.f)) {
+#pragma unroll
+    for (int i = 0; i < C::NO; i++) {
+      acc.o[i][0] *= r0;
+      acc.o[i][1] *= r1;
+      acc.o[i][2] *= r0;
+      acc.o[i][3] *= r1;
+    }
+  }
+  // O^T += V^T P^T: m-tile mt holds channels 2 mt (row g) and 2 mt + 1 (row
+  // g + 8) of this lane's slice.
+#pragma unroll
+  for (int p = 0; p < C::NVP; p++) {
+    uint32_t x[4][C::VPW];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+      v_piece<C>(sV, 2 * c4 + (k & 1) + (k >> 1) * 8, g, p, x[k]);
+#pragma unroll
+    for (int jj = 0; jj < C::CPP; jj += 2) {
+      const uint32_t a[4] = {v_pair<C>(x[0], x[1], jj), v_pair<C>(x[0], x[1], jj + 1), v_pair<C>(x[2], x[3], jj),
+                             v_pair<C>(x[2], x[3], jj + 1)};
+      mma16816<C::PDT>(acc.o[(p * C::CPP + jj) / 2], a, pb0, pb1);
+    }
+  }
+}
+
+// One chunk in the rows form: S = q K^T, online softmax, O += P V.
+template <class C>
+__device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t *sb,
+                                               const typename Act<C::KDT>::T *sQ,
+                                               const typename Act<C::KDT>::T *sQlo, int j0, bool need_mask,
+                                               DecAcc<C> &acc) {
+  using PA = Act<C::PDT>;
+  constexpr int KS = C::KS, LD = C::LD;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
+  const uint8_t *sK = sb, *sV = sb + KS * C::RB;
+  const float *sKs = reinterpret_cast<const float *>(sb + 2 * KS * C::RB), *sVsc = sKs + KS;
+
+  // S: 16 vectors x 16 keys (n-tile nt: keys nt * 8 + g).
+  float s[2][4];
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+    s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+  for (int p = 0; p < C::NKP; p++) {
+    uint32_t w[2][C::KPW];
+    k_piece<C>(sK, g, c4, p, w[0]);
+    k_piece<C>(sK, g + 8, c4, p, w[1]);
+#pragma unroll
+    for (int u = 0; u < C::TPP; u++) {
+      const int t = p * C::TPP + u;
+      uint32_t a[4];
+      ldsm_x4(a[0], a[1], a[2], a[3], sQ + (lane & 15) * LD + t * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int nt = 0; nt < 2; nt++)
+        mma16816<C::KDT>(s[nt], a, k_op<C>(w[nt], u, 0), k_op<C>(w[nt], u, 1));
+      if (pc.lo_pass) {
+        ldsm_x4(a[0], a[1], a[2], a[3], sQlo + (lane & 15) * LD + t * 16 + (lane >> 4) * 8);
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+          mma16816<C::KDT>(s[nt], a, k_op<C>(w[nt], u, 0), k_op<C>(w[nt], u, 1));
+      }
+    }
+  }
+  // Element e of n-tile nt: vector g + 8 (e >> 1), key nt * 8 + 2c + (e & 1).
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int key = nt * 8 + 2 * c4 + (e & 1);
+      float x = s[nt][e] * pc.sl2;
+      if constexpr (C::K::kDyn)
+        x *= sKs[key];
+      if (need_mask)
+        x = dec_mask(pc, x, j0 + key, pc.prow[e >> 1]);
+      s[nt][e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    }
+  float alpha[2], beta = 1.f, vinv = 1.f;
+  if constexpr (C::kSigma) {
+    float vm = fmaxf(fmaxf(sVsc[2 * c4], sVsc[2 * c4 + 1]), fmaxf(sVsc[8 + 2 * c4], sVsc[9 + 2 * c4]));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));
+    beta = dec_sigma(acc, vm);
+    vinv = 1.f / acc.sig;
+  }
+#pragma unroll
+  for (int ri = 0; ri < 2; ri++) {
+    mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
+    mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
+    float mnew;
+    const float mref = softmax_ref(acc.m[ri], mx[ri], mnew);
+    alpha[ri] = ex2(acc.m[ri] - mref);
+    acc.m[ri] = mnew;
+    mx[ri] = mref;
+  }
+  float rs[2] = {0.f, 0.f};
+  uint32_t pa[4];
+  constexpr float sh = C::kPShift; // P' = P 2^kPShift, added after the difference (exact)
+#pragma unroll
+  for (int nt = 0; nt < 2; nt++) {
+    const float p0 = ex2((s[nt][0] - mx[0]) + sh), p1 = ex2((s[nt][1] - mx[0]) + sh);
+    const float p2 = ex2((s[nt][2] - mx[1]) + sh), p3 = ex2((s[nt][3] - mx[1]) + sh);
+    rs[0] += p0 + p1;
+    rs[1] += p2 + p3;
+    if constexpr (C::K::kDyn) {
+      float2 vs = *reinterpret_cast<const float2 *>(sVsc + nt * 8 + 2 * c4);
+      if constexpr (C::kSigma) {
+        vs.x *= vinv;
+        vs.y *= vinv;
+      }
+      pa[nt * 2 + 0] = PA::pack2(p0 * vs.x, p1 * vs.y);
+      pa[nt * 2 + 1] = PA::pack2(p2 * vs.x, p3 * vs.y);
+    } else {
+      pa[nt * 2 + 0] = PA::pack2(p0, p1);
+      pa[nt * 2 + 1] = PA::pack2(p2, p3);
+    }
+  }
+#pragma unroll
+  for (int ri = 0; ri < 2; ri++) {
+    acc.l[ri] = acc.l[ri] * alpha[ri] + rs[ri];
+    if constexpr (!C::K::kDyn) {
+      const uint32_t r0 = pa[ri], r1 = pa[2 + ri];
+      acc.lt[ri] = acc.lt[ri] * alpha[ri] + ((op_half<C::PDT>(r0, false) + op_half<C::PDT>(r0, true)) +
+                                             (op_half<C::PDT>(r1, false) + op_half<C::PDT>(r1, true)));
+    }
+  }
+  const float r0 = alpha[0] * beta, r1 = alpha[1] * beta;
+  if (__any_sync(0xffffffffu, r0 != 1.f || r1 != 1.f)) {
+#pragma unroll
+    for (int i = 0; i < C::NO; i++) {
+      acc.o[i][0] *= r0;
+      acc.o[i][1] *= r0;
+      acc.o[i][2] *= r1;
+      acc.o[i][3] *= r1;
+    }
+  }
+  // O += P V: n-tile j is channel j of lane g's slice, key rows 2c, 2c+1, 2c+8, 2c+9.
+#pragma unroll
+  for (int p = 0; p < C::NVP; p++) {
+    uint32_t x[4][C::VPW];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+      v_piece<C>(sV, 2 * c4 + (k & 1) + (k >> 1) * 8, g, p, x[k]);
+#pragma unroll
+    for (int jj = 0; jj < C::CPP; jj++)
+      mma16816<C::PDT>(acc.o[p * C::CPP + jj], pa, v_pair<C>(x[0], x[1], jj), v_pair<C>(x[2], x[3], jj));
+  }
+}
+
+} // namespace attnd

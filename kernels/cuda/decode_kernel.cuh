@@ -1,0 +1,543 @@
+// decode_kernel.cuh: the decode kernel, for every cache type and head dim:
+// items of at most 16 query vectors (n x group) attend over their paged
+// cache with the stored bytes converted straight into tensor-core operand
+// registers. Included by the generated decode_inst_<kv>.cu files.
+//
+// A CTA of four warps takes a piece of one (item, kv head): a range of its
+// 16-key chunks (decode_params.cuh says how pieces are cut: flat or per-item
+// split). Warp w takes chunks w, w + 4, ... of the piece with its own online
+// softmax state and its own cp.async stages (no CTA barrier in the key
+// loop); the four states are merged by lse through shared memory at the end.
+//
+// Fragment order without shuffles. S = q.k is a sum over the head dimension,
+// so a permutation of d applied to both q and k leaves it unchanged: lane
+// (g = lane/4, c = lane%4) reads 16-byte pieces of a key row (chunks 4i + c;
+// int4: the contiguous quarter c of the row) and uses their words directly as
+// its k-operand registers; q is stored in shared memory with its columns
+// permuted the same way (qcol). For O += P V the head dimension is the mma's
+// m (transposed form) or n index: lane g owns the physical channels
+// [g D/8, (g+1) D/8) of the four key rows {2c, 2c+1, 2c+8, 2c+9} its fragment
+// needs, so O's columns come out permuted and are put back in place when the
+// warps' results are merged.
+//
+// Two forms. TR (at most 8 vectors): S^T = K q^T and O^T = V^T P^T, so that
+// keys and channels fill the mma's 16 rows and the vectors its 8 columns
+// (a GQA-4 decode fills 4 of 16 rows of the other form). Rows (9..16 vectors):
+// S = q K^T and O = P V, vectors in the 16 rows.
+//
+// Numerics (docs/numerics.md): K and V bytes are exact in the operand dtype
+// (decode_layout.cuh, Dec: fp16 wherever the stored values are exact in it,
+// bf16 for bf16 caches and for static types under bf16 activations); per-token
+// scales multiply the scores (K) and P (V); a static K scale per kv head
+// multiplies the fp32 score scale; per channel it goes into q as an exact
+// hi + lo pair (primitives.cuh, scale_exp), the lo half either in the free
+// columns 4..7 of a TR product (<= 4 vectors) or in a second product; static V
+// scales multiply O. O is normalized by the sum of P as rounded for the
+// matrix units (all but the dynamic types), so int4's V zero point comes out
+// exactly: O = s (sum P~ u / sum P~ - z), no cancellation of two large terms;
+// the K zero point is a per-vector constant of the scores, dropped from them
+// and taken out of the lse (summed in fp64). P goes in as P 2^14 in fp16
+// (fp16's subnormals), the shift added after s - m so it stays exact.
+#pragma once
+
+#include "decode_chunk.cuh"
+
+namespace attnd {
+
+// Where a piece's result goes.
+enum { kOutFinal = 0, kOutSlot = 1, kOutSplit = 2 };
+
+// Merges the four warps' states by lse and writes the piece's result in the
+// natural channel order: the output (kOutFinal) or a partial state (the
+// output normalized by this piece's own sum, and its lse).
+template <class C>
+__device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem, const attnd_kitem_t &it, int kvh,
+                                           int out_kind, int out_idx, DecAcc<C> &acc) {
+  constexpr int D = C::D, NW = C::NW, MV = C::MV;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c4 = lane & 3;
+  const int G = P.group, nvec = it.n * G;
+  float *sMisc = reinterpret_cast<float *>(smem + C::kMisc);
+  float *sC = sMisc, *sM = sMisc + 16, *sL = sMisc + 32, *sLt = sMisc + 48;
+  const float *sVs = reinterpret_cast<const float *>(smem + C::kVs);
+#pragma unroll
+  for (int ri = 0; ri < 2; ri++) {
+#pragma unroll
+    for (int x = C::TR ? 4 : 1; x < (C::TR ? 32 : 4); x <<= 1) {
+      acc.l[ri] += __shfl_xor_sync(0xffffffffu, acc.l[ri], x);
+      if constexpr (!C::K::kDyn)
+        acc.lt[ri] += __shfl_xor_sync(0xffffffffu, acc.lt[ri], x);
+    }
+  }
+  float *sm = reinterpret_cast<float *>(smem + C::kStages); // [warps][16] m, l, lt
+  float *so = sm + 3 * NW * 16;                             // [warps][MV][D]
+  __syncthreads(); // every warp is past its last chunk: the stages are free
+  if (C::TR ? g == 0 : c4 == 0) {
+#pragma unroll
+    for (int ri = 0; ri < 2; ri++) {
+      const int v = C::TR ? 2 * c4 + ri : g + ri * 8;
+      sm[warp * 16 + v] = acc.m[ri];
+      sm[NW * 16 + warp * 16 + v] = acc.l[ri];
+      sm[2 * NW * 16 + warp * 16 + v] = acc.lt[ri];
+    }
+  }
+  __syncthreads();
+  if (tid < MV) {
+    float M = -INFINITY;
+    for (int w = 0; w < NW; w++)
+      M = fmaxf(M, sm[w * 16 + tid]);
+    const float mref = M == -INFINITY ? 0.f : M;
+    float Ls = 0.f, Lt = 0.f;
+    for (int w = 0; w < NW; w++) {
+      const float f = ex2(sm[w * 16 + tid] - mref);
+      Ls += sm[NW * 16 + w * 16 + tid] * f;
+      Lt += sm[2 * NW * 16 + w * 16 + tid] * f;
+    }
+    sM[tid] = mref;
+    sL[tid] = Ls;
+    sLt[tid] = Lt;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int ri = 0; ri < 2; ri++) {
+    const int r = C::TR ? 2 * c4 + ri : g + 8 * ri;
+    const float Ls = sL[r], Ln = C::K::kDyn ? Ls : sLt[r];
+    float f = Ls > 0.f ? ex2(acc.m[ri] - sM[r]) / Ln : 0.f;
+    if constexpr (C::kSigma)
+      f *= acc.sig; // O was accumulated relative to this warp's V-scale reference
+    if constexpr (C::TR) {
+#pragma unroll
+      for (int mt = 0; mt < C::NO; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+          so[(warp * MV + r) * D + g * (D / 8) + 2 * mt + h] = acc.o[mt][h * 2 + ri] * f;
+    } else {
+#pragma unroll
+      for (int j = 0; j < C::NO; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++)
+          so[(warp * MV + r) * D + (2 * c4 + e) * (D / 8) + j] = acc.o[j][ri * 2 + e] * f;
+    }
+  }
+  __syncthreads();
+  using A = Act<C::DT>; // the output's dtype
+  for (int idx = tid; idx < nvec * D; idx += C::NTH) {
+    const int r = idx / D, d = idx % D;
+    float x = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; w++)
+      x += so[(w * MV + r) * D + d];
+    const float Ls = sL[r];
+    if constexpr (C::K::kI4)
+      x = Ls > 0.f ? (x - sVs[D + d]) * sVs[d] : 0.f; // s (sum P~ u / sum P~ - z)
+    else if constexpr (C::K::kStatic)
+      x *= sVs[d];
+    // lse from the sum of P; lset from the sum that normalized O (the merge weights).
+    float lse = -INFINITY, lset = -INFINITY;
+    if (Ls > 0.f) {
+      // The sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
+      const float ref = sM[r] - (C::K::kI4 ? sC[r] : 0.f);
+      lse = (ref + (log2f(Ls) - C::kPShift)) * 0.69314718055994531f;
+      lset = C::K::kDyn ? lse : (ref + (log2f(sLt[r]) - C::kPShift)) * 0.69314718055994531f;
+    }
+    const int row = it.q_row + r / G, h = kvh * G + r % G;
+    const size_t ob = ((size_t)row * P.q_heads + h) * D + d;
+    if (out_kind == kOutFinal) {
+      if (P.out_fp32)
+        reinterpret_cast<float *>(P.out)[ob] = x;
+      else
+        reinterpret_cast<typename A::T *>(P.out)[ob] = A::from_f(x);
+      if (P.lse && d == 0)
+        P.lse[(size_t)row * P.q_heads + h] = lse;
+    } else if (out_kind == kOutSlot) {
+      float *slot = P.ws + (size_t)out_idx * flat_slot_floats(P.max_vec, D);
+      slot[r * D + d] = x;
+      if (d == 0) {
+        slot[(size_t)P.max_vec * D + r] = lse;
+        slot[(size_t)P.max_vec * (D + 1) + r] = lset;
+      }
+    } else {
+      const size_t part = (size_t)P.total_q * P.q_heads, li = (size_t)out_idx * part + (size_t)row * P.q_heads + h;
+      P.ws[(size_t)out_idx * part * D + ob] = x;
+      if (d == 0) {
+        P.ws[(size_t)P.nsplit * part * D + li] = lse;
+        P.ws[(size_t)P.nsplit * part * (D + 1) + li] = lset;
+      }
+    }
+  }
+}
+
+// One piece: keys [klo, khi] of (item it, kv head kvh), every query vector of
+// the item.
+template <class C>
+__device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kitem_t &it, int kvh, int klo, int khi,
+                          int out_kind, int out_idx) {
+  using A = Act<C::DT>;  // the activations (q)
+  using KA = Act<C::KDT>; // q and K as the first product's operands
+  using KT = typename KA::T;
+  constexpr int D = C::D, LD = C::LD, NW = C::NW, NS = C::NS, KS = C::KS;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c4 = lane & 3;
+  const int G = P.group, nvec = it.n * G;
+  KT *sQ = reinterpret_cast<KT *>(smem + C::kQ);
+  KT *sQlo = reinterpret_cast<KT *>(smem + C::kQlo);
+  float *sVs = reinterpret_cast<float *>(smem + C::kVs);
+  float *sMisc = reinterpret_cast<float *>(smem + C::kMisc);
+  float *sC = sMisc, *scratch = sMisc + 64;
+  auto *sP = reinterpret_cast<typename Act<C::PDT>::T *>(smem + C::kP) + warp * 8 * KS;
+  uint8_t *myStages = smem + C::kStages + (size_t)warp * NS * C::kStage;
+  const int32_t *bt = P.meta + it.block_table;
+  const bool no_load = P.debug & 1, no_math = P.debug & 2; // timing experiments only
+
+  __syncthreads(); // the previous piece (or the work-range scan) is done with shared memory
+  const int jfirst = klo & ~(KS - 1);
+  const int nchunks = khi >= jfirst ? (khi - jfirst) / KS + 1 : 0;
+  const int cnt = nchunks > warp ? (nchunks - 1 - warp) / NW + 1 : 0;
+#pragma unroll
+  for (int n = 0; n < NS - 1; n++) {
+    if (n < cnt && !no_load)
+      dec_issue<C>(P, bt, kvh, jfirst + (warp + NW * n) * KS, khi, myStages + n * C::kStage, lane);
+    cp_async_commit();
+  }
+
+  // While the first chunks are on their way: the static scales, and q.
+  DecPiece pc;
+  pc.iv = it.mask_kind == ATTND_MASK_INTERVALS ? P.meta + it.intervals : nullptr;
+  pc.kind = it.mask_kind;
+  pc.mp = it.mask_param;
+  pc.causal = it.causal;
+  pc.kv_len = it.start + it.n;
+  pc.klo = klo;
+  pc.khi = khi;
+  pc.sl2 = P.scale_log2;
+  bool qsplit = false;
+  float rscale = 1.f;
+  // Block-wide max of x >= 0 (every thread gets it).
+  auto block_max = [&](float x) -> float {
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    __syncthreads(); // scratch is free
+    if (lane == 0)
+      scratch[warp] = x;
+    __syncthreads();
+    return fmaxf(fmaxf(scratch[0], scratch[1]), fmaxf(scratch[2], scratch[3]));
+  };
+  if constexpr (C::K::kStatic) {
+    qsplit = C::K::kI4 || P.per_channel;
+    if (!qsplit) {
+      pc.sl2 *= P.k_scale[kvh];
+    } else {
+      float mx = 0.f;
+      for (int d = tid; d < D; d += C::NTH)
+        mx = fmaxf(mx, P.k_scale[kvh * D + d]);
+      const int e = scale_exp(block_max(mx));
+      rscale = ldexpf(1.f, -e);
+      pc.sl2 = ldexpf(pc.sl2, e);
+    }
+  }
+  // q element idx of the [16][D] tile (0 past nvec), static K scale folded in.
+  auto q_at = [&](int idx) -> float {
+    const int r = idx / D, d = idx % D;
+    if (r >= nvec)
+      return 0.f;
+    const int row = it.q_row + r / G, h = kvh * G + r % G;
+    float x = A::to_f(reinterpret_cast<const typename A::T *>(P.q)[((size_t)row * P.q_heads + h) * D + d]);
+    if constexpr (C::K::kStatic)
+      if (qsplit)
+        x *= P.k_scale[kvh * D + d] * rscale;
+    return x;
+  };
+  constexpr int QV = C::TR ? 8 : 16; // vectors a form reads
+  float qscale = 1.f;
+  if constexpr (C::kQScale) {
+    // bf16 q into fp16's range: a power of two puts the largest |q| in [2^14, 2^15).
+    float mx = 0.f;
+    for (int idx = tid; idx < QV * D; idx += C::NTH)
+      mx = fmaxf(mx, fabsf(q_at(idx)));
+    mx = block_max(mx);
+    const int e = mx > 0.f ? scale_exp(mx) - 15 : 0;
+    qscale = ldexpf(1.f, -e);
+    pc.sl2 = ldexpf(pc.sl2, e);
+  }
+  pc.qlo_cols = C::TR && qsplit && nvec <= 4;
+  pc.lo_pass = qsplit && !pc.qlo_cols;
+  for (int idx = tid; idx < QV * D; idx += C::NTH) {
+    const int r = idx / D, d = idx % D;
+    const float x = q_at(idx) * qscale;
+    const KT hi = KA::from_f(x);
+    const KT lo = KA::from_f(x - KA::to_f(hi));
+    const int col = qcol<C>(d);
+    if constexpr (C::TR) {
+      sQ[r * LD + col] = hi;
+      sQ[(r + 8) * LD + col] = lo; // rows 8..15: lo of vectors 0..7
+    } else {
+      sQ[r * LD + col] = hi;
+      if constexpr (C::K::kStatic)
+        sQlo[r * LD + col] = lo;
+    }
+  }
+  if constexpr (C::K::kStatic)
+    for (int d = tid; d < D; d += C::NTH) {
+      sVs[d] = (C::K::kI4 || P.per_channel) ? P.v_scale[kvh * D + d] : P.v_scale[kvh];
+      if constexpr (C::K::kI4)
+        sVs[D + d] = P.v_zero[kvh * D + d];
+    }
+  __syncthreads();
+  if constexpr (C::K::kI4) {
+    // q'.(u - z) = q'.u - q'.z: the second term is the same for every key of a
+    // vector, so the scores leave it out and the lse takes it out (fp64 sum).
+    if (tid < C::MV) {
+      double c = 0.0;
+      for (int d = 0; d < D; d++) {
+        const int col = qcol<C>(d);
+        const double qv = (double)KA::to_f(sQ[tid * LD + col]) +
+                          (double)KA::to_f(C::TR ? sQ[(tid + 8) * LD + col] : sQlo[tid * LD + col]);
+        c += qv * (double)P.k_zero[kvh * D + d];
+      }
+      sC[tid] = (float)(c * (double)pc.sl2);
+    }
+  }
+  uint32_t qb[C::TR ? D / 16 : 1][2];
+  if constexpr (C::TR) {
+    const int rr = lane & 7, row = pc.qlo_cols && rr >= 4 ? rr + 4 : rr;
+#pragma unroll
+    for (int t = 0; t < D / 16; t += 2)
+      ldsm_x4(qb[t][0], qb[t][1], qb[t + 1][0], qb[t + 1][1],
+              sQ + row * LD + t * 16 + ((lane >> 3) & 1) * 8 + (lane >> 4) * 16);
+  }
+
+  DecAcc<C> acc;
+#pragma unroll
+  for (int i = 0; i < C::NO; i++)
+    acc.o[i][0] = acc.o[i][1] = acc.o[i][2] = acc.o[i][3] = 0.f;
+  acc.sig = 0.f;
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    acc.m[i] = -INFINITY;
+    acc.l[i] = acc.lt[i] = 0.f;
+    int v = C::TR ? 2 * c4 + i : g + 8 * i;
+    if (pc.qlo_cols)
+      v &= 3;
+    pc.prow[i] = it.start + min(v, nvec - 1) / G;
+  }
+  const int pmin = it.start, pmax = it.start + it.n - 1;
+  for (int n = 0; n < cnt; n++) {
+    // The stage of chunk n - 1 is free (the warp passed its end): refill it.
+    if (n + NS - 1 < cnt && !no_load)
+      dec_issue<C>(P, bt, kvh, jfirst + (warp + NW * (n + NS - 1)) * KS, khi,
+                   myStages + ((n + NS - 1) % NS) * C::kStage, lane);
+    cp_async_commit();
+    cp_async_wait<NS - 1>();
+    __syncwarp();
+    if (no_math)
+      continue;
+    const uint8_t *sb = myStages + (n % NS) * C::kStage;
+    const int j0 = jfirst + (warp + NW * n) * KS;
+    const bool need_mask = tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS);
+    if constexpr (C::TR)
+      dec_chunk_tr<C>(pc, sb, qb, sQ, sP, j0, need_mask, acc);
+    else
+      dec_chunk_rows<C>(pc, sb, sQ, sQlo, j0, need_mask, acc);
+    __syncwarp(); // the stage is refilled next iteration
+  }
+  cp_async_wait<0>();
+  dec_finish<C>(P, smem, it, kvh, out_kind, out_idx, acc);
+}
+
+// 16-key chunks of one kv head's share of item it (0 for an item without q),
+// and the first key and the visible key range.
+__device__ __forceinline__ int dec_item_chunks(const attnd_kitem_t &it, int &jfirst, int &lo, int &hi) {
+  if (it.q_row < 0)
+    return 0;
+  key_range(it, it.start, it.start + it.n - 1, lo, hi);
+  jfirst = lo & ~(kDecKeys - 1);
+  return hi >= jfirst ? (hi - jfirst) / kDecKeys + 1 : 1;
+}
+
+// Flat split: pre[i] = chunks of items 0..i-1 (one kv head's share), pre[n] =
+// all; returns the CTAs to use of the nctas launched: when every item with q
+// has the same chunk count, a multiple of the segments (each (item, kv head)
+// cut into equal parts, no piece straddling two: a balanced batch runs as a
+// per-item split would); otherwise all of them (at most one per chunk).
+template <class C> __device__ int dec_prefix(const DecodeParams &P, int *pre, int *scratch) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n = P.nitems;
+  const int per = (n + C::NTH - 1) / C::NTH, i0 = min(n, tid * per), i1 = min(n, i0 + per);
+  int sum = 0, mn = 0x7fffffff, mx = 0, nq = 0, jf, lo, hi;
+  for (int i = i0; i < i1; i++) {
+    const attnd_kitem_t it = P.items[i];
+    const int c = dec_item_chunks(it, jf, lo, hi);
+    sum += c;
+    if (c > 0) {
+      mn = min(mn, c);
+      mx = max(mx, c);
+      nq++;
+    }
+  }
+  int incl = sum;
+#pragma unroll
+  for (int x = 1; x < 32; x <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, x);
+    if (lane >= x)
+      incl += y;
+  }
+#pragma unroll
+  for (int x = 16; x; x >>= 1) {
+    mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, x));
+    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+    nq += __shfl_xor_sync(0xffffffffu, nq, x);
+  }
+  if (lane == 31)
+    scratch[warp] = incl;
+  if (lane == 0) {
+    scratch[4 + warp] = mn;
+    scratch[8 + warp] = mx;
+    scratch[12 + warp] = nq;
+  }
+  __syncthreads();
+  int run = incl - sum;
+  for (int w = 0; w < warp; w++)
+    run += scratch[w];
+  for (int i = i0; i < i1; i++) {
+    pre[i] = run;
+    const attnd_kitem_t it = P.items[i];
+    run += dec_item_chunks(it, jf, lo, hi);
+  }
+  if (tid == C::NTH - 1)
+    pre[n] = run;
+  mn = min(min(scratch[4], scratch[5]), min(scratch[6], scratch[7]));
+  mx = max(max(scratch[8], scratch[9]), max(scratch[10], scratch[11]));
+  nq = scratch[12] + scratch[13] + scratch[14] + scratch[15];
+  __syncthreads();
+  const long long w = (long long)P.kv_heads * pre[n];
+  if (mn == mx && nq > 0) {
+    const long long segs = (long long)P.kv_heads * nq;
+    long long k = P.nctas / segs;
+    k = k < 1 ? 1 : k > mx ? mx : k;
+    return (int)min((long long)P.nctas, segs * k);
+  }
+  return (int)min((long long)P.nctas, w);
+}
+
+template <int D, int DT, int KV, bool TR>
+__global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
+    decode_kernel(const __grid_constant__ DecodeParams P) {
+  using C = Dec<D, DT, KV, TR>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  pdl_trigger(); // the merge may launch now; it waits for this grid's end
+  if (!P.flat) {
+    const int item = blockIdx.x / P.kv_heads, kvh = blockIdx.x % P.kv_heads, split = blockIdx.z;
+    const attnd_kitem_t it = P.items[item];
+    if (it.q_row < 0)
+      return;
+    int lo, hi;
+    key_range(it, it.start, it.start + it.n - 1, lo, hi);
+    int out_kind = kOutFinal;
+    if (P.nsplit > 1) {
+      lo = max(lo, split * P.split_keys);
+      hi = min(hi, (split + 1) * P.split_keys - 1);
+      out_kind = kOutSplit;
+    }
+    pdl_wait(); // q and the cache are written by the previous kernel
+    dec_piece<C>(P, smem, it, kvh, lo, hi, out_kind, split);
+    return;
+  }
+  // Flat split: this CTA's chunks [u, u1) of the W in all, over nc CTAs.
+  int *pre = reinterpret_cast<int *>(smem + C::kStages);
+  int *scratch = reinterpret_cast<int *>(smem + C::kMisc) + 64;
+  const int nc = dec_prefix<C>(P, pre, scratch);
+  const int cta = blockIdx.x, KVH = P.kv_heads;
+  if (cta >= nc)
+    return;
+  const long long W = (long long)KVH * pre[P.nitems];
+  long long u = flat_start(cta, nc, W);
+  const long long u1 = flat_start(cta + 1, nc, W);
+  // The item holding chunk u: the last i with KVH pre[i] <= u (it has chunks).
+  int i = 0;
+  if (u < u1) {
+    int a = 0, b = P.nitems - 1;
+    while (a < b) {
+      const int mid = (a + b + 1) >> 1;
+      if ((long long)KVH * pre[mid] <= u)
+        a = mid;
+      else
+        b = mid - 1;
+    }
+    i = a;
+  }
+  long long base = (long long)KVH * pre[i];
+  pdl_wait(); // q, the cache and the workspace belong to the previous kernel until here
+  if (cta == 0 && P.nctas > 1) { // the prefix sums and the CTA count, for the merge
+    int *wpre = reinterpret_cast<int *>(P.ws + flat_prefix_offset(P.nctas, P.max_vec, D));
+    for (int j = threadIdx.x; j <= P.nitems; j += C::NTH)
+      wpre[j] = pre[j];
+    if (threadIdx.x == 0)
+      wpre[P.nitems + 1] = nc;
+  }
+  bool first = true;
+  while (u < u1) {
+    const attnd_kitem_t it = P.items[i];
+    int jfirst, lo, hi;
+    const int nch = dec_item_chunks(it, jfirst, lo, hi);
+    const int h = (int)((u - base) / nch), a = (int)((u - base) % nch);
+    const int b = (int)min((long long)nch, a + (u1 - u));
+    const bool whole = a == 0 && b == nch;
+    const int klo = max(lo, jfirst + a * kDecKeys), khi = min(hi, jfirst + b * kDecKeys - 1);
+    dec_piece<C>(P, smem, it, h, klo, khi, whole ? kOutFinal : kOutSlot, 2 * cta + (first ? 0 : 1));
+    u += b - a;
+    first = false;
+    if (b == nch && h == KVH - 1) {
+      base += (long long)KVH * nch;
+      do
+        i++;
+      while (i < P.nitems && P.items[i].q_row < 0);
+    }
+  }
+}
+
+template <int D, int DT, int KV, bool TR>
+cudaError_t launch_decode_one(const DecodeParams &p, dim3 grid, size_t extra_smem, bool pdl, cudaStream_t st) {
+  using C = Dec<D, DT, KV, TR>;
+  static bool attr_done = false; // per instantiation; benign race: both set the same value
+  if (!attr_done) {
+    cudaError_t e = cudaFuncSetAttribute(decode_kernel<D, DT, KV, TR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)C::kBytes);
+    if (e != cudaSuccess)
+      return e;
+    attr_done = true;
+  }
+  (void)extra_smem;
+  return launch_ex(decode_kernel<D, DT, KV, TR>, grid, dim3(C::NTH), C::kBytes, pdl, st, p);
+}
+
+// Resident CTAs per SM (planning), from the occupancy calculator.
+template <int D, int DT, int KV, bool TR> int decode_occupancy() {
+  using C = Dec<D, DT, KV, TR>;
+  static int n = 0;
+  if (n == 0) {
+    cudaFuncSetAttribute(decode_kernel<D, DT, KV, TR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes);
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, decode_kernel<D, DT, KV, TR>, C::NTH, C::kBytes) !=
+            cudaSuccess ||
+        b < 1) {
+      cudaGetLastError();
+      b = 1;
+    }
+    n = b;
+  }
+  return n;
+}
+
+// Largest item count whose prefix sums fit the stage area (flat split).
+template <int D, int DT, int KV, bool TR> int decode_flat_items() {
+  return (int)(Dec<D, DT, KV, TR>::kStageArea / 4) - 1;
+}
+
+// Explicit instantiations of one cache type (the generated decode_inst_<kv>.cu).
+#define ATTND_DECODE_INST_ONE(D, DT, KV, TR)                                                                   \
+  template cudaError_t launch_decode_one<D, DT, KV, TR>(const DecodeParams &, dim3, size_t, bool, cudaStream_t); \
+  template int decode_occupancy<D, DT, KV, TR>();                                                              \
+  template int decode_flat_items<D, DT, KV, TR>();
+#define ATTND_DECODE_INST(D, DT, KV)                                                                           \
+  ATTND_DECODE_INST_ONE(D, DT, KV, true)                                                                       \
+  ATTND_DECODE_INST_ONE(D, DT, KV, false)
+
+} // namespace attnd

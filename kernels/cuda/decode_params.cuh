@@ -1,0 +1,87 @@
+// decode_params.cuh: the decode kernel's parameters (decode_kernel.cuh), split-KV
+// planning (split_plan.cu) and the merges of partial states (merge.cu).
+#pragma once
+
+#include "tiled_params.cuh"
+
+namespace attnd {
+
+constexpr int kDecWarps = 4;      // warps per decode CTA, each with its own softmax state
+constexpr int kDecKeys = 16;      // keys per warp step (one mma k-step of P V)
+constexpr int kDecMaxVec = 16;    // query vectors (n x group) per item the decode kernel takes
+constexpr int kFlatMaxItems = 4096; // flat split: items whose prefix sums a CTA scans
+constexpr int kMaxSplits = 32;    // per-item split: most parts per item
+
+// How the decode CTAs share the work.
+//   Flat split (flat = 1): the key chunks of every (item, kv head) are laid
+//   end to end; CTA c takes chunks [c W / C, (c + 1) W / C) of the W in all,
+//   so every CTA reads the same number of bytes whatever the contexts'
+//   lengths. A CTA whose range covers a whole (item, kv head) writes the
+//   output; the first and the last piece of a CTA's range may be partial and
+//   go to slots 2c and 2c + 1 of the workspace, which merge_flat combines.
+//   Per-item split (flat = 0): CTA (item, kv head, split) takes keys
+//   [split * split_keys, (split + 1) * split_keys); merge_split combines.
+struct DecodeParams {
+  const attnd_kitem_t *items;
+  const int32_t *meta;
+  const void *q;       // [Tq][q_heads][D], rotated
+  void *out;           // [Tq][q_heads][D] act dtype, or fp32 when out_fp32
+  float *lse;          // [Tq][q_heads] or NULL
+  const uint8_t *cache;
+  size_t block_bytes;
+  const float *k_scale, *v_scale; // static types: [kvh] or [kvh][D] (int4: [kvh][D])
+  const float *k_zero, *v_zero;   // int4: [kvh][D]
+  float *ws;           // flat: [2 nctas] slots (flat_slot_floats), then int32 [nitems + 1] prefix
+                       // and the CTA count used;
+                       // per-item: [nsplit][Tq][q_heads][D] o, then [nsplit][Tq][q_heads] lse, lset
+  int nitems, out_fp32, per_channel;
+  int q_heads, kv_heads, group, bs, total_q, max_vec;
+  float scale_log2;    // softmax_scale * log2(e)
+  int flat, nctas;     // flat split over nctas CTAs
+  int nsplit, split_keys; // per-item split
+  int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math
+};
+
+// Offsets in the workspace of the flat split.
+// A slot: [max_vec][D] o, [max_vec] lse, [max_vec] lset (the lse of the sum that normalized o).
+__host__ __device__ inline size_t flat_slot_floats(int max_vec, int d) { return (size_t)max_vec * (d + 2); }
+__host__ __device__ inline size_t flat_prefix_offset(int nctas, int max_vec, int d) {
+  return 2 * (size_t)nctas * flat_slot_floats(max_vec, d);
+}
+
+// First chunk of CTA c of nctas over w chunks in all (w < 2^40, so c w fits in 64 bits).
+__host__ __device__ inline long long flat_start(int c, int nctas, long long w) { return (long long)c * w / nctas; }
+
+// The decode kernel of one instantiation (decode_kernel.cuh): launch, resident
+// CTAs per SM, most items a flat split can scan.
+template <int D, int DT, int KV, bool TR>
+cudaError_t launch_decode_one(const DecodeParams &p, dim3 grid, size_t extra_smem, bool pdl, cudaStream_t st);
+template <int D, int DT, int KV, bool TR> int decode_occupancy();
+template <int D, int DT, int KV, bool TR> int decode_flat_items();
+
+// A decode batch's cut (plan_decode) and its launch (kernel, then merge).
+struct DecodePlan {
+  bool tr;               // transposed form: every item <= 8 query vectors
+  int flat, nctas;       // flat split over nctas CTAs
+  int nsplit, split_keys; // per-item split
+};
+int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,
+                DecodePlan *pl);
+int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, size_t ws_bytes,
+                  const attnd_cuda_opts_t &o, cudaStream_t st);
+size_t flat_workspace_bytes(int nctas, int max_vec, int d, int nitems);
+
+// Enqueues the merge of the partial states into p.out and p.lse.
+int launch_merge_flat(const attnd_kshape_t *s, const DecodeParams &p, bool pdl, cudaStream_t st);
+// ws_lse: [nsplit][Tq][q_heads] lse, then as many lset (the merge weights).
+int launch_merge_split(const attnd_kshape_t *s, const attnd_kbatch_t *b, const float *ws_o, const float *ws_lse,
+                       int nsplit, bool pdl, cudaStream_t st);
+
+// The split planning of the tiled kernel (tiled_kernel.cuh) and the decode path.
+size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q);
+// Parts per item (1: no split) for CTAs of tile_vec query vectors, slots_per_sm
+// of them resident per SM, and the keys per part.
+int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int slots_per_sm, int tile_vec,
+                int *split_keys);
+
+} // namespace attnd

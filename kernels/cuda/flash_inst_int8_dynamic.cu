@@ -1,7 +1,0 @@
-// Explicit instantiation of the attention kernel for the int8_dynamic cache
-// (one file per cache type so that a two-core build compiles them in parallel).
-#include "flash_impl.cuh"
-
-namespace attnd {
-ATTND_FLASH_INST(ATTND_KV_INT8_DYNAMIC)
-} // namespace attnd

@@ -1,0 +1,215 @@
+// split_plan.cu: split-KV planning. Decode batches (every item <= 16 query
+// vectors) go to the decode kernel, cut by a flat split (every CTA the same
+// number of key chunks, whatever the contexts' lengths) or a per-item split;
+// prefill batches to the tiled kernel, split per item when they have too few
+// CTAs to fill the GPU. decode_params.cuh describes both cuts.
+#include <math.h>
+#include <stdlib.h>
+
+#include "decode_params.cuh"
+
+namespace attnd {
+namespace {
+
+// Runtime shape values to template arguments of the decode kernel.
+template <int D, int DT> struct DecDispatch {
+  template <int KV> static int occ(bool tr) {
+    return tr ? decode_occupancy<D, DT, KV, true>() : decode_occupancy<D, DT, KV, false>();
+  }
+  template <int KV> static int items(bool tr) {
+    return tr ? decode_flat_items<D, DT, KV, true>() : decode_flat_items<D, DT, KV, false>();
+  }
+  template <int KV> static cudaError_t run(bool tr, const DecodeParams &p, dim3 g, bool pdl, cudaStream_t st) {
+    return tr ? launch_decode_one<D, DT, KV, true>(p, g, 0, pdl, st) : launch_decode_one<D, DT, KV, false>(p, g, 0, pdl, st);
+  }
+};
+
+// Calls F::template call<D, DT, KV>(args...) for the runtime values.
+template <class F, class... Args> auto with_types(int d, int dt, int kv, Args &&...a) {
+#define ATTND_KV_CASES(D, DT)                                                                                  \
+  switch (kv) {                                                                                                \
+  case ATTND_KV_BF16: return F::template call<D, DT, ATTND_KV_BF16>(a...);                                     \
+  case ATTND_KV_FP16: return F::template call<D, DT, ATTND_KV_FP16>(a...);                                     \
+  case ATTND_KV_INT8: return F::template call<D, DT, ATTND_KV_INT8>(a...);                                     \
+  case ATTND_KV_FP8: return F::template call<D, DT, ATTND_KV_FP8>(a...);                                       \
+  case ATTND_KV_INT8_DYNAMIC: return F::template call<D, DT, ATTND_KV_INT8_DYNAMIC>(a...);                     \
+  case ATTND_KV_FP8_DYNAMIC: return F::template call<D, DT, ATTND_KV_FP8_DYNAMIC>(a...);                       \
+  default: return F::template call<D, DT, ATTND_KV_INT4>(a...);                                                \
+  }
+#define ATTND_DT_CASES(D)                                                                                      \
+  if (dt == ATTND_DT_BF16) {                                                                                   \
+    ATTND_KV_CASES(D, ATTND_DT_BF16)                                                                           \
+  } else {                                                                                                     \
+    ATTND_KV_CASES(D, ATTND_DT_FP16)                                                                           \
+  }
+  if (d == 64) {
+    ATTND_DT_CASES(64)
+  } else if (d == 128) {
+    ATTND_DT_CASES(128)
+  } else {
+    ATTND_DT_CASES(256)
+  }
+#undef ATTND_DT_CASES
+#undef ATTND_KV_CASES
+}
+
+struct OccF {
+  template <int D, int DT, int KV> static int call(bool tr) { return DecDispatch<D, DT>::template occ<KV>(tr); }
+};
+struct ItemsF {
+  template <int D, int DT, int KV> static int call(bool tr) { return DecDispatch<D, DT>::template items<KV>(tr); }
+};
+struct RunF {
+  template <int D, int DT, int KV>
+  static cudaError_t call(bool tr, const DecodeParams &p, dim3 g, bool pdl, cudaStream_t st) {
+    return DecDispatch<D, DT>::template run<KV>(tr, p, g, pdl, st);
+  }
+};
+
+} // namespace
+
+size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q) {
+  return (size_t)total_q * s->q_heads * (s->head_dim + 2) * sizeof(float);
+}
+
+int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int slots_per_sm, int tile_vec,
+                int *split_keys) {
+  const int G = s->q_heads / s->kv_heads;
+  const long tiles = ((long)b->max_n * G + tile_vec - 1) / tile_vec;
+  const long base = (long)b->nitems * s->kv_heads * tiles;
+  const long slots = (long)num_sms() * slots_per_sm;
+  int nsplit = 1;
+  if (b->total_q > 0 && base < 4 * slots) {
+    // The fewest parts whose CTAs fill their waves to 90% (an idle slot in
+    // the last wave is time lost; every extra part costs a prologue, a shorter
+    // pipeline and merge traffic), else the best filling. Two waves measured
+    // worse than one or four on the H200 (bench/RESULTS.md): skip them.
+    long limit = b->max_kv_len / (2 * kBN); // at least two key tiles per part
+    const long by_ws = (long)(ws_bytes / split_bytes_per_part(s, b->total_q));
+    if (limit > by_ws)
+      limit = by_ws;
+    if (limit > kMaxSplits)
+      limit = kMaxSplits;
+    double best = 0.0;
+    for (long k = 1; k <= limit; k++) {
+      const long ctas = base * k, waves = (ctas + slots - 1) / slots;
+      const double eff = (double)ctas / (double)(waves * slots);
+      if (eff > best + 0.02 && waves != 2) {
+        best = eff;
+        nsplit = (int)k;
+      }
+      if (eff >= 0.9 && waves != 2)
+        break;
+    }
+  }
+  int keys = (b->max_kv_len + nsplit - 1) / nsplit;
+  keys = (keys + kBN - 1) / kBN * kBN;
+  if (keys < kBN)
+    keys = kBN;
+  *split_keys = keys;
+  return nsplit > 1 ? (b->max_kv_len + keys - 1) / keys : 1;
+}
+
+size_t flat_workspace_bytes(int nctas, int max_vec, int d, int nitems) {
+  return flat_prefix_offset(nctas, max_vec, d) * sizeof(float) + ((size_t)nitems + 2) * sizeof(int);
+}
+
+int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,
+                DecodePlan *pl) {
+  const int G = s->q_heads / s->kv_heads, max_vec = b->max_n * G;
+  pl->tr = max_vec <= 8;
+  const int occ = with_types<OccF>(s->head_dim, s->dtype, s->kv, pl->tr);
+  const long slots = (long)num_sms() * occ;
+  pl->flat = 0;
+  pl->nctas = 0;
+  pl->nsplit = 1;
+  pl->split_keys = 0;
+  // Choosing: where the per-item plan splits the items (few items for the GPU),
+  // it ran faster than the flat split on the H200, balanced or not; where it
+  // does not (one CTA per item), the flat split keeps long items of an uneven
+  // batch from running in one CTA each (2x for the 8-bit types) at ~10% on
+  // balanced batches (bench/RESULTS.md, decode round 3).
+  if (o.split == 0) {
+    pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys);
+    if (pl->nsplit > 1)
+      return 0;
+  }
+  if (o.split != 2 && b->nitems <= kFlatMaxItems &&
+      b->nitems <= with_types<ItemsF>(s->head_dim, s->dtype, s->kv, pl->tr)) {
+    // CTAs: one full wave, fewer when the keys are too few for every CTA to
+    // get min_chunks (the bound counts every item at the longest context).
+    const long chunks_max = (long)b->nitems * s->kv_heads * ((b->max_kv_len + kDecKeys - 1) / kDecKeys + 1);
+    const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 8;
+    long c = chunks_max / min_chunks;
+    if (c > slots)
+      c = slots;
+    if (c < 1)
+      c = 1;
+    while (c > 1 && flat_workspace_bytes((int)c, max_vec, s->head_dim, b->nitems) > ws_bytes)
+      c = c * 3 / 4;
+    if (c > 1 || o.split == 1) {
+      pl->flat = 1;
+      pl->nctas = (int)c;
+      return 0;
+    }
+  }
+  pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys);
+  return 0;
+}
+
+int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, size_t ws_bytes,
+                  const attnd_cuda_opts_t &o, cudaStream_t st) {
+  DecodePlan pl;
+  plan_decode(s, b, ws_bytes, o, &pl);
+  DecodeParams p;
+  p.items = b->items;
+  p.meta = b->meta;
+  p.q = b->q;
+  p.out = b->out;
+  p.lse = b->lse;
+  p.cache = b->cache;
+  p.block_bytes = b->block_bytes;
+  p.k_scale = b->k_scale;
+  p.v_scale = b->v_scale;
+  p.k_zero = b->k_zero;
+  p.v_zero = b->v_zero;
+  p.ws = reinterpret_cast<float *>(ws);
+  p.nitems = b->nitems;
+  p.out_fp32 = b->out_fp32;
+  p.per_channel = b->scale_per_channel;
+  p.q_heads = s->q_heads;
+  p.kv_heads = s->kv_heads;
+  p.group = s->q_heads / s->kv_heads;
+  p.bs = s->block_size;
+  p.total_q = b->total_q;
+  p.max_vec = b->max_n * p.group;
+  p.scale_log2 = s->softmax_scale * 1.4426950408889634f;
+  p.flat = pl.flat;
+  p.nctas = pl.nctas;
+  p.nsplit = pl.nsplit;
+  p.split_keys = pl.split_keys;
+  p.debug = o.debug;
+  const bool pdl = !o.no_pdl;
+  dim3 grid = pl.flat ? dim3((unsigned)pl.nctas) : dim3((unsigned)(b->nitems * s->kv_heads), 1u, (unsigned)pl.nsplit);
+  cudaError_t e = with_types<RunF>(s->head_dim, s->dtype, s->kv, pl.tr, p, grid, pdl, st);
+  if (e != cudaSuccess)
+    return set_error(__FILE__, __LINE__, "decode_kernel launch", e);
+  if (pl.flat && pl.nctas > 1)
+    return launch_merge_flat(s, p, pdl, st);
+  if (!pl.flat && pl.nsplit > 1) {
+    const float *ws_o = p.ws, *ws_lse = p.ws + (size_t)pl.nsplit * b->total_q * s->q_heads * s->head_dim;
+    return launch_merge_split(s, b, ws_o, ws_lse, pl.nsplit, pdl, st);
+  }
+  return 0;
+}
+
+} // namespace attnd
+
+extern "C" size_t attnd_cuda_attend_workspace(const attnd_kshape_t *s, int32_t total_q) {
+  const size_t split = attnd::kMaxSplits * attnd::split_bytes_per_part(s, total_q);
+  // Flat split: two slots per CTA, at most 8 CTAs per SM.
+  const int G = s->q_heads / s->kv_heads;
+  const long mv = (long)total_q * G < attnd::kDecMaxVec ? (long)total_q * G : attnd::kDecMaxVec;
+  const size_t flat = attnd::flat_workspace_bytes(attnd::num_sms() * 8, (int)mv, s->head_dim, total_q);
+  return split > flat ? split : flat;
+}
