@@ -20,7 +20,7 @@
 #   attnd_pb2.py       generated from proto/attnd.proto (build/python/attnd_pb2.py)
 #   attnctl            optional (test_health's attnctl checks skip without it)
 #   libuv.so.1, libcmocka.so.0, libinih.so.1, libxxhash.so.0,
-#   libhttp_parser.so.2.9   next to the binaries (found via LD_LIBRARY_PATH)
+#   libhttp_parser.so.2.9, libjansson.so.4   next to the binaries (found via LD_LIBRARY_PATH)
 # The Python client (client/python), tests/e2e and the tiny Llama example come
 # from the checkout itself. The GPU machine's python3 must have numpy and
 # protobuf (it does: PyTorch 2.11, protobuf 7.36).
@@ -66,7 +66,7 @@ stage() {
   cp "$b/python/attnd_pb2.py" "$tmp/"
   # Libraries the GPU machine (Ubuntu 24.04, no libuv/cmocka/...) lacks; glibc,
   # libsystemd and its dependencies are there. Copied dereferenced, by soname.
-  for lib in libuv.so.1 libcmocka.so.0 libinih.so.1 libxxhash.so.0 libhttp_parser.so.2.9; do
+  for lib in libuv.so.1 libcmocka.so.0 libinih.so.1 libxxhash.so.0 libhttp_parser.so.2.9 libjansson.so.4; do
     cp -L "/usr/lib/x86_64-linux-gnu/$lib" "$tmp/$lib"
   done
   # Both binaries hold the same CUDA fatbin (~19 MB, compressed already): xz
