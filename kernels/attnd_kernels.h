@@ -83,6 +83,9 @@ typedef struct {
   double rope_theta;
   int32_t rotary_dim;       /* even, <= head_dim; 0 means head_dim */
   float softmax_scale;      /* > 0; the daemon defaults it to 1/sqrt(head_dim) */
+  float softcap;            /* logit soft-capping: scores become
+                             * softcap * tanh(softmax_scale * q.k / softcap) before
+                             * masking and the softmax; 0: none (docs/numerics.md) */
 } attnd_kshape_t;
 
 /* One session's part of a batch. All offsets are in rows or int32 elements. */
@@ -99,7 +102,17 @@ typedef struct {
                          * lts[j] <= p < lte[j] or uts[j] <= p < ute[j]. */
   int32_t block_table;  /* offset in meta of int32 [ceil(kv_len/block_size)]:
                          * logical block -> physical block in this layer's pool */
+  int32_t flags;        /* ATTND_ITEM_* bits */
 } attnd_kitem_t;
+
+/* attnd_kitem_t.flags */
+enum {
+  /* The layer's sink logits (attnd_kbatch_t.sinks) join this item's softmax
+   * denominators. Set for sessions whose first position is 0; a split-context
+   * part that starts later leaves it clear, so that merging the parts by lse
+   * counts each sink once (docs/numerics.md). */
+  ATTND_ITEM_SINK = 1,
+};
 
 /* One (layer, step). For the CPU backend every pointer is host memory; for the
  * CUDA backend every pointer (items and meta included) is device memory. */
@@ -127,6 +140,14 @@ typedef struct {
   const float *k_zero;
   const float *v_zero;
   int32_t scale_per_channel;   /* 1: scales are [kv_heads][head_dim] */
+  /* Per-layer attention variants (docs/numerics.md). */
+  int32_t window;              /* sliding layer: row p sees keys j > p - window (and
+                                * what the item's mask allows); 0: full layer */
+  const float *sinks;          /* [q_heads] fp32 sink logits, in the units of the
+                                * scaled (and capped) scores; NULL: none. Used by
+                                * items with ATTND_ITEM_SINK: the denominator gains
+                                * exp(sink), lse = log(sum_j exp(s_j) + exp(sink)),
+                                * a fully masked row gives out 0 and lse = sink. */
 } attnd_kbatch_t;
 
 /* Bytes of one block in one layer (K, V and, for dynamic types, their scales). */
