@@ -9,7 +9,7 @@
 #                          linked statically, see scripts/dev/README.md; a CPU-only
 #                          build runs the CPU half and the CUDA half is skipped)
 #         lib*.so*         the daemon's libraries that Ubuntu 24.04 lacks (libuv,
-#                          libinih, libxxhash, libhttp_parser; libcudart if linked
+#                          libinih, libxxhash, libhttp_parser, libjansson; libcudart if linked
 #                          dynamically), used by the daemon only
 #         attnd_pb2.py     from BUILD/python (protoc 3.21 output loads under protobuf 7)
 #       The Python client itself comes from client/python in the working tree.
@@ -33,7 +33,7 @@ stage)
   rm -rf "$dir" && mkdir -p "$dir"
   cp "$build/daemon/attnd" "$build/python/attnd_pb2.py" "$dir/"
   ldd "$build/daemon/attnd" | awk '$3 ~ /^\// {print $3}' |
-    grep -E '/lib(uv|inih|xxhash|http_parser|cudart)\.so' | while read -r lib; do
+    grep -E '/lib(uv|inih|xxhash|http_parser|jansson|cudart)\.so' | while read -r lib; do
       cp -L "$lib" "$dir/$(basename "$lib")"
     done
   ls -la "$dir" && du -sh "$dir"
