@@ -18,6 +18,7 @@
 #   attnd              the daemon, built with CUDA (arch 90a, static cudart)
 #   test_backend_cuda  tests/test_backend_cuda.c (same build)
 #   attnd_pb2.py       generated from proto/attnd.proto (build/python/attnd_pb2.py)
+#   attnd_version.py   the client package's version (build/python/attnd_version.py)
 #   attnctl            optional (test_health's attnctl checks skip without it)
 #   libuv.so.1, libcmocka.so.0, libinih.so.1, libxxhash.so.0,
 #   libhttp_parser.so.2.9, libjansson.so.4   next to the binaries (found via LD_LIBRARY_PATH)
@@ -63,7 +64,7 @@ stage() {
   for f in daemon/attnd client/attnctl tests/test_backend_cuda; do
     cp "$b/$f" "$tmp/" && strip --strip-debug "$tmp/$(basename "$f")"
   done
-  cp "$b/python/attnd_pb2.py" "$tmp/"
+  cp "$b/python/attnd_pb2.py" "$b/python/attnd_version.py" "$tmp/"
   # Libraries the GPU machine (Ubuntu 24.04, no libuv/cmocka/...) lacks; glibc,
   # libsystemd and its dependencies are there. Copied dereferenced, by soname.
   for lib in libuv.so.1 libcmocka.so.0 libinih.so.1 libxxhash.so.0 libhttp_parser.so.2.9 libjansson.so.4; do
@@ -158,6 +159,9 @@ py=${PYTHON:-python3} # the GPU machine's python3 has numpy and protobuf
 pydir=$out/py
 mkdir -p "$pydir"
 [ -n "$pb2" ] && cp "$pb2" "$pydir/"
+# The client package reads its version from attnd_version.py beside attnd_pb2.py.
+ver=$(find_file attnd_version.py || true)
+[ -n "$ver" ] && cp "$ver" "$pydir/"
 export PYTHONPATH=$pydir:$here/client/python:$here/tests/e2e${PYTHONPATH:+:$PYTHONPATH}
 
 # ---- 1. the machine and the binaries ----------------------------------------

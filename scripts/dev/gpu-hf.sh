@@ -12,6 +12,7 @@
 #                          libinih, libxxhash, libhttp_parser, libjansson; libcudart if linked
 #                          dynamically), used by the daemon only
 #         attnd_pb2.py     from BUILD/python (protoc 3.21 output loads under protobuf 7)
+#         attnd_version.py from BUILD/python (the client package's version)
 #       The Python client itself comes from client/python in the working tree.
 #   scripts/dev/gpu-hf.sh run         (on the GPU machine, with build-gpu/hf/
 #       copied into the same checkout there): hf_llama.py (bf16 and fp32 weights) and the e2e module
@@ -31,7 +32,7 @@ stage)
   [ -x "$build/daemon/attnd" ] && [ -f "$build/python/attnd_pb2.py" ] ||
     cmake --build "$build" -j2 --target attnd attnd_proto_py
   rm -rf "$dir" && mkdir -p "$dir"
-  cp "$build/daemon/attnd" "$build/python/attnd_pb2.py" "$dir/"
+  cp "$build/daemon/attnd" "$build/python/attnd_pb2.py" "$build/python/attnd_version.py" "$dir/"
   ldd "$build/daemon/attnd" | awk '$3 ~ /^\// {print $3}' |
     grep -E '/lib(uv|inih|xxhash|http_parser|jansson|cudart)\.so' | while read -r lib; do
       cp -L "$lib" "$dir/$(basename "$lib")"
