@@ -61,8 +61,9 @@ extern double g_ab_worst, g_ab_worst_short;
 
 int harness_rnd(int n);
 double harness_bound(attnd_kv_type_t kv); /* the error bound of a cache type (docs/numerics.md) */
-/* Floor of the CPU-ratio check: rounding of the activation dtype's outputs. */
-double harness_ratio_floor(attnd_dtype_t dt);
+/* Floor of the CPU-ratio check: the roundings of P and of the outputs the
+ * CUDA kernels make and the CPU backend does not (P in bf16 or fp16). */
+double harness_ratio_floor(attnd_dtype_t dt, attnd_kv_type_t kv);
 
 /* Runs one case; fails the test (cmocka fail_msg) on a bound, lse, masked-row
  * or prefix-hit violation. The CPU ratio is only recorded in res. */
