@@ -16,8 +16,9 @@
    library only to lower layers' libraries. (The build enforces the same:
    each library's include path holds only the public headers below it.)
 3. The project stands alone: no tracked file refers to the development
-   machines (`/work/`, `../shared`), to documents outside the project
-   (DESIGN.md, STYLE.md, GPU.md), to "the issue" or to the device tool.
+   machines' paths, to requirement documents kept outside the project, to an
+   issue tracker or to the machines' tools (the patterns are in FORBIDDEN,
+   spelled in pieces so that this file does not match them itself).
 
 Run by hand: /usr/bin/python3 tests/test_layout.py [SOURCE_DIR]
 """
@@ -37,27 +38,14 @@ EXTERNAL = {"attnd_kernels.h", "attnd_cuda.h", "cuda_sticky.h", "attnd.pb.h"}
 # Headers generated at build time into one layer's private include path.
 GENERATED = {"config": {"options_gen.h"}}
 
+# Each pattern is written in pieces: this file must pass its own check.
 FORBIDDEN = [
-    (re.compile(r"/work/"), "a development machine's path"),
-    (re.compile(r"\.\./shared"), "a path outside the project"),
-    (re.compile(r"\b(DESIGN|STYLE|GPU)\.md\b"), "a document outside the project"),
-    (re.compile(r"\bthe issue\b", re.IGNORECASE), "an issue tracker outside the project"),
-    (re.compile(r"\bdevice tool\b", re.IGNORECASE), "a development machine's tool"),
+    (re.compile("/" + "work/"), "a development machine's path"),
+    (re.compile(r"\.\./" + "shared"), "a path outside the project"),
+    (re.compile(r"\b(" + "DESIGN|STYLE|GPU" + r")\.md\b"), "a document outside the project"),
+    (re.compile(r"\bthe " + r"issue\b", re.IGNORECASE), "an issue tracker outside the project"),
+    (re.compile(r"\bdevice " + r"tool\b", re.IGNORECASE), "a development machine's tool"),
 ]
-
-# Files that other engineers are cleaning of outside references in parallel
-# (their areas: kernels/, client/, deploy/, bench/, docs/). Each entry goes
-# when its owner's change lands; nothing may be added here.
-PENDING_OWNERS = {
-    "client/attnclient.c",
-    "client/attnclient.h",
-    "client/attnctl.c",
-    "client/python/attnd/client.py",
-    "client/python/attnd/errors.py",
-    "client/python/examples/tiny_llama.py",
-    "deploy/attnd.service",
-    "deploy/attnd@.service",
-}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
@@ -152,8 +140,6 @@ def check_links(root, errors):
 
 def check_references(root, files, errors):
     for p in files:
-        if p in PENDING_OWNERS or p == "tests/test_layout.py":
-            continue
         full = os.path.join(root, p)
         if not os.path.isfile(full):
             continue
