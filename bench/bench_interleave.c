@@ -1,10 +1,13 @@
 /* bench_interleave.c: how long one session's decode step takes on a layer
- * while another session's long prefill runs on the same layer (CPU backend,
- * through the engine; bench/README.md).
+ * while another session's long prefill runs on the same layer (through the
+ * engine; bench/README.md).
  *
- *   bench_interleave [PREFILL [CTX [THREADS [CHUNK_KEYS [QH KVH]]]]]
+ *   bench_interleave [PREFILL [CTX [THREADS [CHUNK_KEYS [QH KVH [BACKEND]]]]]]
  *
- * defaults 16384 1024 2 16384 8 2 (head_dim 128, block 64, bf16, one layer).
+ * defaults 16384 1024 2 16384 8 2 cpu (head_dim 128, block 64, bf16, one
+ * layer); BACKEND cuda runs the same on device 0 (THREADS is then ignored:
+ * the chunks run one after another on the layer's stream, small steps on its
+ * priority twin).
  * Session B is prefilled to CTX tokens; its idle decode latency is the median
  * of 20 decode steps with nothing else running. Then session A's PREFILL-token
  * prefill is submitted as one Step, and B decodes step after step (each sent
@@ -107,6 +110,11 @@ int main(int argc, char **argv) {
   int threads = argc > 3 ? atoi(argv[3]) : 2;
   uint64_t chunk_keys = argc > 4 ? strtoull(argv[4], NULL, 0) : 16384;
   int qh = argc > 5 ? atoi(argv[5]) : 8, kvh = argc > 6 ? atoi(argv[6]) : 2, hd = 128;
+  const int cuda = argc > 7 && strcmp(argv[7], "cuda") == 0;
+  if (argc > 7 && !cuda && strcmp(argv[7], "cpu") != 0) {
+    fprintf(stderr, "backend must be cpu or cuda, not %s\n", argv[7]);
+    return 2;
+  }
   uv_loop_t loop;
   uv_loop_init(&loop);
   attnd_config_t cfg;
@@ -123,7 +131,7 @@ int main(int argc, char **argv) {
                       .softmax_scale = 0.08838834764831845f};
   cfg.shape = s;
   cfg.layers = 1;
-  cfg.backend = ATTND_BACKEND_CPU;
+  cfg.backend = cuda ? ATTND_BACKEND_CUDA : ATTND_BACKEND_CPU;
   cfg.max_context = prefill + ctxlen + MAXDEC + 64;
   uint64_t blocks = (uint64_t)(prefill + ctxlen + MAXDEC + 200) / 64 + 8;
   cfg.kv_memory = blocks * attnd_kv_block_bytes(&s);
@@ -207,23 +215,34 @@ int main(int argc, char **argv) {
   }
   biggest = acc > biggest ? acc : biggest;
   chunks++;
-  double chunk_ms = pre_ms * threads * biggest / total;
+  const int lanes = cuda ? 1 : threads;
+  double chunk_ms = pre_ms * lanes * biggest / total;
   double idle_ms = (double)idle[IDLE / 2] / 1e6;
   double med_ms = nd ? (double)dec[nd / 2] / 1e6 : 0, max_ms = nd ? (double)dec[nd - 1] / 1e6 : 0;
   double p90_ms = nd ? (double)dec[nd * 9 / 10] / 1e6 : 0;
-  printf("shape %d q / %d kv heads, d %d, %d threads, chunk-keys %llu\n", qh, kvh, hd, threads,
-         (unsigned long long)chunk_keys);
+  printf("%s backend, shape %d q / %d kv heads, d %d, %d threads, chunk-keys %llu\n",
+         cuda ? "cuda" : "cpu", qh, kvh, hd, lanes, (unsigned long long)chunk_keys);
   printf("idle decode at ctx %d: median %.3f ms\n", ctxlen, idle_ms);
+  if (cuda) {
+    /* The CUDA backend does not cut the step: it runs as one launch per phase
+     * on the layer's stream and the decodes go to the priority twin, whose
+     * thread blocks the GPU schedules ahead of the prefill's waiting ones. A
+     * decode then waits at most for some running blocks to end: the target
+     * keeps 2 x idle and takes no chunk. */
+    chunks = 1;
+    chunk_ms = 0;
+  }
   printf("prefill of %d tokens: %.1f ms (%.0f chunks, the largest about %.2f ms)\n", prefill,
          pre_ms, chunks, chunk_ms);
   printf("decode during the prefill: %d steps, median %.3f ms, p90 %.3f ms, max %.3f ms (target 2 "
          "x idle + one chunk = %.3f ms)\n",
          nd, med_ms, p90_ms, max_ms, 2 * idle_ms + chunk_ms);
-  printf("{\"prefill\": %d, \"ctx\": %d, \"threads\": %d, \"chunk_keys\": %llu, \"q_heads\": %d, "
+  printf("{\"backend\": \"%s\", \"prefill\": %d, \"ctx\": %d, \"threads\": %d, \"chunk_keys\": %llu, \"q_heads\": %d, "
          "\"kv_heads\": %d, \"idle_ms\": %.4f, \"prefill_ms\": %.2f, \"chunk_ms\": %.3f, "
          "\"decodes\": %d, \"during_median_ms\": %.4f, \"during_p90_ms\": %.4f, \"during_max_ms\": "
          "%.4f}\n",
-         prefill, ctxlen, threads, (unsigned long long)chunk_keys, qh, kvh, idle_ms, pre_ms,
+         cuda ? "cuda" : "cpu", prefill, ctxlen, lanes, (unsigned long long)chunk_keys, qh, kvh,
+         idle_ms, pre_ms,
          chunk_ms, nd, med_ms, p90_ms, max_ms);
   int closed = 0;
   attnd_engine_close(e, closed_cb, &closed);

@@ -40,7 +40,8 @@
 #   7. the default Llama-3-8B-like shape (32 layers, 32/8 heads, d 128) with
 #      --kv-memory 0 (90% of free memory): prefill and pipelined decode through
 #      all layers, layers 0 and 31 checked against the numpy reference, timings;
-#      then the same with --kv-cache int8_dynamic (looser check: quantized).
+#      then the same with --kv-cache int8_dynamic (looser check: quantized);
+#   8. bench_interleave on CUDA: a decode's latency beside a 32k prefill.
 # It always ends with one line:
 #   GPU-E2E SUMMARY: pass=N fail=M skip=K | step=result ...
 # and exits 0 only when no step failed and at least one passed. GPU_E2E_BUDGET (seconds, default 540)
@@ -55,13 +56,13 @@ stage() {
   if [ "${GPU_E2E_NO_BUILD:-0}" != 1 ]; then
     cmake -S "$here" -B "$b" -DPython3_EXECUTABLE=/usr/bin/python3 \
       -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-    cmake --build "$b" -j2 --target attnd attnctl test_backend_cuda attnd_proto_py
+    cmake --build "$b" -j2 --target attnd attnctl test_backend_cuda bench_interleave attnd_proto_py
   fi
   mkdir -p "$st"
   local tmp
   tmp=$(mktemp -d)
   local f
-  for f in daemon/attnd client/attnctl tests/test_backend_cuda; do
+  for f in daemon/attnd client/attnctl tests/test_backend_cuda bench/bench_interleave; do
     cp "$b/$f" "$tmp/" && strip --strip-debug "$tmp/$(basename "$f")"
   done
   cp "$b/python/attnd_pb2.py" "$b/python/attnd_version.py" "$tmp/"
@@ -432,6 +433,20 @@ for kv in bf16 int8_dynamic; do
     record "default_shape_$kv" 1
   fi
 done
+
+# ---- 8. a decode beside a long prefill on the same layer ----------------------
+# bench_interleave on the CUDA backend (32/8 heads, d 128, one layer): a 32k
+# prefill and a decode at 1024 on another session; the decode's latency
+# during the prefill against twice its idle latency (docs/sessions.md section 5).
+ibin=$(find_file bench_interleave || true)
+if [ -n "$ibin" ] && time_left 60; then
+  timeout 60 "$ibin" 32768 1024 1 16384 32 8 cuda >"$out/interleave.log" 2>&1
+  rc=$?
+  tail -4 "$out/interleave.log"
+  record interleave $rc
+else
+  record interleave 77
+fi
 
 # Nothing passed (no device, nothing found) is a failure too.
 [ $nfail = 0 ] && [ $npass -gt 0 ]
