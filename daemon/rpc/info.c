@@ -39,6 +39,9 @@ static void fill_shape(attnd_rpc_t *r, attnd_v1_ModelShape *m) {
   m->rotary_dim = (uint32_t)s->rotary_dim;
   m->softmax_scale = s->softmax_scale;
   m->max_context = (uint32_t)cfg->max_context;
+  m->softcap = s->softcap;
+  attnd_config_windows_text(cfg, m->attention_windows, sizeof(m->attention_windows));
+  m->attention_sinks = cfg->attention_sinks != 0;
   snprintf(m->model_id, sizeof(m->model_id), "%s", cfg->model_id);
   /* All layers, K and V, scales included; rounded up to whole bytes. */
   double per = attnd_kv_bytes_per_token(s) * (double)cfg->layers;

@@ -186,8 +186,7 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
   /* The engine tells a step's kind, whichever connection made its plan. */
   if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP) {
     const int kind = res->decode ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL;
-    attnd_hist_add(&r->counters.step_latency[kind],
-                   (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);
+    attnd_hist_add(&r->counters.step_latency[kind], (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);
     attnd_hist_add(&r->counters.step_queue[kind], (double)res->queued_us);
   }
   if (q->close_after)
