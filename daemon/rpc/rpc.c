@@ -256,7 +256,7 @@ static int walk_request(const uint8_t *frame, size_t len, uint64_t *id, uint32_t
     if (tag == attnd_v1_Request_id_tag) {
       if (wt != PB_WT_VARINT || !pb_decode_varint(&s, id))
         return -1;
-    } else if (tag >= attnd_v1_Request_hello_tag && tag <= attnd_v1_Request_list_sessions_tag) {
+    } else if (tag >= attnd_v1_Request_hello_tag && tag <= attnd_v1_Request_set_sinks_tag) {
       if (wt != PB_WT_STRING || !pb_decode_varint32(&s, call_len) || *call_len > s.bytes_left)
         return -1;
       *call_tag = tag;
