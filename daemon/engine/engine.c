@@ -244,6 +244,9 @@ void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st) {
   st->blocks_used = attnd_blocks_used(&e->pool);
   st->blocks_cached = e->pool.nlru;
   st->queued = e->nqueued;
+  st->sinks_set = 0;
+  for (int l = 0; e->sk.enabled && l < e->layers; l++)
+    st->sinks_set += e->sk.l[l].present ? 1u : 0u;
 }
 
 uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_session_info_t *out,

@@ -124,6 +124,7 @@ typedef struct {
   uint64_t evictions, cow_copies;
   uint64_t steps, prefill_steps, decode_steps, tokens_written;
   uint32_t queued; /* gauge: calls waiting for admission behind a large step's scan */
+  uint32_t sinks_set; /* layers whose sinks are set (attention-sinks on) */
 } attnd_engine_stats_t;
 
 typedef struct {

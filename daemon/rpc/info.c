@@ -124,6 +124,9 @@ void attnd_rpc_encode_stats(attnd_rpc_req_t *q, const attnd_result_t *res,
       (uint64_t)(attnd_kv_bytes_per_token(&r->cfg->shape) * (double)r->cfg->layers + 0.999999);
   s->uptime_s = (attnd_rpc_now_ns() - r->start_ns) / 1000000000ull;
   s->admission_queued = es.queued;
+  for (int l = 0; l < r->cfg->layers; l++)
+    s->sliding_layers += attnd_config_layer_window(r->cfg, l) > 0 ? 1u : 0u;
+  s->sinks_set_layers = es.sinks_set;
 }
 
 void attnd_rpc_call_list_sessions(attnd_rpc_req_t *q) {

@@ -86,7 +86,9 @@ class VariantsTest(unittest.TestCase):
             sinks = [rng.uniform(-1.0, 2.0, qh).astype(np.float32) for _ in range(m.layers)]
             sinks[1][0] = 30.0
             sinks[1][-1] = -1e4
+            self.assertEqual((c.stats().sliding_layers, c.stats().sinks_set_layers), (1, 0))
             versions = [c.set_sinks(layer, sinks[layer]) for layer in range(m.layers)]
+            self.assertEqual(c.stats().sinks_set_layers, m.layers)
             self.assertEqual(versions, sorted(versions))
             self.assertEqual(len(set(versions)), len(versions))
             bound = tolerance.ENGINE_LSE
