@@ -432,6 +432,7 @@ static void test_sinks_window_softcap(void **state) {
   destroy_and_close(&loop, plain);
   destroy_and_close(&loop, gpu);
   destroy_and_close(&loop, cpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
 }
 
 static void test_many_layers_in_flight(void **state) {
