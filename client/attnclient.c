@@ -704,6 +704,22 @@ int attnd_client_set_scales(attnd_client_t *c, uint32_t layer, const float *k_sc
   return rc;
 }
 
+int attnd_client_set_sinks(attnd_client_t *c, uint32_t layer, const float *sinks, uint32_t q_heads,
+                           uint64_t *version) {
+  attnd_v1_Request req = attnd_v1_Request_init_zero;
+  attnd_client_resp_t r;
+  bytes_arg_t b;
+  req.which_call = attnd_v1_Request_set_sinks_tag;
+  attnd_v1_SetSinksRequest *s = &req.call.set_sinks;
+  s->layer = layer;
+  set_f32(&s->sinks, &s->has_sinks, &b, sinks, q_heads, 0);
+  int rc = attnd_client_call(c, &req, &r);
+  if (rc == 0 && (rc = expect(c, &r, attnd_v1_Response_set_sinks_tag)) == 0 && version)
+    *version = r.msg.result.set_sinks.version;
+  attnd_client_resp_free(&r);
+  return rc;
+}
+
 int attnd_client_plan(attnd_client_t *c, const attnd_client_item_t *items, size_t nitems,
                       uint64_t *plan) {
   attnd_v1_Request req = attnd_v1_Request_init_zero;

@@ -111,6 +111,10 @@ int attnd_client_truncate(attnd_client_t *c, uint64_t session, uint32_t len);
 int attnd_client_set_scales(attnd_client_t *c, uint32_t layer, const float *k_scale,
                             const float *v_scale, const float *k_zero, const float *v_zero,
                             uint32_t kv_heads, uint32_t dim, int drop_cached_kv, uint64_t *version);
+/* Sets a layer's attention sink logits: fp32 [q_heads] (docs/protocol.md,
+ * SetSinks). The new version goes to *version (may be NULL). */
+int attnd_client_set_sinks(attnd_client_t *c, uint32_t layer, const float *sinks, uint32_t q_heads,
+                           uint64_t *version);
 
 /* One item of a Plan or an inline Step, causal mask. tokens has n entries
  * (may be NULL: no token ids are sent). */

@@ -28,6 +28,7 @@ static const char *const usage_main =
     "  sessions   this identity's sessions (ListSessions)\n"
     "  config     the model shape and limits the daemon serves\n"
     "  bench      closed-loop load: prefill, then decode steps with random bf16 data\n"
+    "  set-sinks  set one layer's attention sink logits (operator token; SetSinks)\n"
     "\n"
     "options:\n"
     "  --socket PATH      Unix socket of the daemon\n"
@@ -79,6 +80,13 @@ static const char *const usage_bench =
     "  --lse         ask for the log-sum-exp output too\n"
     "  --seed N      prompts and data (default 1); the same seed hits the prefix cache\n";
 
+static const char *const usage_set_sinks =
+    "usage: attnctl [global options] set-sinks --layer N --sinks X1,X2,...\n"
+    "Sets layer N's attention sink logits, one finite number per q head (daemons started\n"
+    "with attention-sinks; an operator token). Prints the new version.\n"
+    "  --layer N        the layer (0-based)\n"
+    "  --sinks LIST     q_heads comma-separated logits, in the units of the scaled scores\n";
+
 /* Long-only options get ids from 256; each also names a bit of opt_mask(). */
 enum {
   OPT_SOCKET = 256,
@@ -94,6 +102,8 @@ enum {
   OPT_INLINE,
   OPT_LSE,
   OPT_SEED,
+  OPT_LAYER,
+  OPT_SINKS,
 };
 #define OPT_BIT(id) (1u << ((id)-OPT_SOCKET))
 #define OPTS_GLOBAL                                                                                \
@@ -102,6 +112,7 @@ enum {
 #define OPTS_BENCH                                                                                 \
   (OPT_BIT(OPT_SESSIONS) | OPT_BIT(OPT_PROMPT) | OPT_BIT(OPT_STEPS) | OPT_BIT(OPT_DEPTH) |         \
    OPT_BIT(OPT_INLINE) | OPT_BIT(OPT_LSE) | OPT_BIT(OPT_SEED))
+#define OPTS_SINKS (OPT_BIT(OPT_LAYER) | OPT_BIT(OPT_SINKS))
 
 static const struct option long_options[] = {
     {"socket", required_argument, NULL, OPT_SOCKET},
@@ -117,6 +128,8 @@ static const struct option long_options[] = {
     {"inline", no_argument, NULL, OPT_INLINE},
     {"lse", no_argument, NULL, OPT_LSE},
     {"seed", required_argument, NULL, OPT_SEED},
+    {"layer", required_argument, NULL, OPT_LAYER},
+    {"sinks", required_argument, NULL, OPT_SINKS},
     {"help", no_argument, NULL, 'h'},
     {"version", no_argument, NULL, 'V'},
     {NULL, 0, NULL, 0},
@@ -137,6 +150,7 @@ static const command_t commands[] = {
     {"sessions", attnctl_cmd_sessions, NULL, usage_sessions, 0},
     {"config", attnctl_cmd_config, NULL, usage_config, 0},
     {"bench", attnctl_cmd_bench, NULL, usage_bench, OPTS_BENCH},
+    {"set-sinks", attnctl_cmd_set_sinks, NULL, usage_set_sinks, OPTS_SINKS},
 };
 
 static int usage_error(const char *fmt, const char *arg) {
@@ -239,6 +253,13 @@ static int parse_args(int argc, char **argv, attnctl_opts_t *o, const command_t 
     case OPT_LSE:
       o->want_lse = 1;
       break;
+    case OPT_LAYER:
+      if (parse_int(optarg, 0, &o->layer))
+        return usage_error("--layer wants an integer >= 0, not '%s'", optarg);
+      break;
+    case OPT_SINKS:
+      o->sinks = optarg;
+      break;
     case OPT_SEED: {
       int s;
       if (parse_int(optarg, 0, &s))
@@ -304,6 +325,8 @@ static int parse_args(int argc, char **argv, attnctl_opts_t *o, const command_t 
               option_name(id), cmd->name);
       return ATTNCTL_USAGE;
     }
+  if (cmd->opts == OPTS_SINKS && (given & OPTS_SINKS) != OPTS_SINKS)
+    return usage_error("%s", "set-sinks needs --layer and --sinks");
   if ((given & OPT_BIT(OPT_COUNT)) && !(given & OPT_BIT(OPT_WATCH)))
     return usage_error("%s", "--count needs --watch");
   if (socket_path && tcp)

@@ -32,6 +32,9 @@ typedef struct {
   int use_plan;
   int want_lse;
   unsigned seed;
+  /* set-sinks */
+  int layer;
+  const char *sinks; /* comma-separated logits */
 } attnctl_opts_t;
 
 /* ---- attnctl_out.c ---- */
@@ -62,6 +65,7 @@ int attnctl_cmd_config(attnd_client_t *c, const attnctl_opts_t *o);
 int attnctl_cmd_stats(attnd_client_t *c, const attnctl_opts_t *o);
 int attnctl_cmd_sessions(attnd_client_t *c, const attnctl_opts_t *o);
 int attnctl_cmd_bench(attnd_client_t *c, const attnctl_opts_t *o);
+int attnctl_cmd_set_sinks(attnd_client_t *c, const attnctl_opts_t *o);
 
 /* --watch for health and stats: samples every o->watch seconds until
  * interrupted or o->watch_count samples. *cp is the connection (NULL when the

@@ -1,5 +1,7 @@
 /* attnctl_cmds.c: the health, config, stats and sessions commands, and --watch. */
+#include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,6 +87,9 @@ int attnctl_cmd_config(attnd_client_t *c, const attnctl_opts_t *o) {
     attnctl_json_kf("rope_theta", m->rope_theta, &f);
     attnctl_json_ku("rotary_dim", m->rotary_dim, &f);
     attnctl_json_kf("softmax_scale", m->softmax_scale, &f);
+    attnctl_json_kf("softcap", m->softcap, &f);
+    attnctl_json_kstr("attention_windows", m->attention_windows, &f);
+    attnctl_json_ku("attention_sinks", m->attention_sinks, &f);
     attnctl_json_ku("max_context", m->max_context, &f);
     attnctl_json_kstr("model_id", m->model_id, &f);
     attnctl_json_ku("kv_bytes_per_token", m->kv_bytes_per_token, &f);
@@ -108,6 +113,10 @@ int attnctl_cmd_config(attnd_client_t *c, const attnctl_opts_t *o) {
   printf("  %-20s %g\n", "rope_theta", m->rope_theta);
   printf("  %-20s %u\n", "rotary_dim", m->rotary_dim);
   printf("  %-20s %g\n", "softmax_scale", m->softmax_scale);
+  printf("  %-20s %g\n", "softcap", m->softcap);
+  printf("  %-20s %s\n", "attention_windows",
+         *m->attention_windows ? m->attention_windows : "none");
+  printf("  %-20s %s\n", "attention_sinks", m->attention_sinks ? "on" : "off");
   printf("kv cache\n");
   printf("  %-20s %s\n", "kv_cache", m->kv_cache);
   printf("  %-20s %u\n", "block_size", m->block_size);
@@ -118,6 +127,42 @@ int attnctl_cmd_config(attnd_client_t *c, const attnctl_opts_t *o) {
   printf("limits\n");
   printf("  %-20s %u\n", "max_context", m->max_context);
   printf("  %-20s %s\n", "backend", h.backend);
+  return ATTNCTL_OK;
+}
+
+/* ---- set-sinks ---- */
+
+int attnctl_cmd_set_sinks(attnd_client_t *c, const attnctl_opts_t *o) {
+  /* One logit per q head: at most the 1024 q heads a daemon may have. */
+  float v[1024];
+  uint32_t n = 0;
+  const char *p = o->sinks;
+  for (;;) {
+    char *end;
+    errno = 0;
+    double x = strtod(p, &end);
+    if (end == p || errno || !isfinite(x) || n == 1024 || (*end && *end != ',')) {
+      fprintf(stderr, "attnctl: --sinks '%s': expected comma-separated finite numbers\n", o->sinks);
+      return ATTNCTL_USAGE;
+    }
+    v[n++] = (float)x;
+    if (!*end)
+      break;
+    p = end + 1;
+  }
+  uint64_t version = 0;
+  int rc = attnd_client_set_sinks(c, (uint32_t)o->layer, v, n, &version);
+  if (rc)
+    return attnctl_report(c, rc, "set-sinks");
+  if (o->json) {
+    int f = 1;
+    printf("{");
+    attnctl_json_ku("layer", (uint64_t)o->layer, &f);
+    attnctl_json_ku("version", version, &f);
+    printf("}\n");
+  } else {
+    printf("layer %d: sinks set, version %" PRIu64 "\n", o->layer, version);
+  }
   return ATTNCTL_OK;
 }
 

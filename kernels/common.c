@@ -1,4 +1,5 @@
 /* common.c: facts about shapes and cache types shared by both backends. */
+#include <math.h>
 #include <string.h>
 
 #include "attnd_kernels.h"
@@ -69,6 +70,8 @@ int attnd_kshape_check(const attnd_kshape_t *s) {
   if (s->rotary_dim < 0 || s->rotary_dim > s->head_dim || (s->rotary_dim & 1))
     return -1;
   if (!(s->softmax_scale > 0.0f))
+    return -1;
+  if (!(s->softcap >= 0.0f) || isinf(s->softcap)) /* 0: none; NaN fails the first test */
     return -1;
   if (s->rope != ATTND_ROPE_NONE && !(s->rope_theta > 0.0))
     return -1;

@@ -25,6 +25,8 @@ endfunction()
 
 attnd_add_e2e(e2e_client_fake test_client_fake)
 attnd_add_e2e(e2e_health test_health)
+# Per-layer windows, soft-capping and sinks against the numpy reference; SetSinks.
+attnd_add_e2e(e2e_variants test_variants)
 attnd_add_e2e(e2e_sessions test_sessions)
 attnd_add_e2e(e2e_systemd test_systemd)
 attnd_add_e2e(e2e_package test_package)

@@ -10,7 +10,8 @@ if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/test_kernels_cpu.c)
   # CPU models), and the dispatched build never executes it on a modern machine.
   file(GLOB ATTND_KCPU_TEST_SRC CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/*.c
        ${PROJECT_SOURCE_DIR}/kernels/cpu/*.c)
-  foreach(t test_kernels_cpu test_kernels_cpu_bounds test_kernels_cpu_numeric)
+  foreach(t test_kernels_cpu test_kernels_cpu_bounds test_kernels_cpu_numeric
+            test_kernels_cpu_variants)
     attnd_add_test(${t} SOURCES ${t}.c kernels_fixture.c
                    LIBS attnd_kernels_cpu attnd_oracle Threads::Threads TIMEOUT 300)
     attnd_add_test(${t}_baseline SOURCES ${t}.c kernels_fixture.c ${ATTND_KCPU_TEST_SRC}

@@ -82,6 +82,7 @@ void env_init(env_t *e, int D, int bs, int kvh, int group, attnd_dtype_t dt, att
 }
 
 void env_free(env_t *e) {
+  free(e->sinks);
   free(e->k_row);
   free(e->cache);
   free(e->free_ids);
@@ -280,7 +281,8 @@ double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
                             .mask_param = it->mask_param,
                             .causal = it->causal,
                             .intervals = -1,
-                            .block_table = m};
+                            .block_table = m,
+                            .flags = it->sink ? ATTND_ITEM_SINK : 0};
     int nbt = (kv_len + bs - 1) / bs;
     memcpy(meta + m, it->se->table, sizeof(int32_t) * (size_t)nbt);
     m += nbt;
@@ -311,7 +313,9 @@ double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
                       .v_scale = e->vs,
                       .k_zero = e->kz,
                       .v_zero = e->vz,
-                      .scale_per_channel = e->per_channel};
+                      .scale_per_channel = e->per_channel,
+                      .window = e->window,
+                      .sinks = e->sinks};
 
   /* Parts run in reverse order: none may depend on another having run. */
   int np = opt.nparts_write ? opt.nparts_write : 1 + rnd(4);
@@ -397,8 +401,9 @@ double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
       size_t cnt = (size_t)it->n * QH * D;
       double *ref = malloc(sizeof(double) * cnt);
       double *rlse = malloc(sizeof(double) * (size_t)it->n * QH);
-      oracle_session_attend(s, &it->se->o, it->start, it->n, q_raw + (size_t)qrow * QH * D,
-                            it->mask_kind, it->mask_param, it->causal, it->iv, ref, rlse);
+      oracle_session_attend_ex(s, &it->se->o, it->start, it->n, q_raw + (size_t)qrow * QH * D,
+                               it->mask_kind, it->mask_param, it->causal, it->iv, e->window,
+                               it->sink ? e->sinks : NULL, ref, rlse);
       const uint8_t *got = out + osz * (size_t)qrow * QH * D;
       for (size_t j = 0; j < cnt; j++) {
         double g = oracle_from_dtype(odt, got, j);
@@ -415,13 +420,19 @@ double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
       if (opt.out_fp32 && err > g_maxerr32[s->kv])
         g_maxerr32[s->kv] = err;
       g_items[s->kv]++;
-      /* Fully masked rows: exact zeros, lse -inf. */
+      /* Fully masked rows: exact zeros, lse -inf (with a sink: the sink, exactly). */
       for (int r = 0; r < it->n * QH; r++) {
         size_t o = (size_t)qrow * QH + r;
-        if (isinf(rlse[r])) {
+        int p = it->start + r / QH, dead = 1;
+        for (int j = 0; j < it->start + it->n && dead; j++)
+          dead = !oracle_visible(it->mask_kind, it->mask_param, it->causal, it->iv, e->window,
+                                 it->start + it->n, p, j);
+        if (dead) {
           for (int d = 0; d < D; d++)
             assert_true(oracle_from_dtype(odt, out, o * D + d) == 0.0);
-          if (opt.want_lse)
+          if (opt.want_lse && it->sink && e->sinks)
+            assert_true(lse[o] == e->sinks[r % QH]);
+          else if (opt.want_lse)
             assert_true(isinf(lse[o]) && lse[o] < 0);
         } else if (opt.want_lse) {
           double dl = fabs((double)lse[o] - rlse[r]);
@@ -430,6 +441,11 @@ double run_step(env_t *e, titem_t *items, int ni, run_opts_t opt) {
           g_maxlse[s->kv] = dl > g_maxlse[s->kv] ? dl : g_maxlse[s->kv];
         }
       }
+      if (it->got_out)
+        for (size_t j = 0; j < cnt; j++)
+          it->got_out[j] = (float)oracle_from_dtype(odt, got, j);
+      if (it->got_lse)
+        memcpy(it->got_lse, lse + (size_t)qrow * QH, sizeof(float) * (size_t)it->n * QH);
       free(ref);
       free(rlse);
     }

@@ -36,14 +36,17 @@ typedef struct {
   float *ks, *vs, *kz, *vz;
   int per_channel;
   oracle_scales_t osc;
-  double amp;     /* standard deviation of generated k and v */
-  double amp_q;   /* of generated q (env_init: 1) */
-  double amp_v;   /* of generated v; 0: amp */
-  double clip_qk; /* > 0: generated q and k are clamped to +-clip_qk, before rounding */
-  double clip_v;  /* > 0: generated v likewise */
-  int abs_qk;     /* 1: generated q and k are >= 0 */
-  int same_k;     /* 1: every generated k row (token) repeats the first one ever made */
+  double amp;      /* standard deviation of generated k and v */
+  double amp_q;    /* of generated q (env_init: 1) */
+  double amp_v;    /* of generated v; 0: amp */
+  double clip_qk;  /* > 0: generated q and k are clamped to +-clip_qk, before rounding */
+  double clip_v;   /* > 0: generated v likewise */
+  int abs_qk;      /* 1: generated q and k are >= 0 */
+  int same_k;      /* 1: every generated k row (token) repeats the first one ever made */
   uint16_t *k_row; /* that row, [kv_heads][head_dim] (env_free frees it) */
+  /* Per-layer variants (docs/numerics.md); the shape's softcap is s.softcap. */
+  int window;   /* attnd_kbatch_t.window: 0 full layer */
+  float *sinks; /* [q_heads] sink logits or NULL; items with .sink use them (env_free frees) */
 } env_t;
 
 typedef struct {
@@ -58,6 +61,11 @@ typedef struct {
   int mask_kind, mask_param, causal;
   int32_t *iv;   /* [4][start + n] or NULL */
   int zero_rows; /* dynamic types: every other token of kv head 0 is all zero */
+  int sink;      /* ATTND_ITEM_SINK */
+  /* Outputs of the last run_step, when the test asks (NULL: not kept):
+   * [n][q_heads][head_dim] and [n][q_heads], as the kernel wrote them (fp32
+   * output and lse are forced on for such items' step). */
+  float *got_out, *got_lse;
 } titem_t;
 
 typedef struct {

@@ -163,6 +163,16 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
   r.version = 5;
   finish(cb, arg, &r);
 }
+void attnd_engine_set_sinks(attnd_engine_t *e, const attnd_sinks_req_t *req,
+                            attnd_engine_done_cb cb, void *arg) {
+  attnd_result_t r;
+  memset(&r, 0, sizeof(r));
+  fe.sinks_calls++;
+  fe.sinks_layer = req->layer;
+  fe.sinks_bytes = req->sinks.nbytes;
+  r.version = 7;
+  finish(cb, arg, &r);
+}
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) {
   fe.closed_conn = conn;
 }

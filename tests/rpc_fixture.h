@@ -46,6 +46,9 @@ typedef struct {
   int step_in_frame;
   uint64_t last_identity;
   int scales_calls; /* SetScales calls that reached the engine */
+  int sinks_calls;  /* SetSinks calls that reached the engine, and the last one's */
+  uint32_t sinks_layer;
+  size_t sinks_bytes;
   uint64_t closed_conn;
   uint64_t next_plan;
   uint8_t echo[4096];

@@ -354,6 +354,87 @@ static void many_layers_in_flight(void) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* Per-layer variants through both backends: a SINKS job, then a prefill and a
+ * decode on a layer with a window smaller than a block and soft-capped scores,
+ * every item with ATTND_ITEM_SINK. The device must see the layer's sinks (the
+ * outputs differ from a run without them) and agree with the CPU backend. */
+static void run_variants(uv_loop_t *loop, attnd_backend_t *be, const float *sinks,
+                         const tjob_spec_t *sp, tjob_t *jobs) {
+  int n = 0, dummy = 0;
+  if (sinks) {
+    memset(&jobs[0], 0, sizeof(jobs[0]));
+    jobs[0].job.kind = ATTND_JOB_SINKS;
+    jobs[0].job.layer = 0;
+    jobs[0].job.sinks = sinks;
+    jobs[0].job.done_cb = tjob_done;
+    n = 1;
+  }
+  for (int i = 0; i < 2; i++) {
+    job_from_spec(&jobs[n + i], &sp[i], &dummy);
+    jobs[n + i].job.batch.window = 7;
+  }
+  run_all(loop, be, jobs, n + 2);
+  for (int i = 0; i < n + 2; i++)
+    if (jobs[i].job.status)
+      fail_msg("%s job %d: %s", be->ops->name, i, jobs[i].job.message);
+}
+
+static void test_sinks_window_softcap(void **state) {
+  SKIP_WITHOUT_GPU();
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  s.softcap = 2.0f;
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *cpu = NULL, *gpu = NULL, *plain = NULL;
+  assert_int_equal(
+      attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  assert_int_equal(
+      attnd_backend_cpu_create(&plain, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  assert_int_equal(
+      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  float sinks[QH];
+  for (int h = 0; h < QH; h++)
+    sinks[h] = 0.5f * (float)h - 1.0f;
+  titem_t pre = {
+      .start = 0, .n = 40, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {3, 9, 5}, .nb = 3};
+  titem_t dec = pre;
+  dec.start = 40;
+  dec.n = 1;
+  tjob_spec_t sp[2];
+  spec_step(&sp[0], 0, &pre, 1, 1, 1);
+  spec_step(&sp[1], 0, &dec, 1, 1, 1);
+  sp[0].items[0].flags = sp[1].items[0].flags = ATTND_ITEM_SINK;
+  tjob_t jc[3], jg[3], jp[2];
+  run_variants(&loop, cpu, sinks, sp, jc);
+  run_variants(&loop, gpu, sinks, sp, jg);
+  run_variants(&loop, plain, NULL, sp, jp); /* no SINKS job: the flag is inert */
+  for (int i = 0; i < 2; i++) {
+    size_t n = (size_t)(i ? 1 : 40) * QH * HD;
+    double r = rel_l2_out(&jg[1 + i], &jc[1 + i], n);
+    if (!(r <= 1e-2))
+      fail_msg("step %d: cuda vs cpu rel L2 %.3g", i, r);
+    if (!(rel_l2_out(&jp[i], &jc[1 + i], n) > 1e-2))
+      fail_msg("step %d: the sinks changed nothing", i);
+    const float *lg = jg[1 + i].job.batch.lse, *lc = jc[1 + i].job.batch.lse;
+    for (size_t k = 0; k < (size_t)(i ? 1 : 40) * QH; k++)
+      if (!(fabsf(lg[k] - lc[k]) <= 1e-3f * (1.0f + fabsf(lc[k]))))
+        fail_msg("step %d lse[%zu]: cuda %g, cpu %g", i, k, (double)lg[k], (double)lc[k]);
+  }
+  for (int i = 0; i < 3; i++) {
+    job_free(&jc[i]);
+    job_free(&jg[i]);
+  }
+  job_free(&jp[0]);
+  job_free(&jp[1]);
+  spec_free(&sp[0]);
+  spec_free(&sp[1]);
+  destroy_and_close(&loop, plain);
+  destroy_and_close(&loop, gpu);
+  destroy_and_close(&loop, cpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 static void test_many_layers_in_flight(void **state) {
   SKIP_WITHOUT_GPU();
   many_layers_in_flight();
@@ -564,6 +645,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_pinned_cap),
       cmocka_unit_test(test_hostfn_staging),
       cmocka_unit_test(test_unordered_jobs),
+      cmocka_unit_test(test_sinks_window_softcap),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }

@@ -500,6 +500,50 @@ static void test_example_config(void **state) {
   }
 }
 
+/* --attention-windows, --softcap, --attention-sinks: values, and refusals
+ * that name the option and change nothing. */
+static void test_variant_options(void **state) {
+  attnd_config_t c;
+  const char *ok[] = {"--layers",          "6",         "--attention-windows",
+                      " 4096, 0 ,0",       "--softcap", "30",
+                      "--attention-sinks", "on",        NULL};
+  assert_int_equal(parse_validate(&c, ok), 0);
+  assert_int_equal(c.nlayer_windows, 3);
+  static const int want[6] = {4096, 0, 0, 4096, 0, 0};
+  for (int l = 0; l < 6; l++)
+    assert_int_equal(attnd_config_layer_window(&c, l), want[l]);
+  assert_true(c.shape.softcap == 30.0f);
+  assert_int_equal(c.attention_sinks, 1);
+  char w[64];
+  attnd_config_windows_text(&c, w, sizeof(w));
+  assert_string_equal(w, "4096,0,0");
+  const char *none[] = {"--attention-windows", "", NULL};
+  assert_int_equal(parse_validate(&c, none), 0);
+  assert_int_equal(c.nlayer_windows, 0);
+  assert_int_equal(attnd_config_layer_window(&c, 5), 0);
+  struct {
+    const char *flag, *value, *needle;
+  } bad[] = {
+      {"--attention-windows", "4096,-1", "--attention-windows: '4096,-1': entry 2"},
+      {"--attention-windows", "4096;0", "comma-separated"},
+      {"--attention-windows", "12x", "comma-separated"},
+      {"--attention-windows", "1,", "entry 2"},
+      {"--attention-windows", "2000000000", "entry 1"},
+      {"--softcap", "-1", "--softcap: '-1'"},
+      {"--softcap", "nan", "--softcap: 'nan'"},
+      {"--attention-sinks", "maybe", "attention-sinks: 'maybe'"},
+  };
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    const char *a[] = {bad[i].flag, bad[i].value, NULL};
+    int rc = parse(&c, a);
+    if (rc == 0 || !strstr(err, bad[i].needle))
+      fail_msg("case %zu: rc %d err '%s', expected '%s'", i, rc, err, bad[i].needle);
+  }
+  const char *longer[] = {"--layers", "2", "--attention-windows", "1,2,3", NULL};
+  assert_int_equal(parse_validate(&c, longer), ATTND_EINVAL);
+  assert_non_null(strstr(err, "3 entries for 2 layers"));
+}
+
 /* getopt_long's habits: unique prefixes, ambiguity named, short -h/-V,
  * operands refused (after "--" too), and usage errors flagged as such. */
 static void test_getopt_forms(void **state) {
@@ -601,17 +645,20 @@ static void test_model_config(void **state) {
        " \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2}}",
        "rope_scaling.type 'dynamic'"},
       {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
-       " \"sliding_window\": 1024}",
-       "sliding_window 1024"},
-      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
-       " \"attn_logit_softcapping\": 50.0}",
-       "attn_logit_softcapping"},
-      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
        " \"layer_types\": [\"full_attention\", \"sliding_attention\"]}",
-       "layer_types[1] 'sliding_attention'"},
+       "layer_types[1] sliding_attention without a sliding_window"},
       {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
-       " \"model_type\": \"gpt_oss\"}",
-       "attention sinks"},
+       " \"sliding_window\": 8, \"layer_types\": [\"full_attention\"]}",
+       "layer_types: expected an array of 2"},
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+       " \"sliding_window\": 8, \"layer_types\": [\"full_attention\", \"chunked_attention\"]}",
+       "layer_types[1] 'chunked_attention'"},
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+       " \"attn_logit_softcapping\": -1}",
+       "attn_logit_softcapping -1"},
+      {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
+       " \"rope_theta\": 1000000, \"rope_local_base_freq\": 10000}",
+       "rope_local_base_freq 10000"},
       {"{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
        " \"kv_lora_rank\": 512}",
        "kv_lora_rank"},
@@ -633,6 +680,50 @@ static void test_model_config(void **state) {
   write_file(model, "{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 256,"
                     " \"sliding_window\": 4096, \"use_sliding_window\": false}");
   assert_int_equal(parse_validate(&c, a), 0);
+  /* Windows, soft-capping and sinks from the model: Gemma 2's alternation,
+   * Gemma 3's pattern (as its shortest period), gpt-oss's layer_types and
+   * sinks, Mistral's one window; a flag wins. */
+  write_file(model, "{\"model_type\": \"gemma2\", \"num_hidden_layers\": 4,"
+                    " \"num_attention_heads\": 4, \"hidden_size\": 256, \"sliding_window\": 4096,"
+                    " \"attn_logit_softcapping\": 50.0, \"query_pre_attn_scalar\": 256}");
+  assert_int_equal(parse_validate(&c, a), 0);
+  assert_int_equal(c.nlayer_windows, 2);
+  assert_int_equal(attnd_config_layer_window(&c, 0), 4096);
+  assert_int_equal(attnd_config_layer_window(&c, 1), 0);
+  assert_int_equal(attnd_config_layer_window(&c, 2), 4096);
+  assert_true(c.shape.softcap == 50.0f);
+  assert_true(c.shape.softmax_scale == 0.0625f);
+  assert_int_equal(attnd_config_origin(&c, "softcap"), ATTND_FROM_MODEL);
+  assert_int_equal(c.attention_sinks, 0);
+  write_file(model, "{\"model_type\": \"gemma3_text\", \"num_hidden_layers\": 14,"
+                    " \"num_attention_heads\": 4, \"hidden_size\": 256, \"sliding_window\": 512,"
+                    " \"rope_local_base_freq\": 10000, \"rope_theta\": 10000}");
+  assert_int_equal(parse_validate(&c, a), 0);
+  assert_int_equal(c.nlayer_windows, 6);
+  for (int l = 0; l < 14; l++)
+    assert_int_equal(attnd_config_layer_window(&c, l), (l + 1) % 6 ? 512 : 0);
+  write_file(model, "{\"model_type\": \"gpt_oss\", \"num_hidden_layers\": 4,"
+                    " \"num_attention_heads\": 8, \"num_key_value_heads\": 2, \"head_dim\": 64,"
+                    " \"sliding_window\": 128, \"layer_types\": [\"sliding_attention\","
+                    " \"full_attention\", \"sliding_attention\", \"full_attention\"],"
+                    " \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 32.0}}");
+  assert_int_equal(parse(&c, a), ATTND_EINVAL); /* YaRN: only with rope none */
+  assert_non_null(strstr(err, "rope_scaling.rope_type 'yarn'"));
+  const char *gpt[] = {arg, "--rope", "none", NULL};
+  assert_int_equal(parse_validate(&c, gpt), 0);
+  assert_int_equal(c.attention_sinks, 1);
+  assert_int_equal(c.nlayer_windows, 2);
+  assert_int_equal(attnd_config_layer_window(&c, 2), 128);
+  assert_int_equal(attnd_config_layer_window(&c, 3), 0);
+  write_file(model, "{\"model_type\": \"mistral\", \"num_hidden_layers\": 3,"
+                    " \"num_attention_heads\": 4, \"hidden_size\": 256, \"sliding_window\": 4096}");
+  assert_int_equal(parse_validate(&c, a), 0);
+  assert_int_equal(c.nlayer_windows, 1);
+  assert_int_equal(attnd_config_layer_window(&c, 2), 4096);
+  const char *own[] = {arg, "--attention-windows", "0", "--softcap", "0", NULL};
+  assert_int_equal(parse_validate(&c, own), 0);
+  assert_int_equal(attnd_config_layer_window(&c, 2), 0);
+  assert_int_equal(attnd_config_origin(&c, "attention-windows"), ATTND_FROM_FLAG);
   /* A value from the model that the daemon's checks refuse says where it came from. */
   write_file(model, "{\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"hidden_size\": 320}");
   assert_int_equal(parse_validate(&c, a), ATTND_EINVAL);
@@ -743,8 +834,8 @@ int main(void) {
       cmocka_unit_test(test_hostport),         cmocka_unit_test(test_binary_exit_codes),
       cmocka_unit_test(test_example_config),   cmocka_unit_test(test_require_token),
       cmocka_unit_test(test_tuning),           cmocka_unit_test(test_getopt_forms),
-      cmocka_unit_test(test_model_config),     cmocka_unit_test(test_resources),
-      cmocka_unit_test(test_cgroup_room),
+      cmocka_unit_test(test_variant_options),  cmocka_unit_test(test_model_config),
+      cmocka_unit_test(test_resources),        cmocka_unit_test(test_cgroup_room),
   };
   return cmocka_run_group_tests(tests, NULL, cleanup);
 }

@@ -201,6 +201,79 @@ static void test_fully_masked_row(void **state) {
   oracle_session_free(&o);
 }
 
+/* The per-layer variants by hand (docs/numerics.md), with the two keys of
+ * test_attention_by_hand: scores ln3' (bf16) and 0 at position 1. */
+static void test_variants_by_hand(void **state) {
+  (void)state;
+  attnd_kshape_t s = shape(64, ATTND_ROPE_NONE, ATTND_KV_BF16);
+  double kx[2][64] = {{0}}, vx[2][64] = {{0}}, qx[64] = {0};
+  kx[0][0] = 1.0;
+  kx[1][1] = 1.0;
+  vx[0][0] = 1.0;
+  vx[1][1] = 2.0;
+  qx[0] = log(3.0);
+  uint16_t k[128], v[128], q[64];
+  put_bf16(k, &kx[0][0], 128);
+  put_bf16(v, &vx[0][0], 128);
+  put_bf16(q, qx, 64);
+  oracle_session_t o;
+  oracle_session_init(&o, &s, 4);
+  oracle_session_write(&s, &o, 0, 2, k, v, NULL);
+  const double s0 = 1.1015625;
+  double out[64], lse;
+  /* Window 1 at position 1: only key 1 (j > p - w), whatever the mask. */
+  oracle_session_attend_ex(&s, &o, 1, 1, q, ATTND_MASK_CAUSAL, 0, 0, NULL, 1, NULL, out, &lse);
+  assert_true(out[0] == 0.0 && out[1] == 2.0 && lse == 0.0);
+  /* Window 2 covers both keys: plain causal. */
+  oracle_session_attend_ex(&s, &o, 1, 1, q, ATTND_MASK_CAUSAL, 0, 0, NULL, 2, NULL, out, &lse);
+  assert_true(fabs(lse - log(exp(s0) + 1.0)) < 1e-12);
+  /* The window intersects the mask: SLIDING 1 keeps key 1, window 1 keeps key 1. */
+  assert_false(oracle_visible(ATTND_MASK_FULL, 0, 0, NULL, 1, 2, 1, 0));
+  assert_true(oracle_visible(ATTND_MASK_FULL, 0, 0, NULL, 2, 2, 0, 1)); /* window hides none */
+  assert_false(oracle_visible(ATTND_MASK_CAUSAL, 0, 0, NULL, 2, 2, 0, 1));
+  /* Soft-capping at c = 0.5: s0 -> 0.5 tanh(2 s0), 0 stays 0. */
+  s.softcap = 0.5f;
+  oracle_session_attend(&s, &o, 1, 1, q, ATTND_MASK_CAUSAL, 0, 0, NULL, out, &lse);
+  double c0 = 0.5 * tanh(s0 / 0.5);
+  assert_true(fabs(lse - log(exp(c0) + 1.0)) < 1e-12);
+  assert_true(fabs(out[0] - exp(c0) / (exp(c0) + 1.0)) < 1e-12);
+  s.softcap = 0.0f;
+  /* A sink of ln 2 per head: denominator e^s0 + 1 + 2. */
+  float sinks[1] = {(float)log(2.0)};
+  double sk = (double)sinks[0];
+  oracle_session_attend_ex(&s, &o, 1, 1, q, ATTND_MASK_CAUSAL, 0, 0, NULL, 0, sinks, out, &lse);
+  double den = exp(s0) + 1.0 + exp(sk);
+  assert_true(fabs(out[0] - exp(s0) / den) < 1e-12);
+  assert_true(fabs(out[1] - 2.0 / den) < 1e-12);
+  assert_true(fabs(lse - log(den)) < 1e-12);
+  /* A huge sink: m is the sink, nothing overflows; out ~ 0, lse ~ sink. */
+  float big[1] = {1e4f};
+  oracle_session_attend_ex(&s, &o, 1, 1, q, ATTND_MASK_CAUSAL, 0, 0, NULL, 0, big, out, &lse);
+  assert_true(out[0] == 0.0 && lse == 1e4);
+  /* A row with no visible key and a sink: out 0, lse = the sink exactly. */
+  int32_t iv[4 * 2] = {1, 1, 2, 2, 0, 0, 0, 0};
+  oracle_session_attend_ex(&s, &o, 1, 1, q, ATTND_MASK_INTERVALS, 0, 1, iv, 0, sinks, out, &lse);
+  for (int d = 0; d < 64; d++)
+    assert_true(out[d] == 0.0);
+  assert_true(lse == sk);
+  /* Split context: keys {0} with the sink merged with keys {1} without it
+   * equals the whole with the sink. Part A masks key 1 from every row, part
+   * B key 0. */
+  int32_t ia[4 * 2] = {0, 0, 0, 1 << 30, 0, 0, 0, 0};
+  int32_t ib[4 * 2] = {0, 0, 1 << 30, 0, 0, 0, 0, 0};
+  double oa[64], ob[64], la, lb, whole[64], lw, merged[64], lm;
+  oracle_session_attend_ex(&s, &o, 1, 1, q, ATTND_MASK_INTERVALS, 0, 1, ia, 0, sinks, oa, &la);
+  oracle_session_attend_ex(&s, &o, 1, 1, q, ATTND_MASK_INTERVALS, 0, 1, ib, 0, NULL, ob, &lb);
+  oracle_session_attend_ex(&s, &o, 1, 1, q, ATTND_MASK_CAUSAL, 0, 0, NULL, 0, sinks, whole, &lw);
+  const double *parts[2] = {oa, ob};
+  double lses[2] = {la, lb};
+  oracle_merge_lse(2, parts, lses, 64, merged, &lm);
+  assert_true(fabs(lm - lw) < 1e-12);
+  for (int d = 0; d < 64; d++)
+    assert_true(fabs(merged[d] - whole[d]) < 1e-12);
+  oracle_session_free(&o);
+}
+
 static void test_quantizers(void **state) {
   (void)state;
   attnd_kshape_t s = shape(64, ATTND_ROPE_NONE, ATTND_KV_INT8);
@@ -265,6 +338,7 @@ int main(void) {
       cmocka_unit_test(test_fp8_e4m3),          cmocka_unit_test(test_rope_by_hand),
       cmocka_unit_test(test_attention_by_hand), cmocka_unit_test(test_fully_masked_row),
       cmocka_unit_test(test_quantizers),        cmocka_unit_test(test_rel_l2_and_rng),
+      cmocka_unit_test(test_variants_by_hand),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -133,6 +133,15 @@ static void test_operators_and_reload(void **state) {
     assert_false(denied[i]->close_after[denied[i]->nout - 1]);
   }
   assert_int_equal(fe.scales_calls, 4); /* the engine never saw them */
+  /* SetSinks is operator-only the same way. */
+  fe.sinks_calls = 0;
+  send_call(&own, 5, attnd_v1_Request_set_sinks_tag, NULL);
+  resp(&own, own.nout - 1, &r);
+  assert_int_equal(r.status.code, 0);
+  send_call(&stranger, 5, attnd_v1_Request_set_sinks_tag, NULL);
+  resp(&stranger, stranger.nout - 1, &r);
+  assert_int_equal(r.status.code, ATTND_STATUS_PERMISSION_DENIED);
+  assert_int_equal(fe.sinks_calls, 1);
   /* A bad file (a token over 255 bytes, on line 2): the old set stays. */
   char big[400];
   memset(big, 'x', sizeof(big) - 1);

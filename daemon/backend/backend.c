@@ -19,5 +19,5 @@ int attnd_backend_job_large(const attnd_job_t *job, uint64_t chunk_keys) {
 void attnd_backend_opts_defaults(attnd_backend_opts_t *o) {
   memset(o, 0, sizeof(*o));
   o->cuda_hostfn_min = (uint64_t)1 << 20; /* about 100 us of memcpy */
-  o->chunk_keys = (uint64_t)1 << 14; /* --engine-chunk-keys */
+  o->chunk_keys = (uint64_t)1 << 14;      /* --engine-chunk-keys */
 }

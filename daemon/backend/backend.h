@@ -12,7 +12,8 @@
  * run concurrently. COPY jobs (copy-on-write of whole blocks) are submitted
  * once per layer, so they order with that layer's steps. SCALES jobs set a
  * layer's static scales the same way: the layer's jobs submitted before one
- * see the old scales, the jobs after it the new ones. An unordered job
+ * see the old scales, the jobs after it the new ones; SINKS jobs likewise
+ * for the layer's sink logits. An unordered job
  * (job->unordered) carries the submitter's promise that it conflicts with no
  * unfinished job of its layer (reads nothing they write, writes nothing they
  * touch, no SCALES job in between): the backend may run it at once, beside
@@ -37,7 +38,12 @@
 typedef struct attnd_backend_s attnd_backend_t;
 typedef struct attnd_job_s attnd_job_t;
 
-typedef enum { ATTND_JOB_STEP = 0, ATTND_JOB_COPY = 1, ATTND_JOB_SCALES = 2 } attnd_job_kind_t;
+typedef enum {
+  ATTND_JOB_STEP = 0,
+  ATTND_JOB_COPY = 1,
+  ATTND_JOB_SCALES = 2,
+  ATTND_JOB_SINKS = 3,
+} attnd_job_kind_t;
 
 struct attnd_job_s {
   attnd_job_kind_t kind;
@@ -57,6 +63,10 @@ struct attnd_job_s {
    * [kv_heads][head_dim]; int4 also k_zero, v_zero [kv_heads][head_dim]. */
   const float *k_scale, *v_scale, *k_zero, *v_zero;
   int per_channel;
+  /* SINKS: the layer's sink logits from this job on, fp32 [q_heads] (HOST,
+   * read until done_cb), ordered like SCALES. A layer never given any runs
+   * its steps with batch.sinks NULL. */
+  const float *sinks;
   /* 1: may run beside or before unfinished jobs of its layer (see above). */
   int unordered;
   /* Filled by the backend. */

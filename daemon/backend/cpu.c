@@ -56,6 +56,8 @@ typedef struct task_s {
 typedef struct {
   int present, per_channel;
   float *ks, *vs, *kz, *vz;
+  int sinks_present;
+  float *sinks; /* [q_heads], the layer's sink logits (SINKS jobs) */
 } cpu_scales_t;
 
 /* A layer's jobs: how many have started and not finished, and the ordered
@@ -109,6 +111,11 @@ static void pump(cpu_backend_t *be);
 static void apply_scales(cpu_backend_t *be, const attnd_job_t *job) {
   cpu_scales_t *sc = &be->sc[job->layer];
   const attnd_kshape_t *s = &be->base.shape;
+  if (job->kind == ATTND_JOB_SINKS) { /* a SINKS job: the same order, its own copy */
+    memcpy(sc->sinks, job->sinks, (size_t)s->q_heads * sizeof(float));
+    sc->sinks_present = 1;
+    return;
+  }
   size_t n = (size_t)s->kv_heads * (job->per_channel ? (size_t)s->head_dim : 1);
   memcpy(sc->ks, job->k_scale, n * sizeof(float));
   memcpy(sc->vs, job->v_scale, n * sizeof(float));
@@ -313,7 +320,8 @@ static void run_start(run_t *r) {
   cpu_backend_t *be = r->be;
   be->lq[job->layer].nrun++;
   job->t_start_us = attnd_backend_now_us();
-  if (job->kind == ATTND_JOB_COPY || job->kind == ATTND_JOB_SCALES) {
+  if (job->kind == ATTND_JOB_COPY || job->kind == ATTND_JOB_SCALES ||
+      job->kind == ATTND_JOB_SINKS) {
     if (job->kind == ATTND_JOB_COPY && attnd_backend_cpu_fail_next == ATTND_CPU_FAIL_COPY) {
       r->inject = ATTND_CPU_FAIL_COPY;
       attnd_backend_cpu_fail_next = 0;
@@ -328,6 +336,7 @@ static void run_start(run_t *r) {
   b->block_bytes = be->base.block_bytes;
   b->k_scale = b->v_scale = b->k_zero = b->v_zero = NULL;
   b->scale_per_channel = 0;
+  b->sinks = sc->sinks_present ? sc->sinks : NULL;
   if (attnd_kv_type_static(be->base.shape.kv)) {
     if (!sc->present) {
       r->rc = ATTND_EPRECOND;
@@ -423,6 +432,7 @@ static void cpu_destroy(attnd_backend_t *base) {
       free(be->sc[l].vs);
       free(be->sc[l].kz);
       free(be->sc[l].vz);
+      free(be->sc[l].sinks);
     }
   }
   free(be->cache);
@@ -493,7 +503,8 @@ int attnd_backend_cpu_create(attnd_backend_t **out, uv_loop_t *loop, const attnd
     be->cache[l] = calloc((size_t)nb, bb);
     be->sc[l].ks = calloc(nsc, sizeof(float));
     be->sc[l].vs = calloc(nsc, sizeof(float));
-    if (!be->cache[l] || !be->sc[l].ks || !be->sc[l].vs)
+    be->sc[l].sinks = calloc((size_t)s->q_heads, sizeof(float));
+    if (!be->cache[l] || !be->sc[l].ks || !be->sc[l].vs || !be->sc[l].sinks)
       goto fail;
     if (s->kv == ATTND_KV_INT4) {
       be->sc[l].kz = calloc(nsc, sizeof(float));

@@ -114,8 +114,11 @@ static void release(cu_backend_t *be) {
     cudaFree(be->pool);
   if (be->dscales)
     cudaFree(be->dscales);
+  if (be->dsinks)
+    cudaFree(be->dsinks);
   be->pool = NULL;
   be->dscales = NULL;
+  be->dsinks = NULL;
   for (size_t i = 0; i < be->nowned; i++) {
     cudaFreeHost(be->owned[i]->p);
     free(be->owned[i]);
@@ -126,7 +129,8 @@ static void release(cu_backend_t *be) {
   be->free_stages = NULL;
   free(be->scales_ok);
   free(be->per_channel);
-  be->scales_ok = be->per_channel = NULL;
+  free(be->sinks_ok);
+  be->scales_ok = be->per_channel = be->sinks_ok = NULL;
   for (int i = 0; i < be->nevfree; i++)
     cudaEventDestroy(be->evfree[i]);
   free(be->evfree);
@@ -220,6 +224,16 @@ static int create_streams(cu_backend_t *be, int layers, char *err, size_t errlen
     }
   be->scales_ok = attnd_xcalloc((size_t)layers, sizeof(int));
   be->per_channel = attnd_xcalloc((size_t)layers, sizeof(int));
+  be->sinks_ok = attnd_xcalloc((size_t)layers, sizeof(int));
+  {
+    /* Sink logits, a few bytes per layer: always there, used once a SINKS job set them. */
+    size_t kb = (size_t)layers * (size_t)be->base.shape.q_heads * sizeof(float);
+    if ((e = cudaMalloc((void **)&be->dsinks, kb)) != cudaSuccess ||
+        (e = cudaMemset(be->dsinks, 0, kb)) != cudaSuccess) {
+      snprintf(err, errlen, "cudaMalloc (%zu bytes of sinks): %s", kb, cudaGetErrorString(e));
+      return ATTND_ECUDA;
+    }
+  }
   if (attnd_kv_type_static(be->base.shape.kv)) {
     size_t sb = (size_t)layers * 4 * be->nsc * sizeof(float);
     if ((e = cudaMalloc((void **)&be->dscales, sb)) != cudaSuccess ||

@@ -109,6 +109,27 @@ enqueued:
   return;
 }
 
+/* A SINKS job: the layer's sink logits, staged and copied on the layer's
+ * stream like scales; steps enqueued after it read them (sinks_ok). */
+static void enqueue_sinks(cu_backend_t *be, cu_run_t *r) {
+  const attnd_job_t *job = r->job;
+  int layer = job->layer;
+  size_t bytes = (size_t)be->base.shape.q_heads * sizeof(float);
+  be->sinks_ok[layer] = 0;
+  int cerr = cudaSuccess;
+  r->stage = attnd_cu_stage_get(be, bytes, 1, &cerr);
+  if (!r->stage) {
+    attnd_cu_run_fail_cuda(r, __FILE__, __LINE__, "cudaHostAlloc (sinks)", (cudaError_t)cerr);
+    return;
+  }
+  memcpy(r->stage->p, job->sinks, bytes);
+  RUN_CU(r, cudaMemcpyAsync(be->dsinks + (size_t)layer * (size_t)be->base.shape.q_heads,
+                            r->stage->p, bytes, cudaMemcpyHostToDevice, be->streams[r->stream].st));
+  be->sinks_ok[layer] = 1;
+enqueued:
+  return;
+}
+
 /* The device view of a step's batch: the layer's pool and its static scales
  * on the device. 0, or -1 with r->status set (no scales uploaded). */
 static int device_batch(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db) {
@@ -119,6 +140,7 @@ static int device_batch(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db) {
   db->block_bytes = be->base.block_bytes;
   db->k_scale = db->v_scale = db->k_zero = db->v_zero = NULL;
   db->scale_per_channel = 0;
+  db->sinks = be->sinks_ok[layer] ? be->dsinks + (size_t)layer * (size_t)s->q_heads : NULL;
   if (!attnd_kv_type_static(s->kv))
     return 0;
   if (!be->scales_ok[layer]) {
@@ -287,6 +309,8 @@ static int start_run(cu_backend_t *be, cu_run_t *r) {
     enqueue_copy(be, r);
   } else if (job->kind == ATTND_JOB_SCALES) {
     enqueue_scales(be, r);
+  } else if (job->kind == ATTND_JOB_SINKS) {
+    enqueue_sinks(be, r);
   } else if (enqueue_step(be, r)) {
     return 1;
   }

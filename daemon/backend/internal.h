@@ -122,6 +122,8 @@ struct cu_backend_s {
   size_t nsc;         /* kv_heads * head_dim */
   int *scales_ok;     /* [layers] scales enqueued (loop thread, in job order) */
   int *per_channel;   /* [layers] */
+  float *dsinks;      /* [layers][q_heads] sink logits on the device */
+  int *sinks_ok;      /* [layers] sinks enqueued (loop thread, in job order) */
   /* [0, nstreams): layer l's ordered and large jobs on stream l % nstreams;
    * [nstreams, 2 nstreams): its small unordered jobs, high priority. */
   cu_stream_t streams[2 * CU_MAX_STREAMS];

@@ -178,6 +178,13 @@ int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen) {
         from(c, "rotary-dim", f1, sizeof(f1)), s->head_dim);
   if (s->softmax_scale == 0.0f)
     s->softmax_scale = (float)(1.0 / sqrt((double)s->head_dim));
+  if (!(s->softcap >= 0.0f) || isinf(s->softcap))
+    ERR("--softcap %g%s: must be a finite number >= 0", (double)s->softcap,
+        from(c, "softcap", f1, sizeof(f1)));
+  if (c->nlayer_windows > c->layers)
+    ERR("--attention-windows%s: %d entries for %d layers (the list repeats over the layers; it may "
+        "not be longer than --layers)",
+        from(c, "attention-windows", f1, sizeof(f1)), c->nlayer_windows, c->layers);
   if (attnd_kshape_check(s) != 0)
     ERR("model shape is not one the kernels support");
   if (c->max_frame < 16)
@@ -211,6 +218,27 @@ int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen) {
   return 0;
 }
 
+int attnd_config_layer_window(const attnd_config_t *c, int layer) {
+  if (c->nlayer_windows <= 0 || layer < 0)
+    return 0;
+  return c->layer_windows[layer % c->nlayer_windows];
+}
+
+void attnd_config_windows_text(const attnd_config_t *c, char *buf, size_t cap) {
+  size_t n = 0;
+  buf[0] = 0;
+  for (int i = 0; i < c->nlayer_windows && n + 1 < cap; i++) {
+    int w = snprintf(buf + n, cap - n, "%s%d", i ? "," : "", (int)c->layer_windows[i]);
+    if (w < 0 || (size_t)w >= cap - n) {
+      buf[n] = 0; /* never a cut entry: "..." marks the cut */
+      if (n + 4 <= cap)
+        memcpy(buf + n, "...", 4);
+      return;
+    }
+    n += (size_t)w;
+  }
+}
+
 static const char *const rope_names[] = {"none", "neox", "interleaved"};
 
 void attnd_config_print(const attnd_config_t *c, const attnd_config_pool_t *p, FILE *f) {
@@ -236,6 +264,13 @@ void attnd_config_print(const attnd_config_t *c, const attnd_config_pool_t *p, F
   LINE("rope-theta", "%.17g", s->rope_theta);
   LINE("rotary-dim", "%d", s->rotary_dim);
   LINE("softmax-scale", "%.9g", (double)s->softmax_scale);
+  LINE("softcap", "%.9g", (double)s->softcap);
+  {
+    char w[160];
+    attnd_config_windows_text(c, w, sizeof(w));
+    LINE("attention-windows", "%s", w[0] ? w : "none");
+  }
+  LINE("attention-sinks", "%s", c->attention_sinks ? "true" : "false");
   LINE("max-context", "%d", c->max_context);
   LINE("dtype", "%s", s->dtype == ATTND_DT_FP16 ? "fp16" : "bf16");
   LINE("kv-cache", "%s", attnd_kv_type_name(s->kv));

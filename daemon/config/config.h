@@ -33,6 +33,9 @@ typedef enum {
   ATTND_FROM_FLAG = 3,
 } attnd_origin_t;
 
+/* Most entries of --attention-windows (the pattern repeats over the layers). */
+#define ATTND_CONFIG_MAX_WINDOWS 256
+
 /* Room for the options of deploy/options.toml (checked at compile time). */
 #define ATTND_CONFIG_MAX_OPTIONS 128
 
@@ -66,18 +69,23 @@ typedef struct {
   char model_id[128];     /* --model-id */
   char model_config[256]; /* --model-config: a Hugging Face config.json */
   char model_type[64];    /* its model_type, for --check-config */
+  /* Per-layer attention variants (docs/numerics.md); softcap is shape.softcap. */
+  int32_t layer_windows[ATTND_CONFIG_MAX_WINDOWS]; /* --attention-windows: layer i slides by
+                                                    * entry i % nlayer_windows; 0 full */
+  int nlayer_windows;                              /* 0: every layer full */
+  int attention_sinks; /* --attention-sinks: sink logits per layer and q head (SetSinks) */
 
   /* Limits. */
-  uint64_t kv_memory;    /* --kv-memory bytes; 0 = backend default */
-  int session_idle_s;    /* --session-idle, default 600 */
-  uint64_t max_frame;    /* --max-frame, default 512M, < 2^31 */
-  uint64_t max_inflight; /* --max-inflight bytes per connection, >= max_frame */
-  int max_connections;   /* --max-connections */
-  int max_sessions;      /* --max-sessions */
+  uint64_t kv_memory;            /* --kv-memory bytes; 0 = backend default */
+  int session_idle_s;            /* --session-idle, default 600 */
+  uint64_t max_frame;            /* --max-frame, default 512M, < 2^31 */
+  uint64_t max_inflight;         /* --max-inflight bytes per connection, >= max_frame */
+  int max_connections;           /* --max-connections */
+  int max_sessions;              /* --max-sessions */
   int max_sessions_per_identity; /* --max-sessions-per-identity; 0 = max_sessions / 4 */
-  int max_plans;         /* live plans per connection (oldest ends first) */
-  int threads;           /* CPU backend worker parts, 0 = number of cores */
-  int prefix_cache;      /* 1: prefix caching on (default) */
+  int max_plans;                 /* live plans per connection (oldest ends first) */
+  int threads;                   /* CPU backend worker parts, 0 = number of cores */
+  int prefix_cache;              /* 1: prefix caching on (default) */
 
   /* Actions asked on the command line (not config-file keys). */
   int check_config; /* --check-config: validate, then exit 0 or 2 */
@@ -164,6 +172,11 @@ int attnd_config_origin(const attnd_config_t *c, const char *name);
 int attnd_config_hostport(const char *s, char *host, size_t hostlen, int *port);
 /* The --help text (generated from deploy/options.toml). */
 const char *attnd_config_usage(void);
+/* The window of layer l (0: a full layer), from --attention-windows. */
+int attnd_config_layer_window(const attnd_config_t *c, int layer);
+/* --attention-windows as text ("4096,0"; "" for none) into buf. */
+void attnd_config_windows_text(const attnd_config_t *c, char *buf, size_t cap);
+
 /* The libuv worker pool size the options ask for (--worker-threads, or its
  * default from --threads and the core count). */
 int attnd_config_worker_threads(const attnd_config_t *c);

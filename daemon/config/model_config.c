@@ -13,9 +13,11 @@
  *
  * A field that says the attention is something the daemon does not compute is
  * refused where it is read, naming the field: serving such a model would give
- * wrong answers without an error. Per-layer sliding windows, sinks and
- * soft-capping become fields of model_t (and options) in a later round,
- * replacing their refusals in read_variant.
+ * wrong answers without an error. Per-layer sliding windows (layer_types,
+ * sliding_window_pattern, Gemma 2's alternation, one window everywhere),
+ * soft-capping and gpt-oss's sinks become options. A RoPE the kernels do not
+ * compute (scaled types, per-layer-type bases) is accepted only when rope is
+ * set to none by a flag or file key: the client rotates q and k itself.
  *
  * Then apply_model() hands each value to the option it feeds, through the
  * same setter as flags and file keys (the same checks), unless that option was
@@ -24,6 +26,7 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base.h"
@@ -40,14 +43,20 @@ typedef struct {
   double rotary_frac; /* 0: not given */
   long rotary_dim;    /* absolute (GPT-J's rotary_dim); 0: not given */
   /* variant */
-  double softmax_scale;    /* 0: 1/sqrt(head_dim) */
-  const char *scale_field; /* where softmax_scale came from */
+  double softmax_scale;                      /* 0: 1/sqrt(head_dim) */
+  const char *scale_field;                   /* where softmax_scale came from */
+  int32_t windows[ATTND_CONFIG_MAX_WINDOWS]; /* the per-layer windows' period */
+  int nwindows;                              /* 0: every layer full */
+  const char *windows_field;
+  double softcap; /* attn_logit_softcapping; 0: none */
+  int sinks;      /* gpt_oss */
 } model_t;
 
 typedef struct {
   const char *path;
   char *err;
   size_t errlen;
+  int rope_none; /* rope set to none by a flag or file key: the client applies RoPE */
 } ctx_t;
 
 #define FAIL(x, ...)                                                                               \
@@ -174,14 +183,17 @@ static int read_rope_params(ctx_t *x, json_t *rs, const char *field, model_t *m)
     const char *k;
     json_t *v;
     json_object_foreach(rs, k, v) {
-      if (json_is_object(v))
+      if (json_is_object(v) && !x->rope_none)
         FAIL(x, "%s.%s: RoPE parameters per layer type (layer_types) are not supported", field, k);
     }
   }
+  if (x->rope_none)
+    return 0; /* the client rotates q and k with the model's own embedding */
   if (t && (!json_is_string(t) || strcmp(json_string_value(t), "default") != 0))
     FAIL(x,
          "%s.%s %s%s%s: attnd's RoPE is the default (unscaled) rotation only; llama3, yarn, "
-         "linear, dynamic, longrope and other scaled types are refused rather than served wrong",
+         "linear, dynamic, longrope and other scaled types are refused rather than served wrong "
+         "(or set rope = none and rotate q and k in the client, as attnd.hf does)",
          field, tk, json_is_string(t) ? "'" : "", json_is_string(t) ? json_string_value(t) : "?",
          json_is_string(t) ? "'" : "");
   if (get(rs, "mrope_section"))
@@ -229,38 +241,124 @@ static int read_rope(ctx_t *x, json_t *o, model_t *m) {
   return 0;
 }
 
-static int read_variant(ctx_t *x, json_t *o, model_t *m) {
+/* The window of every layer (0: full), from layer_types, else the families'
+ * patterns, else one window everywhere; then its shortest period. */
+static int read_windows(ctx_t *x, json_t *o, model_t *m) {
   const char *mt = m->model_type ? m->model_type : "";
-  /* Sliding windows: Qwen2-style configs carry a window with
-   * use_sliding_window false, which means none. */
-  json_t *use = get(o, "use_sliding_window");
+  json_t *use = get(o, "use_sliding_window"); /* Qwen2: false means none */
   int sliding_off = use && json_is_false(use);
-  if (!sliding_off && given(o, "sliding_window"))
-    FAIL(x,
-         "sliding_window %lld: the model attends through a sliding window, which attnd does not "
-         "take from a model config yet (a client can send Mask.sliding_window per item); refused "
-         "rather than served with full attention",
-         json_is_integer(get(o, "sliding_window")) ? json_integer_value(get(o, "sliding_window"))
-                                                   : -1ll);
-  if (given(o, "sliding_window_pattern"))
-    FAIL(x, "sliding_window_pattern: layers with sliding windows are not supported yet");
+  long w = 0, pattern = 0, mwl = -1;
+  static const char *const sw[] = {"sliding_window", NULL};
+  static const char *const swp[] = {"sliding_window_pattern", NULL};
+  static const char *const mw[] = {"max_window_layers", NULL};
+  if (get_int(x, o, sw, &w) < 0 || get_int(x, o, swp, &pattern) < 0 || get_int(x, o, mw, &mwl) < 0)
+    return -1;
+  if (sliding_off)
+    w = 0;
+  if (w > (1l << 30))
+    FAIL(x, "sliding_window %ld: more than %ld", w, 1l << 30);
+  long L = m->layers;
+  if (L > 4096)
+    return 0; /* --layers refuses it, naming num_hidden_layers */
+  int32_t *per = attnd_xcalloc((size_t)L, sizeof(int32_t));
+  int rc = 0;
   json_t *lt = get(o, "layer_types");
   if (lt) {
     size_t i;
     json_t *v;
-    if (!json_is_array(lt))
-      FAIL(x, "layer_types: expected an array");
-    json_array_foreach(lt, i, v) {
-      if (!json_is_string(v) || strcmp(json_string_value(v), "full_attention") != 0)
-        FAIL(x, "layer_types[%zu] '%s': only full_attention layers are supported yet", i,
-             json_is_string(v) ? json_string_value(v) : "?");
+    if (!json_is_array(lt) || (long)json_array_size(lt) != L) {
+      snprintf(x->err, x->errlen,
+               "--model-config %s: layer_types: expected an array of %ld "
+               "(num_hidden_layers) layer types",
+               x->path, L);
+      rc = ATTND_EINVAL;
+      goto done;
     }
+    json_array_foreach(lt, i, v) {
+      const char *t = json_is_string(v) ? json_string_value(v) : "?";
+      if (strcmp(t, "sliding_attention") == 0 && w > 0) {
+        per[i] = (int32_t)w;
+      } else if (strcmp(t, "sliding_attention") == 0 && sliding_off) {
+        per[i] = 0;
+      } else if (strcmp(t, "sliding_attention") == 0) {
+        snprintf(x->err, x->errlen,
+                 "--model-config %s: layer_types[%zu] sliding_attention "
+                 "without a sliding_window",
+                 x->path, i);
+        rc = ATTND_EINVAL;
+        goto done;
+      } else if (strcmp(t, "full_attention") != 0) {
+        snprintf(x->err, x->errlen,
+                 "--model-config %s: layer_types[%zu] '%s': only "
+                 "full_attention and sliding_attention layers are supported",
+                 x->path, i, t);
+        rc = ATTND_EINVAL;
+        goto done;
+      }
+    }
+    m->windows_field = "layer_types";
+  } else if (w > 0) {
+    /* Gemma 3: every pattern-th layer is full (default 6); Gemma 2: every
+     * second; Qwen2: layers from max_window_layers on slide; else all slide. */
+    if (pattern == 0 && (strcmp(mt, "gemma3") == 0 || strcmp(mt, "gemma3_text") == 0))
+      pattern = 6;
+    if (pattern == 0 && strcmp(mt, "gemma2") == 0)
+      pattern = 2;
+    for (long i = 0; i < L; i++) {
+      int slide = pattern > 0 ? (i + 1) % pattern != 0 : mwl >= 0 ? i >= mwl : 1;
+      per[i] = slide ? (int32_t)w : 0;
+    }
+    m->windows_field = pattern > 0 ? "sliding_window_pattern" : "sliding_window";
   }
-  if (given(o, "attn_logit_softcapping"))
-    FAIL(x, "attn_logit_softcapping: soft-capped attention logits are not supported yet");
-  if (given(o, "attention_sinks") || given(o, "sinks") || strcmp(mt, "gpt_oss") == 0)
-    FAIL(x, "%s: attention sinks are not supported yet",
-         strcmp(mt, "gpt_oss") == 0 ? "model_type 'gpt_oss'" : "attention_sinks");
+  /* The shortest period p with per[i] == per[i % p]. */
+  int any = 0;
+  for (long i = 0; i < L; i++)
+    any |= per[i] != 0;
+  if (any) {
+    long p = 1;
+    for (; p <= L; p++) {
+      long i = p;
+      while (i < L && per[i] == per[i % p])
+        i++;
+      if (i == L)
+        break;
+    }
+    if (p > ATTND_CONFIG_MAX_WINDOWS) {
+      snprintf(x->err, x->errlen,
+               "--model-config %s: %s: the layers' windows repeat only "
+               "every %ld layers (at most %d)",
+               x->path, m->windows_field, p, ATTND_CONFIG_MAX_WINDOWS);
+      rc = ATTND_EINVAL;
+      goto done;
+    }
+    memcpy(m->windows, per, sizeof(int32_t) * (size_t)p);
+    m->nwindows = (int)p;
+  }
+done:
+  free(per);
+  return rc;
+}
+
+static int read_variant(ctx_t *x, json_t *o, model_t *m) {
+  const char *mt = m->model_type ? m->model_type : "";
+  if (read_windows(x, o, m))
+    return -1;
+  if (get_real(x, o, "attn_logit_softcapping", &m->softcap) < 0)
+    return -1;
+  if (m->softcap < 0)
+    FAIL(x, "attn_logit_softcapping %g: must be >= 0", m->softcap);
+  if (strcmp(mt, "gpt_oss") == 0 || given(o, "attention_sinks"))
+    m->sinks = 1;
+  /* Gemma 3 rotates local (sliding) layers with another base than global ones. */
+  double local = 0;
+  if (get_real(x, o, "rope_local_base_freq", &local) < 0)
+    return -1;
+  if (local != 0 && local != m->theta && !x->rope_none)
+    FAIL(x,
+         "rope_local_base_freq %g: sliding layers use another RoPE base than rope_theta %g; "
+         "attnd's RoPE is one per model: set rope = none and rotate q and k in the client "
+         "(attnd.hf does)",
+         local, m->theta);
   if (given(o, "kv_lora_rank"))
     FAIL(x, "kv_lora_rank: multi-head latent attention (MLA) is not supported");
   if (given(o, "alibi") || strcmp(mt, "bloom") == 0 || strcmp(mt, "mpt") == 0)
@@ -323,6 +421,23 @@ static int apply_model(attnd_config_t *c, ctx_t *x, const model_t *m) {
     return ATTND_EINVAL;
   if (m->softmax_scale > 0 && feed(c, x, "softmax-scale", m->scale_field, "%.9g", m->softmax_scale))
     return ATTND_EINVAL;
+  if (m->softcap > 0 && feed(c, x, "softcap", "attn_logit_softcapping", "%.9g", m->softcap))
+    return ATTND_EINVAL;
+  if (m->sinks && feed(c, x, "attention-sinks", "model_type", "%s", "true"))
+    return ATTND_EINVAL;
+  if (m->nwindows > 0 && attnd_config_origin(c, "attention-windows") <= ATTND_FROM_MODEL) {
+    /* Too long for feed()'s buffer: the list itself, through the same setter. */
+    char *v = attnd_xcalloc(ATTND_CONFIG_MAX_WINDOWS, 12);
+    size_t n = 0;
+    for (int i = 0; i < m->nwindows; i++)
+      n += (size_t)snprintf(v + n, (size_t)ATTND_CONFIG_MAX_WINDOWS * 12 - n, "%s%d", i ? "," : "",
+                            (int)m->windows[i]);
+    char e[256];
+    int r = attnd_config_set(c, ATTND_FROM_MODEL, "attention-windows", v, e, sizeof(e));
+    free(v);
+    if (r)
+      FAIL(x, "%s: %s", m->windows_field, e);
+  }
   /* The rotated dims follow the head dimension in force, whoever set it. */
   long hd = c->shape.head_dim;
   if (m->rotary_frac > 0) {
@@ -340,7 +455,8 @@ static int apply_model(attnd_config_t *c, ctx_t *x, const model_t *m) {
 }
 
 int attnd_config_model_apply(attnd_config_t *c, char *err, size_t errlen) {
-  ctx_t x = {c->model_config, err, errlen};
+  ctx_t x = {c->model_config, err, errlen,
+             attnd_config_origin(c, "rope") > ATTND_FROM_MODEL && c->shape.rope == ATTND_ROPE_NONE};
   json_error_t je;
   json_t *root = json_load_file(c->model_config, JSON_REJECT_DUPLICATES, &je);
   if (!root) {

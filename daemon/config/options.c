@@ -137,6 +137,45 @@ static int parse_bool(const char *name, const char *v, int *out, char *err, size
   return ATTND_EINVAL;
 }
 
+/* --attention-windows: "W1,W2,..." (spaces allowed around entries), each 0 (a
+ * full layer) or a window in keys; "" or "none": every layer full. Nothing
+ * changes on an error. */
+static int parse_windows(attnd_config_t *c, const char *v, char *err, size_t errlen) {
+  int32_t w[ATTND_CONFIG_MAX_WINDOWS];
+  int n = 0;
+  const char *p = v;
+  while (*p == ' ')
+    p++;
+  if (*p == 0 || strcmp(p, "none") == 0) {
+    c->nlayer_windows = 0;
+    return 0;
+  }
+  for (;;) {
+    char *end;
+    while (*p == ' ')
+      p++;
+    errno = 0;
+    long x = strtol(p, &end, 10);
+    if (end == p || errno || x < 0 || x > (1l << 30))
+      ERR("--attention-windows: '%s': entry %d is not a window in 0..%ld (0: full layer)", v, n + 1,
+          1l << 30);
+    if (n == ATTND_CONFIG_MAX_WINDOWS)
+      ERR("--attention-windows: more than %d entries", ATTND_CONFIG_MAX_WINDOWS);
+    w[n++] = (int32_t)x;
+    p = end;
+    while (*p == ' ')
+      p++;
+    if (*p == 0)
+      break;
+    if (*p != ',')
+      ERR("--attention-windows: '%s': expected a comma-separated list of windows", v);
+    p++;
+  }
+  memcpy(c->layer_windows, w, sizeof(int32_t) * (size_t)n);
+  c->nlayer_windows = n;
+  return 0;
+}
+
 /* The one place that knows what every option's value means. name has no
  * leading dashes; '_' and '-' are equivalent so that file keys may use either.
  * from (attnd_origin_t) is recorded as the option's origin. */
@@ -284,6 +323,16 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
     c->shape.softmax_scale = (float)d;
     return 0;
   }
+  if (strcmp(name, "softcap") == 0) {
+    if (parse_double(v, &d) || !(d >= 0) || d > 1e30)
+      ERR("--softcap: '%s' is not a number >= 0 (0: none)", v);
+    c->shape.softcap = (float)d;
+    return 0;
+  }
+  if (strcmp(name, "attention-windows") == 0)
+    return parse_windows(c, v, err, errlen);
+  if (strcmp(name, "attention-sinks") == 0)
+    return parse_bool(name, v, &c->attention_sinks, err, errlen);
   if (strcmp(name, "prefix-cache") == 0)
     return parse_bool(name, v, &c->prefix_cache, err, errlen);
   if (strcmp(name, "require-token") == 0)

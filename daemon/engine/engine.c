@@ -83,6 +83,22 @@ static int restore_scales(attnd_engine_t *e, char *err, size_t errlen) {
   return 0;
 }
 
+/* The persisted sinks likewise, as SINKS jobs ahead of any step. */
+static int restore_sinks(attnd_engine_t *e, char *err, size_t errlen) {
+  char lerr[256] = "";
+  int rc = attnd_sinks_load(&e->sk, lerr, sizeof(lerr));
+  if (rc < 0) {
+    snprintf(err, errlen, "cannot read %s: %s", e->sk.path, attnd_strerror(rc));
+    return rc;
+  }
+  if (rc == 1)
+    ATTND_LOGW("sinks_ignored", "reason=\"%s\"", lerr);
+  for (int l = 0; e->sk.enabled && l < e->layers; l++)
+    if (e->sk.l[l].present)
+      attnd_sinks_submit(e, l);
+  return 0;
+}
+
 /* Sessions idle for --session-idle seconds close; the sweep runs a few times
  * per idle period (at most every second) and alone keeps no loop alive. */
 static void start_idle_sweep(attnd_engine_t *e) {
@@ -132,6 +148,11 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
     goto fail_scales;
   if ((rc = restore_scales(e, err, errlen)) != 0)
     goto fail_load;
+  if ((rc = attnd_sinks_init(&e->sk, cfg->attention_sinks, e->layers, e->shape.q_heads,
+                             cfg->state_dir)) != 0)
+    goto fail_load;
+  if ((rc = restore_sinks(e, err, errlen)) != 0)
+    goto fail_sinks;
   if (attnd_idmap_init(&e->sessions) || attnd_idmap_init(&e->plans) || attnd_idmap_init(&e->idents))
     abort();
   attnd_list_init(&e->slist);
@@ -141,6 +162,8 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
   start_idle_sweep(e);
   *out = e;
   return 0;
+fail_sinks:
+  attnd_sinks_free(&e->sk);
 fail_load:
   attnd_scales_free(&e->sc);
 fail_scales:
@@ -173,6 +196,7 @@ static void idle_closed(uv_handle_t *h) {
   attnd_sched_free(e);
   attnd_blocks_free(&e->pool);
   attnd_scales_free(&e->sc);
+  attnd_sinks_free(&e->sk);
   free(e);
   if (cb)
     cb(arg);
@@ -196,7 +220,7 @@ void attnd_engine_close(attnd_engine_t *e, void (*cb)(void *arg), void *arg) {
   e->closing = 1;
   e->close_cb = cb;
   e->close_arg = arg;
-  /* Scales are persisted as they are set; nothing else outlives the process. */
+  /* Scales and sinks are persisted as they are set; nothing else outlives the process. */
   attnd_engine_maybe_finish_close(e);
 }
 
@@ -220,6 +244,9 @@ void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st) {
   st->blocks_used = attnd_blocks_used(&e->pool);
   st->blocks_cached = e->pool.nlru;
   st->queued = e->nqueued;
+  st->sinks_set = 0;
+  for (int l = 0; e->sk.enabled && l < e->layers; l++)
+    st->sinks_set += e->sk.l[l].present ? 1u : 0u;
 }
 
 uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_session_info_t *out,

@@ -74,6 +74,11 @@ typedef struct {
   int drop_cached_kv;
 } attnd_scales_req_t;
 
+typedef struct {
+  uint32_t layer;
+  attnd_tensor_t sinks; /* fp32 [q_heads] */
+} attnd_sinks_req_t;
+
 /* Completion of one call. status is 0 or a negative ATTND_E*; message names
  * what was wrong (the item index for a step) when status != 0. */
 typedef struct {
@@ -82,7 +87,7 @@ typedef struct {
   uint64_t session;    /* OpenSession, Fork */
   uint32_t cached_len; /* OpenSession */
   uint64_t plan;       /* Plan */
-  uint64_t version;    /* SetScales */
+  uint64_t version;    /* SetScales, SetSinks */
   /* Step: out [Tq, q_heads, head_dim] (activation dtype or fp32) and lse
    * [Tq, q_heads], owned by the callback (it frees them, or keeps them: the
    * RPC layer writes large outputs to the socket straight from them). */
@@ -119,6 +124,7 @@ typedef struct {
   uint64_t evictions, cow_copies;
   uint64_t steps, prefill_steps, decode_steps, tokens_written;
   uint32_t queued; /* gauge: calls waiting for admission behind a large step's scan */
+  uint32_t sinks_set; /* layers whose sinks are set (attention-sinks on) */
 } attnd_engine_stats_t;
 
 typedef struct {
@@ -164,6 +170,9 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
                        const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg);
 void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
                              attnd_engine_done_cb cb, void *arg);
+/* SetSinks (docs/protocol.md): checked, persisted, applied like SetScales. */
+void attnd_engine_set_sinks(attnd_engine_t *e, const attnd_sinks_req_t *req,
+                            attnd_engine_done_cb cb, void *arg);
 
 /* The connection closed: its plans end. In-flight steps still complete. */
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);

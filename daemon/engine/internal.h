@@ -125,6 +125,8 @@ void attnd_prefix_free(attnd_prefix_t *px);
 /* Fingerprint of the model and cache configuration. versions: [layers]. */
 attnd_h128_t attnd_prefix_fingerprint(const attnd_kshape_t *s, int layers, const char *model_id,
                                       const uint64_t *versions);
+/* fp hashed together with more identity (the per-layer attention variants). */
+attnd_h128_t attnd_prefix_fingerprint_mix(attnd_h128_t fp, const void *data, size_t len);
 void attnd_prefix_set_fingerprint(attnd_prefix_t *px, attnd_h128_t fp);
 
 /* h_i for a block with parent hash `parent` (zero for the first block). */
@@ -204,6 +206,39 @@ int attnd_scales_write_file(const char *path, const uint8_t *buf, size_t len);
  * or corrupt, reason in err), or a negative ATTND_E*. */
 int attnd_scales_load(attnd_scales_t *s, char *err, size_t errlen);
 
+/* ---- sinks.c: attention sink logits per layer ------------------------------
+ *
+ * With attention-sinks on, every layer takes fp32 [q_heads] finite logits by
+ * SetSinks; until a layer has them its steps fail FAILED_PRECONDITION. Every
+ * accepted SetSinks gets a version, larger than every version before it
+ * (across restarts too); the table is persisted as <state_dir>/sinks.bin
+ * (written like scales.bin) and restored at start; its versions enter the
+ * prefix fingerprint. Off: no table, SetSinks is INVALID_ARGUMENT. */
+typedef struct {
+  int present;
+  uint64_t version;
+  float *v; /* [q_heads] */
+} attnd_layer_sinks_t;
+
+typedef struct {
+  int enabled, layers, q_heads;
+  attnd_layer_sinks_t *l; /* [layers]; NULL when off */
+  uint64_t last_version;
+  char path[512]; /* empty: no persistence */
+} attnd_sinks_t;
+
+int attnd_sinks_init(attnd_sinks_t *s, int enabled, int layers, int q_heads, const char *state_dir);
+void attnd_sinks_free(attnd_sinks_t *s);
+/* Checks a SetSinks request; on error returns ATTND_EINVAL with a reason. */
+int attnd_sinks_validate(const attnd_sinks_t *s, const attnd_sinks_req_t *req, char *msg,
+                         size_t msglen);
+/* Installs a validated request and returns its new version. */
+uint64_t attnd_sinks_apply(attnd_sinks_t *s, const attnd_sinks_req_t *req);
+int attnd_sinks_serialize(const attnd_sinks_t *s, uint8_t **buf, size_t *len);
+/* Restores from s->path: 0 (restored or no file), 1 (ignored, reason in err),
+ * or a negative ATTND_E*. */
+int attnd_sinks_load(attnd_sinks_t *s, char *err, size_t errlen);
+
 /* ---- session.c: one session's state -----------------------------------------
  *
  * A session holds, per layer, len[l] (positions 0..len[l]-1 are cached) and
@@ -270,7 +305,7 @@ struct attnd_plan_s {
 
 /* ---- backend jobs (jobs.c) ----------------------------------------------------- */
 
-enum { EJ_STEP = 0, EJ_COPY = 1, EJ_SCALES = 2 };
+enum { EJ_STEP = 0, EJ_COPY = 1, EJ_SCALES = 2, EJ_SINKS = 3 };
 
 typedef struct attnd_ejob_s attnd_ejob_t;
 
@@ -301,7 +336,7 @@ struct attnd_ejob_s {
   int32_t *copies;
   uint64_t *sessions; /* EJ_STEP: the items' sessions, marked broken on failure */
   uint32_t nsessions;
-  /* EJ_SCALES: the snapshot the backend reads until done */
+  /* EJ_SCALES (EJ_SINKS: sk only): the snapshot the backend reads until done */
   float *sk, *sv, *zk, *zv;
   uint64_t t_admit_us; /* handed to the scheduler */
   /* The scheduler's (sched.c): what it touches, who waits for it. */
@@ -347,6 +382,7 @@ struct attnd_engine_s {
   attnd_blocks_t pool;
   attnd_prefix_t *px;
   attnd_scales_t sc;
+  attnd_sinks_t sk;
   attnd_idmap_t sessions, plans;
   attnd_list_t slist; /* sessions, newest first */
   uint32_t nsessions;
@@ -531,7 +567,20 @@ void attnd_scales_commit(attnd_engine_t *e, const attnd_scales_req_t *req, attnd
                          void *arg);
 /* Submits a SCALES job with a snapshot of a layer's scales from the table. */
 void attnd_scales_submit(attnd_engine_t *e, int layer);
-/* Recomputes the prefix fingerprint from the model and the scale versions. */
+/* Recomputes the prefix fingerprint from the model, the scale versions and
+ * the per-layer variants (softcap, windows, sink versions). */
 void attnd_scales_update_fingerprint(attnd_engine_t *e);
+
+/* ---- sinks.c: SetSinks in SetScales's three steps (queue.c) ---- */
+int attnd_sinks_check(attnd_engine_t *e, const attnd_sinks_req_t *req, char *msg, size_t msglen);
+int attnd_sinks_snapshot(attnd_engine_t *e, const attnd_sinks_req_t *req, uint8_t **buf,
+                         size_t *len);
+void attnd_sinks_commit(attnd_engine_t *e, const attnd_sinks_req_t *req, attnd_engine_done_cb cb,
+                        void *arg);
+/* Submits a SINKS job with a snapshot of a layer's sinks from the table. */
+void attnd_sinks_submit(attnd_engine_t *e, int layer);
+/* 0 when a step of the layer may run: sinks off, or the layer's are set;
+ * else ATTND_EPRECOND with a reason. */
+int attnd_sinks_ready(const attnd_engine_t *e, uint32_t layer, char *msg, size_t msglen);
 
 #endif /* ATTND_ENGINE_INTERNAL_H */

@@ -29,6 +29,7 @@ attnd_ejob_t *attnd_ejob_new(attnd_engine_t *e, int kind, int layer) {
   j->layer = layer;
   j->job.kind = kind == EJ_COPY     ? ATTND_JOB_COPY
                 : kind == EJ_SCALES ? ATTND_JOB_SCALES
+                : kind == EJ_SINKS  ? ATTND_JOB_SINKS
                                     : ATTND_JOB_STEP;
   j->job.layer = layer;
   attnd_list_init(&j->llink);
@@ -105,7 +106,7 @@ static void job_done(attnd_job_t *job) {
   int fatal_now = job->status == ATTND_EDEVICE && !e->fatal;
   if (fatal_now)
     e->fatal = 1;
-  if (job->status != 0 && j->kind != EJ_SCALES)
+  if (job->status != 0 && j->kind != EJ_SCALES && j->kind != EJ_SINKS)
     job_failed(e, j);
   attnd_sched_done(e, j, job->status != 0);
   if (j->cb) {

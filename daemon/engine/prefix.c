@@ -93,6 +93,14 @@ attnd_h128_t attnd_prefix_fingerprint(const attnd_kshape_t *s, int layers, const
   return h;
 }
 
+attnd_h128_t attnd_prefix_fingerprint_mix(attnd_h128_t fp, const void *data, size_t len) {
+  XXH3_state_t st;
+  XXH3_128bits_reset(&st);
+  XXH3_128bits_update(&st, &fp, sizeof(fp));
+  XXH3_128bits_update(&st, data, len);
+  return to_h(XXH3_128bits_digest(&st));
+}
+
 void attnd_prefix_set_fingerprint(attnd_prefix_t *px, attnd_h128_t fp) {
   px->fp = fp;
 }

@@ -47,6 +47,7 @@ enum {
   CALL_PLAN,
   CALL_STEP,
   CALL_SCALES,
+  CALL_SINKS,
   CALL_CONN_CLOSED,
 };
 
@@ -72,6 +73,7 @@ struct call_s {
   uint32_t nitems;
   attnd_step_req_t step;
   attnd_scales_req_t scales;
+  attnd_sinks_req_t sinks;
   int answered;   /* refused before its admission (a SetScales's checks) */
   int persisting; /* SetScales: its checks ran at the head of the queue */
   int persist_rc; /* and how it went */
@@ -133,6 +135,15 @@ static void call_admit(attnd_engine_t *e, call_t *c) {
     else
       attnd_scales_commit(e, &c->scales, c->cb, c->arg);
     break;
+  case CALL_SINKS:
+    free(c->persist_buf);
+    if (c->persist_rc)
+      attnd_engine_answer(c->cb, c->arg, ATTND_EINTERNAL,
+                          "sinks not persisted to %.120s (%s): nothing changed", e->sk.path,
+                          attnd_strerror(c->persist_rc));
+    else
+      attnd_sinks_commit(e, &c->sinks, c->cb, c->arg);
+    break;
   case CALL_CONN_CLOSED:
     attnd_plan_conn_closed(e, c->conn);
     break;
@@ -141,7 +152,8 @@ static void call_admit(attnd_engine_t *e, call_t *c) {
 
 static void persist_work(uv_work_t *w) {
   call_t *c = (call_t *)w;
-  c->persist_rc = attnd_scales_write_file(c->e->sc.path, c->persist_buf, c->persist_len);
+  const char *path = c->kind == CALL_SINKS ? c->e->sk.path : c->e->sc.path;
+  c->persist_rc = attnd_scales_write_file(path, c->persist_buf, c->persist_len);
 }
 
 static void persist_done(uv_work_t *w, int status) {
@@ -160,16 +172,20 @@ static void persist_done(uv_work_t *w, int status) {
  * write; 0 when it can be admitted (or was answered: c->answered). */
 static int scales_start(attnd_engine_t *e, call_t *c) {
   char msg[200];
+  const int sinks = c->kind == CALL_SINKS; /* SetSinks: the same steps, sinks.c's */
   c->persisting = 1;
-  int rc = attnd_scales_check(e, &c->scales, msg, sizeof(msg));
+  int rc = sinks ? attnd_sinks_check(e, &c->sinks, msg, sizeof(msg))
+                 : attnd_scales_check(e, &c->scales, msg, sizeof(msg));
   if (rc) {
     attnd_engine_answer(c->cb, c->arg, rc, "%s", msg);
     c->answered = 1;
     return 0;
   }
-  if (!e->sc.path[0])
+  if (!(sinks ? e->sk.path : e->sc.path)[0])
     return 0;
-  if ((rc = attnd_scales_snapshot(e, &c->scales, &c->persist_buf, &c->persist_len)) != 0) {
+  rc = sinks ? attnd_sinks_snapshot(e, &c->sinks, &c->persist_buf, &c->persist_len)
+             : attnd_scales_snapshot(e, &c->scales, &c->persist_buf, &c->persist_len);
+  if (rc != 0) {
     c->persist_rc = rc;
     return 0;
   }
@@ -192,7 +208,7 @@ static void queue_pump(attnd_engine_t *e) {
   attnd_list_t *first;
   while ((first = attnd_list_first(&e->queue)) != NULL) {
     call_t *c = ATTND_LIST_DATA(first, call_t, link);
-    if (c->kind == CALL_SCALES && !c->persisting && scales_start(e, c))
+    if ((c->kind == CALL_SCALES || c->kind == CALL_SINKS) && !c->persisting && scales_start(e, c))
       break;
     if (c->scanning)
       break;
@@ -371,6 +387,24 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
    * call holds the queue's head (scales_start). */
   call_t *c = call_new(e, CALL_SCALES, 0, cb, arg);
   c->scales = *req;
+  call_push(e, c);
+}
+
+void attnd_engine_set_sinks(attnd_engine_t *e, const attnd_sinks_req_t *req,
+                            attnd_engine_done_cb cb, void *arg) {
+  if (!check_open(e, cb, arg))
+    return;
+  if (!must_queue(e) && !e->sk.path[0]) {
+    char msg[200];
+    int rc = attnd_sinks_check(e, req, msg, sizeof(msg));
+    if (rc)
+      attnd_engine_answer(cb, arg, rc, "%s", msg);
+    else
+      attnd_sinks_commit(e, req, cb, arg);
+    return;
+  }
+  call_t *c = call_new(e, CALL_SINKS, 0, cb, arg);
+  c->sinks = *req;
   call_push(e, c);
 }
 

@@ -166,8 +166,26 @@ void attnd_scales_versions(const attnd_scales_t *s, uint64_t *v) {
 void attnd_scales_update_fingerprint(attnd_engine_t *e) {
   uint64_t *v = attnd_xcalloc((size_t)e->layers, sizeof(uint64_t));
   attnd_scales_versions(&e->sc, v);
-  attnd_prefix_set_fingerprint(e->px,
-                               attnd_prefix_fingerprint(&e->shape, e->layers, e->cfg.model_id, v));
+  attnd_h128_t fp = attnd_prefix_fingerprint(&e->shape, e->layers, e->cfg.model_id, v);
+  /* The per-layer variants (docs/numerics.md), only when there are any, so
+   * that a model without them keeps the fingerprint it always had. */
+  const attnd_config_t *c = &e->cfg;
+  if (e->shape.softcap > 0.0f || c->nlayer_windows > 0 || e->sk.enabled) {
+    size_t n = 0, cap = 4 + (size_t)c->nlayer_windows + 2 * (size_t)e->layers;
+    uint64_t *mix = attnd_xcalloc(cap, sizeof(uint64_t));
+    uint32_t capbits;
+    memcpy(&capbits, &e->shape.softcap, sizeof(capbits));
+    mix[n++] = capbits;
+    mix[n++] = (uint64_t)c->nlayer_windows;
+    for (int i = 0; i < c->nlayer_windows; i++)
+      mix[n++] = (uint64_t)(uint32_t)c->layer_windows[i];
+    mix[n++] = (uint64_t)e->sk.enabled;
+    for (int l = 0; e->sk.enabled && l < e->layers; l++)
+      mix[n++] = e->sk.l[l].present ? e->sk.l[l].version : 0;
+    fp = attnd_prefix_fingerprint_mix(fp, mix, n * sizeof(uint64_t));
+    free(mix);
+  }
+  attnd_prefix_set_fingerprint(e->px, fp);
   free(v);
 }
 

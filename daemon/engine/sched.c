@@ -102,7 +102,7 @@ static int sched_add(attnd_engine_t *e, attnd_ejob_t *j) {
   j->nwait = 0;
   if (e->barrier[l])
     wait_for(e->barrier[l], j);
-  if (j->kind == EJ_SCALES) {
+  if (j->kind == EJ_SCALES || j->kind == EJ_SINKS) {
     ATTND_LIST_FOREACH(it, nx, &e->ljobs[l])
     wait_for(ATTND_LIST_DATA(it, attnd_ejob_t, llink), j);
     e->barrier[l] = j;

@@ -87,7 +87,7 @@ static int check_plan(admit_t *a) {
   return rc;
 }
 
-/* q, k and v against the plan's rows, and the layer's static scales. */
+/* q, k and v against the plan's rows, and the layer's static scales and sinks. */
 static int check_tensors(admit_t *a) {
   const attnd_kshape_t *sh = &a->e->shape;
   const attnd_step_req_t *req = a->req;
@@ -111,7 +111,7 @@ static int check_tensors(admit_t *a) {
              req->layer, attnd_kv_type_name(sh->kv));
     return ATTND_EPRECOND;
   }
-  return 0;
+  return attnd_sinks_ready(a->e, req->layer, a->msg, sizeof(a->msg));
 }
 
 /* Item i holds a value of tensor t (its magnitude pattern: bits) that is
@@ -247,6 +247,11 @@ static void batch_item(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const att
   k->mask_kind = it->kmask;
   k->mask_param = it->mask_param;
   k->causal = it->causal;
+  /* The layer's sinks join the softmax of sessions whose first position is
+   * 0: every session here. A split-context part that starts later must leave
+   * the flag clear, so that merging parts by lse counts each sink once
+   * (docs/numerics.md). Without sinks set for the layer the flag is inert. */
+  k->flags = ATTND_ITEM_SINK;
   k->block_table = (int32_t)*mo;
   uint32_t b0 = it->start / e->bs; /* the first block it writes */
   for (uint32_t bi = 0; bi < nb; bi++) {
@@ -306,6 +311,9 @@ static void step_build_batch(admit_t *a) {
   size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
   b->items = j->kitems;
   b->nitems = (int32_t)p->nitems;
+  /* The layer's window, fixed at start (docs/numerics.md): every backend
+   * intersects it with each item's mask and reads only the window's keys. */
+  b->window = attnd_config_layer_window(&e->cfg, (int)req->layer);
   b->meta = j->meta;
   j->job.nmeta = nmeta;
   b->total_q = (int32_t)p->Tq;

@@ -14,7 +14,7 @@
 #include "internal.h"
 
 /* What a message is, for the fields that are submessages nanopb decodes. */
-enum { K_OTHER, K_PLAN, K_STEP, K_SCALES, K_ITEM, K_MASK, K_TENSOR };
+enum { K_OTHER, K_PLAN, K_STEP, K_SCALES, K_SINKS, K_ITEM, K_MASK, K_TENSOR };
 
 /* The kind of field `tag` (length-delimited) of a message of kind k, or -1
  * when its bytes are not decoded as a message (skipped at once, or a packed
@@ -32,6 +32,8 @@ static int sub_kind(int k, uint32_t tag) {
                    tag <= attnd_v1_SetScalesRequest_v_zero_tag
                ? K_TENSOR
                : -1;
+  case K_SINKS:
+    return tag == attnd_v1_SetSinksRequest_sinks_tag ? K_TENSOR : -1;
   case K_ITEM:
     return tag == attnd_v1_Item_mask_tag ? K_MASK : -1;
   case K_MASK:
@@ -87,6 +89,7 @@ int attnd_rpc_fields_check(attnd_rpc_req_t *q, uint32_t call_tag, const uint8_t 
   int k = call_tag == attnd_v1_Request_plan_tag         ? K_PLAN
           : call_tag == attnd_v1_Request_step_tag       ? K_STEP
           : call_tag == attnd_v1_Request_set_scales_tag ? K_SCALES
+          : call_tag == attnd_v1_Request_set_sinks_tag  ? K_SINKS
                                                         : K_OTHER;
   uint64_t budget = attnd_rpc_field_budget(q->conn->rpc, call_tag), left = budget;
   pb_istream_t s = pb_istream_from_buffer(p, n);

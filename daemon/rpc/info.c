@@ -39,6 +39,9 @@ static void fill_shape(attnd_rpc_t *r, attnd_v1_ModelShape *m) {
   m->rotary_dim = (uint32_t)s->rotary_dim;
   m->softmax_scale = s->softmax_scale;
   m->max_context = (uint32_t)cfg->max_context;
+  m->softcap = s->softcap;
+  attnd_config_windows_text(cfg, m->attention_windows, sizeof(m->attention_windows));
+  m->attention_sinks = cfg->attention_sinks != 0;
   snprintf(m->model_id, sizeof(m->model_id), "%s", cfg->model_id);
   /* All layers, K and V, scales included; rounded up to whole bytes. */
   double per = attnd_kv_bytes_per_token(s) * (double)cfg->layers;
@@ -121,6 +124,9 @@ void attnd_rpc_encode_stats(attnd_rpc_req_t *q, const attnd_result_t *res,
       (uint64_t)(attnd_kv_bytes_per_token(&r->cfg->shape) * (double)r->cfg->layers + 0.999999);
   s->uptime_s = (attnd_rpc_now_ns() - r->start_ns) / 1000000000ull;
   s->admission_queued = es.queued;
+  for (int l = 0; l < r->cfg->layers; l++)
+    s->sliding_layers += attnd_config_layer_window(r->cfg, l) > 0 ? 1u : 0u;
+  s->sinks_set_layers = es.sinks_set;
 }
 
 void attnd_rpc_call_list_sessions(attnd_rpc_req_t *q) {

@@ -63,6 +63,7 @@ struct attnd_rpc_req_s {
     attnd_v1_PlanRequest plan;
     attnd_v1_StepRequest step;
     attnd_v1_SetScalesRequest scales;
+    attnd_v1_SetSinksRequest sinks;
   } m;
   /* The native request handed to the engine. */
   attnd_item_t *items;
@@ -70,6 +71,7 @@ struct attnd_rpc_req_s {
   attnd_u32vec_t open_tokens;
   attnd_step_req_t step;
   attnd_scales_req_t scales;
+  attnd_sinks_req_t sinks;
   attnd_session_info_t *sessions; /* ListSessions */
   uint32_t nsessions;
   attnd_rpc_bytes_t out, lse; /* a Step's outputs while its response is encoded */

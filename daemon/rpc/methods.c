@@ -190,6 +190,30 @@ static void encode_scales(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v
   resp->result.set_scales.version = res->version;
 }
 
+/* ---- sinks ---- */
+
+static int decode_sinks(attnd_rpc_req_t *q, pb_istream_t *s) {
+  attnd_v1_SetSinksRequest *m = &q->m.sinks;
+  attnd_sinks_req_t *sk = &q->sinks;
+  attnd_rpc_set_tensor_cb(&m->sinks, &sk->sinks);
+  int rc = attnd_rpc_pb_decode(q, s, attnd_v1_SetSinksRequest_fields, m);
+  if (rc)
+    return rc;
+  if (attnd_rpc_tensor_finish(&sk->sinks, m->has_sinks, &m->sinks, "sinks", q->msg, sizeof(q->msg)))
+    return ATTND_EINVAL;
+  sk->layer = m->layer;
+  return 0;
+}
+
+static void call_sinks(attnd_rpc_req_t *q) {
+  attnd_rpc_req_hold(q);
+  attnd_engine_set_sinks(q->conn->rpc->engine, &q->sinks, attnd_rpc_done, q);
+}
+
+static void encode_sinks(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1_Response *resp) {
+  resp->result.set_sinks.version = res->version;
+}
+
 /* ---- the table ---- */
 
 #define ROW(m, name, tag, flags, dec, call, enc)                                                   \
@@ -214,6 +238,8 @@ const attnd_rpc_method_t attnd_rpc_methods[ATTND_M_COUNT] = {
         encode_scales),
     ROW(ATTND_M_LIST_SESSIONS, "list_sessions", list_sessions, 0, attnd_rpc_decode_none,
         attnd_rpc_call_list_sessions, attnd_rpc_encode_list_sessions),
+    ROW(ATTND_M_SET_SINKS, "set_sinks", set_sinks, RPC_M_OPERATOR, decode_sinks, call_sinks,
+        encode_sinks),
 };
 
 const char *attnd_rpc_method_name(int m) {

@@ -186,8 +186,7 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
   /* The engine tells a step's kind, whichever connection made its plan. */
   if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP) {
     const int kind = res->decode ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL;
-    attnd_hist_add(&r->counters.step_latency[kind],
-                   (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);
+    attnd_hist_add(&r->counters.step_latency[kind], (double)(attnd_rpc_now_ns() - q->t0_ns) / 1e3);
     attnd_hist_add(&r->counters.step_queue[kind], (double)res->queued_us);
   }
   if (q->close_after)
@@ -257,7 +256,7 @@ static int walk_request(const uint8_t *frame, size_t len, uint64_t *id, uint32_t
     if (tag == attnd_v1_Request_id_tag) {
       if (wt != PB_WT_VARINT || !pb_decode_varint(&s, id))
         return -1;
-    } else if (tag >= attnd_v1_Request_hello_tag && tag <= attnd_v1_Request_list_sessions_tag) {
+    } else if (tag >= attnd_v1_Request_hello_tag && tag <= attnd_v1_Request_set_sinks_tag) {
       if (wt != PB_WT_STRING || !pb_decode_varint32(&s, call_len) || *call_len > s.bytes_left)
         return -1;
       *call_tag = tag;

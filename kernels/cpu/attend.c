@@ -21,7 +21,14 @@
  * un-permuted, and a dot product does not care about order.
  *
  * Fully masked rows never touch the accumulator: they end with sum 0 and give
- * exactly 0 and lse = -inf, never 0/0.
+ * exactly 0 and lse = -inf (with a sink: lse = the sink), never 0/0.
+ *
+ * Per-layer variants (docs/numerics.md): a window w hides keys j <= p - w on
+ * top of the item's mask, and the keys left of the unit's first row's window
+ * are never loaded; soft-capping replaces each score s (after the K scales,
+ * before the mask) by c * tanh(s / c), so the int4 zero-point term joins the
+ * score before capping instead of being left to lse; a sink logit joins the
+ * denominator once, when the unit's rows are normalized.
  *
  * Parts: unit u belongs to part u % nparts, so a single decode session splits
  * over kv heads and causal prefill tiles (of unequal cost) spread evenly.
@@ -306,6 +313,9 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
       it->mask_kind == ATTND_MASK_INTERVALS && it->intervals >= 0 ? b->meta + it->intervals : NULL;
   const int int4 = s->kv == ATTND_KV_INT4;
   const int stat = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8;
+  const int W = b->window > 0 ? b->window : 0;
+  const float cap2 = s->softcap > 0.0f ? s->softcap * 1.44269504088896341f : 0.0f; /* log2 units */
+  const float *sinks = (it->flags & ATTND_ITEM_SINK) && b->sinks ? b->sinks : NULL;
 
   float Q[KC_Q_FLOATS];
   float acc[KC_Q_FLOATS];
@@ -376,6 +386,8 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
   default:
     break;
   }
+  if (W && jlo < pmin - W + 1)
+    jlo = pmin - W + 1;
   if (jlo < 0)
     jlo = 0;
   if (jhi > kv_len)
@@ -421,10 +433,14 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
       for (int qi = 0; qi < nq; qi++)
         for (int c = 0; c < cn; c++)
           S[qi * C + c] *= kdyn[c];
-    if (!chunk_all_visible(it, pmin, pmax, j0, j0 + cn))
+    if (cap2 > 0.0f)
       for (int qi = 0; qi < nq; qi++)
         for (int c = 0; c < cn; c++)
-          if (!visible(it, iv, kv_len, pos[qi], j0 + c))
+          S[qi * C + c] = cap2 * tanhf((S[qi * C + c] - kbias[qi]) / cap2);
+    if (!chunk_all_visible(it, pmin, pmax, j0, j0 + cn) || (W && j0 <= pmax - W))
+      for (int qi = 0; qi < nq; qi++)
+        for (int c = 0; c < cn; c++)
+          if (!visible(it, iv, kv_len, pos[qi], j0 + c) || (W && j0 + c <= pos[qi] - W))
             S[qi * C + c] = -INFINITY;
 
     /* Online softmax update; rows with nothing visible in the chunk skip it. */
@@ -479,18 +495,33 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
   }
 
   /* Normalize, apply the V scale (and zero point), store; fully masked rows
-   * (l == 0) store exact zeros. */
+   * (l == 0) store exact zeros. Scores here are s - kb in log2 units (kb: the
+   * int4 zero-point term, already inside capped scores), so the sink enters
+   * as sink * log2(e) + kb: m = max(m, sink), l = l * 2^(m_old - m) + 2^(sink - m). */
   for (int ri = 0; ri < rn; ri++)
     for (int gi = 0; gi < gn; gi++) {
       int qi = ri * gn + gi;
-      size_t orow = (size_t)(it->q_row + r0 + ri) * QH + (size_t)h * cx->G + g0 + gi;
+      const int head = h * cx->G + g0 + gi;
+      size_t orow = (size_t)(it->q_row + r0 + ri) * QH + (size_t)head;
       const int dead = !(l[qi] > 0.0f);
-      const float inv = dead ? 0.0f : 1.0f / l[qi];
+      const float kb = cap2 > 0.0f ? 0.0f : kbias[qi];
+      float corr = 1.0f, lk = l[qi];
+      if (sinks && !dead) {
+        float sk = sinks[head] * 1.44269504088896341f + kb;
+        float mnew = sk > m[qi] ? sk : m[qi];
+        corr = exp2_one(m[qi] - mnew);
+        l[qi] = l[qi] * corr + exp2_one(sk - mnew);
+        m[qi] = mnew;
+      }
+      const float inv = dead ? 0.0f : corr / l[qi];
+      /* int4 V: sum_j p_j (u_j - z) = sum_j p_j u_j - z * (the keys' share of
+       * the denominator), which is 1 without a sink. */
+      const float zshare = sinks ? lk * inv : 1.0f;
       float *Ai = acc + qi * D;
       if (int4) {
         float o[256];
         for (int d = 0; d < D; d++)
-          o[d] = dead ? 0.0f : vs[d] * (Ai[chan_pos(1, D, d)] * inv - vz[d]);
+          o[d] = dead ? 0.0f : vs[d] * (Ai[chan_pos(1, D, d)] * inv - vz[d] * zshare);
         memcpy(Ai, o, sizeof(float) * (size_t)D);
       } else {
         for (int d = 0; d < D; d++)
@@ -509,8 +540,8 @@ KC_HOT static void attend_unit(const kc_ctx_t *cx, const attnd_kitem_t *it, int 
           o[d] = kc_f32_to_fp16(Ai[d]);
       }
       if (b->lse)
-        b->lse[orow] =
-            dead ? -INFINITY : (m[qi] + log2f(l[qi]) - kbias[qi]) * 0.693147180559945309f;
+        b->lse[orow] = dead ? (sinks ? sinks[head] : -INFINITY)
+                            : (m[qi] + log2f(l[qi]) - kb) * 0.693147180559945309f;
     }
 }
 

@@ -47,6 +47,8 @@ static inline int kc_batch_check(const attnd_kshape_t *s, const attnd_kbatch_t *
     return -1;
   if (b->nitems < 0 || (b->nitems > 0 && (!b->items || !b->meta)))
     return -1;
+  if (b->window < 0)
+    return -1;
   if (s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8)
     if (!b->k_scale || !b->v_scale)
       return -1;

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# gpu-hf.sh: the transformers adapter check (attnd.hf + examples/hf_llama.py) on
-# the GPU machine, whose python3 has torch and transformers. Two halves:
+# gpu-hf.sh: the transformers adapter check (attnd.hf + examples/hf_llama.py, and
+# examples/hf_models.py: random-weight gpt-oss, Gemma 2, Gemma 3 and Mistral models
+# with their per-layer windows, sinks and soft-capping, teacher-forced against the
+# model's eager attention within the sdpa-vs-eager floor and generate() tokens
+# equal) on the GPU machine, whose python3 has torch and transformers. Two halves:
 #
 #   scripts/dev/gpu-hf.sh stage [BUILD]   (on the build machine)
 #       copies what the GPU machine needs into build-gpu/hf/ (ATTND_HF_DIR):
@@ -15,8 +18,9 @@
 #         attnd_version.py from BUILD/python (the client package's version)
 #       The Python client itself comes from client/python in the working tree.
 #   scripts/dev/gpu-hf.sh run         (on the GPU machine, with build-gpu/hf/
-#       copied into the same checkout there): hf_llama.py (bf16 and fp32 weights) and the e2e module
-#       test_hf_adapter, with the daemon on the CPU backend and, when the binary
+#       copied into the same checkout there): hf_llama.py (bf16 and fp32 weights), the e2e module
+#       test_hf_adapter and hf_models.py (every architecture, bf16 and fp32 weights; at
+#       most ATTND_HF_MODELS_BUDGET, 240 s, of its own), with the daemon on the CPU backend and, when the binary
 #       and the machine have it, on the CUDA backend. Logs and JSON go to $OUT
 #       (or ./gpu-out); the last line printed is the one-line summary.
 #       Exit 0 when every run that could run passed.
@@ -110,6 +114,26 @@ EOF
     grep -E "^(test_|Ran |OK|FAILED|SKIPPED)|runner:|Error|assert" "$out/e2e-hf-$b.log" | head -20
     [ $rc -eq 0 ] || fail=1
     summary="$summary e2e-$b:$([ $rc -eq 0 ] && echo ok || echo "rc$rc")"
+  done
+  # The architectures with per-layer variants (hf_models.py), on its own budget.
+  mstart=$SECONDS
+  mbudget=${ATTND_HF_MODELS_BUDGET:-240}
+  for b in $backends; do
+    for dt in bf16 fp32; do
+      left=$((mbudget - (SECONDS - mstart)))
+      if [ "$left" -le 10 ]; then
+        summary="$summary models-$b/$dt:NOT-RUN(time)"; fail=1; continue
+      fi
+      log=$out/hf-models-$b-$dt.log
+      timeout -k 5 "$left" $py "$here/client/python/examples/hf_models.py" --spawn "$tmp/attnd" \
+        --backend "$b" --dtype "$dt" --json "$out/hf-models-$b-$dt.json" >"$log" 2>&1
+      rc=$?
+      echo "== hf_models backend=$b dtype=$dt rc=$rc"
+      tail -12 "$log"
+      [ $rc -eq 0 ] || [ $rc -eq 77 ] || fail=1
+      s=$(tail -1 "$log" | sed -n 's/^hf_models [a-z]*\/[a-z0-9]*: //p')
+      summary="$summary models-$b/$dt:[$([ $rc -eq 77 ] && echo SKIP || echo "${s:-FAIL(rc $rc)}")]"
+    done
   done
   echo "gpu-hf:$summary (${SECONDS}s) => $([ $fail -eq 0 ] && echo PASS || echo FAIL)" | tee "$out/hf-summary.txt"
   exit $fail

@@ -67,11 +67,14 @@ def visible(qpos, L, mask=None):
     raise ValueError(kind)
 
 
-def attend(q, K, V, qpos, scale, want_lse=False, mask=None):
+def attend(q, K, V, qpos, scale, want_lse=False, mask=None, softcap=0.0, window=0, sinks=None):
     """GQA attention in float64 (causal unless mask says otherwise, see visible()).
 
     q [Tq, Hq, D] (rotated, rounded), K and V [L, Hkv, D] as the cache holds them,
     qpos [Tq] absolute positions. Returns out [Tq, Hq, D] float64 (and lse [Tq, Hq]).
+    The per-layer variants of docs/numerics.md: softcap c > 0 replaces every scaled
+    score s by c tanh(s / c); window w > 0 also hides keys j <= p - w; sinks [Hq]
+    add exp(sink) to each row's denominator (a row that sees nothing: out 0, lse sink).
     """
     q = np.asarray(q, dtype=np.float64)
     K = np.asarray(K, dtype=np.float64)
@@ -82,14 +85,22 @@ def attend(q, K, V, qpos, scale, want_lse=False, mask=None):
     out = np.zeros((Tq, Hq, D))
     lse = np.full((Tq, Hq), -np.inf)
     vis = visible(qpos, L, mask)
+    if window:
+        vis = vis & (np.arange(L)[None, :] > np.asarray(qpos)[:, None] - int(window))
     for h in range(Hq):
         kh = h // group
         s = (q[:, h, :] @ K[:, kh, :].T) * float(scale)
+        if softcap:
+            s = float(softcap) * np.tanh(s / float(softcap))
         s = np.where(vis, s, -np.inf)
         m = s.max(axis=1, keepdims=True)
+        if sinks is not None:
+            m = np.maximum(m, float(sinks[h]))
         m = np.where(np.isfinite(m), m, 0.0)
         p = np.where(vis, np.exp(s - m), 0.0)
         z = p.sum(axis=1, keepdims=True)
+        if sinks is not None:
+            z = z + np.exp(float(sinks[h]) - m)
         out[:, h, :] = np.where(z > 0, (p @ V[:, kh, :]) / np.where(z > 0, z, 1), 0.0)
         lse[:, h] = np.where(z[:, 0] > 0, np.log(np.where(z[:, 0] > 0, z[:, 0], 1)) + m[:, 0], -np.inf)
     return (out, lse) if want_lse else out
@@ -104,7 +115,7 @@ class RefSession:
         self.K = [np.zeros((0, model.kv_heads, model.head_dim), np.float32) for _ in range(L)]
         self.V = [np.zeros((0, model.kv_heads, model.head_dim), np.float32) for _ in range(L)]
 
-    def step(self, layer, start, q, k, v, mask=None, want_lse=False):
+    def step(self, layer, start, q, k, v, mask=None, want_lse=False, sinks=None):
         """Writes k, v at start.. and returns the activation-dtype output for q (float32),
         with the fp32 lse when want_lse (then as a pair, out unrounded fp64)."""
         m = self.m
@@ -119,9 +130,14 @@ class RefSession:
         if q is None:
             return None
         qr = act_round(rope(act_round(q, m.dtype), pos, m.rope, m.rope_theta, rd), m.dtype)
+        # The layer's variants as Health reports them (absent on older daemons).
+        softcap = float(getattr(m, "softcap", 0.0) or 0.0)
+        wins = [int(w) for w in getattr(m, "attention_windows", "").split(",") if w]
+        window = wins[layer % len(wins)] if wins else 0
+        kw = dict(mask=mask, softcap=softcap, window=window, sinks=sinks)
         if want_lse:
-            return attend(qr, self.K[layer], self.V[layer], pos, scale, True, mask)
-        out = attend(qr, self.K[layer], self.V[layer], pos, scale, mask=mask)
+            return attend(qr, self.K[layer], self.V[layer], pos, scale, True, **kw)
+        out = attend(qr, self.K[layer], self.V[layer], pos, scale, **kw)
         return act_round(out, m.dtype)
 
 

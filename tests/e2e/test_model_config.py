@@ -25,13 +25,15 @@ EXPECT = {
     "qwen2_7b": dict(layers=28, q_heads=28, kv_heads=4, head_dim=128, rope_theta=1e6, max_context=32768),
     "qwen2_yarn": "rope_scaling.type",
     "qwen3_layer_types": dict(layers=2, q_heads=16, kv_heads=8, head_dim=128),
-    "mistral_7b_v01": "sliding_window",
+    "mistral_7b_v01": dict(layers=32, layer_windows=(4096,), softcap=0.0, attention_sinks=False),
     "mistral_7b_v03": dict(layers=32, q_heads=32, kv_heads=8, head_dim=128, rope_theta=1e6),
     "gemma_7b": dict(layers=28, q_heads=16, kv_heads=16, head_dim=256, rotary_dim=256),
     "gemma_scalar": dict(head_dim=128, softmax_scale=1 / 12.0),
-    "gemma2_9b": "sliding_window",
-    "gemma2_nowindow": "attn_logit_softcapping",
-    "gemma3_layer_types": "layer_types[1]",
+    "gemma2_9b": dict(layers=42, layer_windows=(4096, 0), softcap=50.0, softmax_scale=1 / 16.0),
+    "gemma2_nowindow": dict(layer_windows=(), softcap=50.0),
+    "gemma3_layer_types": "layer_types[1]",  # sliding_attention with sliding_window null
+    "gemma3_pattern": dict(layers=8, layer_windows=(1024,) * 5 + (0,), softcap=0.0),
+    "gemma3_local_base": "rope_local_base_freq",
     "phi2": ("--head-dim 80 (from --model-config", "head_dim"),  # the daemon's own check
     "phi_partial": dict(layers=4, q_heads=16, kv_heads=16, head_dim=128, rotary_dim=64, dtype="fp16"),
     "gptj_6b": dict(layers=28, q_heads=16, kv_heads=16, head_dim=256, rope="interleaved", rotary_dim=64,
@@ -39,7 +41,9 @@ EXPECT = {
     "pythia_410m": dict(layers=24, q_heads=16, kv_heads=16, head_dim=64, rotary_dim=16),
     "deepseek_v2_lite": "kv_lora_rank",
     "llava_llama": dict(layers=32, q_heads=32, kv_heads=32, head_dim=128, model_id="llama"),
-    "gpt_oss": "layer_types[0]",
+    "gpt_oss": dict(layers=24, q_heads=64, kv_heads=8, head_dim=64, layer_windows=(128, 0),
+                    attention_sinks=True),
+    "gpt_oss_yarn": "rope_scaling.rope_type",
     "tf5_rope_parameters": dict(layers=2, q_heads=4, kv_heads=2, head_dim=64, rope_theta=250000.0,
                                 max_context=4096, dtype="bf16"),
     "tf5_rope_linear": "rope_parameters.rope_type",
@@ -56,7 +60,8 @@ EXPECT = {
 KEYS = {"layers": "layers", "q-heads": "q_heads", "kv-heads": "kv_heads", "head-dim": "head_dim",
         "rope": "rope", "rope-theta": "rope_theta", "rotary-dim": "rotary_dim",
         "softmax-scale": "softmax_scale", "max-context": "max_context", "dtype": "dtype",
-        "model-id": "model_id"}
+        "model-id": "model_id", "attention-windows": "layer_windows", "softcap": "softcap",
+        "attention-sinks": "attention_sinks"}
 
 
 def run(*args):
@@ -73,7 +78,11 @@ def derived(stdout):
 
 
 def as_python(key, text):
-    if key in ("rope_theta", "softmax_scale"):
+    if key == "layer_windows":
+        return () if text == "none" else tuple(int(w) for w in text.split(","))
+    if key == "attention_sinks":
+        return text == "true"
+    if key in ("rope_theta", "softmax_scale", "softcap"):
         return float(text)
     if key in ("rope", "dtype", "model_id"):
         return text

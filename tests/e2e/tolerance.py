@@ -27,3 +27,4 @@ REL_L2 = {name: _T[name.upper()] for name in
           ("bf16", "fp16", "int8", "fp8", "int8_dynamic", "fp8_dynamic", "int4")}
 PREFIX_HIT = _T["PREFIX_HIT"]
 STATIC_SCALES_E2E = _T["STATIC_SCALES_E2E"]
+ENGINE_LSE = _T["ENGINE_LSE"]  # |got - ref| <= ENGINE_LSE * (1 + |ref|)

@@ -21,6 +21,9 @@
  * libFuzzer records the input as a crash.
  *
  * Environment: ATTND_FUZZ_KV_CACHE picks the cache type (default bf16);
+ * ATTND_FUZZ_SINKS=1 starts the daemon with attention sinks (steps then need
+ * SetSinks first; the set_sinks seed does it). Layer 0 always slides by 5
+ * keys and scores are soft-capped at 30 (docs/numerics.md §5);
  * ATTND_FUZZ_VERBOSE=1 prints every response's status (to check seeds). */
 #include <pb_decode.h>
 #include <stdint.h>
@@ -149,6 +152,9 @@ static void setup(void) {
   snprintf(sd, sizeof(sd), "--state-dir=%s", F.state_dir);
   char kvarg[64];
   snprintf(kvarg, sizeof(kvarg), "--kv-cache=%s", kv && kv[0] ? kv : "bf16");
+  const char *sk = getenv("ATTND_FUZZ_SINKS");
+  char skarg[64];
+  snprintf(skarg, sizeof(skarg), "--attention-sinks=%s", sk && sk[0] == '1' ? "true" : "false");
   /* A tiny model: 2 layers, GQA 4/2, d 64, blocks of 16 tokens, a context of
    * 256 and a pool of 48 blocks, so OUT_OF_RANGE and RESOURCE_EXHAUSTED are
    * a few frames away. */
@@ -169,8 +175,11 @@ static void setup(void) {
                   "--log-level=error",
                   "--model-id=fuzz",
                   "--rope=neox",
+                  "--attention-windows=5,0",
+                  "--softcap=30",
                   sd,
-                  kvarg};
+                  kvarg,
+                  skarg};
   int argc = (int)(sizeof(argv) / sizeof(argv[0]));
   char err[256];
   attnd_config_defaults(&F.cfg);

@@ -224,6 +224,26 @@ def seeds():
     step(s, 0, [(1, 0, 2, [1, 2], False, None)])
     out["set_scales"] = s
 
+    # Sinks: valid for both layers (with ATTND_FUZZ_SINKS=1; else refused), then
+    # a wrong shape, a non-finite value, a layer out of range, then a step.
+    s = Seed()
+    QH = 4
+    for layer in (0, 1):
+        r = s.req()
+        r.set_sinks.layer = layer
+        tensor(r.set_sinks.sinks, pb.DTYPE_FP32, [QH], np.linspace(-1, 2, QH, dtype=np.float32).tobytes())
+        s.add(r)
+    for layer, shape, vals in ((0, [QH, 1], np.zeros(QH, np.float32)),
+                               (0, [QH], np.full(QH, np.inf, np.float32)), (7, [QH], np.zeros(QH, np.float32))):
+        r = s.req()
+        r.set_sinks.layer = layer
+        tensor(r.set_sinks.sinks, pb.DTYPE_FP32, shape, vals.tobytes())
+        s.add(r)
+    open_(s)
+    step(s, 0, [(1, 0, 9, list(range(9)), False, None)], lse=True)
+    step(s, 1, [(1, 0, 9, list(range(9)), False, None)])
+    out["set_sinks"] = s
+
     # Pipelined decode: eight sessions, steps sent back to back.
     s = Seed()
     for i in range(4):

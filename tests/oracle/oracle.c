@@ -404,6 +404,24 @@ int oracle_mask_visible(int mask_kind, int mask_param, int causal, const int32_t
 void oracle_session_attend(const attnd_kshape_t *s, const oracle_session_t *o, int start, int n,
                            const void *q, int mask_kind, int mask_param, int causal,
                            const int32_t *intervals, double *out, double *lse) {
+  oracle_session_attend_ex(s, o, start, n, q, mask_kind, mask_param, causal, intervals, 0, NULL,
+                           out, lse);
+}
+
+int oracle_visible(int mask_kind, int mask_param, int causal, const int32_t *intervals, int window,
+                   int kv_len, int p, int j) {
+  if (window > 0 && j <= p - window)
+    return 0;
+  return oracle_mask_visible(mask_kind, mask_param, causal, intervals, kv_len, p, j);
+}
+
+/* The textbook form of docs/numerics.md: scaled score, soft-capped, masked
+ * (item mask and layer window), then a two-pass softmax whose denominator may
+ * hold one more term, the head's sink logit. */
+void oracle_session_attend_ex(const attnd_kshape_t *s, const oracle_session_t *o, int start, int n,
+                              const void *q, int mask_kind, int mask_param, int causal,
+                              const int32_t *intervals, int window, const float *sinks, double *out,
+                              double *lse) {
   int D = s->head_dim, H = s->kv_heads, QH = s->q_heads;
   int group = QH / H;
   int kv_len = start + n;
@@ -413,6 +431,7 @@ void oracle_session_attend(const attnd_kshape_t *s, const oracle_session_t *o, i
   double *score = malloc(sizeof(double) * (size_t)(kv_len ? kv_len : 1));
   assert(in && qr && score);
   double scale = (double)s->softmax_scale;
+  double cap = (double)s->softcap;
   for (int r = 0; r < n; r++) {
     int p = start + r;
     for (int qh = 0; qh < QH; qh++) {
@@ -423,7 +442,7 @@ void oracle_session_attend(const attnd_kshape_t *s, const oracle_session_t *o, i
       oracle_rope(s, p, in, qr);
       double m = -INFINITY;
       for (int j = 0; j < kv_len; j++) {
-        if (!oracle_mask_visible(mask_kind, mask_param, causal, intervals, kv_len, p, j)) {
+        if (!oracle_visible(mask_kind, mask_param, causal, intervals, window, kv_len, p, j)) {
           score[j] = -INFINITY;
           continue;
         }
@@ -432,18 +451,24 @@ void oracle_session_attend(const attnd_kshape_t *s, const oracle_session_t *o, i
         for (int d = 0; d < D; d++)
           dot += qr[d] * kr[d];
         score[j] = scale * dot;
+        if (cap > 0.0)
+          score[j] = cap * tanh(score[j] / cap);
         if (score[j] > m)
           m = score[j];
       }
       double *orow = out + qoff;
       for (int d = 0; d < D; d++)
         orow[d] = 0.0;
-      if (m == -INFINITY) { /* fully masked row */
+      const int has_sink = sinks != NULL;
+      const double sink = has_sink ? (double)sinks[qh] : -INFINITY;
+      if (m == -INFINITY) { /* no visible key: out 0, lse the sink (or -inf) */
         if (lse)
-          lse[(size_t)r * QH + qh] = -INFINITY;
+          lse[(size_t)r * QH + qh] = sink;
         continue;
       }
-      double sum = 0.0;
+      if (has_sink && sink > m)
+        m = sink;
+      double sum = has_sink ? exp(sink - m) : 0.0;
       for (int j = 0; j < kv_len; j++) {
         if (score[j] == -INFINITY)
           continue;
@@ -462,6 +487,28 @@ void oracle_session_attend(const attnd_kshape_t *s, const oracle_session_t *o, i
   free(in);
   free(qr);
   free(score);
+}
+
+void oracle_merge_lse(int nparts, const double *const *outs, const double *lses, int D, double *out,
+                      double *lse) {
+  double m = -INFINITY;
+  for (int i = 0; i < nparts; i++)
+    m = lses[i] > m ? lses[i] : m;
+  for (int d = 0; d < D; d++)
+    out[d] = 0.0;
+  if (m == -INFINITY) {
+    *lse = -INFINITY;
+    return;
+  }
+  double sum = 0.0;
+  for (int i = 0; i < nparts; i++)
+    sum += exp(lses[i] - m);
+  for (int i = 0; i < nparts; i++) {
+    double w = exp(lses[i] - m) / sum;
+    for (int d = 0; d < D; d++)
+      out[d] += w * outs[i][d];
+  }
+  *lse = m + log(sum);
 }
 
 double oracle_rel_l2(const double *ref, attnd_dtype_t dt, const void *got, size_t count) {

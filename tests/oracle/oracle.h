@@ -86,6 +86,27 @@ int oracle_mask_visible(int mask_kind, int mask_param, int causal, const int32_t
 void oracle_quantize_row(const attnd_kshape_t *s, const oracle_scales_t *sc, int kv_head, int is_v,
                          const double *x, double *q, float *dyn_scale);
 
+/* oracle_session_attend with the per-layer variants of docs/numerics.md:
+ * scores are capped by s->softcap (> 0: c * tanh(s / c)) before masking (that
+ * applies to oracle_session_attend too); window > 0 additionally hides keys
+ * j <= p - window; sinks non-NULL ([q_heads], the item's ATTND_ITEM_SINK set)
+ * adds exp(sink) to each row's denominator, lse = log(sum + exp(sink)), and a
+ * row with no visible key gives out 0, lse = sink. */
+void oracle_session_attend_ex(const attnd_kshape_t *s, const oracle_session_t *o, int start, int n,
+                              const void *q, int mask_kind, int mask_param, int causal,
+                              const int32_t *intervals, int window, const float *sinks, double *out,
+                              double *lse);
+
+/* oracle_mask_visible intersected with a layer window (0: none). */
+int oracle_visible(int mask_kind, int mask_param, int causal, const int32_t *intervals, int window,
+                   int kv_len, int p, int j);
+
+/* Merges nparts partial attentions of one (row, head) by their lse (the
+ * split-context combine): out = sum_i exp(lse_i - L) out_i, L = logsumexp.
+ * outs[i] are [D]; all parts -inf give out 0, lse -inf. */
+void oracle_merge_lse(int nparts, const double *const *outs, const double *lses, int D, double *out,
+                      double *lse);
+
 /* Uniform double in [0, 1). */
 double oracle_rng_uniform(uint64_t *state);
 

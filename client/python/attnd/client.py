@@ -535,6 +535,16 @@ class Client:
         s.drop_cached_kv = bool(drop_cached_kv)
         return int(self.call(req).set_scales.version)
 
+    def set_sinks(self, layer: int, sinks: npt.ArrayLike) -> int:
+        """Sets a layer's attention sink logits (fp32 [q_heads], finite; the units of the
+        scaled, capped scores: docs/numerics.md); returns the version."""
+        req = pb.Request()
+        s = req.set_sinks
+        s.layer = int(layer)
+        a = np.ascontiguousarray(sinks, dtype="<f4")
+        _fill_tensor(s.sinks, DTYPE_FP32, a.shape, a.tobytes())
+        return int(self.call(req).set_sinks.version)
+
     # -- steps --
 
     def _wire(self, arr: npt.ArrayLike, what: str) -> Tuple[int, Tuple[int, ...], bytes]:

@@ -17,12 +17,19 @@ cache; transformers' own cache holds nothing: pass ``past_key_values=adapter.cac
     adapter.detach(model)                              # back to the previous attention
 
 The daemon must run with ``--rope none`` and the model's layers, q/kv heads and
-head_dim (bf16 or fp16 activations; any KV cache type). Supported: decoder models
-whose attention modules carry ``layer_idx`` and call ``past_key_values.update()``
-(Llama, Mistral, Qwen2/3, ...), causal, full (``is_causal=False``) and sliding-window
-masks, greedy/sampled generation, beam search and ``crop`` (sessions are forked and
-truncated in attnd). Not supported: padded batches (rows of different lengths) and
-custom 4D masks; both raise NotImplementedError rather than compute something else.
+head_dim (bf16 or fp16 activations; any KV cache type), and with the model's
+per-layer attention variants: ``attnd.model_shape_from_config(cfg, rope="none").flags()``
+gives them all (``--attention-windows``, ``--softcap``, ``--attention-sinks``).
+Supported: decoder models whose attention modules carry ``layer_idx`` and call
+``past_key_values.update()`` (Llama, Mistral, Qwen2/3, Gemma 2/3, gpt-oss, ...):
+whatever RoPE the model applies (YaRN, per-layer-type bases: transformers rotates q
+and k before the attention function), q/k norms, per-layer sliding windows (the
+daemon's own, checked against the model's), logit soft-capping and gpt-oss's sinks
+(attach() uploads each layer's ``sinks`` with SetSinks: an operator connection),
+causal, full (``is_causal=False``) and per-item sliding-window masks, greedy/sampled
+generation, beam search and ``crop`` (sessions are forked and truncated in attnd).
+Not supported: padded batches (rows of different lengths) and custom 4D masks; both
+raise NotImplementedError rather than compute something else.
 
 Token ids travel with every Step (attnd keys its prefix cache on them); the adapter
 reads them from the model's ``input_ids`` through a forward pre-hook, or sends zeros
@@ -311,6 +318,7 @@ class AttndAdapter:
         self._hooks = {}
         self._prev = {}
         self._scale_ok = set()
+        self._sinks = {}  # layer -> (data_ptr, version) of the sinks last uploaded
         register(name)
 
     # -- models --
@@ -326,13 +334,47 @@ class AttndAdapter:
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         want = dict(layers=cfg.num_hidden_layers, q_heads=heads, kv_heads=kv, head_dim=hd, rope="none")
         have = dict(layers=s.layers, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim, rope=s.rope)
-        bad = [f"{k} {have[k]} (model: {want[k]})" for k in want if want[k] != have[k]]
+        # The per-layer variants, as the daemon derives them from the same config.
+        from .model_config import model_shape_from_config
+        ms = model_shape_from_config(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg, rope="none")
+        want.update(windows=[ms.window(l) for l in range(ms.layers)], softcap=float(ms.softcap),
+                    sinks=bool(ms.attention_sinks))
+        have.update(windows=[self._window(l) for l in range(ms.layers)],
+                    softcap=float(getattr(s, "softcap", 0.0) or 0.0),
+                    sinks=bool(getattr(s, "attention_sinks", False)))
+        bad = [f"{k} {have[k]} (model: {want[k]})" for k in want
+               if (abs(want[k] - have[k]) > 1e-6 * abs(want[k]) if k == "softcap" else want[k] != have[k])]
         if s.dtype not in ("bf16", "fp16"):
             bad.append(f"dtype {s.dtype}")
         if bad:
             raise ValueError("attnd's shape does not fit the model: " + ", ".join(bad) +
-                             "; start attnd with --layers/--q-heads/--kv-heads/--head-dim of the model "
-                             "and --rope none (transformers rotates q and k itself)")
+                             "; start attnd with attnd.model_shape_from_config(config, rope='none')"
+                             ".flags() (--rope none: transformers rotates q and k itself)")
+
+    def _window(self, layer):
+        """The daemon's window of a layer (0: full), from Health."""
+        wins = [int(w) for w in (getattr(self.shape, "attention_windows", "") or "").split(",") if w]
+        return wins[layer % len(wins)] if wins else 0
+
+    def upload_sinks(self, model: Any) -> int:
+        """SetSinks for every attention module with a ``sinks`` parameter (gpt-oss) whose
+        values changed since the last upload; returns how many layers were sent."""
+        sent = 0
+        for m in model.modules():
+            layer, sk = getattr(m, "layer_idx", None), getattr(m, "sinks", None)
+            if layer is None or sk is None or not hasattr(sk, "detach"):
+                continue
+            if self._upload_sink(layer, sk):
+                sent += 1
+        return sent
+
+    def _upload_sink(self, layer, sk):
+        tag = (sk.data_ptr(), getattr(sk, "_version", 0))
+        if self._sinks.get(layer) == tag:
+            return False
+        self.client.set_sinks(layer, sk.detach().float().cpu().numpy().reshape(-1))
+        self._sinks[layer] = tag
+        return True
 
     def attach(self, model: Any, set_implementation: bool = True) -> Any:
         """Checks the shape, points the model's attention modules at this adapter,
@@ -347,6 +389,8 @@ class AttndAdapter:
         if set_implementation:
             self._prev[id(model)] = getattr(model.config, "_attn_implementation", None) or "sdpa"
             _set_attn_implementation(model, self.name)
+        if getattr(self.shape, "attention_sinks", False):
+            self.upload_sinks(model)
         _LAST_ADAPTER = self
         return model
 
@@ -414,8 +458,9 @@ class AttndAdapter:
         self._scale_ok.add(scaling)
 
     @staticmethod
-    def _check_mask(attention_mask, start, n):
-        """Accepts a 4D mask only when it is the plain causal one (what attnd applies)."""
+    def _check_mask(attention_mask, start, n, window=0):
+        """Accepts a 4D mask only when it is the plain causal one (what attnd applies),
+        intersected with the layer's window when it slides."""
         torch = _torch()
         if not torch.is_tensor(attention_mask) or attention_mask.dim() != 4:
             raise NotImplementedError(f"attnd.hf cannot apply a {type(attention_mask).__name__} mask")
@@ -427,7 +472,8 @@ class AttndAdapter:
         vis = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
         p = torch.arange(start, kv, device=m.device)[:, None]
         j = torch.arange(kv, device=m.device)[None, :]
-        if not torch.equal(vis, (j <= p).expand_as(vis)):
+        want = (j <= p) & (j > p - window) if window else j <= p
+        if not torch.equal(vis, want.expand_as(vis)):
             raise NotImplementedError("attnd.hf applies causal masks only; this attention mask differs "
                                       "(padding or a custom pattern)")
 
@@ -446,15 +492,33 @@ class AttndAdapter:
             start = int(cp.reshape(-1)[0]) if cp is not None else 0
         try:
             out = self._step(module, layer, seqs, start, query, key, value, attention_mask, dropout,
-                             scaling, is_causal, sliding_window)
+                             scaling, is_causal, sliding_window, kwargs)
         except BaseException:
             if cache is not None:  # the cache counted tokens attnd did not take
                 cache._len[layer] = start
             raise
         return _from_wire(out, query).reshape(b, n, hq, d), None
 
+    def _check_variants(self, module, layer, kwargs):
+        """Soft-capping and sinks as the model passes them (Gemma 2's softcap, gpt-oss's
+        s_aux) against what the daemon computes."""
+        cap = kwargs.get("softcap")
+        dcap = float(getattr(self.shape, "softcap", 0.0) or 0.0)
+        if abs(float(cap or 0.0) - dcap) > 1e-6 * max(dcap, 1.0):
+            raise ValueError(f"layer {layer}: the model soft-caps at {cap}, attnd at {dcap}: "
+                             f"start attnd with --softcap {cap or 0}")
+        s_aux = kwargs.get("s_aux")
+        if s_aux is None:
+            s_aux = kwargs.get("sinks")
+        dsinks = bool(getattr(self.shape, "attention_sinks", False))
+        if (s_aux is not None) != dsinks:
+            raise ValueError(f"layer {layer}: the model has {'' if s_aux is not None else 'no '}attention "
+                             f"sinks, attnd {'has' if dsinks else 'has none'} (--attention-sinks)")
+        if s_aux is not None:
+            self._upload_sink(layer, s_aux)  # a no-op unless the values changed
+
     def _step(self, module, layer, seqs, start, query, key, value, attention_mask, dropout, scaling,
-              is_causal, sliding_window):
+              is_causal, sliding_window, kwargs):
         b, hq, n, d = query.shape
         hkv = key.shape[1]
         if key.shape[2] != n:
@@ -463,13 +527,22 @@ class AttndAdapter:
         if dropout and module.training:
             raise NotImplementedError("attnd.hf runs inference only (attention dropout in training mode)")
         self._check_scale(scaling)
+        self._check_variants(module, layer, kwargs)
+        # A sliding layer whose window the daemon applies itself needs no mask; one
+        # it does not (an older daemon, or a window only the model has) gets the
+        # per-item sliding mask.
+        dwin = self._window(layer)
+        if sliding_window and dwin and int(sliding_window) != dwin:
+            raise ValueError(f"layer {layer}: the model slides by {sliding_window}, attnd by {dwin}")
+        if not sliding_window and dwin:
+            raise ValueError(f"layer {layer}: attnd slides by {dwin}, the model's layer is full")
         if attention_mask is not None:
-            self._check_mask(attention_mask, start, n)
+            self._check_mask(attention_mask, start, n, int(sliding_window or 0))
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         mask = None
         if not causal:
             mask = _client.Mask.full()
-        elif sliding_window:
+        elif sliding_window and not dwin:
             mask = _client.Mask.sliding_window(int(sliding_window))
         tokens = self._row_tokens(b, n)
         dt = self.shape.dtype

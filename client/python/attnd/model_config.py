@@ -6,8 +6,9 @@
     # ['--layers', '32', '--q-heads', '32', '--kv-heads', '8', '--head-dim', '128', ...]
 
 The rules are the daemon's (docs/operations.md, "Model config"): the same fields are
-read, the same defaults apply, and a model whose attention attnd does not compute
-(scaled RoPE, sliding windows, soft-capping, sinks, latent or ALiBi attention) raises
+read, the same defaults apply (per-layer sliding windows, soft-capping and gpt-oss's
+sinks included), and a model whose attention attnd does not compute (scaled or
+per-layer-type RoPE unless rope="none", latent or ALiBi attention) raises
 attnd.UnsupportedModel naming the field, where the daemon refuses to start.
 tests/e2e/test_model_config.py checks the two against each other.
 """
@@ -15,7 +16,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 __all__ = ["ModelShape", "UnsupportedModel", "model_shape_from_config"]
 
@@ -25,6 +26,7 @@ _INTERLEAVED = ("gptj", "codegen")
 _LEARNED = ("gpt2", "gpt_bigcode", "gpt_neo", "opt")
 _ALIBI = ("bloom", "mpt")
 HEAD_DIMS = (64, 128, 256)
+MAX_WINDOWS = 256  # the daemon's most --attention-windows entries
 
 
 class UnsupportedModel(ValueError):
@@ -49,6 +51,13 @@ class ModelShape:
     max_context: Optional[int] = None
     dtype: Optional[str] = None      # "bf16", "fp16" or None (the daemon's default)
     model_id: Optional[str] = None   # the config's model_type
+    layer_windows: Tuple[int, ...] = ()  # repeated over the layers; 0 full; (): all full
+    softcap: float = 0.0             # attention logit soft-capping; 0: none
+    attention_sinks: bool = False    # gpt-oss sinks (set with Client.set_sinks)
+
+    def window(self, layer: int) -> int:
+        """The sliding window of a layer (0: a full layer)."""
+        return self.layer_windows[layer % len(self.layer_windows)] if self.layer_windows else 0
 
     def flags(self) -> List[str]:
         """The attnd command-line flags for this shape."""
@@ -64,6 +73,12 @@ class ModelShape:
             f += ["--dtype", self.dtype]
         if self.model_id:
             f += ["--model-id", self.model_id]
+        if self.layer_windows:
+            f += ["--attention-windows", ",".join(map(str, self.layer_windows))]
+        if self.softcap:
+            f += ["--softcap", repr(float(self.softcap))]
+        if self.attention_sinks:
+            f += ["--attention-sinks", "true"]
         return f
 
     def mismatches(self, model: Any) -> List[str]:
@@ -189,23 +204,17 @@ def model_shape_from_config(cfg: Any, rope: Optional[str] = None) -> ModelShape:
         if frac and not 0 < frac <= 1:
             raise UnsupportedModel("partial_rotary_factor", f"{frac}: must be in (0, 1]")
 
-    # Attention variants attnd does not compute (yet): refused, as the daemon does.
-    use = d.get("use_sliding_window")
-    if use is not False and _given(d, "sliding_window"):
-        raise UnsupportedModel("sliding_window", f"{d['sliding_window']}: sliding windows are not "
-                               "taken from a model config yet")
-    if _given(d, "sliding_window_pattern"):
-        raise UnsupportedModel("sliding_window_pattern", "layers with sliding windows are not supported yet")
-    lt = d.get("layer_types")
-    if lt is not None:
-        for i, t in enumerate(lt):
-            if t != "full_attention":
-                raise UnsupportedModel(f"layer_types[{i}]", f"'{t}': only full_attention layers are supported yet")
-    if _given(d, "attn_logit_softcapping"):
-        raise UnsupportedModel("attn_logit_softcapping", "soft-capped attention logits are not supported yet")
-    if _given(d, "attention_sinks") or _given(d, "sinks") or mt == "gpt_oss":
-        raise UnsupportedModel("model_type" if mt == "gpt_oss" else "attention_sinks",
-                               "attention sinks are not supported yet")
+        local = d.get("rope_local_base_freq")
+        if local is not None and float(local) != theta:
+            raise UnsupportedModel("rope_local_base_freq", f"{local}: sliding layers use another RoPE "
+                                   f"base than rope_theta {theta}; use rope='none' and rotate in the client")
+
+    # Per-layer windows, soft-capping, sinks (docs/numerics.md).
+    windows = _layer_windows(d, layers, mt)
+    softcap = float(d["attn_logit_softcapping"]) if d.get("attn_logit_softcapping") is not None else 0.0
+    if softcap < 0:
+        raise UnsupportedModel("attn_logit_softcapping", f"{softcap}: must be >= 0")
+    sinks = mt == "gpt_oss" or _given(d, "attention_sinks")
     if _given(d, "kv_lora_rank"):
         raise UnsupportedModel("kv_lora_rank", "multi-head latent attention (MLA) is not supported")
     if _given(d, "alibi") or mt in _ALIBI:
@@ -240,4 +249,47 @@ def model_shape_from_config(cfg: Any, rope: Optional[str] = None) -> ModelShape:
         raise UnsupportedModel("rotary_dim", f"{rdim}: must be even and <= head_dim {hd}")
     return ModelShape(layers=layers, q_heads=heads, kv_heads=kv, head_dim=hd, rope=kind,
                       rope_theta=theta, rotary_dim=rdim, softmax_scale=scale, max_context=max_pos,
-                      dtype=dtype, model_id=mt)
+                      dtype=dtype, model_id=mt, layer_windows=windows, softcap=softcap,
+                      attention_sinks=sinks)
+
+
+def _layer_windows(d: Mapping[str, Any], layers: int, mt: Optional[str]) -> Tuple[int, ...]:
+    """Every layer's window as the daemon derives it, as its shortest period."""
+    off = d.get("use_sliding_window") is False
+    w = _int(d, "sliding_window") or 0
+    pattern = _int(d, "sliding_window_pattern") or 0
+    mwl = _int(d, "max_window_layers")
+    if off:
+        w = 0
+    lt = d.get("layer_types")
+    if lt is not None:
+        if not isinstance(lt, (list, tuple)) or len(lt) != layers:
+            raise UnsupportedModel("layer_types", f"expected an array of {layers} (num_hidden_layers) layer types")
+        per = []
+        for i, t in enumerate(lt):
+            if t == "sliding_attention":
+                if not w and not off:
+                    raise UnsupportedModel(f"layer_types[{i}]", "sliding_attention without a sliding_window")
+                per.append(w)
+            elif t == "full_attention":
+                per.append(0)
+            else:
+                raise UnsupportedModel(f"layer_types[{i}]", f"'{t}': only full_attention and "
+                                       "sliding_attention layers are supported")
+    elif w:
+        if not pattern and mt in ("gemma3", "gemma3_text"):
+            pattern = 6
+        if not pattern and mt == "gemma2":
+            pattern = 2
+        per = [w if (((i + 1) % pattern != 0) if pattern else (i >= mwl if mwl is not None else True))
+               else 0 for i in range(layers)]
+    else:
+        return ()
+    if not any(per):
+        return ()
+    for p in range(1, layers + 1):
+        if all(per[i] == per[i % p] for i in range(layers)):
+            break
+    if p > MAX_WINDOWS:
+        raise UnsupportedModel("layer_types", f"the layers' windows repeat only every {p} layers")
+    return tuple(per[:p])
