@@ -11,9 +11,12 @@ namespace attnd {
 struct DecPiece {
   const int32_t *iv; // interval mask or NULL
   int kind, mp, causal, kv_len;
+  int win;           // the layer's window, 0: full layer
   int klo, khi;      // keys of this piece
   int prow[2];       // absolute positions of this lane's two vectors
   float sl2;         // score scale into the exp2 domain (static K scale, q's power of two folded in)
+  float cap2, icap2; // soft-capping (exp2 domain), 0: none
+  float zc[2];       // int4 under soft-capping: K zero-point terms of this lane's two vectors
   bool qlo_cols;     // TR: columns 4..7 hold the lo halves of vectors 0..3
   bool lo_pass;      // a second product with the lo halves of q
 };
@@ -27,7 +30,9 @@ template <class C> struct DecAcc {
 
 // Masks one score of key j for the vector at absolute position p.
 __device__ __forceinline__ float dec_mask(const DecPiece &pc, float x, int j, int p) {
-  return j >= pc.klo && j <= pc.khi && visible(pc.kind, pc.mp, pc.causal, pc.iv, pc.kv_len, p, j) ? x : -INFINITY;
+  return j >= pc.klo && j <= pc.khi && visible(pc.kind, pc.mp, pc.causal, pc.iv, pc.kv_len, p, j, pc.win)
+             ? x
+             : -INFINITY;
 }
 
 // kSigma: raises the warp's V-scale reference to cover this chunk's largest
@@ -75,8 +80,8 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
       }
     }
   }
-  // Element e: key g + 8 (e >> 1), vector 2c + (e & 1).
-  float mx[2] = {-INFINITY, -INFINITY};
+  // Element e: key g + 8 (e >> 1), vector 2c + (e & 1). Soft-capping: a
+  // branch per chunk, uniform over the CTA.
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     const int key = g + 8 * (e >> 1);
@@ -86,6 +91,18 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
     x *= pc.sl2;
     if constexpr (C::K::kDyn)
       x *= sKs[key];
+    sa[e] = x;
+  }
+  if (pc.cap2 > 0.f) {
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+      sa[e] = softcap2(sa[e], pc.cap2, pc.icap2, pc.zc[e & 1]);
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    const int key = g + 8 * (e >> 1);
+    float x = sa[e];
     if (need_mask)
       x = dec_mask(pc, x, j0 + key, pc.prow[e & 1]);
     sa[e] = x;
@@ -197,7 +214,6 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
     }
   }
   // Element e of n-tile nt: vector g + 8 (e >> 1), key nt * 8 + 2c + (e & 1).
-  float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < 2; nt++)
 #pragma unroll
@@ -206,6 +222,22 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
       float x = s[nt][e] * pc.sl2;
       if constexpr (C::K::kDyn)
         x *= sKs[key];
+      s[nt][e] = x;
+    }
+  if (pc.cap2 > 0.f) {
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        s[nt][e] = softcap2(s[nt][e], pc.cap2, pc.icap2, pc.zc[e >> 1]);
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int key = nt * 8 + 2 * c4 + (e & 1);
+      float x = s[nt][e];
       if (need_mask)
         x = dec_mask(pc, x, j0 + key, pc.prow[e >> 1]);
       s[nt][e] = x;

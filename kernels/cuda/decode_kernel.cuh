@@ -52,13 +52,15 @@ enum { kOutFinal = 0, kOutSlot = 1, kOutSplit = 2 };
 // output normalized by this piece's own sum, and its lse).
 template <class C>
 __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem, const attnd_kitem_t &it, int kvh,
-                                           int out_kind, int out_idx, DecAcc<C> &acc) {
+                                           int out_kind, int out_idx, bool first, DecAcc<C> &acc) {
   constexpr int D = C::D, NW = C::NW, MV = C::MV;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c4 = lane & 3;
   const int G = P.group, nvec = it.n * G;
   float *sMisc = reinterpret_cast<float *>(smem + C::kMisc);
   float *sC = sMisc, *sM = sMisc + 16, *sL = sMisc + 32, *sLt = sMisc + 48;
   const float *sVs = reinterpret_cast<const float *>(smem + C::kVs);
+  // The sink joins each row once: in the piece holding the first keys.
+  const float *sink = P.sinks && (it.flags & ATTND_ITEM_SINK) && first ? P.sinks : nullptr;
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
 #pragma unroll
@@ -135,11 +137,14 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
     float lse = -INFINITY, lset = -INFINITY;
     if (Ls > 0.f) {
       // The sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
-      const float ref = sM[r] - (C::K::kI4 ? sC[r] : 0.f);
+      // (Capped int4 scores hold the zero-point term: softcap2.)
+      const float ref = sM[r] - (C::K::kI4 && P.cap2 == 0.f ? sC[r] : 0.f);
       lse = (ref + (log2f(Ls) - C::kPShift)) * 0.69314718055994531f;
       lset = C::K::kDyn ? lse : (ref + (log2f(sLt[r]) - C::kPShift)) * 0.69314718055994531f;
     }
     const int row = it.q_row + r / G, h = kvh * G + r % G;
+    if (sink)
+      x *= sink_join(sink[h], lse, lset);
     const size_t ob = ((size_t)row * P.q_heads + h) * D + d;
     if (out_kind == kOutFinal) {
       if (P.out_fp32)
@@ -170,7 +175,7 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
 // the item.
 template <class C>
 __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kitem_t &it, int kvh, int klo, int khi,
-                          int out_kind, int out_idx) {
+                          int out_kind, int out_idx, bool first) {
   using A = Act<C::DT>;  // the activations (q)
   using KA = Act<C::KDT>; // q and K as the first product's operands
   using KT = typename KA::T;
@@ -205,9 +210,12 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   pc.mp = it.mask_param;
   pc.causal = it.causal;
   pc.kv_len = it.start + it.n;
+  pc.win = P.window;
   pc.klo = klo;
   pc.khi = khi;
   pc.sl2 = P.scale_log2;
+  pc.cap2 = P.cap2;
+  pc.icap2 = P.icap2;
   bool qsplit = false;
   float rscale = 1.f;
   // Block-wide max of x >= 0 (every thread gets it).
@@ -295,6 +303,8 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
       }
       sC[tid] = (float)(c * (double)pc.sl2);
     }
+    if (pc.cap2 > 0.f)
+      __syncthreads(); // the capped scores read sC (pc.zc)
   }
   uint32_t qb[C::TR ? D / 16 : 1][2];
   if constexpr (C::TR) {
@@ -318,6 +328,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     if (pc.qlo_cols)
       v &= 3;
     pc.prow[i] = it.start + min(v, nvec - 1) / G;
+    pc.zc[i] = C::K::kI4 && pc.cap2 > 0.f ? sC[v] : 0.f;
   }
   const int pmin = it.start, pmax = it.start + it.n - 1;
   for (int n = 0; n < cnt; n++) {
@@ -332,7 +343,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
       continue;
     const uint8_t *sb = myStages + (n % NS) * C::kStage;
     const int j0 = jfirst + (warp + NW * n) * KS;
-    const bool need_mask = tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS);
+    const bool need_mask = tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS, P.window);
     if constexpr (C::TR)
       dec_chunk_tr<C>(pc, sb, qb, sQ, sP, j0, need_mask, acc);
     else
@@ -340,15 +351,15 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     __syncwarp(); // the stage is refilled next iteration
   }
   cp_async_wait<0>();
-  dec_finish<C>(P, smem, it, kvh, out_kind, out_idx, acc);
+  dec_finish<C>(P, smem, it, kvh, out_kind, out_idx, first, acc);
 }
 
 // 16-key chunks of one kv head's share of item it (0 for an item without q),
 // and the first key and the visible key range.
-__device__ __forceinline__ int dec_item_chunks(const attnd_kitem_t &it, int &jfirst, int &lo, int &hi) {
+__device__ __forceinline__ int dec_item_chunks(const attnd_kitem_t &it, int win, int &jfirst, int &lo, int &hi) {
   if (it.q_row < 0)
     return 0;
-  key_range(it, it.start, it.start + it.n - 1, lo, hi);
+  key_range(it, it.start, it.start + it.n - 1, win, lo, hi);
   jfirst = lo & ~(kDecKeys - 1);
   return hi >= jfirst ? (hi - jfirst) / kDecKeys + 1 : 1;
 }
@@ -364,7 +375,7 @@ template <class C> __device__ int dec_prefix(const DecodeParams &P, int *pre, in
   int sum = 0, mn = 0x7fffffff, mx = 0, nq = 0, jf, lo, hi;
   for (int i = i0; i < i1; i++) {
     const attnd_kitem_t it = P.items[i];
-    const int c = dec_item_chunks(it, jf, lo, hi);
+    const int c = dec_item_chunks(it, P.window, jf, lo, hi);
     sum += c;
     if (c > 0) {
       mn = min(mn, c);
@@ -399,7 +410,7 @@ template <class C> __device__ int dec_prefix(const DecodeParams &P, int *pre, in
   for (int i = i0; i < i1; i++) {
     pre[i] = run;
     const attnd_kitem_t it = P.items[i];
-    run += dec_item_chunks(it, jf, lo, hi);
+    run += dec_item_chunks(it, P.window, jf, lo, hi);
   }
   if (tid == C::NTH - 1)
     pre[n] = run;
@@ -429,15 +440,16 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
     if (it.q_row < 0)
       return;
     int lo, hi;
-    key_range(it, it.start, it.start + it.n - 1, lo, hi);
+    key_range(it, it.start, it.start + it.n - 1, P.window, lo, hi);
     int out_kind = kOutFinal;
     if (P.nsplit > 1) {
-      lo = max(lo, split * P.split_keys);
-      hi = min(hi, (split + 1) * P.split_keys - 1);
+      const int b0 = P.window > 0 ? lo : 0; // a sliding layer's parts cover its window only
+      lo = max(lo, b0 + split * P.split_keys);
+      hi = min(hi, b0 + (split + 1) * P.split_keys - 1);
       out_kind = kOutSplit;
     }
     pdl_wait(); // q and the cache are written by the previous kernel
-    dec_piece<C>(P, smem, it, kvh, lo, hi, out_kind, split);
+    dec_piece<C>(P, smem, it, kvh, lo, hi, out_kind, split, split == 0);
     return;
   }
   // Flat split: this CTA's chunks [u, u1) of the W in all, over nc CTAs.
@@ -476,12 +488,12 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
   while (u < u1) {
     const attnd_kitem_t it = P.items[i];
     int jfirst, lo, hi;
-    const int nch = dec_item_chunks(it, jfirst, lo, hi);
+    const int nch = dec_item_chunks(it, P.window, jfirst, lo, hi);
     const int h = (int)((u - base) / nch), a = (int)((u - base) % nch);
     const int b = (int)min((long long)nch, a + (u1 - u));
     const bool whole = a == 0 && b == nch;
     const int klo = max(lo, jfirst + a * kDecKeys), khi = min(hi, jfirst + b * kDecKeys - 1);
-    dec_piece<C>(P, smem, it, h, klo, khi, whole ? kOutFinal : kOutSlot, 2 * cta + (first ? 0 : 1));
+    dec_piece<C>(P, smem, it, h, klo, khi, whole ? kOutFinal : kOutSlot, 2 * cta + (first ? 0 : 1), a == 0);
     u += b - a;
     first = false;
     if (b == nch && h == KVH - 1) {
