@@ -11,11 +11,9 @@ namespace attnd {
 struct DecPiece {
   const int32_t *iv; // interval mask or NULL
   int kind, mp, causal, kv_len;
-  int win;           // the layer's window, 0: full layer
   int klo, khi;      // keys of this piece
   int prow[2];       // absolute positions of this lane's two vectors
   float sl2;         // score scale into the exp2 domain (static K scale, q's power of two folded in)
-  float cap2, icap2; // soft-capping (exp2 domain), 0: none
   float zc[2];       // int4 under soft-capping: K zero-point terms of this lane's two vectors
   bool qlo_cols;     // TR: columns 4..7 hold the lo halves of vectors 0..3
   bool lo_pass;      // a second product with the lo halves of q
@@ -28,9 +26,11 @@ template <class C> struct DecAcc {
   float sig;               // kSigma: the power of two V's scales are taken relative to
 };
 
-// Masks one score of key j for the vector at absolute position p.
-__device__ __forceinline__ float dec_mask(const DecPiece &pc, float x, int j, int p) {
-  return j >= pc.klo && j <= pc.khi && visible(pc.kind, pc.mp, pc.causal, pc.iv, pc.kv_len, p, j, pc.win)
+// Masks one score of key j for the vector at absolute position p. The layer's
+// window and soft-cap are read from the kernel parameters (constant bank, no
+// registers held through the key loop).
+__device__ __forceinline__ float dec_mask(const DecodeParams &P, const DecPiece &pc, float x, int j, int p) {
+  return j >= pc.klo && j <= pc.khi && visible(pc.kind, pc.mp, pc.causal, pc.iv, pc.kv_len, p, j, P.window)
              ? x
              : -INFINITY;
 }
@@ -47,7 +47,7 @@ template <class C> __device__ __forceinline__ float dec_sigma(DecAcc<C> &acc, fl
 
 // One chunk in the transposed form: S^T = K q^T, online softmax, O^T += V^T P^T.
 template <class C>
-__device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *sb, const uint32_t (*qb)[2],
+__device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPiece &pc, const uint8_t *sb, const uint32_t (*qb)[2],
                                              const typename Act<C::KDT>::T *sQ, typename Act<C::PDT>::T *sP,
                                              int j0, bool need_mask, DecAcc<C> &acc) {
   using PA = Act<C::PDT>;
@@ -93,10 +93,10 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
       x *= sKs[key];
     sa[e] = x;
   }
-  if (pc.cap2 > 0.f) {
+  if (P.cap2 > 0.f) {
 #pragma unroll
     for (int e = 0; e < 4; e++)
-      sa[e] = softcap2(sa[e], pc.cap2, pc.icap2, pc.zc[e & 1]);
+      sa[e] = softcap2(sa[e], P.cap2, P.icap2, pc.zc[e & 1]);
   }
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -104,7 +104,7 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
     const int key = g + 8 * (e >> 1);
     float x = sa[e];
     if (need_mask)
-      x = dec_mask(pc, x, j0 + key, pc.prow[e & 1]);
+      x = dec_mask(P, pc, x, j0 + key, pc.prow[e & 1]);
     sa[e] = x;
     mx[e & 1] = fmaxf(mx[e & 1], x);
   }
@@ -177,7 +177,7 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
 
 // One chunk in the rows form: S = q K^T, online softmax, O += P V.
 template <class C>
-__device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t *sb,
+__device__ __forceinline__ void dec_chunk_rows(const DecodeParams &P, const DecPiece &pc, const uint8_t *sb,
                                                const typename Act<C::KDT>::T *sQ,
                                                const typename Act<C::KDT>::T *sQlo, int j0, bool need_mask,
                                                DecAcc<C> &acc) {
@@ -224,12 +224,12 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
         x *= sKs[key];
       s[nt][e] = x;
     }
-  if (pc.cap2 > 0.f) {
+  if (P.cap2 > 0.f) {
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++)
-        s[nt][e] = softcap2(s[nt][e], pc.cap2, pc.icap2, pc.zc[e >> 1]);
+        s[nt][e] = softcap2(s[nt][e], P.cap2, P.icap2, pc.zc[e >> 1]);
   }
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -239,7 +239,7 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
       const int key = nt * 8 + 2 * c4 + (e & 1);
       float x = s[nt][e];
       if (need_mask)
-        x = dec_mask(pc, x, j0 + key, pc.prow[e >> 1]);
+        x = dec_mask(P, pc, x, j0 + key, pc.prow[e >> 1]);
       s[nt][e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);
     }

@@ -46,13 +46,17 @@ namespace attnd {
 
 // Where a piece's result goes.
 enum { kOutFinal = 0, kOutSlot = 1, kOutSplit = 2 };
+// out_kind | kOutSink: the piece holds the first keys of an item with
+// ATTND_ITEM_SINK: the sink joins its rows (one bit of a value the key loop
+// keeps anyway, not a register of its own).
+constexpr int kOutSink = 4;
 
 // Merges the four warps' states by lse and writes the piece's result in the
 // natural channel order: the output (kOutFinal) or a partial state (the
 // output normalized by this piece's own sum, and its lse).
 template <class C>
 __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem, const attnd_kitem_t &it, int kvh,
-                                           int out_kind, int out_idx, bool first, DecAcc<C> &acc) {
+                                           int out_kind, int out_idx, DecAcc<C> &acc) {
   constexpr int D = C::D, NW = C::NW, MV = C::MV;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c4 = lane & 3;
   const int G = P.group, nvec = it.n * G;
@@ -60,7 +64,8 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
   float *sC = sMisc, *sM = sMisc + 16, *sL = sMisc + 32, *sLt = sMisc + 48;
   const float *sVs = reinterpret_cast<const float *>(smem + C::kVs);
   // The sink joins each row once: in the piece holding the first keys.
-  const float *sink = P.sinks && (it.flags & ATTND_ITEM_SINK) && first ? P.sinks : nullptr;
+  const float *sink = (out_kind & kOutSink) ? P.sinks : nullptr;
+  out_kind &= ~kOutSink;
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
 #pragma unroll
@@ -175,7 +180,7 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
 // the item.
 template <class C>
 __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kitem_t &it, int kvh, int klo, int khi,
-                          int out_kind, int out_idx, bool first) {
+                          int out_kind, int out_idx) {
   using A = Act<C::DT>;  // the activations (q)
   using KA = Act<C::KDT>; // q and K as the first product's operands
   using KT = typename KA::T;
@@ -210,12 +215,9 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   pc.mp = it.mask_param;
   pc.causal = it.causal;
   pc.kv_len = it.start + it.n;
-  pc.win = P.window;
   pc.klo = klo;
   pc.khi = khi;
   pc.sl2 = P.scale_log2;
-  pc.cap2 = P.cap2;
-  pc.icap2 = P.icap2;
   bool qsplit = false;
   float rscale = 1.f;
   // Block-wide max of x >= 0 (every thread gets it).
@@ -303,7 +305,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
       }
       sC[tid] = (float)(c * (double)pc.sl2);
     }
-    if (pc.cap2 > 0.f)
+    if (P.cap2 > 0.f)
       __syncthreads(); // the capped scores read sC (pc.zc)
   }
   uint32_t qb[C::TR ? D / 16 : 1][2];
@@ -328,7 +330,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     if (pc.qlo_cols)
       v &= 3;
     pc.prow[i] = it.start + min(v, nvec - 1) / G;
-    pc.zc[i] = C::K::kI4 && pc.cap2 > 0.f ? sC[v] : 0.f;
+    pc.zc[i] = C::K::kI4 && P.cap2 > 0.f ? sC[v] : 0.f;
   }
   const int pmin = it.start, pmax = it.start + it.n - 1;
   for (int n = 0; n < cnt; n++) {
@@ -345,13 +347,13 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     const int j0 = jfirst + (warp + NW * n) * KS;
     const bool need_mask = tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS, P.window);
     if constexpr (C::TR)
-      dec_chunk_tr<C>(pc, sb, qb, sQ, sP, j0, need_mask, acc);
+      dec_chunk_tr<C>(P, pc, sb, qb, sQ, sP, j0, need_mask, acc);
     else
-      dec_chunk_rows<C>(pc, sb, sQ, sQlo, j0, need_mask, acc);
+      dec_chunk_rows<C>(P, pc, sb, sQ, sQlo, j0, need_mask, acc);
     __syncwarp(); // the stage is refilled next iteration
   }
   cp_async_wait<0>();
-  dec_finish<C>(P, smem, it, kvh, out_kind, out_idx, first, acc);
+  dec_finish<C>(P, smem, it, kvh, out_kind, out_idx, acc);
 }
 
 // 16-key chunks of one kv head's share of item it (0 for an item without q),
@@ -449,7 +451,9 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
       out_kind = kOutSplit;
     }
     pdl_wait(); // q and the cache are written by the previous kernel
-    dec_piece<C>(P, smem, it, kvh, lo, hi, out_kind, split, split == 0);
+    if (split == 0 && P.sinks && (it.flags & ATTND_ITEM_SINK))
+      out_kind |= kOutSink;
+    dec_piece<C>(P, smem, it, kvh, lo, hi, out_kind, split);
     return;
   }
   // Flat split: this CTA's chunks [u, u1) of the W in all, over nc CTAs.
@@ -493,7 +497,8 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
     const int b = (int)min((long long)nch, a + (u1 - u));
     const bool whole = a == 0 && b == nch;
     const int klo = max(lo, jfirst + a * kDecKeys), khi = min(hi, jfirst + b * kDecKeys - 1);
-    dec_piece<C>(P, smem, it, h, klo, khi, whole ? kOutFinal : kOutSlot, 2 * cta + (first ? 0 : 1), a == 0);
+    const int sk = a == 0 && P.sinks && (it.flags & ATTND_ITEM_SINK) ? kOutSink : 0;
+    dec_piece<C>(P, smem, it, h, klo, khi, (whole ? kOutFinal : kOutSlot) | sk, 2 * cta + (first ? 0 : 1));
     u += b - a;
     first = false;
     if (b == nch && h == KVH - 1) {

@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const float *sC = reinterpret_cast<const float *>(smem + C::kC);
   const float *sink =
-      F.sinks && (it.flags & ATTND_ITEM_SINK) && (F.nsplit <= 1 || split == 0) ? F.sinks : nullptr;
+      F.sinks && (F.items[item].flags & ATTND_ITEM_SINK) && (F.nsplit <= 1 || split == 0) ? F.sinks : nullptr;
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     if (!rvalid[ri])

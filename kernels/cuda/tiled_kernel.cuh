@@ -68,9 +68,7 @@ struct TileCtx {
   attnd_kitem_t it;
   const int32_t *iv, *bt;
   int kvh, v0, vend, nvec, pmin, pmax, lo, hi, jfirst, ntiles, kv_len;
-  int win;      // the layer's window, 0: full layer
   float sl2;    // score scale into the exp2 domain, static K scale folded in
-  float cap2, icap2; // soft-capping (exp2 domain), 0: none
   bool lo_pass; // q split into hi + lo: a second product from sQlo
 };
 
@@ -113,9 +111,9 @@ __device__ void tiled_load_q(const FlashParams &P, const TileCtx &x, float rscal
 // is skipped when each of its keys is masked for every row of this query tile
 // (causal, or an interval covering [pmin, pmax]); it needs no per-element
 // mask when no key is masked for any row.
-template <class C> __device__ void tiled_classify(const TileCtx &x, uint8_t *sFlags) {
-  classify_tiles<C::BN>(x.it, x.iv, x.kv_len, x.lo, x.hi, x.jfirst, x.ntiles, kMaxTileFlags, x.pmin, x.pmax, x.win, C::NW,
-                        sFlags);
+template <class C> __device__ void tiled_classify(const FlashParams &P, const TileCtx &x, uint8_t *sFlags) {
+  classify_tiles<C::BN>(x.it, x.iv, x.kv_len, x.lo, x.hi, x.jfirst, x.ntiles, kMaxTileFlags, x.pmin, x.pmax, P.window,
+                        C::NW, sFlags);
 }
 
 // Issues the paged cp.async copies of key tile t into stage st (zero-filled
@@ -210,7 +208,7 @@ template <class C> struct TileAcc {
 
 // One key tile for one warp: S = Q K^T, mask, online softmax, O += P V.
 template <class C>
-__device__ __forceinline__ void tiled_tile(const TileCtx &x, const uint16_t *sQ, const uint16_t *sQlo,
+__device__ __forceinline__ void tiled_tile(const FlashParams &P, const TileCtx &x, const uint16_t *sQ, const uint16_t *sQlo,
                                            const uint16_t *sK, const uint16_t *sV, const float *sDsStage, int j0,
                                            bool need_mask, const int *prow, const float *zrow,
                                            TileAcc<C> &acc) {
@@ -250,12 +248,12 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const uint16_t *sQ,
         v *= sDsStage[nt * 8 + (lane & 3) * 2 + (e & 1)];
       s[nt][e] = v;
     }
-  if (x.cap2 > 0.f) {
+  if (P.cap2 > 0.f) { // window and cap from the parameters (constant bank)
 #pragma unroll
     for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++)
-        s[nt][e] = softcap2(s[nt][e], x.cap2, x.icap2, zrow[e >> 1]);
+        s[nt][e] = softcap2(s[nt][e], P.cap2, P.icap2, zrow[e >> 1]);
   }
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -267,7 +265,7 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const uint16_t *sQ,
         const int j = j0 + nt * 8 + (lane & 3) * 2 + (e & 1);
         const bool vis = j >= x.lo && j <= x.hi &&
                          visible(x.it.mask_kind, x.it.mask_param, x.it.causal, x.iv, x.kv_len, prow[e >> 1], j,
-                                 x.win);
+                                 P.window);
         if (!vis)
           v = -INFINITY;
       }
@@ -357,7 +355,8 @@ __device__ __forceinline__ void tiled_write(const FlashParams &P, const TileCtx 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, G = P.group;
   const int wv0 = x.v0 + warp * 16;
   const float *sink =
-      P.sinks && (x.it.flags & ATTND_ITEM_SINK) && (P.nsplit <= 1 || split == 0) ? P.sinks : nullptr;
+      P.sinks && (P.items[blockIdx.x / P.kv_heads].flags & ATTND_ITEM_SINK) && (P.nsplit <= 1 || split == 0) ? P.sinks
+                                                                                                : nullptr;
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     acc.l[ri] += __shfl_xor_sync(0xffffffffu, acc.l[ri], 1);
@@ -381,7 +380,7 @@ __device__ __forceinline__ void tiled_write(const FlashParams &P, const TileCtx 
     const float inv = any ? (C::kSigma ? acc.sig : 1.f) / ln : 0.f;
     // The sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
     // (Capped int4 scores hold the zero-point term: softcap2.)
-    const float ref = acc.m[ri] - (C::K::kI4 && x.cap2 == 0.f ? sC[warp * 16 + (lane >> 2) + ri * 8] : 0.f);
+    const float ref = acc.m[ri] - (C::K::kI4 && P.cap2 == 0.f ? sC[warp * 16 + (lane >> 2) + ri * 8] : 0.f);
     float lse = any ? (ref + (log2f(acc.l[ri]) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
     float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
     // The sink joins the row once: here when it is not split, else in part 0.
@@ -462,12 +461,9 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
   x.pmax = x.it.start + (x.vend - 1) / G;
   x.iv = x.it.mask_kind == ATTND_MASK_INTERVALS ? P.meta + x.it.intervals : nullptr;
   x.bt = P.meta + x.it.block_table;
-  x.win = P.window;
-  x.cap2 = P.cap2;
-  x.icap2 = P.icap2;
-  key_range(x.it, x.pmin, x.pmax, x.win, x.lo, x.hi);
+  key_range(x.it, x.pmin, x.pmax, P.window, x.lo, x.hi);
   if (P.nsplit > 1) {
-    const int b0 = x.win > 0 ? x.lo : 0; // a sliding layer's parts cover its window only
+    const int b0 = P.window > 0 ? x.lo : 0; // a sliding layer's parts cover its window only
     x.lo = max(x.lo, b0 + split * P.split_keys);
     x.hi = min(x.hi, b0 + (split + 1) * P.split_keys - 1);
   }
@@ -509,7 +505,7 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
         sScale[D + i] = P.v_zero[x.kvh * D + i];
     }
   if (x.it.mask_kind == ATTND_MASK_INTERVALS)
-    tiled_classify<C>(x, sFlags);
+    tiled_classify<C>(P, x, sFlags);
   __syncthreads();
   if constexpr (KV == ATTND_KV_INT4) {
     // q'.(u - z) = q'.u - q'.z: the second term is the same for every key of
@@ -571,7 +567,7 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
     const int j0 = x.jfirst + t * BN;
     const bool need_mask = x.it.mask_kind == ATTND_MASK_INTERVALS
                                ? t >= kMaxTileFlags || (sFlags[t] & 2)
-                               : tile_needs_mask(x.it, x.pmin, x.pmax, x.lo, x.hi, j0, BN, x.win);
+                               : tile_needs_mask(x.it, x.pmin, x.pmax, x.lo, x.hi, j0, BN, P.window);
     const uint16_t *sK, *sV;
     if constexpr (C::kDirect) {
       sK = reinterpret_cast<const uint16_t *>(sRaw + (size_t)(stage * 2) * BN * RAWLD);
@@ -583,7 +579,7 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
       sV = sOp + BN * LD;
     }
     if (warp_live && !no_math)
-      tiled_tile<C>(x, reinterpret_cast<const uint16_t *>(sQ), reinterpret_cast<const uint16_t *>(sQlo), sK, sV,
+      tiled_tile<C>(P, x, reinterpret_cast<const uint16_t *>(sQ), reinterpret_cast<const uint16_t *>(sQlo), sK, sV,
                     sDs + stage * 2 * BN, j0, need_mask, prow, zrow, acc);
     __syncthreads(); // the stage and operand tiles are rewritten next
     t = tn;
