@@ -21,9 +21,19 @@
 
 std::string g_json = "{";
 
+// ATTND_BENCH_FILTER: comma-separated substrings; a row runs when its name holds one.
 bool bench_wanted(const char *name) {
   const char *f = getenv("ATTND_BENCH_FILTER");
-  return !f || !*f || strstr(name, f) != nullptr;
+  if (!f || !*f)
+    return true;
+  for (const char *p = f; *p;) {
+    const char *e = strchr(p, ',');
+    const size_t n = e ? (size_t)(e - p) : strlen(p);
+    if (n > 0 && std::string(name).find(std::string(p, n)) != std::string::npos)
+      return true;
+    p += n + (e ? 1 : 0);
+  }
+  return false;
 }
 
 void jrow(const char *name, const char *fmt, ...) {

@@ -90,10 +90,12 @@ inline void softcap_exp2(const attnd_kshape_t *s, float *cap2, float *icap2) {
   *icap2 = s->softcap > 0.f ? 1.f / *cap2 : 0.f;
 }
 
-// Keys a CTA's rows may see at most (the split planning's length): the
-// longest context, or in a sliding layer the window plus the rows of a CTA
-// (rows query rows of one item).
-long plan_span(const attnd_kbatch_t *b, long rows);
+// Keys a CTA's rows may see at most from its first visible key (the split
+// planning's length): the longest context, or in a sliding layer the window
+// plus the rows of an item less one (the first row's window starts the range;
+// masks that see later keys (full, prefix-LM, intervals without causal) end
+// it at the item's last key).
+long plan_span(const attnd_kbatch_t *b);
 
 // The split planning of the tiled kernel (tiled_kernel.cuh) and the decode path.
 size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q);

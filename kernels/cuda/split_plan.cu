@@ -72,21 +72,20 @@ size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q) {
   return (size_t)total_q * s->q_heads * (s->head_dim + 2) * sizeof(float);
 }
 
-long plan_span(const attnd_kbatch_t *b, long rows) {
+long plan_span(const attnd_kbatch_t *b) {
   long span = b->max_kv_len;
-  if (b->window > 0 && (long)b->window + rows - 1 < span)
-    span = (long)b->window + rows - 1;
+  if (b->window > 0 && (long)b->window + b->max_n - 1 < span)
+    span = (long)b->window + b->max_n - 1;
   return span;
 }
 
 int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int slots_per_sm, int tile_vec,
                 int *split_keys) {
   const int G = s->q_heads / s->kv_heads;
-  // A sliding layer's parts cover the window of a CTA's rows (from its first
-  // visible key), not the whole context: a decode row at 32k in a window of
+  // A sliding layer's parts cover the keys of a CTA's rows from its first
+  // visible key, not the whole context: a decode row at 32k in a window of
   // 4096 is cut as a full layer at 4096 would be.
-  const long rows = (long)tile_vec / G + 1 < b->max_n ? (long)tile_vec / G + 1 : b->max_n;
-  const long span = plan_span(b, rows);
+  const long span = plan_span(b);
   const long tiles = ((long)b->max_n * G + tile_vec - 1) / tile_vec;
   const long base = (long)b->nitems * s->kv_heads * tiles;
   const long slots = (long)num_sms() * slots_per_sm;
@@ -150,7 +149,7 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
       b->nitems <= with_types<ItemsF>(s->head_dim, s->dtype, s->kv, pl->tr)) {
     // CTAs: one full wave, fewer when the keys are too few for every CTA to
     // get min_chunks (the bound counts every item at the longest context).
-    const long chunks_max = (long)b->nitems * s->kv_heads * ((plan_span(b, b->max_n) + kDecKeys - 1) / kDecKeys + 1);
+    const long chunks_max = (long)b->nitems * s->kv_heads * ((plan_span(b) + kDecKeys - 1) / kDecKeys + 1);
     const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 8;
     long c = chunks_max / min_chunks;
     if (c > slots)
