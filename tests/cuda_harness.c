@@ -754,9 +754,10 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
       sinks = (o->sink_items >> i) & 1 ? o->sinks : NULL;
 #endif
       novis = malloc(sizeof(int) * ti[i].n * QH);
-      harness_ref_attend(s, &os[i], ti[i].start, ti[i].n, (uint8_t *)q + es * items[i].q_row * QH * D,
-                 ti[i].mask_kind, ti[i].mask_param, ti[i].causal,
-                 iv_off[i] >= 0 ? meta + iv_off[i] : NULL, window, sinks, ref, rl, novis);
+      harness_ref_attend(s, &os[i], ti[i].start, ti[i].n,
+                         (uint8_t *)q + es * items[i].q_row * QH * D, ti[i].mask_kind,
+                         ti[i].mask_param, ti[i].causal, iv_off[i] >= 0 ? meta + iv_off[i] : NULL,
+                         window, sinks, ref, rl, novis);
     } else {
       oracle_session_attend(s, &os[i], ti[i].start, ti[i].n,
                             (uint8_t *)q + es * items[i].q_row * QH * D, ti[i].mask_kind,

@@ -17,8 +17,8 @@
  * (row-major [n][q_heads]) is 1 for rows with no visible key. */
 void harness_ref_attend(const attnd_kshape_t *s, const oracle_session_t *o, int start, int n,
                         const void *q, int mask_kind, int mask_param, int causal,
-                       const int32_t *intervals, int window, const float *sinks, double *out,
-                       double *lse, int *novis) {
+                        const int32_t *intervals, int window, const float *sinks, double *out,
+                        double *lse, int *novis) {
   const int D = s->head_dim, H = s->kv_heads, QH = s->q_heads, group = QH / H, kv_len = start + n;
   double *in = malloc(sizeof(double) * D), *qr = malloc(sizeof(double) * D);
   double *score = malloc(sizeof(double) * (kv_len ? kv_len : 1));

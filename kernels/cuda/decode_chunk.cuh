@@ -47,9 +47,10 @@ template <class C> __device__ __forceinline__ float dec_sigma(DecAcc<C> &acc, fl
 
 // One chunk in the transposed form: S^T = K q^T, online softmax, O^T += V^T P^T.
 template <class C>
-__device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPiece &pc, const uint8_t *sb, const uint32_t (*qb)[2],
-                                             const typename Act<C::KDT>::T *sQ, typename Act<C::PDT>::T *sP,
-                                             int j0, bool need_mask, DecAcc<C> &acc) {
+__device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPiece &pc, const uint8_t *sb,
+                                             const uint32_t (*qb)[2], const typename Act<C::KDT>::T *sQ,
+                                             typename Act<C::PDT>::T *sP, int j0, bool need_mask,
+                                             DecAcc<C> &acc) {
   using PA = Act<C::PDT>;
   constexpr int KS = C::KS, LD = C::LD;
   const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;

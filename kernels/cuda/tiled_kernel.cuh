@@ -208,10 +208,10 @@ template <class C> struct TileAcc {
 
 // One key tile for one warp: S = Q K^T, mask, online softmax, O += P V.
 template <class C>
-__device__ __forceinline__ void tiled_tile(const FlashParams &P, const TileCtx &x, const uint16_t *sQ, const uint16_t *sQlo,
-                                           const uint16_t *sK, const uint16_t *sV, const float *sDsStage, int j0,
-                                           bool need_mask, const int *prow, const float *zrow,
-                                           TileAcc<C> &acc) {
+__device__ __forceinline__ void tiled_tile(const FlashParams &P, const TileCtx &x, const uint16_t *sQ,
+                                           const uint16_t *sQlo, const uint16_t *sK, const uint16_t *sV,
+                                           const float *sDsStage, int j0, bool need_mask, const int *prow,
+                                           const float *zrow, TileAcc<C> &acc) {
   using A = Act<C::PDT>; // P's dtype
   constexpr int BN = C::BN, D = C::D, LD = C::LD;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, qr0 = warp * 16;
