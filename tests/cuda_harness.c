@@ -60,41 +60,6 @@ double harness_ratio_floor(attnd_dtype_t dt, attnd_kv_type_t kv) {
   return 0x1p-13;
 }
 
-/* Fills an interval mask for one item: random column intervals, plus rows
- * [start+1, start+3) masked from every key (fully masked rows). */
-static void make_intervals(int32_t *iv, int kv_len, int start, int n) {
-  for (int j = 0; j < kv_len; j++) {
-    int a = start + harness_rnd(n + 1), b = a + harness_rnd(n / 2 + 1);
-    iv[j] = a;
-    iv[kv_len + j] = b;
-    if (n >= 4) {
-      iv[2 * kv_len + j] = start + 1;
-      iv[3 * kv_len + j] = start + 3;
-    } else {
-      iv[2 * kv_len + j] = 0;
-      iv[3 * kv_len + j] = 0;
-    }
-  }
-}
-
-/* Documents of 30..249 tokens tile keys 0 .. kv_len-1; a row sees only its own
- * document's keys (rows after a document: first interval; rows before it:
- * second), so whole key tiles are masked for a query tile and get skipped. */
-static void make_documents(int32_t *iv, int kv_len) {
-  for (int a = 0; a < kv_len;) {
-    int e = a + 30 + harness_rnd(220);
-    if (e > kv_len)
-      e = kv_len;
-    for (int j = a; j < e; j++) {
-      iv[j] = e;
-      iv[kv_len + j] = kv_len;
-      iv[2 * kv_len + j] = 0;
-      iv[3 * kv_len + j] = a;
-    }
-    a = e;
-  }
-}
-
 static size_t dt_size(attnd_dtype_t dt) {
   return dt == ATTND_DT_FP32 ? 4 : 2;
 }
@@ -423,32 +388,6 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
   free(out);
 }
 
-/* Checks one item's lse against the oracle's, and fully masked rows (novis:
- * rows with no visible key, NULL: those with lse -inf; with a sink their lse
- * is the sink). */
-static void check_lse(int ncase, const attnd_kshape_t *s, int i, int rows, const float *lse,
-                      const double *rl, const int *novis, attnd_dtype_t odt, const void *got,
-                      const char *who) {
-  const int D = s->head_dim;
-  for (int r = 0; r < rows; r++) {
-    const float g = lse[r];
-    if (novis && novis[r])
-      for (int e = 0; e < D; e++)
-        if (oracle_from_dtype(odt, got, (size_t)r * D + e) != 0.0)
-          fail_msg("%s case %d item %d: row %d with no visible key not zero", who, ncase, i, r);
-    if (isinf(rl[r])) {
-      if (!(isinf(g) && g < 0))
-        fail_msg("%s case %d item %d row %d: lse %g, want -inf", who, ncase, i, r, g);
-      for (int e = 0; e < D; e++)
-        if (oracle_from_dtype(odt, got, (size_t)r * D + e) != 0.0)
-          fail_msg("%s case %d item %d: fully masked row %d not zero", who, ncase, i, r);
-    } else if (!(fabs(g - rl[r]) <= 2e-2 + 1e-3 * fabs(rl[r]))) {
-      fail_msg("%s case %d kv %s item %d row %d: lse %g, oracle %g", who, ncase,
-               attnd_kv_type_name(s->kv), i, r, g, rl[r]);
-    }
-  }
-}
-
 void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,
               const case_opts_t *o, case_result_t *res) {
   const int D = s->head_dim, KVH = s->kv_heads, QH = s->q_heads, bs = s->block_size;
@@ -537,9 +476,9 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
       meta[bt_off[i] + l] = perm[pb++];
   for (int i = 0; i < nitems; i++)
     if (iv_off[i] >= 0 && ti[i].docs)
-      make_documents(meta + iv_off[i], ti[i].start + ti[i].n);
+      harness_make_documents(meta + iv_off[i], ti[i].start + ti[i].n);
     else if (iv_off[i] >= 0)
-      make_intervals(meta + iv_off[i], ti[i].start + ti[i].n, ti[i].start, ti[i].n);
+      harness_make_intervals(meta + iv_off[i], ti[i].start + ti[i].n, ti[i].start, ti[i].n);
   int32_t *d_meta = dev_copy(meta, sizeof(int32_t) * nmeta);
 
   oracle_session_t *os = calloc((size_t)(nitems > 0 ? nitems : 1), sizeof *os);
@@ -773,14 +712,15 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
           ti[i].mask_kind, res->splits, err, harness_bound(s->kv));
     if (err > res->cuda_err)
       res->cuda_err = err;
-    check_lse(ncase, s, i, ti[i].n * QH, lse + items[i].q_row * QH, rl, novis, odt, got, "cuda");
+    harness_check_lse(ncase, s, i, ti[i].n * QH, lse + items[i].q_row * QH, rl, novis, odt, got,
+                      "cuda");
     if (o->cpu) {
       const void *cgot = (uint8_t *)cpu_out + dt_size(odt) * items[i].q_row * QH * D;
       const double cerr = oracle_rel_l2(ref, odt, cgot, cnt);
       if (!(cerr <= harness_bound(s->kv)))
         fail_msg("cpu case %d kv %s item %d: rel L2 %g", ncase, attnd_kv_type_name(s->kv), i, cerr);
-      check_lse(ncase, s, i, ti[i].n * QH, cpu_lse + items[i].q_row * QH, rl, novis, odt, cgot,
-                "cpu");
+      harness_check_lse(ncase, s, i, ti[i].n * QH, cpu_lse + items[i].q_row * QH, rl, novis, odt,
+                        cgot, "cpu");
       if (cerr > res->cpu_err)
         res->cpu_err = cerr;
       const double ratio = err / (2.0 * cerr + floor);

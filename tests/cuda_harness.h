@@ -79,6 +79,17 @@ void harness_ref_attend(const attnd_kshape_t *s, const oracle_session_t *o, int 
                         const int32_t *intervals, int window, const float *sinks, double *out,
                         double *lse, int *novis);
 
+/* Mask inputs for one item (meta intervals, [4][kv_len]): random column
+ * intervals plus rows [start+1, start+3) masked from every key; or documents
+ * of 30..249 tokens (whole key tiles masked). */
+void harness_make_intervals(int32_t *iv, int kv_len, int start, int n);
+void harness_make_documents(int32_t *iv, int kv_len);
+/* One item's lse against the reference's rl, and rows with no visible key
+ * (novis, NULL: those of lse -inf) all zero in got (rows of [q_heads][D] in odt). */
+void harness_check_lse(int ncase, const attnd_kshape_t *s, int i, int rows, const float *lse,
+                       const double *rl, const int *novis, attnd_dtype_t odt, const void *got,
+                       const char *who);
+
 /* Runs one case; fails the test (cmocka fail_msg) on a bound, lse, masked-row
  * or prefix-hit violation. The CPU ratio is only recorded in res. */
 void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,

@@ -1,7 +1,14 @@
-/* cuda_harness_ref.c: the float64 reference of the per-layer attention
- * variants (cuda_harness.h, harness_ref_attend). */
+/* cuda_harness_ref.c: the harness's side of the judgement (cuda_harness.h):
+ * the float64 reference of the per-layer attention variants, the mask inputs
+ * and the lse / fully-masked-row check. */
 #include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
+
+#include <cmocka.h>
 
 #include "cuda_harness.h"
 #include "oracle.h"
@@ -80,4 +87,65 @@ void harness_ref_attend(const attnd_kshape_t *s, const oracle_session_t *o, int 
   free(in);
   free(qr);
   free(score);
+}
+
+/* Fills an interval mask for one item: random column intervals, plus rows
+ * [start+1, start+3) masked from every key (fully masked rows). */
+void harness_make_intervals(int32_t *iv, int kv_len, int start, int n) {
+  for (int j = 0; j < kv_len; j++) {
+    int a = start + harness_rnd(n + 1), b = a + harness_rnd(n / 2 + 1);
+    iv[j] = a;
+    iv[kv_len + j] = b;
+    if (n >= 4) {
+      iv[2 * kv_len + j] = start + 1;
+      iv[3 * kv_len + j] = start + 3;
+    } else {
+      iv[2 * kv_len + j] = 0;
+      iv[3 * kv_len + j] = 0;
+    }
+  }
+}
+
+/* Documents of 30..249 tokens tile keys 0 .. kv_len-1; a row sees only its own
+ * document's keys (rows after a document: first interval; rows before it:
+ * second), so whole key tiles are masked for a query tile and get skipped. */
+void harness_make_documents(int32_t *iv, int kv_len) {
+  for (int a = 0; a < kv_len;) {
+    int e = a + 30 + harness_rnd(220);
+    if (e > kv_len)
+      e = kv_len;
+    for (int j = a; j < e; j++) {
+      iv[j] = e;
+      iv[kv_len + j] = kv_len;
+      iv[2 * kv_len + j] = 0;
+      iv[3 * kv_len + j] = a;
+    }
+    a = e;
+  }
+}
+
+/* Checks one item's lse against the oracle's, and fully masked rows (novis:
+ * rows with no visible key, NULL: those with lse -inf; with a sink their lse
+ * is the sink). */
+void harness_check_lse(int ncase, const attnd_kshape_t *s, int i, int rows, const float *lse,
+                       const double *rl, const int *novis, attnd_dtype_t odt, const void *got,
+                       const char *who) {
+  const int D = s->head_dim;
+  for (int r = 0; r < rows; r++) {
+    const float g = lse[r];
+    if (novis && novis[r])
+      for (int e = 0; e < D; e++)
+        if (oracle_from_dtype(odt, got, (size_t)r * D + e) != 0.0)
+          fail_msg("%s case %d item %d: row %d with no visible key not zero", who, ncase, i, r);
+    if (isinf(rl[r])) {
+      if (!(isinf(g) && g < 0))
+        fail_msg("%s case %d item %d row %d: lse %g, want -inf", who, ncase, i, r, g);
+      for (int e = 0; e < D; e++)
+        if (oracle_from_dtype(odt, got, (size_t)r * D + e) != 0.0)
+          fail_msg("%s case %d item %d: fully masked row %d not zero", who, ncase, i, r);
+    } else if (!(fabs(g - rl[r]) <= 2e-2 + 1e-3 * fabs(rl[r]))) {
+      fail_msg("%s case %d kv %s item %d row %d: lse %g, oracle %g", who, ncase,
+               attnd_kv_type_name(s->kv), i, r, g, rl[r]);
+    }
+  }
 }
