@@ -3,13 +3,15 @@
 Measures, on the GPU it runs on: HBM copy and read bandwidth, PyTorch SDPA (flash
 and cuDNN backends) causal prefill at head dims 64/128/256, FlexAttention with
 document, sliding-window and offset-causal (chunked prefill over a cached prefix)
-masks, and SDPA decode over contiguous bf16 KV. Run it in the same command as
+masks, SDPA decode over contiguous bf16 KV, and the per-layer variants (FlexAttention
+with tanh soft-capping as a score_mod; SDPA decode of a sliding layer over the window's
+slice of a 32k cache, beside the same SDPA at the window's length). Run it in the same command as
 attnd's own benchmarks (scripts/dev/gpu-round.sh does) so that every ratio in
 bench/RESULTS.md comes from one machine at one moment.
 
 Prints one JSON line per row; writes every row to $OUT/reference.json when OUT is
-set. ATTND_REF_SECTIONS=copy,read,prefill,flex,decode,shapes,b1,append (default:
-all) runs only the named sections, to shorten a round.
+set. ATTND_REF_SECTIONS=copy,read,prefill,flex,decode,shapes,b1,append,variants
+(default: all) runs only the named sections, to shorten a round.
 """
 
 import json, os, sys, time, math
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
 
 dev = "cuda"
-SECTIONS = set((os.environ.get("ATTND_REF_SECTIONS") or "copy,read,prefill,flex,decode,shapes,b1,append").split(","))
+SECTIONS = set((os.environ.get("ATTND_REF_SECTIONS") or "copy,read,prefill,flex,decode,shapes,b1,append,variants").split(","))
 def want(s): return s in SECTIONS
 res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
 def bench(fn, warm=3, iters=20):
@@ -106,6 +108,18 @@ if want("flex"):
         t = bench(lambda: fa(q, k, v, block_mask=bm3, enable_gqa=True))
         row("flex_causal", ms=round(t*1e3,3), TFLOPs=round(flops_causal/t/1e12,1))
     except Exception as ex: row("flex", error=str(ex)[:300])
+# 3b. soft-capping (Gemma 2: 50 * tanh(s / 50)) as FlexAttention's score_mod, causal
+if want("variants"):
+    try:
+        from torch.nn.attention.flex_attention import flex_attention, create_block_mask
+        fa = torch.compile(flex_attention)
+        def causal(b, h, qi, ki): return qi >= ki
+        bmc = create_block_mask(causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device=dev)
+        CAP = 50.0
+        def softcap(score, b, h, qi, ki): return CAP * torch.tanh(score / CAP)
+        t = bench(lambda: fa(q, k, v, score_mod=softcap, block_mask=bmc, enable_gqa=True))
+        row("flex_causal_softcap50", ms=round(t*1e3,3), TFLOPs=round(flops_causal/t/1e12,1))
+    except Exception as ex: row("flex_softcap", error=str(ex)[:300])
 del q, k, v, ke, ve
 
 # 4. decode: one query token per sequence over contiguous bf16 KV (SDPA), and naive int8 dequant + SDPA
@@ -184,6 +198,29 @@ if want("append"):
         t = bench(lambda: F.scaled_dot_product_attention(qa, ke, ve, attn_mask=am))
         row("append_2048_over_6144_sdpa_mask", ms=round(t*1e3,3), TFLOPs_effective=round(4*4*Hq*live*D/t/1e12,1))
     except Exception as ex: row("append", error=str(ex)[:300])
+
+# 6. a sliding layer's decode: B8 rows at 32k of history, SDPA over the window's
+#    slice of the cache (what a contiguous-cache server reads), and SDPA over a
+#    cache of the window's length (the full layer attnd's windowed row is compared with)
+if want("variants"):
+    try:
+        Bd, ctx = 8, 32768
+        qd = torch.randn(Bd, Hq, 1, D, device=dev, dtype=torch.bfloat16)
+        kd = torch.randn(Bd, Hkv, ctx, D, device=dev, dtype=torch.bfloat16); vd = torch.randn_like(kd)
+        for W in (4096, 128):
+            ks, vs = kd[:, :, ctx - W:], vd[:, :, ctx - W:]
+            kc, vc = ks.contiguous(), vs.contiguous()
+            for name, be in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
+                try:
+                    with sdpa_kernel(be):
+                        t = bench(lambda: F.scaled_dot_product_attention(qd, ks, vs, enable_gqa=True), iters=100)
+                        t2 = bench(lambda: F.scaled_dot_product_attention(qd, kc, vc, enable_gqa=True), iters=100)
+                    row(f"decode_sliding_sdpa_{name}_B{Bd}_ctx{ctx}_w{W}", us=round(t*1e6,1), full_at_window_us=round(t2*1e6,1))
+                except Exception as ex: row(f"decode_sliding_sdpa_{name}_w{W}", error=str(ex)[:200])
+            del kc, vc
+        del qd, kd, vd
+    except Exception as ex: row("decode_sliding", error=str(ex)[:200])
+    torch.cuda.empty_cache()
 
 if os.environ.get("OUT"):
     json.dump(res, open(os.path.join(os.environ["OUT"], "reference.json"), "w"), indent=1)

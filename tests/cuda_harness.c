@@ -60,41 +60,6 @@ double harness_ratio_floor(attnd_dtype_t dt, attnd_kv_type_t kv) {
   return 0x1p-13;
 }
 
-/* Fills an interval mask for one item: random column intervals, plus rows
- * [start+1, start+3) masked from every key (fully masked rows). */
-static void make_intervals(int32_t *iv, int kv_len, int start, int n) {
-  for (int j = 0; j < kv_len; j++) {
-    int a = start + harness_rnd(n + 1), b = a + harness_rnd(n / 2 + 1);
-    iv[j] = a;
-    iv[kv_len + j] = b;
-    if (n >= 4) {
-      iv[2 * kv_len + j] = start + 1;
-      iv[3 * kv_len + j] = start + 3;
-    } else {
-      iv[2 * kv_len + j] = 0;
-      iv[3 * kv_len + j] = 0;
-    }
-  }
-}
-
-/* Documents of 30..249 tokens tile keys 0 .. kv_len-1; a row sees only its own
- * document's keys (rows after a document: first interval; rows before it:
- * second), so whole key tiles are masked for a query tile and get skipped. */
-static void make_documents(int32_t *iv, int kv_len) {
-  for (int a = 0; a < kv_len;) {
-    int e = a + 30 + harness_rnd(220);
-    if (e > kv_len)
-      e = kv_len;
-    for (int j = a; j < e; j++) {
-      iv[j] = e;
-      iv[kv_len + j] = kv_len;
-      iv[2 * kv_len + j] = 0;
-      iv[3 * kv_len + j] = a;
-    }
-    a = e;
-  }
-}
-
 static size_t dt_size(attnd_dtype_t dt) {
   return dt == ATTND_DT_FP32 ? 4 : 2;
 }
@@ -299,7 +264,7 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
                       const attnd_kitem_t *full_items, int nitems, const int32_t *d_meta,
                       uint8_t *d_cache, size_t bb, const float *d_sc[4], int per_channel,
                       const void *q, const void *k, const void *v, const float *full_out,
-                      const case_opts_t *o) {
+                      const float *d_sinks, const case_opts_t *o) {
   const int D = s->head_dim, KVH = s->kv_heads, QH = s->q_heads, H = 8;
   const size_t es = dt_size(s->dtype);
   attnd_kitem_t items[8];
@@ -361,6 +326,12 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
                       .k_zero = d_sc[2],
                       .v_zero = d_sc[3],
                       .scale_per_channel = per_channel};
+#ifndef ATTND_HARNESS_OLD_API
+  b.window = o->window;
+  b.sinks = d_sinks;
+#else
+  (void)d_sinks;
+#endif
   int rc = do_write(s, &b, o);
   if (rc)
     fail_msg("hit write: %d %s", rc, attnd_cuda_last_error());
@@ -415,25 +386,6 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
   free(hk);
   free(hv);
   free(out);
-}
-
-/* Checks one item's lse against the oracle's, and fully masked rows. */
-static void check_lse(int ncase, const attnd_kshape_t *s, int i, int rows, const float *lse,
-                      const double *rl, attnd_dtype_t odt, const void *got, const char *who) {
-  const int D = s->head_dim;
-  for (int r = 0; r < rows; r++) {
-    const float g = lse[r];
-    if (isinf(rl[r])) {
-      if (!(isinf(g) && g < 0))
-        fail_msg("%s case %d item %d row %d: lse %g, want -inf", who, ncase, i, r, g);
-      for (int e = 0; e < D; e++)
-        if (oracle_from_dtype(odt, got, (size_t)r * D + e) != 0.0)
-          fail_msg("%s case %d item %d: fully masked row %d not zero", who, ncase, i, r);
-    } else if (!(fabs(g - rl[r]) <= 2e-2 + 1e-3 * fabs(rl[r]))) {
-      fail_msg("%s case %d kv %s item %d row %d: lse %g, oracle %g", who, ncase,
-               attnd_kv_type_name(s->kv), i, r, g, rl[r]);
-    }
-  }
 }
 
 void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,
@@ -524,9 +476,9 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
       meta[bt_off[i] + l] = perm[pb++];
   for (int i = 0; i < nitems; i++)
     if (iv_off[i] >= 0 && ti[i].docs)
-      make_documents(meta + iv_off[i], ti[i].start + ti[i].n);
+      harness_make_documents(meta + iv_off[i], ti[i].start + ti[i].n);
     else if (iv_off[i] >= 0)
-      make_intervals(meta + iv_off[i], ti[i].start + ti[i].n, ti[i].start, ti[i].n);
+      harness_make_intervals(meta + iv_off[i], ti[i].start + ti[i].n, ti[i].start, ti[i].n);
   int32_t *d_meta = dev_copy(meta, sizeof(int32_t) * nmeta);
 
   oracle_session_t *os = calloc((size_t)(nitems > 0 ? nitems : 1), sizeof *os);
@@ -611,6 +563,10 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
                                .causal = ti[i].causal,
                                .intervals = iv_off[i] < 0 ? 0 : iv_off[i],
                                .block_table = bt_off[i]};
+#ifndef ATTND_HARNESS_OLD_API
+    if ((o->sink_items >> i) & 1)
+      items[i].flags = ATTND_ITEM_SINK;
+#endif
     T += ti[i].n;
     if (ti[i].has_q)
       Tq += ti[i].n;
@@ -666,6 +622,15 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
                       .k_zero = d_sc[2],
                       .v_zero = d_sc[3],
                       .scale_per_channel = per_channel};
+  const float *d_sinks = NULL;
+  int variants = s->softcap > 0.f;
+#ifndef ATTND_HARNESS_OLD_API
+  if (o->sinks)
+    d_sinks = dev_copy(o->sinks, sizeof(float) * QH);
+  b.window = o->window;
+  b.sinks = d_sinks;
+  variants |= o->window > 0 || o->sinks;
+#endif
   int rc = do_write(s, &b, o);
   if (rc)
     fail_msg("write: %d %s", rc, attnd_cuda_last_error());
@@ -708,7 +673,7 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
 #endif
   if (o->out_fp32 && o->check_hit)
     check_hit(s, ncase, ti, items, nitems, d_meta, d_cache, bb, d_sc, per_channel, q, k, v,
-              (const float *)out, o);
+              (const float *)out, d_sinks, o);
 
   const double floor = harness_ratio_floor(s->dtype, s->kv);
   for (int i = 0; i < nitems; i++) {
@@ -719,10 +684,25 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
       continue;
     const size_t cnt = (size_t)ti[i].n * QH * D;
     double *ref = malloc(sizeof(double) * cnt), *rl = malloc(sizeof(double) * ti[i].n * QH);
-    oracle_session_attend(s, &os[i], ti[i].start, ti[i].n,
-                          (uint8_t *)q + es * items[i].q_row * QH * D, ti[i].mask_kind,
-                          ti[i].mask_param, ti[i].causal, iv_off[i] >= 0 ? meta + iv_off[i] : NULL,
-                          ref, rl);
+    int *novis = NULL;
+    if (variants) {
+      int window = 0;
+      const float *sinks = NULL;
+#ifndef ATTND_HARNESS_OLD_API
+      window = o->window;
+      sinks = (o->sink_items >> i) & 1 ? o->sinks : NULL;
+#endif
+      novis = malloc(sizeof(int) * ti[i].n * QH);
+      harness_ref_attend(s, &os[i], ti[i].start, ti[i].n,
+                         (uint8_t *)q + es * items[i].q_row * QH * D, ti[i].mask_kind,
+                         ti[i].mask_param, ti[i].causal, iv_off[i] >= 0 ? meta + iv_off[i] : NULL,
+                         window, sinks, ref, rl, novis);
+    } else {
+      oracle_session_attend(s, &os[i], ti[i].start, ti[i].n,
+                            (uint8_t *)q + es * items[i].q_row * QH * D, ti[i].mask_kind,
+                            ti[i].mask_param, ti[i].causal,
+                            iv_off[i] >= 0 ? meta + iv_off[i] : NULL, ref, rl);
+    }
     const void *got = (uint8_t *)out + dt_size(odt) * items[i].q_row * QH * D;
     const double err = oracle_rel_l2(ref, odt, got, cnt);
     if (!(err <= harness_bound(s->kv)))
@@ -732,13 +712,15 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
           ti[i].mask_kind, res->splits, err, harness_bound(s->kv));
     if (err > res->cuda_err)
       res->cuda_err = err;
-    check_lse(ncase, s, i, ti[i].n * QH, lse + items[i].q_row * QH, rl, odt, got, "cuda");
+    harness_check_lse(ncase, s, i, ti[i].n * QH, lse + items[i].q_row * QH, rl, novis, odt, got,
+                      "cuda");
     if (o->cpu) {
       const void *cgot = (uint8_t *)cpu_out + dt_size(odt) * items[i].q_row * QH * D;
       const double cerr = oracle_rel_l2(ref, odt, cgot, cnt);
       if (!(cerr <= harness_bound(s->kv)))
         fail_msg("cpu case %d kv %s item %d: rel L2 %g", ncase, attnd_kv_type_name(s->kv), i, cerr);
-      check_lse(ncase, s, i, ti[i].n * QH, cpu_lse + items[i].q_row * QH, rl, odt, cgot, "cpu");
+      harness_check_lse(ncase, s, i, ti[i].n * QH, cpu_lse + items[i].q_row * QH, rl, novis, odt,
+                        cgot, "cpu");
       if (cerr > res->cpu_err)
         res->cpu_err = cerr;
       const double ratio = err / (2.0 * cerr + floor);
@@ -747,6 +729,7 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
     }
     free(ref);
     free(rl);
+    free(novis);
   }
   for (int i = 0; i < nitems; i++)
     oracle_session_free(&os[i]);
@@ -760,6 +743,7 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
   cudaFree(d_ws);
   cudaFree(d_meta);
   cudaFree(d_cache);
+  cudaFree((void *)d_sinks);
   for (int w = 0; w < 4; w++) {
     cudaFree((void *)d_sc[w]);
     free(sc4[w]);

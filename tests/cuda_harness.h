@@ -12,6 +12,7 @@
 
 #include "attnd_cuda.h"
 #include "attnd_kernels.h"
+#include "oracle.h"
 
 typedef struct {
   int start, n, has_q, mask_kind, mask_param, causal, hist;
@@ -41,6 +42,10 @@ typedef struct {
   int check_ab; /* also run the batch on the tiled kernel (opts with sm90 = 1) and require
                  * the Hopper path (prefill_sm90.cuh) to agree with it (fp32 outputs, lse) */
   const attnd_cuda_opts_t *opts; /* launch options (NULL: defaults) */
+  /* Per-layer variants (docs/numerics.md); soft-capping is the shape's softcap. */
+  int window;          /* attnd_kbatch_t.window: 0 full layer, else the sliding window */
+  const float *sinks;  /* host [q_heads] sink logits, or NULL */
+  unsigned sink_items; /* bit i: item i has ATTND_ITEM_SINK */
 #endif
 } case_opts_t;
 
@@ -64,6 +69,26 @@ double harness_bound(attnd_kv_type_t kv); /* the error bound of a cache type (do
 /* Floor of the CPU-ratio check: the roundings of P and of the outputs the
  * CUDA kernels make and the CPU backend does not (P in bf16 or fp16). */
 double harness_ratio_floor(attnd_dtype_t dt, attnd_kv_type_t kv);
+
+/* The float64 reference of the per-layer variants (window, soft-capping,
+ * sinks: docs/numerics.md) over an oracle session, as oracle_session_attend
+ * with those steps added (cuda_harness_ref.c); sinks NULL: none; novis
+ * [n][q_heads]: 1 for rows with no visible key. */
+void harness_ref_attend(const attnd_kshape_t *s, const oracle_session_t *o, int start, int n,
+                        const void *q, int mask_kind, int mask_param, int causal,
+                        const int32_t *intervals, int window, const float *sinks, double *out,
+                        double *lse, int *novis);
+
+/* Mask inputs for one item (meta intervals, [4][kv_len]): random column
+ * intervals plus rows [start+1, start+3) masked from every key; or documents
+ * of 30..249 tokens (whole key tiles masked). */
+void harness_make_intervals(int32_t *iv, int kv_len, int start, int n);
+void harness_make_documents(int32_t *iv, int kv_len);
+/* One item's lse against the reference's rl, and rows with no visible key
+ * (novis, NULL: those of lse -inf) all zero in got (rows of [q_heads][D] in odt). */
+void harness_check_lse(int ncase, const attnd_kshape_t *s, int i, int rows, const float *lse,
+                       const double *rl, const int *novis, attnd_dtype_t odt, const void *got,
+                       const char *who);
 
 /* Runs one case; fails the test (cmocka fail_msg) on a bound, lse, masked-row
  * or prefix-hit violation. The CPU ratio is only recorded in res. */

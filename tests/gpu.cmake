@@ -3,7 +3,7 @@
 # the CPU backend on the same inputs). tests/cuda_harness.c runs one case.
 if(ATTND_HAVE_CUDA AND TARGET attnd_kernels_cuda AND TARGET attnd_oracle)
   foreach(t test_cuda_kernels test_cuda_numerics)
-    attnd_add_test(${t} SOURCES ${t}.c cuda_harness.c
+    attnd_add_test(${t} SOURCES ${t}.c cuda_harness.c cuda_harness_ref.c
                    LIBS attnd_kernels_cuda attnd_oracle CUDA::cudart_static m LABELS gpu TIMEOUT 900)
     # Runs on the GPU machine from a folder of its own (build-gpu/): find libcmocka beside it.
     set_target_properties(${t} PROPERTIES BUILD_RPATH "\$ORIGIN" INSTALL_RPATH "\$ORIGIN")

@@ -17,7 +17,8 @@
  * masks) covers the Hopper path of prefill_sm90.cuh; every case also runs the
  * batch once more on the tiled kernel (launch option sm90 = 1) and requires the two to
  * agree to fp32 summation order. ATTND_GPU_TEST_ONLY=substring runs only the
- * matrices whose name contains it. */
+ * matrices whose name contains it. test_variants_matrix covers the per-layer
+ * variants (windows, soft-capping, sinks). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -237,11 +238,20 @@ static void test_prefill_matrix(void **state) {
         s.softmax_scale = (float)(1.0 / sqrt((double)s.head_dim));
         const int mk = masks[ncase % 5], mk2 = masks[(ncase + 2) % 5];
         tcase_item_t ti[4] = {
-            {.hist = 150 + harness_rnd(500), .n = 40 + harness_rnd(160), .has_q = 1,
-             .mask_kind = mk, .mask_param = 1 + harness_rnd(300), .causal = harness_rnd(2),
+            {.hist = 150 + harness_rnd(500),
+             .n = 40 + harness_rnd(160),
+             .has_q = 1,
+             .mask_kind = mk,
+             .mask_param = 1 + harness_rnd(300),
+             .causal = harness_rnd(2),
              .docs = harness_rnd(2)},
-            {.hist = 0, .n = 100 + harness_rnd(200), .has_q = 1, .mask_kind = mk2,
-             .mask_param = 1 + harness_rnd(200), .causal = harness_rnd(2), .docs = 1},
+            {.hist = 0,
+             .n = 100 + harness_rnd(200),
+             .has_q = 1,
+             .mask_kind = mk2,
+             .mask_param = 1 + harness_rnd(200),
+             .causal = harness_rnd(2),
+             .docs = 1},
             {.hist = 100 + harness_rnd(300), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL},
             {.hist = harness_rnd(50), .n = 1 + harness_rnd(30), .has_q = 0},
         };
@@ -250,7 +260,8 @@ static void test_prefill_matrix(void **state) {
           if (ti[i].mask_kind == ATTND_MASK_PREFIX_LM)
             ti[i].mask_param = harness_rnd(ti[i].hist + ti[i].n + 1);
         }
-        const double e = case_run(&s, 3000 + ncase, ti, 4, ncase % 3 == 0, ncase % 4 != 1, ncase & 1);
+        const double e =
+            case_run(&s, 3000 + ncase, ti, 4, ncase % 3 == 0, ncase % 4 != 1, ncase & 1);
         record(s.kv, e);
         ncase++;
       }
@@ -292,6 +303,136 @@ static void test_long_history(void **state) {
       ti[i].start = ti[i].hist;
     record(s.kv, case_run(&s, 1000 + c, ti, 3, 0, 1, c & 1));
   }
+}
+
+/* Per-layer variants (docs/numerics.md): a sliding layer's window (smaller
+ * than a block, than the history, larger than everything), logit soft-capping
+ * (strong and Gemma-like), sink logits (moderate, huge, tiny, some items
+ * without ATTND_ITEM_SINK), alone and together, over every cache type x head
+ * dim, block sizes and GQA cycling, under every mask (intervals with fully
+ * masked rows). Even cases are prefill-shaped batches (tiled kernel or Hopper
+ * path, A/B against each other; their last 8 rows again alone through the
+ * decode kernel: the prefix hit), odd cases decode batches (flat and per-item
+ * split), and every other (cache type, head dim) adds a decode row over a
+ * long history in a short window (the windowed split plan). The reference is the float64 one of
+ * cuda_harness_ref.c. */
+static void test_variants_matrix(void **state) {
+  (void)state;
+  if (skip_without_gpu() || unselected("test_variants_matrix")) {
+    skip();
+    return;
+  }
+  static const int dims[3] = {64, 128, 256}, bss[4] = {16, 32, 64, 128}, groups[4] = {1, 4, 8, 16};
+  static const int masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING,
+                               ATTND_MASK_PREFIX_LM, ATTND_MASK_FULL};
+  const int pw = pairwise_mode();
+  int ncase = 0;
+  for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
+    for (int di = 0; di < 3; di++)
+      for (int shape = 0; shape < 2; shape++) {
+        if (pw ? shape > 0 || (kv + di) % 3 != 0 : shape == 1 && (kv + di) % 2 != 0)
+          continue;
+        const int bi = (kv + di + shape) % 4;
+        const int G = groups[(bi + di + kv + shape) % 4];
+        attnd_kshape_t s = {.kv_heads = G >= 8 ? 1 : 2,
+                            .head_dim = dims[di],
+                            .block_size = bss[bi],
+                            .dtype = (ncase >> 1) & 1 ? ATTND_DT_FP16 : ATTND_DT_BF16,
+                            .kv = (attnd_kv_type_t)kv,
+                            .rope = (attnd_rope_t)(ncase % 3),
+                            .rope_theta = 10000.0};
+        s.q_heads = s.kv_heads * G;
+        s.softmax_scale = (float)(1.0 / sqrt((double)s.head_dim));
+        const int v = ncase % 8; /* which variants: window bit 0, capping bit 1, sinks bit 2 */
+        const int prefill = (ncase & 1) == 0, longrow = shape == 1;
+        double q_mag = 0;
+        if (v & 2) {
+          s.softcap = (ncase / 8) % 2 ? 3.0f : 30.0f;
+          q_mag = s.softcap > 10 ? 3.0 : 1.0; /* the cap bends the largest scores at either */
+        }
+        int window = 0;
+        if (v & 1 || longrow) {
+          const int w4 = (ncase / 2) % 4;
+          window = w4 == 0   ? 1 + harness_rnd(s.block_size - 1) /* inside one block */
+                   : w4 == 3 ? 5000                              /* larger than any history */
+                             : 16 + harness_rnd(200);            /* inside the history */
+        }
+        float sinks[64];
+        const float *sk = NULL;
+        if (v & 4 || (longrow && (ncase & 2))) {
+          const int kind = (ncase / 4) % 4;
+          /* A huge sink leaves outputs of e^-(sink - lse) |v|: fp16 outputs hold
+           * them down to e^-16 (subnormals), bf16 and fp32 far below. */
+          const double huge = s.dtype == ATTND_DT_FP16 && ncase % 3 != 0 ? 9.0 : 40.0;
+          for (int h = 0; h < s.q_heads; h++)
+            sinks[h] = kind == 0   ? (float)(huge + harness_rnd(8))  /* huge: takes almost all */
+                       : kind == 1 ? (float)(-40.0 - harness_rnd(8)) /* tiny: no effect */
+                       : kind == 2
+                           ? (float)(2.0 * oracle_rng_normal(&g_rng))
+                           : (float)(h % 2 ? 8.0 : -3.0) * (float)oracle_rng_uniform(&g_rng);
+          sk = sinks;
+        }
+        const int mk = masks[ncase % 5];
+        tcase_item_t ti[4];
+        int nitems = 4;
+        if (longrow) {
+          /* A decode row over a long history in a short window, and a second one
+           * under a sliding mask: the split plan covers the window only. */
+          ti[0] = (tcase_item_t){
+              .hist = 3000 + harness_rnd(2000), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL};
+          ti[1] = (tcase_item_t){.hist = 1500 + harness_rnd(1000),
+                                 .n = 16 / G > 2 ? 2 : 1,
+                                 .has_q = 1,
+                                 .mask_kind = ATTND_MASK_SLIDING,
+                                 .mask_param = 1 + harness_rnd(400)};
+          nitems = 2;
+          if (window == 0 || window == 5000)
+            window = 64 + harness_rnd(400);
+        } else if (prefill) {
+          ti[0] = (tcase_item_t){.hist = 150 + harness_rnd(400),
+                                 .n = 20 + harness_rnd(150),
+                                 .has_q = 1,
+                                 .mask_kind = mk,
+                                 .mask_param = 1 + harness_rnd(120),
+                                 .causal = harness_rnd(2),
+                                 .docs = ncase % 3 == 0};
+          ti[1] = (tcase_item_t){
+              .hist = 0, .n = 40 + harness_rnd(100), .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL};
+          ti[2] = (tcase_item_t){
+              .hist = 200 + harness_rnd(300), .n = 1, .has_q = 1, .mask_kind = ATTND_MASK_CAUSAL};
+          ti[3] = (tcase_item_t){.hist = harness_rnd(50), .n = 1 + harness_rnd(30), .has_q = 0};
+        } else {
+          const int nmax = 16 / G;
+          for (int i = 0; i < 4; i++) {
+            const int m = masks[(ncase + i) % 5];
+            ti[i] = (tcase_item_t){.hist = (i == 0 ? 300 : 1) + harness_rnd(i == 0 ? 700 : 200),
+                                   .n = 1 + harness_rnd(nmax),
+                                   .has_q = 1,
+                                   .mask_kind = m,
+                                   .mask_param = 1 + harness_rnd(300),
+                                   .causal = harness_rnd(2)};
+          }
+        }
+        for (int i = 0; i < nitems; i++) {
+          ti[i].start = ti[i].hist;
+          if (ti[i].mask_kind == ATTND_MASK_PREFIX_LM)
+            ti[i].mask_param = harness_rnd(ti[i].hist + ti[i].n + 1);
+        }
+        case_opts_t o = {.out_fp32 = ncase % 3 == 0,
+                         .use_ws = ncase % 5 != 4,
+                         .per_channel = (ncase >> 2) & 1,
+                         .q_mag = q_mag,
+                         .check_hit = 1,
+                         .check_ab = 1,
+                         .opts = &k_opts[ncase % 5],
+                         .window = window,
+                         .sinks = sk,
+                         .sink_items = ncase % 3 == 1 ? 0x5u : 0xfu};
+        case_result_t r;
+        run_case(&s, 4000 + ncase, ti, nitems, &o, &r);
+        record(s.kv, r.cuda_err);
+        ncase++;
+      }
 }
 
 static void test_report(void **state) {
@@ -338,9 +479,9 @@ int main(void) {
     return 77;
   }
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_device_count),  cmocka_unit_test(test_prefill_matrix),
-      cmocka_unit_test(test_matrix),
-      cmocka_unit_test(test_decode_matrix), cmocka_unit_test(test_long_history),
+      cmocka_unit_test(test_device_count), cmocka_unit_test(test_prefill_matrix),
+      cmocka_unit_test(test_matrix),       cmocka_unit_test(test_decode_matrix),
+      cmocka_unit_test(test_long_history), cmocka_unit_test(test_variants_matrix),
       cmocka_unit_test(test_report),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -17,6 +17,7 @@
  * the largest magnitude the kernels compute faithfully (2^48 for bf16, the
  * fp16 range for fp16 values), q huge over tiny k, and v near 2^100: no Inf,
  * no NaN, no masked-looking zeros, the same bounds.
+ * test_variants: soft-capping, sinks and windows at large magnitudes.
  * ATTND_GPU_TEST_PAIRWISE=1 runs a subset, for compute-sanitizer. Built with
  * ATTND_HARNESS_OLD_API it uses only the plain API (attnd_cuda_write /
  * attnd_cuda_attend, every batch on the default path), so the same cases run
@@ -246,6 +247,66 @@ static void test_bound(void **state) {
         }
 }
 
+#ifndef ATTND_HARNESS_OLD_API
+/* The per-layer variants at large magnitudes (docs/numerics.md), every cache
+ * type x head dim x kernel: soft-capping over scores far past the cap (q at
+ * 4: scores of several c, most keys near +-c; and q near the bound over tiny
+ * k), sinks over sink-like tokens (sink logits huge, tiny and mixed),
+ * windows and sinks together. Not at the magnitude bound itself: capped
+ * scores of 2^96 operands keep no digits below 2^72, where the cap lies. The
+ * reference is the harness's float64 one (cuda_harness_ref.c); the CPU
+ * backend is not run (its ratio is the other cases' check). */
+static void test_variants(void **state) {
+  (void)state;
+  static const int dims[3] = {64, 128, 256};
+  const int pw = pairwise_mode();
+  int ncase = 0;
+  for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
+    for (int di = 0; di < 3; di++)
+      for (int which = 0; which < 3; which++, ncase++) {
+        if (pw && (kv + di + which) % 4 != 0)
+          continue;
+        const int G = (ncase % 3) == 0 ? 1 : 4, fp16 = (ncase >> 1) & 1;
+        attnd_kshape_t s = shape(kv, dims[di], 32 << (ncase % 3), G, fp16,
+                                 which == 2 ? ATTND_ROPE_NONE : ATTND_ROPE_NEOX);
+        const int kind = ncase % K_KINDS;
+        tcase_item_t ti[4];
+        make_items(ncase, kind, G, ti);
+        float sinks[16];
+        case_opts_t o = {.use_ws = 1, .per_channel = ncase & 2 ? 1 : 0};
+        if (which == 0) {
+          s.softcap = 2.f;
+          o.q_mag = 4.0;
+        } else if (which == 1) {
+          s.softcap = 50.f;
+          o.q_mag = fp16 || kv == ATTND_KV_FP16 ? 0x1p12 : 0x1p40;
+          o.k_mag = 1.0 / o.q_mag;
+          o.near_bound = 1;
+        } else {
+          o.style = CASE_SINKS;
+          /* Huge sinks leave outputs of e^-(sink - lse) |v|: fp16 holds them down
+           * to e^-16 (subnormals), bf16 far below. */
+          const float huge = fp16 ? 16.f : 60.f;
+          for (int h = 0; h < s.q_heads; h++)
+            sinks[h] = h % 3 == 0   ? huge
+                       : h % 3 == 1 ? -60.f
+                                    : (float)(3.0 * oracle_rng_normal(&g_rng));
+          o.sinks = sinks;
+          o.sink_items = 0xbu;
+          o.window = ncase % 2 ? 3 + harness_rnd(60) : 0;
+        }
+        kind_opts(kind, &o);
+        case_result_t r;
+        run_case(&s, 5000 + ncase, ti, 4, &o, &r);
+        record(&s, 5000 + ncase, &r,
+               which == 0   ? "softcap 2, q 4"
+               : which == 1 ? "softcap 50, q huge, k tiny"
+                            : "sinks (and windows)",
+               kind);
+      }
+}
+#endif
+
 static void test_report(void **state) {
   (void)state;
   print_message("%-13s %-5s %5s %11s %11s %11s %s\n", "kv", "act", "cases", "cuda err", "cpu err",
@@ -284,6 +345,9 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_styles),
       cmocka_unit_test(test_bound),
+#ifndef ATTND_HARNESS_OLD_API
+      cmocka_unit_test(test_variants),
+#endif
       cmocka_unit_test(test_report),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

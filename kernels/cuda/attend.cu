@@ -65,6 +65,9 @@ int launch_tiled(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspa
   p.group = s->q_heads / s->kv_heads;
   p.bs = s->block_size;
   p.scale_log2 = s->softmax_scale * 1.4426950408889634f;
+  softcap_exp2(s, &p.cap2, &p.icap2);
+  p.window = b->window;
+  p.sinks = b->sinks;
   p.total_q = b->total_q;
   p.debug = o.debug;
   p.pdl = !o.no_pdl;
@@ -130,6 +133,10 @@ extern "C" int attnd_cuda_attend_opts(const attnd_kshape_t *s, const attnd_kbatc
     return set_invalid(__FILE__, __LINE__, "static cache type without scales");
   if (s->kv == ATTND_KV_INT4 && (!b->k_zero || !b->v_zero))
     return set_invalid(__FILE__, __LINE__, "int4 cache without zero points");
+  if (b->window < 0)
+    return set_invalid(__FILE__, __LINE__, "negative window");
+  if (!(s->softcap >= 0.f) || isinf(s->softcap))
+    return set_invalid(__FILE__, __LINE__, "softcap not a finite value >= 0");
   const attnd_cuda_opts_t &o = opts ? *opts : k_default_opts;
   cudaStream_t st = (cudaStream_t)stream;
   if (!workspace)

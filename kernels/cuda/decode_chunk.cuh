@@ -14,6 +14,7 @@ struct DecPiece {
   int klo, khi;      // keys of this piece
   int prow[2];       // absolute positions of this lane's two vectors
   float sl2;         // score scale into the exp2 domain (static K scale, q's power of two folded in)
+  float zc[2];       // int4 under soft-capping: K zero-point terms of this lane's two vectors
   bool qlo_cols;     // TR: columns 4..7 hold the lo halves of vectors 0..3
   bool lo_pass;      // a second product with the lo halves of q
 };
@@ -25,9 +26,13 @@ template <class C> struct DecAcc {
   float sig;               // kSigma: the power of two V's scales are taken relative to
 };
 
-// Masks one score of key j for the vector at absolute position p.
-__device__ __forceinline__ float dec_mask(const DecPiece &pc, float x, int j, int p) {
-  return j >= pc.klo && j <= pc.khi && visible(pc.kind, pc.mp, pc.causal, pc.iv, pc.kv_len, p, j) ? x : -INFINITY;
+// Masks one score of key j for the vector at absolute position p. The layer's
+// window and soft-cap are read from the kernel parameters (constant bank, no
+// registers held through the key loop).
+__device__ __forceinline__ float dec_mask(const DecodeParams &P, const DecPiece &pc, float x, int j, int p) {
+  return j >= pc.klo && j <= pc.khi && visible(pc.kind, pc.mp, pc.causal, pc.iv, pc.kv_len, p, j, P.window)
+             ? x
+             : -INFINITY;
 }
 
 // kSigma: raises the warp's V-scale reference to cover this chunk's largest
@@ -42,9 +47,10 @@ template <class C> __device__ __forceinline__ float dec_sigma(DecAcc<C> &acc, fl
 
 // One chunk in the transposed form: S^T = K q^T, online softmax, O^T += V^T P^T.
 template <class C>
-__device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *sb, const uint32_t (*qb)[2],
-                                             const typename Act<C::KDT>::T *sQ, typename Act<C::PDT>::T *sP,
-                                             int j0, bool need_mask, DecAcc<C> &acc) {
+__device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPiece &pc, const uint8_t *sb,
+                                             const uint32_t (*qb)[2], const typename Act<C::KDT>::T *sQ,
+                                             typename Act<C::PDT>::T *sP, int j0, bool need_mask,
+                                             DecAcc<C> &acc) {
   using PA = Act<C::PDT>;
   constexpr int KS = C::KS, LD = C::LD;
   const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
@@ -75,8 +81,8 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
       }
     }
   }
-  // Element e: key g + 8 (e >> 1), vector 2c + (e & 1).
-  float mx[2] = {-INFINITY, -INFINITY};
+  // Element e: key g + 8 (e >> 1), vector 2c + (e & 1). Soft-capping: a
+  // branch per chunk, uniform over the CTA.
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     const int key = g + 8 * (e >> 1);
@@ -86,8 +92,20 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
     x *= pc.sl2;
     if constexpr (C::K::kDyn)
       x *= sKs[key];
+    sa[e] = x;
+  }
+  if (P.cap2 > 0.f) {
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+      sa[e] = softcap2(sa[e], P.cap2, P.icap2, pc.zc[e & 1]);
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    const int key = g + 8 * (e >> 1);
+    float x = sa[e];
     if (need_mask)
-      x = dec_mask(pc, x, j0 + key, pc.prow[e & 1]);
+      x = dec_mask(P, pc, x, j0 + key, pc.prow[e & 1]);
     sa[e] = x;
     mx[e & 1] = fmaxf(mx[e & 1], x);
   }
@@ -160,7 +178,7 @@ __device__ __forceinline__ void dec_chunk_tr(const DecPiece &pc, const uint8_t *
 
 // One chunk in the rows form: S = q K^T, online softmax, O += P V.
 template <class C>
-__device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t *sb,
+__device__ __forceinline__ void dec_chunk_rows(const DecodeParams &P, const DecPiece &pc, const uint8_t *sb,
                                                const typename Act<C::KDT>::T *sQ,
                                                const typename Act<C::KDT>::T *sQlo, int j0, bool need_mask,
                                                DecAcc<C> &acc) {
@@ -197,7 +215,6 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
     }
   }
   // Element e of n-tile nt: vector g + 8 (e >> 1), key nt * 8 + 2c + (e & 1).
-  float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < 2; nt++)
 #pragma unroll
@@ -206,8 +223,24 @@ __device__ __forceinline__ void dec_chunk_rows(const DecPiece &pc, const uint8_t
       float x = s[nt][e] * pc.sl2;
       if constexpr (C::K::kDyn)
         x *= sKs[key];
+      s[nt][e] = x;
+    }
+  if (P.cap2 > 0.f) {
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        s[nt][e] = softcap2(s[nt][e], P.cap2, P.icap2, pc.zc[e >> 1]);
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int key = nt * 8 + 2 * c4 + (e & 1);
+      float x = s[nt][e];
       if (need_mask)
-        x = dec_mask(pc, x, j0 + key, pc.prow[e >> 1]);
+        x = dec_mask(P, pc, x, j0 + key, pc.prow[e >> 1]);
       s[nt][e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);
     }

@@ -46,6 +46,10 @@ namespace attnd {
 
 // Where a piece's result goes.
 enum { kOutFinal = 0, kOutSlot = 1, kOutSplit = 2 };
+// out_kind | kOutSink: the piece holds the first keys of an item with
+// ATTND_ITEM_SINK: the sink joins its rows (one bit of a value the key loop
+// keeps anyway, not a register of its own).
+constexpr int kOutSink = 4;
 
 // Merges the four warps' states by lse and writes the piece's result in the
 // natural channel order: the output (kOutFinal) or a partial state (the
@@ -59,6 +63,9 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
   float *sMisc = reinterpret_cast<float *>(smem + C::kMisc);
   float *sC = sMisc, *sM = sMisc + 16, *sL = sMisc + 32, *sLt = sMisc + 48;
   const float *sVs = reinterpret_cast<const float *>(smem + C::kVs);
+  // The sink joins each row once: in the piece holding the first keys.
+  const float *sink = (out_kind & kOutSink) ? P.sinks : nullptr;
+  out_kind &= ~kOutSink;
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
 #pragma unroll
@@ -135,11 +142,14 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
     float lse = -INFINITY, lset = -INFINITY;
     if (Ls > 0.f) {
       // The sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
-      const float ref = sM[r] - (C::K::kI4 ? sC[r] : 0.f);
+      // (Capped int4 scores hold the zero-point term: softcap2.)
+      const float ref = sM[r] - (C::K::kI4 && P.cap2 == 0.f ? sC[r] : 0.f);
       lse = (ref + (log2f(Ls) - C::kPShift)) * 0.69314718055994531f;
       lset = C::K::kDyn ? lse : (ref + (log2f(sLt[r]) - C::kPShift)) * 0.69314718055994531f;
     }
     const int row = it.q_row + r / G, h = kvh * G + r % G;
+    if (sink)
+      x *= sink_join(sink[h], lse, lset);
     const size_t ob = ((size_t)row * P.q_heads + h) * D + d;
     if (out_kind == kOutFinal) {
       if (P.out_fp32)
@@ -295,6 +305,8 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
       }
       sC[tid] = (float)(c * (double)pc.sl2);
     }
+    if (P.cap2 > 0.f)
+      __syncthreads(); // the capped scores read sC (pc.zc)
   }
   uint32_t qb[C::TR ? D / 16 : 1][2];
   if constexpr (C::TR) {
@@ -318,6 +330,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     if (pc.qlo_cols)
       v &= 3;
     pc.prow[i] = it.start + min(v, nvec - 1) / G;
+    pc.zc[i] = C::K::kI4 && P.cap2 > 0.f ? sC[v] : 0.f;
   }
   const int pmin = it.start, pmax = it.start + it.n - 1;
   for (int n = 0; n < cnt; n++) {
@@ -332,11 +345,11 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
       continue;
     const uint8_t *sb = myStages + (n % NS) * C::kStage;
     const int j0 = jfirst + (warp + NW * n) * KS;
-    const bool need_mask = tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS);
+    const bool need_mask = tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS, P.window);
     if constexpr (C::TR)
-      dec_chunk_tr<C>(pc, sb, qb, sQ, sP, j0, need_mask, acc);
+      dec_chunk_tr<C>(P, pc, sb, qb, sQ, sP, j0, need_mask, acc);
     else
-      dec_chunk_rows<C>(pc, sb, sQ, sQlo, j0, need_mask, acc);
+      dec_chunk_rows<C>(P, pc, sb, sQ, sQlo, j0, need_mask, acc);
     __syncwarp(); // the stage is refilled next iteration
   }
   cp_async_wait<0>();
@@ -345,10 +358,10 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
 
 // 16-key chunks of one kv head's share of item it (0 for an item without q),
 // and the first key and the visible key range.
-__device__ __forceinline__ int dec_item_chunks(const attnd_kitem_t &it, int &jfirst, int &lo, int &hi) {
+__device__ __forceinline__ int dec_item_chunks(const attnd_kitem_t &it, int win, int &jfirst, int &lo, int &hi) {
   if (it.q_row < 0)
     return 0;
-  key_range(it, it.start, it.start + it.n - 1, lo, hi);
+  key_range(it, it.start, it.start + it.n - 1, win, lo, hi);
   jfirst = lo & ~(kDecKeys - 1);
   return hi >= jfirst ? (hi - jfirst) / kDecKeys + 1 : 1;
 }
@@ -364,7 +377,7 @@ template <class C> __device__ int dec_prefix(const DecodeParams &P, int *pre, in
   int sum = 0, mn = 0x7fffffff, mx = 0, nq = 0, jf, lo, hi;
   for (int i = i0; i < i1; i++) {
     const attnd_kitem_t it = P.items[i];
-    const int c = dec_item_chunks(it, jf, lo, hi);
+    const int c = dec_item_chunks(it, P.window, jf, lo, hi);
     sum += c;
     if (c > 0) {
       mn = min(mn, c);
@@ -399,7 +412,7 @@ template <class C> __device__ int dec_prefix(const DecodeParams &P, int *pre, in
   for (int i = i0; i < i1; i++) {
     pre[i] = run;
     const attnd_kitem_t it = P.items[i];
-    run += dec_item_chunks(it, jf, lo, hi);
+    run += dec_item_chunks(it, P.window, jf, lo, hi);
   }
   if (tid == C::NTH - 1)
     pre[n] = run;
@@ -429,14 +442,17 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
     if (it.q_row < 0)
       return;
     int lo, hi;
-    key_range(it, it.start, it.start + it.n - 1, lo, hi);
+    key_range(it, it.start, it.start + it.n - 1, P.window, lo, hi);
     int out_kind = kOutFinal;
     if (P.nsplit > 1) {
-      lo = max(lo, split * P.split_keys);
-      hi = min(hi, (split + 1) * P.split_keys - 1);
+      const int b0 = P.window > 0 ? lo : 0; // a sliding layer's parts cover its window only
+      lo = max(lo, b0 + split * P.split_keys);
+      hi = min(hi, b0 + (split + 1) * P.split_keys - 1);
       out_kind = kOutSplit;
     }
     pdl_wait(); // q and the cache are written by the previous kernel
+    if (split == 0 && P.sinks && (it.flags & ATTND_ITEM_SINK))
+      out_kind |= kOutSink;
     dec_piece<C>(P, smem, it, kvh, lo, hi, out_kind, split);
     return;
   }
@@ -476,12 +492,13 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
   while (u < u1) {
     const attnd_kitem_t it = P.items[i];
     int jfirst, lo, hi;
-    const int nch = dec_item_chunks(it, jfirst, lo, hi);
+    const int nch = dec_item_chunks(it, P.window, jfirst, lo, hi);
     const int h = (int)((u - base) / nch), a = (int)((u - base) % nch);
     const int b = (int)min((long long)nch, a + (u1 - u));
     const bool whole = a == 0 && b == nch;
     const int klo = max(lo, jfirst + a * kDecKeys), khi = min(hi, jfirst + b * kDecKeys - 1);
-    dec_piece<C>(P, smem, it, h, klo, khi, whole ? kOutFinal : kOutSlot, 2 * cta + (first ? 0 : 1));
+    const int sk = a == 0 && P.sinks && (it.flags & ATTND_ITEM_SINK) ? kOutSink : 0;
+    dec_piece<C>(P, smem, it, h, klo, khi, (whole ? kOutFinal : kOutSlot) | sk, 2 * cta + (first ? 0 : 1));
     u += b - a;
     first = false;
     if (b == nch && h == KVH - 1) {

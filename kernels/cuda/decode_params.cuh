@@ -20,7 +20,10 @@ constexpr int kMaxSplits = 32;    // per-item split: most parts per item
 //   output; the first and the last piece of a CTA's range may be partial and
 //   go to slots 2c and 2c + 1 of the workspace, which merge_flat combines.
 //   Per-item split (flat = 0): CTA (item, kv head, split) takes keys
-//   [split * split_keys, (split + 1) * split_keys); merge_split combines.
+//   [b + split * split_keys, b + (split + 1) * split_keys), b the first key
+//   of the item's window in a sliding layer, else 0; merge_split combines.
+//   Sinks join the first piece of each (item, kv head) (sink_join), never
+//   the others, so that the merge counts them once.
 struct DecodeParams {
   const attnd_kitem_t *items;
   const int32_t *meta;
@@ -37,6 +40,9 @@ struct DecodeParams {
   int nitems, out_fp32, per_channel;
   int q_heads, kv_heads, group, bs, total_q, max_vec;
   float scale_log2;    // softmax_scale * log2(e)
+  float cap2, icap2;   // soft-capping in the exp2 domain (FlashParams), 0: none
+  int window;          // the layer's window, 0: full layer
+  const float *sinks;  // [q_heads] or NULL (items with ATTND_ITEM_SINK)
   int flat, nctas;     // flat split over nctas CTAs
   int nsplit, split_keys; // per-item split
   int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math
@@ -76,6 +82,20 @@ int launch_merge_flat(const attnd_kshape_t *s, const DecodeParams &p, bool pdl, 
 // ws_lse: [nsplit][Tq][q_heads] lse, then as many lset (the merge weights).
 int launch_merge_split(const attnd_kshape_t *s, const attnd_kbatch_t *b, const float *ws_o, const float *ws_lse,
                        int nsplit, bool pdl, cudaStream_t st);
+
+// Soft-capping in the exp2 domain of the kernels' scores (primitives.cuh,
+// softcap2): softcap log2(e) and its inverse; both 0 without capping.
+inline void softcap_exp2(const attnd_kshape_t *s, float *cap2, float *icap2) {
+  *cap2 = s->softcap > 0.f ? s->softcap * 1.4426950408889634f : 0.f;
+  *icap2 = s->softcap > 0.f ? 1.f / *cap2 : 0.f;
+}
+
+// Keys a CTA's rows may see at most from its first visible key (the split
+// planning's length): the longest context, or in a sliding layer the window
+// plus the rows of an item less one (the first row's window starts the range;
+// masks that see later keys (full, prefix-LM, intervals without causal) end
+// it at the item's last key).
+long plan_span(const attnd_kbatch_t *b);
 
 // The split planning of the tiled kernel (tiled_kernel.cuh) and the decode path.
 size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q);

@@ -90,11 +90,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int32_t *bt = F.meta + it.block_table;
 
   // Keys any row of this CTA may see (primitives.cuh), cut to the split's part.
+  const int win = F.window;
   int lo, hi;
-  key_range(it, pmin, pmax, lo, hi);
+  key_range(it, pmin, pmax, win, lo, hi);
   if (F.nsplit > 1) {
-    lo = max(lo, split * F.split_keys);
-    hi = min(hi, (split + 1) * F.split_keys - 1);
+    const int b0 = win > 0 ? lo : 0; // a sliding layer's parts cover its window only
+    lo = max(lo, b0 + split * F.split_keys);
+    hi = min(hi, b0 + (split + 1) * F.split_keys - 1);
   }
   const int jfirst = (lo / BN) * BN;
   const int ntiles = (hi >= lo && hi >= jfirst) ? (hi - jfirst) / BN + 1 : 0;
@@ -122,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // FlashMask intervals: every key tile classified once, as the tiled kernel
   // does (skipped: each key masked for every row; bit 1: masked per element).
   if (kind == ATTND_MASK_INTERVALS)
-    classify_tiles<BN>(it, iv, kv_len, lo, hi, jfirst, ntiles, C::kNF, pmin, pmax, kThreads / 32,
+    classify_tiles<BN>(it, iv, kv_len, lo, hi, jfirst, ntiles, C::kNF, pmin, pmax, win, kThreads / 32,
                        sFlags);
   __syncthreads();
 
@@ -338,11 +340,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int ra = cw * 16 + (lane >> 2); // this thread's rows: ra and ra + 8 of the warpgroup's 64
   int prow[2];
   bool rvalid[2];
+  float zrow[2]; // int4 under soft-capping: the rows' K zero-point terms (softcap2)
+  const float cap2 = F.cap2;
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     const int vv = v0 + c * 64 + ra + ri * 8;
     rvalid[ri] = vv < vend;
     prow[ri] = it.start + min(vv, vend - 1) / G;
+    zrow[ri] = KV == ATTND_KV_INT4 ? reinterpret_cast<const float *>(smem + C::kC)[c * 64 + ra + ri * 8] : 0.f;
   }
   // Row range of this warpgroup, for the per-tile mask decision.
   int wpmin = pmin, wpmax = pmax;
@@ -353,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto need_mask = [&](int t, int j0) -> bool {
     if (kind == ATTND_MASK_INTERVALS)
       return t >= C::kNF || (sFlags[t] & 2);
-    return tile_needs_mask(it, wpmin, wpmax, lo, hi, j0, BN);
+    return tile_needs_mask(it, wpmin, wpmax, lo, hi, j0, BN, win);
   };
 
   const uint32_t sQa = smem_u32(smem + C::kQ), sQloa = smem_u32(smem + C::kQlo),
@@ -419,6 +424,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float x = __fmul_rn(sacc[nt * 4 + e], sl2);
         sacc[nt * 4 + e] = C::kDyn ? __fmul_rn(x, sDs(s)[nt * 8 + (lane & 3) * 2 + (e & 1)]) : x;
       }
+    if (cap2 > 0.f) { // soft-capping (softcap2): a branch per tile, uniform over the CTA
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+          sacc[nt * 4 + e] = softcap2(sacc[nt * 4 + e], cap2, F.icap2, zrow[e >> 1]);
+    }
     if (need_mask(t, j0)) {
       if (kind == ATTND_MASK_INTERVALS) {
 #pragma unroll
@@ -437,21 +449,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int ri = 0; ri < 2; ri++) {
               const int p = prow[ri];
-              const bool vis =
-                  in && !(it.causal && j > p) && !((a <= p && p < bb) || (cc <= p && p < dd));
+              const bool vis = in && !(it.causal && j > p) && !(win > 0 && j <= p - win) &&
+                               !((a <= p && p < bb) || (cc <= p && p < dd));
               if (!vis)
                 sacc[nt * 4 + ri * 2 + cb] = -INFINITY;
             }
           }
       } else {
-        // Each row's visible keys are one range [rlo, rhi], plus [lo, phi]
-        // for prefix-LM (the prefix); both already cut to [lo, hi]
-        // (primitives.cuh's visible(), as ranges).
-        int rlo[2], rhi[2], phi[2];
+        // Each row's visible keys are one range [rlo, rhi], plus [wlo, phi]
+        // for prefix-LM (the prefix); both already cut to [lo, hi] and to
+        // the row's window from wlo (primitives.cuh's visible(), as ranges).
+        int rlo[2], rhi[2], phi[2], wlo[2];
 #pragma unroll
         for (int ri = 0; ri < 2; ri++) {
           const int p = prow[ri];
-          rlo[ri] = kind == ATTND_MASK_SLIDING ? max(lo, p - mp + 1) : lo;
+          wlo[ri] = win > 0 ? max(lo, p - win + 1) : lo;
+          rlo[ri] = kind == ATTND_MASK_SLIDING ? max(wlo[ri], p - mp + 1) : wlo[ri];
           rhi[ri] = kind == ATTND_MASK_FULL ? hi : min(hi, p);
           phi[ri] = kind == ATTND_MASK_PREFIX_LM ? min(hi, mp - 1) : lo - 1;
         }
@@ -460,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; e++) {
             const int j = j0 + nt * 8 + (lane & 3) * 2 + (e & 1), ri = e >> 1;
-            const bool vis = (j >= rlo[ri] && j <= rhi[ri]) || (j >= lo && j <= phi[ri]);
+            const bool vis = (j >= rlo[ri] && j <= rhi[ri]) || (j >= wlo[ri] && j <= phi[ri]);
             if (!vis)
               sacc[nt * 4 + e] = -INFINITY;
           }
@@ -631,6 +644,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   const float *sC = reinterpret_cast<const float *>(smem + C::kC);
+  const float *sink =
+      F.sinks && (F.items[item].flags & ATTND_ITEM_SINK) && (F.nsplit <= 1 || split == 0) ? F.sinks : nullptr;
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     if (!rvalid[ri])
@@ -644,21 +659,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool any = l_r[ri] > 0.f;
     const float ln = C::kDyn ? l_r[ri] : lt_r[ri];
     const float inv = any ? (C::kSigma ? sig : 1.f) / ln : 0.f;
-    const float ref = m_r[ri] - (KV == ATTND_KV_INT4 ? sC[c * 64 + ra + ri * 8] : 0.f);
-    const float lse =
-        any ? (ref + (log2f(l_r[ri]) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
-    const float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
+    // (Capped int4 scores hold the zero-point term: softcap2.)
+    const float ref = m_r[ri] - (KV == ATTND_KV_INT4 && cap2 == 0.f ? sC[c * 64 + ra + ri * 8] : 0.f);
+    float lse = any ? (ref + (log2f(l_r[ri]) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
+    float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
+    // The sink joins the row once: here when it is not split, else in part 0.
+    const float wsk = sink ? sink_join(sink[h], lse, lset) : 1.f;
     // Channel d of this row, normalized; static V scales (and int4's zero
     // point: O = s (sum P~ u / sum P~ - z), 0 for a row with no key) applied here.
     auto fin = [&](int nt, int k) -> float {
       const int d = nt * 8 + (lane & 3) * 2 + k;
       const float x = o[nt * 4 + ri * 2 + k] * inv;
       if constexpr (KV == ATTND_KV_INT4)
-        return any ? (x - F.v_zero[kvh * D + d]) * F.v_scale[kvh * D + d] : 0.f;
+        return (any ? (x - F.v_zero[kvh * D + d]) * F.v_scale[kvh * D + d] : 0.f) * wsk;
       else if constexpr (C::kStatic)
-        return x * (F.per_channel ? F.v_scale[kvh * D + d] : F.v_scale[kvh]);
+        return x * (F.per_channel ? F.v_scale[kvh * D + d] : F.v_scale[kvh]) * wsk;
       else
-        return x;
+        return x * wsk;
     };
     const size_t ob = ((size_t)row * F.q_heads + h) * D + (lane & 3) * 2;
     if (F.nsplit > 1 || F.out_fp32) {

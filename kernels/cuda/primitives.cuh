@@ -205,10 +205,11 @@ template <int DT> __device__ __forceinline__ float op_half(uint32_t r, bool hi) 
 }
 
 // ---- masks ----------------------------------------------------------------------
-// Key j visible to the query at absolute position p (attnd_kernels.h masks).
+// Key j visible to the query at absolute position p (attnd_kernels.h masks),
+// intersected with the layer's window win (> 0: j > p - win; 0: full layer).
 __device__ __forceinline__ bool visible(int kind, int param, int causal, const int32_t *iv, int kv_len,
-                                        int p, int j) {
-  if (j >= kv_len)
+                                        int p, int j, int win) {
+  if (j >= kv_len || (win > 0 && j <= p - win))
     return false;
   switch (kind) {
   case ATTND_MASK_CAUSAL:
@@ -228,8 +229,11 @@ __device__ __forceinline__ bool visible(int kind, int param, int causal, const i
   }
 }
 
-// Keys [lo, hi] that any query row in positions [pmin, pmax] of item it may see.
-__device__ __forceinline__ void key_range(const attnd_kitem_t &it, int pmin, int pmax, int &lo, int &hi) {
+// Keys [lo, hi] that any query row in positions [pmin, pmax] of item it may
+// see, in a layer of window win (0: full): keys before the window of the
+// first row are never read.
+__device__ __forceinline__ void key_range(const attnd_kitem_t &it, int pmin, int pmax, int win, int &lo,
+                                          int &hi) {
   const int kind = it.mask_kind, mp = it.mask_param;
   lo = 0;
   hi = it.start + it.n - 1;
@@ -241,14 +245,16 @@ __device__ __forceinline__ void key_range(const attnd_kitem_t &it, int pmin, int
   } else if (kind == ATTND_MASK_PREFIX_LM) {
     hi = min(hi, max(pmax, mp - 1));
   }
+  if (win > 0)
+    lo = max(lo, pmin - win + 1);
 }
 
 // Whether keys [j0, j0 + n) may hold a key masked for some row of [pmin, pmax]
 // inside the visible range [lo, hi] (then the tile is masked per element).
 __device__ __forceinline__ bool tile_needs_mask(const attnd_kitem_t &it, int pmin, int pmax, int lo, int hi,
-                                                int j0, int n) {
+                                                int j0, int n, int win) {
   const int kind = it.mask_kind, mp = it.mask_param, j1 = j0 + n - 1;
-  bool m = j0 < lo || j1 > hi || j1 >= it.start + it.n;
+  bool m = j0 < lo || j1 > hi || j1 >= it.start + it.n || (win > 0 && j0 <= pmax - win);
   if (kind == ATTND_MASK_CAUSAL || kind == ATTND_MASK_SLIDING)
     m = m || j1 > pmin;
   if (kind == ATTND_MASK_SLIDING)
@@ -262,14 +268,15 @@ __device__ __forceinline__ bool tile_needs_mask(const attnd_kitem_t &it, int pmi
 
 // FlashMask intervals: classifies key tiles [0, min(ntiles, nflags)) of BN
 // keys from jfirst for the query rows at positions [pmin, pmax] (keys [lo, hi]
-// in range). flags[t] bit 0: every key of the tile is masked for every row
+// in range; the window win cuts lo, and its per-row edge masks per element).
+// flags[t] bit 0: every key of the tile is masked for every row
 // (the tile is skipped); bit 1: some key may be masked for some row (the
 // tile is masked per element). One warp per tile (nw warps from warp 0),
 // BN / 32 keys per lane. Shared by the tiled kernel and the Hopper path, so
 // that both skip the same keys.
 template <int BN>
 __device__ void classify_tiles(const attnd_kitem_t &it, const int32_t *iv, int kv_len, int lo, int hi,
-                               int jfirst, int ntiles, int nflags, int pmin, int pmax, int nw,
+                               int jfirst, int ntiles, int nflags, int pmin, int pmax, int win, int nw,
                                uint8_t *flags) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int t = warp; t < min(ntiles, nflags); t += nw) {
@@ -282,7 +289,7 @@ __device__ void classify_tiles(const attnd_kitem_t &it, const int32_t *iv, int k
         const bool cov12 = a <= pmin && c <= bb && pmax < dd; // the union covers
         masked_all &= (it.causal && j > pmax) || cov1 || cov2 || cov12;
         const bool hit1 = a < bb && a <= pmax && pmin < bb, hit2 = c < dd && c <= pmax && pmin < dd;
-        vis_all &= !(it.causal && j > pmin) && !hit1 && !hit2;
+        vis_all &= !(it.causal && j > pmin) && !hit1 && !hit2 && !(win > 0 && j <= pmax - win);
       } else {
         vis_all = false;
       }
@@ -292,6 +299,37 @@ __device__ void classify_tiles(const attnd_kitem_t &it, const int32_t *iv, int k
     if (lane == 0)
       flags[t] = (masked_all ? 1 : 0) | (vis_all ? 0 : 2);
   }
+}
+
+// ---- logit soft-capping and sinks (docs/numerics.md) ---------------------------
+// The scores are kept in the exp2 domain (v = s log2 e); capping there is
+// c2 tanh(v / c2) with c2 = c log2 e, the same function of s. Written with
+// explicit roundings so that every kernel computes the same bits (a prefix
+// hit must equal a full recompute). zc: int4's K zero-point term of the row
+// (its scores leave it out otherwise), 0 for the other types.
+__device__ __forceinline__ float softcap2(float v, float cap2, float icap2, float zc) {
+  return __fmul_rn(cap2, tanhf(__fmul_rn(__fsub_rn(v, zc), icap2)));
+}
+
+// Joins a sink logit (natural log) to a finished state (an output normalized
+// by its own sum, that sum's log lset, and the lse): the sink is one more
+// term exp(sink) of both sums, with no value. Returns the factor of the
+// output; lse and lset become logaddexp(., sink). A state with no visible
+// key becomes out 0, lse = lset = sink. Applied once per row: in the kernel
+// when a row is not split, else to the part of the first key piece only, so
+// that a merge by lset counts it once.
+__device__ __forceinline__ float sink_join(float sink, float &lse, float &lset) {
+  const float w = lset == -INFINITY ? 0.f : 1.f / (1.f + expf(sink - lset));
+  auto lae = [](float a, float b) -> float {
+    if (a == -INFINITY)
+      return b;
+    if (b == -INFINITY)
+      return a;
+    return fmaxf(a, b) + log1pf(expf(-fabsf(a - b)));
+  };
+  lse = lae(lse, sink);
+  lset = lae(lset, sink);
+  return w;
 }
 
 // ---- static scales in the scores --------------------------------------------------

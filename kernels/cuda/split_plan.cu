@@ -72,9 +72,20 @@ size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q) {
   return (size_t)total_q * s->q_heads * (s->head_dim + 2) * sizeof(float);
 }
 
+long plan_span(const attnd_kbatch_t *b) {
+  long span = b->max_kv_len;
+  if (b->window > 0 && (long)b->window + b->max_n - 1 < span)
+    span = (long)b->window + b->max_n - 1;
+  return span;
+}
+
 int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int slots_per_sm, int tile_vec,
                 int *split_keys) {
   const int G = s->q_heads / s->kv_heads;
+  // A sliding layer's parts cover the keys of a CTA's rows from its first
+  // visible key, not the whole context: a decode row at 32k in a window of
+  // 4096 is cut as a full layer at 4096 would be.
+  const long span = plan_span(b);
   const long tiles = ((long)b->max_n * G + tile_vec - 1) / tile_vec;
   const long base = (long)b->nitems * s->kv_heads * tiles;
   const long slots = (long)num_sms() * slots_per_sm;
@@ -84,7 +95,7 @@ int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
     // the last wave is time lost; every extra part costs a prologue, a shorter
     // pipeline and merge traffic), else the best filling. Two waves measured
     // worse than one or four on the H200 (bench/RESULTS.md): skip them.
-    long limit = b->max_kv_len / (2 * kBN); // at least two key tiles per part
+    long limit = span / (2 * kBN); // at least two key tiles per part
     const long by_ws = (long)(ws_bytes / split_bytes_per_part(s, b->total_q));
     if (limit > by_ws)
       limit = by_ws;
@@ -102,12 +113,12 @@ int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
         break;
     }
   }
-  int keys = (b->max_kv_len + nsplit - 1) / nsplit;
+  int keys = (int)((span + nsplit - 1) / nsplit);
   keys = (keys + kBN - 1) / kBN * kBN;
   if (keys < kBN)
     keys = kBN;
   *split_keys = keys;
-  return nsplit > 1 ? (b->max_kv_len + keys - 1) / keys : 1;
+  return nsplit > 1 ? (int)((span + keys - 1) / keys) : 1;
 }
 
 size_t flat_workspace_bytes(int nctas, int max_vec, int d, int nitems) {
@@ -138,7 +149,7 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
       b->nitems <= with_types<ItemsF>(s->head_dim, s->dtype, s->kv, pl->tr)) {
     // CTAs: one full wave, fewer when the keys are too few for every CTA to
     // get min_chunks (the bound counts every item at the longest context).
-    const long chunks_max = (long)b->nitems * s->kv_heads * ((b->max_kv_len + kDecKeys - 1) / kDecKeys + 1);
+    const long chunks_max = (long)b->nitems * s->kv_heads * ((plan_span(b) + kDecKeys - 1) / kDecKeys + 1);
     const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 8;
     long c = chunks_max / min_chunks;
     if (c > slots)
@@ -184,6 +195,9 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
   p.total_q = b->total_q;
   p.max_vec = b->max_n * p.group;
   p.scale_log2 = s->softmax_scale * 1.4426950408889634f;
+  softcap_exp2(s, &p.cap2, &p.icap2);
+  p.window = b->window;
+  p.sinks = b->sinks;
   p.flat = pl.flat;
   p.nctas = pl.nctas;
   p.nsplit = pl.nsplit;

@@ -111,9 +111,9 @@ __device__ void tiled_load_q(const FlashParams &P, const TileCtx &x, float rscal
 // is skipped when each of its keys is masked for every row of this query tile
 // (causal, or an interval covering [pmin, pmax]); it needs no per-element
 // mask when no key is masked for any row.
-template <class C> __device__ void tiled_classify(const TileCtx &x, uint8_t *sFlags) {
-  classify_tiles<C::BN>(x.it, x.iv, x.kv_len, x.lo, x.hi, x.jfirst, x.ntiles, kMaxTileFlags, x.pmin, x.pmax, C::NW,
-                        sFlags);
+template <class C> __device__ void tiled_classify(const FlashParams &P, const TileCtx &x, uint8_t *sFlags) {
+  classify_tiles<C::BN>(x.it, x.iv, x.kv_len, x.lo, x.hi, x.jfirst, x.ntiles, kMaxTileFlags, x.pmin, x.pmax, P.window,
+                        C::NW, sFlags);
 }
 
 // Issues the paged cp.async copies of key tile t into stage st (zero-filled
@@ -208,9 +208,10 @@ template <class C> struct TileAcc {
 
 // One key tile for one warp: S = Q K^T, mask, online softmax, O += P V.
 template <class C>
-__device__ __forceinline__ void tiled_tile(const TileCtx &x, const uint16_t *sQ, const uint16_t *sQlo,
-                                           const uint16_t *sK, const uint16_t *sV, const float *sDsStage, int j0,
-                                           bool need_mask, const int *prow, TileAcc<C> &acc) {
+__device__ __forceinline__ void tiled_tile(const FlashParams &P, const TileCtx &x, const uint16_t *sQ,
+                                           const uint16_t *sQlo, const uint16_t *sK, const uint16_t *sV,
+                                           const float *sDsStage, int j0, bool need_mask, const int *prow,
+                                           const float *zrow, TileAcc<C> &acc) {
   using A = Act<C::PDT>; // P's dtype
   constexpr int BN = C::BN, D = C::D, LD = C::LD;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, qr0 = warp * 16;
@@ -236,8 +237,8 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const uint16_t *sQ,
       }
     }
   }
-  // Scale into the exp2 domain, mask, online softmax.
-  float mx[2] = {-INFINITY, -INFINITY};
+  // Scale into the exp2 domain, soft-cap (a branch per tile, uniform over
+  // the CTA: the plain path pays one test), mask, online softmax.
 #pragma unroll
   for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
@@ -245,10 +246,26 @@ __device__ __forceinline__ void tiled_tile(const TileCtx &x, const uint16_t *sQ,
       float v = s[nt][e] * x.sl2;
       if constexpr (C::K::kDyn)
         v *= sDsStage[nt * 8 + (lane & 3) * 2 + (e & 1)];
+      s[nt][e] = v;
+    }
+  if (P.cap2 > 0.f) { // window and cap from the parameters (constant bank)
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        s[nt][e] = softcap2(s[nt][e], P.cap2, P.icap2, zrow[e >> 1]);
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      float v = s[nt][e];
       if (need_mask) {
         const int j = j0 + nt * 8 + (lane & 3) * 2 + (e & 1);
         const bool vis = j >= x.lo && j <= x.hi &&
-                         visible(x.it.mask_kind, x.it.mask_param, x.it.causal, x.iv, x.kv_len, prow[e >> 1], j);
+                         visible(x.it.mask_kind, x.it.mask_param, x.it.causal, x.iv, x.kv_len, prow[e >> 1], j,
+                                 P.window);
         if (!vis)
           v = -INFINITY;
       }
@@ -337,6 +354,9 @@ __device__ __forceinline__ void tiled_write(const FlashParams &P, const TileCtx 
   constexpr int D = C::D, NT = C::NT;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, G = P.group;
   const int wv0 = x.v0 + warp * 16;
+  const float *sink =
+      P.sinks && (P.items[blockIdx.x / P.kv_heads].flags & ATTND_ITEM_SINK) && (P.nsplit <= 1 || split == 0) ? P.sinks
+                                                                                                : nullptr;
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     acc.l[ri] += __shfl_xor_sync(0xffffffffu, acc.l[ri], 1);
@@ -359,9 +379,12 @@ __device__ __forceinline__ void tiled_write(const FlashParams &P, const TileCtx 
     const float ln = C::K::kDyn ? acc.l[ri] : acc.lt[ri];
     const float inv = any ? (C::kSigma ? acc.sig : 1.f) / ln : 0.f;
     // The sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
-    const float ref = acc.m[ri] - (C::K::kI4 ? sC[warp * 16 + (lane >> 2) + ri * 8] : 0.f);
-    const float lse = any ? (ref + (log2f(acc.l[ri]) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
-    const float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
+    // (Capped int4 scores hold the zero-point term: softcap2.)
+    const float ref = acc.m[ri] - (C::K::kI4 && P.cap2 == 0.f ? sC[warp * 16 + (lane >> 2) + ri * 8] : 0.f);
+    float lse = any ? (ref + (log2f(acc.l[ri]) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
+    float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
+    // The sink joins the row once: here when it is not split, else in part 0.
+    const float wsk = sink ? sink_join(sink[h], lse, lset) : 1.f;
     float o[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -373,7 +396,7 @@ __device__ __forceinline__ void tiled_write(const FlashParams &P, const TileCtx 
           v = any ? (v - sScale[D + d]) * sScale[d] : 0.f; // s (sum P~ u / sum P~ - z)
         else if constexpr (C::K::kStatic)
           v *= sScale[d];
-        o[nt][k] = v;
+        o[nt][k] = v * wsk;
       }
     const size_t ob = ((size_t)row * P.q_heads + h) * D + (lane & 3) * 2;
     if (P.nsplit > 1) {
@@ -438,10 +461,11 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
   x.pmax = x.it.start + (x.vend - 1) / G;
   x.iv = x.it.mask_kind == ATTND_MASK_INTERVALS ? P.meta + x.it.intervals : nullptr;
   x.bt = P.meta + x.it.block_table;
-  key_range(x.it, x.pmin, x.pmax, x.lo, x.hi);
+  key_range(x.it, x.pmin, x.pmax, P.window, x.lo, x.hi);
   if (P.nsplit > 1) {
-    x.lo = max(x.lo, split * P.split_keys);
-    x.hi = min(x.hi, (split + 1) * P.split_keys - 1);
+    const int b0 = P.window > 0 ? x.lo : 0; // a sliding layer's parts cover its window only
+    x.lo = max(x.lo, b0 + split * P.split_keys);
+    x.hi = min(x.hi, b0 + (split + 1) * P.split_keys - 1);
   }
   x.jfirst = (x.lo / BN) * BN;
   x.ntiles = x.hi >= x.jfirst ? (x.hi - x.jfirst) / BN + 1 : 0;
@@ -481,7 +505,7 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
         sScale[D + i] = P.v_zero[x.kvh * D + i];
     }
   if (x.it.mask_kind == ATTND_MASK_INTERVALS)
-    tiled_classify<C>(x, sFlags);
+    tiled_classify<C>(P, x, sFlags);
   __syncthreads();
   if constexpr (KV == ATTND_KV_INT4) {
     // q'.(u - z) = q'.u - q'.z: the second term is the same for every key of
@@ -518,12 +542,14 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
   const int wv0 = x.v0 + warp * 16;
   const bool warp_live = wv0 < x.vend;
   int prow[2];
+  float zrow[2]; // int4 under soft-capping: the rows' K zero-point terms (softcap2)
   acc.sig = 0.f;
 #pragma unroll
   for (int i = 0; i < 2; i++) {
     acc.m[i] = -INFINITY;
     acc.l[i] = acc.lt[i] = 0.f;
     prow[i] = x.it.start + min(wv0 + (lane >> 2) + i * 8, x.vend - 1) / G;
+    zrow[i] = C::K::kI4 ? sC[warp * 16 + (lane >> 2) + i * 8] : 0.f;
   }
 
   int t = next_tile(0), stage = 0;
@@ -541,7 +567,7 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
     const int j0 = x.jfirst + t * BN;
     const bool need_mask = x.it.mask_kind == ATTND_MASK_INTERVALS
                                ? t >= kMaxTileFlags || (sFlags[t] & 2)
-                               : tile_needs_mask(x.it, x.pmin, x.pmax, x.lo, x.hi, j0, BN);
+                               : tile_needs_mask(x.it, x.pmin, x.pmax, x.lo, x.hi, j0, BN, P.window);
     const uint16_t *sK, *sV;
     if constexpr (C::kDirect) {
       sK = reinterpret_cast<const uint16_t *>(sRaw + (size_t)(stage * 2) * BN * RAWLD);
@@ -553,8 +579,8 @@ __global__ void __launch_bounds__(256) flash_kernel(const __grid_constant__ Flas
       sV = sOp + BN * LD;
     }
     if (warp_live && !no_math)
-      tiled_tile<C>(x, reinterpret_cast<const uint16_t *>(sQ), reinterpret_cast<const uint16_t *>(sQlo), sK, sV,
-                    sDs + stage * 2 * BN, j0, need_mask, prow, acc);
+      tiled_tile<C>(P, x, reinterpret_cast<const uint16_t *>(sQ), reinterpret_cast<const uint16_t *>(sQlo), sK, sV,
+                    sDs + stage * 2 * BN, j0, need_mask, prow, zrow, acc);
     __syncthreads(); // the stage and operand tiles are rewritten next
     t = tn;
     stage ^= 1;

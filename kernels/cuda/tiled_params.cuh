@@ -37,7 +37,11 @@ struct FlashParams {
   int per_channel;
   int q_heads, kv_heads, group, bs;
   float scale_log2;           // softmax_scale * log2(e)
-  int nsplit, split_keys;     // split-KV: keys [s*split_keys, (s+1)*split_keys)
+  float cap2, icap2;          // soft-capping in the exp2 domain: softcap * log2(e) and its inverse; 0: none
+  int window;                 // the layer's window (attnd_kbatch_t.window), 0: full layer
+  const float *sinks;         // [q_heads] sink logits or NULL; used by items with ATTND_ITEM_SINK
+  int nsplit, split_keys;     // split-KV: part s takes keys [b + s*split_keys, b + (s+1)*split_keys) of
+                              // the CTA's range, b = its first key when window > 0, else 0
   float *ws_o;                // nsplit > 1: [nsplit][Tq][q_heads][D] fp32, normalized
   float *ws_lse;              // nsplit > 1: [nsplit][Tq][q_heads] natural-log lse, then as many lset
   int total_q;

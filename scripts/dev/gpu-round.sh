@@ -12,16 +12,19 @@
 #       same checkout with build-gpu/stage/ copied there) runs, each step under
 #       a timeout of at most what is left of ROUND_SECONDS (default 420):
 #         1. test_cuda_kernels (every matrix: decode, mixed, prefill-shaped with
-#            the Hopper path against the tiled kernel, long histories)   ~90 s
+#            the Hopper path against the tiled kernel, long histories, the
+#            per-layer variants: windows, soft-capping, sinks)           ~105 s
 #         2. test_cuda_numerics (zero points, sinks, magnitudes, CPU ratio) ~60 s
 #         3. compute-sanitizer memcheck, pairwise test_cuda_kernels        ~40 s
 #         4. compute-sanitizer racecheck, pairwise prefill matrix (the
 #            Hopper path and, through the A/B, the tiled kernel)           ~50 s
 #         5. bench_prefill, its main rows (ATTND_BENCH_PREFILL=all: every row) ~30 s
-#         6. bench_kernels, the decode rows (B64 ctx4096, B8 ctx32768, every type) ~40 s
+#         6. bench_kernels, the decode rows (B64 ctx4096, B8 ctx32768, every type;
+#            sliding decode at 32k in windows of 4096 / 128 against full layers
+#            at the window's length) and the soft-capped / windowed prefill rows ~50 s
 #         7. bench/torch_reference.py, ATTND_REF_SECTIONS (default
-#            copy,read,prefill,flex,decode,shapes,append; sections are dropped
-#            from the end when less than ~15 s each is left)               ~100 s
+#            copy,read,prefill,flex,decode,variants,shapes,append; sections are
+#            dropped from the end when less than ~15 s each is left)      ~100 s
 #       and prints a summary table last (also $OUT/summary.txt): each step's
 #       result, seconds and key lines. Logs and JSON go to $OUT (default
 #       ./gpu-out). A step that would start with less than 10 s left is
@@ -108,7 +111,7 @@ run() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
     | tee "$out/gpu.txt"
 
-  step test_cuda_kernels 90 200 test.log ./test_cuda_kernels
+  step test_cuda_kernels 105 210 test.log ./test_cuda_kernels
   grep -E "FAIL|rel L2 .* >|Hopper path vs|prefix hit|^kv |seed" "$out/test.log" | head -30
   step test_cuda_numerics 60 150 numerics.log ./test_cuda_numerics
   grep -E "FAIL|over 2x|A/B|^\[ *[A-Z]|^kv|^[a-z0-9_]+ +(bf16|fp16) " "$out/numerics.log" | head -30
@@ -121,9 +124,10 @@ run() {
   grep -E "RACECHECK SUMMARY|hazard|FAIL" "$out/racecheck.log" | head -10
   if [ "${ATTND_ROUND_NO_BENCH:-0}" != 1 ]; then
     step bench_prefill 30 90 prefill.log env OUT="$out" ./bench_prefill
-    step bench_kernels_decode 40 90 bench.log env OUT="$out" ATTND_BENCH_FILTER=decode_B ./bench_kernels
+    step bench_kernels_decode 50 100 bench.log env OUT="$out" \
+      ATTND_BENCH_FILTER=decode_B,softcap,window1024 ./bench_kernels
     # Sections dropped from the end while less than ~15 s each is left.
-    local secs=${ATTND_REF_SECTIONS:-copy,read,prefill,flex,decode,shapes,append}
+    local secs=${ATTND_REF_SECTIONS:-copy,read,prefill,flex,decode,variants,shapes,append}
     local n
     n=$(echo "$secs" | tr ',' '\n' | wc -l)
     while [ "$n" -gt 1 ] && [ "$(left)" -lt $((15 * n)) ]; do
@@ -155,9 +159,11 @@ run() {
     grep -E "^(causal|document|sliding|append|small)\S* +(pp|tiled) " "$out/prefill.log" 2>/dev/null
     echo "-- decode (bench_kernels, summarize.py)"
     head -12 "$out/decode-summary.txt" 2>/dev/null
+    echo "-- per-layer variants (bench_kernels: sliding decode us / full layer at the window; prefill ms, TFLOP/s)"
+    grep -E "_w(4096|128) |softcap50|window1024" "$out/bench.log" 2>/dev/null | head -8
     echo "-- PyTorch"
-    grep -E "copy_bw|prefill_causal_sdpa|flex_doc|flex_sliding|append|decode_bf16_cudnn_B(64|8)_" \
-      "$out/reference.log" 2>/dev/null | head -14
+    grep -E "copy_bw|prefill_causal_sdpa|flex_doc|flex_sliding|flex_causal_softcap|decode_sliding|append|decode_bf16_cudnn_B(64|8)_" \
+      "$out/reference.log" 2>/dev/null | head -20
   } | tee "$out/summary.txt"
 }
 
