@@ -37,6 +37,11 @@
 typedef struct attnd_backend_s attnd_backend_t;
 typedef struct attnd_job_s attnd_job_t;
 
+/* A step's backend phases, in the order they run (the step trace, rpc.h):
+ * host to device copy, the cache write (RoPE, quantize, paged write), the
+ * attention kernels, device to host copy. The CPU backend has no copies. */
+enum { ATTND_DEV_H2D, ATTND_DEV_WRITE, ATTND_DEV_ATTEND, ATTND_DEV_D2H, ATTND_DEV_COUNT };
+
 typedef enum { ATTND_JOB_STEP = 0, ATTND_JOB_COPY = 1, ATTND_JOB_SCALES = 2 } attnd_job_kind_t;
 
 struct attnd_job_s {
@@ -63,6 +68,10 @@ struct attnd_job_s {
   int status; /* 0 or a negative ATTND_E* */
   char message[128];
   uint64_t t_submit_us, t_start_us, t_end_us; /* uv_hrtime()/1000 */
+  /* STEP, when the backend timed it (CPU: always; CUDA: --cuda-trace, from
+   * events): microseconds per ATTND_DEV_* phase. */
+  uint32_t dev_us[ATTND_DEV_COUNT];
+  int dev_timed;
   void (*done_cb)(attnd_job_t *job);          /* on the loop thread */
   void *user;
 };

@@ -341,6 +341,7 @@ int attnd_cu_submit(attnd_backend_t *base, attnd_job_t *job) {
   job->message[0] = 0;
   job->t_submit_us = attnd_cu_now_us();
   job->t_start_us = job->t_end_us = 0;
+  job->dev_timed = 0;
   be->inflight++;
   attnd_cu_update_ref(be);
   /* Behind any waiting job (one FIFO for all layers keeps each layer's

@@ -95,6 +95,11 @@ typedef struct {
   int decode; /* Step: every item has n == 1 (else a prefill), whichever plan it names */
   uint64_t queued_us;
   uint64_t computing_us;
+  /* Step: its finiteness scan, and its backend phases when the backend timed
+   * them (dev_timed; backend.h ATTND_DEV_*: H2D, write, attend, D2H). */
+  uint32_t scan_us;
+  uint32_t dev_us[4];
+  int dev_timed;
 } attnd_result_t;
 
 typedef void (*attnd_engine_done_cb)(void *arg, attnd_result_t *res);

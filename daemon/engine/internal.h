@@ -304,6 +304,7 @@ struct attnd_ejob_s {
   /* EJ_SCALES: the snapshot the backend reads until done */
   float *sk, *sv, *zk, *zv;
   uint64_t t_admit_us; /* handed to the scheduler */
+  uint32_t scan_us;    /* EJ_STEP: its finiteness scan (attnd_result_t.phases) */
   /* The scheduler's (sched.c): what it touches, who waits for it. */
   int32_t *wblocks; /* blocks it writes */
   uint32_t nw;
@@ -326,6 +327,7 @@ typedef struct {
   size_t bad_q, bad_k, bad_v;      /* first row past its bound (non-finite or too large);
                                     * SIZE_MAX: none */
   uint32_t bits_q, bits_k, bits_v; /* that row's largest magnitude, as dtype bits */
+  uint32_t us;                     /* how long the scan took (the step trace) */
 } attnd_scan_t;
 
 /* The largest magnitude a tensor may hold (docs/numerics.md §6). */

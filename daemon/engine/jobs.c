@@ -130,6 +130,12 @@ static void job_done(attnd_job_t *job) {
       r.queued_us = job->t_start_us - j->t_admit_us;
     if (job->t_end_us >= job->t_start_us)
       r.computing_us = job->t_end_us - job->t_start_us;
+    r.scan_us = j->scan_us;
+    _Static_assert(ATTND_DEV_COUNT == 4, "attnd_result_t.dev_us follows backend.h");
+    if (job->dev_timed) {
+      memcpy(r.dev_us, job->dev_us, sizeof(r.dev_us));
+      r.dev_timed = 1;
+    }
     j->cb(j->arg, &r);
   }
   /* Blocks go back only after the callback, which may make new calls. */

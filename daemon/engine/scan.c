@@ -151,7 +151,9 @@ void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, attn
   size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
   attnd_scan_bound_t bq, bk, bv;
   attnd_scan_bounds(sh, &bq, &bk, &bv);
+  const uint64_t t0 = attnd_engine_now_us();
   scan_tensor(sh->dtype, &req->q, qrow, &bq, &sc->q, &sc->qbuf, &sc->bad_q, &sc->bits_q);
   scan_tensor(sh->dtype, &req->k, kvrow, &bk, &sc->k, &sc->kbuf, &sc->bad_k, &sc->bits_k);
   scan_tensor(sh->dtype, &req->v, kvrow, &bv, &sc->v, &sc->vbuf, &sc->bad_v, &sc->bits_v);
+  sc->us = (uint32_t)(attnd_engine_now_us() - t0);
 }

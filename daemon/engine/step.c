@@ -318,6 +318,7 @@ static void step_build_batch(admit_t *a) {
   j->kbuf = a->scan.kbuf;
   j->vbuf = a->scan.vbuf;
   j->qbuf = a->scan.qbuf;
+  j->scan_us = a->scan.us;
   a->scan.kbuf = a->scan.vbuf = a->scan.qbuf = NULL;
   b->out_fp32 = req->fp32_out != 0;
   j->out_dtype = req->fp32_out ? ATTND_DT_FP32 : sh->dtype;

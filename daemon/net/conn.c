@@ -107,6 +107,8 @@ typedef struct {
   unsigned n;
   void **owned; /* sendv: what to free when written (NULL: every bufs[i].base) */
   unsigned nowned;
+  int kind1;       /* the step trace: a step response's kind + 1 is in it, else 0 */
+  uint64_t t0_ns;  /* ... handed to libuv then */
   uv_buf_t bufs[]; /* owned: freed when written */
 } wreq_t;
 
@@ -126,6 +128,8 @@ static void write_cb(uv_write_t *req, int status) {
   wreq_t *w = (wreq_t *)req;
   attnd_conn_t *c = w->conn;
   c->write_bytes -= w->len;
+  if (w->kind1)
+    attnd_rpc_trace_write(&c->srv->rpc, w->kind1 - 1, (uv_hrtime() - w->t0_ns) / 1000);
   wreq_free(w);
   if (c->closing)
     return;
@@ -147,7 +151,7 @@ static void note_inflight(attnd_conn_t *c) {
 /* owned: NULL when every bufs[i].base is its own allocation, else the list
  * (taken over) of what to free once written. */
 static void submit(attnd_conn_t *c, const uv_buf_t *bufs, unsigned n, size_t len, void **owned,
-                   unsigned nowned) {
+                   unsigned nowned, int kind1) {
   wreq_t *w = malloc(sizeof(*w) + n * sizeof(uv_buf_t));
   if (!w)
     abort();
@@ -156,6 +160,8 @@ static void submit(attnd_conn_t *c, const uv_buf_t *bufs, unsigned n, size_t len
   w->n = n;
   w->owned = owned;
   w->nowned = nowned;
+  w->kind1 = c->srv->rpc.trace ? kind1 : 0;
+  w->t0_ns = w->kind1 ? uv_hrtime() : 0;
   memcpy(w->bufs, bufs, n * sizeof(uv_buf_t));
   if (uv_write(&w->req, &c->h.stream, w->bufs, n, write_cb) != 0) {
     c->write_bytes -= len;
@@ -168,17 +174,19 @@ static void submit(attnd_conn_t *c, const uv_buf_t *bufs, unsigned n, size_t len
 static void flush_batch(attnd_conn_t *c) {
   unsigned n = c->nbatch;
   size_t len = c->batch_len;
+  int kind1 = c->batch_kind1;
   if (n == 0)
     return;
   c->nbatch = 0;
   c->batch_len = 0;
+  c->batch_kind1 = 0;
   if (c->closing) {
     c->write_bytes -= len;
     for (unsigned i = 0; i < n; i++)
       free(c->batch[i].base);
     return;
   }
-  submit(c, c->batch, n, len, NULL, 0);
+  submit(c, c->batch, n, len, NULL, 0, kind1);
 }
 
 static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_after) {
@@ -195,11 +203,13 @@ static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_af
   if (c->in_feed) {
     c->batch[c->nbatch++] = ub;
     c->batch_len += len;
+    if (rc->send_kind1)
+      c->batch_kind1 = rc->send_kind1;
     if (c->nbatch == WRITE_BATCH)
       flush_batch(c);
     return;
   }
-  submit(c, &ub, 1, len, NULL, 0);
+  submit(c, &ub, 1, len, NULL, 0, rc->send_kind1);
 }
 
 /* A response in pieces (rpc.h): written after everything queued before it,
@@ -232,7 +242,7 @@ static void rc_sendv(attnd_rpc_conn_t *rc, const attnd_rpc_seg_t *segs, int n, i
   if (close_after)
     attnd_conn_close_when_flushed(c);
   flush_batch(c); /* keep the order of responses already batched */
-  submit(c, bufs, (unsigned)n, len, owned, nowned);
+  submit(c, bufs, (unsigned)n, len, owned, nowned, rc->send_kind1);
   free(bufs);
 }
 
@@ -244,7 +254,9 @@ static int frame_cb(void *arg, uint8_t *frame, size_t len) {
     free(frame);
     return -1;
   }
+  c->rc.frame_t0_ns = c->fr.t0_ns;
   attnd_rpc_handle_frame(&c->rc, frame, len);
+  c->rc.frame_t0_ns = 0;
   note_inflight(c);
   if (c->closing || conn_ending(c))
     return -1;

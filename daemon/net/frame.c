@@ -174,8 +174,10 @@ int attnd_frame_reader_feed(attnd_frame_reader_t *r, const uint8_t *data, size_t
     }
     if (n == 0)
       break;
-    if (r->hdr_got == 0)
+    if (r->hdr_got == 0) {
       r->nstarted++;
+      r->t0_ns = uv_hrtime();
+    }
     size_t take = 4 - r->hdr_got;
     if (take > n)
       take = n;

@@ -76,6 +76,7 @@ typedef struct {
   size_t pend_len;   /* bytes in pend */
   size_t pend_off;   /* the first of them not parsed yet */
   uint64_t nstarted; /* frames whose first header byte arrived, ever */
+  uint64_t t0_ns;    /* uv_hrtime() when the latest of them began (the step trace) */
   attnd_frame_admit_cb admit;
   attnd_frame_release_cb release;
   void *hook_arg;

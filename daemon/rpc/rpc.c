@@ -43,11 +43,17 @@ int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
       return rc;
     }
   }
+  if (attnd_rpc_trace_init(r, cfg->step_trace) != 0) {
+    snprintf(err, errlen, "--step-trace: out of memory");
+    attnd_rpc_free(r);
+    return ATTND_ENOMEM;
+  }
   return 0;
 }
 
 void attnd_rpc_free(attnd_rpc_t *r) {
   attnd_rpc_free_tokens(r);
+  attnd_rpc_trace_free(r);
 }
 
 void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity, int need_hello) {
@@ -89,6 +95,7 @@ static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, ui
   q->frame = frame;
   q->frame_len = len;
   q->t0_ns = attnd_rpc_now_ns();
+  q->t_read0_ns = c->frame_t0_ns ? c->frame_t0_ns : q->t0_ns;
   return q;
 }
 
@@ -147,15 +154,45 @@ static void answer(attnd_rpc_req_t *q, attnd_result_t *res, int code) {
     m->encode(q, res, &resp);
   }
   int out_taken = 0, lse_taken = 0;
+  if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP)
+    c->send_kind1 = 1 + (res->decode ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL);
   if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP &&
       attnd_rpc_send_response_refs(q, &resp, &out_taken, &lse_taken)) {
     if (out_taken)
       res->out = NULL;
     if (lse_taken)
       res->lse = NULL;
+    c->send_kind1 = 0;
     return;
   }
   attnd_rpc_send_response(c, &resp, q->t0_ns, q->close_after);
+  c->send_kind1 = 0;
+}
+
+/* The step trace's sample of a step answered OK (rpc.h ATTND_PH_*). */
+static void trace_step(attnd_rpc_req_t *q, const attnd_result_t *res, int kind, uint64_t t_ans,
+                       uint64_t t_sent) {
+  uint64_t ph[ATTND_PH_COUNT] = {0};
+  uint32_t have = 0;
+#define PH(p, v) (ph[p] = (v), have |= 1u << (p))
+  PH(ATTND_PH_READ, (q->t0_ns - q->t_read0_ns) / 1000);
+  if (q->t_decoded_ns)
+    PH(ATTND_PH_DECODE, (q->t_decoded_ns - q->t0_ns) / 1000);
+  if (q->t_called_ns)
+    PH(ATTND_PH_ADMIT, (q->t_called_ns - q->t_decoded_ns) / 1000);
+  PH(ATTND_PH_SCAN, res->scan_us);
+  PH(ATTND_PH_QUEUE, res->queued_us);
+  if (res->dev_timed) {
+    PH(ATTND_PH_H2D, res->dev_us[0]);
+    PH(ATTND_PH_KWRITE, res->dev_us[1]);
+    PH(ATTND_PH_ATTEND, res->dev_us[2]);
+    PH(ATTND_PH_D2H, res->dev_us[3]);
+  }
+  PH(ATTND_PH_COMPUTE, res->computing_us);
+  PH(ATTND_PH_ENCODE, (t_sent - t_ans) / 1000);
+  PH(ATTND_PH_TOTAL, (t_sent - q->t_read0_ns) / 1000);
+#undef PH
+  attnd_rpc_trace_step(q->conn->rpc, kind, ph, have);
 }
 
 void attnd_rpc_done(void *arg, attnd_result_t *res) {
@@ -192,8 +229,15 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
   }
   if (q->close_after)
     c->ending = 1; /* this answer closes the connection: nothing later is a request */
+  if (c->calling == q)
+    c->calling = NULL; /* answered inside its engine call */
+  const int traced = r->trace && code == ATTND_STATUS_OK && q->method == ATTND_M_STEP;
+  const uint64_t t_ans = traced ? attnd_rpc_now_ns() : 0;
   if (!c->closed)
     answer(q, res, code);
+  if (traced && !c->closed)
+    trace_step(q, res, res->decode ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL, t_ans,
+               attnd_rpc_now_ns());
   free(res->out);
   free(res->lse);
   res->out = NULL;
@@ -353,5 +397,14 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
     attnd_rpc_fail(q, rc, "%s", msg);
     return;
   }
+  if (!r->trace) {
+    m->call(q);
+    return;
+  }
+  q->t_decoded_ns = attnd_rpc_now_ns();
+  c->calling = q;
   m->call(q);
+  if (c->calling == q) /* still in flight: q is alive */
+    q->t_called_ns = attnd_rpc_now_ns();
+  c->calling = NULL;
 }
