@@ -109,6 +109,15 @@ static void compare_backends(attnd_kv_type_t kv) {
       fail_msg("cuda job %d: %s (%s)", i, jg[i].job.message, attnd_strerror(jg[i].job.status));
     assert_true(jg[i].job.t_end_us >= jg[i].job.t_start_us);
     assert_true(jg[i].job.t_start_us >= jg[i].job.t_submit_us);
+    if (sp[i].kind == ATTND_JOB_STEP) {
+      /* The step trace's phases (backend.h): the CPU backend times its two,
+       * the CUDA backend all four when --cuda-trace is on. */
+      const attnd_job_t *c = &jc[i].job;
+      assert_int_equal(c->dev_timed, 1);
+      assert_true(c->dev_us[ATTND_DEV_WRITE] + c->dev_us[ATTND_DEV_ATTEND] <=
+                  c->t_end_us - c->t_start_us);
+      assert_int_equal(jg[i].job.dev_timed, g_opts.cuda_trace);
+    }
     if (sp[i].kind != ATTND_JOB_STEP || !sp[i].Tq)
       continue;
     size_t ne = (size_t)sp[i].Tq * QH * HD;
