@@ -78,7 +78,7 @@ def start_daemon(a, sh, tmp, port, log_path):
            "--head-dim", str(sh["head_dim"]), "--kv-memory", a.kv_memory,
            "--max-sessions", str(max(256, 2 * max(a.sessions))),
            "--step-trace", str(a.trace_window), "--log-level", "info", "--no-prefix-cache"]
-    if a.backend == "cuda":
+    if a.backend == "cuda" and not a.no_cuda_trace:
         cmd.append("--cuda-trace")
     cmd += a.daemon_arg
     log = open(log_path, "wb")
@@ -229,6 +229,13 @@ def parse_trace(log_path):
     return out
 
 
+def save(a, results):
+    """The results so far (a run cut short keeps what it measured)."""
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--attnd", default=os.path.join(HERE, "..", "build", "daemon", "attnd"))
@@ -244,6 +251,8 @@ def main():
     ap.add_argument("--transports", default="unix,tcp")
     ap.add_argument("--kv-memory", default=None, help="default 0 on cuda (90%% free), 512M on cpu")
     ap.add_argument("--trace-window", type=int, default=256)
+    ap.add_argument("--no-cuda-trace", action="store_true",
+                    help="without --cuda-trace (its events cost a little per step; no device phases)")
     ap.add_argument("--daemon-arg", action="append", default=[], help="extra attnd flag")
     ap.add_argument("--json")
     ap.add_argument("--log", help="keep the daemon's log here")
@@ -267,12 +276,18 @@ def main():
         for tr in transports:
             addr = path if tr == "unix" else f"127.0.0.1:{port}"
             with ac.Client(addr, timeout=600) as c:
-                sess = [int(c.open_session()[0]) for _ in range(max(a.sessions))]
-                fill_s, fill_bytes = fill(c, sh, sess, context, rng)
-                lens = {sid: context for sid in sess}
-                results["fill"].append({"transport": tr, "sessions": len(sess), "tokens": context,
-                                        "seconds": fill_s, "gb_s": fill_bytes / fill_s / 1e9})
-                for n in a.sessions:
+                # Sessions are filled as the cases need them (small cases first),
+                # so a run cut short by a timeout still has its first cases.
+                sess, lens = [], {}
+                for n in sorted(a.sessions):
+                    new = [int(c.open_session()[0]) for _ in range(n - len(sess))]
+                    if new:
+                        fill_s, fill_bytes = fill(c, sh, new, context, rng)
+                        results["fill"].append({"transport": tr, "sessions": len(new),
+                                                "tokens": context, "seconds": fill_s,
+                                                "gb_s": fill_bytes / fill_s / 1e9})
+                        sess += new
+                        lens.update({sid: context for sid in new})
                     pt, pl, tot, comp = decode_loop(c, sh, sess[:n], lens, a.tokens, rng)
                     results["cases"].append({
                         "transport": tr, "sessions": n,
@@ -280,6 +295,7 @@ def main():
                         "layer_p50_us": pct(pl, 0.5), "layer_p90_us": pct(pl, 0.9),
                         "daemon_total_p50_us": pct(tot, 0.5),
                         "computing_p50_us": pct(comp, 0.5)})
+                    save(a, results)
                 for s in sess:
                     c.close_session(s)
                 if a.prefill:
@@ -290,6 +306,7 @@ def main():
                     results["prefill"].append({"transport": tr, "tokens": a.prefill,
                                                "rt_p50_us": p50, "bytes": nbytes,
                                                "gb_s": nbytes / p50 / 1e3})
+                    save(a, results)
         for case in results["cases"]:
             if case["transport"] == transports[0]:
                 ref = torch_reference(sh, case["sessions"], context, a.tokens, a.backend)
@@ -337,9 +354,7 @@ def main():
             cells = ["%.0f/%.0f" % t["phases"][k] if k in t["phases"] else "-" for k in phases]
             print(f"| {t['kind']} | {t['steps']} | " + " | ".join(cells) + " |")
     print(f"daemon exit status after SIGTERM: {rc}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+    save(a, results)
     return 0 if rc == 0 else 1
 
 

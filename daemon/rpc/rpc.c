@@ -136,6 +136,13 @@ static void req_release(attnd_rpc_req_t *q) {
 
 /* ---- a call's end ---- */
 
+/* The step trace's kind of a step answered OK. */
+static int trace_kind(const attnd_result_t *res) {
+  if (res->out_rows == 0)
+    return ATTND_TRACE_KV_ONLY;
+  return res->decode ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL;
+}
+
 /* The Response for a finished call; a step's large outputs may leave by
  * reference, and are then the transport's (res->out/lse set to NULL). */
 static void answer(attnd_rpc_req_t *q, attnd_result_t *res, int code) {
@@ -155,7 +162,7 @@ static void answer(attnd_rpc_req_t *q, attnd_result_t *res, int code) {
   }
   int out_taken = 0, lse_taken = 0;
   if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP)
-    c->send_kind1 = 1 + (res->decode ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL);
+    c->send_kind1 = 1 + trace_kind(res);
   if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP &&
       attnd_rpc_send_response_refs(q, &resp, &out_taken, &lse_taken)) {
     if (out_taken)
@@ -236,8 +243,7 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
   if (!c->closed)
     answer(q, res, code);
   if (traced && !c->closed)
-    trace_step(q, res, res->decode ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL, t_ans,
-               attnd_rpc_now_ns());
+    trace_step(q, res, trace_kind(res), t_ans, attnd_rpc_now_ns());
   free(res->out);
   free(res->lse);
   res->out = NULL;

@@ -71,6 +71,9 @@ enum {
   ATTND_PH_COUNT
 };
 typedef struct attnd_rpc_trace_s attnd_rpc_trace_t;
+/* The step trace's kinds: ATTND_STEP_PREFILL, ATTND_STEP_DECODE, and steps
+ * whose items are all kv_only (no q, no output: filling a cache). */
+enum { ATTND_TRACE_KV_ONLY = 2, ATTND_TRACE_KINDS = 3 };
 
 /* The daemon's request counters, written only on the loop thread (by the RPC
  * layer and the transport) and read there by Stats and /metrics. */
@@ -217,7 +220,7 @@ void attnd_rpc_frame_header(uint8_t out[4], uint32_t n);
  * are in flight (the tests check it). */
 uint32_t attnd_rpc_conn_id_probes(const attnd_rpc_conn_t *c, uint64_t id);
 
-/* The step trace: a response of a step of kind (ATTND_STEP_*) whose
+/* The step trace: a response of a step of kind (ATTND_STEP_*, ATTND_TRACE_KV_ONLY) whose
  * send_kind1 the transport kept took us microseconds to write. */
 void attnd_rpc_trace_write(attnd_rpc_t *r, int kind, uint64_t us);
 

@@ -1,8 +1,9 @@
 /* trace.c: the step trace (--step-trace N; rpc.h): where a Step's time goes,
  * phase by phase, from its frame's first byte to its response's last.
  *
- * Each finished step adds one sample per phase it has (its kind's: prefill
- * and decode are traced apart, a prefill's time would hide a decode's); once
+ * Each finished step adds one sample per phase it has (its kind's: prefill,
+ * decode and kv_only steps (no q) are traced apart, a prefill's time would
+ * hide a decode's); once
  * a kind has N steps, the medians and 90th percentiles of each phase go to
  * the log as one step_trace line, and the window starts again. What is left
  * of a window is logged when the RPC layer is freed (the end of a benchmark).
@@ -13,15 +14,17 @@
 
 struct attnd_rpc_trace_s {
   int window;
-  float *v[2][ATTND_PH_COUNT]; /* [kind][phase][window] */
-  int n[2][ATTND_PH_COUNT];
-  uint64_t steps[2];
+  float *v[ATTND_TRACE_KINDS][ATTND_PH_COUNT]; /* [kind][phase][window] */
+  int n[ATTND_TRACE_KINDS][ATTND_PH_COUNT];
+  uint64_t steps[ATTND_TRACE_KINDS];
 };
 
 static const char *const phase_name[ATTND_PH_COUNT] = {
     "read",   "decode", "admit",   "scan",   "queue", "h2d",   "kwrite",
     "attend", "d2h",    "compute", "encode", "write", "total",
 };
+
+static const char *const kind_name[ATTND_TRACE_KINDS] = {"prefill", "decode", "kv_only"};
 
 int attnd_rpc_trace_init(attnd_rpc_t *r, int window) {
   if (window <= 0)
@@ -30,7 +33,7 @@ int attnd_rpc_trace_init(attnd_rpc_t *r, int window) {
   if (!t)
     return ATTND_ENOMEM;
   t->window = window;
-  for (int k = 0; k < 2; k++)
+  for (int k = 0; k < ATTND_TRACE_KINDS; k++)
     for (int p = 0; p < ATTND_PH_COUNT; p++)
       if (!(t->v[k][p] = malloc((size_t)window * sizeof(float)))) {
         r->trace = t;
@@ -62,9 +65,8 @@ static void trace_log(attnd_rpc_trace_t *t, int kind) {
       off += (size_t)w;
     t->n[kind][p] = 0;
   }
-  ATTND_LOGI("step_trace", "kind=%s steps=%llu stat=p50/p90%s",
-             kind == ATTND_STEP_DECODE ? "decode" : "prefill", (unsigned long long)t->steps[kind],
-             line);
+  ATTND_LOGI("step_trace", "kind=%s steps=%llu stat=p50/p90%s", kind_name[kind],
+             (unsigned long long)t->steps[kind], line);
   t->steps[kind] = 0;
 }
 
@@ -87,7 +89,7 @@ void attnd_rpc_trace_step(attnd_rpc_t *r, int kind, const uint64_t ph_us[ATTND_P
 }
 
 void attnd_rpc_trace_write(attnd_rpc_t *r, int kind, uint64_t us) {
-  if (r->trace && (kind == ATTND_STEP_PREFILL || kind == ATTND_STEP_DECODE))
+  if (r->trace && kind >= 0 && kind < ATTND_TRACE_KINDS)
     add(r->trace, kind, ATTND_PH_WRITE, (double)us);
 }
 
@@ -95,7 +97,7 @@ void attnd_rpc_trace_free(attnd_rpc_t *r) {
   attnd_rpc_trace_t *t = r->trace;
   if (!t)
     return;
-  for (int k = 0; k < 2; k++) {
+  for (int k = 0; k < ATTND_TRACE_KINDS; k++) {
     if (t->steps[k])
       trace_log(t, k);
     for (int p = 0; p < ATTND_PH_COUNT; p++)
