@@ -95,6 +95,11 @@ struct attnd_backend_s {
   int layers;
   uint32_t num_blocks; /* per layer */
   size_t block_bytes;  /* attnd_kv_block_bytes(&shape) */
+  /* 1: reads a step's q, k and v at any byte offset (the CUDA backend copies
+   * them into staging with memcpy), so tensors decoded in place from a frame
+   * need no aligned copy; 0: they must be 2-byte aligned (the CPU kernels
+   * read 16-bit elements through typed pointers). */
+  int any_alignment;
 };
 
 /* How a backend is set up: sizes and tuning, filled by the engine from the

@@ -252,6 +252,7 @@ static int create_pool(cu_backend_t *be, int layers, uint64_t kv_memory, char *e
   }
   be->base.num_blocks = (uint32_t)nb;
   be->base.block_bytes = bb;
+  be->base.any_alignment = 1; /* q, k, v reach the device through memcpy (cuda_stage.c) */
   be->layer_bytes = (size_t)nb * bb;
   size_t pool_bytes = be->layer_bytes * (size_t)layers;
   if ((e = cudaMalloc((void **)&be->pool, pool_bytes)) != cudaSuccess) {

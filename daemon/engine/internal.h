@@ -322,7 +322,8 @@ struct attnd_ejob_s {
 /* ---- the finiteness scan (scan.c) ---------------------------------------------- */
 
 typedef struct {
-  const uint8_t *q, *k, *v;        /* 2-byte aligned views of the tensors (NULL: not scanned) */
+  const uint8_t *q, *k, *v;        /* views of the tensors, 2-byte aligned unless the backend
+                                    * reads any alignment (NULL: not scanned) */
   void *qbuf, *kbuf, *vbuf;        /* copies behind the views when the request's were not aligned */
   size_t bad_q, bad_k, bad_v;      /* first row past its bound (non-finite or too large);
                                     * SIZE_MAX: none */
@@ -405,8 +406,11 @@ int attnd_queue_busy(const attnd_engine_t *e);
 /* ---- scan.c ---- */
 
 /* The whole scan of a step; reads only the request and the model shape, which
- * never changes, so it may run on a worker thread. */
-void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, attnd_scan_t *sc);
+ * never changes, so it may run on a worker thread. any_alignment: the backend
+ * reads q, k and v at any offset (backend.h), so an odd-aligned tensor is
+ * scanned through a small bounce buffer instead of copied whole. */
+void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, int any_alignment,
+                     attnd_scan_t *sc);
 /* The bounds of q, k and v for a model shape. */
 void attnd_scan_bounds(const attnd_kshape_t *sh, attnd_scan_bound_t *q, attnd_scan_bound_t *k,
                        attnd_scan_bound_t *v);

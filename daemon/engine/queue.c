@@ -217,7 +217,7 @@ static void call_push(attnd_engine_t *e, call_t *c) {
 
 static void scan_work(uv_work_t *w) {
   call_t *c = (call_t *)w;
-  attnd_scan_step(&c->e->shape, &c->step, &c->scan);
+  attnd_scan_step(&c->e->shape, &c->step, c->e->be->any_alignment, &c->scan);
 }
 
 static void scan_done(uv_work_t *w, int status) {
@@ -346,7 +346,7 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     c->scanning = 1;
     if (uv_queue_work(e->loop, &c->work, scan_work, scan_done) != 0) {
       /* Cannot happen with valid arguments; scan here rather than fail. */
-      attnd_scan_step(&e->shape, &c->step, &c->scan);
+      attnd_scan_step(&e->shape, &c->step, e->be->any_alignment, &c->scan);
       c->scanning = 0;
     }
   }

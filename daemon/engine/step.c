@@ -189,7 +189,7 @@ static int step_check(admit_t *a) {
     return rc;
   if (!a->scanned) {
     /* Small: scanned here, on the loop thread, like the checks around it. */
-    attnd_scan_step(&a->e->shape, a->req, &a->scan);
+    attnd_scan_step(&a->e->shape, a->req, a->e->be->any_alignment, &a->scan);
     a->scanned = 1;
   }
   return check_items(a);
