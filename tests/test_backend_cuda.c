@@ -64,6 +64,30 @@ static int build_scenario(tjob_spec_t *sp) {
   return n;
 }
 
+/* test_pinned_frames: q, k and v in the backend's frame memory. */
+static int g_frames;
+
+/* Moves a step's q, k and v into one buffer from frame_alloc, each at an odd
+ * offset as in a request frame, and marks them pinned (backend.h
+ * inputs_pinned): the CUDA backend DMAs them from there. Returns the frame. */
+static void *inputs_in_frame(attnd_backend_t *gpu, attnd_job_t *j) {
+  assert_non_null(gpu->ops->frame_alloc);
+  size_t n = j->q_bytes + 2 * j->kv_bytes + 3;
+  uint8_t *f = gpu->ops->frame_alloc(gpu, n);
+  assert_non_null(f);                     /* --cuda-hostfn-min 0: every frame is pinned */
+  assert_int_equal((uintptr_t)f % 16, 0); /* CU_ALIGN past a pinned (mock: malloc) block */
+  uint8_t *q = f + 1, *k = q + j->q_bytes + 1, *v = k + j->kv_bytes + 1;
+  if (j->q_bytes)
+    memcpy(q, j->batch.q, j->q_bytes);
+  memcpy(k, j->batch.k, j->kv_bytes);
+  memcpy(v, j->batch.v, j->kv_bytes);
+  j->batch.q = j->q_bytes ? q : NULL;
+  j->batch.k = k;
+  j->batch.v = v;
+  j->inputs_pinned = 1;
+  return f;
+}
+
 static void compare_backends(attnd_kv_type_t kv) {
   SKIP_WITHOUT_GPU();
   attnd_kshape_t s = make_shape(kv);
@@ -92,10 +116,13 @@ static void compare_backends(attnd_kv_type_t kv) {
   tjob_spec_t sp[16];
   int n = build_scenario(sp);
   tjob_t jc[16], jg[16];
+  void *frames[16] = {NULL};
   int dummy = 0;
   for (int i = 0; i < n; i++) {
     job_from_spec(&jc[i], &sp[i], &dummy);
     job_from_spec(&jg[i], &sp[i], &dummy);
+    if (g_frames && sp[i].kind == ATTND_JOB_STEP)
+      frames[i] = inputs_in_frame(gpu, &jg[i].job);
   }
   run_all(&loop, cpu, jc, n);
   uint64_t t0 = uv_hrtime();
@@ -148,6 +175,8 @@ static void compare_backends(attnd_kv_type_t kv) {
     job_free(&jc[i]);
     job_free(&jg[i]);
     spec_free(&sp[i]);
+    if (frames[i])
+      gpu->ops->frame_free(gpu, frames[i]);
   }
   cpu->ops->destroy(cpu);
   destroy_and_close(&loop, gpu);
@@ -394,6 +423,21 @@ static void test_hostfn_staging(void **state) {
   g_opts = saved;
 }
 
+/* Large frames received into the backend's pinned frame memory: q, k and v
+ * go to the device by DMA from the frame (at odd offsets), no staging copy;
+ * the results match the CPU backend's as on the staged path. The frame
+ * memory is handed back and reused across the runs. */
+static void test_pinned_frames(void **state) {
+  SKIP_WITHOUT_GPU();
+  attnd_backend_opts_t saved = g_opts;
+  g_opts.cuda_hostfn_min = 0;
+  g_frames = 1;
+  compare_backends(ATTND_KV_BF16);
+  compare_backends(ATTND_KV_INT8_DYNAMIC);
+  g_frames = 0;
+  g_opts = saved;
+}
+
 /* Unordered jobs (the engine's, which it vouches conflict with nothing
  * unfinished) need not wait for each other: a decode submitted right behind
  * another session's large prefill on the same layer (over 1024 new tokens)
@@ -572,6 +616,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_many_layers_in_flight),
       cmocka_unit_test(test_pinned_cap),
       cmocka_unit_test(test_hostfn_staging),
+      cmocka_unit_test(test_pinned_frames),
       cmocka_unit_test(test_unordered_jobs),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);

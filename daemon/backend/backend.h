@@ -64,6 +64,9 @@ struct attnd_job_s {
   int per_channel;
   /* 1: may run beside or before unfinished jobs of its layer (see above). */
   int unordered;
+  /* STEP: batch.q, k and v lie in memory from frame_alloc (pinned): the
+   * backend may DMA them from there and skip their staging copy. */
+  int inputs_pinned;
   /* Filled by the backend. */
   int status; /* 0 or a negative ATTND_E* */
   char message[128];
@@ -87,6 +90,14 @@ typedef struct {
   void (*describe)(attnd_backend_t *b, char *device, size_t len, uint64_t *mem, int *cc);
   /* Frees everything; only called with nothing in flight. */
   void (*destroy)(attnd_backend_t *b);
+  /* Optional (NULL: malloc): memory for the body of a request frame of len
+   * bytes, which the transport reads the socket straight into (loop thread).
+   * The CUDA backend gives pinned memory for large frames, so that a step's
+   * q, k and v go to the device by DMA from the frame itself (a job with
+   * inputs_pinned), with no staging copy; NULL when it has none to give
+   * (the caller mallocs). frame_free takes back what frame_alloc gave. */
+  void *(*frame_alloc)(attnd_backend_t *b, size_t len);
+  void (*frame_free)(attnd_backend_t *b, void *p);
 } attnd_backend_ops_t;
 
 struct attnd_backend_s {

@@ -124,6 +124,7 @@ static void release(cu_backend_t *be) {
   be->owned = NULL;
   be->nowned = 0;
   be->free_stages = NULL;
+  attnd_cu_frames_release(be);
   free(be->scales_ok);
   free(be->per_channel);
   be->scales_ok = be->per_channel = NULL;
@@ -182,6 +183,8 @@ static const attnd_backend_ops_t cu_ops = {
     .inflight = cu_inflight,
     .describe = cu_describe,
     .destroy = cu_destroy,
+    .frame_alloc = attnd_cu_frame_alloc,
+    .frame_free = attnd_cu_frame_free,
 };
 
 int attnd_backend_cuda_available(void) {

@@ -227,8 +227,11 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
   memcpy(hp, hb->items, lo.items);
   if (lo.meta)
     memcpy(hp + lo.off_meta, hb->meta, lo.meta);
-  int hostfn = job->q_bytes + 2 * job->kv_bytes > be->hostfn_min;
-  if (!hostfn)
+  /* Inputs in a pinned request frame (backend.h inputs_pinned) go to the
+   * device by DMA from the frame: no host copy of them at all. */
+  const int direct = job->inputs_pinned;
+  int hostfn = !direct && job->q_bytes + 2 * job->kv_bytes > be->hostfn_min;
+  if (!direct && !hostfn)
     attnd_cu_stage_inputs_fn(r);
   RUN_CU(r, attnd_cu_dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, lo.total, CU_DBUF_MIN));
   uint8_t *dp = cs->dbuf;
@@ -236,7 +239,20 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
     RUN_CU(r, cudaLaunchHostFunc(cs->st, attnd_cu_stage_inputs_fn, r));
   attnd_cu_trace_begin(be, r);
   attnd_cu_trace_mark(r, 0, cs->st);
-  RUN_CU(r, cudaMemcpyAsync(dp, hp, lo.in_bytes, cudaMemcpyHostToDevice, cs->st));
+  if (direct) {
+    RUN_CU(r, cudaMemcpyAsync(dp, hp, lo.off_q, cudaMemcpyHostToDevice, cs->st));
+    if (job->q_bytes)
+      RUN_CU(r,
+             cudaMemcpyAsync(dp + lo.off_q, hb->q, job->q_bytes, cudaMemcpyHostToDevice, cs->st));
+    if (job->kv_bytes) {
+      RUN_CU(r,
+             cudaMemcpyAsync(dp + lo.off_k, hb->k, job->kv_bytes, cudaMemcpyHostToDevice, cs->st));
+      RUN_CU(r,
+             cudaMemcpyAsync(dp + lo.off_v, hb->v, job->kv_bytes, cudaMemcpyHostToDevice, cs->st));
+    }
+  } else {
+    RUN_CU(r, cudaMemcpyAsync(dp, hp, lo.in_bytes, cudaMemcpyHostToDevice, cs->st));
+  }
   attnd_cu_trace_mark(r, 1, cs->st);
   db.items = (const attnd_kitem_t *)dp;
   db.meta = (const int32_t *)(dp + lo.off_meta);

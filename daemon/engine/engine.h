@@ -66,6 +66,7 @@ typedef struct {
   attnd_tensor_t q, k, v;
   int want_lse;
   int fp32_out;
+  int pinned; /* q, k and v lie in a frame from attnd_engine_frame_alloc that said so */
 } attnd_step_req_t;
 
 typedef struct {
@@ -169,6 +170,14 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
                        const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg);
 void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
                              attnd_engine_done_cb cb, void *arg);
+
+/* Memory for a request frame's body of len bytes that the transport reads
+ * the socket into (loop thread): the backend's (CUDA: pinned, for large
+ * frames; *pinned = 1) or malloc's (*pinned = 0). NULL when out of memory.
+ * attnd_engine_frame_free takes it back with the same pinned; every frame
+ * must be back before the engine closes. */
+void *attnd_engine_frame_alloc(attnd_engine_t *e, size_t len, int *pinned);
+void attnd_engine_frame_free(attnd_engine_t *e, void *p, int pinned);
 
 /* The connection closed: its plans end. In-flight steps still complete. */
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);

@@ -374,6 +374,25 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
   call_push(e, c);
 }
 
+void *attnd_engine_frame_alloc(attnd_engine_t *e, size_t len, int *pinned) {
+  *pinned = 0;
+  if (e->be->ops->frame_alloc) {
+    void *p = e->be->ops->frame_alloc(e->be, len);
+    if (p) {
+      *pinned = 1;
+      return p;
+    }
+  }
+  return malloc(len);
+}
+
+void attnd_engine_frame_free(attnd_engine_t *e, void *p, int pinned) {
+  if (pinned)
+    e->be->ops->frame_free(e->be, p);
+  else
+    free(p);
+}
+
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) {
   /* Behind queued calls, so that a queued Plan of this connection is admitted
    * first and then ends here, as it would have without the queue. */

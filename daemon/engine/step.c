@@ -319,6 +319,8 @@ static void step_build_batch(admit_t *a) {
   j->vbuf = a->scan.vbuf;
   j->qbuf = a->scan.qbuf;
   j->scan_us = a->scan.us;
+  /* q, k and v are the pinned frame's own bytes unless the scan copied one. */
+  j->job.inputs_pinned = req->pinned && !a->scan.qbuf && !a->scan.kbuf && !a->scan.vbuf;
   a->scan.kbuf = a->scan.vbuf = a->scan.qbuf = NULL;
   b->out_fp32 = req->fp32_out != 0;
   j->out_dtype = req->fp32_out ? ATTND_DT_FP32 : sh->dtype;

@@ -251,12 +251,14 @@ static void rc_sendv(attnd_rpc_conn_t *rc, const attnd_rpc_seg_t *segs, int n, i
 static int frame_cb(void *arg, uint8_t *frame, size_t len) {
   attnd_conn_t *c = arg;
   if (c->closing || conn_ending(c)) {
-    free(frame);
+    attnd_engine_frame_free(c->srv->engine, frame, c->fr.last_tag);
     return -1;
   }
   c->rc.frame_t0_ns = c->fr.t0_ns;
+  c->rc.frame_pinned = c->fr.last_tag;
   attnd_rpc_handle_frame(&c->rc, frame, len);
   c->rc.frame_t0_ns = 0;
+  c->rc.frame_pinned = 0;
   note_inflight(c);
   if (c->closing || conn_ending(c))
     return -1;
@@ -427,6 +429,18 @@ static void fr_release(void *arg, size_t len) {
   attnd_net_budget_release(c->srv, len);
 }
 
+/* Frame bodies are the engine's frame memory (pinned for large frames on
+ * the CUDA backend: the step's inputs reach the device from there). */
+static void *fr_body_alloc(void *arg, size_t len, int *tag) {
+  attnd_conn_t *c = arg;
+  return attnd_engine_frame_alloc(c->srv->engine, len, tag);
+}
+
+static void fr_body_free(void *arg, void *p, int tag) {
+  attnd_conn_t *c = arg;
+  attnd_engine_frame_free(c->srv->engine, p, tag);
+}
+
 attnd_conn_t *attnd_conn_new(attnd_server_t *s, int is_tcp) {
   attnd_conn_t *c = calloc(1, sizeof(*c));
   if (!c)
@@ -442,6 +456,8 @@ attnd_conn_t *attnd_conn_new(attnd_server_t *s, int is_tcp) {
   c->accepted_ms = c->active_ms = uv_now(s->loop);
   attnd_frame_reader_init(&c->fr, s->cfg->max_frame);
   attnd_frame_reader_hooks(&c->fr, fr_admit, fr_release, c);
+  if (s->engine)
+    attnd_frame_reader_body_hooks(&c->fr, fr_body_alloc, fr_body_free);
   s->open++;
   attnd_list_insert_head(&s->conns, &c->link);
   return c;

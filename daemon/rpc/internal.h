@@ -52,6 +52,7 @@ struct attnd_rpc_req_s {
   int method;
   uint8_t *frame;
   size_t frame_len;
+  int frame_pinned; /* frame is the engine's pinned frame memory (rpc.h) */
   uint64_t t0_ns;  /* frame decoded */
   uint64_t t_read0_ns, t_decoded_ns, t_called_ns; /* the step trace (rpc.h) */
   int close_after; /* close the connection once the answer is written */

@@ -109,6 +109,7 @@ static int decode_step(attnd_rpc_req_t *q, pb_istream_t *s) {
       attnd_rpc_tensor_finish(&st->k, m->has_k, &m->k, "k", q->msg, sizeof(q->msg)) ||
       attnd_rpc_tensor_finish(&st->v, m->has_v, &m->v, "v", q->msg, sizeof(q->msg)))
     return ATTND_EINVAL;
+  st->pinned = q->frame_pinned; /* q, k and v point into the frame (decode.c) */
   if (m->plan != 0 && q->nitems != 0) {
     snprintf(q->msg, sizeof(q->msg), "step: names plan %llu and carries %u inline items; give one",
              (unsigned long long)m->plan, q->nitems);

@@ -86,6 +86,14 @@ uint32_t attnd_rpc_conn_id_probes(const attnd_rpc_conn_t *c, uint64_t id) {
 
 /* ---- requests ---- */
 
+/* A request frame goes back where it came from (rpc.h frame_pinned). */
+static void frame_release(attnd_rpc_t *r, uint8_t *frame, int pinned) {
+  if (pinned)
+    attnd_engine_frame_free(r->engine, frame, 1);
+  else
+    free(frame);
+}
+
 static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, uint8_t *frame,
                                 size_t len) {
   attnd_rpc_req_t *q = attnd_xcalloc(1, sizeof(*q));
@@ -94,6 +102,7 @@ static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, ui
   q->method = method;
   q->frame = frame;
   q->frame_len = len;
+  q->frame_pinned = c->frame_pinned;
   q->t0_ns = attnd_rpc_now_ns();
   q->t_read0_ns = c->frame_t0_ns ? c->frame_t0_ns : q->t0_ns;
   return q;
@@ -107,7 +116,7 @@ static void req_free(attnd_rpc_req_t *q) {
   free(q->items);
   free(q->open_tokens.v);
   free(q->sessions);
-  free(q->frame);
+  frame_release(q->conn->rpc, q->frame, q->frame_pinned);
   free(q);
 }
 
@@ -370,14 +379,14 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
   attnd_rpc_t *r = c->rpc;
   r->counters.bytes_in += len + 4;
   if (c->ending || c->closed) { /* not a request any more (attnd_rpc_conn_end) */
-    free(frame);
+    frame_release(r, frame, c->frame_pinned);
     return;
   }
   uint64_t id;
   uint32_t call_tag, call_len;
   const uint8_t *call_ptr;
   if (walk_request(frame, len, &id, &call_tag, &call_ptr, &call_len) != 0) {
-    free(frame);
+    frame_release(r, frame, c->frame_pinned);
     ATTND_LOGI("bad_frame", "conn=%llu reason=unparsable len=%zu", (unsigned long long)c->id, len);
     attnd_rpc_frame_error(c, ATTND_EINVAL, "frame is not a valid Request");
     return;

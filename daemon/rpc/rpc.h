@@ -153,6 +153,10 @@ struct attnd_rpc_conn_s {
   /* The step trace, set by the transport before each frame it hands over:
    * uv_hrtime() when that frame's first byte arrived (0: unknown). */
   uint64_t frame_t0_ns;
+  /* ... and whether that frame is pinned frame memory (attnd_engine_frame_alloc
+   * said so): freed with attnd_engine_frame_free, and a Step's tensors in it
+   * may go to the device without a copy. */
+  int frame_pinned;
   /* While a Step's response is handed to send or sendv: its kind + 1 (the
    * step trace's write phase), else 0. */
   int send_kind1;
@@ -193,7 +197,8 @@ int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
 void attnd_rpc_free(attnd_rpc_t *r);
 
 void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity, int need_hello);
-/* Handles one request frame; takes ownership of frame (malloc'ed). */
+/* Handles one request frame; takes ownership of frame (malloc'ed, or the
+ * engine's pinned frame memory when c->frame_pinned is set). */
 void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len);
 /* Sends a Response with no result whose status is attnd_err_status(err). */
 void attnd_rpc_send_error(attnd_rpc_conn_t *c, uint64_t id, int err, const char *msg,

@@ -26,7 +26,7 @@
 #      cases run small first, so a timeout keeps the first ones;
 #   4. the same, 16 sessions, Unix socket only, with --cuda-trace: the device
 #      phases (h2d, kwrite, attend, d2h) of decode and prefill steps;
-#   5. attnctl bench (the numbers: 1 and 16 sessions at 4,096, depth 1
+#   5. attnctl bench (1 session at 4,096 and 16 at 512, depth 1
 #      and 32) against one daemon.
 # It always ends with a table of the key numbers, then one line:
 #   GPU-STEP SUMMARY: pass=N fail=M skip=K | step=result ...
@@ -225,7 +225,7 @@ else
   record bench_e2e_cuda_trace 77
 fi
 
-# ---- 5. attnctl bench (the table) --------------------------------------------
+# ---- 5. attnctl bench (round trips per layer and per token) --------------------------------------------
 t=$(tmo 50)
 if [ -n "$attnctl_bin" ] && [ "$t" -gt 0 ]; then
   dtmp=$(mktemp -d /tmp/gpu-step-XXXXXX)
