@@ -67,13 +67,13 @@ static int build_scenario(tjob_spec_t *sp) {
 /* test_pinned_frames: q, k and v in the backend's frame memory. */
 static int g_frames;
 
-/* Moves a step's q, k and v into one buffer from frame_alloc, each at an odd
+/* Moves a step's q, k and v into one buffer from host_alloc, each at an odd
  * offset as in a request frame, and marks them pinned (backend.h
  * inputs_pinned): the CUDA backend DMAs them from there. Returns the frame. */
 static void *inputs_in_frame(attnd_backend_t *gpu, attnd_job_t *j) {
-  assert_non_null(gpu->ops->frame_alloc);
+  assert_non_null(gpu->ops->host_alloc);
   size_t n = j->q_bytes + 2 * j->kv_bytes + 3;
-  uint8_t *f = gpu->ops->frame_alloc(gpu, n);
+  uint8_t *f = gpu->ops->host_alloc(gpu, n);
   assert_non_null(f);                     /* --cuda-hostfn-min 0: every frame is pinned */
   assert_int_equal((uintptr_t)f % 16, 0); /* CU_ALIGN past a pinned (mock: malloc) block */
   uint8_t *q = f + 1, *k = q + j->q_bytes + 1, *v = k + j->kv_bytes + 1;
@@ -86,6 +86,20 @@ static void *inputs_in_frame(attnd_backend_t *gpu, attnd_job_t *j) {
   j->batch.v = v;
   j->inputs_pinned = 1;
   return f;
+}
+
+/* Moves a step's output buffer into host_alloc memory (outputs_pinned: the
+ * D2H copy lands there). Returns it; the job's own buffer is freed. */
+static void *output_in_host_memory(attnd_backend_t *gpu, attnd_job_t *j) {
+  if (!j->out_bytes)
+    return NULL;
+  uint8_t *o = gpu->ops->host_alloc(gpu, j->out_bytes);
+  assert_non_null(o);
+  memset(o, 0xff, j->out_bytes); /* NaN in bf16 and fp32, as the fixture's */
+  free(j->batch.out);
+  j->batch.out = o;
+  j->outputs_pinned = 1;
+  return o;
 }
 
 static void compare_backends(attnd_kv_type_t kv) {
@@ -116,13 +130,15 @@ static void compare_backends(attnd_kv_type_t kv) {
   tjob_spec_t sp[16];
   int n = build_scenario(sp);
   tjob_t jc[16], jg[16];
-  void *frames[16] = {NULL};
+  void *frames[16] = {NULL}, *outs[16] = {NULL};
   int dummy = 0;
   for (int i = 0; i < n; i++) {
     job_from_spec(&jc[i], &sp[i], &dummy);
     job_from_spec(&jg[i], &sp[i], &dummy);
-    if (g_frames && sp[i].kind == ATTND_JOB_STEP)
+    if (g_frames && sp[i].kind == ATTND_JOB_STEP) {
       frames[i] = inputs_in_frame(gpu, &jg[i].job);
+      outs[i] = output_in_host_memory(gpu, &jg[i].job);
+    }
   }
   run_all(&loop, cpu, jc, n);
   uint64_t t0 = uv_hrtime();
@@ -172,11 +188,15 @@ static void compare_backends(attnd_kv_type_t kv) {
                 "(first run, includes warm-up)\n",
                 attnd_kv_type_name(kv), n, worst, worst_lse, ms);
   for (int i = 0; i < n; i++) {
+    if (outs[i]) {
+      gpu->ops->host_free(gpu, outs[i]);
+      jg[i].job.batch.out = NULL;
+    }
     job_free(&jc[i]);
     job_free(&jg[i]);
     spec_free(&sp[i]);
     if (frames[i])
-      gpu->ops->frame_free(gpu, frames[i]);
+      gpu->ops->host_free(gpu, frames[i]);
   }
   cpu->ops->destroy(cpu);
   destroy_and_close(&loop, gpu);
@@ -423,10 +443,11 @@ static void test_hostfn_staging(void **state) {
   g_opts = saved;
 }
 
-/* Large frames received into the backend's pinned frame memory: q, k and v
- * go to the device by DMA from the frame (at odd offsets), no staging copy;
- * the results match the CPU backend's as on the staged path. The frame
- * memory is handed back and reused across the runs. */
+/* Large frames received into the backend's pinned host memory: q, k and v
+ * go to the device by DMA from the frame (at odd offsets), and outputs come
+ * back by DMA into pinned buffers of their own, no staging copy either way;
+ * the results match the CPU backend's as on the staged path. The memory is
+ * handed back and reused across the runs. */
 static void test_pinned_frames(void **state) {
   SKIP_WITHOUT_GPU();
   attnd_backend_opts_t saved = g_opts;

@@ -64,9 +64,11 @@ struct attnd_job_s {
   int per_channel;
   /* 1: may run beside or before unfinished jobs of its layer (see above). */
   int unordered;
-  /* STEP: batch.q, k and v lie in memory from frame_alloc (pinned): the
-   * backend may DMA them from there and skip their staging copy. */
+  /* STEP: batch.q, k and v lie in memory from host_alloc (pinned): the
+   * backend may DMA them from there and skip their staging copy; the same
+   * for batch.out (outputs_pinned), DMA'd into. */
   int inputs_pinned;
+  int outputs_pinned;
   /* Filled by the backend. */
   int status; /* 0 or a negative ATTND_E* */
   char message[128];
@@ -90,14 +92,16 @@ typedef struct {
   void (*describe)(attnd_backend_t *b, char *device, size_t len, uint64_t *mem, int *cc);
   /* Frees everything; only called with nothing in flight. */
   void (*destroy)(attnd_backend_t *b);
-  /* Optional (NULL: malloc): memory for the body of a request frame of len
-   * bytes, which the transport reads the socket straight into (loop thread).
-   * The CUDA backend gives pinned memory for large frames, so that a step's
-   * q, k and v go to the device by DMA from the frame itself (a job with
-   * inputs_pinned), with no staging copy; NULL when it has none to give
-   * (the caller mallocs). frame_free takes back what frame_alloc gave. */
-  void *(*frame_alloc)(attnd_backend_t *b, size_t len);
-  void (*frame_free)(attnd_backend_t *b, void *p);
+  /* Optional (NULL: malloc): host memory of len bytes for a request frame's
+   * body, which the transport reads the socket straight into, or for a
+   * step's output, which the transport writes to the socket straight from
+   * (loop thread). The CUDA backend gives pinned memory for large ones, so
+   * that q, k and v go to the device by DMA from the frame itself and the
+   * output comes back by DMA into its buffer (jobs with inputs_pinned,
+   * outputs_pinned), with no staging copy; NULL when it has none to give
+   * (the caller mallocs). host_free takes back what host_alloc gave. */
+  void *(*host_alloc)(attnd_backend_t *b, size_t len);
+  void (*host_free)(attnd_backend_t *b, void *p);
 } attnd_backend_ops_t;
 
 struct attnd_backend_s {

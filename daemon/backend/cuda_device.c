@@ -183,8 +183,8 @@ static const attnd_backend_ops_t cu_ops = {
     .inflight = cu_inflight,
     .describe = cu_describe,
     .destroy = cu_destroy,
-    .frame_alloc = attnd_cu_frame_alloc,
-    .frame_free = attnd_cu_frame_free,
+    .host_alloc = attnd_cu_frame_alloc,
+    .host_free = attnd_cu_frame_free,
 };
 
 int attnd_backend_cuda_available(void) {

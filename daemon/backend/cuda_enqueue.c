@@ -191,9 +191,18 @@ static void enqueue_kernels(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db, u
     }
   }
   attnd_cu_trace_mark(r, 3, cs->st);
-  if (attend)
+  if (attend && job->outputs_pinned) {
+    /* The output's own buffer is pinned (backend.h): DMA into it; lse, if
+     * asked, through the staging buffer. */
+    RUN_CU(r, cudaMemcpyAsync(job->batch.out, dp + lo->off_out, job->out_bytes,
+                              cudaMemcpyDeviceToHost, cs->st));
+    if (lo->total > lo->off_lse)
+      RUN_CU(r, cudaMemcpyAsync(hp + lo->off_lse, dp + lo->off_lse, lo->total - lo->off_lse,
+                                cudaMemcpyDeviceToHost, cs->st));
+  } else if (attend) {
     RUN_CU(r, cudaMemcpyAsync(hp + lo->off_out, dp + lo->off_out, lo->total - lo->off_out,
                               cudaMemcpyDeviceToHost, cs->st));
+  }
   attnd_cu_trace_mark(r, 4, cs->st);
 enqueued:
   return;

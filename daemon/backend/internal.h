@@ -181,7 +181,7 @@ static inline int attnd_cu_sticky(cudaError_t e) {
  * (the caller waits); force ignores the cap (tiny internal uploads). */
 cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *cerr);
 void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s);
-/* Pinned memory for a large request frame's body (backend.h frame_alloc),
+/* Pinned memory for a large request frame's body or step output (backend.h host_alloc),
  * or NULL (too small to be worth it, or the frame pool is at its cap). */
 void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len);
 void attnd_cu_frame_free(attnd_backend_t *base, void *p);

@@ -66,7 +66,7 @@ typedef struct {
   attnd_tensor_t q, k, v;
   int want_lse;
   int fp32_out;
-  int pinned; /* q, k and v lie in a frame from attnd_engine_frame_alloc that said so */
+  int pinned; /* q, k and v lie in a frame from attnd_engine_host_alloc that said so */
 } attnd_step_req_t;
 
 typedef struct {
@@ -85,10 +85,12 @@ typedef struct {
   uint64_t plan;       /* Plan */
   uint64_t version;    /* SetScales */
   /* Step: out [Tq, q_heads, head_dim] (activation dtype or fp32) and lse
-   * [Tq, q_heads], owned by the callback (it frees them, or keeps them: the
-   * RPC layer writes large outputs to the socket straight from them). */
+   * [Tq, q_heads], owned by the callback (it frees them, out with
+   * attnd_engine_host_free when out_pinned, or keeps them: the RPC layer
+   * writes large outputs to the socket straight from them). */
   void *out;
   size_t out_bytes;
+  int out_pinned; /* out is from attnd_engine_host_alloc with pinned = 1 */
   attnd_dtype_t out_dtype;
   uint32_t out_rows; /* Tq */
   float *lse;        /* NULL when not asked */
@@ -171,13 +173,13 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
 void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
                              attnd_engine_done_cb cb, void *arg);
 
-/* Memory for a request frame's body of len bytes that the transport reads
- * the socket into (loop thread): the backend's (CUDA: pinned, for large
- * frames; *pinned = 1) or malloc's (*pinned = 0). NULL when out of memory.
- * attnd_engine_frame_free takes it back with the same pinned; every frame
- * must be back before the engine closes. */
-void *attnd_engine_frame_alloc(attnd_engine_t *e, size_t len, int *pinned);
-void attnd_engine_frame_free(attnd_engine_t *e, void *p, int pinned);
+/* Host memory of len bytes for a request frame's body that the transport
+ * reads the socket into, or a step's output it writes from (loop thread):
+ * the backend's (CUDA: pinned, for large ones; *pinned = 1) or malloc's
+ * (*pinned = 0). NULL when out of memory. attnd_engine_host_free takes it
+ * back with the same pinned; all of it must be back before the engine closes. */
+void *attnd_engine_host_alloc(attnd_engine_t *e, size_t len, int *pinned);
+void attnd_engine_host_free(attnd_engine_t *e, void *p, int pinned);
 
 /* The connection closed: its plans end. In-flight steps still complete. */
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);

@@ -294,6 +294,7 @@ struct attnd_ejob_s {
   attnd_kitem_t *kitems;
   int32_t *meta;
   void *out;
+  int out_pinned; /* out is attnd_engine_host_alloc's pinned memory */
   float *lse;
   void *qbuf, *kbuf, *vbuf; /* aligned copies when the request's were not */
   attnd_dtype_t out_dtype;

@@ -40,7 +40,7 @@ void attnd_ejob_free(attnd_ejob_t *j) {
   free(j->refs);
   free(j->kitems);
   free(j->meta);
-  free(j->out);
+  attnd_engine_host_free(j->e, j->out, j->out_pinned);
   free(j->lse);
   free(j->qbuf);
   free(j->kbuf);
@@ -116,6 +116,7 @@ static void job_done(attnd_job_t *job) {
     } else {
       /* The outputs are the callback's from here on. */
       r.out = j->out;
+      r.out_pinned = j->out_pinned;
       r.out_dtype = j->out_dtype;
       r.out_rows = (uint32_t)job->batch.total_q;
       r.out_bytes = job->out_bytes;

@@ -374,21 +374,22 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
   call_push(e, c);
 }
 
-void *attnd_engine_frame_alloc(attnd_engine_t *e, size_t len, int *pinned) {
+void *attnd_engine_host_alloc(attnd_engine_t *e, size_t len, int *pinned) {
   *pinned = 0;
-  if (e->be->ops->frame_alloc) {
-    void *p = e->be->ops->frame_alloc(e->be, len);
+  if (e->be->ops->host_alloc) {
+    void *p = e->be->ops->host_alloc(e->be, len);
     if (p) {
       *pinned = 1;
       return p;
     }
   }
-  return malloc(len);
+  /* Outputs keep the alignment the kernels' vector stores like. */
+  return aligned_alloc(64, (len + 63) & ~(size_t)63);
 }
 
-void attnd_engine_frame_free(attnd_engine_t *e, void *p, int pinned) {
+void attnd_engine_host_free(attnd_engine_t *e, void *p, int pinned) {
   if (pinned)
-    e->be->ops->frame_free(e->be, p);
+    e->be->ops->host_free(e->be, p);
   else
     free(p);
 }

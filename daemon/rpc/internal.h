@@ -76,6 +76,7 @@ struct attnd_rpc_req_s {
   attnd_session_info_t *sessions; /* ListSessions */
   uint32_t nsessions;
   attnd_rpc_bytes_t out, lse; /* a Step's outputs while its response is encoded */
+  int out_pinned;             /* out is the engine's pinned host memory (rpc.h seg) */
   int decode_failed;          /* a callback failed for a reason of ours: its ATTND_E* (msg set) */
   uint64_t tokens_total;      /* token ids decoded over all items */
   uint64_t mask_bytes;        /* bytes of the items' masks in the kernels' form */

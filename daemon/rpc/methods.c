@@ -143,6 +143,7 @@ static void encode_step(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1_
     sr->out.shape[1] = (uint32_t)cfg->shape.q_heads;
     sr->out.shape[2] = (uint32_t)cfg->shape.head_dim;
     q->out = (attnd_rpc_bytes_t){res->out, res->out_bytes};
+    q->out_pinned = res->out_pinned;
     sr->out.data.funcs.encode = attnd_rpc_enc_bytes_cb;
     sr->out.data.arg = &q->out;
   }

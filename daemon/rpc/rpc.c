@@ -89,7 +89,7 @@ uint32_t attnd_rpc_conn_id_probes(const attnd_rpc_conn_t *c, uint64_t id) {
 /* A request frame goes back where it came from (rpc.h frame_pinned). */
 static void frame_release(attnd_rpc_t *r, uint8_t *frame, int pinned) {
   if (pinned)
-    attnd_engine_frame_free(r->engine, frame, 1);
+    attnd_engine_host_free(r->engine, frame, 1);
   else
     free(frame);
 }
@@ -253,7 +253,10 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
     answer(q, res, code);
   if (traced && !c->closed)
     trace_step(q, res, trace_kind(res), t_ans, attnd_rpc_now_ns());
-  free(res->out);
+  if (res->out_pinned)
+    attnd_engine_host_free(r->engine, res->out, 1);
+  else
+    free(res->out);
   free(res->lse);
   res->out = NULL;
   res->lse = NULL;

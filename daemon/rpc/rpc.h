@@ -109,11 +109,14 @@ typedef struct attnd_rpc_conn_s attnd_rpc_conn_t;
 typedef struct attnd_rpc_req_s attnd_rpc_req_t;
 
 /* One piece of a response for sendv: n bytes at p; free_p (p itself, the
- * buffer p points into, or NULL) is free()d once the piece is written. */
+ * buffer p points into, or NULL) is freed once the piece is written: with
+ * free(), or with attnd_engine_host_free() when pinned (a step's output in
+ * the backend's pinned memory). */
 typedef struct {
   const void *p;
   size_t n;
   void *free_p;
+  int pinned;
 } attnd_rpc_seg_t;
 
 struct attnd_rpc_s {
@@ -153,8 +156,8 @@ struct attnd_rpc_conn_s {
   /* The step trace, set by the transport before each frame it hands over:
    * uv_hrtime() when that frame's first byte arrived (0: unknown). */
   uint64_t frame_t0_ns;
-  /* ... and whether that frame is pinned frame memory (attnd_engine_frame_alloc
-   * said so): freed with attnd_engine_frame_free, and a Step's tensors in it
+  /* ... and whether that frame is pinned frame memory (attnd_engine_host_alloc
+   * said so): freed with attnd_engine_host_free, and a Step's tensors in it
    * may go to the device without a copy. */
   int frame_pinned;
   /* While a Step's response is handed to send or sendv: its kind + 1 (the
