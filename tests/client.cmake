@@ -24,6 +24,7 @@ function(attnd_add_e2e name)
 endfunction()
 
 attnd_add_e2e(e2e_client_fake test_client_fake)
+attnd_add_e2e(e2e_torch_client test_torch_client)
 attnd_add_e2e(e2e_health test_health)
 attnd_add_e2e(e2e_sessions test_sessions)
 attnd_add_e2e(e2e_systemd test_systemd)

@@ -26,6 +26,8 @@
 #      cases run small first, so a timeout keeps the first ones;
 #   4. the same, 16 sessions, Unix socket only, with --cuda-trace: the device
 #      phases (h2d, kwrite, attend, d2h) of decode and prefill steps;
+#   4b. tests/e2e/test_torch_client.py (torch tensors in and out, bf16 stays
+#      bf16) against the CUDA daemon;
 #   5. attnctl bench (1 session at 4,096 and 16 at 512, depth 1
 #      and 32) against one daemon.
 # It always ends with a table of the key numbers, then one line:
@@ -223,6 +225,19 @@ if [ "$t" -gt 0 ]; then
   [ -f "$out/e2e-trace.json" ] && key_rows "$out/e2e-trace.json" traced
 else
   record bench_e2e_cuda_trace 77
+fi
+
+# ---- 4b. torch tensors through the Python client, on the CUDA daemon ------------------
+t=$(tmo 60)
+if [ "$t" -gt 0 ]; then
+  (cd "$here/tests/e2e" && env ATTND_E2E_BACKEND="$backend" ATTND_BIN="$attnd_bin" ATTND_BUILD_DIR="$libdir" \
+    PYTHONPATH="${ATTND_PB2_DIR:-}:$here/client/python:$here/tests/e2e" timeout "$t" $py run.py test_torch_client) \
+    >"$out/torch_client.log" 2>&1
+  rc=$?
+  grep -E "^(Ran|OK|FAILED)|Error|SKIPPED" "$out/torch_client.log" | head -10
+  record torch_client $rc
+else
+  record torch_client 77
 fi
 
 # ---- 5. attnctl bench (round trips per layer and per token) --------------------------------------------
