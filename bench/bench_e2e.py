@@ -77,7 +77,9 @@ def start_daemon(a, sh, tmp, port, log_path):
            "--q-heads", str(sh["q_heads"]), "--kv-heads", str(sh["kv_heads"]),
            "--head-dim", str(sh["head_dim"]), "--kv-memory", a.kv_memory,
            "--max-sessions", str(max(256, 2 * max(a.sessions))),
-           "--step-trace", str(a.trace_window), "--log-level", "info", "--no-prefix-cache"]
+           "--log-level", "info", "--no-prefix-cache"]
+    if not a.no_step_trace:
+        cmd += ["--step-trace", str(a.trace_window)]
     if a.backend == "cuda" and not a.no_cuda_trace:
         cmd.append("--cuda-trace")
     cmd += a.daemon_arg
@@ -251,6 +253,8 @@ def main():
     ap.add_argument("--transports", default="unix,tcp")
     ap.add_argument("--kv-memory", default=None, help="default 0 on cuda (90%% free), 512M on cpu")
     ap.add_argument("--trace-window", type=int, default=256)
+    ap.add_argument("--no-step-trace", action="store_true",
+                    help="for a daemon older than --step-trace (a baseline): no phase table")
     ap.add_argument("--no-cuda-trace", action="store_true",
                     help="without --cuda-trace (its events cost a little per step; no device phases)")
     ap.add_argument("--daemon-arg", action="append", default=[], help="extra attnd flag")

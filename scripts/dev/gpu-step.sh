@@ -24,6 +24,8 @@
 #      (no CUDA events: the latencies as served). Filling 64 sessions to 4,096
 #      moves 34 GB of k+v through the daemon (~60 s at today's ~0.55 GB/s);
 #      cases run small first, so a timeout keeps the first ones;
+#   3b. with GPU_STEP_BASELINE=<an older attnd>, bench_e2e.py against it too
+#      (1 and 16 sessions, Unix socket, no --step-trace): before/after in one run;
 #   4. the same, 16 sessions, Unix socket only, with --cuda-trace: the device
 #      phases (h2d, kwrite, attend, d2h) of decode and prefill steps;
 #   4b. tests/e2e/test_torch_client.py (torch tensors in and out, bf16 stays
@@ -213,6 +215,24 @@ for tr in unix tcp; do
     record bench_e2e_$tr 77
   fi
 done
+
+# ---- 3b. the baseline: an older attnd (GPU_STEP_BASELINE=path), Unix socket ----------
+# For before/after in one run: stage the older build's attnd next to this one
+# (same libraries) and name it; it runs without --step-trace.
+if [ -n "${GPU_STEP_BASELINE:-}" ] && [ -x "$GPU_STEP_BASELINE" ]; then
+  t=$(tmo 90)
+  if [ "$t" -gt 0 ]; then
+    timeout "$t" $py "$here/bench/bench_e2e.py" --attnd "$GPU_STEP_BASELINE" "${e2e_tcp_args[@]}" \
+      --transports unix --no-step-trace --json "$out/e2e-baseline.json" \
+      --log "$out/attnd-e2e-baseline.log" >"$out/e2e-baseline.txt" 2>&1
+    rc=$?
+    tail -12 "$out/e2e-baseline.txt"
+    record bench_e2e_baseline $rc
+    [ -f "$out/e2e-baseline.json" ] && key_rows "$out/e2e-baseline.json" baseline
+  else
+    record bench_e2e_baseline 77
+  fi
+fi
 
 # ---- 4. the device phases (--cuda-trace) ----------------------------------------------
 t=$(tmo 45)
