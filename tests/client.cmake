@@ -24,6 +24,7 @@ function(attnd_add_e2e name)
 endfunction()
 
 attnd_add_e2e(e2e_client_fake test_client_fake)
+attnd_add_e2e(e2e_torch_client test_torch_client)
 attnd_add_e2e(e2e_health test_health)
 # Per-layer windows, soft-capping and sinks against the numpy reference; SetSinks.
 attnd_add_e2e(e2e_variants test_variants)

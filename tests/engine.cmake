@@ -14,7 +14,8 @@ attnd_add_test(test_engine_prefix SOURCES test_engine_prefix.c LIBS attnd_engine
 attnd_add_test(test_engine_perf SOURCES test_engine_perf.c LIBS attnd_engine TIMEOUT 60)
 # The attention sinks table: validation, versions, its file (daemon/engine/sinks.c).
 attnd_add_test(test_engine_sinks SOURCES test_engine_sinks.c LIBS attnd_engine TIMEOUT 60)
+attnd_add_test(test_engine_scan SOURCES test_engine_scan.c LIBS attnd_engine TIMEOUT 60)
 foreach(t test_engine_blocks test_engine_prefix test_engine_scales test_engine_kvcache
-        test_engine_sinks)
+        test_engine_sinks test_engine_scan)
   target_include_directories(${t} PRIVATE ${PROJECT_SOURCE_DIR}/daemon/engine)
 endforeach()

@@ -176,6 +176,14 @@ void attnd_engine_set_sinks(attnd_engine_t *e, const attnd_sinks_req_t *req,
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) {
   fe.closed_conn = conn;
 }
+void *attnd_engine_host_alloc(attnd_engine_t *e, size_t len, int *pinned) {
+  *pinned = 0;
+  return malloc(len);
+}
+void attnd_engine_host_free(attnd_engine_t *e, void *p, int pinned) {
+  assert_int_equal(pinned, 0); /* the fake transport sends malloc'ed frames */
+  free(p);
+}
 
 /* ---- fake transport ---------------------------------------------------------- */
 

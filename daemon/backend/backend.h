@@ -38,6 +38,11 @@
 typedef struct attnd_backend_s attnd_backend_t;
 typedef struct attnd_job_s attnd_job_t;
 
+/* A step's backend phases, in the order they run (the step trace, rpc.h):
+ * host to device copy, the cache write (RoPE, quantize, paged write), the
+ * attention kernels, device to host copy. The CPU backend has no copies. */
+enum { ATTND_DEV_H2D, ATTND_DEV_WRITE, ATTND_DEV_ATTEND, ATTND_DEV_D2H, ATTND_DEV_COUNT };
+
 typedef enum {
   ATTND_JOB_STEP = 0,
   ATTND_JOB_COPY = 1,
@@ -69,10 +74,19 @@ struct attnd_job_s {
   const float *sinks;
   /* 1: may run beside or before unfinished jobs of its layer (see above). */
   int unordered;
+  /* STEP: batch.q, k and v lie in memory from host_alloc (pinned): the
+   * backend may DMA them from there and skip their staging copy; the same
+   * for batch.out (outputs_pinned), DMA'd into. */
+  int inputs_pinned;
+  int outputs_pinned;
   /* Filled by the backend. */
   int status; /* 0 or a negative ATTND_E* */
   char message[128];
   uint64_t t_submit_us, t_start_us, t_end_us; /* uv_hrtime()/1000 */
+  /* STEP, when the backend timed it (CPU: always; CUDA: --cuda-trace, from
+   * events): microseconds per ATTND_DEV_* phase. */
+  uint32_t dev_us[ATTND_DEV_COUNT];
+  int dev_timed;
   void (*done_cb)(attnd_job_t *job);          /* on the loop thread */
   void *user;
 };
@@ -88,6 +102,16 @@ typedef struct {
   void (*describe)(attnd_backend_t *b, char *device, size_t len, uint64_t *mem, int *cc);
   /* Frees everything; only called with nothing in flight. */
   void (*destroy)(attnd_backend_t *b);
+  /* Optional (NULL: malloc): host memory of len bytes for a request frame's
+   * body, which the transport reads the socket straight into, or for a
+   * step's output, which the transport writes to the socket straight from
+   * (loop thread). The CUDA backend gives pinned memory for large ones, so
+   * that q, k and v go to the device by DMA from the frame itself and the
+   * output comes back by DMA into its buffer (jobs with inputs_pinned,
+   * outputs_pinned), with no staging copy; NULL when it has none to give
+   * (the caller mallocs). host_free takes back what host_alloc gave. */
+  void *(*host_alloc)(attnd_backend_t *b, size_t len);
+  void (*host_free)(attnd_backend_t *b, void *p);
 } attnd_backend_ops_t;
 
 struct attnd_backend_s {
@@ -96,6 +120,11 @@ struct attnd_backend_s {
   int layers;
   uint32_t num_blocks; /* per layer */
   size_t block_bytes;  /* attnd_kv_block_bytes(&shape) */
+  /* 1: reads a step's q, k and v at any byte offset (the CUDA backend copies
+   * them into staging with memcpy), so tensors decoded in place from a frame
+   * need no aligned copy; 0: they must be 2-byte aligned (the CPU kernels
+   * read 16-bit elements through typed pointers). */
+  int any_alignment;
 };
 
 /* How a backend is set up: sizes and tuning, filled by the engine from the

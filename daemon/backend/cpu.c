@@ -162,6 +162,9 @@ static void run_finish(run_t *r) {
   attnd_job_t *job = r->job;
   layer_q_t *q = &be->lq[job->layer];
   job->t_end_us = attnd_backend_now_us();
+  if (job->dev_timed)
+    job->dev_us[ATTND_DEV_ATTEND] =
+        (uint32_t)(job->t_end_us - job->t_start_us) - job->dev_us[ATTND_DEV_WRITE];
   if (!r->rc && r->inject) /* as a failed device call, or a sticky error, would */
     r->rc = r->inject == ATTND_CPU_FAIL_DEVICE ? ATTND_EDEVICE : ATTND_EINTERNAL;
   job->status = r->rc;
@@ -236,6 +239,11 @@ static void plan_chunks(run_t *r) {
 
 static void phase_done(run_t *r) {
   attnd_job_t *job = r->job;
+  if (r->phase == PH_WRITE && job->kind == ATTND_JOB_STEP) {
+    /* The step trace (backend.h): write until now, attend until the end. */
+    job->dev_us[ATTND_DEV_WRITE] = (uint32_t)(attnd_backend_now_us() - job->t_start_us);
+    job->dev_timed = 1;
+  }
   if (r->phase == PH_WRITE && !r->rc && job->batch.total_q > 0) {
     if (r->large) {
       plan_chunks(r);
@@ -379,6 +387,7 @@ static int cpu_submit(attnd_backend_t *base, attnd_job_t *job) {
   job->message[0] = 0;
   job->t_submit_us = attnd_backend_now_us();
   job->t_start_us = job->t_end_us = 0;
+  job->dev_timed = 0;
   be->inflight++;
   layer_q_t *q = &be->lq[job->layer];
   if (!job->unordered && (q->nrun > 0 || q->whead)) {

@@ -66,7 +66,7 @@ static void CUDART_CB stream_cb(cudaStream_t st, cudaError_t status, void *arg) 
     atomic_store(&be->dead, 1);
   attnd_job_t *job = r->job;
   if (status == cudaSuccess && !r->status && job->kind == ATTND_JOB_STEP) {
-    if (job->out_bytes)
+    if (job->out_bytes && !job->outputs_pinned) /* pinned: DMA'd there already */
       memcpy(job->batch.out, r->stage->p + r->out_off, job->out_bytes);
     if (job->lse_bytes && job->batch.lse)
       memcpy(job->batch.lse, r->stage->p + r->lse_off, job->lse_bytes);

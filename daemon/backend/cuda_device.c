@@ -127,6 +127,7 @@ static void release(cu_backend_t *be) {
   be->owned = NULL;
   be->nowned = 0;
   be->free_stages = NULL;
+  attnd_cu_frames_release(be);
   free(be->scales_ok);
   free(be->per_channel);
   free(be->sinks_ok);
@@ -186,6 +187,8 @@ static const attnd_backend_ops_t cu_ops = {
     .inflight = cu_inflight,
     .describe = cu_describe,
     .destroy = cu_destroy,
+    .host_alloc = attnd_cu_frame_alloc,
+    .host_free = attnd_cu_frame_free,
 };
 
 int attnd_backend_cuda_available(void) {
@@ -266,6 +269,7 @@ static int create_pool(cu_backend_t *be, int layers, uint64_t kv_memory, char *e
   }
   be->base.num_blocks = (uint32_t)nb;
   be->base.block_bytes = bb;
+  be->base.any_alignment = 1; /* q, k, v reach the device through memcpy (cuda_stage.c) */
   be->layer_bytes = (size_t)nb * bb;
   size_t pool_bytes = be->layer_bytes * (size_t)layers;
   if ((e = cudaMalloc((void **)&be->pool, pool_bytes)) != cudaSuccess) {

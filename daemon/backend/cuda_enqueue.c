@@ -213,9 +213,18 @@ static void enqueue_kernels(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db, u
     }
   }
   attnd_cu_trace_mark(r, 3, cs->st);
-  if (attend)
+  if (attend && job->outputs_pinned) {
+    /* The output's own buffer is pinned (backend.h): DMA into it; lse, if
+     * asked, through the staging buffer. */
+    RUN_CU(r, cudaMemcpyAsync(job->batch.out, dp + lo->off_out, job->out_bytes,
+                              cudaMemcpyDeviceToHost, cs->st));
+    if (lo->total > lo->off_lse)
+      RUN_CU(r, cudaMemcpyAsync(hp + lo->off_lse, dp + lo->off_lse, lo->total - lo->off_lse,
+                                cudaMemcpyDeviceToHost, cs->st));
+  } else if (attend) {
     RUN_CU(r, cudaMemcpyAsync(hp + lo->off_out, dp + lo->off_out, lo->total - lo->off_out,
                               cudaMemcpyDeviceToHost, cs->st));
+  }
   attnd_cu_trace_mark(r, 4, cs->st);
 enqueued:
   return;
@@ -249,8 +258,11 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
   memcpy(hp, hb->items, lo.items);
   if (lo.meta)
     memcpy(hp + lo.off_meta, hb->meta, lo.meta);
-  int hostfn = job->q_bytes + 2 * job->kv_bytes > be->hostfn_min;
-  if (!hostfn)
+  /* Inputs in a pinned request frame (backend.h inputs_pinned) go to the
+   * device by DMA from the frame: no host copy of them at all. */
+  const int direct = job->inputs_pinned;
+  int hostfn = !direct && job->q_bytes + 2 * job->kv_bytes > be->hostfn_min;
+  if (!direct && !hostfn)
     attnd_cu_stage_inputs_fn(r);
   RUN_CU(r, attnd_cu_dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, lo.total, CU_DBUF_MIN));
   uint8_t *dp = cs->dbuf;
@@ -258,7 +270,20 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
     RUN_CU(r, cudaLaunchHostFunc(cs->st, attnd_cu_stage_inputs_fn, r));
   attnd_cu_trace_begin(be, r);
   attnd_cu_trace_mark(r, 0, cs->st);
-  RUN_CU(r, cudaMemcpyAsync(dp, hp, lo.in_bytes, cudaMemcpyHostToDevice, cs->st));
+  if (direct) {
+    RUN_CU(r, cudaMemcpyAsync(dp, hp, lo.off_q, cudaMemcpyHostToDevice, cs->st));
+    if (job->q_bytes)
+      RUN_CU(r,
+             cudaMemcpyAsync(dp + lo.off_q, hb->q, job->q_bytes, cudaMemcpyHostToDevice, cs->st));
+    if (job->kv_bytes) {
+      RUN_CU(r,
+             cudaMemcpyAsync(dp + lo.off_k, hb->k, job->kv_bytes, cudaMemcpyHostToDevice, cs->st));
+      RUN_CU(r,
+             cudaMemcpyAsync(dp + lo.off_v, hb->v, job->kv_bytes, cudaMemcpyHostToDevice, cs->st));
+    }
+  } else {
+    RUN_CU(r, cudaMemcpyAsync(dp, hp, lo.in_bytes, cudaMemcpyHostToDevice, cs->st));
+  }
   attnd_cu_trace_mark(r, 1, cs->st);
   db.items = (const attnd_kitem_t *)dp;
   db.meta = (const int32_t *)(dp + lo.off_meta);
@@ -365,6 +390,7 @@ int attnd_cu_submit(attnd_backend_t *base, attnd_job_t *job) {
   job->message[0] = 0;
   job->t_submit_us = attnd_cu_now_us();
   job->t_start_us = job->t_end_us = 0;
+  job->dev_timed = 0;
   be->inflight++;
   attnd_cu_update_ref(be);
   /* Behind any waiting job (one FIFO for all layers keeps each layer's

@@ -8,6 +8,7 @@
  * device and never frees memory a queued kernel of that stream still reads. */
 #ifdef ATTND_HAVE_CUDA
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,6 +94,72 @@ void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s) {
   be->stages_out--;
   s->next = be->free_stages;
   be->free_stages = s;
+}
+
+/* ---- pinned request frames ----
+ *
+ * A frame buffer is one pinned allocation of a power-of-two size; its
+ * cu_stage_t sits in the first CU_ALIGN bytes, the body after them (so the
+ * body keeps CU_ALIGN alignment). Only frames of at least hostfn_min bytes
+ * (the large steps, whose staging copy is worth skipping) are pinned. */
+
+void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len) {
+  cu_backend_t *be = (cu_backend_t *)base;
+  if (len < be->hostfn_min || atomic_load(&be->dead))
+    return NULL;
+  size_t need = len + CU_ALIGN;
+  cu_stage_t **pp = &be->free_frames, **best = NULL;
+  for (; *pp; pp = &(*pp)->next)
+    if ((*pp)->cap >= need && (!best || (*pp)->cap < (*best)->cap))
+      best = pp;
+  cu_stage_t *s;
+  if (best) {
+    s = *best;
+    *best = s->next;
+  } else {
+    size_t cap = CU_STAGE_MIN;
+    while (cap < need)
+      cap <<= 1;
+    if (be->frame_bytes + cap > be->pinned_max / 2)
+      return NULL;
+    s = calloc(1, sizeof(*s));
+    if (!s)
+      return NULL;
+    if (cudaHostAlloc((void **)&s->p, cap, cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();
+      free(s);
+      return NULL;
+    }
+    s->cap = cap;
+    be->frame_bytes += cap;
+  }
+  s->next = NULL;
+  be->frames_out++;
+  memcpy(s->p, &s, sizeof(s));
+  return s->p + CU_ALIGN;
+}
+
+void attnd_cu_frame_free(attnd_backend_t *base, void *p) {
+  cu_backend_t *be = (cu_backend_t *)base;
+  if (!p)
+    return;
+  cu_stage_t *s;
+  memcpy(&s, (uint8_t *)p - CU_ALIGN, sizeof(s));
+  be->frames_out--;
+  s->next = be->free_frames;
+  be->free_frames = s;
+}
+
+void attnd_cu_frames_release(cu_backend_t *be) {
+  for (cu_stage_t *f = be->free_frames, *next; f; f = next) {
+    next = f->next;
+    be->frame_bytes -= f->cap;
+    cudaFreeHost(f->p);
+    free(f);
+  }
+  be->free_frames = NULL;
+  if (be->frames_out)
+    fprintf(stderr, "attnd: cuda backend destroyed with %d request frames out\n", be->frames_out);
 }
 
 cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need,

@@ -44,6 +44,11 @@ void attnd_cu_trace_run(cu_backend_t *be, cu_run_t *r) {
   r->traced = 0;
   if (!ok || !t)
     return;
+  if (r->job->kind == ATTND_JOB_STEP) { /* the step trace (backend.h) */
+    for (int i = 0; i < ATTND_DEV_COUNT; i++)
+      r->job->dev_us[i] = (uint32_t)(ms[i] * 1e3f);
+    r->job->dev_timed = 1;
+  }
   const float gpu = (ms[0] + ms[1] + ms[2] + ms[3]) * 1e3f;
   const float v[TR_COUNT] = {(float)(r->t_enq - r->job->t_submit_us), ms[0] * 1e3f, ms[1] * 1e3f,
                              ms[2] * 1e3f, ms[3] * 1e3f,

@@ -135,6 +135,13 @@ struct cu_backend_s {
   size_t pinned_bytes, pinned_max; /* sum of owned caps; the cap on it */
   size_t hostfn_min;               /* q+k+v bytes copied by a host function past this */
   int stages_out;                  /* stages held by runs */
+  /* Pinned request frames (attnd_cu_frame_alloc): a pool apart from the
+   * stages (frames are held until their requests finish, which may wait for
+   * stages: sharing one cap could deadlock), capped at half of pinned_max;
+   * past it frames are plain memory. Loop thread only. */
+  cu_stage_t *free_frames;
+  size_t frame_bytes; /* pinned bytes of every frame buffer, free or out */
+  int frames_out;
   cu_run_t *whead, *wtail;         /* jobs waiting for a stage, FIFO */
   uv_mutex_t mu;                   /* guards the done queue and streams[].last_end_us */
   cu_run_t *dhead, *dtail;
@@ -176,6 +183,12 @@ static inline int attnd_cu_sticky(cudaError_t e) {
  * (the caller waits); force ignores the cap (tiny internal uploads). */
 cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *cerr);
 void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s);
+/* Pinned memory for a large request frame's body or step output (backend.h host_alloc),
+ * or NULL (too small to be worth it, or the frame pool is at its cap). */
+void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len);
+void attnd_cu_frame_free(attnd_backend_t *base, void *p);
+/* Frees the frame pool's free buffers (teardown). */
+void attnd_cu_frames_release(cu_backend_t *be);
 /* Grows a stream-owned device buffer, ordered on that stream. */
 cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need, size_t min);
 /* The one host copy of a step's q, k and v into its pinned buffer; runs on

@@ -128,6 +128,7 @@ typedef struct {
                                        * memory by a host function past this, default 1M */
   attnd_completion_t cuda_completion; /* --cuda-completion poll|callback */
   int cuda_trace;                     /* --cuda-trace: log where steps' time goes */
+  int step_trace;                     /* --step-trace N: log steps' phases every N (0 off) */
 
   /* attnd_origin_t of each option, indexed by its row in deploy/options.toml
    * (attnd_config_origin() looks one up by name). */

@@ -66,6 +66,7 @@ typedef struct {
   attnd_tensor_t q, k, v;
   int want_lse;
   int fp32_out;
+  int pinned; /* q, k and v lie in a frame from attnd_engine_host_alloc that said so */
 } attnd_step_req_t;
 
 typedef struct {
@@ -89,10 +90,12 @@ typedef struct {
   uint64_t plan;       /* Plan */
   uint64_t version;    /* SetScales, SetSinks */
   /* Step: out [Tq, q_heads, head_dim] (activation dtype or fp32) and lse
-   * [Tq, q_heads], owned by the callback (it frees them, or keeps them: the
-   * RPC layer writes large outputs to the socket straight from them). */
+   * [Tq, q_heads], owned by the callback (it frees them, out with
+   * attnd_engine_host_free when out_pinned, or keeps them: the RPC layer
+   * writes large outputs to the socket straight from them). */
   void *out;
   size_t out_bytes;
+  int out_pinned; /* out is from attnd_engine_host_alloc with pinned = 1 */
   attnd_dtype_t out_dtype;
   uint32_t out_rows; /* Tq */
   float *lse;        /* NULL when not asked */
@@ -100,6 +103,11 @@ typedef struct {
   int decode; /* Step: every item has n == 1 (else a prefill), whichever plan it names */
   uint64_t queued_us;
   uint64_t computing_us;
+  /* Step: its finiteness scan, and its backend phases when the backend timed
+   * them (dev_timed; backend.h ATTND_DEV_*: H2D, write, attend, D2H). */
+  uint32_t scan_us;
+  uint32_t dev_us[4];
+  int dev_timed;
 } attnd_result_t;
 
 typedef void (*attnd_engine_done_cb)(void *arg, attnd_result_t *res);
@@ -173,6 +181,14 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
 /* SetSinks (docs/protocol.md): checked, persisted, applied like SetScales. */
 void attnd_engine_set_sinks(attnd_engine_t *e, const attnd_sinks_req_t *req,
                             attnd_engine_done_cb cb, void *arg);
+
+/* Host memory of len bytes for a request frame's body that the transport
+ * reads the socket into, or a step's output it writes from (loop thread):
+ * the backend's (CUDA: pinned, for large ones; *pinned = 1) or malloc's
+ * (*pinned = 0). NULL when out of memory. attnd_engine_host_free takes it
+ * back with the same pinned; all of it must be back before the engine closes. */
+void *attnd_engine_host_alloc(attnd_engine_t *e, size_t len, int *pinned);
+void attnd_engine_host_free(attnd_engine_t *e, void *p, int pinned);
 
 /* The connection closed: its plans end. In-flight steps still complete. */
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);

@@ -329,6 +329,7 @@ struct attnd_ejob_s {
   attnd_kitem_t *kitems;
   int32_t *meta;
   void *out;
+  int out_pinned; /* out is attnd_engine_host_alloc's pinned memory */
   float *lse;
   void *qbuf, *kbuf, *vbuf; /* aligned copies when the request's were not */
   attnd_dtype_t out_dtype;
@@ -339,6 +340,7 @@ struct attnd_ejob_s {
   /* EJ_SCALES (EJ_SINKS: sk only): the snapshot the backend reads until done */
   float *sk, *sv, *zk, *zv;
   uint64_t t_admit_us; /* handed to the scheduler */
+  uint32_t scan_us;    /* EJ_STEP: its finiteness scan (attnd_result_t.phases) */
   /* The scheduler's (sched.c): what it touches, who waits for it. */
   int32_t *wblocks; /* blocks it writes */
   uint32_t nw;
@@ -356,11 +358,13 @@ struct attnd_ejob_s {
 /* ---- the finiteness scan (scan.c) ---------------------------------------------- */
 
 typedef struct {
-  const uint8_t *q, *k, *v;        /* 2-byte aligned views of the tensors (NULL: not scanned) */
+  const uint8_t *q, *k, *v;        /* views of the tensors, 2-byte aligned unless the backend
+                                    * reads any alignment (NULL: not scanned) */
   void *qbuf, *kbuf, *vbuf;        /* copies behind the views when the request's were not aligned */
   size_t bad_q, bad_k, bad_v;      /* first row past its bound (non-finite or too large);
                                     * SIZE_MAX: none */
   uint32_t bits_q, bits_k, bits_v; /* that row's largest magnitude, as dtype bits */
+  uint32_t us;                     /* how long the scan took (the step trace) */
 } attnd_scan_t;
 
 /* The largest magnitude a tensor may hold (docs/numerics.md §6). */
@@ -439,8 +443,11 @@ int attnd_queue_busy(const attnd_engine_t *e);
 /* ---- scan.c ---- */
 
 /* The whole scan of a step; reads only the request and the model shape, which
- * never changes, so it may run on a worker thread. */
-void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, attnd_scan_t *sc);
+ * never changes, so it may run on a worker thread. any_alignment: the backend
+ * reads q, k and v at any offset (backend.h), so an odd-aligned tensor is
+ * scanned through a small bounce buffer instead of copied whole. */
+void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, int any_alignment,
+                     attnd_scan_t *sc);
 /* The bounds of q, k and v for a model shape. */
 void attnd_scan_bounds(const attnd_kshape_t *sh, attnd_scan_bound_t *q, attnd_scan_bound_t *k,
                        attnd_scan_bound_t *v);

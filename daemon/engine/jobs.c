@@ -41,7 +41,7 @@ void attnd_ejob_free(attnd_ejob_t *j) {
   free(j->refs);
   free(j->kitems);
   free(j->meta);
-  free(j->out);
+  attnd_engine_host_free(j->e, j->out, j->out_pinned);
   free(j->lse);
   free(j->qbuf);
   free(j->kbuf);
@@ -117,6 +117,7 @@ static void job_done(attnd_job_t *job) {
     } else {
       /* The outputs are the callback's from here on. */
       r.out = j->out;
+      r.out_pinned = j->out_pinned;
       r.out_dtype = j->out_dtype;
       r.out_rows = (uint32_t)job->batch.total_q;
       r.out_bytes = job->out_bytes;
@@ -131,6 +132,12 @@ static void job_done(attnd_job_t *job) {
       r.queued_us = job->t_start_us - j->t_admit_us;
     if (job->t_end_us >= job->t_start_us)
       r.computing_us = job->t_end_us - job->t_start_us;
+    r.scan_us = j->scan_us;
+    _Static_assert(ATTND_DEV_COUNT == 4, "attnd_result_t.dev_us follows backend.h");
+    if (job->dev_timed) {
+      memcpy(r.dev_us, job->dev_us, sizeof(r.dev_us));
+      r.dev_timed = 1;
+    }
     j->cb(j->arg, &r);
   }
   /* Blocks go back only after the callback, which may make new calls. */

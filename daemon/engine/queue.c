@@ -233,7 +233,7 @@ static void call_push(attnd_engine_t *e, call_t *c) {
 
 static void scan_work(uv_work_t *w) {
   call_t *c = (call_t *)w;
-  attnd_scan_step(&c->e->shape, &c->step, &c->scan);
+  attnd_scan_step(&c->e->shape, &c->step, c->e->be->any_alignment, &c->scan);
 }
 
 static void scan_done(uv_work_t *w, int status) {
@@ -362,7 +362,7 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     c->scanning = 1;
     if (uv_queue_work(e->loop, &c->work, scan_work, scan_done) != 0) {
       /* Cannot happen with valid arguments; scan here rather than fail. */
-      attnd_scan_step(&e->shape, &c->step, &c->scan);
+      attnd_scan_step(&e->shape, &c->step, e->be->any_alignment, &c->scan);
       c->scanning = 0;
     }
   }
@@ -406,6 +406,26 @@ void attnd_engine_set_sinks(attnd_engine_t *e, const attnd_sinks_req_t *req,
   call_t *c = call_new(e, CALL_SINKS, 0, cb, arg);
   c->sinks = *req;
   call_push(e, c);
+}
+
+void *attnd_engine_host_alloc(attnd_engine_t *e, size_t len, int *pinned) {
+  *pinned = 0;
+  if (e->be->ops->host_alloc) {
+    void *p = e->be->ops->host_alloc(e->be, len);
+    if (p) {
+      *pinned = 1;
+      return p;
+    }
+  }
+  /* Outputs keep the alignment the kernels' vector stores like. */
+  return aligned_alloc(64, (len + 63) & ~(size_t)63);
+}
+
+void attnd_engine_host_free(attnd_engine_t *e, void *p, int pinned) {
+  if (pinned)
+    e->be->ops->host_free(e->be, p);
+  else
+    free(p);
 }
 
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) {

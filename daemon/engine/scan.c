@@ -26,9 +26,11 @@
 
 #include "internal.h"
 
-/* The kernels read 16-bit elements through typed pointers, so tensor bytes
- * decoded in place from a frame (any offset) are copied once when they are
- * not 2-byte aligned. Returns p or the copy, stored in *keep. */
+/* The CPU kernels read 16-bit elements through typed pointers, so tensor
+ * bytes decoded in place from a frame (any offset) are copied once when they
+ * are not 2-byte aligned, for a backend that needs it (backend.h
+ * any_alignment; the CUDA backend copies them into staging with memcpy and
+ * needs no copy). Returns p or the copy, stored in *keep. */
 static const uint8_t *aligned_data(const uint8_t *p, size_t n, void **keep) {
   if (((uintptr_t)p & 1) == 0)
     return p;
@@ -131,27 +133,64 @@ static size_t first_bad_row(attnd_dtype_t dt, const uint8_t *p, size_t n, size_t
   return SIZE_MAX;
 }
 
+/* first_bad_row over odd-aligned bytes without copying them whole: each
+ * chunk of whole rows goes through one bounce buffer of at most
+ * SCAN_CHUNK_ELEMS elements (it stays in cache; the copy costs a fraction of
+ * the scan's memory traffic). */
+static size_t first_bad_row_bounced(attnd_dtype_t dt, const uint8_t *p, size_t n, size_t row_elems,
+                                    uint32_t lim, uint32_t *bits) {
+  size_t per = SCAN_CHUNK_ELEMS / row_elems ? SCAN_CHUNK_ELEMS / row_elems : 1;
+  size_t chunk = per * row_elems * 2;
+  uint8_t *tmp = malloc(chunk < n ? chunk : n);
+  if (!tmp)
+    abort();
+  size_t bad = SIZE_MAX;
+  for (size_t off = 0, r0 = 0; off < n; off += chunk, r0 += per) {
+    size_t len = n - off < chunk ? n - off : chunk;
+    memcpy(tmp, p + off, len);
+    size_t r = first_bad_row(dt, tmp, len, row_elems, lim, bits);
+    if (r != SIZE_MAX) {
+      bad = r0 + r;
+      break;
+    }
+  }
+  free(tmp);
+  return bad;
+}
+
 /* Scans one tensor of the activation dtype: an aligned view (copying it if
- * needed) and its first row past the bound. A tensor that is absent, empty or
- * of another dtype is left unscanned: the step fails on its shape first. */
-static void scan_tensor(attnd_dtype_t dt, const attnd_tensor_t *t, size_t row_elems,
-                        const attnd_scan_bound_t *bound, const uint8_t **view, void **buf,
-                        size_t *bad, uint32_t *bits) {
+ * needed, unless any_alignment) and its first row past the bound. A tensor
+ * that is absent, empty or of another dtype is left unscanned: the step
+ * fails on its shape first. */
+static void scan_tensor(attnd_dtype_t dt, int any_alignment, const attnd_tensor_t *t,
+                        size_t row_elems, const attnd_scan_bound_t *bound, const uint8_t **view,
+                        void **buf, size_t *bad, uint32_t *bits) {
   *view = NULL;
   *buf = NULL;
   *bad = SIZE_MAX;
   *bits = 0;
   if (!t->present || !t->data || t->nbytes == 0 || t->dtype != dt)
     return;
+  if (any_alignment && ((uintptr_t)t->data & 1)) {
+    *view = t->data;
+    *bad = first_bad_row_bounced(dt, *view, t->nbytes, row_elems, bound->bits, bits);
+    return;
+  }
   *view = aligned_data(t->data, t->nbytes, buf);
   *bad = first_bad_row(dt, *view, t->nbytes, row_elems, bound->bits, bits);
 }
 
-void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, attnd_scan_t *sc) {
+void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, int any_alignment,
+                     attnd_scan_t *sc) {
   size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
   attnd_scan_bound_t bq, bk, bv;
   attnd_scan_bounds(sh, &bq, &bk, &bv);
-  scan_tensor(sh->dtype, &req->q, qrow, &bq, &sc->q, &sc->qbuf, &sc->bad_q, &sc->bits_q);
-  scan_tensor(sh->dtype, &req->k, kvrow, &bk, &sc->k, &sc->kbuf, &sc->bad_k, &sc->bits_k);
-  scan_tensor(sh->dtype, &req->v, kvrow, &bv, &sc->v, &sc->vbuf, &sc->bad_v, &sc->bits_v);
+  const uint64_t t0 = attnd_engine_now_us();
+  scan_tensor(sh->dtype, any_alignment, &req->q, qrow, &bq, &sc->q, &sc->qbuf, &sc->bad_q,
+              &sc->bits_q);
+  scan_tensor(sh->dtype, any_alignment, &req->k, kvrow, &bk, &sc->k, &sc->kbuf, &sc->bad_k,
+              &sc->bits_k);
+  scan_tensor(sh->dtype, any_alignment, &req->v, kvrow, &bv, &sc->v, &sc->vbuf, &sc->bad_v,
+              &sc->bits_v);
+  sc->us = (uint32_t)(attnd_engine_now_us() - t0);
 }

@@ -37,6 +37,7 @@ typedef struct {
   attnd_scan_t scan; /* its copies are owned until the job takes them */
   int scanned;       /* scan holds a result */
   void *out;
+  int out_pinned; /* attnd_engine_host_alloc's */
   float *lse;
   size_t out_bytes, lse_bytes;
   attnd_cowlist_t cow;
@@ -189,7 +190,7 @@ static int step_check(admit_t *a) {
     return rc;
   if (!a->scanned) {
     /* Small: scanned here, on the loop thread, like the checks around it. */
-    attnd_scan_step(&a->e->shape, a->req, &a->scan);
+    attnd_scan_step(&a->e->shape, a->req, a->e->be->any_alignment, &a->scan);
     a->scanned = 1;
   }
   return check_items(a);
@@ -205,7 +206,9 @@ static int step_reserve(admit_t *a) {
   a->out_bytes = (size_t)p->Tq * qrow * (a->req->fp32_out ? 4 : 2);
   a->lse_bytes = a->req->want_lse ? (size_t)p->Tq * sh->q_heads * sizeof(float) : 0;
   if (a->out_bytes) {
-    a->out = aligned_alloc(64, (a->out_bytes + 63) & ~(size_t)63);
+    /* Pinned on the CUDA backend when large: D2H lands in it, and the
+     * transport writes it to the socket from there. */
+    a->out = attnd_engine_host_alloc(e, a->out_bytes, &a->out_pinned);
     a->lse = a->lse_bytes ? calloc(1, a->lse_bytes) : NULL;
     if (!a->out || (a->lse_bytes && !a->lse)) {
       snprintf(a->msg, sizeof(a->msg), "cannot allocate %zu bytes of output",
@@ -326,11 +329,16 @@ static void step_build_batch(admit_t *a) {
   j->kbuf = a->scan.kbuf;
   j->vbuf = a->scan.vbuf;
   j->qbuf = a->scan.qbuf;
+  j->scan_us = a->scan.us;
+  /* q, k and v are the pinned frame's own bytes unless the scan copied one. */
+  j->job.inputs_pinned = req->pinned && !a->scan.qbuf && !a->scan.kbuf && !a->scan.vbuf;
   a->scan.kbuf = a->scan.vbuf = a->scan.qbuf = NULL;
   b->out_fp32 = req->fp32_out != 0;
   j->out_dtype = req->fp32_out ? ATTND_DT_FP32 : sh->dtype;
   j->job.out_bytes = a->out_bytes;
   j->out = a->out;
+  j->out_pinned = a->out_pinned;
+  j->job.outputs_pinned = a->out_pinned;
   b->out = j->out;
   j->job.lse_bytes = a->lse ? a->lse_bytes : 0;
   j->lse = a->lse;
@@ -413,7 +421,7 @@ void attnd_step_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   }
   int rc;
   if ((rc = step_check(&a)) != 0 || (rc = step_reserve(&a)) != 0) {
-    free(a.out);
+    attnd_engine_host_free(e, a.out, a.out_pinned);
     free(a.lse);
     free(a.scan.kbuf);
     free(a.scan.vbuf);

@@ -105,16 +105,29 @@ typedef struct {
   attnd_conn_t *conn;
   size_t len; /* bytes in all buffers */
   unsigned n;
-  void **owned; /* sendv: what to free when written (NULL: every bufs[i].base) */
+  void **owned;                /* sendv: what to free when written (NULL: every bufs[i].base) */
+  unsigned char *owned_pinned; /* ... each with free() (0) or attnd_engine_host_free (1) */
   unsigned nowned;
+  int kind1;       /* the step trace: a step response's kind + 1 is in it, else 0 */
+  uint64_t t0_ns;  /* ... handed to libuv then */
   uv_buf_t bufs[]; /* owned: freed when written */
 } wreq_t;
 
+/* What a sendv piece held, freed the way it was allocated (rpc.h seg). */
+static void free_owned(attnd_conn_t *c, void **owned, unsigned char *pinned, unsigned n) {
+  for (unsigned i = 0; i < n; i++) {
+    if (pinned[i])
+      attnd_engine_host_free(c->srv->engine, owned[i], 1);
+    else
+      free(owned[i]);
+  }
+  free(owned);
+  free(pinned);
+}
+
 static void wreq_free(wreq_t *w) {
   if (w->owned) {
-    for (unsigned i = 0; i < w->nowned; i++)
-      free(w->owned[i]);
-    free(w->owned);
+    free_owned(w->conn, w->owned, w->owned_pinned, w->nowned);
   } else {
     for (unsigned i = 0; i < w->n; i++)
       free(w->bufs[i].base);
@@ -126,6 +139,8 @@ static void write_cb(uv_write_t *req, int status) {
   wreq_t *w = (wreq_t *)req;
   attnd_conn_t *c = w->conn;
   c->write_bytes -= w->len;
+  if (w->kind1)
+    attnd_rpc_trace_write(&c->srv->rpc, w->kind1 - 1, (uv_hrtime() - w->t0_ns) / 1000);
   wreq_free(w);
   if (c->closing)
     return;
@@ -147,7 +162,7 @@ static void note_inflight(attnd_conn_t *c) {
 /* owned: NULL when every bufs[i].base is its own allocation, else the list
  * (taken over) of what to free once written. */
 static void submit(attnd_conn_t *c, const uv_buf_t *bufs, unsigned n, size_t len, void **owned,
-                   unsigned nowned) {
+                   unsigned char *owned_pinned, unsigned nowned, int kind1) {
   wreq_t *w = malloc(sizeof(*w) + n * sizeof(uv_buf_t));
   if (!w)
     abort();
@@ -155,7 +170,10 @@ static void submit(attnd_conn_t *c, const uv_buf_t *bufs, unsigned n, size_t len
   w->len = len;
   w->n = n;
   w->owned = owned;
+  w->owned_pinned = owned_pinned;
   w->nowned = nowned;
+  w->kind1 = c->srv->rpc.trace ? kind1 : 0;
+  w->t0_ns = w->kind1 ? uv_hrtime() : 0;
   memcpy(w->bufs, bufs, n * sizeof(uv_buf_t));
   if (uv_write(&w->req, &c->h.stream, w->bufs, n, write_cb) != 0) {
     c->write_bytes -= len;
@@ -168,17 +186,19 @@ static void submit(attnd_conn_t *c, const uv_buf_t *bufs, unsigned n, size_t len
 static void flush_batch(attnd_conn_t *c) {
   unsigned n = c->nbatch;
   size_t len = c->batch_len;
+  int kind1 = c->batch_kind1;
   if (n == 0)
     return;
   c->nbatch = 0;
   c->batch_len = 0;
+  c->batch_kind1 = 0;
   if (c->closing) {
     c->write_bytes -= len;
     for (unsigned i = 0; i < n; i++)
       free(c->batch[i].base);
     return;
   }
-  submit(c, c->batch, n, len, NULL, 0);
+  submit(c, c->batch, n, len, NULL, NULL, 0, kind1);
 }
 
 static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_after) {
@@ -195,11 +215,13 @@ static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_af
   if (c->in_feed) {
     c->batch[c->nbatch++] = ub;
     c->batch_len += len;
+    if (rc->send_kind1)
+      c->batch_kind1 = rc->send_kind1;
     if (c->nbatch == WRITE_BATCH)
       flush_batch(c);
     return;
   }
-  submit(c, &ub, 1, len, NULL, 0);
+  submit(c, &ub, 1, len, NULL, NULL, 0, rc->send_kind1);
 }
 
 /* A response in pieces (rpc.h): written after everything queued before it,
@@ -207,23 +229,24 @@ static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_af
 static void rc_sendv(attnd_rpc_conn_t *rc, const attnd_rpc_seg_t *segs, int n, int close_after) {
   attnd_conn_t *c = ATTND_CONN_OF(rc);
   void **owned = malloc((size_t)n * sizeof(void *));
+  unsigned char *owned_pinned = malloc((size_t)n);
   uv_buf_t *bufs = malloc((size_t)n * sizeof(uv_buf_t));
-  if (!owned || !bufs)
+  if (!owned || !owned_pinned || !bufs)
     abort();
   unsigned nowned = 0;
   size_t len = 0;
   for (int i = 0; i < n; i++) {
-    if (segs[i].free_p)
+    if (segs[i].free_p) {
+      owned_pinned[nowned] = segs[i].pinned != 0;
       owned[nowned++] = segs[i].free_p;
+    }
     /* uv_buf_t lengths are unsigned int; frames are < 2^32 and a tensor is
      * one piece of one frame. */
     bufs[i] = uv_buf_init((char *)segs[i].p, (unsigned)segs[i].n);
     len += segs[i].n;
   }
   if (c->closing) {
-    for (unsigned i = 0; i < nowned; i++)
-      free(owned[i]);
-    free(owned);
+    free_owned(c, owned, owned_pinned, nowned);
     free(bufs);
     return;
   }
@@ -232,7 +255,7 @@ static void rc_sendv(attnd_rpc_conn_t *rc, const attnd_rpc_seg_t *segs, int n, i
   if (close_after)
     attnd_conn_close_when_flushed(c);
   flush_batch(c); /* keep the order of responses already batched */
-  submit(c, bufs, (unsigned)n, len, owned, nowned);
+  submit(c, bufs, (unsigned)n, len, owned, owned_pinned, nowned, rc->send_kind1);
   free(bufs);
 }
 
@@ -241,10 +264,14 @@ static void rc_sendv(attnd_rpc_conn_t *rc, const attnd_rpc_seg_t *segs, int n, i
 static int frame_cb(void *arg, uint8_t *frame, size_t len) {
   attnd_conn_t *c = arg;
   if (c->closing || conn_ending(c)) {
-    free(frame);
+    attnd_engine_host_free(c->srv->engine, frame, c->fr.last_tag);
     return -1;
   }
+  c->rc.frame_t0_ns = c->fr.t0_ns;
+  c->rc.frame_pinned = c->fr.last_tag;
   attnd_rpc_handle_frame(&c->rc, frame, len);
+  c->rc.frame_t0_ns = 0;
+  c->rc.frame_pinned = 0;
   note_inflight(c);
   if (c->closing || conn_ending(c))
     return -1;
@@ -415,6 +442,18 @@ static void fr_release(void *arg, size_t len) {
   attnd_net_budget_release(c->srv, len);
 }
 
+/* Frame bodies are the engine's frame memory (pinned for large frames on
+ * the CUDA backend: the step's inputs reach the device from there). */
+static void *fr_body_alloc(void *arg, size_t len, int *tag) {
+  attnd_conn_t *c = arg;
+  return attnd_engine_host_alloc(c->srv->engine, len, tag);
+}
+
+static void fr_body_free(void *arg, void *p, int tag) {
+  attnd_conn_t *c = arg;
+  attnd_engine_host_free(c->srv->engine, p, tag);
+}
+
 attnd_conn_t *attnd_conn_new(attnd_server_t *s, int is_tcp) {
   attnd_conn_t *c = calloc(1, sizeof(*c));
   if (!c)
@@ -430,6 +469,8 @@ attnd_conn_t *attnd_conn_new(attnd_server_t *s, int is_tcp) {
   c->accepted_ms = c->active_ms = uv_now(s->loop);
   attnd_frame_reader_init(&c->fr, s->cfg->max_frame);
   attnd_frame_reader_hooks(&c->fr, fr_admit, fr_release, c);
+  if (s->engine)
+    attnd_frame_reader_body_hooks(&c->fr, fr_body_alloc, fr_body_free);
   s->open++;
   attnd_list_insert_head(&s->conns, &c->link);
   return c;

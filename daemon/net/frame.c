@@ -17,10 +17,20 @@ void attnd_frame_reader_hooks(attnd_frame_reader_t *r, attnd_frame_admit_cb admi
   r->hook_arg = arg;
 }
 
+void attnd_frame_reader_body_hooks(attnd_frame_reader_t *r,
+                                   void *(*body_alloc)(void *arg, size_t len, int *tag),
+                                   void (*body_free)(void *arg, void *p, int tag)) {
+  r->body_alloc = body_alloc;
+  r->body_free = body_free;
+}
+
 static void drop_body(attnd_frame_reader_t *r) {
   if (!r->body)
     return;
-  free(r->body);
+  if (r->body_free)
+    r->body_free(r->hook_arg, r->body, r->body_tag);
+  else
+    free(r->body);
   r->body = NULL;
   if (r->release)
     r->release(r->hook_arg, r->body_len);
@@ -70,6 +80,8 @@ static int finish(attnd_frame_reader_t *r, attnd_frame_cb cb, void *arg) {
   r->body = NULL;
   r->body_len = r->body_got = 0;
   r->hdr_got = 0;
+  r->last_tag = r->body_tag;
+  r->body_tag = 0;
   if (r->release)
     r->release(r->hook_arg, n);
   return cb(arg, f, n);
@@ -84,7 +96,9 @@ static int start_body(attnd_frame_reader_t *r) {
   }
   if (rc)
     return ATTND_FRAME_PAUSE;
-  if (!(r->body = malloc(r->want))) {
+  r->body_tag = 0;
+  r->body = r->body_alloc ? r->body_alloc(r->hook_arg, r->want, &r->body_tag) : malloc(r->want);
+  if (!r->body) {
     if (r->release)
       r->release(r->hook_arg, r->want);
     return r->err = ATTND_ENOMEM;
@@ -174,8 +188,10 @@ int attnd_frame_reader_feed(attnd_frame_reader_t *r, const uint8_t *data, size_t
     }
     if (n == 0)
       break;
-    if (r->hdr_got == 0)
+    if (r->hdr_got == 0) {
       r->nstarted++;
+      r->t0_ns = uv_hrtime();
+    }
     size_t take = 4 - r->hdr_got;
     if (take > n)
       take = n;

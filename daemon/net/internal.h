@@ -101,6 +101,7 @@ struct attnd_conn_s {
   uv_buf_t batch[WRITE_BATCH]; /* responses waiting for the end of the read */
   unsigned nbatch;
   size_t batch_len;
+  int batch_kind1; /* the step trace: a step response's kind + 1 is in the batch */
 };
 
 #define ATTND_CONN_OF(rcp) ((attnd_conn_t *)((char *)(rcp)-offsetof(attnd_conn_t, rc)))

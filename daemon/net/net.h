@@ -76,15 +76,29 @@ typedef struct {
   size_t pend_len;   /* bytes in pend */
   size_t pend_off;   /* the first of them not parsed yet */
   uint64_t nstarted; /* frames whose first header byte arrived, ever */
+  uint64_t t0_ns;    /* uv_hrtime() when the latest of them began (the step trace) */
   attnd_frame_admit_cb admit;
   attnd_frame_release_cb release;
   void *hook_arg;
+  /* Optional: where a frame body lives (NULL: malloc/free). alloc sets a tag
+   * that goes with the buffer (kept in body_tag, then in last_tag for the
+   * frame callback) and back to free. */
+  void *(*body_alloc)(void *arg, size_t len, int *tag);
+  void (*body_free)(void *arg, void *p, int tag);
+  int body_tag;
+  int last_tag; /* the tag of the frame handed to the callback last */
 } attnd_frame_reader_t;
 
 void attnd_frame_reader_init(attnd_frame_reader_t *r, uint64_t max_frame);
 /* Sets the budget hooks (NULL: every body is admitted). */
 void attnd_frame_reader_hooks(attnd_frame_reader_t *r, attnd_frame_admit_cb admit,
                               attnd_frame_release_cb release, void *arg);
+/* Sets where frame bodies are allocated (the daemon: the engine's frame
+ * memory, pinned for large frames on the CUDA backend). */
+void attnd_frame_reader_body_hooks(attnd_frame_reader_t *r,
+                                   void *(*body_alloc)(void *arg, size_t len, int *tag),
+                                   void (*body_free)(void *arg, void *p, int tag));
+
 /* Frees everything, a partial body included (released through the hook). */
 void attnd_frame_reader_free(attnd_frame_reader_t *r);
 /* Drops a partly received frame now (its body is released) and accepts

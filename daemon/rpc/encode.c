@@ -36,6 +36,7 @@ typedef struct {
   const void *refp[2];
   size_t refn[2];
   void *ref_free[2];
+  int ref_pinned[2];
   int nref;
 } scatter_t;
 
@@ -43,7 +44,7 @@ static void scatter_cut(scatter_t *sc) {
   if (sc->len > sc->seg_start) {
     /* The first copied piece owns the buffer; the others point into it. */
     sc->segs[sc->n++] = (attnd_rpc_seg_t){sc->buf + sc->seg_start, sc->len - sc->seg_start,
-                                          sc->seg_start == 0 ? sc->buf : NULL};
+                                          sc->seg_start == 0 ? sc->buf : NULL, 0};
     sc->seg_start = sc->len;
   }
 }
@@ -53,7 +54,7 @@ static bool scatter_write(pb_ostream_t *s, const pb_byte_t *b, size_t count) {
   for (int i = 0; i < sc->nref; i++)
     if (sc->ref_free[i] && b == sc->refp[i] && count == sc->refn[i]) {
       scatter_cut(sc);
-      sc->segs[sc->n++] = (attnd_rpc_seg_t){b, count, sc->ref_free[i]};
+      sc->segs[sc->n++] = (attnd_rpc_seg_t){b, count, sc->ref_free[i], sc->ref_pinned[i]};
       sc->ref_free[i] = NULL;
       return true;
     }
@@ -114,6 +115,7 @@ int attnd_rpc_send_response_refs(attnd_rpc_req_t *q, attnd_v1_Response *resp, in
     iout = sc.nref;
     sc.refp[sc.nref] = q->out.p;
     sc.refn[sc.nref] = q->out.n;
+    sc.ref_pinned[sc.nref] = q->out_pinned;
     sc.ref_free[sc.nref++] = (void *)q->out.p;
   }
   if (q->lse.p && q->lse.n >= min) {

@@ -11,6 +11,7 @@
  *              frame), items with their masks expanded to the kernels' form
  *   fields.c   the field budget walked before a call is decoded
  *   encode.c   a Response out: one frame, or pieces for sendv
+ *   trace.c    the step trace (--step-trace)
  */
 #ifndef ATTND_RPC_INTERNAL_H
 #define ATTND_RPC_INTERNAL_H
@@ -51,7 +52,9 @@ struct attnd_rpc_req_s {
   int method;
   uint8_t *frame;
   size_t frame_len;
+  int frame_pinned; /* frame is the engine's pinned frame memory (rpc.h) */
   uint64_t t0_ns;  /* frame decoded */
+  uint64_t t_read0_ns, t_decoded_ns, t_called_ns; /* the step trace (rpc.h) */
   int close_after; /* close the connection once the answer is written */
   /* The call's message as decoded; tensor and mask data point into frame. */
   union {
@@ -75,6 +78,7 @@ struct attnd_rpc_req_s {
   attnd_session_info_t *sessions; /* ListSessions */
   uint32_t nsessions;
   attnd_rpc_bytes_t out, lse; /* a Step's outputs while its response is encoded */
+  int out_pinned;             /* out is the engine's pinned host memory (rpc.h seg) */
   int decode_failed;          /* a callback failed for a reason of ours: its ATTND_E* (msg set) */
   uint64_t tokens_total;      /* token ids decoded over all items */
   uint64_t mask_bytes;        /* bytes of the items' masks in the kernels' form */
@@ -188,5 +192,15 @@ int attnd_rpc_send_response_refs(attnd_rpc_req_t *q, attnd_v1_Response *resp, in
 bool attnd_rpc_enc_bytes_cb(pb_ostream_t *s, const pb_field_t *f, void *const *arg);
 /* Counts an answer of this method with this wire code. */
 void attnd_rpc_count(attnd_rpc_t *r, int method, int code);
+
+/* ---- trace.c ---- */
+
+/* window 0: no trace. 0 or ATTND_ENOMEM. */
+int attnd_rpc_trace_init(attnd_rpc_t *r, int window);
+/* One finished step: ph_us[p] for every phase p whose bit is in have. */
+void attnd_rpc_trace_step(attnd_rpc_t *r, int kind, const uint64_t ph_us[ATTND_PH_COUNT],
+                          uint32_t have);
+/* Logs what is left of each window, frees the trace. */
+void attnd_rpc_trace_free(attnd_rpc_t *r);
 
 #endif /* ATTND_RPC_INTERNAL_H */

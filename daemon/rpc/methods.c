@@ -109,6 +109,7 @@ static int decode_step(attnd_rpc_req_t *q, pb_istream_t *s) {
       attnd_rpc_tensor_finish(&st->k, m->has_k, &m->k, "k", q->msg, sizeof(q->msg)) ||
       attnd_rpc_tensor_finish(&st->v, m->has_v, &m->v, "v", q->msg, sizeof(q->msg)))
     return ATTND_EINVAL;
+  st->pinned = q->frame_pinned; /* q, k and v point into the frame (decode.c) */
   if (m->plan != 0 && q->nitems != 0) {
     snprintf(q->msg, sizeof(q->msg), "step: names plan %llu and carries %u inline items; give one",
              (unsigned long long)m->plan, q->nitems);
@@ -142,6 +143,7 @@ static void encode_step(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1_
     sr->out.shape[1] = (uint32_t)cfg->shape.q_heads;
     sr->out.shape[2] = (uint32_t)cfg->shape.head_dim;
     q->out = (attnd_rpc_bytes_t){res->out, res->out_bytes};
+    q->out_pinned = res->out_pinned;
     sr->out.data.funcs.encode = attnd_rpc_enc_bytes_cb;
     sr->out.data.arg = &q->out;
   }

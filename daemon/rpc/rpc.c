@@ -43,11 +43,17 @@ int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
       return rc;
     }
   }
+  if (attnd_rpc_trace_init(r, cfg->step_trace) != 0) {
+    snprintf(err, errlen, "--step-trace: out of memory");
+    attnd_rpc_free(r);
+    return ATTND_ENOMEM;
+  }
   return 0;
 }
 
 void attnd_rpc_free(attnd_rpc_t *r) {
   attnd_rpc_free_tokens(r);
+  attnd_rpc_trace_free(r);
 }
 
 void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity, int need_hello) {
@@ -80,6 +86,14 @@ uint32_t attnd_rpc_conn_id_probes(const attnd_rpc_conn_t *c, uint64_t id) {
 
 /* ---- requests ---- */
 
+/* A request frame goes back where it came from (rpc.h frame_pinned). */
+static void frame_release(attnd_rpc_t *r, uint8_t *frame, int pinned) {
+  if (pinned)
+    attnd_engine_host_free(r->engine, frame, 1);
+  else
+    free(frame);
+}
+
 static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, uint8_t *frame,
                                 size_t len) {
   attnd_rpc_req_t *q = attnd_xcalloc(1, sizeof(*q));
@@ -88,7 +102,9 @@ static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, ui
   q->method = method;
   q->frame = frame;
   q->frame_len = len;
+  q->frame_pinned = c->frame_pinned;
   q->t0_ns = attnd_rpc_now_ns();
+  q->t_read0_ns = c->frame_t0_ns ? c->frame_t0_ns : q->t0_ns;
   return q;
 }
 
@@ -100,7 +116,7 @@ static void req_free(attnd_rpc_req_t *q) {
   free(q->items);
   free(q->open_tokens.v);
   free(q->sessions);
-  free(q->frame);
+  frame_release(q->conn->rpc, q->frame, q->frame_pinned);
   free(q);
 }
 
@@ -129,6 +145,13 @@ static void req_release(attnd_rpc_req_t *q) {
 
 /* ---- a call's end ---- */
 
+/* The step trace's kind of a step answered OK. */
+static int trace_kind(const attnd_result_t *res) {
+  if (res->out_rows == 0)
+    return ATTND_TRACE_KV_ONLY;
+  return res->decode ? ATTND_STEP_DECODE : ATTND_STEP_PREFILL;
+}
+
 /* The Response for a finished call; a step's large outputs may leave by
  * reference, and are then the transport's (res->out/lse set to NULL). */
 static void answer(attnd_rpc_req_t *q, attnd_result_t *res, int code) {
@@ -147,15 +170,45 @@ static void answer(attnd_rpc_req_t *q, attnd_result_t *res, int code) {
     m->encode(q, res, &resp);
   }
   int out_taken = 0, lse_taken = 0;
+  if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP)
+    c->send_kind1 = 1 + trace_kind(res);
   if (code == ATTND_STATUS_OK && q->method == ATTND_M_STEP &&
       attnd_rpc_send_response_refs(q, &resp, &out_taken, &lse_taken)) {
     if (out_taken)
       res->out = NULL;
     if (lse_taken)
       res->lse = NULL;
+    c->send_kind1 = 0;
     return;
   }
   attnd_rpc_send_response(c, &resp, q->t0_ns, q->close_after);
+  c->send_kind1 = 0;
+}
+
+/* The step trace's sample of a step answered OK (rpc.h ATTND_PH_*). */
+static void trace_step(attnd_rpc_req_t *q, const attnd_result_t *res, int kind, uint64_t t_ans,
+                       uint64_t t_sent) {
+  uint64_t ph[ATTND_PH_COUNT] = {0};
+  uint32_t have = 0;
+#define PH(p, v) (ph[p] = (v), have |= 1u << (p))
+  PH(ATTND_PH_READ, (q->t0_ns - q->t_read0_ns) / 1000);
+  if (q->t_decoded_ns)
+    PH(ATTND_PH_DECODE, (q->t_decoded_ns - q->t0_ns) / 1000);
+  if (q->t_called_ns)
+    PH(ATTND_PH_ADMIT, (q->t_called_ns - q->t_decoded_ns) / 1000);
+  PH(ATTND_PH_SCAN, res->scan_us);
+  PH(ATTND_PH_QUEUE, res->queued_us);
+  if (res->dev_timed) {
+    PH(ATTND_PH_H2D, res->dev_us[0]);
+    PH(ATTND_PH_KWRITE, res->dev_us[1]);
+    PH(ATTND_PH_ATTEND, res->dev_us[2]);
+    PH(ATTND_PH_D2H, res->dev_us[3]);
+  }
+  PH(ATTND_PH_COMPUTE, res->computing_us);
+  PH(ATTND_PH_ENCODE, (t_sent - t_ans) / 1000);
+  PH(ATTND_PH_TOTAL, (t_sent - q->t_read0_ns) / 1000);
+#undef PH
+  attnd_rpc_trace_step(q->conn->rpc, kind, ph, have);
 }
 
 void attnd_rpc_done(void *arg, attnd_result_t *res) {
@@ -191,9 +244,18 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
   }
   if (q->close_after)
     c->ending = 1; /* this answer closes the connection: nothing later is a request */
+  if (c->calling == q)
+    c->calling = NULL; /* answered inside its engine call */
+  const int traced = r->trace && code == ATTND_STATUS_OK && q->method == ATTND_M_STEP;
+  const uint64_t t_ans = traced ? attnd_rpc_now_ns() : 0;
   if (!c->closed)
     answer(q, res, code);
-  free(res->out);
+  if (traced && !c->closed)
+    trace_step(q, res, trace_kind(res), t_ans, attnd_rpc_now_ns());
+  if (res->out_pinned)
+    attnd_engine_host_free(r->engine, res->out, 1);
+  else
+    free(res->out);
   free(res->lse);
   res->out = NULL;
   res->lse = NULL;
@@ -319,14 +381,14 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
   attnd_rpc_t *r = c->rpc;
   r->counters.bytes_in += len + 4;
   if (c->ending || c->closed) { /* not a request any more (attnd_rpc_conn_end) */
-    free(frame);
+    frame_release(r, frame, c->frame_pinned);
     return;
   }
   uint64_t id;
   uint32_t call_tag, call_len;
   const uint8_t *call_ptr;
   if (walk_request(frame, len, &id, &call_tag, &call_ptr, &call_len) != 0) {
-    free(frame);
+    frame_release(r, frame, c->frame_pinned);
     ATTND_LOGI("bad_frame", "conn=%llu reason=unparsable len=%zu", (unsigned long long)c->id, len);
     attnd_rpc_frame_error(c, ATTND_EINVAL, "frame is not a valid Request");
     return;
@@ -352,5 +414,14 @@ void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len) {
     attnd_rpc_fail(q, rc, "%s", msg);
     return;
   }
+  if (!r->trace) {
+    m->call(q);
+    return;
+  }
+  q->t_decoded_ns = attnd_rpc_now_ns();
+  c->calling = q;
   m->call(q);
+  if (c->calling == q) /* still in flight: q is alive */
+    q->t_called_ns = attnd_rpc_now_ns();
+  c->calling = NULL;
 }

@@ -45,6 +45,37 @@ enum {
 
 enum { ATTND_STEP_PREFILL = 0, ATTND_STEP_DECODE = 1 };
 
+/* The step trace (--step-trace N, trace.c): a Step's phases, in
+ * microseconds. read: its frame's first byte to its last; decode: the
+ * request decoded; admit: the engine call on the loop thread (checks,
+ * reservation, for a small step its scan and the backend's enqueue); scan:
+ * the finiteness scan (loop thread or worker pool); queue, compute: the
+ * response's Timing; h2d, kwrite (the cache write), attend, d2h: the
+ * backend's phases when it timed them (CPU: always, no copies; CUDA:
+ * --cuda-trace); encode: the response built; write: the response handed to
+ * the transport until the socket took its last byte; total: the first byte
+ * of the request to the response encoded. */
+enum {
+  ATTND_PH_READ,
+  ATTND_PH_DECODE,
+  ATTND_PH_ADMIT,
+  ATTND_PH_SCAN,
+  ATTND_PH_QUEUE,
+  ATTND_PH_H2D,
+  ATTND_PH_KWRITE,
+  ATTND_PH_ATTEND,
+  ATTND_PH_D2H,
+  ATTND_PH_COMPUTE,
+  ATTND_PH_ENCODE,
+  ATTND_PH_WRITE,
+  ATTND_PH_TOTAL,
+  ATTND_PH_COUNT
+};
+typedef struct attnd_rpc_trace_s attnd_rpc_trace_t;
+/* The step trace's kinds: ATTND_STEP_PREFILL, ATTND_STEP_DECODE, and steps
+ * whose items are all kv_only (no q, no output: filling a cache). */
+enum { ATTND_TRACE_KV_ONLY = 2, ATTND_TRACE_KINDS = 3 };
+
 /* The daemon's request counters, written only on the loop thread (by the RPC
  * layer and the transport) and read there by Stats and /metrics. */
 typedef struct {
@@ -79,11 +110,14 @@ typedef struct attnd_rpc_conn_s attnd_rpc_conn_t;
 typedef struct attnd_rpc_req_s attnd_rpc_req_t;
 
 /* One piece of a response for sendv: n bytes at p; free_p (p itself, the
- * buffer p points into, or NULL) is free()d once the piece is written. */
+ * buffer p points into, or NULL) is freed once the piece is written: with
+ * free(), or with attnd_engine_host_free() when pinned (a step's output in
+ * the backend's pinned memory). */
 typedef struct {
   const void *p;
   size_t n;
   void *free_p;
+  int pinned;
 } attnd_rpc_seg_t;
 
 struct attnd_rpc_s {
@@ -109,6 +143,7 @@ struct attnd_rpc_s {
    * by attnd_auth_reload(). */
   attnd_rpc_tokens_t *tokens;
   uint64_t own_uid; /* the daemon's uid: its peers on the Unix socket are operators */
+  attnd_rpc_trace_t *trace; /* --step-trace, else NULL */
 };
 
 struct attnd_rpc_conn_s {
@@ -119,6 +154,17 @@ struct attnd_rpc_conn_s {
   int is_unix;       /* identity is a Unix peer's uid (a wrong Hello token keeps it) */
   uint64_t op_token; /* the operator token's identity it presented in Hello, or 0 */
   int closed;        /* the transport is gone: results are dropped */
+  /* The step trace, set by the transport before each frame it hands over:
+   * uv_hrtime() when that frame's first byte arrived (0: unknown). */
+  uint64_t frame_t0_ns;
+  /* ... and whether that frame is pinned frame memory (attnd_engine_host_alloc
+   * said so): freed with attnd_engine_host_free, and a Step's tensors in it
+   * may go to the device without a copy. */
+  int frame_pinned;
+  /* While a Step's response is handed to send or sendv: its kind + 1 (the
+   * step trace's write phase), else 0. */
+  int send_kind1;
+  attnd_rpc_req_t *calling; /* the request whose engine call runs now (the step trace) */
   /* Ending (attnd_rpc_conn_end): no more requests; the connection-level
    * answer waits in end_* until every call in flight is answered. */
   int ending;
@@ -155,7 +201,8 @@ int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
 void attnd_rpc_free(attnd_rpc_t *r);
 
 void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity, int need_hello);
-/* Handles one request frame; takes ownership of frame (malloc'ed). */
+/* Handles one request frame; takes ownership of frame (malloc'ed, or the
+ * engine's pinned frame memory when c->frame_pinned is set). */
 void attnd_rpc_handle_frame(attnd_rpc_conn_t *c, uint8_t *frame, size_t len);
 /* Sends a Response with no result whose status is attnd_err_status(err). */
 void attnd_rpc_send_error(attnd_rpc_conn_t *c, uint64_t id, int err, const char *msg,
@@ -181,6 +228,10 @@ void attnd_rpc_frame_header(uint8_t out[4], uint32_t n);
  * connection's requests in flight: bounded by a small constant however many
  * are in flight (the tests check it). */
 uint32_t attnd_rpc_conn_id_probes(const attnd_rpc_conn_t *c, uint64_t id);
+
+/* The step trace: a response of a step of kind (ATTND_STEP_*, ATTND_TRACE_KV_ONLY) whose
+ * send_kind1 the transport kept took us microseconds to write. */
+void attnd_rpc_trace_write(attnd_rpc_t *r, int kind, uint64_t us);
 
 /* Constant-time comparison of a token against the accepted ones: 0 when it
  * is not accepted, 1 when it is, 2 when it is an operator's. */

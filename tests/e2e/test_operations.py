@@ -102,6 +102,49 @@ class OperationsTest(unittest.TestCase):
             self.assertEqual(m.group(1), PRIO[m.group(2)], line)
         self.assertTrue(any(x.startswith("<6>") and "event=request_failed" in x for x in lines))
 
+    def test_step_trace_logs_every_phase(self):
+        # --step-trace 4 (docs/operations.md section 6): one line per 4 steps of
+        # a kind, the rest at exit; failed steps are not samples.
+        d = self.start("--step-trace", "4")
+        backend = re.search(r"--backend\s+(\w+)", " ".join(d.args)).group(1)
+        with attnd.Client(d.socket, timeout=10) as c:
+            m = c.health().model
+            rng = np.random.default_rng(3)
+            q = rng.uniform(-1, 1, (8, m.q_heads, m.head_dim)).astype(np.float32)
+            kv = rng.uniform(-1, 1, (8, m.kv_heads, m.head_dim)).astype(np.float32)
+            sid, _ = c.open_session()
+            c.step(0, q, kv, kv, items=[attnd.Item(sid, start=0, n=8, tokens=list(range(8)))])
+            for t in range(5):
+                c.step(0, q[:1], kv[:1], kv[:1], items=[attnd.Item(sid, start=8 + t, n=1, tokens=[t])])
+            c.step(0, None, kv[:2], kv[:2], items=[attnd.Item(sid, start=13, n=2, tokens=[1, 2], kv_only=True)])
+            bad = q[:1].copy()
+            bad[0, 0, 0] = np.nan
+            with self.assertRaises(attnd.InvalidArgument):
+                c.step(0, bad, kv[:1], kv[:1], items=[attnd.Item(sid, start=15, n=1, tokens=[1])])
+        self.assertEqual(d.stop(), 0)
+        text = d.log_text()
+        lines = re.findall(r"(?m)^.*event=step_trace kind=(\w+) steps=(\d+) stat=p50/p90(.*)$", text)
+        self.assertEqual([(k, n) for k, n, _ in lines],
+                         [("decode", "4"), ("prefill", "1"), ("decode", "1"), ("kv_only", "1")], text)
+        want = ["read", "decode", "admit", "scan", "queue", "compute", "encode", "total"]
+        if backend == "cpu":
+            want += ["kwrite", "attend"]
+        for kind, _, rest in lines:
+            if kind == "kv_only":  # no attention, no output
+                self.assertRegex(rest, r" scan_us=.* total_us=")
+                continue
+            ph = {k: (float(a), float(b)) for k, a, b in re.findall(r" (\w+)_us=([\d.]+)/([\d.]+)", rest)}
+            for k in want:
+                self.assertIn(k, ph, f"{kind}: {rest}")
+            for k, (p50, p90) in ph.items():
+                self.assertLessEqual(p50, p90, f"{kind} {k}: {rest}")
+            # Each step's whole contains its backend part, and that its phases,
+            # so the medians keep the order (a sum of medians would not).
+            self.assertGreaterEqual(ph["total"][0] + 1, ph["compute"][0], rest)
+            if backend == "cpu":
+                self.assertLessEqual(ph["kwrite"][0], ph["compute"][0] + 1, rest)
+                self.assertLessEqual(ph["attend"][0], ph["compute"][0] + 1, rest)
+
     def test_failures_are_logged_rate_limited(self):
         d = self.start()  # default level: info
         with attnd.Client(d.socket, timeout=10) as c:

@@ -1,4 +1,4 @@
-"""attnd's Python client: framing, blocking and pipelined calls, numpy tensors.
+"""attnd's Python client: framing, blocking and pipelined calls, numpy or torch tensors.
 
 The wire protocol (docs/protocol.md) is a 4-byte big-endian length, then one
 protobuf message (attnd.v1.Request out, attnd.v1.Response in). Messages come from
@@ -224,6 +224,45 @@ def _fill_tensor(t: Any, dtype: int, shape: Sequence[int], data: bytes) -> None:
     del t.shape[:]
     t.shape.extend(int(s) for s in shape)
     t.data = data
+
+
+def _is_torch(x: Any) -> bool:
+    """A torch.Tensor, recognised without importing torch (it stays optional)."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "untyped_storage")
+
+
+def _torch_wire(t: Any, what: str, model_dtype: str) -> Tuple[int, Tuple[int, ...], bytes]:
+    """torch tensor -> (dtype enum, shape, bytes): bf16 and fp16 as they are (one copy
+    to host bytes, no per-element Python work); float32/64 rounded by torch to the
+    daemon's activation dtype (round to nearest even)."""
+    import torch
+
+    if t.dim() != 3:
+        raise ValueError(f"{what} must be [rows, heads, head_dim], got shape {tuple(t.shape)}")
+    t = t.detach()
+    if t.dtype in (torch.float32, torch.float64):
+        t = t.to(torch.float16 if model_dtype == "fp16" else torch.bfloat16)
+    if t.dtype == torch.bfloat16:
+        dt = DTYPE_BF16
+    elif t.dtype == torch.float16:
+        dt = DTYPE_FP16
+    else:
+        raise ValueError(f"{what} has unsupported dtype {t.dtype}")
+    t = t.to("cpu").contiguous()
+    return dt, tuple(t.shape), t.view(torch.int16).numpy().tobytes()
+
+
+def _tensor_to_torch(t: Any, device: Any = None) -> Any:
+    """A response tensor as a torch tensor of its own dtype (bf16 stays bf16): the
+    bytes are copied once into a writable buffer and viewed, never walked in Python."""
+    import torch
+
+    dts = {DTYPE_FP32: torch.float32, DTYPE_FP16: torch.float16, DTYPE_BF16: torch.bfloat16,
+           DTYPE_INT32: torch.int32}
+    if t.dtype not in dts:
+        raise errors.AttndError(f"response tensor has unknown dtype {t.dtype}", code=13)
+    out = torch.frombuffer(bytearray(t.data), dtype=dts[t.dtype]).reshape(tuple(t.shape))
+    return out.to(device) if device is not None else out
 
 
 def _tensor_to_numpy(t: Any, bf16: str = "auto") -> np.ndarray:
@@ -548,7 +587,9 @@ class Client:
     # -- steps --
 
     def _wire(self, arr: npt.ArrayLike, what: str) -> Tuple[int, Tuple[int, ...], bytes]:
-        """numpy -> (dtype enum, shape, bytes) in the daemon's activation dtype."""
+        """numpy or torch -> (dtype enum, shape, bytes) in the daemon's activation dtype."""
+        if _is_torch(arr):
+            return _torch_wire(arr, what, self.model.dtype)
         a = np.asarray(arr)
         if a.ndim != 3:
             raise ValueError(f"{what} must be [rows, heads, head_dim], got shape {a.shape}")
@@ -572,7 +613,8 @@ class Client:
 
         q: [Tq, q_heads, head_dim], k and v: [T, kv_heads, head_dim], packed in item
         order; float arrays are rounded to the daemon's activation dtype, uint16 is
-        taken as bf16 bits, float16 as fp16.
+        taken as bf16 bits, float16 as fp16. torch tensors (any device) are sent as
+        they are when bf16/fp16, float32 rounded by torch; no numpy round trip.
         """
         req = pb.Request()
         st = req.step
@@ -589,10 +631,15 @@ class Client:
         st.fp32_out = bool(fp32_out)
         return self.send(req)
 
-    def step_recv(self, id: int) -> StepResult:
-        """Receives a Step's answer by request id."""
+    def step_recv(self, id: int, torch_device: Any = None, as_torch: bool = False) -> StepResult:
+        """Receives a Step's answer by request id. as_torch (or a torch_device):
+        out and lse as torch tensors (bf16 stays bf16), on torch_device if given."""
         resp = self.recv(id)
         sr = resp.step
+        if as_torch or torch_device is not None:
+            out = _tensor_to_torch(sr.out, torch_device) if sr.HasField("out") else None
+            lse = _tensor_to_torch(sr.lse, torch_device) if sr.HasField("lse") else None
+            return StepResult(out=out, lse=lse, timing=resp.timing, id=resp.id)
         out = _tensor_to_numpy(sr.out, self.bf16) if sr.HasField("out") else None
         lse = _tensor_to_numpy(sr.lse) if sr.HasField("lse") else None
         return StepResult(out=out, lse=lse, timing=resp.timing, id=resp.id)
@@ -601,5 +648,8 @@ class Client:
              k: Optional[npt.ArrayLike] = None, v: Optional[npt.ArrayLike] = None,
              items: Optional[Sequence[Item]] = None, plan: int = 0, want_lse: bool = False,
              fp32_out: bool = False) -> StepResult:
-        """One blocking Step; see step_send()."""
-        return self.step_recv(self.step_send(layer, q, k, v, items, plan, want_lse, fp32_out))
+        """One blocking Step; see step_send(). torch tensors in: torch tensors out,
+        on the device of the first of q, k, v given (bf16 stays bf16)."""
+        t = next((x for x in (q, k, v) if x is not None and _is_torch(x)), None)
+        rid = self.step_send(layer, q, k, v, items, plan, want_lse, fp32_out)
+        return self.step_recv(rid, torch_device=t.device if t is not None else None)

@@ -1,0 +1,366 @@
+#!/usr/bin/env python3
+"""End to end: a decode loop through every layer, and one large prefill layer step,
+over the daemon's Unix socket and loopback TCP, beside PyTorch's in-process attention.
+
+    bench_e2e.py [--attnd BUILD/daemon/attnd] [--backend cpu|cuda] [--shape small|8b]
+                 [--sessions 1,16,64] [--context 4096] [--tokens 16] [--prefill 4096]
+                 [--transports unix,tcp] [--json FILE] [--log FILE]
+
+Spawns attnd (with --step-trace, and --cuda-trace on the CUDA backend), opens N
+sessions, fills each to --context tokens with prefill steps on every layer, then
+decodes --tokens tokens: per token one Plan and one Step per layer, each layer's
+Step sent when the previous one's output came back (an orchestrator's layer
+loop: layer l+1's q needs layer l's output). Reported per (transport, sessions):
+the per-token latency (p50, p90) and the per-layer round trip, the daemon's own
+total_us and computing_us (Timing), and the same per-token loop as PyTorch's
+in-process attention (scaled_dot_product_attention over a preallocated cache,
+the new row written in place, on the same device) when torch is installed.
+Then one prefill layer step of --prefill tokens for one session (q, k, v in,
+out back): its round trip and the rate of q+k+v+out bytes through the daemon.
+
+Last, the daemon's step_trace lines (its log at exit): where a step's time
+went, phase by phase (read, decode, admit, scan, queue, h2d, kwrite, attend,
+d2h, compute, encode, write, total; docs/operations.md), p50/p90 per kind.
+
+The same-host zero-copy path (RegisterBuffer) is not built yet: its column says
+so. Speed is measured here, never asserted. Shapes: small (the CPU default: 4
+layers, 8 q / 2 kv heads, d 64) or 8b (32 layers, 32 q / 8 kv heads, d 128).
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "client", "python"))
+for cand in (os.path.join(HERE, "..", "build", "python"), os.environ.get("ATTND_PB2_DIR", "")):
+    if cand and os.path.isdir(cand):
+        sys.path.insert(0, cand)
+
+from attnd import client as ac  # noqa: E402
+
+SHAPES = {
+    "small": dict(layers=4, q_heads=8, kv_heads=2, head_dim=64),
+    "8b": dict(layers=32, q_heads=32, kv_heads=8, head_dim=128),
+}
+
+
+def pct(v, p):
+    if not v:
+        return float("nan")
+    s = sorted(v)
+    return s[min(len(s) - 1, int(len(s) * p))]
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def start_daemon(a, sh, tmp, port, log_path):
+    path = os.path.join(tmp, "attnd.sock")
+    cmd = [a.attnd, "--socket", path, "--listen", f"127.0.0.1:{port}", "--metrics", "",
+           "--state-dir", tmp, "--backend", a.backend, "--layers", str(sh["layers"]),
+           "--q-heads", str(sh["q_heads"]), "--kv-heads", str(sh["kv_heads"]),
+           "--head-dim", str(sh["head_dim"]), "--kv-memory", a.kv_memory,
+           "--max-sessions", str(max(256, 2 * max(a.sessions))),
+           "--log-level", "info", "--no-prefix-cache"]
+    if not a.no_step_trace:
+        cmd += ["--step-trace", str(a.trace_window)]
+    if a.backend == "cuda" and not a.no_cuda_trace:
+        cmd.append("--cuda-trace")
+    cmd += a.daemon_arg
+    log = open(log_path, "wb")
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(600):
+        if p.poll() is not None:
+            raise SystemExit(f"attnd exited with {p.returncode}; log: {log_path}")
+        if os.path.exists(path):
+            try:
+                with ac.Client(path, timeout=5) as c:
+                    c.health()
+                return p, path, log
+            except OSError:
+                pass
+        time.sleep(0.05)
+    p.kill()
+    raise SystemExit("attnd did not start")
+
+
+def bf16_bits(rng, shape):
+    """Random values in [-1, 1) as bf16 bits (uint16): no per-element work later."""
+    return ac.f32_to_bf16(rng.uniform(-1, 1, size=shape).astype(np.float32)).astype(np.uint16)
+
+
+def fill(c, sh, sessions, context, rng, rows_max=16384):
+    """Fills every session to context tokens on every layer: kv_only items (no q,
+    no output), several sessions per step up to rows_max rows, every layer's step
+    sent before any answer is read. Returns (seconds, k+v bytes sent)."""
+    L, kvh, d = sh["layers"], sh["kv_heads"], sh["head_dim"]
+    chunk = min(context, rows_max)
+    per = max(1, rows_max // chunk)
+    kv = bf16_bits(rng, (per * chunk, kvh, d))
+    t0 = time.perf_counter()
+    nbytes = 0
+    for s0 in range(0, context, chunk):
+        n = min(chunk, context - s0)
+        toks = list(range(s0, s0 + n))
+        for g in range(0, len(sessions), per):
+            grp = sessions[g:g + per]
+            items = [ac.Item(sid, s0, n, tokens=toks, kv_only=True) for sid in grp]
+            part = kv[:n * len(grp)]
+            ids = [c.step_send(l, None, part, part, items=items) for l in range(L)]
+            for i in ids:
+                c.step_recv(i)
+            nbytes += L * 2 * part.nbytes
+    return time.perf_counter() - t0, nbytes
+
+
+def decode_loop(c, sh, sessions, lens, tokens, rng):
+    """tokens tokens through every layer (lens: each session's length, moved on);
+    returns per-token and per-layer times and the daemon's total/computing (us)."""
+    L, qh, kvh, d = sh["layers"], sh["q_heads"], sh["kv_heads"], sh["head_dim"]
+    n = len(sessions)
+    q = bf16_bits(rng, (n, qh, d))
+    kv = bf16_bits(rng, (n, kvh, d))
+    per_token, per_layer, total, computing = [], [], [], []
+    for t in range(tokens):
+        plan = c.plan([ac.Item(s, lens[s], 1, tokens=[lens[s]]) for s in sessions])
+        for s in sessions:
+            lens[s] += 1
+        t0 = time.perf_counter()
+        for l in range(L):
+            tl = time.perf_counter()
+            r = c.step(l, q, kv, kv, plan=plan)
+            per_layer.append((time.perf_counter() - tl) * 1e6)
+            total.append(r.timing.total_us)
+            computing.append(r.timing.computing_us)
+        per_token.append((time.perf_counter() - t0) * 1e6)
+    return per_token, per_layer, total, computing
+
+
+def prefill_once(c, sh, sid, n, rng, reps):
+    """One layer step of n new tokens for one session (layer 0), reps times at
+    positions 0.. (each rewrites the same tokens); returns round trips (us) and
+    the q+k+v+out bytes of one."""
+    qh, kvh, d = sh["q_heads"], sh["kv_heads"], sh["head_dim"]
+    q = bf16_bits(rng, (n, qh, d))
+    kv = bf16_bits(rng, (n, kvh, d))
+    items = [ac.Item(sid, 0, n, tokens=list(range(n)))]
+    rt = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        c.step(0, q, kv, kv, items=items)
+        rt.append((time.perf_counter() - t0) * 1e6)
+    nbytes = 2 * (q.size + 2 * kv.size + q.size)
+    return rt, nbytes
+
+
+def torch_reference(sh, nsess, context, tokens, device):
+    """The same per-token loop in-process: per layer, write the new k/v row into
+    a preallocated bf16 cache and attend with SDPA (GQA). None without torch."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    if device == "cuda" and not torch.cuda.is_available():
+        return None
+    L, qh, kvh, d = sh["layers"], sh["q_heads"], sh["kv_heads"], sh["head_dim"]
+    dt = torch.bfloat16
+    cap = context + tokens
+    kc = [torch.randn(nsess, kvh, cap, d, dtype=dt, device=device) for _ in range(L)]
+    vc = [torch.randn(nsess, kvh, cap, d, dtype=dt, device=device) for _ in range(L)]
+    q = torch.randn(nsess, qh, 1, d, dtype=dt, device=device)
+    knew = torch.randn(nsess, kvh, 1, d, dtype=dt, device=device)
+    rep = qh // kvh
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def one(pos):
+        for l in range(L):
+            kc[l][:, :, pos:pos + 1] = knew
+            vc[l][:, :, pos:pos + 1] = knew
+            k = kc[l][:, :, :pos + 1]
+            v = vc[l][:, :, :pos + 1]
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            F.scaled_dot_product_attention(q, k, v)
+        sync()
+
+    one(context)  # warm-up
+    out = []
+    for t in range(tokens):
+        t0 = time.perf_counter()
+        one(context + t)
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+TRACE_RE = re.compile(r"event=step_trace\b.*?kind=(\w+) steps=(\d+) stat=p50/p90(.*)$")
+
+
+def parse_trace(log_path):
+    """step_trace lines of the daemon's log: [{kind, steps, phases{name: (p50, p90)}}]."""
+    out = []
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            m = TRACE_RE.search(line.rstrip())
+            if not m:
+                continue
+            ph = {}
+            for k, p50, p90 in re.findall(r"(\w+)_us=([\d.]+)/([\d.]+)", m.group(3)):
+                ph[k] = (float(p50), float(p90))
+            out.append({"kind": m.group(1), "steps": int(m.group(2)), "phases": ph})
+    return out
+
+
+def save(a, results):
+    """The results so far (a run cut short keeps what it measured)."""
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--attnd", default=os.path.join(HERE, "..", "build", "daemon", "attnd"))
+    ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="default: small on cpu, 8b on cuda")
+    ap.add_argument("--sessions", default=None, help="comma list (default 1,16,64; cpu: 1,4)")
+    ap.add_argument("--context", type=int, default=None, help="default 4096 (cpu: 256)")
+    ap.add_argument("--tokens", type=int, default=16, help="decoded tokens per case")
+    ap.add_argument("--prefill", type=int, default=None, help="tokens of the prefill step "
+                    "(default 4096; cpu: 512); 0 = none")
+    ap.add_argument("--prefill-reps", type=int, default=5)
+    ap.add_argument("--transports", default="unix,tcp")
+    ap.add_argument("--kv-memory", default=None, help="default 0 on cuda (90%% free), 512M on cpu")
+    ap.add_argument("--trace-window", type=int, default=256)
+    ap.add_argument("--no-step-trace", action="store_true",
+                    help="for a daemon older than --step-trace (a baseline): no phase table")
+    ap.add_argument("--no-cuda-trace", action="store_true",
+                    help="without --cuda-trace (its events cost a little per step; no device phases)")
+    ap.add_argument("--daemon-arg", action="append", default=[], help="extra attnd flag")
+    ap.add_argument("--json")
+    ap.add_argument("--log", help="keep the daemon's log here")
+    a = ap.parse_args()
+    cpu = a.backend == "cpu"
+    sh = SHAPES[a.shape or ("small" if cpu else "8b")]
+    a.sessions = [int(x) for x in (a.sessions or ("1,4" if cpu else "1,16,64")).split(",")]
+    context = a.context if a.context is not None else (256 if cpu else 4096)
+    a.prefill = a.prefill if a.prefill is not None else (512 if cpu else 4096)
+    a.kv_memory = a.kv_memory or ("512M" if cpu else "0")
+    transports = [t for t in a.transports.split(",") if t]
+
+    tmp = tempfile.mkdtemp(prefix="attnd-bench-e2e-")
+    log_path = os.path.join(tmp, "attnd.log")
+    port = free_port()
+    p, path, log = start_daemon(a, sh, tmp, port, log_path)
+    rng = np.random.default_rng(1)
+    results = {"backend": a.backend, "shape": sh, "context": context, "tokens": a.tokens,
+               "cases": [], "prefill": [], "fill": []}
+    try:
+        for tr in transports:
+            addr = path if tr == "unix" else f"127.0.0.1:{port}"
+            with ac.Client(addr, timeout=600) as c:
+                # Sessions are filled as the cases need them (small cases first),
+                # so a run cut short by a timeout still has its first cases.
+                sess, lens = [], {}
+                for n in sorted(a.sessions):
+                    new = [int(c.open_session()[0]) for _ in range(n - len(sess))]
+                    if new:
+                        fill_s, fill_bytes = fill(c, sh, new, context, rng)
+                        results["fill"].append({"transport": tr, "sessions": len(new),
+                                                "tokens": context, "seconds": fill_s,
+                                                "gb_s": fill_bytes / fill_s / 1e9})
+                        sess += new
+                        lens.update({sid: context for sid in new})
+                    pt, pl, tot, comp = decode_loop(c, sh, sess[:n], lens, a.tokens, rng)
+                    results["cases"].append({
+                        "transport": tr, "sessions": n,
+                        "token_p50_us": pct(pt, 0.5), "token_p90_us": pct(pt, 0.9),
+                        "layer_p50_us": pct(pl, 0.5), "layer_p90_us": pct(pl, 0.9),
+                        "daemon_total_p50_us": pct(tot, 0.5),
+                        "computing_p50_us": pct(comp, 0.5)})
+                    save(a, results)
+                for s in sess:
+                    c.close_session(s)
+                if a.prefill:
+                    s = int(c.open_session()[0])
+                    rt, nbytes = prefill_once(c, sh, s, a.prefill, rng, a.prefill_reps)
+                    c.close_session(s)
+                    p50 = pct(rt, 0.5)
+                    results["prefill"].append({"transport": tr, "tokens": a.prefill,
+                                               "rt_p50_us": p50, "bytes": nbytes,
+                                               "gb_s": nbytes / p50 / 1e3})
+                    save(a, results)
+        for case in results["cases"]:
+            if case["transport"] == transports[0]:
+                ref = torch_reference(sh, case["sessions"], context, a.tokens, a.backend)
+                case["torch_token_p50_us"] = pct(ref, 0.5) if ref else None
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            rc = p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = -9
+        log.close()
+    results["daemon_exit"] = rc
+    results["trace"] = parse_trace(log_path)
+    if a.log:
+        shutil.copy(log_path, a.log)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    torch_by_n = {c["sessions"]: c.get("torch_token_p50_us") for c in results["cases"]}
+    print(f"# attnd e2e: backend {a.backend}, {sh['layers']} layers, {sh['q_heads']}/"
+          f"{sh['kv_heads']} heads, d {sh['head_dim']}, context {context}, "
+          f"{a.tokens} tokens per case")
+    print("| transport | sessions | token p50 us | token p90 us | layer RT p50 us | "
+          "daemon total p50 us | computing p50 us | torch in-process token p50 us |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in results["cases"]:
+        t = torch_by_n.get(c["sessions"])
+        print(f"| {c['transport']} | {c['sessions']} | {c['token_p50_us']:.0f} | "
+              f"{c['token_p90_us']:.0f} | {c['layer_p50_us']:.1f} | "
+              f"{c['daemon_total_p50_us']:.1f} | {c['computing_p50_us']:.1f} | "
+              f"{'%.0f' % t if t else 'n/a (no torch)'} |")
+    print("| ipc | - | n/a: RegisterBuffer not built yet | | | | | |")
+    for f in results["fill"]:
+        print(f"fill {f['transport']}: {f['sessions']} sessions x {f['tokens']} tokens, kv_only "
+              f"pipelined over the layers: {f['seconds']:.2f} s, {f['gb_s']:.2f} GB/s of k+v")
+    for pf in results["prefill"]:
+        print(f"prefill {pf['transport']}: {pf['tokens']} tokens, {pf['bytes'] / 2**20:.1f} MiB "
+              f"q+k+v+out, round trip p50 {pf['rt_p50_us'] / 1e3:.2f} ms, {pf['gb_s']:.2f} GB/s")
+    phases = ["read", "decode", "admit", "scan", "queue", "h2d", "kwrite", "attend", "d2h",
+              "compute", "encode", "write", "total"]
+    if results["trace"]:
+        print("| step_trace (p50/p90 us) | steps | " + " | ".join(phases) + " |")
+        print("|---|---|" + "---|" * len(phases))
+        for t in results["trace"]:
+            cells = ["%.0f/%.0f" % t["phases"][k] if k in t["phases"] else "-" for k in phases]
+            print(f"| {t['kind']} | {t['steps']} | " + " | ".join(cells) + " |")
+    print(f"daemon exit status after SIGTERM: {rc}")
+    save(a, results)
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
