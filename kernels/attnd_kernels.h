@@ -86,7 +86,20 @@ typedef struct {
   float softcap;            /* logit soft-capping: scores become
                              * softcap * tanh(softmax_scale * q.k / softcap) before
                              * masking and the softmax; 0: none (docs/numerics.md) */
+  /* Head sharding (docs/scale-out.md): q_heads and kv_heads above are the heads
+   * this daemon holds, kv heads [kv_head_begin, kv_head_begin + kv_heads) of
+   * the model's model_kv_heads. Nothing computes with them but work planning
+   * that must cut a shard's heads as the whole model's would be cut (CUDA
+   * split-KV), so that a shard's outputs are the whole model's bits.
+   * model_kv_heads 0: the whole model (= kv_heads). */
+  int32_t model_kv_heads;
+  int32_t kv_head_begin;
 } attnd_kshape_t;
+
+/* The model's kv heads over all shards (model_kv_heads, or kv_heads when 0). */
+static inline int32_t attnd_kshape_model_kv_heads(const attnd_kshape_t *s) {
+  return s->model_kv_heads > 0 ? s->model_kv_heads : s->kv_heads;
+}
 
 /* One session's part of a batch. All offsets are in rows or int32 elements. */
 typedef struct {

@@ -166,7 +166,10 @@ extern int attnd_prefix_test_force_collision;
  * Every accepted SetScales gets a version, larger than every version before it
  * (across restarts too). The whole table is persisted as one file,
  * <state_dir>/scales.bin, written atomically: temp file, fsync, rename, fsync
- * of the directory. A file whose shape does not match the model is ignored. */
+ * of the directory. The file names the held kv head range and the model's kv
+ * heads; a file whose shape or range does not match is ignored (its scales
+ * are another shard's heads), so static-scale steps fail FAILED_PRECONDITION
+ * until SetScales gives this daemon its own. */
 typedef struct {
   int present;
   int per_channel;
@@ -177,6 +180,8 @@ typedef struct {
 
 typedef struct {
   int layers, kv_heads, head_dim;
+  int kv_head_begin, model_kv_heads; /* the held range [begin, begin + kv_heads) of
+                                      * the model's heads (docs/scale-out.md) */
   attnd_kv_type_t kv;
   attnd_layer_scales_t *l; /* [layers] */
   uint64_t last_version;

@@ -27,6 +27,12 @@ static void fill_shape(attnd_rpc_t *r, attnd_v1_ModelShape *m) {
   m->layers = (uint32_t)cfg->layers;
   m->q_heads = (uint32_t)s->q_heads;
   m->kv_heads = (uint32_t)s->kv_heads;
+  /* Head sharding (docs/scale-out.md): q_heads/kv_heads above are the held
+   * counts, the range and the model's totals follow (0:N for the whole model). */
+  m->kv_head_begin = (uint32_t)s->kv_head_begin;
+  m->kv_head_end = (uint32_t)(s->kv_head_begin + s->kv_heads);
+  m->model_q_heads = (uint32_t)(cfg->model_q_heads ? cfg->model_q_heads : s->q_heads);
+  m->model_kv_heads = (uint32_t)attnd_kshape_model_kv_heads(s);
   m->head_dim = (uint32_t)s->head_dim;
   m->block_size = (uint32_t)s->block_size;
   snprintf(m->dtype, sizeof(m->dtype), "%s", s->dtype == ATTND_DT_FP16 ? "fp16" : "bf16");
