@@ -116,6 +116,11 @@ typedef struct {
   int32_t block_table;  /* offset in meta of int32 [ceil(kv_len/block_size)]:
                          * logical block -> physical block in this layer's pool */
   int32_t flags;        /* ATTND_ITEM_* bits */
+  int32_t pos_base;     /* RoPE only: row t of the item is rotated at position
+                         * pos_base + start + t. The daemon keeps positions
+                         * relative to a split-context session's base and passes
+                         * the base here (docs/scale-out.md); masks and block
+                         * tables see start + t. 0: absolute positions. */
 } attnd_kitem_t;
 
 /* attnd_kitem_t.flags */
@@ -135,6 +140,12 @@ typedef struct {
   const int32_t *meta;         /* block tables and mask intervals of the items */
   int32_t total_q;             /* Tq: rows in q, out, lse */
   int32_t total_kv;            /* T: rows in k, v */
+  int32_t q_only_rows;         /* q rows of attend-only items (docs/scale-out.md): such
+                                * an item has no k/v rows and writes nothing; its
+                                * kv_row is T + the q-only rows of the attend-only
+                                * items before it (virtual rows after k/v's), and
+                                * phase 1 only rotates its q. They follow every
+                                * other item in items[]. 0: none. */
   int32_t max_kv_len;          /* max over items of start + n (planning hint) */
   int32_t max_n;               /* max over items of n (planning hint) */
   void *q;                     /* [Tq][q_heads][head_dim] dtype; rotated in place by phase 1 */

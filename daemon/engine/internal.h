@@ -6,6 +6,7 @@
  *   session.c   sessions and their state changes: open, close, fork, truncate, idle
  *   plan.c      plans: items checked and copied, live plans per connection
  *   step.c      step admission: check -> reserve -> build batch -> commit
+ *   qonly.c     attend-only items of a step as kernel items (split context)
  *   kvcache.c   the KV cache: block reservation, copy-on-write, publication,
  *               prefix lookup
  *   blocks.c    the block pool's bookkeeping (free, used, cached LRU)
@@ -223,6 +224,12 @@ typedef struct attnd_session_s attnd_session_t;
 struct attnd_session_s {
   uint64_t id, identity;
   int layers;
+  /* Split context (docs/scale-out.md): the session holds absolute positions
+   * [base, ...). Every position the engine keeps below (len, cons, taint,
+   * ntok, token indices, logical blocks) is relative to base; the public
+   * entries translate (plan.c, session.c), and kernel items carry base as
+   * pos_base for RoPE. */
+  uint32_t base;
   uint32_t *len;  /* [layers] */
   uint32_t *cons; /* [layers] */
   uint32_t taint; /* first position written under a non-causal mask, or UINT32_MAX */
@@ -254,11 +261,14 @@ int attnd_session_lens_equal(const attnd_session_t *s);
 /* One item of a plan, owning copies of everything it needs from the request. */
 typedef struct {
   attnd_session_t *s;
-  uint32_t start, n;
+  uint32_t start, n; /* start relative to the session's base */
   int has_q;
+  int q_only; /* attend only (docs/scale-out.md): no k/v rows, no write, no tokens */
   int32_t kmask, mask_param, causal; /* kernel mask (attnd_mask_kind_t) */
   int plain_causal;                  /* publishable: written under the causal mask */
-  int32_t *intervals;                /* [4][kv_len] or NULL */
+  int32_t *intervals;                /* [4][kv_len] or NULL; for q_only items the
+                                      * absolute [4][start + n] as given (the step
+                                      * cuts out the columns the session holds) */
   uint32_t *tokens;                  /* [n] */
 } attnd_pitem_t;
 
@@ -429,9 +439,14 @@ void attnd_session_destroy(attnd_engine_t *e, attnd_session_t *s);
 /* Ends the live plan on s, if any. */
 void attnd_session_end_plan(attnd_engine_t *e, attnd_session_t *s);
 /* The admissions (every stateful check, then the change), on the loop thread. */
-void attnd_session_open(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
-                        uint32_t ntokens, const uint8_t *salt, size_t saltlen,
-                        attnd_engine_done_cb cb, void *arg);
+void attnd_session_open(attnd_engine_t *e, uint64_t identity, uint32_t base,
+                        const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
+                        size_t saltlen, attnd_engine_done_cb cb, void *arg);
+/* The attnd_kitem_t.flags of an item of session s: ATTND_ITEM_SINK for a
+ * session whose first position is 0, none for a split-context part that
+ * starts later (its merge must count each sink once, docs/numerics.md). The
+ * one place that decides item flags. */
+int32_t attnd_session_item_flags(const attnd_session_t *s);
 void attnd_session_close(attnd_engine_t *e, uint64_t identity, uint64_t session,
                          attnd_engine_done_cb cb, void *arg);
 void attnd_session_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
@@ -465,6 +480,18 @@ void attnd_plan_conn_closed(attnd_engine_t *e, uint64_t conn);
 void attnd_step_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
                       const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg,
                       attnd_scan_t *sc);
+
+/* ---- qonly.c: attend-only items (docs/scale-out.md) ---- */
+
+/* Kernel items, and int32 of meta past the block table, that an attend-only
+ * item takes in a step of layer (the session holds len[layer] >= 1 keys). */
+uint32_t attnd_qonly_pieces(const attnd_pitem_t *it, uint32_t layer);
+size_t attnd_qonly_meta(const attnd_pitem_t *it, uint32_t layer, int32_t window);
+/* Appends plan item i's kernel items at j->kitems[*ki] (q rows from q_row;
+ * virtual kv rows from total_kv + *qv), its block table and masks at
+ * j->meta[*mo], a read reference on each block it holds. window: the layer's. */
+void attnd_qonly_batch(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const attnd_pitem_t *it,
+                       uint32_t q_row, int32_t window, uint32_t *ki, int32_t *qv, size_t *mo);
 
 /* ---- kvcache.c ---- */
 

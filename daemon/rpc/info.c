@@ -12,6 +12,7 @@ static bool enc_sessions_cb(pb_ostream_t *s, const pb_field_t *f, void *const *a
     attnd_v1_SessionInfo si = attnd_v1_SessionInfo_init_zero;
     si.session = ss->sessions[i].session;
     si.len = ss->sessions[i].len;
+    si.base = ss->sessions[i].base;
     si.blocks = ss->sessions[i].blocks;
     si.idle_s = ss->sessions[i].idle_s;
     if (!pb_encode_tag_for_field(s, f) ||
@@ -80,6 +81,7 @@ void attnd_rpc_encode_health(attnd_rpc_req_t *q, const attnd_result_t *res,
   snprintf(h->device, sizeof(h->device), "%s", info->device);
   h->has_model = true;
   fill_shape(r, &h->model);
+  h->split_context = true; /* OpenSession.base and Item.q_only (docs/scale-out.md) */
   h->uptime_s = (attnd_rpc_now_ns() - r->start_ns) / 1000000000ull;
   h->epoch = r->epoch;
   h->tcp_port = (uint32_t)r->tcp_port;
