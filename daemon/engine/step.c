@@ -326,7 +326,7 @@ static void step_build_batch(admit_t *a) {
     const attnd_pitem_t *it = &p->items[i];
     if (it->q_only) {
       uint32_t nb = attnd_engine_nblocks(e, it->s->len[req->layer]);
-      nmeta += attnd_qonly_meta(it, req->layer, window);
+      nmeta += nb + attnd_qonly_meta(it, req->layer, window); /* its block table, its masks */
       nrefs += nb;
       nr += nb;
       nk += attnd_qonly_pieces(it, req->layer);
