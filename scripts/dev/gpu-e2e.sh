@@ -63,7 +63,7 @@ stage() {
   for f in daemon/attnd client/attnctl tests/test_backend_cuda; do
     cp "$b/$f" "$tmp/" && strip --strip-debug "$tmp/$(basename "$f")"
   done
-  cp "$b/python/attnd_pb2.py" "$b/python/attnd_version.py" "$tmp/"
+  cp "$b/python/attnd_pb2.py" "$tmp/"
   # Libraries the GPU machine (Ubuntu 24.04, no libuv/cmocka/...) lacks; glibc,
   # libsystemd and its dependencies are there. Copied dereferenced, by soname.
   for lib in libuv.so.1 libcmocka.so.0 libinih.so.1 libxxhash.so.0 libhttp_parser.so.2.9 libjansson.so.4; do
@@ -151,7 +151,6 @@ attnd_bin=$(find_file attnd || true)
 test_bin=$(find_file test_backend_cuda || true)
 attnctl_bin=$(find_file attnctl || true)
 pb2=$(find_file attnd_pb2.py || true)
-pyver=$(find_file attnd_version.py || true) # the client package's version (CMake writes it)
 libdir=$(dirname "${attnd_bin:-${test_bin:-$here/build-gpu/stage/x}}")
 export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
@@ -159,7 +158,6 @@ py=${PYTHON:-python3} # the GPU machine's python3 has numpy and protobuf
 pydir=$out/py
 mkdir -p "$pydir"
 [ -n "$pb2" ] && cp "$pb2" "$pydir/"
-[ -n "$pyver" ] && cp "$pyver" "$pydir/"
 export PYTHONPATH=$pydir:$here/client/python:$here/tests/e2e${PYTHONPATH:+:$PYTHONPATH}
 
 # ---- 1. the machine and the binaries ----------------------------------------
