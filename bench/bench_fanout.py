@@ -7,8 +7,9 @@
     bench_fanout.py --connect WHOLE_SOCK --shards SOCK_A,SOCK_B ...   (daemons already running)
 
 Spawned daemons (the default): one holding the whole shape and two holding half
-its heads each (started with the shard's own shape, the range given to the
-client), all with the same backend. Each session is prefilled to --ctx, then
+its heads each (started with --kv-heads 0:K/2 and K/2:K, their ranges reported
+in Health), all with the same backend. Each session is prefilled to --ctx
+(kv_only items, at most --prefill-rows rows per step), then
 --iters decode steps run: one Plan, then every layer's Step sent before any
 answer is read (as a pipelined orchestrator would), per configuration:
 
@@ -68,15 +69,27 @@ def spawn(binary, tmp, name, args):
     raise SystemExit(f"{name}: no Health within 60 s")
 
 
+def prefill(cl, model, a, sids, rng):
+    """Every session to --ctx positions with kv_only items (no q, no output),
+    at most --prefill-rows rows per step, from one random block reused for
+    every step (the values do not matter for timing; bf16 bits)."""
+    KV, D, L = model.kv_heads, model.head_dim, a.layers
+    per = max(1, a.prefill_rows // a.ctx)
+    blk = attnd.f32_to_bf16(rng.standard_normal((per * a.ctx, KV, D)).astype(np.float32))
+    for g in range(0, len(sids), per):
+        group = sids[g:g + per]
+        plan = cl.plan([attnd.Item(s, 0, a.ctx, tokens=[1] * a.ctx, kv_only=True) for s in group])
+        rows = len(group) * a.ctx
+        for layer in range(L):
+            cl.step(layer, None, blk[:rows], blk[:rows], plan=plan)
+
+
 def run(cl, model, a, seed):
     rng = np.random.default_rng(seed)
     H, KV, D, L = model.q_heads, model.kv_heads, model.head_dim, a.layers
     B = a.sessions
     sids = [cl.open_session()[0] for _ in range(B)]
-    plan = cl.plan([attnd.Item(s, 0, a.ctx, tokens=list(rng.integers(0, 32000, a.ctx))) for s in sids])
-    for layer in range(L):
-        q, k, v = (rng.standard_normal((B * a.ctx, h, D)).astype(np.float32) for h in (H, KV, KV))
-        cl.step(layer, q, k, v, plan=plan)
+    prefill(cl, model, a, sids, rng)
     # Fresh inputs per layer, prepared before timing (bf16 bits, as an orchestrator holds them).
     pre = [[attnd.f32_to_bf16(rng.standard_normal((B, h, D)).astype(np.float32)) for h in (H, KV, KV)]
            for _ in range(L)]
@@ -127,6 +140,9 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--kv-cache", default="bf16")
     ap.add_argument("--threads", type=int, default=1, help="CPU backend threads per daemon")
+    ap.add_argument("--prefill-rows", type=int, default=16384,
+                    help="most rows per prefill step (kv_only, one plan per group of sessions)")
+    ap.add_argument("--max-context", type=int, default=0, help="spawned daemons' --max-context (0: ctx + iters + 64)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.kv_heads % 2:
@@ -140,8 +156,9 @@ def main():
             declared = [None, None]
         else:
             tmp = tempfile.mkdtemp(prefix="attnd-fanout-")
+            mc = a.max_context or max(4096, a.ctx + 2 * a.iters + 64)
             common = ["--backend", a.backend, "--layers", str(a.layers), "--head-dim", str(a.head_dim),
-                      "--kv-cache", a.kv_cache, "--max-context", str(max(4096, a.ctx + a.iters + 8))]
+                      "--kv-cache", a.kv_cache, "--max-context", str(mc)]
             if a.backend == "cpu":
                 common += ["--threads", str(a.threads), "--kv-memory", "1G"]
             p, whole = spawn(a.attnd, tmp, "whole", common + ["--q-heads", str(a.q_heads), "--kv-heads",
@@ -149,11 +166,12 @@ def main():
             procs.append(p)
             shards = []
             for i in range(2):
-                p, s = spawn(a.attnd, tmp, f"half{i}", common + ["--q-heads", str(a.q_heads // 2),
-                                                                  "--kv-heads", str(half)])
+                rng_ = f"{i * half}:{(i + 1) * half}"  # --kv-heads A:B: the daemon reports its range
+                p, s = spawn(a.attnd, tmp, f"half{i}", common + ["--q-heads", str(a.q_heads), "--kv-heads",
+                                                                  str(a.kv_heads), "--kv-heads", rng_])
                 procs.append(p)
                 shards.append(s)
-            declared = [(0, half), (half, a.kv_heads)]
+            declared = [None, None]
         out = {"sessions": a.sessions, "ctx": a.ctx, "layers": a.layers, "q_heads": a.q_heads,
                "kv_heads": a.kv_heads, "head_dim": a.head_dim, "backend": a.backend, "kv_cache": a.kv_cache}
         with attnd.Client(whole, timeout=120) as one:

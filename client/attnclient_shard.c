@@ -93,7 +93,12 @@ int attnd_shard_resolve(const attnd_v1_ModelShape *shapes, const uint32_t *decla
                     m->q_heads, m->kv_heads, g);
     uint32_t b, e;
     const uint32_t db = declared ? declared[2 * i] : 0, de = declared ? declared[2 * i + 1] : 0;
-    if (m->kv_head_end) {
+    /* A daemon reporting the whole model of its own shape (no --kv-heads A:B)
+     * may be a shard started with the shard's shape: a declared range says
+     * which heads it holds. */
+    const int whole = m->kv_head_begin == 0 && m->kv_head_end == m->kv_heads &&
+                      (m->model_kv_heads == 0 || m->model_kv_heads == m->kv_heads);
+    if (m->kv_head_end && !(de && whole)) {
       b = m->kv_head_begin;
       e = m->kv_head_end;
       if (e <= b || e - b != m->kv_heads)

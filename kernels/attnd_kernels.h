@@ -86,7 +86,20 @@ typedef struct {
   float softcap;            /* logit soft-capping: scores become
                              * softcap * tanh(softmax_scale * q.k / softcap) before
                              * masking and the softmax; 0: none (docs/numerics.md) */
+  /* Head sharding (docs/scale-out.md): q_heads and kv_heads above are the heads
+   * this daemon holds, kv heads [kv_head_begin, kv_head_begin + kv_heads) of
+   * the model's model_kv_heads. Nothing computes with them but work planning
+   * that must cut a shard's heads as the whole model's would be cut (CUDA
+   * split-KV), so that a shard's outputs are the whole model's bits.
+   * model_kv_heads 0: the whole model (= kv_heads). */
+  int32_t model_kv_heads;
+  int32_t kv_head_begin;
 } attnd_kshape_t;
+
+/* The model's kv heads over all shards (model_kv_heads, or kv_heads when 0). */
+static inline int32_t attnd_kshape_model_kv_heads(const attnd_kshape_t *s) {
+  return s->model_kv_heads > 0 ? s->model_kv_heads : s->kv_heads;
+}
 
 /* One session's part of a batch. All offsets are in rows or int32 elements. */
 typedef struct {
@@ -103,6 +116,11 @@ typedef struct {
   int32_t block_table;  /* offset in meta of int32 [ceil(kv_len/block_size)]:
                          * logical block -> physical block in this layer's pool */
   int32_t flags;        /* ATTND_ITEM_* bits */
+  int32_t pos_base;     /* RoPE only: row t of the item is rotated at position
+                         * pos_base + start + t. The daemon keeps positions
+                         * relative to a split-context session's base and passes
+                         * the base here (docs/scale-out.md); masks and block
+                         * tables see start + t. 0: absolute positions. */
 } attnd_kitem_t;
 
 /* attnd_kitem_t.flags */
@@ -122,6 +140,12 @@ typedef struct {
   const int32_t *meta;         /* block tables and mask intervals of the items */
   int32_t total_q;             /* Tq: rows in q, out, lse */
   int32_t total_kv;            /* T: rows in k, v */
+  int32_t q_only_rows;         /* q rows of attend-only items (docs/scale-out.md): such
+                                * an item has no k/v rows and writes nothing; its
+                                * kv_row is T + the q-only rows of the attend-only
+                                * items before it (virtual rows after k/v's), and
+                                * phase 1 only rotates its q. They follow every
+                                * other item in items[]. 0: none. */
   int32_t max_kv_len;          /* max over items of start + n (planning hint) */
   int32_t max_n;               /* max over items of n (planning hint) */
   void *q;                     /* [Tq][q_heads][head_dim] dtype; rotated in place by phase 1 */

@@ -75,5 +75,9 @@ int attnd_kshape_check(const attnd_kshape_t *s) {
     return -1;
   if (s->rope != ATTND_ROPE_NONE && !(s->rope_theta > 0.0))
     return -1;
+  if (s->model_kv_heads < 0 || s->kv_head_begin < 0 ||
+      (s->model_kv_heads == 0 && s->kv_head_begin != 0) ||
+      (s->model_kv_heads > 0 && s->kv_head_begin + s->kv_heads > s->model_kv_heads))
+    return -1;
   return 0;
 }

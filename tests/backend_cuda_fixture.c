@@ -73,13 +73,17 @@ void spec_step(tjob_spec_t *sp, int layer, const titem_t *its, int n, int fp32_o
   sp->nitems = n;
   sp->fp32_out = fp32_out;
   sp->want_lse = want_lse;
-  int kv_row = 0, q_row = 0;
+  int kv_row = 0, q_row = 0, T = 0;
+  for (int i = 0; i < n; i++)
+    T += its[i].q_only ? 0 : its[i].n;
   for (int i = 0; i < n; i++) {
     attnd_kitem_t *k = &sp->items[i];
     k->start = its[i].start;
     k->n = its[i].n;
-    k->q_row = its[i].has_q ? q_row : -1;
-    k->kv_row = kv_row;
+    k->q_row = its[i].has_q || its[i].q_only ? q_row : -1;
+    /* Attend-only items: virtual rows after the k/v rows (attnd_kernels.h). */
+    k->kv_row = its[i].q_only ? T + sp->q_only_rows : kv_row;
+    k->pos_base = its[i].pos_base;
     k->mask_kind = its[i].mask;
     k->mask_param = its[i].param;
     k->block_table = sp->nmeta;
@@ -92,16 +96,19 @@ void spec_step(tjob_spec_t *sp, int layer, const titem_t *its, int n, int fp32_o
       sp->max_kv = kv_len;
     if (its[i].n > sp->max_n)
       sp->max_n = its[i].n;
-    kv_row += its[i].n;
-    if (its[i].has_q)
+    if (its[i].q_only)
+      sp->q_only_rows += its[i].n;
+    else
+      kv_row += its[i].n;
+    if (its[i].has_q || its[i].q_only)
       q_row += its[i].n;
   }
   sp->T = kv_row;
   sp->Tq = q_row;
   size_t nq = (size_t)sp->Tq * QH * HD, nkv = (size_t)sp->T * KVH * HD;
   sp->q = malloc((nq ? nq : 1) * 2);
-  sp->k = malloc(nkv * 2);
-  sp->v = malloc(nkv * 2);
+  sp->k = malloc((nkv ? nkv : 1) * 2);
+  sp->v = malloc((nkv ? nkv : 1) * 2);
   for (size_t i = 0; i < nq; i++)
     sp->q[i] = f2bf(rng_unit());
   for (size_t i = 0; i < nkv; i++) {
@@ -152,6 +159,7 @@ void job_from_spec(tjob_t *t, const tjob_spec_t *sp, int *ndone) {
   j->nmeta = (size_t)sp->nmeta;
   b->total_q = sp->Tq;
   b->total_kv = sp->T;
+  b->q_only_rows = sp->q_only_rows;
   b->max_kv_len = sp->max_kv;
   b->max_n = sp->max_n;
   j->q_bytes = (size_t)sp->Tq * QH * HD * 2;

@@ -31,6 +31,8 @@ const attnd_backend_opts_t *opts(uint64_t kv_memory);
 typedef struct {
   int start, n, has_q, mask, param;
   int table[128], nb;
+  int q_only;   /* attend-only: no k/v rows (attnd_kbatch_t.q_only_rows); list these last */
+  int pos_base; /* RoPE position offset (split context) */
 } titem_t;
 
 /* One job's host inputs, shared by both backends (q is copied per backend:
@@ -41,7 +43,7 @@ typedef struct {
   attnd_kitem_t items[4];
   int32_t meta[256];
   int nmeta;
-  int T, Tq, max_kv, max_n;
+  int T, Tq, max_kv, max_n, q_only_rows;
   uint16_t *q, *k, *v;
   int fp32_out, want_lse;
   int32_t copies[2];

@@ -68,10 +68,16 @@ void fake_complete_all(void) {
 void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
                                uint32_t ntokens, const uint8_t *salt, size_t saltlen,
                                attnd_engine_done_cb cb, void *arg) {
+  attnd_engine_open_session_at(e, identity, 0, tokens, ntokens, salt, saltlen, cb, arg);
+}
+void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint32_t base,
+                                  const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
+                                  size_t saltlen, attnd_engine_done_cb cb, void *arg) {
   attnd_result_t r;
   memset(&r, 0, sizeof(r));
   fe.last_identity = identity;
   r.session = 0xabcdef0123456789ull;
+  r.base = base;          /* echoed: the test sees the decoded base */
   r.cached_len = ntokens; /* echoes the token count so the test sees them */
   r.queued_us = 11;
   r.computing_us = 22;

@@ -1,9 +1,8 @@
 # Scale-out tests (docs/scale-out.md): the Python fan-out clients (lse merge,
 # placement ring, head-sharded and split-context groups of daemons), the C
 # client's sharded mode, and the Kubernetes manifests' schema validation.
-# Daemon-backed cases start several small CPU daemons; cases that need the
-# daemon side of head sharding or split context skip (ctest "Skipped") until the
-# daemon reports them in Health.
+# Daemon-backed cases start several small CPU daemons (2-5 per test): head
+# shards with --kv-heads A:B and split-context parts against one daemon.
 if(COMMAND attnd_add_e2e)
   attnd_add_e2e(e2e_scaleout_merge test_scaleout_merge)
   attnd_add_e2e(e2e_scaleout_placement test_scaleout_placement)

@@ -61,6 +61,40 @@ static int build_scenario(tjob_spec_t *sp) {
     };
     spec_step(&sp[n++], l, rd, 2, 0, 0);
   }
+  /* Split context (docs/scale-out.md): a prefill of session D written with
+   * RoPE at positions 100.. (pos_base) beside an attend-only item over A's 22
+   * keys (no k/v rows, q rotated at 5 + 20.., nothing written); then an
+   * attend-only step alone (no k or v at all). */
+  for (int l = 0; l < LAYERS; l++) {
+    titem_t sc[2] = {
+        {.start = 0,
+         .n = 3,
+         .has_q = 1,
+         .mask = ATTND_MASK_CAUSAL,
+         .table = {8},
+         .nb = 1,
+         .pos_base = 100},
+        {.start = 20,
+         .n = 2,
+         .mask = ATTND_MASK_FULL,
+         .table = {0, 1},
+         .nb = 2,
+         .q_only = 1,
+         .pos_base = 5},
+    };
+    spec_step(&sp[n++], l, sc, 2, 1, 1);
+    titem_t qo[1] = {
+        {.start = 2,
+         .n = 1,
+         .mask = ATTND_MASK_SLIDING,
+         .param = 2,
+         .table = {8},
+         .nb = 1,
+         .q_only = 1,
+         .pos_base = 101},
+    };
+    spec_step(&sp[n++], l, qo, 1, 1, 1);
+  }
   return n;
 }
 

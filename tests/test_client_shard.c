@@ -3,7 +3,8 @@
  * Without a daemon: range resolution from Health shapes (reported, declared,
  * whole model) and every way a group can fail to form one model; head gather
  * and scatter on random data. With the real daemon (skipped when it is not
- * built): two daemons of the shard shape (2 q / 1 kv heads, range declared)
+ * built): two shards (one started with --kv-heads 0:1, one of the shard
+ * shape 2 q / 1 kv heads with its range declared)
  * against one of the whole 4 / 2 shape, prefill and pipelined decode, bf16 and
  * fp32 outputs and lse, bit for bit. */
 #include <setjmp.h>
@@ -162,7 +163,9 @@ static void sleep_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
-static int spawn(daemon_t *d, const char *exe, const char *qh, const char *kvh) {
+/* A daemon of q/kv heads qh/kvh; range: "A:B" for a second --kv-heads (the
+ * held range, reported in Health), or NULL. */
+static int spawn(daemon_t *d, const char *exe, const char *qh, const char *kvh, const char *range) {
   snprintf(d->dir, sizeof(d->dir), "/tmp/attnd-test-shard-XXXXXX");
   if (!mkdtemp(d->dir))
     return -1;
@@ -178,7 +181,8 @@ static int spawn(daemon_t *d, const char *exe, const char *qh, const char *kvh) 
     dup2(1, 2);
     execl(exe, exe, "--socket", d->sock, "--listen", "", "--metrics", "", "--backend", "cpu",
           "--kv-memory", "32M", "--layers", "2", "--q-heads", qh, "--kv-heads", kvh, "--head-dim",
-          "64", "--block-size", "16", "--threads", "1", "--state-dir", d->dir, (char *)NULL);
+          "64", "--block-size", "16", "--threads", "1", "--state-dir", d->dir,
+          range ? "--kv-heads" : (char *)NULL, range, (char *)NULL);
     _exit(127);
   }
   for (int i = 0; i < 400; i++) {
@@ -228,8 +232,10 @@ static int start_all(void **state) {
   snprintf(exe, sizeof(exe), "%s/daemon/attnd", bd ? bd : ".");
   if (access(exe, X_OK) != 0)
     return 0; /* the daemon tests skip */
-  if (spawn(&daemons[0], exe, "4", "2") || spawn(&daemons[1], exe, "2", "1") ||
-      spawn(&daemons[2], exe, "2", "1"))
+  /* Shard 0 started with --kv-heads 0:1 (its range reported), shard 1 with
+   * the shard's own shape and its range declared: both kinds in one group. */
+  if (spawn(&daemons[0], exe, "4", "2", NULL) || spawn(&daemons[1], exe, "4", "2", "0:1") ||
+      spawn(&daemons[2], exe, "2", "1", NULL))
     return -1;
   have_daemons = 1;
   return 0;
@@ -308,12 +314,19 @@ static void test_sharded_equals_one_daemon(void **state) {
   assert_int_equal(attnd_client_connect(&one, daemons[0].sock), 0);
   assert_int_equal(attnd_client_connect(&c[0], daemons[1].sock), 0);
   assert_int_equal(attnd_client_connect(&c[1], daemons[2].sock), 0);
-  const uint32_t decl[4] = {0, 1, 1, 2};
+  const uint32_t decl[4] = {0, 0, 1, 2}; /* shard 0 reports its range */
   char err[256] = "";
   attnd_shard_group_t *g;
   if (attnd_shard_group_init(&g, c, decl, 2, err, sizeof(err)) != 0)
     fail_msg("group: %s", err);
   assert_int_equal(attnd_shard_model(g)->q_heads, 4);
+  attnd_v1_HealthResponse h;
+  assert_int_equal(attnd_client_health(c[0], &h), 0);
+  assert_int_equal(h.model.kv_head_begin, 0);
+  assert_int_equal(h.model.kv_head_end, 1);
+  assert_int_equal(h.model.model_kv_heads, 2);
+  assert_int_equal(h.model.q_heads, 2);
+  assert_true(h.split_context);
   uint32_t toks[37];
   for (int i = 0; i < 37; i++)
     toks[i] = rnd() % 1000;

@@ -207,6 +207,12 @@ static void test_errors(void **state) {
       {{"--backend", "tpu"}, "--backend: 'tpu'"},
       {{"--log-level", "loud"}, "--log-level"},
       {{"--q-heads", "12", "--kv-heads", "8"}, "--q-heads 12 is not a multiple of --kv-heads 8"},
+      {{"--kv-heads", "2:9"}, "--kv-heads 2:9: the held range must satisfy 0 <= A < B <= 8"},
+      {{"--kv-heads", "3:3"}, "--kv-heads: '3:3' is not an integer N or a range A:B"},
+      {{"--kv-heads", "4:2"}, "--kv-heads: '4:2'"},
+      {{"--kv-heads", "-1:2"}, "--kv-heads: '-1:2'"},
+      {{"--kv-heads", "0:"}, "--kv-heads: '0:'"},
+      {{"--kv-heads", "x"}, "--kv-heads: 'x' is not an integer in [1, 1024] or a range A:B"},
       {{"--head-dim", "96"}, "--head-dim 96"},
       {{"--block-size", "48"}, "--block-size 48"},
       {{"--rotary-dim", "33"}, "--rotary-dim 33"},
@@ -587,6 +593,71 @@ static void test_getopt_forms(void **state) {
       fail_msg("--help does not name %s", names[i]);
 }
 
+/* --kv-heads N and A:B: the model's heads from one place, the held range from
+ * another; validate narrows the shape to the held heads and keeps the totals. */
+static void test_kv_head_range(void **state) {
+  attnd_config_t c;
+  const char *a[] = {"--q-heads", "32", "--kv-heads", "8", "--kv-heads", "2:6", NULL};
+  assert_int_equal(parse_validate(&c, a), 0);
+  assert_int_equal(c.shape.q_heads, 16);
+  assert_int_equal(c.shape.kv_heads, 4);
+  assert_int_equal(c.shape.kv_head_begin, 2);
+  assert_int_equal(c.shape.model_kv_heads, 8);
+  assert_int_equal(c.model_q_heads, 32);
+  assert_int_equal(c.model_kv_heads, 8);
+  /* Validating again changes nothing (the totals are kept). */
+  assert_int_equal(attnd_config_validate(&c, err, sizeof(err)), 0);
+  assert_int_equal(c.shape.q_heads, 16);
+  assert_int_equal(c.shape.kv_heads, 4);
+  /* The range alone: the model's N is the default (8), or the file's. */
+  const char *b[] = {"--kv-heads", "0:1", NULL};
+  assert_int_equal(parse_validate(&c, b), 0);
+  assert_int_equal(c.shape.kv_heads, 1);
+  assert_int_equal(c.shape.q_heads, 4);
+  assert_int_equal(c.model_kv_heads, 8);
+  assert_int_equal(attnd_config_origin(&c, "kv-heads"), ATTND_FROM_DEFAULT);
+  /* The whole model: 0:N, or no range. */
+  const char *w[] = {"--kv-heads", "0:8", NULL};
+  assert_int_equal(parse_validate(&c, w), 0);
+  assert_int_equal(c.shape.kv_heads, 8);
+  assert_int_equal(c.shape.model_kv_heads, 8);
+  const char *n[] = {NULL};
+  assert_int_equal(parse_validate(&c, n), 0);
+  assert_int_equal(c.shape.kv_head_begin, 0);
+  assert_int_equal(c.shape.model_kv_heads, 8);
+  /* A file's N with a flag's range, and a model config's N with a flag's range. */
+  char dir[64], conf[128], carg[160], model[128], marg[160];
+  snprintf(dir, sizeof(dir), "/tmp/attnd-test-range-XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  snprintf(conf, sizeof(conf), "%s/attnd.conf", dir);
+  snprintf(model, sizeof(model), "%s/config.json", dir);
+  write_file(conf, "q-heads = 8\nkv-heads = 4\n");
+  snprintf(carg, sizeof(carg), "--config=%s", conf);
+  const char *f[] = {carg, "--kv-heads", "3:4", NULL};
+  assert_int_equal(parse_validate(&c, f), 0);
+  assert_int_equal(c.shape.kv_heads, 1);
+  assert_int_equal(c.shape.q_heads, 2);
+  assert_int_equal(c.shape.kv_head_begin, 3);
+  assert_int_equal(c.model_kv_heads, 4);
+  write_file(model, "{\"num_hidden_layers\": 2, \"num_attention_heads\": 16,"
+                    " \"num_key_value_heads\": 4, \"hidden_size\": 2048}");
+  snprintf(marg, sizeof(marg), "--model-config=%s", model);
+  const char *m[] = {marg, "--kv-heads", "1:3", NULL};
+  assert_int_equal(parse_validate(&c, m), 0);
+  assert_int_equal(c.model_kv_heads, 4);
+  assert_int_equal(c.model_q_heads, 16);
+  assert_int_equal(c.shape.kv_heads, 2);
+  assert_int_equal(c.shape.q_heads, 8);
+  /* The range checked against the model's N, naming where N came from. */
+  const char *mb[] = {marg, "--kv-heads", "2:5", NULL};
+  assert_int_not_equal(parse_validate(&c, mb), 0);
+  assert_non_null(strstr(err, "0 <= A < B <= 4"));
+  assert_non_null(strstr(err, "--model-config"));
+  unlink(conf);
+  unlink(model);
+  rmdir(dir);
+}
+
 /* --model-config: values fill only what the file and flags left unset; the
  * rotated dims follow the head dimension in force; refusals name the field. */
 static void test_model_config(void **state) {
@@ -836,6 +907,7 @@ int main(void) {
       cmocka_unit_test(test_tuning),           cmocka_unit_test(test_getopt_forms),
       cmocka_unit_test(test_variant_options),  cmocka_unit_test(test_model_config),
       cmocka_unit_test(test_resources),        cmocka_unit_test(test_cgroup_room),
+      cmocka_unit_test(test_kv_head_range),
   };
   return cmocka_run_group_tests(tests, NULL, cleanup);
 }

@@ -33,6 +33,29 @@ static int setup(void **state) {
   return 0;
 }
 
+/* The fingerprint names the held kv head range and the model's heads: shards
+ * (and the whole model) never share blocks. 0 as model_kv_heads is the whole. */
+static void test_fingerprint_range(void **state) {
+  (void)state;
+  attnd_kshape_t s = {.q_heads = 4,
+                      .kv_heads = 2,
+                      .head_dim = 64,
+                      .block_size = BS,
+                      .dtype = ATTND_DT_BF16,
+                      .kv = ATTND_KV_BF16};
+  uint64_t v[2] = {0, 0};
+  attnd_h128_t whole = attnd_prefix_fingerprint(&s, 2, "m", v);
+  s.model_kv_heads = 2;
+  attnd_h128_t whole2 = attnd_prefix_fingerprint(&s, 2, "m", v);
+  assert_memory_equal(&whole, &whole2, sizeof(whole));
+  s.model_kv_heads = 4;
+  attnd_h128_t a = attnd_prefix_fingerprint(&s, 2, "m", v);
+  s.kv_head_begin = 2;
+  attnd_h128_t b = attnd_prefix_fingerprint(&s, 2, "m", v);
+  assert_memory_not_equal(&whole, &a, sizeof(a));
+  assert_memory_not_equal(&a, &b, sizeof(a));
+}
+
 static int teardown(void **state) {
   fx_t *f = *state;
   attnd_prefix_free(f->px);
@@ -168,6 +191,7 @@ static void test_referenced_not_evicted(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_fingerprint_range),
       cmocka_unit_test_setup_teardown(test_hits, setup, teardown),
       cmocka_unit_test_setup_teardown(test_forced_collision, setup, teardown),
       cmocka_unit_test_setup_teardown(test_evict_leaves_first, setup, teardown),

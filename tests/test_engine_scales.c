@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 #include <unistd.h>
 #include <cmocka.h>
 
@@ -132,6 +133,62 @@ static void test_persist(void **state) {
   /* Versions keep growing across restarts. */
   assert_int_equal(attnd_scales_apply(&r, &q), 3);
   attnd_scales_free(&r);
+
+  /* Another shard's heads (same held count, another range or model) ignore
+   * the file: its scales are for other heads. */
+  attnd_kshape_t shard = sh;
+  shard.model_kv_heads = 4;
+  shard.kv_head_begin = 2;
+  assert_int_equal(attnd_scales_init(&r, &shard, 3, sub), 0);
+  assert_int_equal(attnd_scales_load(&r, err, sizeof(err)), 1);
+  assert_non_null(strstr(err, "written for kv heads 0:2 of 2, this daemon holds 2:4 of 4"));
+  assert_int_equal(r.l[2].present, 0);
+  attnd_scales_free(&r);
+  /* A file of shard 2:4 is read by that shard only. */
+  assert_int_equal(attnd_scales_init(&r, &shard, 3, sub), 0);
+  assert_int_equal(attnd_scales_validate(&r, &q, err, sizeof(err)), 0);
+  attnd_scales_apply(&r, &q);
+  assert_int_equal(attnd_scales_serialize(&r, &b, &len), 0);
+  assert_int_equal(attnd_scales_write_file(r.path, b, len), 0);
+  free(b);
+  attnd_scales_free(&r);
+  assert_int_equal(attnd_scales_init(&r, &shard, 3, sub), 0);
+  assert_int_equal(attnd_scales_load(&r, err, sizeof(err)), 0);
+  assert_int_equal(r.l[0].present, 1);
+  attnd_scales_free(&r);
+  assert_int_equal(attnd_scales_init(&r, &sh, 3, sub), 0);
+  assert_int_equal(attnd_scales_load(&r, err, sizeof(err)), 1);
+  assert_int_equal(r.l[0].present, 0);
+  attnd_scales_free(&r);
+  /* A version-1 file (no range) is the whole model's. */
+  assert_int_equal(attnd_scales_init(&r, &sh, 3, sub), 0);
+  attnd_scales_apply(&r, &q);
+  assert_int_equal(attnd_scales_serialize(&r, &b, &len), 0);
+  uint8_t *v1 = malloc(len - 8);
+  memcpy(v1, b, 28);
+  memcpy(v1 + 28, b + 36, len - 36 - 8);
+  v1[7] = '1';
+  uint64_t sum = XXH64(v1, len - 16, 0);
+  uint8_t *v1s = malloc(len - 8);
+  memcpy(v1s, v1, len - 16);
+  memcpy(v1s + len - 16, &sum, 8);
+  assert_int_equal(attnd_scales_write_file(r.path, v1s, len - 8), 0);
+  free(v1);
+  free(v1s);
+  free(b);
+  attnd_scales_free(&r);
+  assert_int_equal(attnd_scales_init(&r, &sh, 3, sub), 0);
+  assert_int_equal(attnd_scales_load(&r, err, sizeof(err)), 0);
+  assert_int_equal(r.l[0].present, 1);
+  assert_memory_equal(r.l[0].k_scale, s.l[0].k_scale, 128 * 4);
+  attnd_scales_free(&r);
+  assert_int_equal(attnd_scales_init(&r, &shard, 3, sub), 0);
+  assert_int_equal(attnd_scales_load(&r, err, sizeof(err)), 1);
+  attnd_scales_free(&r);
+  /* Back to the file of s for the checks below. */
+  assert_int_equal(attnd_scales_serialize(&s, &b, &len), 0);
+  assert_int_equal(attnd_scales_write_file(s.path, b, len), 0);
+  free(b);
 
   /* Another shape ignores the file; a corrupt file is ignored too. */
   attnd_kshape_t other = shape(ATTND_KV_INT8);

@@ -341,6 +341,85 @@ static void test_speed_decode_4k(void **state) {
     free(cache[c]);
 }
 
+/* Split context (docs/scale-out.md): pos_base moves only RoPE (an item at
+ * start s with pos_base P rotates q and k as one at s + P, and stores at s),
+ * and an attend-only item (kv_row past total_kv, counted in q_only_rows)
+ * rotates its q rows at pos_base + start + t and writes nothing. */
+static void test_pos_base_and_q_only(void **state) {
+  (void)state;
+  enum { BS = 16, N = 5, S = 3, P = 1000, NB = 2 };
+  attnd_kshape_t s = {.q_heads = 2,
+                      .kv_heads = 1,
+                      .head_dim = 64,
+                      .block_size = BS,
+                      .dtype = ATTND_DT_BF16,
+                      .kv = ATTND_KV_BF16,
+                      .rope = ATTND_ROPE_NEOX,
+                      .rope_theta = 10000.0,
+                      .softmax_scale = 0.125f};
+  size_t bb = attnd_kv_block_bytes(&s);
+  uint8_t *c1 = calloc(NB * 2, bb), *c2 = calloc(NB * 2, bb);
+  uint16_t q1[N * 2 * 64], q2[N * 2 * 64], q3[N * 2 * 64], k[N * 64], v[N * 64];
+  fill_random(ATTND_DT_BF16, q1, N * 2 * 64, 1.0);
+  fill_random(ATTND_DT_BF16, k, N * 64, 1.0);
+  fill_random(ATTND_DT_BF16, v, N * 64, 1.0);
+  memcpy(q2, q1, sizeof(q1));
+  memcpy(q3, q1, sizeof(q1));
+  /* a: start S, pos_base P (blocks 0..); b: start S + P, blocks at P / BS. */
+  int32_t meta_a[NB] = {0, 1}, meta_b[(S + P + N) / BS + 1];
+  for (int i = 0; i < (int)(sizeof(meta_b) / sizeof(meta_b[0])); i++)
+    meta_b[i] = i == (S + P) / BS ? 2 : 3;
+  attnd_kitem_t ia = {.start = S, .n = N, .q_row = 0, .kv_row = 0, .pos_base = P};
+  attnd_kitem_t ib = {.start = S + P, .n = N, .q_row = 0, .kv_row = 0};
+  attnd_kbatch_t b = {.items = &ia,
+                      .nitems = 1,
+                      .meta = meta_a,
+                      .total_q = N,
+                      .total_kv = N,
+                      .max_kv_len = S + N,
+                      .max_n = N,
+                      .q = q1,
+                      .k = k,
+                      .v = v,
+                      .cache = c1,
+                      .block_bytes = bb};
+  assert_int_equal(attnd_cpu_write(&s, &b, 0, 1), 0);
+  b.items = &ib;
+  b.meta = meta_b;
+  b.q = q2;
+  b.cache = c2;
+  assert_int_equal(attnd_cpu_write(&s, &b, 0, 1), 0);
+  assert_memory_equal(q1, q2, sizeof(q1));
+  /* (S + P) % BS == (S + 1000) % 16 = 11 and S = 3: compare the rows, not the slots. */
+  size_t row = 64 * 2;
+  for (int t = 0; t < N; t++) {
+    int pa = S + t, pb = S + P + t;
+    const uint8_t *ka = c1 + (size_t)meta_a[pa / BS] * bb + (size_t)(pa % BS) * row;
+    const uint8_t *kb = c2 + (size_t)meta_b[pb / BS] * bb + (size_t)(pb % BS) * row;
+    assert_memory_equal(ka, kb, row);
+  }
+  /* Attend-only: the same q rows, nothing written, q as rotated above. */
+  uint8_t *before = malloc(NB * 2 * bb);
+  memcpy(before, c1, NB * 2 * bb);
+  attnd_kitem_t iq = {.start = S, .n = N, .q_row = 0, .kv_row = 0, .pos_base = P};
+  b.items = &iq;
+  b.meta = meta_a;
+  b.q = q3;
+  b.k = b.v = NULL;
+  b.cache = c1;
+  b.total_kv = 0;
+  b.q_only_rows = N;
+  /* q3 holds the unrotated rows (copied before the writes); two parts. */
+  assert_memory_not_equal(q3, q1, sizeof(q3));
+  assert_int_equal(attnd_cpu_write(&s, &b, 0, 2), 0);
+  assert_int_equal(attnd_cpu_write(&s, &b, 1, 2), 0);
+  assert_memory_equal(q3, q1, sizeof(q3));
+  assert_memory_equal(c1, before, NB * 2 * bb);
+  free(before);
+  free(c1);
+  free(c2);
+}
+
 int main(void) {
   kfx_seed();
   const struct CMUnitTest tests[] = {
@@ -352,6 +431,7 @@ int main(void) {
       cmocka_unit_test(test_saturation),
       cmocka_unit_test(test_long_history),
       cmocka_unit_test(test_speed_decode_4k),
+      cmocka_unit_test(test_pos_base_and_q_only),
   };
   return cmocka_run_group_tests(tests, NULL, kfx_print_summary);
 }

@@ -7,7 +7,8 @@
 
        base < config < backend < engine < rpc < net < main.c
 
-   Each folder holds exactly its public header and a private internal.h. A
+   Each folder holds exactly its public header, a private internal.h and, where
+   internal.h is split by concern, private internal_<concern>.h files. A
    file may include (with quotes) its own folder's headers, the public
    headers of lower layers and the headers of kernels/ and the generated
    proto (and its own generated headers: config's options_gen.h, made from
@@ -37,6 +38,8 @@ TOP = len(LAYERS)  # main.c, directly in daemon/
 EXTERNAL = {"attnd_kernels.h", "attnd_cuda.h", "cuda_sticky.h", "attnd.pb.h"}
 # Headers generated at build time into one layer's private include path.
 GENERATED = {"config": {"options_gen.h"}}
+# Each layer's internal_<concern>.h files (filled from the tracked files).
+PRIVATE = {}
 
 # Each pattern is written in pieces: this file must pass its own check.
 FORBIDDEN = [
@@ -86,9 +89,10 @@ def check_folders(root, files, errors):
     for name in LAYERS:
         heads = sorted(os.path.basename(p) for p in files
                        if p.startswith(f"daemon/{name}/") and p.endswith(".h"))
-        if heads != sorted([PUBLIC[name], "internal.h"]):
-            errors.append(f"daemon/{name}/: headers {heads}, expected {PUBLIC[name]} and "
-                          "internal.h")
+        private = [h for h in heads if re.fullmatch(r"internal_[a-z0-9_]+\.h", h)]
+        if sorted(set(heads) - set(private)) != sorted([PUBLIC[name], "internal.h"]):
+            errors.append(f"daemon/{name}/: headers {heads}, expected {PUBLIC[name]}, "
+                          "internal.h and any internal_<concern>.h")
     for p in files:
         if p.startswith("daemon/") and p.endswith((".c", ".h")) and layer_of(p) is None:
             errors.append(f"{p}: not in a layer's folder ({', '.join(LAYERS)}) nor main.c")
@@ -101,6 +105,7 @@ def allowed_includes(layer):
             ok.add(PUBLIC[name])
     if layer < TOP:
         ok |= {PUBLIC[LAYERS[layer]], "internal.h"} | GENERATED.get(LAYERS[layer], set())
+        ok |= PRIVATE.get(LAYERS[layer], set())
     return ok
 
 
@@ -159,6 +164,10 @@ def main():
                            os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     files = tracked_files(root)
     errors = []
+    for name in LAYERS:
+        PRIVATE[name] = {os.path.basename(p) for p in files
+                         if p.startswith(f"daemon/{name}/")
+                         and re.fullmatch(r"internal_[a-z0-9_]+\.h", os.path.basename(p))}
     check_sizes(root, files, errors)
     check_folders(root, files, errors)
     check_includes(root, files, errors)

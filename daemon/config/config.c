@@ -164,9 +164,28 @@ int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen) {
   attnd_kshape_t *s = &c->shape;
   char host[128], f1[300], f2[300];
   int port;
-  if (s->q_heads % s->kv_heads != 0)
-    ERR("--q-heads %d is not a multiple of --kv-heads %d%s", s->q_heads, s->kv_heads,
+  /* The model's totals: a second validate of the same config sees the held
+   * shape in s and the totals already filled. */
+  int mq = c->model_kv_heads ? c->model_q_heads : s->q_heads;
+  int mkv = c->model_kv_heads ? c->model_kv_heads : s->kv_heads;
+  if (mq % mkv != 0)
+    ERR("--q-heads %d is not a multiple of --kv-heads %d%s", mq, mkv,
         from(c, "q-heads", f1, sizeof(f1))[0] ? f1 : from(c, "kv-heads", f2, sizeof(f2)));
+  int a = 0, b = mkv;
+  if (c->kv_range_end) {
+    a = c->kv_range_begin;
+    b = c->kv_range_end;
+    if (a < 0 || a >= b || b > mkv)
+      ERR("--kv-heads %d:%d: the held range must satisfy 0 <= A < B <= %d, the model's kv "
+          "heads%s",
+          a, b, mkv, from(c, "kv-heads", f1, sizeof(f1)));
+  }
+  c->model_q_heads = mq;
+  c->model_kv_heads = mkv;
+  s->q_heads = (b - a) * (mq / mkv);
+  s->kv_heads = b - a;
+  s->kv_head_begin = a;
+  s->model_kv_heads = mkv;
   if (s->head_dim != 64 && s->head_dim != 128 && s->head_dim != 256)
     ERR("--head-dim %d%s: must be 64, 128 or 256", s->head_dim,
         from(c, "head-dim", f1, sizeof(f1)));
@@ -258,8 +277,8 @@ void attnd_config_print(const attnd_config_t *c, const attnd_config_pool_t *p, F
     fprintf(f, "%-13s = %-16s # %s\n", name, v, origin_names[attnd_config_origin(c, name) & 3]);   \
   } while (0)
   LINE("layers", "%d", c->layers);
-  LINE("q-heads", "%d", s->q_heads);
-  LINE("kv-heads", "%d", s->kv_heads);
+  LINE("q-heads", "%d", c->model_q_heads);
+  LINE("kv-heads", "%d", c->model_kv_heads);
   LINE("head-dim", "%d", s->head_dim);
   LINE("rope", "%s", (unsigned)s->rope < 3 ? rope_names[s->rope] : "?");
   LINE("rope-theta", "%.17g", s->rope_theta);
@@ -278,6 +297,11 @@ void attnd_config_print(const attnd_config_t *c, const attnd_config_pool_t *p, F
   LINE("block-size", "%d", s->block_size);
   LINE("model-id", "%s", c->model_id);
 #undef LINE
+  if (s->kv_heads != c->model_kv_heads)
+    fprintf(f, "# held: kv heads %d:%d of %d and their q heads %d:%d (head-sharded)\n",
+            s->kv_head_begin, s->kv_head_begin + s->kv_heads, c->model_kv_heads,
+            s->kv_head_begin * (c->model_q_heads / c->model_kv_heads),
+            (s->kv_head_begin + s->kv_heads) * (c->model_q_heads / c->model_kv_heads));
   char a[32], b[32];
   if (p->kv_memory) {
     uint64_t tokens = p->blocks * (uint64_t)s->block_size;

@@ -65,6 +65,14 @@ typedef struct {
   int layers;             /* --layers, default 32 */
   attnd_kshape_t shape;   /* --q-heads --kv-heads --head-dim --block-size --dtype
                            * --kv-cache --rope --rope-theta --rotary-dim --softmax-scale */
+  /* Head sharding (docs/scale-out.md): --kv-heads takes the model's kv heads N
+   * or the held range A:B. Options carry the model's totals in shape.q_heads and
+   * shape.kv_heads; attnd_config_validate then narrows shape to the held heads
+   * ((B-A)*g q heads, B-A kv heads: every tensor's head count) and fills the
+   * model totals below and shape.model_kv_heads / shape.kv_head_begin. */
+  int kv_range_begin, kv_range_end; /* --kv-heads A:B as given; end 0: the whole model */
+  int model_q_heads;                /* filled by validate: the model's heads, all shards */
+  int model_kv_heads;
   int max_context;        /* --max-context, default 131072 */
   char model_id[128];     /* --model-id */
   char model_config[256]; /* --model-config: a Hugging Face config.json */

@@ -193,6 +193,7 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
   int idx = attnd_config_option_index(name);
   if (idx < 0)
     ERR("unknown option '%s%s'", prefix, name_in);
+  uint8_t prev_origin = c->origin[idx];
   c->origin[idx] = (uint8_t)from;
 
 #define STR(key, field)                                                                            \
@@ -249,7 +250,32 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
   INT("device", device, 0, 1023)
   INT("layers", layers, 1, 4096)
   INT("q-heads", shape.q_heads, 1, 1024)
-  INT("kv-heads", shape.kv_heads, 1, 1024)
+  if (strcmp(name, "kv-heads") == 0) {
+    /* N: the model's kv heads; A:B: the range this daemon holds (the model's
+     * N then comes from elsewhere: a file key, --model-config, the default),
+     * so the range form leaves kv-heads' origin as it was for --model-config. */
+    const char *colon = strchr(v, ':');
+    if (!colon) {
+      if (attnd_config_parse_int(v, 1, 1024, &x))
+        ERR("--kv-heads: '%s' is not an integer in [1, 1024] or a range A:B", v);
+      c->shape.kv_heads = (int)x;
+      return 0;
+    }
+    c->origin[idx] = prev_origin;
+    char a[16];
+    long b;
+    size_t al = (size_t)(colon - v);
+    if (al == 0 || al >= sizeof(a))
+      ERR("--kv-heads: '%s' is not an integer N or a range A:B with 0 <= A < B", v);
+    memcpy(a, v, al);
+    a[al] = 0;
+    if (attnd_config_parse_int(a, 0, 1023, &x) || attnd_config_parse_int(colon + 1, 1, 1024, &b) ||
+        x >= b)
+      ERR("--kv-heads: '%s' is not an integer N or a range A:B with 0 <= A < B", v);
+    c->kv_range_begin = (int)x;
+    c->kv_range_end = (int)b;
+    return 0;
+  }
   INT("head-dim", shape.head_dim, 1, 4096)
   INT("block-size", shape.block_size, 1, 4096)
   INT("rotary-dim", shape.rotary_dim, 0, 4096)

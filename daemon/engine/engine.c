@@ -259,7 +259,8 @@ uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_
       continue;
     if (n < max) {
       out[n].session = s->id;
-      out[n].len = s->len[0];
+      out[n].len = s->base + s->len[0];
+      out[n].base = s->base;
       out[n].blocks = s->nblocks;
       out[n].idle_s = (now - s->last_used_ms) / 1000;
     }

@@ -50,9 +50,11 @@ typedef struct {
 
 typedef struct {
   uint64_t session;
-  uint32_t start;
+  uint32_t start; /* absolute position (a session with base: >= base) */
   uint32_t n;
   int kv_only;
+  int q_only; /* attend only: q rows over the keys the session holds, nothing
+               * written, no token ids, start >= the session's len (docs/scale-out.md) */
   attnd_mask_t mask;      /* zeroed: causal */
   const uint32_t *tokens; /* ntokens token ids */
   uint32_t ntokens;
@@ -87,6 +89,7 @@ typedef struct {
   char message[256];
   uint64_t session;    /* OpenSession, Fork */
   uint32_t cached_len; /* OpenSession */
+  uint32_t base;       /* OpenSession: the base the session holds */
   uint64_t plan;       /* Plan */
   uint64_t version;    /* SetScales, SetSinks */
   /* Step: out [Tq, q_heads, head_dim] (activation dtype or fp32) and lse
@@ -137,7 +140,8 @@ typedef struct {
 
 typedef struct {
   uint64_t session;
-  uint32_t len;
+  uint32_t len; /* absolute: positions [base, len) are held */
+  uint32_t base;
   uint32_t blocks;
   uint64_t idle_s;
 } attnd_session_info_t;
@@ -165,6 +169,13 @@ uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_
 void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
                                uint32_t ntokens, const uint8_t *salt, size_t saltlen,
                                attnd_engine_done_cb cb, void *arg);
+/* OpenSession with a base position (split context, docs/scale-out.md): the
+ * session holds positions [base, ...); base < max_context (else ATTND_ERANGE).
+ * A session with base > 0 neither looks up (cached_len 0) nor publishes
+ * prefix blocks. attnd_engine_open_session is base 0. */
+void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint32_t base,
+                                  const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
+                                  size_t saltlen, attnd_engine_done_cb cb, void *arg);
 void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t session,
                                 attnd_engine_done_cb cb, void *arg);
 void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,

@@ -6,6 +6,7 @@
  *   session.c   sessions and their state changes: open, close, fork, truncate, idle
  *   plan.c      plans: items checked and copied, live plans per connection
  *   step.c      step admission: check -> reserve -> build batch -> commit
+ *   qonly.c     attend-only items of a step as kernel items (split context)
  *   kvcache.c   the KV cache: block reservation, copy-on-write, publication,
  *               prefix lookup
  *   blocks.c    the block pool's bookkeeping (free, used, cached LRU)
@@ -14,10 +15,12 @@
  *   sched.c     the order jobs of a layer wait for each other in (per block)
  *   scales.c    SetScales: the static scales table, its versions, persistence
  *   scales_file.c  the scales.bin file
+ *   sinks.c     SetSinks: the attention sinks table, its versions, persistence
  *   engine.c    lifetime (backend selection, init, close) and introspection
  *   check.c     attnd_engine_check, the bookkeeping checker for tests
  *
- * Semantics: docs/sessions.md. Everything here runs on the loop thread except
+ * The tables of blocks.c, prefix.c, scales.c and sinks.c are declared in
+ * internal_tables.h. Semantics: docs/sessions.md. Everything here runs on the loop thread except
  * the scan of a large step and the scales file writes (worker pool). */
 #ifndef ATTND_ENGINE_INTERNAL_H
 #define ATTND_ENGINE_INTERNAL_H
@@ -34,210 +37,7 @@
 
 typedef struct attnd_plan_s attnd_plan_t;
 
-/* ---- blocks.c: the KV block pool's bookkeeping ------------------------------
- *
- * The backend owns the memory of the blocks (all layers); this module owns who
- * holds which physical block id. A block is in exactly one of three places:
- *
- *   free  - on the free list, ref == 0, not published;
- *   used  - ref > 0 (block tables of sessions and in-flight jobs hold it);
- *   lru   - ref == 0 but published in the prefix index, so it stays cached
- *           until evicted; kept in least-recently-used order (head oldest).
- *
- * ref counts every holder (block-table entries and in-flight jobs); tabref
- * counts only block-table entries, so the engine can tell a block shared by two
- * sessions (copy-on-write needed) from one merely read by a running job.
- * nchildren counts published blocks whose parent in the prefix tree is this
- * block: only blocks with nchildren == 0 (leaves) may be evicted, so a cached
- * chain is always reachable from its root. */
-enum { ATTND_BLK_FREE = 0, ATTND_BLK_USED = 1, ATTND_BLK_LRU = 2 };
-
-typedef struct {
-  int32_t ref;
-  int32_t tabref;
-  int32_t nchildren;
-  uint8_t published;
-  uint8_t where;      /* ATTND_BLK_* */
-  int32_t prev, next; /* LRU links, -1 at the ends */
-} attnd_block_t;
-
-typedef struct {
-  uint32_t n;
-  attnd_block_t *b;
-  int32_t *freestack; /* free ids, top at nfree - 1 */
-  uint32_t nfree;
-  int32_t lru_head, lru_tail; /* head: least recently used */
-  uint32_t nlru;
-} attnd_blocks_t;
-
-int attnd_blocks_init(attnd_blocks_t *p, uint32_t n);
-void attnd_blocks_free(attnd_blocks_t *p);
-
-/* Takes a block from the free list with ref = 1 (tabref = table ? 1 : 0);
- * returns its id, or -1 when the free list is empty (evict first). */
-int32_t attnd_blocks_alloc(attnd_blocks_t *p, int table);
-/* Adds a holder; a block in the LRU becomes used again. */
-void attnd_blocks_ref(attnd_blocks_t *p, int32_t id, int table);
-/* Drops a holder. At ref 0 a published block goes to the LRU tail (most
- * recently used), any other block back to the free list. */
-void attnd_blocks_unref(attnd_blocks_t *p, int32_t id, int table);
-/* Marks a block published or not. Unpublishing an unreferenced block frees it. */
-void attnd_blocks_set_published(attnd_blocks_t *p, int32_t id, int published);
-/* The least recently used LRU block with no children, or -1. */
-int32_t attnd_blocks_lru_leaf(const attnd_blocks_t *p);
-
-/* Blocks a caller could obtain now: free ones plus every cached one (evicting
- * leaves repeatedly frees whole chains). */
-static inline uint32_t attnd_blocks_available(const attnd_blocks_t *p) {
-  return p->nfree + p->nlru;
-}
-uint32_t attnd_blocks_used(const attnd_blocks_t *p);
-
-/* Checks the invariants (free list, LRU list, refs, places); 0 or -1 with a
- * reason in err. For tests and debug builds. */
-int attnd_blocks_check(const attnd_blocks_t *p, char *err, size_t errlen);
-
-/* ---- prefix.c: the prefix index of published KV blocks ----------------------
- *
- * Block identity: h_i = XXH3_128(h_{i-1}, fingerprint, identity, salt, token ids
- * of block i), h_{-1} = 0. The fingerprint covers the model shape, model_id,
- * kv cache type, block size and the static-scale versions of all layers, so a
- * change of any of them makes older blocks unreachable. A lookup never trusts
- * the hash alone: a hit must also match the stored parent block, fingerprint,
- * identity, salt and token ids. Entries with equal hashes chain in one bucket,
- * so a collision costs a compare, never a wrong hit.
- *
- * Published blocks are immutable (the engine copies before writing them). They
- * stay in the index while referenced and, once unreferenced, in the block
- * pool's LRU until evicted; eviction takes the least recently used leaf. */
-typedef struct {
-  uint64_t lo, hi;
-} attnd_h128_t;
-
-typedef struct attnd_prefix_s attnd_prefix_t;
-
-#define ATTND_PREFIX_MAX_SALT 64
-
-/* The index for a pool of blocks of block_size tokens. */
-int attnd_prefix_init(attnd_prefix_t **out, attnd_blocks_t *pool, uint32_t block_size);
-void attnd_prefix_free(attnd_prefix_t *px);
-
-/* Fingerprint of the model and cache configuration. versions: [layers]. */
-attnd_h128_t attnd_prefix_fingerprint(const attnd_kshape_t *s, int layers, const char *model_id,
-                                      const uint64_t *versions);
-/* fp hashed together with more identity (the per-layer attention variants). */
-attnd_h128_t attnd_prefix_fingerprint_mix(attnd_h128_t fp, const void *data, size_t len);
-void attnd_prefix_set_fingerprint(attnd_prefix_t *px, attnd_h128_t fp);
-
-/* h_i for a block with parent hash `parent` (zero for the first block). */
-attnd_h128_t attnd_prefix_hash(const attnd_prefix_t *px, attnd_h128_t parent, uint64_t identity,
-                               const uint8_t *salt, size_t saltlen, const uint32_t *tokens);
-/* The published block continuing `parent` (-1: root) with these tokens, or -1.
- * Does not take a reference. */
-int32_t attnd_prefix_find(const attnd_prefix_t *px, attnd_h128_t h, int32_t parent,
-                          uint64_t identity, const uint8_t *salt, size_t saltlen,
-                          const uint32_t *tokens);
-/* Publishes block id. If an equal block is already published, nothing changes
- * and that block's id is returned; if id itself is published under another
- * chain, -1; else id. */
-int32_t attnd_prefix_publish(attnd_prefix_t *px, int32_t id, attnd_h128_t h, int32_t parent,
-                             uint64_t identity, const uint8_t *salt, size_t saltlen,
-                             const uint32_t *tokens);
-/* The stored hash of a published block. */
-attnd_h128_t attnd_prefix_block_hash(const attnd_prefix_t *px, int32_t id);
-/* Evicts the least recently used unreferenced leaf; 1 when one was evicted. */
-int attnd_prefix_evict_one(attnd_prefix_t *px);
-/* Removes every block from the index (unreferenced ones are freed). */
-void attnd_prefix_drop_all(attnd_prefix_t *px);
-/* Published blocks in the index (referenced or not). */
-uint32_t attnd_prefix_count(const attnd_prefix_t *px);
-
-/* Test hook: when nonzero every block hash is this constant, so lookups must
- * rely on the token comparison. Never set outside tests. */
-extern int attnd_prefix_test_force_collision;
-
-/* ---- scales.c, scales_file.c: static quantization scales per layer -----------
- *
- * int8/fp8 take fp32 scales per kv head [kv_heads] or per channel
- * [kv_heads, head_dim]; int4 takes per-channel scales and zero points in
- * [0, 15]. Scales must be finite and > 0. Types without static scales (bf16,
- * fp16, the dynamic types) accept no SetScales at all, and zero points are
- * refused for every type but int4, so no code path ever holds a scale or zero
- * point its type does not have (docs/numerics.md).
- *
- * Every accepted SetScales gets a version, larger than every version before it
- * (across restarts too). The whole table is persisted as one file,
- * <state_dir>/scales.bin, written atomically: temp file, fsync, rename, fsync
- * of the directory. A file whose shape does not match the model is ignored. */
-typedef struct {
-  int present;
-  int per_channel;
-  uint64_t version;
-  float *k_scale, *v_scale; /* [kv_heads] or [kv_heads][head_dim] */
-  float *k_zero, *v_zero;   /* int4 only, else NULL */
-} attnd_layer_scales_t;
-
-typedef struct {
-  int layers, kv_heads, head_dim;
-  attnd_kv_type_t kv;
-  attnd_layer_scales_t *l; /* [layers] */
-  uint64_t last_version;
-  char path[512]; /* empty: no persistence */
-} attnd_scales_t;
-
-/* state_dir NULL or "" disables persistence. */
-int attnd_scales_init(attnd_scales_t *s, const attnd_kshape_t *shape, int layers,
-                      const char *state_dir);
-void attnd_scales_free(attnd_scales_t *s);
-
-/* Checks a SetScales request; on error returns ATTND_EINVAL with a reason. */
-int attnd_scales_validate(const attnd_scales_t *s, const attnd_scales_req_t *req, char *msg,
-                          size_t msglen);
-/* Installs a validated request and returns its new version. */
-uint64_t attnd_scales_apply(attnd_scales_t *s, const attnd_scales_req_t *req);
-/* Versions of all layers (0 where none) into v[layers]. */
-void attnd_scales_versions(const attnd_scales_t *s, uint64_t *v);
-
-/* Serializes the whole table (malloc'ed buffer). */
-int attnd_scales_serialize(const attnd_scales_t *s, uint8_t **buf, size_t *len);
-/* Writes buf to path atomically and durably. Blocking: call off the loop. */
-int attnd_scales_write_file(const char *path, const uint8_t *buf, size_t len);
-/* Restores from s->path: 0 (restored or no file), 1 (file ignored: other shape
- * or corrupt, reason in err), or a negative ATTND_E*. */
-int attnd_scales_load(attnd_scales_t *s, char *err, size_t errlen);
-
-/* ---- sinks.c: attention sink logits per layer ------------------------------
- *
- * With attention-sinks on, every layer takes fp32 [q_heads] finite logits by
- * SetSinks; until a layer has them its steps fail FAILED_PRECONDITION. Every
- * accepted SetSinks gets a version, larger than every version before it
- * (across restarts too); the table is persisted as <state_dir>/sinks.bin
- * (written like scales.bin) and restored at start; its versions enter the
- * prefix fingerprint. Off: no table, SetSinks is INVALID_ARGUMENT. */
-typedef struct {
-  int present;
-  uint64_t version;
-  float *v; /* [q_heads] */
-} attnd_layer_sinks_t;
-
-typedef struct {
-  int enabled, layers, q_heads;
-  attnd_layer_sinks_t *l; /* [layers]; NULL when off */
-  uint64_t last_version;
-  char path[512]; /* empty: no persistence */
-} attnd_sinks_t;
-
-int attnd_sinks_init(attnd_sinks_t *s, int enabled, int layers, int q_heads, const char *state_dir);
-void attnd_sinks_free(attnd_sinks_t *s);
-/* Checks a SetSinks request; on error returns ATTND_EINVAL with a reason. */
-int attnd_sinks_validate(const attnd_sinks_t *s, const attnd_sinks_req_t *req, char *msg,
-                         size_t msglen);
-/* Installs a validated request and returns its new version. */
-uint64_t attnd_sinks_apply(attnd_sinks_t *s, const attnd_sinks_req_t *req);
-int attnd_sinks_serialize(const attnd_sinks_t *s, uint8_t **buf, size_t *len);
-/* Restores from s->path: 0 (restored or no file), 1 (ignored, reason in err),
- * or a negative ATTND_E*. */
-int attnd_sinks_load(attnd_sinks_t *s, char *err, size_t errlen);
+#include "internal_tables.h"
 
 /* ---- session.c: one session's state -----------------------------------------
  *
@@ -253,6 +53,12 @@ typedef struct attnd_session_s attnd_session_t;
 struct attnd_session_s {
   uint64_t id, identity;
   int layers;
+  /* Split context (docs/scale-out.md): the session holds absolute positions
+   * [base, ...). Every position the engine keeps below (len, cons, taint,
+   * ntok, token indices, logical blocks) is relative to base; the public
+   * entries translate (plan.c, session.c), and kernel items carry base as
+   * pos_base for RoPE. */
+  uint32_t base;
   uint32_t *len;  /* [layers] */
   uint32_t *cons; /* [layers] */
   uint32_t taint; /* first position written under a non-causal mask, or UINT32_MAX */
@@ -284,11 +90,14 @@ int attnd_session_lens_equal(const attnd_session_t *s);
 /* One item of a plan, owning copies of everything it needs from the request. */
 typedef struct {
   attnd_session_t *s;
-  uint32_t start, n;
+  uint32_t start, n; /* start relative to the session's base */
   int has_q;
+  int q_only; /* attend only (docs/scale-out.md): no k/v rows, no write, no tokens */
   int32_t kmask, mask_param, causal; /* kernel mask (attnd_mask_kind_t) */
   int plain_causal;                  /* publishable: written under the causal mask */
-  int32_t *intervals;                /* [4][kv_len] or NULL */
+  int32_t *intervals;                /* [4][kv_len] or NULL; for q_only items the
+                                      * absolute [4][start + n] as given (the step
+                                      * cuts out the columns the session holds) */
   uint32_t *tokens;                  /* [n] */
 } attnd_pitem_t;
 
@@ -467,9 +276,14 @@ void attnd_session_destroy(attnd_engine_t *e, attnd_session_t *s);
 /* Ends the live plan on s, if any. */
 void attnd_session_end_plan(attnd_engine_t *e, attnd_session_t *s);
 /* The admissions (every stateful check, then the change), on the loop thread. */
-void attnd_session_open(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
-                        uint32_t ntokens, const uint8_t *salt, size_t saltlen,
-                        attnd_engine_done_cb cb, void *arg);
+void attnd_session_open(attnd_engine_t *e, uint64_t identity, uint32_t base,
+                        const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
+                        size_t saltlen, attnd_engine_done_cb cb, void *arg);
+/* The attnd_kitem_t.flags of an item of session s: ATTND_ITEM_SINK for a
+ * session whose first position is 0, none for a split-context part that
+ * starts later (its merge must count each sink once, docs/numerics.md). The
+ * one place that decides item flags. */
+int32_t attnd_session_item_flags(const attnd_session_t *s);
 void attnd_session_close(attnd_engine_t *e, uint64_t identity, uint64_t session,
                          attnd_engine_done_cb cb, void *arg);
 void attnd_session_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
@@ -503,6 +317,18 @@ void attnd_plan_conn_closed(attnd_engine_t *e, uint64_t conn);
 void attnd_step_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
                       const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg,
                       attnd_scan_t *sc);
+
+/* ---- qonly.c: attend-only items (docs/scale-out.md) ---- */
+
+/* Kernel items, and int32 of meta past the block table, that an attend-only
+ * item takes in a step of layer (the session holds len[layer] >= 1 keys). */
+uint32_t attnd_qonly_pieces(const attnd_pitem_t *it, uint32_t layer);
+size_t attnd_qonly_meta(const attnd_pitem_t *it, uint32_t layer, int32_t window);
+/* Appends plan item i's kernel items at j->kitems[*ki] (q rows from q_row;
+ * virtual kv rows from total_kv + *qv), its block table and masks at
+ * j->meta[*mo], a read reference on each block it holds. window: the layer's. */
+void attnd_qonly_batch(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const attnd_pitem_t *it,
+                       uint32_t q_row, int32_t window, uint32_t *ki, int32_t *qv, size_t *mo);
 
 /* ---- kvcache.c ---- */
 

@@ -116,14 +116,16 @@ int attnd_cache_reserve(attnd_engine_t *e, attnd_plan_t *p, attnd_cowlist_t *cow
                         size_t msglen) {
   uint64_t need = 0;
   for (uint32_t i = 0; i < p->nitems; i++)
-    need += blocks_needed(e, p->items[i].s, p->items[i].start, p->items[i].n);
+    if (!p->items[i].q_only) /* attend-only items write nothing */
+      need += blocks_needed(e, p->items[i].s, p->items[i].start, p->items[i].n);
   if (need > e->pool.n || ensure_free(e, (uint32_t)need) != 0) {
     snprintf(msg, msglen, "KV pool exhausted: %llu blocks needed, %u free after eviction",
              (unsigned long long)need, e->pool.nfree);
     return ATTND_ENOSPC;
   }
   for (uint32_t i = 0; i < p->nitems; i++)
-    reserve(e, p->items[i].s, p->items[i].start, p->items[i].n, cow);
+    if (!p->items[i].q_only)
+      reserve(e, p->items[i].s, p->items[i].start, p->items[i].n, cow);
   return 0;
 }
 
@@ -135,7 +137,9 @@ static attnd_h128_t parent_hash(attnd_engine_t *e, const attnd_session_t *s, uin
 }
 
 void attnd_cache_publish(attnd_engine_t *e, attnd_session_t *s) {
-  if (!e->cfg.prefix_cache)
+  /* A split-context part past 0 publishes nothing (docs/scale-out.md): its
+   * blocks' KV depends on tokens before its base. */
+  if (!e->cfg.prefix_cache || s->base)
     return;
   uint64_t full = s->taint;
   for (int l = 0; l < e->layers; l++)

@@ -36,9 +36,14 @@ void attnd_plan_end(attnd_engine_t *e, attnd_plan_t *p) {
 }
 
 /* The kernel mask of one item (checked: the RPC layer built it from the
- * wire, but the engine takes nothing on trust). */
+ * wire, but the engine takes nothing on trust). Masks come in their absolute
+ * form (docs/scale-out.md); the kernels see positions relative to the
+ * session's base, so a prefix length and custom intervals are shifted by it
+ * (causal, full and sliding masks do not change under the shift; keys before
+ * base are absent). kv_len is absolute. An attend-only item keeps its
+ * intervals absolute: the step cuts out the columns the session holds. */
 static int item_mask(attnd_pitem_t *pi, const attnd_mask_t *m, uint32_t i, uint64_t kv_len,
-                     char *msg, size_t msglen) {
+                     uint32_t base, char *msg, size_t msglen) {
   pi->kmask = (int32_t)m->kind;
   pi->mask_param = 0;
   pi->causal = 1;
@@ -56,7 +61,7 @@ static int item_mask(attnd_pitem_t *pi, const attnd_mask_t *m, uint32_t i, uint6
     pi->mask_param = m->param;
     return 0;
   case ATTND_MASK_PREFIX_LM:
-    pi->mask_param = m->param;
+    pi->mask_param = m->param > (int32_t)base ? m->param - (int32_t)base : 0;
     return 0;
   case ATTND_MASK_INTERVALS:
     if (!m->intervals || m->intervals_len != kv_len) {
@@ -73,8 +78,22 @@ static int item_mask(attnd_pitem_t *pi, const attnd_mask_t *m, uint32_t i, uint6
       }
     }
     pi->causal = m->causal != 0;
-    pi->intervals = attnd_xcalloc(4 * kv_len, sizeof(int32_t));
-    memcpy(pi->intervals, m->intervals, 16 * kv_len);
+    if (pi->q_only || base == 0) {
+      pi->intervals = attnd_xcalloc(4 * kv_len, sizeof(int32_t));
+      memcpy(pi->intervals, m->intervals, 16 * kv_len);
+      return 0;
+    }
+    {
+      /* Columns base.. of the absolute intervals, rows shifted by base
+       * (clamped at 0: rows are >= 0, so a bound below 0 acts as 0). */
+      uint64_t rl = kv_len - base;
+      pi->intervals = attnd_xcalloc(4 * rl, sizeof(int32_t));
+      for (int r = 0; r < 4; r++)
+        for (uint64_t j = 0; j < rl; j++) {
+          int64_t x = (int64_t)m->intervals[(uint64_t)r * kv_len + base + j] - base;
+          pi->intervals[(uint64_t)r * rl + j] = (int32_t)(x < 0 ? 0 : x);
+        }
+    }
     return 0;
   }
   snprintf(msg, msglen, "item %u: unknown mask kind %d", i, (int)m->kind);
@@ -116,24 +135,50 @@ static int build_item(attnd_engine_t *e, uint64_t identity, uint64_t gen, uint32
              e->cfg.max_context);
     return ATTND_ERANGE;
   }
-  if (it->start > s->len[0]) {
-    snprintf(msg, msglen, "item %u: start %u > len %u", i, it->start, s->len[0]);
+  if (it->start < s->base) {
+    snprintf(msg, msglen, "item %u: start %u < the session's base %u", i, it->start, s->base);
     return ATTND_EINVAL;
   }
-  if (!it->tokens || it->ntokens != it->n) {
-    snprintf(msg, msglen, "item %u: %u token ids for n = %u", i, it->tokens ? it->ntokens : 0,
-             it->n);
-    return ATTND_EINVAL;
+  uint32_t rel = it->start - s->base; /* positions relative to base from here on */
+  if (it->q_only) {
+    if (it->kv_only) {
+      snprintf(msg, msglen, "item %u: q_only and kv_only together", i);
+      return ATTND_EINVAL;
+    }
+    if (it->ntokens) {
+      snprintf(msg, msglen, "item %u: q_only items carry no token ids (%u given)", i, it->ntokens);
+      return ATTND_EINVAL;
+    }
+    if (rel < s->len[0]) {
+      snprintf(msg, msglen,
+               "item %u: q_only start %u < len %u (attend-only rows follow the keys "
+               "the session holds)",
+               i, it->start, s->base + s->len[0]);
+      return ATTND_EINVAL;
+    }
+  } else {
+    if (rel > s->len[0]) {
+      snprintf(msg, msglen, "item %u: start %u > len %u", i, it->start, s->base + s->len[0]);
+      return ATTND_EINVAL;
+    }
+    if (!it->tokens || it->ntokens != it->n) {
+      snprintf(msg, msglen, "item %u: %u token ids for n = %u", i, it->tokens ? it->ntokens : 0,
+               it->n);
+      return ATTND_EINVAL;
+    }
   }
   pi->s = s;
-  pi->start = it->start;
+  pi->start = rel;
   pi->n = it->n;
   pi->has_q = !it->kv_only;
-  int rc = item_mask(pi, &it->mask, i, kv_len, msg, msglen);
+  pi->q_only = it->q_only != 0;
+  int rc = item_mask(pi, &it->mask, i, kv_len, s->base, msg, msglen);
   if (rc)
     return rc;
-  pi->tokens = attnd_xcalloc(it->n, sizeof(uint32_t));
-  memcpy(pi->tokens, it->tokens, (size_t)it->n * sizeof(uint32_t));
+  if (!pi->q_only) {
+    pi->tokens = attnd_xcalloc(it->n, sizeof(uint32_t));
+    memcpy(pi->tokens, it->tokens, (size_t)it->n * sizeof(uint32_t));
+  }
   return 0;
 }
 
@@ -155,7 +200,8 @@ int attnd_plan_build(attnd_engine_t *e, uint64_t identity, const attnd_item_t *i
       attnd_plan_free(p);
       return rc;
     }
-    p->T += items[i].n;
+    if (!p->items[i].q_only)
+      p->T += items[i].n;
     if (p->items[i].has_q)
       p->Tq += items[i].n;
   }

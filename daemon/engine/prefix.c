@@ -81,6 +81,11 @@ attnd_h128_t attnd_prefix_fingerprint(const attnd_kshape_t *s, int layers, const
                    (int32_t)s->kv, (int32_t)s->rope,
                    s->rotary_dim,  0};
   XXH3_128bits_update(st, f, sizeof(f));
+  /* The held head range and the model's kv heads (docs/scale-out.md): a shard's
+   * blocks hold other heads than the whole model's, or another shard's. */
+  int32_t range[3] = {s->kv_head_begin, s->kv_head_begin + s->kv_heads,
+                      attnd_kshape_model_kv_heads(s)};
+  XXH3_128bits_update(st, range, sizeof(range));
   XXH3_128bits_update(st, &s->rope_theta, sizeof(s->rope_theta));
   XXH3_128bits_update(st, &s->softmax_scale, sizeof(s->softmax_scale));
   size_t ml = model_id ? strlen(model_id) : 0;

@@ -65,6 +65,7 @@ struct call_s {
   int scanned;  /* scan holds the result (a large step) */
   uint64_t identity, conn, session;
   uint32_t len;           /* Truncate */
+  uint32_t base;          /* OpenSession */
   const uint32_t *tokens; /* OpenSession */
   uint32_t ntokens;
   uint8_t salt[ATTND_PREFIX_MAX_SALT];
@@ -108,7 +109,8 @@ static void queue_pump(attnd_engine_t *e);
 static void call_admit(attnd_engine_t *e, call_t *c) {
   switch (c->kind) {
   case CALL_OPEN:
-    attnd_session_open(e, c->identity, c->tokens, c->ntokens, c->salt, c->saltlen, c->cb, c->arg);
+    attnd_session_open(e, c->identity, c->base, c->tokens, c->ntokens, c->salt, c->saltlen, c->cb,
+                       c->arg);
     break;
   case CALL_CLOSE:
     attnd_session_close(e, c->identity, c->session, c->cb, c->arg);
@@ -256,18 +258,30 @@ int attnd_queue_busy(const attnd_engine_t *e) {
 void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
                                uint32_t ntokens, const uint8_t *salt, size_t saltlen,
                                attnd_engine_done_cb cb, void *arg) {
+  attnd_engine_open_session_at(e, identity, 0, tokens, ntokens, salt, saltlen, cb, arg);
+}
+
+void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint32_t base,
+                                  const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
+                                  size_t saltlen, attnd_engine_done_cb cb, void *arg) {
   if (!check_open(e, cb, arg))
     return;
+  if (base >= (uint32_t)e->cfg.max_context) {
+    attnd_engine_answer(cb, arg, ATTND_ERANGE, "base %u >= max_context %d", base,
+                        e->cfg.max_context);
+    return;
+  }
   if (saltlen > ATTND_PREFIX_MAX_SALT) {
     attnd_engine_answer(cb, arg, ATTND_EINVAL, "salt is %zu bytes, at most %d", saltlen,
                         ATTND_PREFIX_MAX_SALT);
     return;
   }
   if (!must_queue(e)) {
-    attnd_session_open(e, identity, tokens, ntokens, salt, saltlen, cb, arg);
+    attnd_session_open(e, identity, base, tokens, ntokens, salt, saltlen, cb, arg);
     return;
   }
   call_t *c = call_new(e, CALL_OPEN, identity, cb, arg);
+  c->base = base;
   c->tokens = tokens;
   c->ntokens = ntokens;
   c->saltlen = saltlen;

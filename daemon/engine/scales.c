@@ -21,6 +21,8 @@ int attnd_scales_init(attnd_scales_t *s, const attnd_kshape_t *shape, int layers
   memset(s, 0, sizeof(*s));
   s->layers = layers;
   s->kv_heads = shape->kv_heads;
+  s->kv_head_begin = shape->kv_head_begin;
+  s->model_kv_heads = attnd_kshape_model_kv_heads(shape);
   s->head_dim = shape->head_dim;
   s->kv = shape->kv;
   s->l = calloc((size_t)layers, sizeof(*s->l));

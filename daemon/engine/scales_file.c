@@ -12,7 +12,10 @@
 
 #include "internal.h"
 
-static const char MAGIC[8] = {'A', 'T', 'T', 'N', 'D', 'S', 'C', '1'};
+/* Version 2 adds the held kv head range and the model's kv heads after the
+ * cache type; version 1 (no range) is read as the whole model's. */
+static const char MAGIC[8] = {'A', 'T', 'T', 'N', 'D', 'S', 'C', '2'};
+static const char MAGIC_V1[8] = {'A', 'T', 'T', 'N', 'D', 'S', 'C', '1'};
 
 static size_t nscales(const attnd_scales_t *s, int per_channel) {
   return (size_t)s->kv_heads * (per_channel ? (size_t)s->head_dim : 1);
@@ -58,6 +61,8 @@ int attnd_scales_serialize(const attnd_scales_t *s, uint8_t **buf, size_t *len) 
   put_u32(&w, (uint32_t)s->kv_heads);
   put_u32(&w, (uint32_t)s->head_dim);
   put_u32(&w, (uint32_t)s->kv);
+  put_u32(&w, (uint32_t)s->kv_head_begin);
+  put_u32(&w, (uint32_t)s->model_kv_heads);
   put_u64(&w, s->last_version);
   for (int i = 0; i < s->layers; i++) {
     const attnd_layer_scales_t *l = &s->l[i];
@@ -213,16 +218,25 @@ int attnd_scales_load(attnd_scales_t *s, char *err, size_t errlen) {
   }
   r.len = len - 8;
   get(&r, magic, sizeof(magic));
+  int v1 = memcmp(magic, MAGIC_V1, sizeof(MAGIC_V1)) == 0;
   uint32_t layers = get_u32(&r), kvh = get_u32(&r), hd = get_u32(&r), kv = get_u32(&r);
+  uint32_t begin = v1 ? 0 : get_u32(&r), model = v1 ? kvh : get_u32(&r);
   uint64_t last = get_u64(&r);
-  if (memcmp(magic, MAGIC, sizeof(MAGIC)) != 0 || layers != (uint32_t)s->layers ||
+  if ((!v1 && memcmp(magic, MAGIC, sizeof(MAGIC)) != 0) || layers != (uint32_t)s->layers ||
       kvh != (uint32_t)s->kv_heads || hd != (uint32_t)s->head_dim || kv != (uint32_t)s->kv) {
     snprintf(err, errlen, "%s: written for another model shape or cache type; ignored", s->path);
     goto out;
   }
+  if (begin != (uint32_t)s->kv_head_begin || model != (uint32_t)s->model_kv_heads) {
+    snprintf(err, errlen,
+             "%s: written for kv heads %u:%u of %u, this daemon holds %d:%d of %d; ignored",
+             s->path, begin, begin + kvh, model, s->kv_head_begin, s->kv_head_begin + s->kv_heads,
+             s->model_kv_heads);
+    goto out;
+  }
   /* Parse into the live table only after the whole file checked out. */
   for (int pass = 0; pass < 2; pass++) {
-    r.off = sizeof(MAGIC) + 4 * 4 + 8;
+    r.off = sizeof(MAGIC) + 4 * (v1 ? 4 : 6) + 8;
     r.bad = 0;
     for (int i = 0; i < s->layers; i++) {
       attnd_layer_scales_t *l = &s->l[i];

@@ -170,20 +170,28 @@ void attnd_session_destroy(attnd_engine_t *e, attnd_session_t *s) {
 /* The admissions below run on the loop thread, at once or from the admission
  * queue; the public entries (queue.c) checked what needs no state. */
 
-void attnd_session_open(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
+int32_t attnd_session_item_flags(const attnd_session_t *s) {
+  return s->base == 0 ? ATTND_ITEM_SINK : 0;
+}
+
+void attnd_session_open(attnd_engine_t *e, uint64_t identity, uint32_t base, const uint32_t *tokens,
                         uint32_t ntokens, const uint8_t *salt, size_t saltlen,
                         attnd_engine_done_cb cb, void *arg) {
   if (session_room(e, identity, cb, arg))
     return;
   attnd_session_t *s = session_create(e, identity);
+  s->base = base;
   s->saltlen = (uint32_t)saltlen;
   if (saltlen)
     memcpy(s->salt, salt, saltlen);
-  uint32_t hit = attnd_cache_lookup(e, s, tokens, ntokens);
+  /* A part past 0 never looks up: its KV past layer 0 depends on tokens
+   * before its base, which its block hashes cannot name. */
+  uint32_t hit = base ? 0 : attnd_cache_lookup(e, s, tokens, ntokens);
   attnd_result_t r;
   memset(&r, 0, sizeof(r));
   r.session = s->id;
   r.cached_len = hit * e->bs;
+  r.base = base;
   cb(arg, &r);
 }
 
@@ -231,6 +239,7 @@ void attnd_session_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
   attnd_session_end_plan(e, s);
   s->last_used_ms = attnd_engine_now_ms(e);
   attnd_session_t *f = session_create(e, identity);
+  f->base = s->base;
   memcpy(f->len, s->len, sizeof(uint32_t) * (size_t)e->layers);
   memcpy(f->cons, s->cons, sizeof(uint32_t) * (size_t)e->layers);
   f->taint = s->taint;
@@ -264,10 +273,12 @@ void attnd_session_truncate(attnd_engine_t *e, uint64_t identity, uint64_t sessi
   attnd_session_t *s = session_for_rollback(e, identity, session, cb, arg);
   if (!s)
     return;
-  if (len > s->len[0]) {
-    attnd_engine_answer(cb, arg, ATTND_EINVAL, "len %u > session len %u", len, s->len[0]);
+  if (len < s->base || len - s->base > s->len[0]) {
+    attnd_engine_answer(cb, arg, ATTND_EINVAL, "len %u outside the session's [base %u, len %u]",
+                        len, s->base, s->base + s->len[0]);
     return;
   }
+  len -= s->base; /* relative from here on */
   attnd_session_end_plan(e, s);
   s->last_used_ms = attnd_engine_now_ms(e);
   for (int l = 0; l < e->layers; l++) {

@@ -69,6 +69,16 @@ static int check_tensor(const attnd_tensor_t *t, const char *name, attnd_dtype_t
   return 0;
 }
 
+/* The layer's sliding window as the kernels apply it to every item
+ * (attnd_kbatch_t.window; 0: a full layer), fixed at start. Attend-only
+ * pieces carry it in their restated masks too (qonly.c): their rows sit
+ * earlier in the kernels' coordinates than in the session's, so the
+ * kernels' own window is looser than the true one there and the mask
+ * decides. */
+static int32_t step_layer_window(const attnd_engine_t *e, uint32_t layer) {
+  return attnd_config_layer_window(&e->cfg, (int)layer);
+}
+
 /* The plan the step runs: the one it names, or its inline items. */
 static int check_plan(admit_t *a) {
   attnd_engine_t *e = a->e;
@@ -94,10 +104,13 @@ static int check_tensors(admit_t *a) {
   const attnd_step_req_t *req = a->req;
   const attnd_plan_t *p = a->p;
   int rc;
-  if ((rc = check_tensor(&req->k, "k", sh->dtype, p->T, sh->kv_heads, sh->head_dim, a->msg,
-                         sizeof(a->msg))) ||
-      (rc = check_tensor(&req->v, "v", sh->dtype, p->T, sh->kv_heads, sh->head_dim, a->msg,
-                         sizeof(a->msg))))
+  /* Only attend-only items: no k or v rows, and none need be sent. */
+  int no_kv = p->T == 0 && (!req->k.present || req->k.nbytes == 0) &&
+              (!req->v.present || req->v.nbytes == 0);
+  if (!no_kv && ((rc = check_tensor(&req->k, "k", sh->dtype, p->T, sh->kv_heads, sh->head_dim,
+                                    a->msg, sizeof(a->msg))) ||
+                 (rc = check_tensor(&req->v, "v", sh->dtype, p->T, sh->kv_heads, sh->head_dim,
+                                    a->msg, sizeof(a->msg)))))
     return rc;
   if (p->Tq > 0) {
     if ((rc = check_tensor(&req->q, "q", sh->dtype, p->Tq, sh->q_heads, sh->head_dim, a->msg,
@@ -148,8 +161,34 @@ static int check_items(admit_t *a) {
                (unsigned long long)s->id);
       return ATTND_EABORTED;
     }
+    if (it->q_only) {
+      /* Attend-only rows follow the keys the layer holds (docs/scale-out.md). */
+      if (it->start < s->len[layer]) {
+        snprintf(a->msg, sizeof(a->msg), "item %u: q_only start %u < len %u of layer %u", i,
+                 s->base + it->start, s->base + s->len[layer], layer);
+        return ATTND_EINVAL;
+      }
+      if (s->len[layer] == 0) {
+        snprintf(a->msg, sizeof(a->msg), "item %u: q_only on a session holding no positions", i);
+        return ATTND_EPRECOND;
+      }
+      if (it->kmask == ATTND_MASK_INTERVALS && step_layer_window(a->e, layer) > 0) {
+        snprintf(a->msg, sizeof(a->msg),
+                 "item %u: q_only with a custom mask on a sliding-window layer is not supported",
+                 i);
+        return ATTND_EINVAL;
+      }
+      int rc = 0;
+      if (attnd_scan_row_in(sc->bad_q, q_row, it->n))
+        rc = bad_value(a, i, "q", sc->bits_q);
+      if (rc)
+        return rc;
+      q_row += it->n;
+      continue;
+    }
     if (it->start > s->len[layer]) {
-      snprintf(a->msg, sizeof(a->msg), "item %u: start %u > len %u", i, it->start, s->len[layer]);
+      snprintf(a->msg, sizeof(a->msg), "item %u: start %u > len %u", i, s->base + it->start,
+               s->base + s->len[layer]);
       return ATTND_EINVAL;
     }
     if (layer > 0 && it->start + it->n > s->len[0]) {
@@ -242,7 +281,6 @@ static void batch_item(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const att
   const attnd_session_t *s = it->s;
   uint32_t kv_len = it->start + it->n, nb = attnd_engine_nblocks(e, kv_len);
   attnd_kitem_t *k = &j->kitems[i];
-  j->sessions[i] = s->id;
   k->start = (int32_t)it->start;
   k->n = (int32_t)it->n;
   k->q_row = it->has_q ? (int32_t)q_row : -1;
@@ -250,12 +288,13 @@ static void batch_item(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const att
   k->mask_kind = it->kmask;
   k->mask_param = it->mask_param;
   k->causal = it->causal;
-  /* The layer's sinks join the softmax of sessions whose first position is
-   * 0: every session here. A split-context part that starts later must leave
-   * the flag clear, so that merging parts by lse counts each sink once
-   * (docs/numerics.md). Without sinks set for the layer the flag is inert. */
-  k->flags = ATTND_ITEM_SINK;
   k->block_table = (int32_t)*mo;
+  k->pos_base = (int32_t)s->base;
+  /* The layer's sinks join the softmax of sessions whose first position is
+   * 0; a split-context part that starts later leaves the flag clear, so that
+   * merging parts by lse counts each sink once (docs/numerics.md). Without
+   * sinks set for the layer the flag is inert. */
+  k->flags = attnd_session_item_flags(s);
   uint32_t b0 = it->start / e->bs; /* the first block it writes */
   for (uint32_t bi = 0; bi < nb; bi++) {
     j->meta[(*mo)++] = s->table[bi];
@@ -288,8 +327,19 @@ static void step_build_batch(admit_t *a) {
   a->j = j;
   j->cb = a->cb;
   j->arg = a->arg;
-  size_t nmeta = 0, nrefs = 0, nw = 0, nr = 0;
+  size_t nmeta = 0, nrefs = 0, nw = 0, nr = 0, nk = 0;
+  const int32_t window = step_layer_window(e, req->layer);
   for (uint32_t i = 0; i < p->nitems; i++) {
+    const attnd_pitem_t *it = &p->items[i];
+    if (it->q_only) {
+      uint32_t nb = attnd_engine_nblocks(e, it->s->len[req->layer]);
+      nmeta += nb + attnd_qonly_meta(it, req->layer, window); /* its block table, its masks */
+      nrefs += nb;
+      nr += nb;
+      nk += attnd_qonly_pieces(it, req->layer);
+      continue;
+    }
+    nk++;
     uint32_t kv_len = p->items[i].start + p->items[i].n, b0 = p->items[i].start / e->bs;
     nmeta += attnd_engine_nblocks(e, kv_len) + (p->items[i].intervals ? 4 * (size_t)kv_len : 0);
     nrefs += attnd_engine_nblocks(e, kv_len);
@@ -297,26 +347,42 @@ static void step_build_batch(admit_t *a) {
     nr += p->items[i].has_q ? b0 : 0;
   }
   attnd_sched_reserve(j, (uint32_t)nw, (uint32_t)nr);
-  j->kitems = attnd_xcalloc(p->nitems, sizeof(attnd_kitem_t));
+  j->kitems = attnd_xcalloc(nk, sizeof(attnd_kitem_t));
   j->sessions = attnd_xcalloc(p->nitems, sizeof(uint64_t));
   j->nsessions = p->nitems;
   j->meta = attnd_xcalloc(nmeta, sizeof(int32_t));
   j->refs = attnd_xcalloc(nrefs, sizeof(int32_t));
   attnd_kbatch_t *b = &j->job.batch;
   size_t mo = 0;
-  uint32_t kv_row = 0, q_row = 0;
+  uint32_t kv_row = 0, q_row = 0, ki = 0;
   for (uint32_t i = 0; i < p->nitems; i++) {
-    batch_item(e, j, i, &p->items[i], q_row, kv_row, &mo);
+    if (p->items[i].q_only) {
+      q_row += p->items[i].n;
+      continue;
+    }
+    batch_item(e, j, ki++, &p->items[i], q_row, kv_row, &mo);
+    j->sessions[i] = p->items[i].s->id;
     kv_row += p->items[i].n;
     if (p->items[i].has_q)
       q_row += p->items[i].n;
   }
+  /* Attend-only pieces after every other item (attnd_kbatch_t.q_only_rows). */
+  b->total_kv = (int32_t)p->T;
+  int32_t qv = 0;
+  q_row = 0;
+  for (uint32_t i = 0; i < p->nitems; i++) {
+    if (p->items[i].q_only)
+      attnd_qonly_batch(e, j, i, &p->items[i], q_row, window, &ki, &qv, &mo);
+    if (p->items[i].has_q)
+      q_row += p->items[i].n;
+  }
+  b->q_only_rows = qv;
   size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
   b->items = j->kitems;
-  b->nitems = (int32_t)p->nitems;
+  b->nitems = (int32_t)nk;
   /* The layer's window, fixed at start (docs/numerics.md): every backend
    * intersects it with each item's mask and reads only the window's keys. */
-  b->window = attnd_config_layer_window(&e->cfg, (int)req->layer);
+  b->window = window;
   b->meta = j->meta;
   j->job.nmeta = nmeta;
   b->total_q = (int32_t)p->Tq;
@@ -352,6 +418,10 @@ static void step_build_batch(admit_t *a) {
  * writes, and whatever is now full and consistent is published. */
 static void commit_item(attnd_engine_t *e, uint32_t layer, const attnd_pitem_t *it) {
   attnd_session_t *s = it->s;
+  if (it->q_only) { /* nothing written, nothing moves */
+    s->last_used_ms = attnd_engine_now_ms(e);
+    return;
+  }
   uint32_t end = it->start + it->n;
   s->len[layer] = end;
   if (layer == 0) {

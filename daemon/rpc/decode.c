@@ -304,6 +304,7 @@ bool attnd_rpc_dec_item_cb(pb_istream_t *s, const pb_field_t *f, void **arg) {
   x->start = it.start;
   x->n = it.n;
   x->kv_only = it.kv_only;
+  x->q_only = it.q_only;
   x->mask.kind = ATTND_MASK_CAUSAL;
   x->tokens = tok.v;
   x->ntokens = tok.n;

@@ -12,6 +12,7 @@ static bool enc_sessions_cb(pb_ostream_t *s, const pb_field_t *f, void *const *a
     attnd_v1_SessionInfo si = attnd_v1_SessionInfo_init_zero;
     si.session = ss->sessions[i].session;
     si.len = ss->sessions[i].len;
+    si.base = ss->sessions[i].base;
     si.blocks = ss->sessions[i].blocks;
     si.idle_s = ss->sessions[i].idle_s;
     if (!pb_encode_tag_for_field(s, f) ||
@@ -27,6 +28,12 @@ static void fill_shape(attnd_rpc_t *r, attnd_v1_ModelShape *m) {
   m->layers = (uint32_t)cfg->layers;
   m->q_heads = (uint32_t)s->q_heads;
   m->kv_heads = (uint32_t)s->kv_heads;
+  /* Head sharding (docs/scale-out.md): q_heads/kv_heads above are the held
+   * counts, the range and the model's totals follow (0:N for the whole model). */
+  m->kv_head_begin = (uint32_t)s->kv_head_begin;
+  m->kv_head_end = (uint32_t)(s->kv_head_begin + s->kv_heads);
+  m->model_q_heads = (uint32_t)(cfg->model_q_heads ? cfg->model_q_heads : s->q_heads);
+  m->model_kv_heads = (uint32_t)attnd_kshape_model_kv_heads(s);
   m->head_dim = (uint32_t)s->head_dim;
   m->block_size = (uint32_t)s->block_size;
   snprintf(m->dtype, sizeof(m->dtype), "%s", s->dtype == ATTND_DT_FP16 ? "fp16" : "bf16");
@@ -77,6 +84,7 @@ void attnd_rpc_encode_health(attnd_rpc_req_t *q, const attnd_result_t *res,
   snprintf(h->device, sizeof(h->device), "%s", info->device);
   h->has_model = true;
   fill_shape(r, &h->model);
+  h->split_context = true; /* OpenSession.base and Item.q_only (docs/scale-out.md) */
   h->uptime_s = (attnd_rpc_now_ns() - r->start_ns) / 1000000000ull;
   h->epoch = r->epoch;
   h->tcp_port = (uint32_t)r->tcp_port;

@@ -29,13 +29,15 @@ static int decode_open(attnd_rpc_req_t *q, pb_istream_t *s) {
 static void call_open(attnd_rpc_req_t *q) {
   attnd_rpc_conn_t *c = q->conn;
   attnd_rpc_req_hold(q);
-  attnd_engine_open_session(c->rpc->engine, c->identity, q->open_tokens.v, q->open_tokens.n,
-                            q->m.open.salt.bytes, q->m.open.salt.size, attnd_rpc_done, q);
+  attnd_engine_open_session_at(c->rpc->engine, c->identity, q->m.open.base, q->open_tokens.v,
+                               q->open_tokens.n, q->m.open.salt.bytes, q->m.open.salt.size,
+                               attnd_rpc_done, q);
 }
 
 static void encode_open(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1_Response *resp) {
   resp->result.open_session.session = res->session;
   resp->result.open_session.cached_len = res->cached_len;
+  resp->result.open_session.base = res->base;
 }
 
 static int decode_close(attnd_rpc_req_t *q, pb_istream_t *s) {

@@ -165,7 +165,8 @@ int attnd_cpu_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, 
 
   /* Rows of k/v are split evenly; each row is independent of every other
    * (one session appears once per step, so no two rows share a slot). */
-  const int64_t T = b->total_kv;
+  /* Attend-only items' rows follow the k/v rows (virtual rows, q only). */
+  const int64_t T = (int64_t)b->total_kv + (b->q_only_rows > 0 ? b->q_only_rows : 0);
   const int64_t lo = T * part / nparts, hi = T * (part + 1) / nparts;
   float x[256];
   rope_row_t rr;
@@ -174,14 +175,15 @@ int attnd_cpu_write(const attnd_kshape_t *s, const attnd_kbatch_t *b, int part, 
     int64_t r0 = item->kv_row > lo ? item->kv_row : lo;
     int64_t r1 = (int64_t)item->kv_row + item->n < hi ? (int64_t)item->kv_row + item->n : hi;
     const int32_t *table = b->meta + item->block_table;
+    const int q_only = item->kv_row >= b->total_kv;
     for (int64_t r = r0; r < r1; r++) {
       int t = (int)(r - item->kv_row);
       int pos = item->start + t;
-      uint8_t *blk = b->cache + (size_t)table[pos / bs] * b->block_bytes;
-      int slot = pos % bs;
       if (s->rope != ATTND_ROPE_NONE)
-        rope_row_init(&rr, inv_freq, half, rd, pos);
-      for (int h = 0; h < H; h++) {
+        rope_row_init(&rr, inv_freq, half, rd, item->pos_base + pos);
+      for (int h = 0; !q_only && h < H; h++) {
+        uint8_t *blk = b->cache + (size_t)table[pos / bs] * b->block_bytes;
+        int slot = pos % bs;
         size_t src = ((size_t)r * H + h) * D;
         size_t row = (size_t)h * bs + slot;
         float sc_k = 0.0f, sc_v = 0.0f;

@@ -79,6 +79,10 @@ long plan_span(const attnd_kbatch_t *b) {
   return span;
 }
 
+// Head sharding (docs/scale-out.md): a daemon holding some of the model's kv
+// heads cuts its work as the whole model's daemon would cut it, so that every
+// head it holds comes out in the same bits. Work counts below therefore use
+// the model's kv heads (attnd_kshape_model_kv_heads), never the held count.
 int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int slots_per_sm, int tile_vec,
                 int *split_keys) {
   const int G = s->q_heads / s->kv_heads;
@@ -87,7 +91,7 @@ int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
   // 4096 is cut as a full layer at 4096 would be.
   const long span = plan_span(b);
   const long tiles = ((long)b->max_n * G + tile_vec - 1) / tile_vec;
-  const long base = (long)b->nitems * s->kv_heads * tiles;
+  const long base = (long)b->nitems * attnd_kshape_model_kv_heads(s) * tiles; // sharding: model heads
   const long slots = (long)num_sms() * slots_per_sm;
   int nsplit = 1;
   if (b->total_q > 0 && base < 4 * slots) {
@@ -149,7 +153,13 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
       b->nitems <= with_types<ItemsF>(s->head_dim, s->dtype, s->kv, pl->tr)) {
     // CTAs: one full wave, fewer when the keys are too few for every CTA to
     // get min_chunks (the bound counts every item at the longest context).
-    const long chunks_max = (long)b->nitems * s->kv_heads * ((plan_span(b) + kDecKeys - 1) / kDecKeys + 1);
+    // Sharding: planned for the model's kv heads, then the held heads' share of
+    // the CTAs. For a batch whose items have equal chunk counts dec_prefix then
+    // cuts every (item, kv head) into the same pieces as the whole model's
+    // daemon (floor(floor(c h / H) / (h n)) = floor(c / (H n))); an uneven
+    // batch's flat cut still depends on the held count (docs/scale-out.md).
+    const int mkv = attnd_kshape_model_kv_heads(s);
+    const long chunks_max = (long)b->nitems * mkv * ((plan_span(b) + kDecKeys - 1) / kDecKeys + 1);
     const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 8;
     long c = chunks_max / min_chunks;
     if (c > slots)
@@ -159,6 +169,11 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
     while (c > 1 && flat_workspace_bytes((int)c, max_vec, s->head_dim, b->nitems) > ws_bytes)
       c = c * 3 / 4;
     if (c > 1 || o.split == 1) {
+      if (mkv != s->kv_heads) { // sharding: the held heads' share of the CTAs
+        c = c * s->kv_heads / mkv;
+        if (c < 1)
+          c = 1;
+      }
       pl->flat = 1;
       pl->nctas = (int)c;
       return 0;

@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int per_token = P.q_heads + 2 * P.kv_heads;
   const long gw = (long)blockIdx.x * kWarps + warp;
-  if (gw >= (long)P.b.total_kv * per_token)
+  // Rows past total_kv are attend-only items' q rows (attnd_kbatch_t.q_only_rows).
+  if (gw >= ((long)P.b.total_kv + P.b.q_only_rows) * per_token)
     return;
   const int t = (int)(gw / per_token);
   const attnd_kbatch_t &b = P.b;
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
   const int d = P.d, epl = d / 32, c0 = lane * epl;
   const bool has_q = it.q_row >= 0;
   const int32_t *bt = b.meta + it.block_table;
+  // An attend-only item's pos is below its keys' end: a block it holds, never written.
   uint8_t *blk = b.cache + (size_t)bt[pos / P.bs] * b.block_bytes;
   const int off = pos % P.bs;
   const int rb = kv_row_bytes(P.kv, d);
@@ -74,6 +76,8 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
       kind = 0;
       h = u;
     } else {
+      if (t >= b.total_kv)
+        return; // attend-only item: no k/v rows, nothing written
       int w = u - P.q_heads;
       kind = w < P.kv_heads ? 1 : 2;
       h = kind == 1 ? w : w - P.kv_heads;
@@ -112,7 +116,7 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
         }
         // fp32 angle and accurate sin/cos; no contraction into fma, so the
         // result is the correctly rounded fp32 expression of docs/numerics.md.
-        const float ang = __fmul_rn((float)pos, P.inv_freq[f]);
+        const float ang = __fmul_rn((float)(pos + it.pos_base), P.inv_freq[f]); // pos_base: split context
         float sn, cs;
         sincosf(ang, &sn, &cs);
         x[e] = __fadd_rn(__fmul_rn(x[e], cs), sign * __fmul_rn(other, sn));
@@ -199,9 +203,9 @@ extern "C" int attnd_cuda_write_opts(const attnd_kshape_t *s, const attnd_kbatch
                                      const attnd_cuda_opts_t *opts) {
   if (attnd_kshape_check(s) != 0)
     return set_invalid(__FILE__, __LINE__, "unsupported shape");
-  if (b->total_kv <= 0 || b->nitems <= 0)
+  if ((b->total_kv <= 0 && b->q_only_rows <= 0) || b->nitems <= 0)
     return 0;
-  if (!b->cache || !b->items || !b->meta || !b->k || !b->v)
+  if (!b->cache || !b->items || !b->meta || (b->total_kv > 0 && (!b->k || !b->v)))
     return set_invalid(__FILE__, __LINE__, "batch without cache, items, meta, k or v");
   if (attnd_kv_type_static(s->kv) && (!b->k_scale || !b->v_scale))
     return set_invalid(__FILE__, __LINE__, "static cache type without scales");
@@ -229,7 +233,8 @@ extern "C" int attnd_cuda_write_opts(const attnd_kshape_t *s, const attnd_kbatch
     last_rd = P.rd;
   }
   memcpy(P.inv_freq, inv_freq, sizeof(inv_freq));
-  const long warps = (long)b->total_kv * (s->q_heads + 2 * s->kv_heads);
+  const long warps = ((long)b->total_kv + (b->q_only_rows > 0 ? b->q_only_rows : 0)) *
+                     (s->q_heads + 2 * s->kv_heads);
   const long ctas = (warps + kWarps - 1) / kWarps;
   if (ctas > 0x7fffffffL)
     return set_invalid(__FILE__, __LINE__, "too many rows for one write launch");

@@ -4,8 +4,8 @@
   4/2 model; their range given in the fleet, as for a daemon that does not report
   one) against one daemon with the whole shape: prefill, pipelined decode, lse,
   fp32 out, fork.
-- Real daemons with --kv-heads A:B (the daemon side of head sharding): skipped
-  until the daemon reports its range in Health.
+- Real daemons with --kv-heads A:B (2 shards of 4/2, 4 shards of 8/4, uneven
+  int8 shards with sliced scales) against one daemon; bad ranges exit 2.
 - The protocol fake reporting ranges: range checks and failures.
 """
 import os
@@ -142,33 +142,76 @@ class NarrowShapeShards(unittest.TestCase):
 
 
 class KvHeadsFlagShards(unittest.TestCase):
-    """--kv-heads A:B on the real daemon (the later daemon round): skipped until then."""
+    """Daemons started with --kv-heads A:B report their range in Health and, joined
+    by ShardedClient, answer one whole daemon's bits: 2 shards of a 4/2 model, 4
+    shards of an 8/4 model (one kv head each), and int8 static scales sliced."""
 
-    def test_kv_heads_flag(self):
+    def group_equals_whole(self, q, kv, ranges, extra=(), scales=False):
         ds = []
         try:
-            for rng in ("0:1", "1:2"):
-                d = Daemon(shape=COMMON + ["--q-heads", "4", "--kv-heads", "2", "--kv-heads", rng])
+            for rng in ranges:
+                d = Daemon(shape=COMMON + list(extra) + ["--q-heads", str(q), "--kv-heads", str(kv),
+                                                         "--kv-heads", rng])
                 ds.append(d)
-                try:
-                    h = d.wait_ready()
-                except AssertionError:
-                    last = (d.log_text().strip().splitlines() or ["no log"])[-1]
-                    self.skipTest(f"the daemon does not take --kv-heads A:B yet ({last})")
-                if not h.model.kv_head_end:
-                    self.skipTest("the daemon does not report its kv-head range in Health yet")
-                self.assertEqual(h.model.model_kv_heads, 2)
-            whole = start(["--q-heads", "4", "--kv-heads", "2"])
+                h = d.wait_ready()
+                a, b = (int(x) for x in rng.split(":"))
+                self.assertEqual((h.model.kv_head_begin, h.model.kv_head_end), (a, b))
+                self.assertEqual((h.model.model_q_heads, h.model.model_kv_heads), (q, kv))
+                self.assertEqual((h.model.q_heads, h.model.kv_heads), ((b - a) * q // kv, b - a))
+            whole = start(list(extra) + ["--q-heads", str(q), "--kv-heads", str(kv)])
             ds.append(whole)
-            with whole.client() as one, ShardedClient([x.socket for x in ds[:2]]) as sh:
+            hw = whole.client().health()
+            self.assertEqual((hw.model.kv_head_begin, hw.model.kv_head_end), (0, kv))
+            # Each shard's KV bytes are its heads' share of the whole model's.
+            hs = [x.client().health() for x in ds[:-1]]
+            self.assertEqual(sum(x.model.kv_bytes_per_token for x in hs), hw.model.kv_bytes_per_token)
+            shards = list(reversed([x.socket for x in ds[:-1]]))  # any order
+            with whole.client() as one, ShardedClient(shards) as sh:
+                self.assertEqual((sh.model.q_heads, sh.model.kv_heads), (q, kv))
+                if scales:
+                    rs = np.random.default_rng(SEED)
+                    ks = rs.uniform(0.01, 0.05, (kv, 64)).astype(np.float32)
+                    vs = rs.uniform(0.01, 0.05, (kv, 64)).astype(np.float32)
+                    for layer in range(2):
+                        one.set_scales(layer, ks, vs)
+                        sh.set_scales(layer, ks, vs)
                 a = run_sessions(one, one.model, SEED)
                 b = run_sessions(sh, sh.model, SEED)
-            for x, y in zip(a, b):
-                self.assertTrue(np.array_equal(x.view(np.uint8), y.view(np.uint8)))
+            self.assertEqual(len(a), len(b))
+            for i, (x, y) in enumerate(zip(a, b)):
+                self.assertEqual(x.shape, y.shape)
+                self.assertTrue(np.array_equal(x.view(np.uint8), y.view(np.uint8)),
+                                f"output {i}: sharded differs from one daemon")
         finally:
             for d in ds:
                 d.stop()
                 d.close()
+
+    def test_two_shards(self):
+        self.group_equals_whole(4, 2, ["0:1", "1:2"])
+
+    def test_four_shards(self):
+        self.group_equals_whole(8, 4, ["0:1", "1:2", "2:3", "3:4"])
+
+    def test_uneven_shards_int8_scales(self):
+        self.group_equals_whole(8, 4, ["0:3", "3:4"], extra=["--kv-cache", "int8"], scales=True)
+
+    def test_bad_ranges_exit_2(self):
+        for args, what in ((["--kv-heads", "2", "--kv-heads", "1:3"], "0 <= A < B <= 2"),
+                           (["--kv-heads", "2:1"], "0 <= A < B"),
+                           (["--kv-heads", "1:1"], "0 <= A < B"),
+                           (["--kv-heads", ":2"], "range A:B"),
+                           (["--kv-heads", "0:x"], "range A:B"),
+                           (["--q-heads", "6", "--kv-heads", "4", "--kv-heads", "0:2"],
+                            "not a multiple")):
+            with self.subTest(args=args):
+                d = Daemon(shape=COMMON + args)
+                try:
+                    rc = d.proc.wait(timeout=20)
+                    self.assertEqual(rc, 2, d.log_text())
+                    self.assertIn(what, d.log_text())
+                finally:
+                    d.close()
 
 
 class FakeRanges(unittest.TestCase):

@@ -4,8 +4,8 @@ the lse rule, equals one daemon holding all of it within 1e-3 (fp32 out).
 - The protocol fake with base positions and q_only items: 2 and 3 parts against
   one fake holding the whole context, causal and sliding-window masks (the window
   leaves whole parts fully masked for later rows), truncate and fork across parts.
-- Real daemons: skipped until their Health says split_context (the later daemon round);
-  then 2 and 4 CPU daemons against one.
+- Real CPU daemons: 2 and 4 daemons (up to 4 parts) against one, sliding,
+  prefix-LM and full masks, a fully masked part, base and q_only bad input.
 """
 import os
 import random
@@ -181,31 +181,151 @@ class FakeSplit(unittest.TestCase):
             self.assertEqual(len(p1.sessions), 0)  # the wrongly placed session was closed
 
 
+def open_at(cl, base, tokens=None):
+    """OpenSession with a base position (a raw request: the plain client has no base)."""
+    req = attnd.client.pb.Request()
+    req.open_session.SetInParent()
+    req.open_session.base = base
+    if tokens is not None:
+        req.open_session.tokens.extend(tokens)
+    r = cl.call(req).open_session
+    return r.session, r.cached_len, r.base
+
+
 class RealSplit(unittest.TestCase):
-    """Real CPU daemons; skipped while they do not serve split context."""
+    """Real CPU daemons serving split context: 2 and 4 daemons (up to 4 parts)
+    against one, the masks that leave whole parts fully masked, and bad input."""
 
     SHAPE = ["--backend", BACKEND, "--kv-memory", "32M", "--layers", "2", "--q-heads", "4",
              "--kv-heads", "2", "--head-dim", "64", "--block-size", "16", "--threads", "1"]
 
-    def test_split_equals_one(self):
-        ds = []
+    @classmethod
+    def setUpClass(cls):
+        print(f"seed {SEED}")
+        cls.ds = []
         try:
             for _ in range(5):
-                d = Daemon(shape=self.SHAPE)
-                ds.append(d)
+                d = Daemon(shape=cls.SHAPE)
+                cls.ds.append(d)
                 h = d.wait_ready()
-                if not h.split_context:
-                    self.skipTest("the daemon does not serve split context yet (Health.split_context false)")
-            with ds[0].client() as one:
-                _, a = drive(one, one.model, SEED, chunks=(40, 24), decode=8)
-            for n in (2, 4):
-                with SplitClient([d.socket for d in ds[1:1 + n]], 32) as sp:
-                    _, b = drive(sp, sp.model, SEED, chunks=(40, 24), decode=8)
-                compare(self, a, b)
-        finally:
-            for d in ds:
-                d.stop()
-                d.close()
+                assert h.split_context, "Health.split_context is false"
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for d in cls.ds:
+            d.stop()
+            d.close()
+
+    def split_vs_one(self, n, part_len, parts=None, **kw):
+        with self.ds[0].client() as one:
+            sids1, a = drive(one, one.model, SEED, **kw)
+            for sid in sids1:
+                one.close_session(sid)
+        with SplitClient([d.socket for d in self.ds[1:1 + n]], part_len) as sp:
+            sids, b = drive(sp, sp.model, SEED, **kw)
+            if parts is not None:
+                self.assertEqual(len(sp.session(sids[0]).parts), parts)
+            for sid in sids:
+                sp.close_session(sid)
+        return compare(self, a, b)
+
+    def test_split_equals_one(self):
+        for n in (2, 4):
+            with self.subTest(daemons=n):
+                self.split_vs_one(n, 32, chunks=(40, 24), decode=8)
+
+    def test_four_parts(self):
+        # Parts at 0, 40, 64, 80 (bases need not be block multiples); prefill
+        # chunks longer than a part's keys (q_only pieces) and decode rolls.
+        self.split_vs_one(4, 16, parts=4, chunks=(40, 24, 16), decode=8)
+
+    def test_masks(self):
+        for name, m in (("sliding", attnd.Mask.sliding_window(10)),
+                        ("sliding-wide", attnd.Mask.sliding_window(30)),
+                        ("prefix-lm", attnd.Mask.prefix_lm(20)),
+                        ("full", attnd.Mask.full())):
+            with self.subTest(mask=name):
+                self.split_vs_one(3, 16, chunks=(16, 16, 8), decode=3, mask=m)
+
+    def test_fully_masked_part(self):
+        # Window 10: position 43 sees keys 34..43; daemon 0's part [0, 16) gives
+        # lse -inf and out 0 there, and the merge equals one daemon.
+        m = attnd.Mask.sliding_window(10)
+        with SplitClient([d.socket for d in self.ds[1:4]], 16) as sp:
+            (sid,), _ = drive(sp, sp.model, SEED, chunks=(16, 16, 8), decode=3, mask=m, nsess=1)
+            plan = sp.plan([attnd.Item(sid, 43, 1, tokens=[5], mask=m)])
+            q, k, v = (np.ones((1, h, 64), np.float32) for h in (4, 2, 2))
+            r = sp.step(0, q, k, v, plan=plan)
+            self.assertEqual(len(r.parts), 3)
+            self.assertTrue(np.isneginf(r.parts[0].lse).all())
+            self.assertTrue((r.parts[0].out == 0).all())
+            self.assertTrue(np.isfinite(r.out).all() and np.isfinite(r.lse).all())
+            sp.close_session(sid)
+
+    def test_base_and_bad_input(self):
+        from attnd.split import _q_only_item
+        with self.ds[1].client() as c:
+            mc = c.health().model.max_context
+            with self.assertRaises(attnd.OutOfRange):
+                open_at(c, mc)
+            # A part past 0 neither looks up nor publishes: cached_len 0.
+            toks = list(range(32))
+            s0, _ = c.open_session(toks)
+            plan = c.plan([attnd.Item(s0, 0, 32, tokens=toks)])
+            for layer in range(2):
+                c.step(layer, *(np.ones((32, h, 64), np.float32) for h in (4, 2, 2)), plan=plan)
+            c.close_session(s0)
+            _, hit, _ = open_at(c, 0, toks)
+            self.assertGreater(hit, 0)
+            sid, hit, base = open_at(c, 40, toks)
+            self.assertEqual((hit, base), (0, 40))
+            info = {x.session: x for x in c.list_sessions()}[sid]
+            self.assertEqual((info.base, info.len), (40, 40))
+            one = lambda *hs: [np.ones((n, h, 64), np.float32) for n, h in hs]
+            bad = [
+                ([attnd.Item(sid, 39, 1, tokens=[1])], 1, attnd.InvalidArgument, "base 40"),
+                ([attnd.Item(sid, 41, 1, tokens=[1])], 1, attnd.InvalidArgument, "> len 40"),
+                ([_q_only_item(sid, 40, 1, None)], 0, attnd.FailedPrecondition, "no positions"),
+            ]
+            for items, t, exc, what in bad:
+                with self.subTest(what=what):
+                    with self.assertRaises(exc) as cm:
+                        c.step(0, *one((1, 4), (t, 2), (t, 2)), items=items)
+                    self.assertIn(what, str(cm.exception))
+            plan = c.plan([attnd.Item(sid, 40, 8, tokens=list(range(8)))])
+            for layer in range(2):
+                c.step(layer, *one((8, 4), (8, 2), (8, 2)), plan=plan)
+            q_bad = []
+            it = _q_only_item(sid, 47, 1, None)
+            q_bad.append(([it], attnd.InvalidArgument, "q_only start 47 < len 48"))
+            it = _q_only_item(sid, 48, 1, None)
+            it.kv_only = True
+            q_bad.append(([it], attnd.InvalidArgument, "q_only and kv_only"))
+            it = _q_only_item(sid, 48, 1, None)
+            it.tokens = [3]
+            q_bad.append(([it], attnd.InvalidArgument, "no token ids"))
+            for items, exc, what in q_bad:
+                with self.subTest(what=what):
+                    with self.assertRaises(exc) as cm:
+                        c.step(0, *one((1, 4), (0, 2), (0, 2)), items=items)
+                    self.assertIn(what, str(cm.exception))
+            # An attend-only step writes nothing: the session's length stays.
+            r = c.step(0, *one((2, 4), (0, 2), (0, 2)), items=[_q_only_item(sid, 60, 2, None)],
+                       want_lse=True, fp32_out=True)
+            self.assertTrue(np.isfinite(r.out).all() and np.isfinite(r.lse).all())
+            info = {x.session: x for x in c.list_sessions()}[sid]
+            self.assertEqual((info.base, info.len), (40, 48))
+            with self.assertRaises(attnd.InvalidArgument):
+                c.truncate(sid, 39)
+            c.truncate(sid, 40)
+            kid = c.fork(sid)
+            info = {x.session: x for x in c.list_sessions()}[kid]
+            self.assertEqual((info.base, info.len), (40, 40))
+            c.close_session(kid)
+            c.close_session(sid)
 
 
 if __name__ == "__main__":

@@ -311,6 +311,57 @@ def seeds():
     body = b"\x08\x02" + b"\xa0\x06\x00" * 64 + b"\x1a\x00"
     s.raw(struct.pack(">I", len(body)) + body)
     out["field_budget"] = s
+
+    # Split context: a session from base 40 (id 1) and one from 0 (id 2);
+    # writes at and past the base, attend-only (q_only) items alone and beside
+    # a normal item, and the refusals: start below the base, q_only with
+    # kv_only, with tokens, before the end; truncate below the base; a base
+    # past max_context; fork and list (bases reported).
+    s = Seed()
+    for base in (40, 0):
+        r = s.req()
+        r.open_session.SetInParent()
+        r.open_session.base = base
+        s.add(r)
+    step(s, 0, [(1, 40, 8, list(range(8)), False, None)])
+    step(s, 1, [(1, 40, 8, list(range(8)), False, None)])
+
+    def q_only_step(layer, start, n, mask=None, kv_only=False, tokens=None, with_item=False):
+        r = s.req()
+        st = r.step
+        st.layer = layer
+        T = 0
+        if with_item:
+            item(st.items.add(), 2, 0, 3, [1, 2, 3])
+            T = 3
+        it = st.items.add()
+        item(it, 1, start, n, tokens, kv_only, mask)
+        it.q_only = True
+        tensor(st.q, pb.DTYPE_BF16, [n + T, QH, D], bf16((n + T, QH, D)))
+        if T:
+            tensor(st.k, pb.DTYPE_BF16, [T, KVH, D], bf16((T, KVH, D)))
+            tensor(st.v, pb.DTYPE_BF16, [T, KVH, D], bf16((T, KVH, D)))
+        st.want_lse = True
+        st.fp32_out = True
+        s.add(r)
+
+    q_only_step(0, 48, 1)
+    q_only_step(1, 50, 20, mask=(pb.Mask.SLIDING_WINDOW, 6))
+    q_only_step(0, 60, 2, mask=(pb.Mask.CUSTOM, True), with_item=True)
+    q_only_step(0, 48, 3, mask=(pb.Mask.PREFIX_LM, 44))
+    q_only_step(0, 44, 1)                         # before the end
+    q_only_step(0, 48, 1, kv_only=True)           # with kv_only
+    q_only_step(0, 48, 1, tokens=[7])             # with token ids
+    step(s, 0, [(1, 30, 1, [1], False, None)])    # start below the base
+    simple(s, "truncate", session=1, len=39)      # below the base
+    simple(s, "fork", session=1)
+    simple(s, "truncate", session=1, len=44)
+    simple(s, "list_sessions")
+    r = s.req()
+    r.open_session.SetInParent()
+    r.open_session.base = 1 << 20                 # past max_context
+    s.add(r)
+    out["split_context"] = s
     return out
 
 

@@ -128,12 +128,14 @@ class SessionId(int):
 
 @dataclasses.dataclass(frozen=True)
 class SessionInfo:
-    """One entry of list_sessions(): length (layer 0), blocks held, seconds idle."""
+    """One entry of list_sessions(): length (layer 0, absolute), blocks held, seconds
+    idle, and the first position held (split context; 0 otherwise)."""
 
     session: SessionId
     len: int
     blocks: int
     idle_s: int
+    base: int = 0
 
 
 # ---- items and masks ----
@@ -506,7 +508,7 @@ class Client:
 
     def list_sessions(self) -> List[SessionInfo]:
         """This identity's sessions."""
-        return [SessionInfo(SessionId(s.session), s.len, s.blocks, s.idle_s)
+        return [SessionInfo(SessionId(s.session), s.len, s.blocks, s.idle_s, s.base)
                 for s in self._simple("list_sessions").sessions]
 
     @property

@@ -46,7 +46,12 @@ class Shard:
 
 def _range_of(name, model, declared):
     """(begin, end, model_q_heads or 0, model_kv_heads or 0) of one daemon."""
-    if model.kv_head_end:
+    # A daemon that reports the whole model of its own shape (not started with
+    # --kv-heads A:B) may still be a shard started with the shard's shape: a
+    # declared range then says which heads those are.
+    whole = (model.kv_head_begin == 0 and model.kv_head_end == model.kv_heads
+             and model.model_kv_heads in (0, model.kv_heads))
+    if model.kv_head_end and not (declared is not None and whole):
         rng = (model.kv_head_begin, model.kv_head_end)
         if model.kv_head_end - model.kv_head_begin != model.kv_heads:
             raise ShardError(f"{name}: Health reports kv heads [{rng[0]}, {rng[1]}) but holds {model.kv_heads}")
