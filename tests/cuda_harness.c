@@ -662,6 +662,7 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
     hb.v_scale = sc4[1];
     hb.k_zero = sc4[2];
     hb.v_zero = sc4[3];
+    hb.sinks = o->sinks; /* b.sinks is the device copy */
     if (attnd_cpu_write(s, &hb, 0, 1) != 0 || attnd_cpu_attend(s, &hb, 0, 1) != 0)
       fail_msg("cpu step failed");
     free(qc);
