@@ -18,7 +18,8 @@
 #         attnd_version.py from BUILD/python (the client package's version)
 #       The Python client itself comes from client/python in the working tree.
 #   scripts/dev/gpu-hf.sh run         (on the GPU machine, with build-gpu/hf/
-#       copied into the same checkout there): hf_llama.py (bf16 and fp32 weights), the e2e module
+#       copied into the same checkout there, or build-gpu/stage/gpu-e2e.tar.xz:
+#       its daemon, libraries and attnd_pb2.py serve as well): hf_llama.py (bf16 and fp32 weights), the e2e module
 #       test_hf_adapter and hf_models.py (every architecture, bf16 and fp32 weights; at
 #       most ATTND_HF_MODELS_BUDGET, 240 s, of its own), with the daemon on the CPU backend and, when the binary
 #       and the machine have it, on the CUDA backend. Logs and JSON go to $OUT
@@ -46,9 +47,15 @@ stage)
 run)
   out=${OUT:-$here/gpu-out}
   mkdir -p "$out"
-  [ -x "$dir/attnd" ] || { echo "gpu-hf: $dir/attnd missing (run 'scripts/gpu-hf.sh stage' on the build machine)"; exit 1; }
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
+  # Without build-gpu/hf/, the daemon of gpu-e2e.sh's tarball (the same build,
+  # with its libraries and attnd_pb2.py), so that one round carries one copy.
+  if [ ! -x "$dir/attnd" ] && [ -f "$here/build-gpu/stage/gpu-e2e.tar.xz" ]; then
+    dir=$tmp/bin
+    mkdir -p "$dir" && xz -dc "$here/build-gpu/stage/gpu-e2e.tar.xz" | tar -C "$dir" -xf -
+  fi
+  [ -x "$dir/attnd" ] || { echo "gpu-hf: $dir/attnd missing (run 'scripts/dev/gpu-hf.sh stage' or 'scripts/dev/gpu-e2e.sh stage' on the build machine)"; exit 1; }
   # The staged libraries are the daemon's alone: torch must keep the system's.
   printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s/attnd "$@"\n' "$dir" "$dir" >"$tmp/attnd"
   chmod +x "$tmp/attnd"
@@ -71,11 +78,24 @@ p, s, t = hf_llama.spawn('$tmp/attnd', 'cuda'); p.terminate(); p.wait(20)" >"$ou
     tail -5 "$out/hf-cuda-probe.log"
   fi
 
+  # Narrowing a round: ATTND_HF_BACKENDS (of "cpu cuda"), ATTND_HF_DTYPES (of
+  # "bf16 fp32"), ATTND_HF_PARTS (of "llama models": hf_llama.py with the e2e
+  # module, hf_models.py).
+  if [ -n "${ATTND_HF_BACKENDS:-}" ]; then
+    keep=""
+    for b in $backends; do
+      case " $ATTND_HF_BACKENDS " in *" $b "*) keep="$keep $b" ;; esac
+    done
+    backends=$keep
+  fi
+  dtypes=${ATTND_HF_DTYPES:-bf16 fp32}
+  parts=${ATTND_HF_PARTS:-llama models}
   fail=0
   summary=""
   budget=${ATTND_HF_BUDGET:-480}  # seconds: leaves room under a 600 s command limit
   for b in $backends; do
-    for dt in bf16 fp32; do
+    case " $parts " in *" llama "*) ;; *) continue ;; esac
+    for dt in $dtypes; do
       if [ "$SECONDS" -gt "$budget" ]; then
         summary="$summary $b/$dt:NOT-RUN(time)"; fail=1; continue
       fi
@@ -119,7 +139,8 @@ EOF
   mstart=$SECONDS
   mbudget=${ATTND_HF_MODELS_BUDGET:-240}
   for b in $backends; do
-    for dt in bf16 fp32; do
+    case " $parts " in *" models "*) ;; *) continue ;; esac
+    for dt in $dtypes; do
       left=$((mbudget - (SECONDS - mstart)))
       if [ "$left" -le 10 ]; then
         summary="$summary models-$b/$dt:NOT-RUN(time)"; fail=1; continue
