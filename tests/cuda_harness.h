@@ -67,8 +67,9 @@ extern double g_ab_worst, g_ab_worst_short;
 int harness_rnd(int n);
 double harness_bound(attnd_kv_type_t kv); /* the error bound of a cache type (docs/numerics.md) */
 /* Floor of the CPU-ratio check: the roundings of P and of the outputs the
- * CUDA kernels make and the CPU backend does not (P in bf16 or fp16). */
-double harness_ratio_floor(attnd_dtype_t dt, attnd_kv_type_t kv);
+ * CUDA kernels make and the CPU backend does not (P in bf16 or fp16), for
+ * an input style (CASE_*). */
+double harness_ratio_floor(attnd_dtype_t dt, attnd_kv_type_t kv, int style);
 
 /* The float64 reference of the per-layer variants (window, soft-capping,
  * sinks: docs/numerics.md) over an oracle session, as oracle_session_attend
