@@ -118,7 +118,11 @@ int main(int argc, char **argv) {
   uv_loop_t loop;
   uv_loop_init(&loop);
   attnd_config_t cfg;
-  memset(&cfg, 0, sizeof(cfg));
+  /* The daemon's defaults (the CUDA backend's pinned memory, completion and
+   * host-function options among them), then this benchmark's shape; no state
+   * directory: nothing is persisted. */
+  attnd_config_defaults(&cfg);
+  cfg.state_dir[0] = 0;
   attnd_kshape_t s = {.q_heads = qh,
                       .kv_heads = kvh,
                       .head_dim = hd,

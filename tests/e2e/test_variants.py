@@ -12,13 +12,18 @@ import unittest
 import numpy as np
 
 import attnd
-from harness import Daemon, daemon_binary
+from harness import BACKEND, Daemon, daemon_binary
 from reference import RefSession, rel_l2
 import tolerance
 
 WINDOWS = "5,0"  # layer 0 slides by 5 keys (less than a block of 16), layer 1 is full
 SOFTCAP = 2.5    # low enough that N(0, 1) data is capped hard
 VARIANTS = ["--attention-windows", WINDOWS, "--softcap", str(SOFTCAP), "--attention-sinks", "true"]
+# fp32 outputs against the float64 reference: the CPU backend keeps P in fp32; the
+# CUDA kernels feed P to the matrix units in bf16 for a bf16 cache (docs/numerics.md
+# allows it), about one bf16 rounding of the output (measured 1.4e-3 to 1.6e-3 on
+# the H200), far inside the type's bound (tolerance.REL_L2["bf16"]).
+OUT_TOL = 4e-3 if BACKEND == "cuda" else 1e-3
 
 
 class VariantsTest(unittest.TestCase):
@@ -93,23 +98,23 @@ class VariantsTest(unittest.TestCase):
             self.assertEqual(len(set(versions)), len(versions))
             bound = tolerance.ENGINE_LSE
             err, err_lse = self.run_session(c, rng, sinks)
-            self.assertLess(err, 1e-3, "fp32 outputs against the float64 reference")
+            self.assertLess(err, OUT_TOL, "fp32 outputs against the float64 reference")
             self.assertLess(err_lse, bound)
             # Scores far past the cap (q and k amplitude 6): still the reference's.
             err, err_lse = self.run_session(c, rng, sinks, n_prompt=9, n_decode=2, amp=6.0)
-            self.assertLess(err, 1e-3)
+            self.assertLess(err, OUT_TOL)
             self.assertLess(err_lse, bound)
             # A later SetSinks takes effect for the steps after it.
             sinks[0] = -sinks[0]
             self.assertGreater(c.set_sinks(0, sinks[0]), versions[-1])
             err, _ = self.run_session(c, rng, sinks, n_prompt=7, n_decode=1)
-            self.assertLess(err, 1e-3)
+            self.assertLess(err, OUT_TOL)
         self.assertEqual(d.stop(), 0, d.log_text())
         # Restarted on the same state directory: the sinks are back, steps run at once.
         d2 = self.start(tmp=self.tmp)
         with d2.client() as c:
             err, err_lse = self.run_session(c, rng, sinks, n_prompt=6, n_decode=1)
-            self.assertLess(err, 1e-3)
+            self.assertLess(err, OUT_TOL)
 
     def test_sinks_off(self):
         """Without attention-sinks, SetSinks is refused and steps need none."""
@@ -124,7 +129,7 @@ class VariantsTest(unittest.TestCase):
                 err, err_lse = self.run_session(c, rng, [None] * m.layers, n_prompt=19, n_decode=3)
             except attnd.Unimplemented as e:
                 self.skipTest(f"sessions answer UNIMPLEMENTED ({e.message})")
-            self.assertLess(err, 1e-3)
+            self.assertLess(err, OUT_TOL)
             self.assertLess(err_lse, tolerance.ENGINE_LSE)
 
 
