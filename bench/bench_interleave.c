@@ -33,9 +33,15 @@ typedef struct {
   char msg[256];
 } res_t;
 
+/* The engine, for freeing outputs in pinned memory (the CUDA backend's). */
+static attnd_engine_t *g_engine;
+
 static void on_done(void *arg, attnd_result_t *r) {
   res_t *x = arg;
-  free(r->out);
+  if (r->out_pinned)
+    attnd_engine_host_free(g_engine, r->out, 1);
+  else
+    free(r->out);
   free(r->lse);
   x->status = r->status;
   x->plan = r->plan;
@@ -149,6 +155,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "init: %s\n", err);
     return 1;
   }
+  g_engine = e;
   ctx_t c = {.e = e, .loop = &loop, .qh = qh, .kvh = kvh, .hd = hd};
   uint32_t *tokens = calloc((size_t)prefill + (size_t)ctxlen + MAXDEC + 64, sizeof(uint32_t));
   size_t big = (size_t)(prefill > ctxlen ? prefill : ctxlen);

@@ -231,7 +231,7 @@ def check_arch(binary, backend, arch, dtype, device=None, seed=0, say=print):
     b16 = res.get("bf16_eager_vs_eager_rel_l2")
     say(f"  {arch} {dtype} {backend}: teacher-forced logits rel L2 {tf['rel_l2']:.2e} (bound {tol:.1e}, "
         f"sdpa-vs-eager floor {floor:.1e}" + (f", bf16-eager floor {b16:.1e}" if b16 is not None else "") +
-        "), argmax {tf['agree'] + tf['near_ties']}/{tf['n']}, "
+        f"), argmax {tf['agree'] + tf['near_ties']}/{tf['n']}, "
         f"generate {res['generate_same_tokens']}/{BATCH * STEPS} tokens as eager's")
     return res
 
