@@ -38,6 +38,8 @@ extern std::string g_json;
 // ATTND_BENCH_FILTER=substring runs only the rows whose name contains it.
 bool bench_wanted(const char *name);
 void jrow(const char *name, const char *fmt, ...);
+// Roughly normal bf16 values (mean 0, sd ~2.3), deterministic per seed.
+__global__ void fill_normalish(__nv_bfloat16 *p, size_t n, uint64_t seed);
 
 // Median of iters timed runs of fn (CUDA events around each), after warm runs.
 template <class F> static float median_ms(F fn, int warm, int iters) {
