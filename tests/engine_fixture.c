@@ -573,6 +573,19 @@ void sim_copy(sim_t *dst, const sim_t *src) {
   memcpy(dst->tokens, src->tokens, sizeof(dst->tokens));
 }
 
+void open_prefill_fork(fx_t *f, sim_t *s, sim_t *t, uint32_t n, uint32_t total) {
+  fill_tokens(f, s, 0, total);
+  open_session(f, s, 0, NULL, 0);
+  spec_t ps = {.sim = s, .start = 0, .n = n};
+  plan_all_layers(f, &ps, 1);
+  uint64_t tid;
+  assert_int_equal(simple_call(f, 1, s->id, 0, &tid), 0);
+  t->id = tid;
+  sim_init_oracle(f, t);
+  sim_copy(t, s);
+  fill_tokens(f, t, n, total);
+}
+
 /* Prefix hits give the same outputs as a cold session (fp32, rel L2 <= 1e-3):
  * a and c compute the same prefix from the same k/v (c under a salt, so it
  * never shares); b hits a's blocks; b and c then take the same steps. */

@@ -158,6 +158,10 @@ void fill_tokens(fx_t *f, sim_t *s, uint32_t from, uint32_t to);
 void expect(fx_t *f, int got, int want, const char *msg, const char *needle);
 /* Copies the oracle state of one session into another (fork). */
 void sim_copy(sim_t *dst, const sim_t *src);
+/* Opens s with fresh tokens [0, total), prefills its first n on every layer
+ * (checked), and forks it into t, engine and oracle, t's tokens from n on
+ * fresh: the start of every copy-on-write test. */
+void open_prefill_fork(fx_t *f, sim_t *s, sim_t *t, uint32_t n, uint32_t total);
 int queued_on(void **state);
 int queued_off(void **state);
 uint32_t queued_now(fx_t *f);

@@ -165,16 +165,7 @@ static void test_decode_beside_prefill(void **state) {
 static void test_copy_fault(void **state) {
   fx_t *f = fx_new(ATTND_KV_BF16, 32);
   sim_t *s = sim_new(), *t = sim_new();
-  fill_tokens(f, s, 0, 100);
-  open_session(f, s, 0, NULL, 0);
-  spec_t ps = {.sim = s, .start = 0, .n = 20};
-  plan_all_layers(f, &ps, 1);
-  uint64_t tid;
-  assert_int_equal(simple_call(f, 1, s->id, 0, &tid), 0);
-  t->id = tid;
-  sim_init_oracle(f, t);
-  sim_copy(t, s);
-  fill_tokens(f, t, 20, 100);
+  open_prefill_fork(f, s, t, 20, 100);
   attnd_backend_cpu_fail_next = ATTND_CPU_FAIL_COPY;
   char msg[256];
   spec_t dt = {.sim = t, .start = 20, .n = 1}; /* writes the shared block 1: a copy */
@@ -237,16 +228,7 @@ static void test_fault_spreads(void **state) {
 static void test_cow_order(void **state) {
   fx_t *f = fx_new(ATTND_KV_INT8_DYNAMIC, 32);
   sim_t *s = sim_new(), *t = sim_new();
-  fill_tokens(f, s, 0, 100);
-  open_session(f, s, 0, NULL, 0);
-  spec_t ps = {.sim = s, .start = 0, .n = 20};
-  plan_all_layers(f, &ps, 1);
-  uint64_t tid;
-  assert_int_equal(simple_call(f, 1, s->id, 0, &tid), 0);
-  t->id = tid;
-  sim_init_oracle(f, t);
-  sim_copy(t, s);
-  fill_tokens(f, t, 20, 100);
+  open_prefill_fork(f, s, t, 20, 100);
   pend_t *pd = calloc(2 * LAYERS, sizeof(*pd));
   spec_t dt = {.sim = t, .start = 20, .n = 1}, dsp = {.sim = s, .start = 20, .n = 2};
   for (int l = 0; l < LAYERS; l++) {

@@ -14,16 +14,7 @@
 static void test_fork_truncate(void **state) {
   fx_t *f = fx_new(ATTND_KV_INT8_DYNAMIC, 64);
   sim_t *a = sim_new(), *b = sim_new();
-  fill_tokens(f, a, 0, 200);
-  open_session(f, a, 0, NULL, 0);
-  spec_t pa = {.sim = a, .start = 0, .n = 24};
-  plan_all_layers(f, &pa, 1);
-  uint64_t bid;
-  assert_int_equal(simple_call(f, 1, a->id, 0, &bid), 0);
-  b->id = bid;
-  sim_init_oracle(f, b);
-  sim_copy(b, a);
-  fill_tokens(f, b, 24, 200);
+  open_prefill_fork(f, a, b, 24, 200);
   attnd_engine_stats_t st0, st1;
   attnd_engine_stats(f->e, &st0);
   /* Both write into the shared partial block 1 (positions 16..23 held). */
