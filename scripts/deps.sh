@@ -20,6 +20,7 @@ PKGS=(
   lintian               # checks the .deb (e2e_deb_lintian skips without it)
   bash-completion groff-base  # the generated completions and man pages are exercised (e2e_docs)
   valgrind
+  libseccomp-dev        # attnd-sandbox-exec: the unit's system call filter without systemd (e2e_sandbox)
   clang libclang-rt-14-dev  # `make fuzz`: libFuzzer and clang's sanitizer runtimes
 )
 missing=()

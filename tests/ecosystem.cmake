@@ -44,3 +44,23 @@ attnd_add_e2e(e2e_model_config test_model_config)
 # Skipped where promtool, from Debian's prometheus package, is not installed).
 attnd_add_e2e(e2e_operations test_operations.OperationsTest)
 attnd_add_e2e(e2e_promtool test_operations.PromtoolTest)
+
+# The unit's system call sandbox without systemd: attnd-sandbox-exec
+# (deploy/sandbox/, built when libseccomp-dev is installed, its static library
+# linked in so that the binary can be copied to a GPU host or a container)
+# runs the daemon under the unit's SystemCallFilter= and friends, and the
+# tiny Llama example must still compute; the checked-in syscall lists must
+# equal what systemd-analyze expands (deploy/sandbox-check.sh --no-systemd).
+find_path(ATTND_SECCOMP_INCLUDE seccomp.h)
+find_library(ATTND_SECCOMP_STATIC NAMES libseccomp.a)
+if(ATTND_SECCOMP_INCLUDE AND ATTND_SECCOMP_STATIC)
+  add_executable(attnd-sandbox-exec ${PROJECT_SOURCE_DIR}/deploy/sandbox/attnd_sandbox_exec.c)
+  target_include_directories(attnd-sandbox-exec PRIVATE ${ATTND_SECCOMP_INCLUDE})
+  target_link_libraries(attnd-sandbox-exec PRIVATE ${ATTND_SECCOMP_STATIC})
+  attnd_add_e2e(e2e_sandbox test_sandbox)
+  set_tests_properties(e2e_sandbox PROPERTIES ENVIRONMENT
+                       "${ATTND_E2E_ENV};ATTND_SANDBOX_EXEC=$<TARGET_FILE:attnd-sandbox-exec>")
+else()
+  message(STATUS "libseccomp-dev not found: attnd-sandbox-exec not built, e2e_sandbox skips")
+  attnd_add_e2e(e2e_sandbox test_sandbox)
+endif()

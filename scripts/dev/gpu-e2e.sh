@@ -35,6 +35,8 @@
 #      the job with ATTND_EDEVICE and every later job too, without a hang);
 #   5. `attnd --backend cuda` with the e2e's small shape on a temp socket:
 #      Health, the tiny Llama example against it, then SIGTERM must exit 0;
+#   5b. the same daemon under attnd.service's system call sandbox without systemd
+#      (deploy/sandbox-check.sh --no-systemd, attnd-sandbox-exec);
 #   6. the Python e2e modules with ATTND_E2E_BACKEND=cuda (each test class
 #      starts its own `attnd --backend cuda`; GPU_E2E_MODULES overrides the list);
 #   7. the default Llama-3-8B-like shape (32 layers, 32/8 heads, d 128) with
@@ -56,13 +58,13 @@ stage() {
   if [ "${GPU_E2E_NO_BUILD:-0}" != 1 ]; then
     cmake -S "$here" -B "$b" -DPython3_EXECUTABLE=/usr/bin/python3 \
       -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-    cmake --build "$b" -j2 --target attnd attnctl test_backend_cuda bench_interleave attnd_proto_py
+    cmake --build "$b" -j2 --target attnd attnctl test_backend_cuda bench_interleave attnd_proto_py attnd-sandbox-exec
   fi
   mkdir -p "$st"
   local tmp
   tmp=$(mktemp -d)
   local f
-  for f in daemon/attnd client/attnctl tests/test_backend_cuda bench/bench_interleave; do
+  for f in daemon/attnd client/attnctl tests/test_backend_cuda bench/bench_interleave tests/attnd-sandbox-exec; do
     cp "$b/$f" "$tmp/" && strip --strip-debug "$tmp/$(basename "$f")"
   done
   cp "$b/python/attnd_pb2.py" "$b/python/attnd_version.py" "$tmp/"
@@ -303,6 +305,24 @@ EOF
   fi
 else
   record daemon_small 77
+fi
+
+# ---- 5b. the CUDA backend under the unit's system call sandbox ---------------
+# deploy/sandbox-check.sh --no-systemd: attnd-sandbox-exec applies attnd.service's
+# SystemCallFilter=, RestrictAddressFamilies=, NoNewPrivileges=, ... and the
+# devices the daemon holds open are checked against its DeviceAllow=.
+sbx=$(find_file attnd-sandbox-exec || true)
+if [ -n "$sbx" ] && [ -n "$attnd_bin" ] && [ -n "$attnctl_bin" ] && time_left 90; then
+  { id; ls -l /dev/nvidia* 2>&1 | head; grep -i nvidia /proc/devices; } >"$out/sandbox_env.txt" 2>&1
+  cat "$out/sandbox_env.txt"
+  timeout 90 bash "$here/deploy/sandbox-check.sh" --no-systemd --sandbox-exec "$sbx" \
+    --attnd "$attnd_bin" --attnctl "$attnctl_bin" --backend cuda --python "$py" \
+    --example "$here/client/python/examples/tiny_llama.py" >"$out/sandbox.log" 2>&1
+  rc=$?
+  tail -40 "$out/sandbox.log"
+  record sandbox_cuda $rc
+else
+  record sandbox_cuda 77
 fi
 
 # ---- 6. the Python e2e suite on the CUDA backend ------------------------------
