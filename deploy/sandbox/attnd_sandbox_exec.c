@@ -81,8 +81,8 @@ static const struct {
   const char *name;
   int value;
 } families[] = {
-    {"AF_UNIX", AF_UNIX},       {"AF_INET", AF_INET},       {"AF_INET6", AF_INET6},
-    {"AF_NETLINK", AF_NETLINK}, {"AF_PACKET", AF_PACKET},   {"AF_VSOCK", AF_VSOCK},
+    {"AF_UNIX", AF_UNIX},       {"AF_INET", AF_INET},     {"AF_INET6", AF_INET6},
+    {"AF_NETLINK", AF_NETLINK}, {"AF_PACKET", AF_PACKET}, {"AF_VSOCK", AF_VSOCK},
 };
 
 static int family_value(const char *name) {
@@ -111,7 +111,7 @@ static int special(const char *name) {
   do {                                                                                             \
     int r_ = seccomp_rule_add(ctx, act, SCMP_SYS(call), __VA_ARGS__);                              \
     if (r_ < 0 && r_ != -EDOM) {                                                                   \
-      fprintf(stderr, "attnd-sandbox-exec: rule for %s: %s\n", #call, strerror(-r_));             \
+      fprintf(stderr, "attnd-sandbox-exec: rule for %s: %s\n", #call, strerror(-r_));              \
       goto fail;                                                                                   \
     }                                                                                              \
   } while (0)
@@ -146,7 +146,10 @@ int main(int argc, char **argv) {
       have_families = 1;
     } else if (strcmp(argv[i], "--errno") == 0) {
       const char *e = argv[++i];
-      err = strcmp(e, "EPERM") == 0 ? EPERM : strcmp(e, "EACCES") == 0 ? EACCES : strcmp(e, "ENOSYS") == 0 ? ENOSYS : -1;
+      err = strcmp(e, "EPERM") == 0    ? EPERM
+            : strcmp(e, "EACCES") == 0 ? EACCES
+            : strcmp(e, "ENOSYS") == 0 ? ENOSYS
+                                       : -1;
       if (err < 0)
         return usage();
     } else {
