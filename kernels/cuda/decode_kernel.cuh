@@ -138,14 +138,17 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
       x = Ls > 0.f ? (x - sVs[D + d]) * sVs[d] : 0.f; // s (sum P~ u / sum P~ - z)
     else if constexpr (C::K::kStatic)
       x *= sVs[d];
-    // lse from the sum of P; lset from the sum that normalized O (the merge weights).
+    // lset from the sum that normalized O (the merge weights); lse the same
+    // log, not that of the unrounded sum Ls, so that a client merging parts
+    // by lse weights each output by the sum it was divided by
+    // (docs/numerics.md, merging split-context results).
     float lse = -INFINITY, lset = -INFINITY;
     if (Ls > 0.f) {
       // The sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
       // (Capped int4 scores hold the zero-point term: softcap2.)
       const float ref = sM[r] - (C::K::kI4 && P.cap2 == 0.f ? sC[r] : 0.f);
-      lse = (ref + (log2f(Ls) - C::kPShift)) * 0.69314718055994531f;
-      lset = C::K::kDyn ? lse : (ref + (log2f(sLt[r]) - C::kPShift)) * 0.69314718055994531f;
+      lset = (ref + (log2f(C::K::kDyn ? Ls : sLt[r]) - C::kPShift)) * 0.69314718055994531f;
+      lse = lset;
     }
     const int row = it.q_row + r / G, h = kvh * G + r % G;
     if (sink)

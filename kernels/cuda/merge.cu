@@ -2,8 +2,10 @@
 // normalized by its own sum, that sum's log (lset) and the part's lse; parts of
 // the same query row combine as out = sum_s w_s o_s / sum_s w_s with
 // w_s = exp(lset_s - max lset) and lse = log sum_s exp(lse_s) (FlashDecoding;
-// FlashInfer's cascade merge). lset and lse differ where the kernels
-// normalize by the sum of P as rounded for the matrix units (decode_kernel.cuh).
+// FlashInfer's cascade merge). The kernels write lse = lset (the log of the
+// sum each output was normalized by, the sum of P as rounded for the matrix
+// units: docs/numerics.md), so the lse written here is the merged lset and a
+// client merging several daemons' answers by lse weighs them consistently.
 // Parts with no visible key weigh nothing; a row with none gets 0 and -inf.
 #include <math.h>
 
