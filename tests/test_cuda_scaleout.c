@@ -1,4 +1,4 @@
-/* test_cuda_scaleout.c: the CUDA kernels under split context of
+/* test_cuda_scaleout.c: the CUDA kernels under the two scale-out modes of
  * docs/scale-out.md, at the kernel API.
  *
  * - Split context: one item over a context against the same item cut into
@@ -9,6 +9,9 @@
  *   (docs/numerics.md) must equal the whole within 1e-3 relative per row.
  *   Before the kernels wrote lse as the log of the sum they normalize by, the
  *   merge disagreed with the normalization by the rounding of P's sums.
+ * - Head sharding: an uneven decode batch run once over all kv heads and once
+ *   per shard (model_kv_heads, kv_head_begin of attnd_kshape_t) must give the
+ *   same bits, out and lse, under every decode cut (flat, per-item, chosen).
  *
  * Caches are filled on the host (bf16 / fp16 values stored as they are: no
  * write kernel needed); every item's blocks sit in shuffled physical order.
@@ -130,6 +133,20 @@ static void model_free(model_t *m) {
   free(m->first);
   free(m->table);
   free(m->cache);
+}
+
+/* The blocks of kv heads [h0, h0 + nh) of a model's cache, as a shard holding
+ * those heads stores them (same block numbers). */
+static uint16_t *shard_cache(const model_t *m, int h0, int nh) {
+  const attnd_kshape_t *s = &m->s;
+  const size_t row = (size_t)s->block_size * s->head_dim;
+  uint16_t *c = malloc((size_t)m->nblocks * 2 * nh * row * 2);
+  for (int b = 0; b < m->nblocks; b++)
+    for (int kv = 0; kv < 2; kv++)
+      for (int h = 0; h < nh; h++)
+        memcpy(c + (((size_t)b * 2 + kv) * nh + h) * row,
+               m->cache + (((size_t)b * 2 + kv) * s->kv_heads + h0 + h) * row, row * 2);
+  return c;
 }
 
 /* One attend call on the device: items (host), block tables (host meta),
@@ -352,6 +369,115 @@ static void test_split_context(void **state) {
   assert_true(lworst < 1e-3);
 }
 
+/* ---- head sharding ----------------------------------------------------------- */
+
+/* An uneven decode batch (one row per item; items of bit i in noq without q,
+ * as write-only items are) over H kv heads, whole and as shards of the given
+ * head ranges; out and lse must be memcmp-equal. */
+static void shard_case(attnd_kshape_t *ms, const int *len, int nitems, unsigned noq,
+                       const int *cuts, int ncuts, const attnd_cuda_opts_t *o, const char *name) {
+  model_t m;
+  model_init(&m, ms, len, nitems);
+  const int H = ms->q_heads, KVH = ms->kv_heads, G = H / KVH, D = ms->head_dim;
+  int maxlen = 0, rows = 0;
+  attnd_kitem_t *items = calloc((size_t)nitems, sizeof(attnd_kitem_t));
+  for (int i = 0; i < nitems; i++) {
+    items[i] = (attnd_kitem_t){.start = len[i] - 1,
+                               .n = 1,
+                               .q_row = (noq >> i) & 1u ? -1 : rows++,
+                               .kv_row = i,
+                               .mask_kind = ATTND_MASK_CAUSAL,
+                               .block_table = m.first[i]};
+    if (len[i] > maxlen)
+      maxlen = len[i];
+  }
+  uint16_t *q = random_q(ms, rows, 1.5);
+  const size_t on = (size_t)rows * H * D;
+  float *ref = malloc(on * 4), *rl = malloc((size_t)rows * H * 4);
+  call_t c = {.s = ms,
+              .items = items,
+              .nitems = nitems,
+              .total_q = rows,
+              .max_kv_len = maxlen,
+              .max_n = 1,
+              .meta = m.table,
+              .nmeta = (size_t)m.nblocks,
+              .q = q,
+              .cache = m.cache,
+              .cache_bytes = (size_t)m.nblocks * attnd_kv_block_bytes(ms),
+              .opts = o};
+  const int whole_splits = run_attend(&c, ref, rl);
+  for (size_t e = 0; e < on; e++)
+    assert_false(isnan(ref[e]));
+  int h0 = 0, differ = 0;
+  for (int k = 0; k <= ncuts; k++) {
+    const int h1 = k < ncuts ? cuts[k] : KVH, nh = h1 - h0;
+    attnd_kshape_t ss = *ms;
+    ss.kv_heads = nh;
+    ss.q_heads = nh * G;
+    ss.model_kv_heads = KVH;
+    ss.kv_head_begin = h0;
+    uint16_t *sc = shard_cache(&m, h0, nh), *sq = malloc((size_t)rows * nh * G * D * 2);
+    for (int r = 0; r < rows; r++)
+      memcpy(sq + (size_t)r * nh * G * D, q + ((size_t)r * H + h0 * G) * D, (size_t)nh * G * D * 2);
+    float *so = malloc((size_t)rows * nh * G * D * 4), *sl = malloc((size_t)rows * nh * G * 4);
+    call_t sc_call = c;
+    sc_call.s = &ss;
+    sc_call.q = sq;
+    sc_call.cache = sc;
+    sc_call.cache_bytes = (size_t)m.nblocks * attnd_kv_block_bytes(&ss);
+    const int splits = run_attend(&sc_call, so, sl);
+    for (int r = 0; r < rows; r++) {
+      const int o_eq = memcmp(so + (size_t)r * nh * G * D, ref + ((size_t)r * H + h0 * G) * D,
+                              (size_t)nh * G * D * 4) == 0;
+      const int l_eq =
+          memcmp(sl + (size_t)r * nh * G, rl + (size_t)r * H + h0 * G, (size_t)nh * G * 4) == 0;
+      if (!o_eq || !l_eq) {
+        differ++;
+        print_message("%s: heads %d:%d q row %d: %s%s differ from the whole model's\n", name, h0,
+                      h1, r, o_eq ? "" : "out ", l_eq ? "" : "lse");
+      }
+    }
+    print_message("%s: whole %d CTAs/parts, heads %d:%d %d\n", name, whole_splits, h0, h1, splits);
+    free(sc);
+    free(sq);
+    free(so);
+    free(sl);
+    h0 = h1;
+  }
+  assert_int_equal(differ, 0);
+  free(items);
+  free(q);
+  free(ref);
+  free(rl);
+  model_free(&m);
+}
+
+static void test_head_sharding(void **state) {
+  (void)state;
+  static const int len5[5] = {37, 9000, 611, 2480, 129};
+  static const int len9[9] = {9, 4100, 1, 777, 16, 17, 3000, 250, 64};
+  static const attnd_cuda_opts_t opts[5] = {{.split = 0},
+                                            {.split = 1},
+                                            {.split = 1, .min_chunks = 2},
+                                            {.split = 1, .min_chunks = 150},
+                                            {.split = 2}};
+  static const char *const names[5] = {"chosen", "flat", "flat min2", "flat min150", "per-item"};
+  char name[96];
+  for (int oi = 0; oi < 5; oi++) {
+    attnd_kshape_t s = make_shape(8, 4, 128, 16, ATTND_DT_BF16, ATTND_KV_BF16);
+    const int half[1] = {4}, uneven[2] = {1, 6};
+    snprintf(name, sizeof name, "5 items G4 H8 bf16 %s", names[oi]);
+    shard_case(&s, len5, 5, 0u, half, 1, &opts[oi], name);
+    snprintf(name, sizeof name, "5 items G4 H8 bf16 %s, shards 0:1 1:6 6:8", names[oi]);
+    shard_case(&s, len5, 5, 0u, uneven, 2, &opts[oi], name);
+    attnd_kshape_t s2 = make_shape(4, 2, 64, 32, ATTND_DT_FP16, ATTND_KV_FP16);
+    const int quarters[3] = {1, 2, 3};
+    snprintf(name, sizeof name, "9 items (2 without q) G2 H4 fp16 %s, shards of 1 head", names[oi]);
+    shard_case(&s2, len9, 9, 0x24u, quarters, 3, &opts[oi], name);
+  }
+}
+
 int main(void) {
   const char *seed = getenv("ATTND_TEST_SEED");
   g_seed = seed ? strtoull(seed, NULL, 0) : (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull;
@@ -363,6 +489,7 @@ int main(void) {
   }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_split_context),
+      cmocka_unit_test(test_head_sharding),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
