@@ -11,7 +11,8 @@
  *   merge disagreed with the normalization by the rounding of P's sums.
  * - Head sharding: an uneven decode batch run once over all kv heads and once
  *   per shard (model_kv_heads, kv_head_begin of attnd_kshape_t) must give the
- *   same bits, out and lse, under every decode cut (flat, per-item, chosen).
+ *   same bits, out and lse, under every decode cut (flat, per-item, chosen);
+ *   so must a prefill-shaped batch (Hopper path, tiled kernel).
  *
  * Caches are filled on the host (bf16 / fp16 values stored as they are: no
  * write kernel needed); every item's blocks sit in shuffled physical order.
@@ -375,10 +376,11 @@ static void test_split_context(void **state) {
 
 /* ---- head sharding ----------------------------------------------------------- */
 
-/* An uneven decode batch (one row per item; items of bit i in noq without q,
- * as write-only items are) over H kv heads, whole and as shards of the given
- * head ranges; out and lse must be memcmp-equal. */
-static void shard_case(attnd_kshape_t *ms, const int *len, int nitems, unsigned noq,
+/* An uneven batch (the last n positions of each item as its rows, n = 1: a
+ * decode batch; items of bit i in noq without q, as write-only items are) over
+ * H kv heads, whole and as shards of the given head ranges; out and lse must be
+ * memcmp-equal. */
+static void shard_case(attnd_kshape_t *ms, const int *len, int nitems, int n, unsigned noq,
                        const int *cuts, int ncuts, const attnd_cuda_opts_t *o, const char *name) {
   model_t m;
   model_init(&m, ms, len, nitems);
@@ -386,12 +388,14 @@ static void shard_case(attnd_kshape_t *ms, const int *len, int nitems, unsigned 
   int maxlen = 0, rows = 0;
   attnd_kitem_t *items = calloc((size_t)nitems, sizeof(attnd_kitem_t));
   for (int i = 0; i < nitems; i++) {
-    items[i] = (attnd_kitem_t){.start = len[i] - 1,
-                               .n = 1,
-                               .q_row = (noq >> i) & 1u ? -1 : rows++,
+    items[i] = (attnd_kitem_t){.start = len[i] - n,
+                               .n = n,
+                               .q_row = (noq >> i) & 1u ? -1 : rows,
                                .kv_row = i,
                                .mask_kind = ATTND_MASK_CAUSAL,
                                .block_table = m.first[i]};
+    if (!((noq >> i) & 1u))
+      rows += n;
     if (len[i] > maxlen)
       maxlen = len[i];
   }
@@ -403,7 +407,7 @@ static void shard_case(attnd_kshape_t *ms, const int *len, int nitems, unsigned 
               .nitems = nitems,
               .total_q = rows,
               .max_kv_len = maxlen,
-              .max_n = 1,
+              .max_n = n,
               .meta = m.table,
               .nmeta = (size_t)m.nblocks,
               .q = q,
@@ -472,13 +476,23 @@ static void test_head_sharding(void **state) {
     attnd_kshape_t s = make_shape(8, 4, 128, 16, ATTND_DT_BF16, ATTND_KV_BF16);
     const int half[1] = {4}, uneven[2] = {1, 6};
     snprintf(name, sizeof name, "5 items G4 H8 bf16 %s", names[oi]);
-    shard_case(&s, len5, 5, 0u, half, 1, &opts[oi], name);
+    shard_case(&s, len5, 5, 1, 0u, half, 1, &opts[oi], name);
     snprintf(name, sizeof name, "5 items G4 H8 bf16 %s, shards 0:1 1:6 6:8", names[oi]);
-    shard_case(&s, len5, 5, 0u, uneven, 2, &opts[oi], name);
+    shard_case(&s, len5, 5, 1, 0u, uneven, 2, &opts[oi], name);
     attnd_kshape_t s2 = make_shape(4, 2, 64, 32, ATTND_DT_FP16, ATTND_KV_FP16);
     const int quarters[3] = {1, 2, 3};
     snprintf(name, sizeof name, "9 items (2 without q) G2 H4 fp16 %s, shards of 1 head", names[oi]);
-    shard_case(&s2, len9, 9, 0x24u, quarters, 3, &opts[oi], name);
+    shard_case(&s2, len9, 9, 1, 0x24u, quarters, 3, &opts[oi], name);
+  }
+  /* Prefill-shaped items (the Hopper path, and the tiled kernel with
+   * sm90 = 1): per-item splits planned for the model's heads. */
+  static const int lenp[3] = {300, 2900, 1100};
+  static const attnd_cuda_opts_t popts[2] = {{.sm90 = 0}, {.sm90 = 1}};
+  for (int oi = 0; oi < 2; oi++) {
+    attnd_kshape_t s = make_shape(8, 4, 128, 16, ATTND_DT_BF16, ATTND_KV_BF16);
+    const int half[1] = {4};
+    snprintf(name, sizeof name, "3 items of 40 rows G4 H8 bf16 %s", oi ? "tiled" : "chosen");
+    shard_case(&s, lenp, 3, 40, 0u, half, 1, &popts[oi], name);
   }
 }
 
