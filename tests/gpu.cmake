@@ -9,4 +9,9 @@ if(ATTND_HAVE_CUDA AND TARGET attnd_kernels_cuda AND TARGET attnd_oracle)
     set_target_properties(${t} PROPERTIES BUILD_RPATH "\$ORIGIN" INSTALL_RPATH "\$ORIGIN")
     set_tests_properties(${t} PROPERTIES SKIP_RETURN_CODE 77)
   endforeach()
+  # Split-context merges and head-sharded bits at the kernel API (docs/scale-out.md).
+  attnd_add_test(test_cuda_scaleout SOURCES test_cuda_scaleout.c
+                 LIBS attnd_kernels_cuda CUDA::cudart_static m LABELS gpu TIMEOUT 300)
+  set_target_properties(test_cuda_scaleout PROPERTIES BUILD_RPATH "\$ORIGIN" INSTALL_RPATH "\$ORIGIN")
+  set_tests_properties(test_cuda_scaleout PROPERTIES SKIP_RETURN_CODE 77)
 endif()

@@ -138,14 +138,17 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
       x = Ls > 0.f ? (x - sVs[D + d]) * sVs[d] : 0.f; // s (sum P~ u / sum P~ - z)
     else if constexpr (C::K::kStatic)
       x *= sVs[d];
-    // lse from the sum of P; lset from the sum that normalized O (the merge weights).
+    // lset from the sum that normalized O (the merge weights); lse the same
+    // log, not that of the unrounded sum Ls, so that a client merging parts
+    // by lse weights each output by the sum it was divided by
+    // (docs/numerics.md, merging split-context results).
     float lse = -INFINITY, lset = -INFINITY;
     if (Ls > 0.f) {
       // The sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
       // (Capped int4 scores hold the zero-point term: softcap2.)
       const float ref = sM[r] - (C::K::kI4 && P.cap2 == 0.f ? sC[r] : 0.f);
-      lse = (ref + (log2f(Ls) - C::kPShift)) * 0.69314718055994531f;
-      lset = C::K::kDyn ? lse : (ref + (log2f(sLt[r]) - C::kPShift)) * 0.69314718055994531f;
+      lset = (ref + (log2f(C::K::kDyn ? Ls : sLt[r]) - C::kPShift)) * 0.69314718055994531f;
+      lse = lset;
     }
     const int row = it.q_row + r / G, h = kvh * G + r % G;
     if (sink)
@@ -367,7 +370,8 @@ __device__ __forceinline__ int dec_item_chunks(const attnd_kitem_t &it, int win,
 }
 
 // Flat split: pre[i] = chunks of items 0..i-1 (one kv head's share), pre[n] =
-// all; returns the CTAs to use of the nctas launched: when every item with q
+// all; returns the model's CTAs to use of its budget mctas (the same on every
+// head shard: counts are over the model's kv heads): when every item with q
 // has the same chunk count, a multiple of the segments (each (item, kv head)
 // cut into equal parts, no piece straddling two: a balanced batch runs as a
 // per-item split would); otherwise all of them (at most one per chunk).
@@ -420,14 +424,14 @@ template <class C> __device__ int dec_prefix(const DecodeParams &P, int *pre, in
   mx = max(max(scratch[8], scratch[9]), max(scratch[10], scratch[11]));
   nq = scratch[12] + scratch[13] + scratch[14] + scratch[15];
   __syncthreads();
-  const long long w = (long long)P.kv_heads * pre[n];
+  const long long w = (long long)P.mkv * pre[n];
   if (mn == mx && nq > 0) {
-    const long long segs = (long long)P.kv_heads * nq;
-    long long k = P.nctas / segs;
+    const long long segs = (long long)P.mkv * nq;
+    long long k = P.mctas / segs;
     k = k < 1 ? 1 : k > mx ? mx : k;
-    return (int)min((long long)P.nctas, segs * k);
+    return (int)min((long long)P.mctas, segs * k);
   }
-  return (int)min((long long)P.nctas, w);
+  return (int)min((long long)P.mctas, w);
 }
 
 template <int D, int DT, int KV, bool TR>
@@ -456,56 +460,77 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
     dec_piece<C>(P, smem, it, kvh, lo, hi, out_kind, split);
     return;
   }
-  // Flat split: this CTA's chunks [u, u1) of the W in all, over nc CTAs.
+  // Flat split (decode_params.cuh): model CTA cm = cfirst + blockIdx.x takes
+  // chunks [u, u1) of the W in all, laid head-major over the model's kv heads
+  // and clipped to the held heads' range [lo, hi), so that a head shard cuts
+  // every (item, kv head) exactly as the whole model's daemon does.
   int *pre = reinterpret_cast<int *>(smem + C::kStages);
   int *scratch = reinterpret_cast<int *>(smem + C::kMisc) + 64;
-  const int nc = dec_prefix<C>(P, pre, scratch);
-  const int cta = blockIdx.x, KVH = P.kv_heads;
-  if (cta >= nc)
+  const int nc = dec_prefix<C>(P, pre, scratch); // the model's CTAs
+  const long long S = pre[P.nitems], W = (long long)P.mkv * S;
+  const long long lo = (long long)P.kvh0 * S, hi = lo + (long long)P.kv_heads * S;
+  const int cfirst = W > 0 ? flat_cta(lo, nc, W) : 0, cm = cfirst + (int)blockIdx.x;
+  long long u = 0, u1 = 0;
+  if (cm < nc) {
+    u = flat_clip(cm, nc, W, lo, hi);
+    u1 = flat_clip(cm + 1, nc, W, lo, hi);
+  }
+  if (u >= u1 && blockIdx.x != 0)
     return;
-  const long long W = (long long)KVH * pre[P.nitems];
-  long long u = flat_start(cta, nc, W);
-  const long long u1 = flat_start(cta + 1, nc, W);
-  // The item holding chunk u: the last i with KVH pre[i] <= u (it has chunks).
-  int i = 0;
+  // Chunk u: model kv head hm, the item i holding it (the last i with
+  // pre[i] <= u - hm S: it has chunks), whose first chunk is base. Found
+  // before the first piece: dec_piece reuses pre's shared memory.
+  int hm = 0, i = 0;
+  long long base = 0;
   if (u < u1) {
+    hm = (int)(u / S);
+    const long long r = u - (long long)hm * S;
     int a = 0, b = P.nitems - 1;
     while (a < b) {
       const int mid = (a + b + 1) >> 1;
-      if ((long long)KVH * pre[mid] <= u)
+      if (pre[mid] <= r)
         a = mid;
       else
         b = mid - 1;
     }
     i = a;
+    base = (long long)hm * S + pre[i];
   }
-  long long base = (long long)KVH * pre[i];
   pdl_wait(); // q, the cache and the workspace belong to the previous kernel until here
-  if (cta == 0 && P.nctas > 1) { // the prefix sums and the CTA count, for the merge
+  if (blockIdx.x == 0 && P.nctas > 1) { // the prefix sums and the CTA counts, for the merge
     int *wpre = reinterpret_cast<int *>(P.ws + flat_prefix_offset(P.nctas, P.max_vec, D));
     for (int j = threadIdx.x; j <= P.nitems; j += C::NTH)
       wpre[j] = pre[j];
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
       wpre[P.nitems + 1] = nc;
+      wpre[P.nitems + 2] = cfirst;
+    }
   }
+  const int slot0 = 2 * (int)blockIdx.x;
   bool first = true;
   while (u < u1) {
     const attnd_kitem_t it = P.items[i];
-    int jfirst, lo, hi;
-    const int nch = dec_item_chunks(it, P.window, jfirst, lo, hi);
-    const int h = (int)((u - base) / nch), a = (int)((u - base) % nch);
+    int jfirst, klo0, khi0;
+    const int nch = dec_item_chunks(it, P.window, jfirst, klo0, khi0);
+    const int a = (int)(u - base);
     const int b = (int)min((long long)nch, a + (u1 - u));
     const bool whole = a == 0 && b == nch;
-    const int klo = max(lo, jfirst + a * kDecKeys), khi = min(hi, jfirst + b * kDecKeys - 1);
+    const int klo = max(klo0, jfirst + a * kDecKeys), khi = min(khi0, jfirst + b * kDecKeys - 1);
     const int sk = a == 0 && P.sinks && (it.flags & ATTND_ITEM_SINK) ? kOutSink : 0;
-    dec_piece<C>(P, smem, it, h, klo, khi, (whole ? kOutFinal : kOutSlot) | sk, 2 * cta + (first ? 0 : 1));
+    dec_piece<C>(P, smem, it, hm - P.kvh0, klo, khi, (whole ? kOutFinal : kOutSlot) | sk, slot0 + (first ? 0 : 1));
     u += b - a;
     first = false;
-    if (b == nch && h == KVH - 1) {
-      base += (long long)KVH * nch;
+    if (b == nch) { // the next item with chunks, in this head or from the next head's first
+      base += nch;
       do
         i++;
       while (i < P.nitems && P.items[i].q_row < 0);
+      if (i == P.nitems) {
+        hm++;
+        i = 0;
+        while (i < P.nitems && P.items[i].q_row < 0)
+          i++;
+      }
     }
   }
 }

@@ -14,11 +14,20 @@ constexpr int kMaxSplits = 32;    // per-item split: most parts per item
 
 // How the decode CTAs share the work.
 //   Flat split (flat = 1): the key chunks of every (item, kv head) are laid
-//   end to end; CTA c takes chunks [c W / C, (c + 1) W / C) of the W in all,
-//   so every CTA reads the same number of bytes whatever the contexts'
-//   lengths. A CTA whose range covers a whole (item, kv head) writes the
-//   output; the first and the last piece of a CTA's range may be partial and
-//   go to slots 2c and 2c + 1 of the workspace, which merge_flat combines.
+//   end to end, head-major over the MODEL's kv heads (all items of head 0,
+//   then head 1, ...: S chunks per head, W = mkv S in all); CTA c of the C
+//   the model's daemon runs (C from mctas) takes chunks [c W / C,
+//   (c + 1) W / C), so every CTA reads the same number of bytes whatever the
+//   contexts' lengths. A head shard (kv heads [kvh0, kvh0 + kv_heads)) holds
+//   the contiguous range [kvh0 S, (kvh0 + kv_heads) S) of that sequence and
+//   runs only the model's CTAs that overlap it, each clipped to it (local
+//   CTA l is model CTA cfirst + l): every (item, kv head) piece is cut and
+//   merged exactly as on the whole model's daemon, so the shard's bits are
+//   the model's (docs/scale-out.md). On one daemon (kvh0 0, mkv = kv_heads)
+//   that is the whole sequence. A CTA whose range covers a whole (item, kv
+//   head) writes the output; the first and the last piece of a CTA's range
+//   may be partial and go to slots 2l and 2l + 1 of the workspace, which
+//   merge_flat combines.
 //   Per-item split (flat = 0): CTA (item, kv head, split) takes keys
 //   [b + split * split_keys, b + (split + 1) * split_keys), b the first key
 //   of the item's window in a sliding layer, else 0; merge_split combines.
@@ -34,8 +43,8 @@ struct DecodeParams {
   size_t block_bytes;
   const float *k_scale, *v_scale; // static types: [kvh] or [kvh][D] (int4: [kvh][D])
   const float *k_zero, *v_zero;   // int4: [kvh][D]
-  float *ws;           // flat: [2 nctas] slots (flat_slot_floats), then int32 [nitems + 1] prefix
-                       // and the CTA count used;
+  float *ws;           // flat: [2 nctas] slots (flat_slot_floats), then int32 [nitems + 1] prefix,
+                       // the model's CTA count used and the first model CTA run here;
                        // per-item: [nsplit][Tq][q_heads][D] o, then [nsplit][Tq][q_heads] lse, lset
   int nitems, out_fp32, per_channel;
   int q_heads, kv_heads, group, bs, total_q, max_vec;
@@ -43,7 +52,8 @@ struct DecodeParams {
   float cap2, icap2;   // soft-capping in the exp2 domain (FlashParams), 0: none
   int window;          // the layer's window, 0: full layer
   const float *sinks;  // [q_heads] or NULL (items with ATTND_ITEM_SINK)
-  int flat, nctas;     // flat split over nctas CTAs
+  int flat, nctas;     // flat split: CTAs launched (and workspace slot pairs)
+  int mkv, kvh0, mctas; // flat split: the model's kv heads, the first held one, the model's CTA budget
   int nsplit, split_keys; // per-item split
   int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math
 };
@@ -58,6 +68,27 @@ __host__ __device__ inline size_t flat_prefix_offset(int nctas, int max_vec, int
 // First chunk of CTA c of nctas over w chunks in all (w < 2^40, so c w fits in 64 bits).
 __host__ __device__ inline long long flat_start(int c, int nctas, long long w) { return (long long)c * w / nctas; }
 
+// The CTA whose chunk range holds chunk u (the last one starting at or before it).
+__host__ __device__ inline int flat_cta(long long u, int nctas, long long w) {
+  int c = (int)((u * nctas) / w);
+  while (c + 1 < nctas && flat_start(c + 1, nctas, w) <= u)
+    c++;
+  while (c > 0 && flat_start(c, nctas, w) > u)
+    c--;
+  return c;
+}
+
+// First chunk of CTA c's range clipped to a shard's [lo, hi) (the whole
+// sequence on one daemon): clipped ranges tile [lo, hi) as the model's do.
+__host__ __device__ inline long long flat_clip(int c, int nctas, long long w, long long lo, long long hi) {
+  const long long u = flat_start(c, nctas, w);
+  return u < lo ? lo : u > hi ? hi : u;
+}
+
+// The flat split's workspace after the slots: int32 prefix sums [nitems + 1],
+// the model's CTA count used, and the first model CTA this daemon runs.
+constexpr int kFlatPrefixExtra = 3;
+
 // The decode kernel of one instantiation (decode_kernel.cuh): launch, resident
 // CTAs per SM, most items a flat split can scan.
 template <int D, int DT, int KV, bool TR>
@@ -68,7 +99,8 @@ template <int D, int DT, int KV, bool TR> int decode_flat_items();
 // A decode batch's cut (plan_decode) and its launch (kernel, then merge).
 struct DecodePlan {
   bool tr;               // transposed form: every item <= 8 query vectors
-  int flat, nctas;       // flat split over nctas CTAs
+  int flat, nctas;       // flat split over nctas CTAs (launched)
+  int mctas;             // flat split: the whole model's CTA budget (= nctas on one daemon)
   int nsplit, split_keys; // per-item split
 };
 int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,

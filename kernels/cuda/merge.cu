@@ -2,8 +2,10 @@
 // normalized by its own sum, that sum's log (lset) and the part's lse; parts of
 // the same query row combine as out = sum_s w_s o_s / sum_s w_s with
 // w_s = exp(lset_s - max lset) and lse = log sum_s exp(lse_s) (FlashDecoding;
-// FlashInfer's cascade merge). lset and lse differ where the kernels
-// normalize by the sum of P as rounded for the matrix units (decode_kernel.cuh).
+// FlashInfer's cascade merge). The kernels write lse = lset (the log of the
+// sum each output was normalized by, the sum of P as rounded for the matrix
+// units: docs/numerics.md), so the lse written here is the merged lset and a
+// client merging several daemons' answers by lse weighs them consistently.
 // Parts with no visible key weigh nothing; a row with none gets 0 and -inf.
 #include <math.h>
 
@@ -71,22 +73,16 @@ __global__ void merge_split_kernel(const float *__restrict__ ws_o, const float *
     lse[gw] = sum > 0.f ? ml + logf(suml) : -INFINITY;
 }
 
-// The CTA whose chunk range holds chunk u (the last one starting at or before it).
-__device__ int flat_cta(long long u, int nctas, long long w) {
-  int c = (int)((u * nctas) / w);
-  while (c + 1 < nctas && flat_start(c + 1, nctas, w) <= u)
-    c++;
-  while (c > 0 && flat_start(c, nctas, w) > u)
-    c--;
-  return c;
-}
-
-// Flat split: one CTA per (item, kv head); nothing to do when one decode CTA
-// covered the whole (item, kv head) (it wrote the output). Otherwise the
-// parts are: the first CTA's slot (2c0 when its range starts with this item,
-// else 2c0 + 1, its last piece), the slots 2c of the CTAs strictly inside,
-// and slot 2c1 of the last CTA (its first piece); CTAs with no chunks (more
-// CTAs than chunks) are skipped. A warp per query vector: lanes take parts
+// Flat split: one CTA per (item, held kv head); nothing to do when one decode
+// CTA covered the whole (item, kv head) (it wrote the output). Otherwise the
+// parts are, with model CTAs c0..c1 holding its chunks (head-major over the
+// model's kv heads, ranges clipped to the held heads': decode_params.cuh) and
+// slot pairs numbered from the first model CTA run here (cfirst): the first
+// CTA's slot (its first when its range starts with this segment, else its
+// second, its last piece), the first slots of the CTAs strictly inside, and
+// the first slot of the last CTA; CTAs with no chunks (more CTAs than chunks)
+// are skipped. The parts and their order are the whole model's, so a head
+// shard merges to the same bits. A warp per query vector: lanes take parts
 // for the maxima and sums, then channels (coalesced) for the weighted sum.
 __global__ void __launch_bounds__(128) merge_flat_kernel(const __grid_constant__ DecodeParams P, int d, int dt) {
   extern __shared__ float sw[]; // [4 warps][nc] weights of the parts
@@ -97,18 +93,23 @@ __global__ void __launch_bounds__(128) merge_flat_kernel(const __grid_constant__
   if (it.q_row < 0)
     return;
   const int *pre = reinterpret_cast<const int *>(P.ws + flat_prefix_offset(P.nctas, P.max_vec, d));
-  const int nc = pre[P.nitems + 1]; // CTAs the decode kernel used
-  const long long W = (long long)P.kv_heads * pre[P.nitems];
+  const int nc = pre[P.nitems + 1], cfirst = pre[P.nitems + 2]; // the model's CTAs, the first run here
+  const long long S = pre[P.nitems], W = (long long)P.mkv * S;
+  const long long lo = (long long)P.kvh0 * S, hi = lo + (long long)P.kv_heads * S;
   const int nch = pre[item + 1] - pre[item];
-  const long long s0 = (long long)P.kv_heads * pre[item] + (long long)h * nch, s1 = s0 + nch;
+  const long long s0 = (long long)(P.kvh0 + h) * S + pre[item], s1 = s0 + nch;
   const int c0 = flat_cta(s0, nc, W), c1 = flat_cta(s1 - 1, nc, W);
   if (c0 == c1)
     return;
-  const int first0 = flat_start(c0, nc, W) == s0 ? 0 : 1;
+  const int first0 = flat_clip(c0, nc, W, lo, hi) == s0 ? 0 : 1;
   const int G = P.group, nvec = it.n * G, np = c1 - c0 + 1;
   const size_t sf = flat_slot_floats(P.max_vec, d);
-  auto slot = [&](int c) -> const float * { return P.ws + (size_t)(2 * c + (c == c0 ? first0 : 0)) * sf; };
-  auto empty = [&](int c) -> bool { return c != c0 && c != c1 && flat_start(c + 1, nc, W) == flat_start(c, nc, W); };
+  auto slot = [&](int c) -> const float * {
+    return P.ws + (size_t)(2 * (c - cfirst) + (c == c0 ? first0 : 0)) * sf;
+  };
+  auto empty = [&](int c) -> bool {
+    return c != c0 && c != c1 && flat_clip(c + 1, nc, W, lo, hi) == flat_clip(c, nc, W, lo, hi);
+  };
   const size_t il = (size_t)P.max_vec * d, it2 = (size_t)P.max_vec * (d + 1);
   float *w = sw + warp * P.nctas;
   for (int v = warp; v < nvec; v += 4) {

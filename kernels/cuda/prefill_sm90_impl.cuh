@@ -654,15 +654,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int row = it.q_row + vv / G, h = kvh * G + vv % G;
     // O is normalized by the sum of P as rounded for the matrix units (but
     // for the dynamic types, whose P carries V's scale): lset is its log,
-    // the weight of this part in a merge; lse is the sum of P's. The sums
-    // hold P 2^kPShift: the shift comes off their logs (exact), not off m.
+    // the weight of this part in a merge. lse is the same log, not that of
+    // the unrounded sum, so that a client merging parts by lse weights each
+    // output by the sum it was divided by (docs/numerics.md, merging). The
+    // sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
     const bool any = l_r[ri] > 0.f;
     const float ln = C::kDyn ? l_r[ri] : lt_r[ri];
     const float inv = any ? (C::kSigma ? sig : 1.f) / ln : 0.f;
     // (Capped int4 scores hold the zero-point term: softcap2.)
     const float ref = m_r[ri] - (KV == ATTND_KV_INT4 && cap2 == 0.f ? sC[c * 64 + ra + ri * 8] : 0.f);
-    float lse = any ? (ref + (log2f(l_r[ri]) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
     float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
+    float lse = lset;
     // The sink joins the row once: here when it is not split, else in part 0.
     const float wsk = sink ? sink_join(sink[h], lse, lset) : 1.f;
     // Channel d of this row, normalized; static V scales (and int4's zero

@@ -126,7 +126,7 @@ int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
 }
 
 size_t flat_workspace_bytes(int nctas, int max_vec, int d, int nitems) {
-  return flat_prefix_offset(nctas, max_vec, d) * sizeof(float) + ((size_t)nitems + 2) * sizeof(int);
+  return flat_prefix_offset(nctas, max_vec, d) * sizeof(float) + ((size_t)nitems + kFlatPrefixExtra) * sizeof(int);
 }
 
 int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,
@@ -137,6 +137,7 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
   const long slots = (long)num_sms() * occ;
   pl->flat = 0;
   pl->nctas = 0;
+  pl->mctas = 0;
   pl->nsplit = 1;
   pl->split_keys = 0;
   // Choosing: where the per-item plan splits the items (few items for the GPU),
@@ -153,11 +154,14 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
       b->nitems <= with_types<ItemsF>(s->head_dim, s->dtype, s->kv, pl->tr)) {
     // CTAs: one full wave, fewer when the keys are too few for every CTA to
     // get min_chunks (the bound counts every item at the longest context).
-    // Sharding: planned for the model's kv heads, then the held heads' share of
-    // the CTAs. For a batch whose items have equal chunk counts dec_prefix then
-    // cuts every (item, kv head) into the same pieces as the whole model's
-    // daemon (floor(floor(c h / H) / (h n)) = floor(c / (H n))); an uneven
-    // batch's flat cut still depends on the held count (docs/scale-out.md).
+    // Sharding: c is the whole model's budget (model kv heads); the kernel
+    // lays the model's heads out head-major and a shard runs only the model
+    // CTAs overlapping its heads' range, clipped to it (decode_params.cuh), so
+    // every (item, kv head) is cut as on the model's daemon, balanced or not.
+    // One daemon runs the same layout (the kernel has no other), so its cut
+    // and a shard's are one. Nothing of this plan may depend on the held
+    // count: the workspace check below holds for the workspace that
+    // attnd_cuda_attend_workspace sizes (room for 8 CTAs per SM).
     const int mkv = attnd_kshape_model_kv_heads(s);
     const long chunks_max = (long)b->nitems * mkv * ((plan_span(b) + kDecKeys - 1) / kDecKeys + 1);
     const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 8;
@@ -169,13 +173,17 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
     while (c > 1 && flat_workspace_bytes((int)c, max_vec, s->head_dim, b->nitems) > ws_bytes)
       c = c * 3 / 4;
     if (c > 1 || o.split == 1) {
-      if (mkv != s->kv_heads) { // sharding: the held heads' share of the CTAs
-        c = c * s->kv_heads / mkv;
-        if (c < 1)
-          c = 1;
-      }
       pl->flat = 1;
+      pl->mctas = (int)c;
       pl->nctas = (int)c;
+      if (mkv != s->kv_heads) {
+        // Sharding: the model CTAs that overlap a range of kv_heads / mkv of
+        // the chunks, of equal ranges: at most ceil(c kv_heads / mkv) + 1
+        // (one more launched for margin; a CTA with nothing to do returns).
+        const long share = (c * s->kv_heads + mkv - 1) / mkv + 2;
+        if (share < c)
+          pl->nctas = (int)share;
+      }
       return 0;
     }
   }
@@ -215,6 +223,9 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
   p.sinks = b->sinks;
   p.flat = pl.flat;
   p.nctas = pl.nctas;
+  p.mkv = attnd_kshape_model_kv_heads(s);
+  p.kvh0 = s->kv_head_begin;
+  p.mctas = pl.mctas;
   p.nsplit = pl.nsplit;
   p.split_keys = pl.split_keys;
   p.debug = o.debug;

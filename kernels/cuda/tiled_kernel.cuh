@@ -374,15 +374,17 @@ __device__ __forceinline__ void tiled_write(const FlashParams &P, const TileCtx 
     const int row = x.it.q_row + vv / G, h = x.kvh * G + vv % G;
     // O is normalized by the sum of P as rounded for the matrix units (but
     // for the dynamic types, whose P carries V's scale): lset is its log,
-    // the weight of this part in a merge; lse is the sum of P's.
+    // the weight of this part in a merge. lse is the same log, not that of
+    // the unrounded sum, so that a client merging parts by lse weights each
+    // output by the sum it was divided by (docs/numerics.md, merging).
     const bool any = acc.l[ri] > 0.f;
     const float ln = C::K::kDyn ? acc.l[ri] : acc.lt[ri];
     const float inv = any ? (C::kSigma ? acc.sig : 1.f) / ln : 0.f;
     // The sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
     // (Capped int4 scores hold the zero-point term: softcap2.)
     const float ref = acc.m[ri] - (C::K::kI4 && P.cap2 == 0.f ? sC[warp * 16 + (lane >> 2) + ri * 8] : 0.f);
-    float lse = any ? (ref + (log2f(acc.l[ri]) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
     float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
+    float lse = lset;
     // The sink joins the row once: here when it is not split, else in part 0.
     const float wsk = sink ? sink_join(sink[h], lse, lset) : 1.f;
     float o[NT][2];

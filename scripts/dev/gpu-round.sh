@@ -5,7 +5,7 @@
 #       builds the GPU tests and benchmarks for sm_90a with the CUDA runtime
 #       linked statically into build-gpu/ and packs what the GPU machine needs
 #       into build-gpu/stage/round.tar.xz (~18 MB; a round carries at most
-#       64 MiB): test_cuda_kernels, test_cuda_numerics, bench_kernels,
+#       64 MiB): test_cuda_kernels, test_cuda_numerics, test_cuda_scaleout, bench_kernels,
 #       bench_prefill (host debug info stripped), libcmocka beside them,
 #       bench/torch_reference.py and bench/summarize.py.
 #   scripts/dev/gpu-round.sh run     (on the GPU machine, from the root of the
@@ -15,6 +15,8 @@
 #            the Hopper path against the tiled kernel, long histories, the
 #            per-layer variants: windows, soft-capping, sinks)           ~105 s
 #         2. test_cuda_numerics (zero points, sinks, magnitudes, CPU ratio) ~60 s
+#            test_cuda_scaleout (split-context parts merged by lse vs one
+#            call, 1e-3; head shards' out and lse memcmp-equal to the whole) ~20 s
 #         3. compute-sanitizer memcheck, pairwise test_cuda_kernels        ~40 s
 #         4. compute-sanitizer racecheck, pairwise prefill matrix (the
 #            Hopper path and, through the A/B, the tiled kernel)           ~50 s
@@ -40,13 +42,14 @@ build() {
   set -e
   cmake -S "$here" -B "$here/build-gpu" -DPython3_EXECUTABLE=/usr/bin/python3 \
     -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  cmake --build "$here/build-gpu" -j2 --target test_cuda_kernels test_cuda_numerics bench_kernels \
-    bench_prefill
+  cmake --build "$here/build-gpu" -j2 --target test_cuda_kernels test_cuda_numerics test_cuda_scaleout \
+    bench_kernels bench_prefill
   rm -rf "$stage" && mkdir -p "$stage"
   local tmp
   tmp=$(mktemp -d)
   local f
-  for f in tests/test_cuda_kernels tests/test_cuda_numerics bench/bench_kernels bench/bench_prefill; do
+  for f in tests/test_cuda_kernels tests/test_cuda_numerics tests/test_cuda_scaleout bench/bench_kernels \
+    bench/bench_prefill; do
     cp "$here/build-gpu/$f" "$tmp/" && strip --strip-debug "$tmp/$(basename "$f")"
   done
   cp -a /usr/lib/x86_64-linux-gnu/libcmocka.so.0* "$tmp/"
@@ -115,6 +118,8 @@ run() {
   grep -E "FAIL|rel L2 .* >|Hopper path vs|prefix hit|^kv |seed" "$out/test.log" | head -30
   step test_cuda_numerics 60 150 numerics.log ./test_cuda_numerics
   grep -E "FAIL|over 2x|A/B|^\[ *[A-Z]|^kv|^[a-z0-9_]+ +(bf16|fp16) " "$out/numerics.log" | head -30
+  step test_cuda_scaleout 20 60 scaleout.log ./test_cuda_scaleout
+  grep -E "FAIL|differ|^split context:" "$out/scaleout.log" | head -10
   step memcheck 40 120 memcheck.log env ATTND_GPU_TEST_PAIRWISE=1 \
     compute-sanitizer --tool memcheck --error-exitcode 3 ./test_cuda_kernels
   grep -E "ERROR SUMMARY|Invalid|FAIL" "$out/memcheck.log" | head -10
@@ -153,6 +158,8 @@ run() {
       "$out/test.log" 2>/dev/null | head -10
     echo "-- test_cuda_numerics"
     grep -E "A/B|worst ratio per|^[a-z0-9_]+ +(bf16|fp16) |\[  PASSED|\[  FAILED|FAIL|over 2x" "$out/numerics.log" 2>/dev/null | head -24
+    echo "-- test_cuda_scaleout"
+    grep -E "^split context:|differ|\[  PASSED|\[  FAILED" "$out/scaleout.log" 2>/dev/null | head -6
     echo "-- sanitizers"
     grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$out/memcheck.log" "$out/racecheck.log" 2>/dev/null
     echo "-- bench_prefill (ms, TFLOP/s)"
