@@ -48,7 +48,7 @@
 #   GPU-E2E SUMMARY: pass=N fail=M skip=K | step=result ...
 # and exits 0 only when no step failed and at least one passed. GPU_E2E_BUDGET (seconds, default 540)
 # skips the steps that would start after it, so a limit on the whole command
-# (600 s, say) still leaves the summary. PYTHON names the interpreter (default python3).
+# (600 s, say) still leaves the summary. GPU_E2E_SKIP names steps to leave out. PYTHON names the interpreter (default python3).
 set -u
 here=$(cd "$(dirname "$0")/../.." && pwd)
 
@@ -120,6 +120,13 @@ record() {
   esac
   results+=("$name=$what")
   echo "== $name: $what"
+}
+
+# skipped NAME: 0 when GPU_E2E_SKIP (space-separated: memcheck fault small sandbox
+# default interleave) names that step, for a round that needs only some of them.
+skipped() {
+  case " ${GPU_E2E_SKIP:-} " in *" $1 "*) return 0 ;; esac
+  return 1
 }
 
 # time_left SECONDS: 0 when a step of that length still fits in the budget.
@@ -195,7 +202,7 @@ else
     ! grep -q "rel L2" "$out/test_backend_cuda.log"; then rc=77; fi
   record test_backend_cuda $rc
 
-  if time_left 150 && command -v compute-sanitizer >/dev/null; then
+  if ! skipped memcheck && time_left 150 && command -v compute-sanitizer >/dev/null; then
     (cd "$libdir" && timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin") \
       >"$out/memcheck.log" 2>&1
     rc=$?
@@ -205,7 +212,7 @@ else
     record memcheck 77
   fi
 
-  if time_left 60; then
+  if ! skipped fault && time_left 60; then
     (cd "$libdir" && timeout 60 "$test_bin" --fault) >"$out/fault.log" 2>&1
     rc=$?
     if [ $rc = 0 ] && grep -q "SKIPPED" "$out/fault.log"; then rc=77; fi
@@ -278,7 +285,7 @@ stop_daemon() {
 if [ -z "$attnd_bin" ] || [ -z "$pb2" ]; then
   echo "attnd or attnd_pb2.py not found under build-gpu/"
   record daemon_small 1
-elif time_left 120; then
+elif ! skipped small && time_left 120; then
   if start_daemon small "${small[@]}"; then
     timeout 30 $py - "$dsock" >"$out/health.txt" 2>&1 <<'EOF'
 import sys, attnd
@@ -312,7 +319,7 @@ fi
 # SystemCallFilter=, RestrictAddressFamilies=, NoNewPrivileges=, ... and the
 # devices the daemon holds open are checked against its DeviceAllow=.
 sbx=$(find_file attnd-sandbox-exec || true)
-if [ -n "$sbx" ] && [ -n "$attnd_bin" ] && [ -n "$attnctl_bin" ] && time_left 90; then
+if ! skipped sandbox && [ -n "$sbx" ] && [ -n "$attnd_bin" ] && [ -n "$attnctl_bin" ] && time_left 90; then
   { id; ls -l /dev/nvidia* 2>&1 | head; grep -i nvidia /proc/devices; } >"$out/sandbox_env.txt" 2>&1
   cat "$out/sandbox_env.txt"
   timeout 90 bash "$here/deploy/sandbox-check.sh" --no-systemd --sandbox-exec "$sbx" \
@@ -430,7 +437,7 @@ EOF
 
 for kv in bf16 int8_dynamic; do
   [ -n "$attnd_bin" ] && [ -n "$pb2" ] || break
-  if ! time_left 150; then
+  if skipped default || ! time_left 150; then
     record "default_shape_$kv" 77
     continue
   fi
@@ -459,7 +466,7 @@ done
 # prefill and a decode at 1024 on another session; the decode's latency
 # during the prefill against twice its idle latency (docs/sessions.md section 5).
 ibin=$(find_file bench_interleave || true)
-if [ -n "$ibin" ] && time_left 60; then
+if ! skipped interleave && [ -n "$ibin" ] && time_left 60; then
   timeout 60 "$ibin" 32768 1024 1 16384 32 8 cuda >"$out/interleave.log" 2>&1
   rc=$?
   tail -4 "$out/interleave.log"
