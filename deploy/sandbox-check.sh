@@ -119,11 +119,13 @@ no_systemd() {
   if [ "$(id -u)" = 0 ]; then
     local u=attnd
     id "$u" >/dev/null 2>&1 || u=nobody
-    chown -R "$u" "$tmp/run" "$state"
-    chmod 0755 "$tmp"
     runas=(setpriv --reuid="$u" --regid="$(id -g "$u")" --clear-groups --)
     # A build tree under /root is not reachable for that user: stay root then (said below).
-    if ! "${runas[@]}" test -x "$attnd" -a -x "$sandbox_exec" -a -r "$example" 2>/dev/null; then
+    if "${runas[@]}" test -x "$attnd" -a -x "$sandbox_exec" -a -r "$example" 2>/dev/null; then
+      # The daemon refuses a socket directory it does not own: give it to that user.
+      chown -R "$u" "$tmp/run" "$state"
+      chmod 0755 "$tmp"
+    else
       echo "sandbox-check: $u cannot run $attnd from here: running as root (the filter still applies)"
       runas=()
     fi

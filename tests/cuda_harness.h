@@ -13,6 +13,7 @@
 #include "attnd_cuda.h"
 #include "attnd_kernels.h"
 #include "oracle.h"
+#include "tolerance.h"
 
 typedef struct {
   int start, n, has_q, mask_kind, mask_param, causal, hist;
