@@ -36,7 +36,9 @@
 #   5. `attnd --backend cuda` with the e2e's small shape on a temp socket:
 #      Health, the tiny Llama example against it, then SIGTERM must exit 0;
 #   6. the Python e2e modules with ATTND_E2E_BACKEND=cuda (each test class
-#      starts its own `attnd --backend cuda`; GPU_E2E_MODULES overrides the list);
+#      starts its own `attnd --backend cuda`; GPU_E2E_MODULES overrides the list;
+#      test_ipc: same-host zero-copy with torch tensors on cuda:0, IPC against
+#      bytes and the float64 reference, and its refusals);
 #   7. the default Llama-3-8B-like shape (32 layers, 32/8 heads, d 128) with
 #      --kv-memory 0 (90% of free memory): prefill and pipelined decode through
 #      all layers, layers 0 and 31 checked against the numpy reference, timings;
@@ -306,7 +308,7 @@ else
 fi
 
 # ---- 6. the Python e2e suite on the CUDA backend ------------------------------
-modules=${GPU_E2E_MODULES:-test_health test_sessions test_scales test_hf_adapter}
+modules=${GPU_E2E_MODULES:-test_health test_sessions test_scales test_hf_adapter test_ipc}
 if [ -n "$attnd_bin" ] && [ -n "$pb2" ]; then
   for m in $modules; do
     if ! time_left 100; then
