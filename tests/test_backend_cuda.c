@@ -100,6 +100,8 @@ static int build_scenario(tjob_spec_t *sp) {
 
 /* test_pinned_frames: q, k and v in the backend's frame memory. */
 static int g_frames;
+/* test_device_io: q, k, v, out and lse in client device memory. */
+static int g_devio;
 
 /* Moves a step's q, k and v into one buffer from host_alloc, each at an odd
  * offset as in a request frame, and marks them pinned (backend.h
@@ -169,6 +171,8 @@ static void compare_backends(attnd_kv_type_t kv) {
   for (int i = 0; i < n; i++) {
     job_from_spec(&jc[i], &sp[i], &dummy);
     job_from_spec(&jg[i], &sp[i], &dummy);
+    if (g_devio && sp[i].kind == ATTND_JOB_STEP)
+      jg[i].job.device_io = 1; /* the mock's device memory is host memory */
     if (g_frames && sp[i].kind == ATTND_JOB_STEP) {
       frames[i] = inputs_in_frame(gpu, &jg[i].job);
       outs[i] = output_in_host_memory(gpu, &jg[i].job);
@@ -184,6 +188,8 @@ static void compare_backends(attnd_kv_type_t kv) {
       fail_msg("cpu job %d: %s", i, jc[i].job.message);
     if (jg[i].job.status)
       fail_msg("cuda job %d: %s (%s)", i, jg[i].job.message, attnd_strerror(jg[i].job.status));
+    if (g_devio && sp[i].kind == ATTND_JOB_STEP && jg[i].job.q_bytes) /* the client's q as sent */
+      assert_memory_equal(jg[i].job.batch.q, sp[i].q, jg[i].job.q_bytes);
     assert_true(jg[i].job.t_end_us >= jg[i].job.t_start_us);
     assert_true(jg[i].job.t_start_us >= jg[i].job.t_submit_us);
     if (sp[i].kind == ATTND_JOB_STEP) {
@@ -574,6 +580,65 @@ static void test_pinned_frames(void **state) {
   g_opts = saved;
 }
 
+/* Same-host zero-copy (backend.h device_io): the steps' q, k, v, out and
+ * lse are client device memory, nothing staged or copied back, q copied on
+ * the device first (the write phase rotates it in place; the client's q must
+ * not change); results match the CPU backend's. Only over the mock, whose
+ * device memory is host memory: on a GPU the e2e test (tests/e2e/test_ipc.py)
+ * runs this path with a second process's memory. */
+static void test_device_io(void **state) {
+  SKIP_WITHOUT_GPU();
+  if (!attnd_cuda_mock_hold)
+    skip();
+  g_devio = 1;
+  compare_backends(ATTND_KV_BF16);
+  compare_backends(ATTND_KV_INT8_DYNAMIC);
+  g_devio = 0;
+}
+
+/* The zero-copy ops (backend.h ipc_open, ipc_scan, ipc_close), over the mock
+ * (a handle is an address there): the device's UUID is reported; the check
+ * finds the first row past each bound with that row's largest magnitude
+ * (NaN above every finite value), and nothing for a clean tensor. */
+static void test_ipc_ops(void **state) {
+  SKIP_WITHOUT_GPU();
+  if (!attnd_cuda_mock_hold)
+    skip();
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *gpu = NULL;
+  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err,
+                                             sizeof(err)),
+                   0);
+  assert_memory_equal(gpu->device_uuid, "GPU-", 4);
+  enum { ROWS = 5, RE = 256 };
+  static uint16_t x[ROWS * RE];
+  for (int i = 0; i < ROWS * RE; i++)
+    x[i] = (i & 1) ? 0xbf80 : 0x3f80; /* -1.0, 1.0 */
+  x[2 * RE + 9] = 0xc040;             /* -3.0 in row 2 */
+  x[3 * RE + 7] = 0x7fc0;             /* NaN in row 3 */
+  uint8_t handle[64] = {0};
+  void *p = x, *base = NULL;
+  memcpy(handle, &p, sizeof(p));
+  assert_non_null(gpu->ops->ipc_open);
+  assert_int_equal(gpu->ops->ipc_open(gpu, handle, &base, err, sizeof(err)), 0);
+  assert_ptr_equal(base, x);
+  const void *ptrs[3] = {base, base, base};
+  size_t rows[3] = {ROWS, ROWS, 2}, re[3] = {RE, RE, RE}, bad[3];
+  uint32_t bound[3] = {0x7f7f, 0x4000, 0x7f7f}, bits[3]; /* bf16 max, 2.0, bf16 max */
+  assert_int_equal(gpu->ops->ipc_scan(gpu, 3, ptrs, rows, re, bound, bad, bits), 0);
+  assert_int_equal(bad[0], 3);
+  assert_int_equal(bits[0], 0x7fc0);
+  assert_int_equal(bad[1], 2);
+  assert_int_equal(bits[1], 0x4040);
+  assert_true(bad[2] == SIZE_MAX); /* rows 0 and 1 are clean */
+  gpu->ops->ipc_close(gpu, base);
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 /* Unordered jobs (the engine's, which it vouches conflict with nothing
  * unfinished) need not wait for each other: a decode submitted right behind
  * another session's large prefill on the same layer (over 1024 new tokens)
@@ -753,6 +818,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_pinned_cap),
       cmocka_unit_test(test_hostfn_staging),
       cmocka_unit_test(test_pinned_frames),
+      cmocka_unit_test(test_device_io),
+      cmocka_unit_test(test_ipc_ops),
       cmocka_unit_test(test_unordered_jobs),
       cmocka_unit_test(test_sinks_window_softcap),
   };
