@@ -13,7 +13,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 
 #include "internal.h"
 
@@ -81,10 +80,9 @@ static void register_opened(void *arg, attnd_result_t *res) {
     }
   } else if (res->status == 0) {
     rpc_buf_t *b = attnd_xcalloc(1, sizeof(*b));
-    do {
-      if (getrandom(&b->id, sizeof(b->id), 0) != (ssize_t)sizeof(b->id))
-        b->id = uv_hrtime() ^ (uintptr_t)b; /* not expected; still unique enough */
-    } while (b->id == 0 || attnd_idmap_get(&r->buffers, b->id));
+    do
+      b->id = attnd_random_id();
+    while (b->id == 0 || attnd_idmap_get(&r->buffers, b->id));
     b->conn = c->id;
     b->ipc = res->ipc;
     b->base = res->ipc_base;
