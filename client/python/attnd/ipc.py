@@ -103,7 +103,12 @@ class IpcState:
         if self.off or not self.client.local:
             return False
         ts = [t for t in tensors if t is not None]
-        if not ts or not all(_is_cuda_tensor(t) for t in ts):
+        if not ts or not all(_is_cuda_tensor(t) and t.is_contiguous() for t in ts):
+            return False
+        import torch
+
+        act = torch.float16 if self.client.model.dtype == "fp16" else torch.bfloat16
+        if any(t.dtype != act for t in ts):  # bytes: the client rounds them
             return False
         dev = ts[0].device
         if any(t.device != dev for t in ts):
