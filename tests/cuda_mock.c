@@ -145,8 +145,8 @@ static void run_op(struct CUstream_st *st, op_t *o) {
       break;
     uint64_t res = UINT64_MAX;
     for (size_t r = 0; r < o->n && res == UINT64_MAX; r++) {
-      uint32_t m = attnd_cpu_max_abs_bits(ATTND_DT_BF16, (const uint8_t *)o->src + r * 2 * (size_t)o->value,
-                                          (size_t)o->value);
+      uint32_t m = attnd_cpu_max_abs_bits(
+          ATTND_DT_BF16, (const uint8_t *)o->src + r * 2 * (size_t)o->value, (size_t)o->value);
       if (m > (uint32_t)o->b.window)
         res = ((uint64_t)r << 32) | m;
     }

@@ -330,5 +330,4 @@ void attnd_engine_ipc_open(attnd_engine_t *e, const uint8_t handle[64], uint64_t
   snprintf(r.message, sizeof(r.message), "the cpu backend cannot use client device memory");
   finish(cb, arg, &r);
 }
-void attnd_engine_ipc_close(attnd_engine_t *e, void *ipc) {
-}
+void attnd_engine_ipc_close(attnd_engine_t *e, void *ipc) {}

@@ -609,9 +609,8 @@ static void test_ipc_ops(void **state) {
   assert_int_equal(uv_loop_init(&loop), 0);
   char err[256] = "";
   attnd_backend_t *gpu = NULL;
-  assert_int_equal(attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err,
-                                             sizeof(err)),
-                   0);
+  assert_int_equal(
+      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)), 0);
   assert_memory_equal(gpu->device_uuid, "GPU-", 4);
   enum { ROWS = 5, RE = 256 };
   static uint16_t x[ROWS * RE];

@@ -437,10 +437,8 @@ int main(void) {
       cmocka_unit_test(test_default_socket_lookup),
   };
   const struct CMUnitTest with_daemon[] = {
-      cmocka_unit_test(test_health_and_stats),
-      cmocka_unit_test(test_pipelined_receive_by_id),
-      cmocka_unit_test(test_attnctl_against_daemon),
-      cmocka_unit_test(test_session_steps),
+      cmocka_unit_test(test_health_and_stats),       cmocka_unit_test(test_pipelined_receive_by_id),
+      cmocka_unit_test(test_attnctl_against_daemon), cmocka_unit_test(test_session_steps),
       cmocka_unit_test(test_zero_copy_refusals),
   };
   int failed = cmocka_run_group_tests_name("client", standalone, NULL, NULL);

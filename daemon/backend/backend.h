@@ -131,8 +131,7 @@ typedef struct {
    * none), bad[i] becomes the first row holding a magnitude pattern past
    * bound[i] (that row's largest in bits[i]), or SIZE_MAX; 0, or a negative
    * ATTND_E* when the check could not run. */
-  int (*ipc_open)(attnd_backend_t *b, const uint8_t *handle, void **base, char *err,
-                  size_t errlen);
+  int (*ipc_open)(attnd_backend_t *b, const uint8_t *handle, void **base, char *err, size_t errlen);
   void (*ipc_close)(attnd_backend_t *b, void *base);
   int (*ipc_scan)(attnd_backend_t *b, int n, const void *const *p, const size_t *rows,
                   const size_t *row_elems, const uint32_t *bound, size_t *bad, uint32_t *bits);

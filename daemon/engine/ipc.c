@@ -29,10 +29,10 @@ typedef struct ipc_map_s {
   uv_work_t work;
   attnd_engine_t *e;
   uint8_t handle[64];
-  void *base;       /* device address, once open */
-  uint32_t refs;    /* registrations holding it */
-  int open;         /* mapped; 0 while opening */
-  int rc;           /* the open's outcome */
+  void *base;    /* device address, once open */
+  uint32_t refs; /* registrations holding it */
+  int open;      /* mapped; 0 while opening */
+  int rc;        /* the open's outcome */
   char err[160];
   ipc_waiter_t *waiters; /* registrations waiting for the open */
   struct ipc_map_s *next;
@@ -209,9 +209,9 @@ void attnd_scan_device(attnd_engine_t *e, const attnd_step_req_t *req, attnd_sca
   sc->k = p[1];
   sc->v = p[2];
   sc->qbuf = sc->kbuf = sc->vbuf = NULL;
-  sc->err = e->be->ops->ipc_scan ? e->be->ops->ipc_scan(e->be, 3, p, rows, row_elems, bound, bad,
-                                                         bits)
-                                 : ATTND_EPRECOND;
+  sc->err = e->be->ops->ipc_scan
+                ? e->be->ops->ipc_scan(e->be, 3, p, rows, row_elems, bound, bad, bits)
+                : ATTND_EPRECOND;
   sc->bad_q = bad[0];
   sc->bad_k = bad[1];
   sc->bad_v = bad[2];

@@ -125,9 +125,9 @@ static int check_device_outputs(admit_t *a) {
     snprintf(a->msg, sizeof(a->msg), "lse_ref: given exactly when want_lse");
     return ATTND_EINVAL;
   }
-  if (l->present && (l->dtype != ATTND_DT_FP32 || l->ndim != 2 || l->shape[0] != p->Tq ||
-                     l->shape[1] != (uint32_t)sh->q_heads ||
-                     l->nbytes != (size_t)p->Tq * sh->q_heads * 4)) {
+  if (l->present &&
+      (l->dtype != ATTND_DT_FP32 || l->ndim != 2 || l->shape[0] != p->Tq ||
+       l->shape[1] != (uint32_t)sh->q_heads || l->nbytes != (size_t)p->Tq * sh->q_heads * 4)) {
     snprintf(a->msg, sizeof(a->msg), "lse_ref: must be FP32 [%u, %d]", p->Tq, sh->q_heads);
     return ATTND_EINVAL;
   }
@@ -267,7 +267,8 @@ static int step_check(admit_t *a) {
     return rc;
   if (a->req->device && !a->scanned) {
     /* Never: device steps are checked on the device before admission. */
-    snprintf(a->msg, sizeof(a->msg), "a step over client device memory reached admission unchecked");
+    snprintf(a->msg, sizeof(a->msg),
+             "a step over client device memory reached admission unchecked");
     return ATTND_EINTERNAL;
   }
   if (a->scan.err) {

@@ -25,10 +25,10 @@
 
 typedef struct attnd_rpc_buf_s {
   uint64_t id, conn;
-  void *ipc;      /* the engine's mapping */
-  uint8_t *base;  /* device address of its first byte */
+  void *ipc;     /* the engine's mapping */
+  uint8_t *base; /* device address of its first byte */
   uint64_t size;
-  uint32_t refs;  /* the registration (until released) + requests in flight */
+  uint32_t refs;     /* the registration (until released) + requests in flight */
   attnd_list_t link; /* the connection's buffers */
 } rpc_buf_t;
 
@@ -147,8 +147,8 @@ static int lookup(attnd_rpc_req_t *q, uint64_t id, const char *what, rpc_buf_t *
   attnd_rpc_conn_t *c = q->conn;
   rpc_buf_t *b = c->rpc->buffers.b ? attnd_idmap_get(&c->rpc->buffers, id) : NULL;
   if (!b) {
-    snprintf(q->msg, sizeof(q->msg), "%s: buffer %016llx is not registered (or was released)",
-             what, (unsigned long long)id);
+    snprintf(q->msg, sizeof(q->msg), "%s: buffer %016llx is not registered (or was released)", what,
+             (unsigned long long)id);
     return ATTND_EINVAL;
   }
   if (b->conn != c->id) {
