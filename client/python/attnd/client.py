@@ -687,7 +687,7 @@ class Client:
             try:
                 rid, out, lse = _ipc.step_send(self, layer, q, k, v, items, plan, want_lse,
                                                fp32_out)
-            except errors.FailedPrecondition:
+            except (errors.FailedPrecondition, _ipc.IpcUnavailable):
                 if self.ipc.mode is True:
                     raise
                 self.ipc.off = True  # refused at registration: bytes from now on

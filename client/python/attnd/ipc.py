@@ -28,8 +28,14 @@ from . import errors
 _HANDLE_BYTES = 64
 
 
+class IpcUnavailable(Exception):
+    """This process cannot share a tensor's memory (no CUDA driver library, memory
+    that CUDA IPC cannot export, ...): the client sends bytes instead."""
+
+
 class _Driver:
-    """The few CUDA driver calls zero-copy needs, through ctypes."""
+    """The few CUDA driver calls zero-copy needs, through ctypes (torch has made
+    the device's primary context current on the calling thread)."""
 
     _lock = threading.Lock()
     _lib: Any = None
@@ -38,11 +44,18 @@ class _Driver:
     def lib(cls) -> Any:
         with cls._lock:
             if cls._lib is None:
-                lib = ctypes.CDLL("libcuda.so.1")
-                lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
-                                                        ctypes.POINTER(ctypes.c_size_t),
-                                                        ctypes.c_uint64]
-                lib.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+                try:
+                    lib = ctypes.CDLL("libcuda.so.1")
+                except OSError as e:
+                    raise IpcUnavailable(f"no CUDA driver library: {e}") from None
+                u64, vp = ctypes.c_uint64, ctypes.c_void_p
+                lib.cuMemGetAddressRange_v2.argtypes = [vp, vp, u64]
+                lib.cuIpcGetMemHandle.argtypes = [vp, u64]
+                lib.cuDeviceGet.argtypes = [vp, ctypes.c_int]
+                lib.cuDeviceGetUuid_v2.argtypes = [vp, ctypes.c_int]
+                for f in ("cuMemGetAddressRange_v2", "cuIpcGetMemHandle", "cuDeviceGet",
+                          "cuDeviceGetUuid_v2"):
+                    getattr(lib, f).restype = ctypes.c_int
                 cls._lib = lib
             return cls._lib
 
@@ -51,22 +64,34 @@ class _Driver:
         """(base, size, handle) of the device allocation holding address ptr."""
         lib = cls.lib()
         base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-        rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
         if rc != 0:
-            raise OSError(f"cuMemGetAddressRange failed ({rc})")
+            raise IpcUnavailable(f"cuMemGetAddressRange failed (CUresult {rc})")
         h = ctypes.create_string_buffer(_HANDLE_BYTES)
-        rc = lib.cuIpcGetMemHandle(h, ctypes.c_uint64(base.value))
+        rc = lib.cuIpcGetMemHandle(ctypes.byref(h), base.value)
         if rc != 0:  # e.g. memory from cuMemCreate (expandable segments): not shareable this way
-            raise OSError(f"cuIpcGetMemHandle failed ({rc})")
+            raise IpcUnavailable(f"cuIpcGetMemHandle failed (CUresult {rc})")
         return int(base.value), int(size.value), h.raw
+
+    @classmethod
+    def uuid(cls, ordinal: int) -> str:
+        """The device's UUID as the daemon writes it (cudaDeviceProp.uuid's bytes)."""
+        lib = cls.lib()
+        dev = ctypes.c_int(0)
+        u = ctypes.create_string_buffer(16)
+        if lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0 or \
+                lib.cuDeviceGetUuid_v2(ctypes.byref(u), dev.value) != 0:
+            raise IpcUnavailable(f"cannot read the UUID of CUDA device {ordinal}")
+        h = u.raw.hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def device_uuid(device: Any) -> str:
     """The UUID of a torch CUDA device, in the daemon's form ("GPU-...")."""
     import torch
 
-    u = str(torch.cuda.get_device_properties(device).uuid)
-    return u if u.startswith("GPU-") else "GPU-" + u
+    dev = torch.device(device)
+    return _Driver.uuid(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def _same_device(a: str, b: str) -> bool:
@@ -114,10 +139,17 @@ class IpcState:
         if any(t.device != dev for t in ts):
             return False
         theirs = self._daemon_uuid()
-        if not theirs or not _same_device(device_uuid(dev), theirs):
+        try:
+            ours = device_uuid(dev)
+        except IpcUnavailable:
+            if self.mode is True:
+                raise
+            self.off = True
+            return False
+        if not theirs or not _same_device(ours, theirs):
             if self.mode is True:
                 raise errors.FailedPrecondition(
-                    f"zero-copy: the tensors are on {device_uuid(dev)}, the daemon runs on "
+                    f"zero-copy: the tensors are on {ours}, the daemon runs on "
                     f"{theirs or 'no CUDA device'}")
             return False
         return True
