@@ -260,14 +260,18 @@ int attnd_cuda_attend_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b,
 
 /* Same-host zero-copy: "device" memory is host memory, so a mock handle is
  * simply the address, in the handle's first 8 bytes (the test registers
- * its own memory). A handle whose address is 0 cannot be opened. */
+ * its own memory), and the allocation's size in the next 8 (0: 1 GiB). A
+ * handle whose address is 0 cannot be opened. */
 int attnd_cuda_device_uuid(int device, char *out, size_t len) {
   snprintf(out, len, "GPU-00000000-0000-0000-0000-00000000m0ck");
   return 0;
 }
 
-int attnd_cuda_ipc_open(int device, const void *handle, void **base) {
+int attnd_cuda_ipc_open(int device, const void *handle, void **base, size_t *size) {
+  uint64_t n;
   memcpy(base, handle, sizeof(*base));
+  memcpy(&n, (const uint8_t *)handle + 8, sizeof(n));
+  *size = n ? (size_t)n : (size_t)1 << 30;
   return *base ? 0 : ATTND_CUDA_ECUDA;
 }
 

@@ -622,8 +622,12 @@ static void test_ipc_ops(void **state) {
   void *p = x, *base = NULL;
   memcpy(handle, &p, sizeof(p));
   assert_non_null(gpu->ops->ipc_open);
-  assert_int_equal(gpu->ops->ipc_open(gpu, handle, &base, err, sizeof(err)), 0);
+  size_t size = 0;
+  uint64_t xsize = sizeof(x);
+  memcpy(handle + 8, &xsize, sizeof(xsize));
+  assert_int_equal(gpu->ops->ipc_open(gpu, handle, &base, &size, err, sizeof(err)), 0);
   assert_ptr_equal(base, x);
+  assert_int_equal(size, sizeof(x));
   const void *ptrs[3] = {base, base, base};
   size_t rows[3] = {ROWS, ROWS, 2}, re[3] = {RE, RE, RE}, bad[3];
   uint32_t bound[3] = {0x7f7f, 0x4000, 0x7f7f}, bits[3]; /* bf16 max, 2.0, bf16 max */

@@ -24,10 +24,11 @@
 static attnd_backend_ops_t g_ops;
 static atomic_int g_opens, g_closes, g_scans;
 
-static int t_ipc_open(attnd_backend_t *b, const uint8_t *handle, void **base, char *err,
-                      size_t errlen) {
+static int t_ipc_open(attnd_backend_t *b, const uint8_t *handle, void **base, size_t *size,
+                      char *err, size_t errlen) {
   atomic_fetch_add(&g_opens, 1);
   memcpy(base, handle, sizeof(*base));
+  *size = 1 << 20;
   if (!*base) {
     snprintf(err, errlen, "stand-in: no such handle");
     return ATTND_EPRECOND;
@@ -79,8 +80,10 @@ static int ipc_open(fx_t *f, void *p, const char *uuid, void **ipc) {
   attnd_engine_ipc_open(f->e, handle, 1 << 20, uuid, on_done, &x);
   wait_res(f, &x);
   *ipc = x.r.ipc;
-  if (x.r.status == 0)
+  if (x.r.status == 0) {
     assert_ptr_equal(x.r.ipc_base, p);
+    assert_int_equal(x.r.ipc_size, 1 << 20);
+  }
   return x.r.status;
 }
 

@@ -123,15 +123,15 @@ typedef struct {
    * engine refuses RegisterBuffer with FAILED_PRECONDITION): same-host
    * zero-copy (docs/protocol.md). All three BLOCK and run on a worker
    * thread, never the loop's. ipc_open maps the 64-byte cudaIpcMemHandle_t
-   * at handle and gives the device address of its first byte (0, or a
-   * negative ATTND_E* with a reason in err); ipc_close unmaps it (every job
-   * that read or wrote it is done). ipc_scan is the finiteness and
-   * magnitude check of device tensors (engine/scan.c's rule): for each of n
-   * tensors of rows[i] rows of row_elems[i] 16-bit values at p[i] (NULL:
-   * none), bad[i] becomes the first row holding a magnitude pattern past
+   * at handle and gives the device address of its first byte and the
+   * allocation's size (0, or a negative ATTND_E* with a reason in err); ipc_close unmaps it (every
+   * job that read or wrote it is done). ipc_scan is the finiteness and magnitude check of device
+   * tensors (engine/scan.c's rule): for each of n tensors of rows[i] rows of row_elems[i] 16-bit
+   * values at p[i] (NULL: none), bad[i] becomes the first row holding a magnitude pattern past
    * bound[i] (that row's largest in bits[i]), or SIZE_MAX; 0, or a negative
    * ATTND_E* when the check could not run. */
-  int (*ipc_open)(attnd_backend_t *b, const uint8_t *handle, void **base, char *err, size_t errlen);
+  int (*ipc_open)(attnd_backend_t *b, const uint8_t *handle, void **base, size_t *size, char *err,
+                  size_t errlen);
   void (*ipc_close)(attnd_backend_t *b, void *base);
   int (*ipc_scan)(attnd_backend_t *b, int n, const void *const *p, const size_t *rows,
                   const size_t *row_elems, const uint32_t *bound, size_t *bad, uint32_t *bits);

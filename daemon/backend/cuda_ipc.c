@@ -15,14 +15,14 @@
 
 #include "internal.h"
 
-int attnd_cu_ipc_open(attnd_backend_t *base, const uint8_t *handle, void **dev, char *err,
-                      size_t errlen) {
+int attnd_cu_ipc_open(attnd_backend_t *base, const uint8_t *handle, void **dev, size_t *size,
+                      char *err, size_t errlen) {
   cu_backend_t *be = (cu_backend_t *)base;
   if (atomic_load(&be->dead)) {
     snprintf(err, errlen, "the CUDA device is unusable after an earlier error");
     return ATTND_EDEVICE;
   }
-  int rc = attnd_cuda_ipc_open(be->device, handle, dev);
+  int rc = attnd_cuda_ipc_open(be->device, handle, dev, size);
   if (rc == 0)
     return 0;
   snprintf(err, errlen, "the daemon's device cannot open this handle (%s)",

@@ -231,8 +231,8 @@ void attnd_cu_ev_put(cu_backend_t *be, cudaEvent_t ev);
 
 /* ---- cuda_ipc.c: same-host zero-copy (worker threads; backend.h) ---- */
 
-int attnd_cu_ipc_open(attnd_backend_t *base, const uint8_t *handle, void **dev, char *err,
-                      size_t errlen);
+int attnd_cu_ipc_open(attnd_backend_t *base, const uint8_t *handle, void **dev, size_t *size,
+                      char *err, size_t errlen);
 void attnd_cu_ipc_close(attnd_backend_t *base, void *dev);
 int attnd_cu_ipc_scan(attnd_backend_t *base, int n, const void *const *p, const size_t *rows,
                       const size_t *row_elems, const uint32_t *bound, size_t *bad, uint32_t *bits);

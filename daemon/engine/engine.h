@@ -119,10 +119,11 @@ typedef struct {
   uint32_t scan_us;
   uint32_t dev_us[4];
   int dev_timed;
-  /* attnd_engine_ipc_open: the mapping (for attnd_engine_ipc_close) and the
-   * device address of the buffer's first byte. */
+  /* attnd_engine_ipc_open: the mapping (for attnd_engine_ipc_close), the
+   * device address of the buffer's first byte and the allocation's size. */
   void *ipc;
   uint8_t *ipc_base;
+  uint64_t ipc_size;
 } attnd_result_t;
 
 typedef void (*attnd_engine_done_cb)(void *arg, attnd_result_t *res);

@@ -30,6 +30,7 @@ typedef struct ipc_map_s {
   attnd_engine_t *e;
   uint8_t handle[64];
   void *base;    /* device address, once open */
+  size_t size;   /* the allocation's bytes */
   uint32_t refs; /* registrations holding it */
   int open;      /* mapped; 0 while opening */
   int rc;        /* the open's outcome */
@@ -59,6 +60,7 @@ static void answer_open(ipc_map_t *m, attnd_engine_done_cb cb, void *arg) {
     m->refs++;
     r.ipc = m;
     r.ipc_base = m->base;
+    r.ipc_size = m->size;
   }
   cb(arg, &r);
 }
@@ -66,7 +68,7 @@ static void answer_open(ipc_map_t *m, attnd_engine_done_cb cb, void *arg) {
 static void open_work(uv_work_t *w) {
   ipc_map_t *m = (ipc_map_t *)w;
   attnd_backend_t *be = m->e->be;
-  m->rc = be->ops->ipc_open(be, m->handle, &m->base, m->err, sizeof(m->err));
+  m->rc = be->ops->ipc_open(be, m->handle, &m->base, &m->size, m->err, sizeof(m->err));
 }
 
 static void unlink_map(attnd_engine_t *e, ipc_map_t *m) {

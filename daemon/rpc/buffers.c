@@ -70,9 +70,17 @@ static void register_opened(void *arg, attnd_result_t *res) {
   attnd_rpc_req_t *q = arg;
   attnd_rpc_conn_t *c = q->conn;
   attnd_rpc_t *r = c->rpc;
-  if (res->status == 0 && (c->closed || c->nbuffers >= RPC_MAX_BUFFERS)) {
-    /* Gone meanwhile (the answer is dropped), or over the limit: unmapped again. */
+  if (res->status == 0 &&
+      (c->closed || c->nbuffers >= RPC_MAX_BUFFERS || q->m.reg.size > res->ipc_size)) {
+    /* Gone meanwhile (the answer is dropped), over the limit, or larger
+     * than the allocation (a step could then reach past it): unmapped again. */
     attnd_engine_ipc_close(r->engine, res->ipc);
+    if (!c->closed && q->m.reg.size > res->ipc_size) {
+      attnd_rpc_fail(q, ATTND_EINVAL,
+                     "register_buffer: size %llu is more than the allocation's %llu bytes",
+                     (unsigned long long)q->m.reg.size, (unsigned long long)res->ipc_size);
+      return;
+    }
     if (!c->closed) {
       attnd_rpc_fail(q, ATTND_ENOSPC, "register_buffer: this connection holds %d buffers already",
                      RPC_MAX_BUFFERS);

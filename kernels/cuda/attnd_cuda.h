@@ -99,10 +99,11 @@ int attnd_cuda_device_uuid(int device, char *out, size_t len);
 
 /* Maps the memory of a cudaIpcMemHandle_t (its 64 bytes at handle) from
  * another process into this one on device: *base is the device address of
- * the allocation's first byte. Blocks (about a millisecond): call it off
- * any latency-critical thread. A handle that cannot be opened (another
- * host's, another device's, a closed allocation) is ATTND_CUDA_ECUDA. */
-int attnd_cuda_ipc_open(int device, const void *handle, void **base);
+ * the allocation's first byte, *size the allocation's bytes. Blocks (about
+ * a millisecond): call it off any latency-critical thread. A handle that
+ * cannot be opened (another host's, another device's, a closed allocation)
+ * is ATTND_CUDA_ECUDA. */
+int attnd_cuda_ipc_open(int device, const void *handle, void **base, size_t *size);
 /* Unmaps what attnd_cuda_ipc_open mapped, once no queued work reads it. */
 int attnd_cuda_ipc_close(int device, void *base);
 

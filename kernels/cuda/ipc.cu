@@ -50,13 +50,49 @@ extern "C" int attnd_cuda_device_uuid(int device, char *out, size_t len) {
   return 0;
 }
 
-extern "C" int attnd_cuda_ipc_open(int device, const void *handle, void **base) {
+namespace {
+
+// cuMemGetAddressRange_v2 through the runtime's driver entry point (no link
+// against libcuda): the size of the allocation a pointer lies in.
+typedef int (*AddressRangeFn)(unsigned long long *base, size_t *size, unsigned long long ptr);
+
+AddressRangeFn address_range() {
+  static AddressRangeFn fn = []() -> AddressRangeFn {
+    void *f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<AddressRangeFn>(f);
+  }();
+  return fn;
+}
+
+} // namespace
+
+extern "C" int attnd_cuda_ipc_open(int device, const void *handle, void **base, size_t *size) {
   cudaIpcMemHandle_t h;
   static_assert(sizeof(h) == ATTND_CUDA_IPC_HANDLE_BYTES, "cudaIpcMemHandle_t size");
   memcpy(&h, handle, sizeof(h));
   *base = NULL;
+  *size = 0;
   ATTND_CU(cudaSetDevice(device));
   ATTND_CU(cudaIpcOpenMemHandle(base, h, cudaIpcMemLazyEnablePeerAccess));
+  // The mapping is the whole allocation: its size bounds every region a
+  // step may name, whatever size the client registers.
+  AddressRangeFn fn = address_range();
+  unsigned long long b = 0;
+  size_t n = 0;
+  if (!fn || fn(&b, &n, (unsigned long long)(uintptr_t)*base) != 0 ||
+      b != (unsigned long long)(uintptr_t)*base) {
+    cudaIpcCloseMemHandle(*base);
+    *base = NULL;
+    return ::attnd::set_invalid(__FILE__, __LINE__, "cannot read the size of a mapped handle");
+  }
+  *size = n;
   return 0;
 }
 

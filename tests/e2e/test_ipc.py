@@ -13,7 +13,7 @@ steps over the IPC path and the bytes path give bit-equal outputs (same kernels)
 both within the bf16 bound of the float64 reference; outputs appear in the
 client's own tensors (poisoned with NaN first); a bad offset, a misaligned one,
 a released buffer, another connection's buffer and a NaN in q are refused and
-change nothing."""
+change nothing, and so is a registration larger than its allocation."""
 import os
 import unittest
 
@@ -234,6 +234,11 @@ class GpuIpcTest(DaemonTestCase):
             self.assertIn("NaN", e.exception.message)
             big.zero_()
             torch.cuda.synchronize()
+            # Registering more bytes than the allocation holds: refused.
+            _, asize, handle = attnd_ipc._Driver.allocation(big.data_ptr())
+            with self.assertRaises(attnd.InvalidArgument) as e:
+                c.register_buffer(handle, asize + 1, attnd_ipc.device_uuid(self.dev))
+            self.assertIn("more than the allocation", e.exception.message)
             # Released: refused.
             c.release_buffer(buf)
             with self.assertRaises(attnd.InvalidArgument):
