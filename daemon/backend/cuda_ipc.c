@@ -23,8 +23,12 @@ int attnd_cu_ipc_open(attnd_backend_t *base, const uint8_t *handle, void **dev, 
     return ATTND_EDEVICE;
   }
   int rc = attnd_cuda_ipc_open(be->device, handle, dev, size);
-  if (rc == 0)
+  if (rc == 0) {
+    if (*size == 0)
+      ATTND_LOGW("cuda_ipc_size", "err=\"the driver does not tell a mapped allocation's size: "
+                                  "registrations are trusted for theirs\"");
     return 0;
+  }
   snprintf(err, errlen, "the daemon's device cannot open this handle (%s)",
            attnd_cuda_last_error());
   if (rc == ATTND_CUDA_EDEVICE) {

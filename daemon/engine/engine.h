@@ -120,7 +120,8 @@ typedef struct {
   uint32_t dev_us[4];
   int dev_timed;
   /* attnd_engine_ipc_open: the mapping (for attnd_engine_ipc_close), the
-   * device address of the buffer's first byte and the allocation's size. */
+   * device address of the buffer's first byte and the allocation's size
+   * (0: unknown). */
   void *ipc;
   uint8_t *ipc_base;
   uint64_t ipc_size;

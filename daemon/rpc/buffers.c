@@ -70,12 +70,13 @@ static void register_opened(void *arg, attnd_result_t *res) {
   attnd_rpc_req_t *q = arg;
   attnd_rpc_conn_t *c = q->conn;
   attnd_rpc_t *r = c->rpc;
-  if (res->status == 0 &&
-      (c->closed || c->nbuffers >= RPC_MAX_BUFFERS || q->m.reg.size > res->ipc_size)) {
+  /* ipc_size 0: the driver could not tell (logged by the backend). */
+  const int too_large = res->ipc_size && q->m.reg.size > res->ipc_size;
+  if (res->status == 0 && (c->closed || c->nbuffers >= RPC_MAX_BUFFERS || too_large)) {
     /* Gone meanwhile (the answer is dropped), over the limit, or larger
      * than the allocation (a step could then reach past it): unmapped again. */
     attnd_engine_ipc_close(r->engine, res->ipc);
-    if (!c->closed && q->m.reg.size > res->ipc_size) {
+    if (!c->closed && too_large) {
       attnd_rpc_fail(q, ATTND_EINVAL,
                      "register_buffer: size %llu is more than the allocation's %llu bytes",
                      (unsigned long long)q->m.reg.size, (unsigned long long)res->ipc_size);

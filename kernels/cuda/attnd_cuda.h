@@ -99,7 +99,8 @@ int attnd_cuda_device_uuid(int device, char *out, size_t len);
 
 /* Maps the memory of a cudaIpcMemHandle_t (its 64 bytes at handle) from
  * another process into this one on device: *base is the device address of
- * the allocation's first byte, *size the allocation's bytes. Blocks (about
+ * the allocation's first byte, *size the allocation's bytes (0 when the
+ * driver cannot tell). Blocks (about
  * a millisecond): call it off any latency-critical thread. A handle that
  * cannot be opened (another host's, another device's, a closed allocation)
  * is ATTND_CUDA_ECUDA. */
