@@ -128,7 +128,10 @@ class IpcState:
         if self.off or not self.client.local:
             return False
         ts = [t for t in tensors if t is not None]
-        if not ts or not all(_is_cuda_tensor(t) and t.is_contiguous() for t in ts):
+        # Contiguous, and at the 256-byte offsets refs need (an allocation's start
+        # is aligned further, so the address tells); anything else goes as bytes.
+        if not ts or not all(_is_cuda_tensor(t) and t.is_contiguous() and t.data_ptr() % 256 == 0
+                             for t in ts):
             return False
         import torch
 
