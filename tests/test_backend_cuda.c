@@ -103,6 +103,41 @@ static int g_frames;
 /* test_device_io: q, k, v, out and lse in client device memory. */
 static int g_devio;
 
+/* What io_in_pinned moved, to put back before the job is freed. */
+typedef struct {
+  void *block, *out, *lse;
+} devio_t;
+
+/* Moves a step's q, k, v, out and lse into one block from host_alloc and
+ * marks the job device_io: pinned host memory is device memory to a kernel
+ * (unified addressing), so on a GPU the backend's client-memory path reads
+ * and writes it as it would a client's allocation; over the mock it is host
+ * memory anyway. out and lse are poisoned (NaN). */
+static void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d) {
+  size_t off[5], len[5] = {j->q_bytes, j->kv_bytes, j->kv_bytes, j->out_bytes, j->lse_bytes};
+  size_t n = 0;
+  for (int i = 0; i < 5; i++) {
+    off[i] = n;
+    n += (len[i] + 255) & ~(size_t)255;
+  }
+  uint8_t *b = gpu->ops->host_alloc(gpu, n ? n : 256);
+  assert_non_null(b); /* --cuda-hostfn-min 0: every block is pinned */
+  if (j->q_bytes)
+    memcpy(b + off[0], j->batch.q, j->q_bytes);
+  memcpy(b + off[1], j->batch.k, j->kv_bytes);
+  memcpy(b + off[2], j->batch.v, j->kv_bytes);
+  memset(b + off[3], 0xff, j->out_bytes + ((len[3] + 255) & ~(size_t)255) - len[3] + j->lse_bytes);
+  d->block = b;
+  d->out = j->batch.out;
+  d->lse = j->batch.lse;
+  j->batch.q = j->q_bytes ? b + off[0] : NULL;
+  j->batch.k = b + off[1];
+  j->batch.v = b + off[2];
+  j->batch.out = j->out_bytes ? b + off[3] : NULL;
+  j->batch.lse = j->lse_bytes && d->lse ? (float *)(b + off[4]) : NULL;
+  j->device_io = 1;
+}
+
 /* Moves a step's q, k and v into one buffer from host_alloc, each at an odd
  * offset as in a request frame, and marks them pinned (backend.h
  * inputs_pinned): the CUDA backend DMAs them from there. Returns the frame. */
@@ -167,12 +202,13 @@ static void compare_backends(attnd_kv_type_t kv) {
   int n = build_scenario(sp);
   tjob_t jc[16], jg[16];
   void *frames[16] = {NULL}, *outs[16] = {NULL};
+  devio_t dio[16] = {{NULL, NULL, NULL}};
   int dummy = 0;
   for (int i = 0; i < n; i++) {
     job_from_spec(&jc[i], &sp[i], &dummy);
     job_from_spec(&jg[i], &sp[i], &dummy);
     if (g_devio && sp[i].kind == ATTND_JOB_STEP)
-      jg[i].job.device_io = 1; /* the mock's device memory is host memory */
+      io_in_pinned(gpu, &jg[i].job, &dio[i]);
     if (g_frames && sp[i].kind == ATTND_JOB_STEP) {
       frames[i] = inputs_in_frame(gpu, &jg[i].job);
       outs[i] = output_in_host_memory(gpu, &jg[i].job);
@@ -231,6 +267,11 @@ static void compare_backends(attnd_kv_type_t kv) {
     if (outs[i]) {
       gpu->ops->host_free(gpu, outs[i]);
       jg[i].job.batch.out = NULL;
+    }
+    if (dio[i].block) {
+      gpu->ops->host_free(gpu, dio[i].block);
+      jg[i].job.batch.out = dio[i].out;
+      jg[i].job.batch.lse = dio[i].lse;
     }
     job_free(&jc[i]);
     job_free(&jg[i]);
@@ -581,29 +622,34 @@ static void test_pinned_frames(void **state) {
 }
 
 /* Same-host zero-copy (backend.h device_io): the steps' q, k, v, out and
- * lse are client device memory, nothing staged or copied back, q copied on
- * the device first (the write phase rotates it in place; the client's q must
- * not change); results match the CPU backend's. Only over the mock, whose
- * device memory is host memory: on a GPU the e2e test (tests/e2e/test_ipc.py)
- * runs this path with a second process's memory. */
+ * lse are "client" memory (pinned host memory, which kernels address
+ * directly), nothing staged or copied back, q copied on the device first
+ * (the write phase rotates it in place; the client's q must not change);
+ * results match the CPU backend's. On a GPU this runs under the round's
+ * compute-sanitizer too; tests/e2e/test_ipc.py runs the path with a second
+ * process's device memory. */
 static void test_device_io(void **state) {
   SKIP_WITHOUT_GPU();
-  if (!attnd_cuda_mock_hold)
-    skip();
+  attnd_backend_opts_t saved = g_opts;
+  g_opts.cuda_hostfn_min = 0;
   g_devio = 1;
   compare_backends(ATTND_KV_BF16);
   compare_backends(ATTND_KV_INT8_DYNAMIC);
   g_devio = 0;
+  g_opts = saved;
 }
 
-/* The zero-copy ops (backend.h ipc_open, ipc_scan, ipc_close), over the mock
- * (a handle is an address there): the device's UUID is reported; the check
- * finds the first row past each bound with that row's largest magnitude
- * (NaN above every finite value), and nothing for a clean tensor. */
+/* The zero-copy ops (backend.h ipc_open, ipc_scan, ipc_close): the
+ * device's UUID is reported; the check (kernels/cuda/ipc.cu) finds the first
+ * row past each bound with that row's largest magnitude (NaN above every
+ * finite value), and nothing for a clean tensor. The tensor is pinned host
+ * memory (addressable by kernels); ipc_open and ipc_close run over the mock
+ * only (a handle is an address there; on a GPU a handle must come from
+ * another process: tests/e2e/test_ipc.py). */
 static void test_ipc_ops(void **state) {
   SKIP_WITHOUT_GPU();
-  if (!attnd_cuda_mock_hold)
-    skip();
+  attnd_backend_opts_t saved = g_opts;
+  g_opts.cuda_hostfn_min = 0;
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   uv_loop_t loop;
   assert_int_equal(uv_loop_init(&loop), 0);
@@ -613,21 +659,24 @@ static void test_ipc_ops(void **state) {
       attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)), 0);
   assert_memory_equal(gpu->device_uuid, "GPU-", 4);
   enum { ROWS = 5, RE = 256 };
-  static uint16_t x[ROWS * RE];
+  uint16_t *x = gpu->ops->host_alloc(gpu, ROWS * RE * 2);
+  assert_non_null(x);
   for (int i = 0; i < ROWS * RE; i++)
     x[i] = (i & 1) ? 0xbf80 : 0x3f80; /* -1.0, 1.0 */
   x[2 * RE + 9] = 0xc040;             /* -3.0 in row 2 */
   x[3 * RE + 7] = 0x7fc0;             /* NaN in row 3 */
   uint8_t handle[64] = {0};
-  void *p = x, *base = NULL;
-  memcpy(handle, &p, sizeof(p));
+  void *p = x, *base = x;
   assert_non_null(gpu->ops->ipc_open);
-  size_t size = 0;
-  uint64_t xsize = sizeof(x);
-  memcpy(handle + 8, &xsize, sizeof(xsize));
-  assert_int_equal(gpu->ops->ipc_open(gpu, handle, &base, &size, err, sizeof(err)), 0);
-  assert_ptr_equal(base, x);
-  assert_int_equal(size, sizeof(x));
+  if (attnd_cuda_mock_hold) {
+    size_t size = 0;
+    uint64_t xsize = ROWS * RE * 2;
+    memcpy(handle, &p, sizeof(p));
+    memcpy(handle + 8, &xsize, sizeof(xsize));
+    assert_int_equal(gpu->ops->ipc_open(gpu, handle, &base, &size, err, sizeof(err)), 0);
+    assert_ptr_equal(base, x);
+    assert_int_equal(size, xsize);
+  }
   const void *ptrs[3] = {base, base, base};
   size_t rows[3] = {ROWS, ROWS, 2}, re[3] = {RE, RE, RE}, bad[3];
   uint32_t bound[3] = {0x7f7f, 0x4000, 0x7f7f}, bits[3]; /* bf16 max, 2.0, bf16 max */
@@ -637,7 +686,10 @@ static void test_ipc_ops(void **state) {
   assert_int_equal(bad[1], 2);
   assert_int_equal(bits[1], 0x4040);
   assert_true(bad[2] == SIZE_MAX); /* rows 0 and 1 are clean */
-  gpu->ops->ipc_close(gpu, base);
+  if (attnd_cuda_mock_hold)
+    gpu->ops->ipc_close(gpu, base);
+  gpu->ops->host_free(gpu, x);
+  g_opts = saved;
   destroy_and_close(&loop, gpu);
   assert_int_equal(uv_loop_close(&loop), 0);
 }

@@ -269,9 +269,10 @@ static int enqueue_step_device(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db
   attnd_cu_trace_begin(be, r);
   attnd_cu_trace_mark(r, 0, cs->st);
   RUN_CU(r, cudaMemcpyAsync(dp, hp, lo->off_q, cudaMemcpyHostToDevice, cs->st));
+  /* cudaMemcpyDefault: the address says where q is (client device memory;
+   * pinned host memory in the backend's test), with unified addressing. */
   if (job->q_bytes)
-    RUN_CU(r,
-           cudaMemcpyAsync(dp + lo->off_q, hb->q, job->q_bytes, cudaMemcpyDeviceToDevice, cs->st));
+    RUN_CU(r, cudaMemcpyAsync(dp + lo->off_q, hb->q, job->q_bytes, cudaMemcpyDefault, cs->st));
   attnd_cu_trace_mark(r, 1, cs->st);
   db->items = (const attnd_kitem_t *)dp;
   db->meta = (const int32_t *)(dp + lo->off_meta);
