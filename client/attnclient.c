@@ -748,7 +748,7 @@ static void set_tensor(attnd_v1_Tensor *t, bytes_arg_t *b, int dtype, uint32_t r
   t->data.arg = b;
 }
 
-/* A ref of [rows, heads, dim] (dim 0: [rows, heads]); buffer 0 leaves it unset. */
+/* A ref of [rows, heads, dim] (dim 0: [rows, heads]); buffer 0: unset. */
 static void set_ref(attnd_v1_TensorRef *t, bool *has, const attnd_client_ref_t *r, int dtype,
                     uint32_t rows, uint32_t heads, uint32_t dim) {
   if (!r->buffer)
@@ -758,9 +758,7 @@ static void set_ref(attnd_v1_TensorRef *t, bool *has, const attnd_client_ref_t *
   t->offset = r->offset;
   t->dtype = (attnd_v1_DType)dtype;
   t->shape_count = dim ? 3 : 2;
-  t->shape[0] = rows;
-  t->shape[1] = heads;
-  t->shape[2] = dim;
+  memcpy(t->shape, (uint32_t[3]){rows, heads, dim}, sizeof(uint32_t[3]));
 }
 
 int attnd_client_step_send(attnd_client_t *c, const attnd_client_step_t *s, uint64_t *id) {
