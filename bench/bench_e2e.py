@@ -22,8 +22,11 @@ Last, the daemon's step_trace lines (its log at exit): where a step's time
 went, phase by phase (read, decode, admit, scan, queue, h2d, kwrite, attend,
 d2h, compute, encode, write, total; docs/operations.md), p50/p90 per kind.
 
-The same-host zero-copy path (RegisterBuffer) is not built yet: its column says
-so. Speed is measured here, never asserted. Shapes: small (the CPU default: 4
+Transport `ipc` (CUDA backend, torch; with unix): same-host zero-copy
+(docs/protocol.md §5a) on a second Unix socket connection, each case right
+after its bytes run on the same sessions: the decode loop's q, k and v are
+torch bf16 tensors on the daemon's GPU, named by reference (RegisterBuffer
+once per allocation, out written by the daemon into a tensor of the client's). Speed is measured here, never asserted. Shapes: small (the CPU default: 4
 layers, 8 q / 2 kv heads, d 64) or 8b (32 layers, 32 q / 8 kv heads, d 128).
 """
 import argparse
@@ -129,13 +132,23 @@ def fill(c, sh, sessions, context, rng, rows_max=16384):
     return time.perf_counter() - t0, nbytes
 
 
-def decode_loop(c, sh, sessions, lens, tokens, rng):
+def to_cuda_bf16(bits):
+    """bf16 bits (uint16) as a torch bf16 tensor on cuda:0 (the ipc transport)."""
+    import torch
+
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to("cuda:0")
+
+
+def decode_loop(c, sh, sessions, lens, tokens, rng, ipc=False):
     """tokens tokens through every layer (lens: each session's length, moved on);
-    returns per-token and per-layer times and the daemon's total/computing (us)."""
+    returns per-token and per-layer times and the daemon's total/computing (us).
+    ipc: q, k and v are torch tensors on the GPU, sent by reference."""
     L, qh, kvh, d = sh["layers"], sh["q_heads"], sh["kv_heads"], sh["head_dim"]
     n = len(sessions)
     q = bf16_bits(rng, (n, qh, d))
     kv = bf16_bits(rng, (n, kvh, d))
+    if ipc:
+        q, kv = to_cuda_bf16(q), to_cuda_bf16(kv)
     per_token, per_layer, total, computing = [], [], [], []
     for t in range(tokens):
         plan = c.plan([ac.Item(s, lens[s], 1, tokens=[lens[s]]) for s in sessions])
@@ -216,6 +229,17 @@ def torch_reference(sh, nsess, context, tokens, device):
 TRACE_RE = re.compile(r"event=step_trace\b.*?kind=(\w+) steps=(\d+) stat=p50/p90(.*)$")
 
 
+def ipc_ready(a):
+    """The ipc transport needs the CUDA backend and torch on a GPU here."""
+    if a.backend != "cuda":
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def parse_trace(log_path):
     """step_trace lines of the daemon's log: [{kind, steps, phases{name: (p50, p90)}}]."""
     out = []
@@ -250,7 +274,7 @@ def main():
     ap.add_argument("--prefill", type=int, default=None, help="tokens of the prefill step "
                     "(default 4096; cpu: 512); 0 = none")
     ap.add_argument("--prefill-reps", type=int, default=5)
-    ap.add_argument("--transports", default="unix,tcp")
+    ap.add_argument("--transports", default="unix,tcp", help="comma list of unix, tcp, ipc")
     ap.add_argument("--kv-memory", default=None, help="default 0 on cuda (90%% free), 512M on cpu")
     ap.add_argument("--trace-window", type=int, default=256)
     ap.add_argument("--no-step-trace", action="store_true",
@@ -277,9 +301,17 @@ def main():
     results = {"backend": a.backend, "shape": sh, "context": context, "tokens": a.tokens,
                "cases": [], "prefill": [], "fill": []}
     try:
-        for tr in transports:
+        # ipc is measured beside unix, on the same sessions (they belong to the
+        # uid, not the connection) through a second connection with zero-copy on.
+        do_ipc = "ipc" in transports
+        if do_ipc and not ipc_ready(a):
+            results["cases"].append({"transport": "ipc", "skipped": "needs --backend cuda "
+                                     "and torch with CUDA"})
+            do_ipc = False
+        for tr in [t for t in transports if t != "ipc"]:
             addr = path if tr == "unix" else f"127.0.0.1:{port}"
-            with ac.Client(addr, timeout=600) as c:
+            cipc = ac.Client(path, timeout=600, ipc=True) if do_ipc and tr == "unix" else None
+            with ac.Client(addr, timeout=600, ipc=False) as c:
                 # Sessions are filled as the cases need them (small cases first),
                 # so a run cut short by a timeout still has its first cases.
                 sess, lens = [], {}
@@ -292,16 +324,22 @@ def main():
                                                 "gb_s": fill_bytes / fill_s / 1e9})
                         sess += new
                         lens.update({sid: context for sid in new})
-                    pt, pl, tot, comp = decode_loop(c, sh, sess[:n], lens, a.tokens, rng)
-                    results["cases"].append({
-                        "transport": tr, "sessions": n,
-                        "token_p50_us": pct(pt, 0.5), "token_p90_us": pct(pt, 0.9),
-                        "layer_p50_us": pct(pl, 0.5), "layer_p90_us": pct(pl, 0.9),
-                        "daemon_total_p50_us": pct(tot, 0.5),
-                        "computing_p50_us": pct(comp, 0.5)})
-                    save(a, results)
+                    for name, cl in ((tr, c), ("ipc", cipc)):
+                        if cl is None:
+                            continue
+                        pt, pl, tot, comp = decode_loop(cl, sh, sess[:n], lens, a.tokens, rng,
+                                                        ipc=cl is cipc)
+                        results["cases"].append({
+                            "transport": name, "sessions": n,
+                            "token_p50_us": pct(pt, 0.5), "token_p90_us": pct(pt, 0.9),
+                            "layer_p50_us": pct(pl, 0.5), "layer_p90_us": pct(pl, 0.9),
+                            "daemon_total_p50_us": pct(tot, 0.5),
+                            "computing_p50_us": pct(comp, 0.5)})
+                        save(a, results)
                 for s in sess:
                     c.close_session(s)
+                if cipc is not None:
+                    cipc.close()
                 if a.prefill:
                     s = int(c.open_session()[0])
                     rt, nbytes = prefill_once(c, sh, s, a.prefill, rng, a.prefill_reps)
@@ -312,7 +350,7 @@ def main():
                                                "gb_s": nbytes / p50 / 1e3})
                     save(a, results)
         for case in results["cases"]:
-            if case["transport"] == transports[0]:
+            if case["transport"] == transports[0] and "skipped" not in case:
                 ref = torch_reference(sh, case["sessions"], context, a.tokens, a.backend)
                 case["torch_token_p50_us"] = pct(ref, 0.5) if ref else None
     finally:
@@ -329,7 +367,8 @@ def main():
         shutil.copy(log_path, a.log)
     shutil.rmtree(tmp, ignore_errors=True)
 
-    torch_by_n = {c["sessions"]: c.get("torch_token_p50_us") for c in results["cases"]}
+    torch_by_n = {c["sessions"]: c.get("torch_token_p50_us") for c in results["cases"]
+                  if "skipped" not in c}
     print(f"# attnd e2e: backend {a.backend}, {sh['layers']} layers, {sh['q_heads']}/"
           f"{sh['kv_heads']} heads, d {sh['head_dim']}, context {context}, "
           f"{a.tokens} tokens per case")
@@ -337,12 +376,14 @@ def main():
           "daemon total p50 us | computing p50 us | torch in-process token p50 us |")
     print("|---|---|---|---|---|---|---|---|")
     for c in results["cases"]:
+        if "skipped" in c:
+            print(f"| {c['transport']} | - | skipped: {c['skipped']} | | | | | |")
+            continue
         t = torch_by_n.get(c["sessions"])
         print(f"| {c['transport']} | {c['sessions']} | {c['token_p50_us']:.0f} | "
               f"{c['token_p90_us']:.0f} | {c['layer_p50_us']:.1f} | "
               f"{c['daemon_total_p50_us']:.1f} | {c['computing_p50_us']:.1f} | "
               f"{'%.0f' % t if t else 'n/a (no torch)'} |")
-    print("| ipc | - | n/a: RegisterBuffer not built yet | | | | | |")
     for f in results["fill"]:
         print(f"fill {f['transport']}: {f['sessions']} sessions x {f['tokens']} tokens, kv_only "
               f"pipelined over the layers: {f['seconds']:.2f} s, {f['gb_s']:.2f} GB/s of k+v")

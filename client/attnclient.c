@@ -748,6 +748,19 @@ static void set_tensor(attnd_v1_Tensor *t, bytes_arg_t *b, int dtype, uint32_t r
   t->data.arg = b;
 }
 
+/* A ref of [rows, heads, dim] (dim 0: [rows, heads]); buffer 0: unset. */
+static void set_ref(attnd_v1_TensorRef *t, bool *has, const attnd_client_ref_t *r, int dtype,
+                    uint32_t rows, uint32_t heads, uint32_t dim) {
+  if (!r->buffer)
+    return;
+  *has = true;
+  t->buffer = r->buffer;
+  t->offset = r->offset;
+  t->dtype = (attnd_v1_DType)dtype;
+  t->shape_count = dim ? 3 : 2;
+  memcpy(t->shape, (uint32_t[3]){rows, heads, dim}, sizeof(uint32_t[3]));
+}
+
 int attnd_client_step_send(attnd_client_t *c, const attnd_client_step_t *s, uint64_t *id) {
   attnd_v1_Request req = attnd_v1_Request_init_zero;
   items_arg_t ia = {s->items, s->nitems};
@@ -762,13 +775,24 @@ int attnd_client_step_send(attnd_client_t *c, const attnd_client_step_t *s, uint
     st->items.funcs.encode = enc_items_cb;
     st->items.arg = &ia;
   }
-  if (s->q && s->q_rows) {
-    st->has_q = true;
-    set_tensor(&st->q, &qb, s->dtype, s->q_rows, s->q_heads, s->head_dim, s->q);
+  if (s->refs) {
+    const attnd_client_refs_t *r = s->refs;
+    set_ref(&st->q_ref, &st->has_q_ref, &r->q, s->dtype, s->q_rows, s->q_heads, s->head_dim);
+    set_ref(&st->k_ref, &st->has_k_ref, &r->k, s->dtype, s->kv_rows, s->kv_heads, s->head_dim);
+    set_ref(&st->v_ref, &st->has_v_ref, &r->v, s->dtype, s->kv_rows, s->kv_heads, s->head_dim);
+    set_ref(&st->out_ref, &st->has_out_ref, &r->out,
+            s->fp32_out ? attnd_v1_DType_DTYPE_FP32 : s->dtype, s->q_rows, s->q_heads, s->head_dim);
+    set_ref(&st->lse_ref, &st->has_lse_ref, &r->lse, attnd_v1_DType_DTYPE_FP32, s->q_rows,
+            s->q_heads, 0);
+  } else {
+    if (s->q && s->q_rows) {
+      st->has_q = true;
+      set_tensor(&st->q, &qb, s->dtype, s->q_rows, s->q_heads, s->head_dim, s->q);
+    }
+    st->has_k = st->has_v = true;
+    set_tensor(&st->k, &kb, s->dtype, s->kv_rows, s->kv_heads, s->head_dim, s->k);
+    set_tensor(&st->v, &vb, s->dtype, s->kv_rows, s->kv_heads, s->head_dim, s->v);
   }
-  st->has_k = st->has_v = true;
-  set_tensor(&st->k, &kb, s->dtype, s->kv_rows, s->kv_heads, s->head_dim, s->k);
-  set_tensor(&st->v, &vb, s->dtype, s->kv_rows, s->kv_heads, s->head_dim, s->v);
   st->want_lse = s->want_lse != 0;
   st->fp32_out = s->fp32_out != 0;
   return attnd_client_send(c, &req, id);

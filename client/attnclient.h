@@ -126,9 +126,32 @@ typedef struct {
   const uint32_t *tokens;
 } attnd_client_item_t;
 
+/* Same-host zero-copy (docs/protocol.md §5a): a tensor at offset of a
+ * buffer from attnd_client_register_buffer (buffer 0: absent). */
+typedef struct {
+  uint64_t buffer;
+  uint64_t offset;
+} attnd_client_ref_t;
+typedef struct {
+  attnd_client_ref_t q, k, v; /* shapes and dtype as attnd_client_step_t's bytes */
+  attnd_client_ref_t out;     /* [q_rows, q_heads, head_dim], dtype or FP32 (fp32_out) */
+  attnd_client_ref_t lse;     /* [q_rows, q_heads] FP32, exactly when want_lse */
+} attnd_client_refs_t;
+
+/* Registers device memory shared with cudaIpcGetMemHandle (its 64 bytes),
+ * size bytes from the allocation's start, on the device named device_uuid
+ * (HealthResponse.device_uuid's form); the id goes to *buffer. The daemon
+ * answers FAILED_PRECONDITION (ESTATUS, attnd_client_status() 9) when it
+ * cannot share memory with this client: send bytes then. */
+int attnd_client_register_buffer(attnd_client_t *c, const uint8_t handle[64], uint64_t size,
+                                 const char *device_uuid, uint64_t *buffer);
+int attnd_client_release_buffer(attnd_client_t *c, uint64_t buffer);
+
 /* A Step: items inline (plan == 0) or a plan id. q is [q_rows, q_heads,
  * head_dim], k and v are [kv_rows, kv_heads, head_dim], all of dtype
- * (attnd_v1_DType, 2-byte types); q may be NULL when every item is kv_only. */
+ * (attnd_v1_DType, 2-byte types); q may be NULL when every item is kv_only.
+ * With refs, the tensors are refs instead (q, k and v above unused) and the
+ * response carries no out or lse: the daemon wrote them. */
 typedef struct {
   uint32_t layer;
   uint64_t plan;
@@ -142,6 +165,7 @@ typedef struct {
   uint32_t kv_rows;
   int want_lse;
   int fp32_out;
+  const attnd_client_refs_t *refs; /* NULL: bytes */
 } attnd_client_step_t;
 
 int attnd_client_plan(attnd_client_t *c, const attnd_client_item_t *items, size_t nitems,

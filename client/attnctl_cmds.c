@@ -29,6 +29,8 @@ static void print_health(const attnd_v1_HealthResponse *h, const char *addr,
     attnctl_json_ku("kv_blocks", h->kv_blocks, &f);
     attnctl_json_ku("device_memory_bytes", h->device_memory_bytes, &f);
     attnctl_json_ku("compute_capability", h->compute_capability, &f);
+    if (h->device_uuid[0])
+      attnctl_json_kstr("device_uuid", h->device_uuid, &f);
     attnctl_json_kstr("socket", addr, &f);
     printf("}\n");
     fflush(stdout);
@@ -41,6 +43,8 @@ static void print_health(const attnd_v1_HealthResponse *h, const char *addr,
            h->compute_capability % 10);
   if (h->device_memory_bytes)
     printf("  %-14s %s\n", "device memory", attnctl_bytes(h->device_memory_bytes, b1, sizeof(b1)));
+  if (h->device_uuid[0]) /* what same-host zero-copy clients compare with */
+    printf("  %-14s %s\n", "device uuid", h->device_uuid);
   printf("  %-14s %s\n", "epoch", ep);
   printf("  %-14s %s\n", "uptime", attnctl_duration(h->uptime_s, b2, sizeof(b2)));
   printf("  %-14s %s\n", "address", addr);

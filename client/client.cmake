@@ -16,6 +16,8 @@ install(FILES ${CMAKE_CURRENT_SOURCE_DIR}/attnclient.h ${PROJECT_BINARY_DIR}/pro
 install(TARGETS attnd_client attnd_proto ARCHIVE DESTINATION lib)
 # Head-sharded mode (attnclient_shard.h): part of the same library.
 target_sources(attnd_client PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/attnclient_shard.c)
+# Same-host zero-copy: RegisterBuffer, ReleaseBuffer.
+target_sources(attnd_client PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/attnclient_ipc.c)
 install(FILES ${CMAKE_CURRENT_SOURCE_DIR}/attnclient_shard.h DESTINATION include/attnd)
 
 # The Python package's version, next to the generated attnd_pb2.py, for the

@@ -92,4 +92,13 @@ void run_all(uv_loop_t *loop, attnd_backend_t *be, tjob_t *jobs, int n);
 double rel_l2_out(const tjob_t *a, const tjob_t *ref, size_t n);
 void destroy_and_close(uv_loop_t *loop, attnd_backend_t *be);
 
+/* Same-host zero-copy (backend_cuda_ipc.c). What io_in_pinned moved, put back
+ * (out, lse into the job's batch) and freed (block, with host_free) before
+ * the job is freed. */
+typedef struct {
+  void *block, *out, *lse;
+} devio_t;
+void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d);
+void test_ipc_ops(void **state);
+
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

@@ -26,6 +26,8 @@ endfunction()
 attnd_add_e2e(e2e_client_fake test_client_fake)
 attnd_add_e2e(e2e_torch_client test_torch_client)
 attnd_add_e2e(e2e_health test_health)
+# Same-host zero-copy: RegisterBuffer's refusals here; the IPC path itself on a GPU.
+attnd_add_e2e(e2e_ipc test_ipc)
 # Per-layer windows, soft-capping and sinks against the numpy reference; SetSinks.
 attnd_add_e2e(e2e_variants test_variants)
 attnd_add_e2e(e2e_sessions test_sessions)

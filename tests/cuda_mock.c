@@ -28,7 +28,18 @@
 #include "attnd_cuda.h"
 #include "attnd_kernels.h"
 
-enum { OP_COPY, OP_SET, OP_WRITE, OP_ATTEND, OP_CALLBACK, OP_HOSTFN, OP_FREE, OP_EVENT, OP_WAIT };
+enum {
+  OP_COPY,
+  OP_SET,
+  OP_WRITE,
+  OP_ATTEND,
+  OP_CALLBACK,
+  OP_HOSTFN,
+  OP_FREE,
+  OP_EVENT,
+  OP_WAIT,
+  OP_SCAN
+};
 
 typedef struct op_s {
   int kind;
@@ -129,6 +140,19 @@ static void run_op(struct CUstream_st *st, op_t *o) {
     while (atomic_load((_Atomic double *)o->dst) == 0.0 && !atomic_load(&g_sticky))
       nanosleep(&(struct timespec){0, 50000}, NULL);
     break;
+  case OP_SCAN: { /* attnd_cuda_scan_rows: src rows (n) x value elements, bound in o->b.window */
+    if (sticky)
+      break;
+    uint64_t res = UINT64_MAX;
+    for (size_t r = 0; r < o->n && res == UINT64_MAX; r++) {
+      uint32_t m = attnd_cpu_max_abs_bits(
+          ATTND_DT_BF16, (const uint8_t *)o->src + r * 2 * (size_t)o->value, (size_t)o->value);
+      if (m > (uint32_t)o->b.window)
+        res = ((uint64_t)r << 32) | m;
+    }
+    memcpy(o->dst, &res, sizeof(res));
+    break;
+  }
   case OP_EVENT: { /* an event is a timestamp taken when the stream reaches it */
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -232,6 +256,38 @@ int attnd_cuda_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *wo
 int attnd_cuda_attend_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b,
                              size_t workspace_bytes) {
   return 1;
+}
+
+/* Same-host zero-copy: "device" memory is host memory, so a mock handle is
+ * simply the address, in the handle's first 8 bytes (the test registers
+ * its own memory), and the allocation's size in the next 8 (0: 1 GiB). A
+ * handle whose address is 0 cannot be opened. */
+int attnd_cuda_device_uuid(int device, char *out, size_t len) {
+  snprintf(out, len, "GPU-00000000-0000-0000-0000-00000000m0ck");
+  return 0;
+}
+
+int attnd_cuda_ipc_open(int device, const void *handle, void **base, size_t *size) {
+  uint64_t n;
+  memcpy(base, handle, sizeof(*base));
+  memcpy(&n, (const uint8_t *)handle + 8, sizeof(n));
+  *size = n ? (size_t)n : (size_t)1 << 30;
+  return *base ? 0 : ATTND_CUDA_ECUDA;
+}
+
+int attnd_cuda_ipc_close(int device, void *base) {
+  return 0;
+}
+
+int attnd_cuda_scan_rows(const void *p, int64_t rows, int32_t row_elems, uint32_t bound_bits,
+                         uint64_t *result, void *stream) {
+  op_t *o = op_new(OP_SCAN);
+  o->src = p;
+  o->n = (size_t)rows;
+  o->value = row_elems;
+  o->b.window = (int32_t)bound_bits;
+  o->dst = result;
+  return push(stream, o) == cudaSuccess ? 0 : ATTND_CUDA_EDEVICE;
 }
 
 /* ---- the CUDA runtime calls the CUDA backend makes ---------------------------- */

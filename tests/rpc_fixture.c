@@ -319,3 +319,15 @@ void put_item(pbw_t *w, uint32_t field, uint64_t session, uint32_t start, uint32
   pbw_sub(&it, 5, &mask);
   pbw_sub(w, field, &it);
 }
+
+/* Same-host zero-copy: the fake engine is a CPU backend's, which cannot map
+ * client memory. */
+void attnd_engine_ipc_open(attnd_engine_t *e, const uint8_t handle[64], uint64_t size,
+                           const char *device_uuid, attnd_engine_done_cb cb, void *arg) {
+  attnd_result_t r;
+  memset(&r, 0, sizeof(r));
+  r.status = ATTND_EPRECOND;
+  snprintf(r.message, sizeof(r.message), "the cpu backend cannot use client device memory");
+  finish(cb, arg, &r);
+}
+void attnd_engine_ipc_close(attnd_engine_t *e, void *ipc) {}

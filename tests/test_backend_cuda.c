@@ -100,6 +100,8 @@ static int build_scenario(tjob_spec_t *sp) {
 
 /* test_pinned_frames: q, k and v in the backend's frame memory. */
 static int g_frames;
+/* test_device_io: q, k, v, out and lse in client device memory. */
+static int g_devio;
 
 /* Moves a step's q, k and v into one buffer from host_alloc, each at an odd
  * offset as in a request frame, and marks them pinned (backend.h
@@ -165,10 +167,13 @@ static void compare_backends(attnd_kv_type_t kv) {
   int n = build_scenario(sp);
   tjob_t jc[16], jg[16];
   void *frames[16] = {NULL}, *outs[16] = {NULL};
+  devio_t dio[16] = {{NULL, NULL, NULL}};
   int dummy = 0;
   for (int i = 0; i < n; i++) {
     job_from_spec(&jc[i], &sp[i], &dummy);
     job_from_spec(&jg[i], &sp[i], &dummy);
+    if (g_devio && sp[i].kind == ATTND_JOB_STEP)
+      io_in_pinned(gpu, &jg[i].job, &dio[i]);
     if (g_frames && sp[i].kind == ATTND_JOB_STEP) {
       frames[i] = inputs_in_frame(gpu, &jg[i].job);
       outs[i] = output_in_host_memory(gpu, &jg[i].job);
@@ -184,6 +189,8 @@ static void compare_backends(attnd_kv_type_t kv) {
       fail_msg("cpu job %d: %s", i, jc[i].job.message);
     if (jg[i].job.status)
       fail_msg("cuda job %d: %s (%s)", i, jg[i].job.message, attnd_strerror(jg[i].job.status));
+    if (g_devio && sp[i].kind == ATTND_JOB_STEP && jg[i].job.q_bytes) /* the client's q as sent */
+      assert_memory_equal(jg[i].job.batch.q, sp[i].q, jg[i].job.q_bytes);
     assert_true(jg[i].job.t_end_us >= jg[i].job.t_start_us);
     assert_true(jg[i].job.t_start_us >= jg[i].job.t_submit_us);
     if (sp[i].kind == ATTND_JOB_STEP) {
@@ -225,6 +232,11 @@ static void compare_backends(attnd_kv_type_t kv) {
     if (outs[i]) {
       gpu->ops->host_free(gpu, outs[i]);
       jg[i].job.batch.out = NULL;
+    }
+    if (dio[i].block) {
+      gpu->ops->host_free(gpu, dio[i].block);
+      jg[i].job.batch.out = dio[i].out;
+      jg[i].job.batch.lse = dio[i].lse;
     }
     job_free(&jc[i]);
     job_free(&jg[i]);
@@ -574,6 +586,24 @@ static void test_pinned_frames(void **state) {
   g_opts = saved;
 }
 
+/* Same-host zero-copy (backend.h device_io): the steps' q, k, v, out and
+ * lse are "client" memory (pinned host memory, which kernels address
+ * directly), nothing staged or copied back, q copied on the device first
+ * (the write phase rotates it in place; the client's q must not change);
+ * results match the CPU backend's. On a GPU this runs under the round's
+ * compute-sanitizer too; tests/e2e/test_ipc.py runs the path with a second
+ * process's device memory. */
+static void test_device_io(void **state) {
+  SKIP_WITHOUT_GPU();
+  attnd_backend_opts_t saved = g_opts;
+  g_opts.cuda_hostfn_min = 0;
+  g_devio = 1;
+  compare_backends(ATTND_KV_BF16);
+  compare_backends(ATTND_KV_INT8_DYNAMIC);
+  g_devio = 0;
+  g_opts = saved;
+}
+
 /* Unordered jobs (the engine's, which it vouches conflict with nothing
  * unfinished) need not wait for each other: a decode submitted right behind
  * another session's large prefill on the same layer (over 1024 new tokens)
@@ -753,6 +783,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_pinned_cap),
       cmocka_unit_test(test_hostfn_staging),
       cmocka_unit_test(test_pinned_frames),
+      cmocka_unit_test(test_device_io),
+      cmocka_unit_test(test_ipc_ops),
       cmocka_unit_test(test_unordered_jobs),
       cmocka_unit_test(test_sinks_window_softcap),
   };

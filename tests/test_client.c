@@ -357,6 +357,50 @@ static void test_session_steps(void **state) {
   attnd_client_free(c);
 }
 
+/* Same-host zero-copy through libattnclient: the CPU backend refuses a
+ * registration with FAILED_PRECONDITION (the client then sends bytes), and a
+ * step whose refs name a buffer nobody registered is INVALID_ARGUMENT. */
+static void test_zero_copy_refusals(void **state) {
+  NEED_DAEMON();
+  attnd_client_t *c = NULL;
+  assert_int_equal(attnd_client_connect(&c, sock_path), 0);
+  attnd_v1_HealthResponse h;
+  assert_int_equal(attnd_client_health(c, &h), 0);
+  uint8_t handle[64];
+  memset(handle, 1, sizeof(handle));
+  uint64_t buf = 0;
+  int rc = attnd_client_register_buffer(c, handle, 1 << 20, h.device_uuid, &buf);
+  if (strcmp(h.backend, "cpu") == 0) {
+    assert_int_equal(rc, ATTND_CLIENT_ESTATUS);
+    assert_int_equal(attnd_client_status(c), 9);
+  }
+  uint64_t sid = 0;
+  uint32_t cached = 0, tok = 5;
+  assert_int_equal(attnd_client_open_session(c, NULL, 0, &sid, &cached), 0);
+  attnd_client_item_t it = {.session = sid, .start = 0, .n = 1, .tokens = &tok};
+  attnd_client_refs_t refs = {.q = {77, 0}, .k = {77, 256}, .v = {77, 512}, .out = {77, 1024}};
+  attnd_client_step_t st = {.items = &it,
+                            .nitems = 1,
+                            .dtype = attnd_v1_DType_DTYPE_BF16,
+                            .q_heads = h.model.q_heads,
+                            .kv_heads = h.model.kv_heads,
+                            .head_dim = h.model.head_dim,
+                            .q_rows = 1,
+                            .kv_rows = 1,
+                            .refs = &refs};
+  uint64_t id = 0;
+  assert_int_equal(attnd_client_step_send(c, &st, &id), 0);
+  attnd_client_resp_t r;
+  assert_int_equal(attnd_client_recv(c, id, &r), ATTND_CLIENT_ESTATUS);
+  assert_int_equal(attnd_client_status(c), 3);
+  assert_non_null(strstr(r.msg.status.message, "not registered"));
+  attnd_client_resp_free(&r);
+  assert_int_equal(attnd_client_release_buffer(c, 77), ATTND_CLIENT_ESTATUS);
+  assert_int_equal(attnd_client_status(c), 3);
+  assert_int_equal(attnd_client_close_session(c, sid), 0);
+  attnd_client_free(c);
+}
+
 static void test_attnctl_against_daemon(void **state) {
   NEED_DAEMON();
   char out[16384], args[600];
@@ -393,10 +437,9 @@ int main(void) {
       cmocka_unit_test(test_default_socket_lookup),
   };
   const struct CMUnitTest with_daemon[] = {
-      cmocka_unit_test(test_health_and_stats),
-      cmocka_unit_test(test_pipelined_receive_by_id),
-      cmocka_unit_test(test_attnctl_against_daemon),
-      cmocka_unit_test(test_session_steps),
+      cmocka_unit_test(test_health_and_stats),       cmocka_unit_test(test_pipelined_receive_by_id),
+      cmocka_unit_test(test_attnctl_against_daemon), cmocka_unit_test(test_session_steps),
+      cmocka_unit_test(test_zero_copy_refusals),
   };
   int failed = cmocka_run_group_tests_name("client", standalone, NULL, NULL);
   failed += cmocka_run_group_tests_name("client_daemon", with_daemon, start_daemon, stop_daemon);

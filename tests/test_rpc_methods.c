@@ -147,6 +147,65 @@ static void test_step_zero_copy(void **state) {
   tconn_free(&t);
 }
 
+/* Same-host zero-copy (docs/protocol.md): RegisterBuffer is refused before
+ * the engine for a TCP peer off loopback, and by the engine's backend (the
+ * fake's is a CPU backend) for a Unix peer; a handle that is not 64 bytes,
+ * and a step naming a buffer nobody registered, are INVALID_ARGUMENT and
+ * never reach the engine. */
+static void test_register_buffer_refusals(void **state) {
+  fix_t *f = *state;
+  tconn_t ux, tcp;
+  attnd_v1_Response r;
+  tconn_init(f, &ux, 1000, 0);
+  tconn_init(f, &tcp, ATTND_IDENTITY_ANON, 0); /* not Unix, not marked same_host */
+  uint8_t handle[64];
+  memset(handle, 7, sizeof(handle));
+  pbw_t rb;
+  for (int i = 0; i < 3; i++) { /* off loopback, Unix, Unix with a short handle */
+    pbw_init(&rb);
+    pbw_bytes(&rb, 1, handle, i == 2 ? 63 : 64);
+    pbw_uint(&rb, 2, 1 << 20);
+    pbw_bytes(&rb, 3, "GPU-1", 5);
+    send_call(i ? &ux : &tcp, 1 + (uint64_t)i, attnd_v1_Request_register_buffer_tag, &rb);
+  }
+  resp(&tcp, 0, &r);
+  assert_int_equal(r.status.code, ATTND_STATUS_FAILED_PRECONDITION);
+  assert_non_null(strstr(r.status.message, "daemon's host"));
+  resp(&ux, 0, &r);
+  assert_int_equal(r.status.code, ATTND_STATUS_FAILED_PRECONDITION);
+  assert_non_null(strstr(r.status.message, "cpu backend"));
+  resp(&ux, 1, &r);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(r.status.message, "64"));
+  /* A step whose q names buffer 42: nobody registered it. */
+  fe.step.layer = 999;
+  pbw_t st, ref;
+  pbw_init(&st);
+  pbw_uint(&st, 1, 0);
+  put_item(&st, 3, 0x1111, 0, 1, 1);
+  pbw_init(&ref);
+  pbw_uint(&ref, 1, 42);
+  pbw_uint(&ref, 2, 0);
+  pbw_uint(&ref, 3, attnd_v1_DType_DTYPE_BF16);
+  pbw_uint(&ref, 4, 1);
+  pbw_sub(&st, 9, &ref);
+  send_call(&ux, 4, attnd_v1_Request_step_tag, &st);
+  resp(&ux, 2, &r);
+  assert_int_equal(r.id, 4);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(r.status.message, "not registered"));
+  assert_int_equal(fe.step.layer, 999); /* the engine never saw it */
+  /* ReleaseBuffer of an unknown id: the same. */
+  pbw_t rel;
+  pbw_init(&rel);
+  pbw_uint(&rel, 1, 42);
+  send_call(&ux, 5, attnd_v1_Request_release_buffer_tag, &rel);
+  resp(&ux, 3, &r);
+  assert_int_equal(r.status.code, ATTND_STATUS_INVALID_ARGUMENT);
+  tconn_free(&ux);
+  tconn_free(&tcp);
+}
+
 static void test_plan_then_step(void **state) {
   fix_t *f = *state;
   tconn_t t;
@@ -254,6 +313,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_open_session_tokens_and_errors, setup, teardown),
       cmocka_unit_test_setup_teardown(test_step_zero_copy, setup, teardown),
       cmocka_unit_test_setup_teardown(test_plan_then_step, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_register_buffer_refusals, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stats_and_list, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

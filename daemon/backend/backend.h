@@ -79,6 +79,13 @@ struct attnd_job_s {
    * for batch.out (outputs_pinned), DMA'd into. */
   int inputs_pinned;
   int outputs_pinned;
+  /* STEP: batch.q, k, v, out and lse are DEVICE pointers into client memory
+   * mapped with ipc_open (same-host zero-copy): nothing of them is staged or
+   * copied back; the kernels read k and v and write out and lse in place,
+   * and q is first copied on the device into the job's own buffer (the
+   * write phase rotates q in place, which the client's tensor must not see).
+   * Only a backend with ipc_open gets such jobs. */
+  int device_io;
   /* Filled by the backend. */
   int status; /* 0 or a negative ATTND_E* */
   char message[128];
@@ -112,6 +119,22 @@ typedef struct {
    * (the caller mallocs). host_free takes back what host_alloc gave. */
   void *(*host_alloc)(attnd_backend_t *b, size_t len);
   void (*host_free)(attnd_backend_t *b, void *p);
+  /* Optional (NULL: the backend cannot use client device memory, and the
+   * engine refuses RegisterBuffer with FAILED_PRECONDITION): same-host
+   * zero-copy (docs/protocol.md). All three BLOCK and run on a worker
+   * thread, never the loop's. ipc_open maps the 64-byte cudaIpcMemHandle_t
+   * at handle and gives the device address of its first byte and the
+   * allocation's size (0, or a negative ATTND_E* with a reason in err); ipc_close unmaps it (every
+   * job that read or wrote it is done). ipc_scan is the finiteness and magnitude check of device
+   * tensors (engine/scan.c's rule): for each of n tensors of rows[i] rows of row_elems[i] 16-bit
+   * values at p[i] (NULL: none), bad[i] becomes the first row holding a magnitude pattern past
+   * bound[i] (that row's largest in bits[i]), or SIZE_MAX; 0, or a negative
+   * ATTND_E* when the check could not run. */
+  int (*ipc_open)(attnd_backend_t *b, const uint8_t *handle, void **base, size_t *size, char *err,
+                  size_t errlen);
+  void (*ipc_close)(attnd_backend_t *b, void *base);
+  int (*ipc_scan)(attnd_backend_t *b, int n, const void *const *p, const size_t *rows,
+                  const size_t *row_elems, const uint32_t *bound, size_t *bad, uint32_t *bits);
 } attnd_backend_ops_t;
 
 struct attnd_backend_s {
@@ -125,6 +148,9 @@ struct attnd_backend_s {
    * need no aligned copy; 0: they must be 2-byte aligned (the CPU kernels
    * read 16-bit elements through typed pointers). */
   int any_alignment;
+  /* "GPU-<uuid>" of the device (same-host zero-copy compares it with the
+   * client's); "" for the CPU backend. */
+  char device_uuid[48];
 };
 
 /* How a backend is set up: sizes and tuning, filled by the engine from the

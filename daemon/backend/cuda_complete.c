@@ -65,7 +65,7 @@ static void CUDART_CB stream_cb(cudaStream_t st, cudaError_t status, void *arg) 
   if (status != cudaSuccess && attnd_cu_sticky(status))
     atomic_store(&be->dead, 1);
   attnd_job_t *job = r->job;
-  if (status == cudaSuccess && !r->status && job->kind == ATTND_JOB_STEP) {
+  if (status == cudaSuccess && !r->status && job->kind == ATTND_JOB_STEP && !job->device_io) {
     if (job->out_bytes && !job->outputs_pinned) /* pinned: DMA'd there already */
       memcpy(job->batch.out, r->stage->p + r->out_off, job->out_bytes);
     if (job->lse_bytes && job->batch.lse)

@@ -136,6 +136,7 @@ static void release(cu_backend_t *be) {
     cudaEventDestroy(be->evfree[i]);
   free(be->evfree);
   be->evfree = NULL;
+  attnd_cu_ipc_release(be);
   be->nevfree = be->evcap = 0;
   /* A sticky error is cleared only by a reset; nothing here reuses the
    * context, so the last-error slot is simply cleared. */
@@ -145,6 +146,7 @@ static void release(cu_backend_t *be) {
 static void async_closed(uv_handle_t *h) {
   cu_backend_t *be = h->data;
   uv_mutex_destroy(&be->mu);
+  uv_mutex_destroy(&be->ipc_mu);
   if (be->poll) {
     uv_cond_destroy(&be->pcv);
     uv_mutex_destroy(&be->pmu);
@@ -189,6 +191,9 @@ static const attnd_backend_ops_t cu_ops = {
     .destroy = cu_destroy,
     .host_alloc = attnd_cu_frame_alloc,
     .host_free = attnd_cu_frame_free,
+    .ipc_open = attnd_cu_ipc_open,
+    .ipc_close = attnd_cu_ipc_close,
+    .ipc_scan = attnd_cu_ipc_scan,
 };
 
 int attnd_backend_cuda_available(void) {
@@ -390,6 +395,13 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
     goto fail_dev;
   }
   be->cc = major * 10 + minor;
+  if (attnd_cuda_device_uuid(device, be->base.device_uuid, sizeof(be->base.device_uuid)) != 0)
+    be->base.device_uuid[0] = 0; /* zero-copy then refuses every handle */
+  if (uv_mutex_init(&be->ipc_mu) != 0) {
+    snprintf(err, errlen, "uv_mutex_init failed");
+    rc = ATTND_EINTERNAL;
+    goto fail_dev;
+  }
   /* Scales first (tiny), then the pool takes what the budget allows. */
   if ((rc = create_streams(be, layers, err, errlen)) != 0 ||
       (rc = create_pool(be, layers, o->kv_memory, err, errlen)) != 0 ||
@@ -401,6 +413,7 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
 fail_mem:
   cudaGetLastError();
   release(be);
+  uv_mutex_destroy(&be->ipc_mu);
 fail_dev:
   cudaGetLastError();
   free(be->trace);

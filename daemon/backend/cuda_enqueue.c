@@ -171,6 +171,16 @@ static void step_layout(const attnd_job_t *job, cu_run_t *r, layout_t *lo) {
   lo->meta = job->nmeta * sizeof(int32_t);
   lo->off_meta = attnd_cu_align_up(lo->items);
   lo->off_q = lo->off_meta + attnd_cu_align_up(lo->meta);
+  if (job->device_io) {
+    /* Client memory (backend.h device_io): only q's device copy joins the
+     * staged items and meta; k, v, out and lse stay where the client has
+     * them. */
+    lo->off_k = lo->off_v = lo->off_out = lo->off_lse = 0;
+    lo->in_bytes = lo->total = lo->off_q + job->q_bytes;
+    r->q_off = lo->off_q;
+    r->out_off = r->lse_off = r->k_off = r->v_off = 0;
+    return;
+  }
   lo->off_k = lo->off_q + attnd_cu_align_up(job->q_bytes);
   lo->off_v = lo->off_k + attnd_cu_align_up(job->kv_bytes);
   lo->in_bytes = lo->off_v + job->kv_bytes;
@@ -213,7 +223,9 @@ static void enqueue_kernels(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db, u
     }
   }
   attnd_cu_trace_mark(r, 3, cs->st);
-  if (attend && job->outputs_pinned) {
+  if (job->device_io) {
+    /* The kernels wrote out and lse into the client's memory: nothing to copy. */
+  } else if (attend && job->outputs_pinned) {
     /* The output's own buffer is pinned (backend.h): DMA into it; lse, if
      * asked, through the staging buffer. */
     RUN_CU(r, cudaMemcpyAsync(job->batch.out, dp + lo->off_out, job->out_bytes,
@@ -230,6 +242,50 @@ enqueued:
   return;
 }
 
+/* A step over client memory (backend.h device_io): items and meta through
+ * pinned staging, q copied on the device into the stream's buffer (the
+ * write phase rotates it in place), k and v read and out and lse written
+ * where the client has them. 1 when it must wait for a pinned buffer. */
+static int enqueue_step_device(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db,
+                               const layout_t *lo) {
+  attnd_job_t *job = r->job;
+  const attnd_kbatch_t *hb = &job->batch;
+  cu_stream_t *cs = &be->streams[r->stream];
+  int cerr = cudaSuccess;
+  r->stage = attnd_cu_stage_get(be, lo->off_q, 0, &cerr);
+  if (!r->stage) {
+    if (cerr == cudaSuccess)
+      return 1;
+    attnd_cu_run_fail_cuda(r, __FILE__, __LINE__, "cudaHostAlloc (pinned staging)",
+                           (cudaError_t)cerr);
+    return 0;
+  }
+  uint8_t *hp = r->stage->p;
+  memcpy(hp, hb->items, lo->items);
+  if (lo->meta)
+    memcpy(hp + lo->off_meta, hb->meta, lo->meta);
+  RUN_CU(r, attnd_cu_dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, lo->total, CU_DBUF_MIN));
+  uint8_t *dp = cs->dbuf;
+  attnd_cu_trace_begin(be, r);
+  attnd_cu_trace_mark(r, 0, cs->st);
+  RUN_CU(r, cudaMemcpyAsync(dp, hp, lo->off_q, cudaMemcpyHostToDevice, cs->st));
+  /* cudaMemcpyDefault: the address says where q is (client device memory;
+   * pinned host memory in the backend's test), with unified addressing. */
+  if (job->q_bytes)
+    RUN_CU(r, cudaMemcpyAsync(dp + lo->off_q, hb->q, job->q_bytes, cudaMemcpyDefault, cs->st));
+  attnd_cu_trace_mark(r, 1, cs->st);
+  db->items = (const attnd_kitem_t *)dp;
+  db->meta = (const int32_t *)(dp + lo->off_meta);
+  db->q = job->q_bytes ? dp + lo->off_q : NULL;
+  db->k = hb->k;
+  db->v = hb->v;
+  db->out = job->out_bytes ? hb->out : NULL;
+  db->lse = job->lse_bytes ? hb->lse : NULL;
+  enqueue_kernels(be, r, db, hp, dp, lo);
+enqueued:
+  return 0;
+}
+
 /* 1 when the job must wait for a pinned buffer (nothing was enqueued). */
 static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
   attnd_job_t *job = r->job;
@@ -241,6 +297,8 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
   layout_t lo;
   step_layout(job, r, &lo);
   int cerr = cudaSuccess;
+  if (job->device_io)
+    return enqueue_step_device(be, r, &db, &lo);
   r->stage = attnd_cu_stage_get(be, lo.total, 0, &cerr);
   if (!r->stage) {
     if (cerr == cudaSuccess)

@@ -7,6 +7,7 @@
  *   cuda_enqueue.c   a job's work enqueued on its layer's stream (loop thread)
  *   cuda_complete.c  completion: event poller or stream callbacks -> loop
  *   cuda_trace.c     --cuda-trace: timing of where a step's time goes
+ *   cuda_ipc.c       same-host zero-copy: client memory mapped, checked
  *
  * cuda_device.c's header comment explains memory, ordering, staging,
  * completion and errors as a whole. */
@@ -161,6 +162,11 @@ struct cu_backend_s {
   int pstop;
   cudaEvent_t *evfree; /* recycled done events (loop thread) */
   int nevfree, evcap;
+  /* Same-host zero-copy (cuda_ipc.c): the device check of client tensors,
+   * one at a time, on its own stream, made at the first check. */
+  uv_mutex_t ipc_mu;
+  cudaStream_t ipc_st;
+  uint64_t *ipc_hres, *ipc_dres; /* pinned and device result slots */
 };
 
 static inline uint64_t attnd_cu_now_us(void) {
@@ -222,6 +228,16 @@ void attnd_cu_poller_stop(cu_backend_t *be);
 /* Events from a recycled pool (loop thread); NULL when none can be made. */
 cudaEvent_t attnd_cu_ev_get(cu_backend_t *be);
 void attnd_cu_ev_put(cu_backend_t *be, cudaEvent_t ev);
+
+/* ---- cuda_ipc.c: same-host zero-copy (worker threads; backend.h) ---- */
+
+int attnd_cu_ipc_open(attnd_backend_t *base, const uint8_t *handle, void **dev, size_t *size,
+                      char *err, size_t errlen);
+void attnd_cu_ipc_close(attnd_backend_t *base, void *dev);
+int attnd_cu_ipc_scan(attnd_backend_t *base, int n, const void *const *p, const size_t *rows,
+                      const size_t *row_elems, const uint32_t *bound, size_t *bad, uint32_t *bits);
+/* Frees the check's stream and slots (teardown). */
+void attnd_cu_ipc_release(cu_backend_t *be);
 
 /* ---- cuda_trace.c ---- */
 

@@ -84,6 +84,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->max_plans = 64;
   c->threads = 0;
   c->prefix_cache = 1;
+  c->ipc = 1;
   c->hello_timeout_ms = 10000;
   c->max_partial_bytes = 0;
   c->frame_deadline_ms = 30000;

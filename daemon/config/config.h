@@ -108,6 +108,7 @@ typedef struct {
   /* Require Hello{token} on every TCP connection, loopback included: on a host
    * shared with other users, loopback proves nothing about who connects. */
   int require_token; /* --require-token, default false */
+  int ipc;           /* --ipc: same-host clients may register device buffers, default true */
 
   /* Connection limits (docs/protocol.md §9). */
   uint64_t max_partial_bytes; /* --max-partial-bytes: partly received frames, all

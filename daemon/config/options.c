@@ -364,6 +364,8 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
     return parse_bool(name, v, &c->prefix_cache, err, errlen);
   if (strcmp(name, "require-token") == 0)
     return parse_bool(name, v, &c->require_token, err, errlen);
+  if (strcmp(name, "ipc") == 0)
+    return parse_bool(name, v, &c->ipc, err, errlen);
   if (strcmp(name, "cuda-trace") == 0)
     return parse_bool(name, v, &c->cuda_trace, err, errlen);
   ERR("unknown option '%s%s'", prefix, name_in);

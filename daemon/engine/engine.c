@@ -234,6 +234,7 @@ void attnd_engine_info(attnd_engine_t *e, attnd_engine_info_t *info) {
   info->kv_blocks = e->be->num_blocks;
   info->kv_memory = (uint64_t)e->be->num_blocks * e->be->block_bytes * (uint64_t)e->layers;
   info->kv_bytes_per_token = attnd_kv_bytes_per_token(&e->shape) * e->layers;
+  snprintf(info->device_uuid, sizeof(info->device_uuid), "%s", e->be->device_uuid);
 }
 
 void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st) {

@@ -69,6 +69,14 @@ typedef struct {
   int want_lse;
   int fp32_out;
   int pinned; /* q, k and v lie in a frame from attnd_engine_host_alloc that said so */
+  /* Same-host zero-copy (docs/protocol.md): q, k, v, out and lse are DEVICE
+   * memory of registered buffers (attnd_engine_ipc_open), their data device
+   * pointers the caller keeps mapped until the done callback. out (shape
+   * [Tq, q_heads, head_dim], the activation dtype or fp32) and lse ([Tq,
+   * q_heads] fp32, present exactly when want_lse) receive the outputs, which
+   * the result then does not carry. Only a backend with ipc_open sees them. */
+  int device;
+  attnd_tensor_t out, lse;
 } attnd_step_req_t;
 
 typedef struct {
@@ -111,6 +119,12 @@ typedef struct {
   uint32_t scan_us;
   uint32_t dev_us[4];
   int dev_timed;
+  /* attnd_engine_ipc_open: the mapping (for attnd_engine_ipc_close), the
+   * device address of the buffer's first byte and the allocation's size
+   * (0: unknown). */
+  void *ipc;
+  uint8_t *ipc_base;
+  uint64_t ipc_size;
 } attnd_result_t;
 
 typedef void (*attnd_engine_done_cb)(void *arg, attnd_result_t *res);
@@ -124,6 +138,7 @@ typedef struct {
   uint64_t kv_memory;
   uint32_t kv_blocks;
   double kv_bytes_per_token; /* all layers */
+  char device_uuid[48];      /* "GPU-<uuid>" of the CUDA device; "" on the CPU backend */
 } attnd_engine_info_t;
 
 /* Counters and gauges for Stats and /metrics. Counters only grow. */
@@ -200,6 +215,24 @@ void attnd_engine_set_sinks(attnd_engine_t *e, const attnd_sinks_req_t *req,
  * back with the same pinned; all of it must be back before the engine closes. */
 void *attnd_engine_host_alloc(attnd_engine_t *e, size_t len, int *pinned);
 void attnd_engine_host_free(attnd_engine_t *e, void *p, int pinned);
+
+/* Same-host zero-copy (docs/protocol.md). Maps device memory another
+ * process shared with cudaIpcGetMemHandle (handle: its 64 bytes) of size
+ * bytes, on the device named by device_uuid (attnd_engine_info's form),
+ * into the daemon's device address space; completes through cb with
+ * res->ipc and res->ipc_base. A handle mapped already is shared (counted),
+ * so the same allocation may be registered many times. The open runs off
+ * the loop thread (it costs about a millisecond). ATTND_EPRECOND: the
+ * backend cannot map client memory (the CPU backend), the device differs,
+ * or the driver refused the handle (another host's, another device's, a
+ * process without access). Loop thread only. */
+void attnd_engine_ipc_open(attnd_engine_t *e, const uint8_t handle[64], uint64_t size,
+                           const char *device_uuid, attnd_engine_done_cb cb, void *arg);
+/* Drops one reference of a mapping from attnd_engine_ipc_open; the last
+ * unmaps it (off the loop thread). The caller guarantees that no step
+ * in flight still uses it (it holds the buffer until each step's done
+ * callback). */
+void attnd_engine_ipc_close(attnd_engine_t *e, void *ipc);
 
 /* The connection closed: its plans end. In-flight steps still complete. */
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);

@@ -18,6 +18,8 @@
  *   sinks.c     SetSinks: the attention sinks table, its versions, persistence
  *   engine.c    lifetime (backend selection, init, close) and introspection
  *   check.c     attnd_engine_check, the bookkeeping checker for tests
+ *   ipc.c       same-host zero-copy: client device memory mapped and
+ *               counted, the device check of a step's tensors there
  *
  * The tables of blocks.c, prefix.c, scales.c and sinks.c are declared in
  * internal_tables.h. Semantics: docs/sessions.md. Everything here runs on the loop thread except
@@ -174,6 +176,7 @@ typedef struct {
                                     * SIZE_MAX: none */
   uint32_t bits_q, bits_k, bits_v; /* that row's largest magnitude, as dtype bits */
   uint32_t us;                     /* how long the scan took (the step trace) */
+  int err; /* a device check (ipc.c) that could not run: the step fails with it */
 } attnd_scan_t;
 
 /* The largest magnitude a tensor may hold (docs/numerics.md §6). */
@@ -224,6 +227,7 @@ struct attnd_engine_s {
   attnd_ejob_t **barrier; /* [layers]: the unfinished SCALES job */
   attnd_list_t readyq;    /* jobs whose wait ended, to hand to the backend */
   int sched_busy;         /* readyq is being drained */
+  struct ipc_map_s *ipc_maps; /* client device memory mapped (ipc.c) */
 };
 
 /* ---- engine.c ---- */
@@ -262,6 +266,12 @@ void attnd_scan_bounds(const attnd_kshape_t *sh, attnd_scan_bound_t *q, attnd_sc
                        attnd_scan_bound_t *v);
 /* A magnitude pattern of the activation dtype (bf16 or fp16) as a number. */
 double attnd_scan_value(attnd_dtype_t dt, uint32_t bits);
+
+/* The scan of a queued step, off the loop thread: attnd_scan_step, or for
+ * a step over client device memory (req->device) attnd_scan_device. */
+void attnd_scan_any(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc);
+/* ipc.c: the device check of such a step (it blocks: a worker thread). */
+void attnd_scan_device(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc);
 
 static inline int attnd_scan_row_in(size_t row, uint32_t first, uint32_t n) {
   return row >= first && row - first < n;

@@ -235,7 +235,7 @@ static void call_push(attnd_engine_t *e, call_t *c) {
 
 static void scan_work(uv_work_t *w) {
   call_t *c = (call_t *)w;
-  attnd_scan_step(&c->e->shape, &c->step, c->e->be->any_alignment, &c->scan);
+  attnd_scan_any(c->e, &c->step, &c->scan);
 }
 
 static void scan_done(uv_work_t *w, int status) {
@@ -363,7 +363,9 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     return;
   }
   size_t bytes = tensor_bytes(&req->q) + tensor_bytes(&req->k) + tensor_bytes(&req->v);
-  int large = bytes > e->offload_bytes;
+  /* Tensors in client device memory are checked on the device, and that
+   * check is awaited off the loop thread like a large step's scan. */
+  int large = bytes > e->offload_bytes || req->device;
   if (!large && !must_queue(e)) {
     attnd_step_admit(e, identity, conn, req, cb, arg, NULL);
     return;
@@ -376,7 +378,7 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     c->scanning = 1;
     if (uv_queue_work(e->loop, &c->work, scan_work, scan_done) != 0) {
       /* Cannot happen with valid arguments; scan here rather than fail. */
-      attnd_scan_step(&e->shape, &c->step, e->be->any_alignment, &c->scan);
+      attnd_scan_any(e, &c->step, &c->scan);
       c->scanning = 0;
     }
   }

@@ -194,3 +194,10 @@ void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, int 
               &sc->bits_v);
   sc->us = (uint32_t)(attnd_engine_now_us() - t0);
 }
+
+void attnd_scan_any(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc) {
+  if (req->device)
+    attnd_scan_device(e, req, sc);
+  else
+    attnd_scan_step(&e->shape, req, e->be->any_alignment, sc);
+}

@@ -98,6 +98,42 @@ static int check_plan(admit_t *a) {
   return rc;
 }
 
+/* A step over client device memory (engine.h req->device): where out and
+ * lse go, against the plan's rows. */
+static int check_device_outputs(admit_t *a) {
+  const attnd_kshape_t *sh = &a->e->shape;
+  const attnd_step_req_t *req = a->req;
+  const attnd_plan_t *p = a->p;
+  const attnd_tensor_t *o = &req->out, *l = &req->lse;
+  attnd_dtype_t odt = req->fp32_out ? ATTND_DT_FP32 : sh->dtype;
+  size_t oes = req->fp32_out ? 4 : 2;
+  if (p->Tq == 0) {
+    if (o->present || l->present) {
+      snprintf(a->msg, sizeof(a->msg), "out_ref/lse_ref given but every item is kv_only");
+      return ATTND_EINVAL;
+    }
+    return 0;
+  }
+  if (!o->present || o->dtype != odt || o->ndim != 3 || o->shape[0] != p->Tq ||
+      o->shape[1] != (uint32_t)sh->q_heads || o->shape[2] != (uint32_t)sh->head_dim ||
+      o->nbytes != (size_t)p->Tq * sh->q_heads * sh->head_dim * oes) {
+    snprintf(a->msg, sizeof(a->msg), "out_ref: must be %s [%u, %d, %d]",
+             req->fp32_out ? "FP32" : "the activation dtype", p->Tq, sh->q_heads, sh->head_dim);
+    return ATTND_EINVAL;
+  }
+  if (!req->want_lse != !l->present) {
+    snprintf(a->msg, sizeof(a->msg), "lse_ref: given exactly when want_lse");
+    return ATTND_EINVAL;
+  }
+  if (l->present &&
+      (l->dtype != ATTND_DT_FP32 || l->ndim != 2 || l->shape[0] != p->Tq ||
+       l->shape[1] != (uint32_t)sh->q_heads || l->nbytes != (size_t)p->Tq * sh->q_heads * 4)) {
+    snprintf(a->msg, sizeof(a->msg), "lse_ref: must be FP32 [%u, %d]", p->Tq, sh->q_heads);
+    return ATTND_EINVAL;
+  }
+  return 0;
+}
+
 /* q, k and v against the plan's rows, and the layer's static scales and sinks. */
 static int check_tensors(admit_t *a) {
   const attnd_kshape_t *sh = &a->e->shape;
@@ -120,6 +156,8 @@ static int check_tensors(admit_t *a) {
     snprintf(a->msg, sizeof(a->msg), "q given but every item is kv_only");
     return ATTND_EINVAL;
   }
+  if (req->device && (rc = check_device_outputs(a)))
+    return rc;
   if (attnd_kv_type_static(sh->kv) && !a->e->sc.l[req->layer].present) {
     snprintf(a->msg, sizeof(a->msg), "layer %u has no static scales for kv cache type %s",
              req->layer, attnd_kv_type_name(sh->kv));
@@ -227,6 +265,17 @@ static int step_check(admit_t *a) {
   int rc;
   if ((rc = check_plan(a)) || (rc = check_tensors(a)))
     return rc;
+  if (a->req->device && !a->scanned) {
+    /* Never: device steps are checked on the device before admission. */
+    snprintf(a->msg, sizeof(a->msg),
+             "a step over client device memory reached admission unchecked");
+    return ATTND_EINTERNAL;
+  }
+  if (a->scan.err) {
+    snprintf(a->msg, sizeof(a->msg), "the device check of q, k and v could not run: %s",
+             attnd_strerror(a->scan.err));
+    return a->scan.err;
+  }
   if (!a->scanned) {
     /* Small: scanned here, on the loop thread, like the checks around it. */
     attnd_scan_step(&a->e->shape, a->req, a->e->be->any_alignment, &a->scan);
@@ -244,7 +293,7 @@ static int step_reserve(admit_t *a) {
   size_t qrow = (size_t)sh->q_heads * sh->head_dim;
   a->out_bytes = (size_t)p->Tq * qrow * (a->req->fp32_out ? 4 : 2);
   a->lse_bytes = a->req->want_lse ? (size_t)p->Tq * sh->q_heads * sizeof(float) : 0;
-  if (a->out_bytes) {
+  if (a->out_bytes && !a->req->device) {
     /* Pinned on the CUDA backend when large: D2H lands in it, and the
      * transport writes it to the socket from there. */
     a->out = attnd_engine_host_alloc(e, a->out_bytes, &a->out_pinned);
@@ -411,6 +460,15 @@ static void step_build_batch(admit_t *a) {
   b->lse = j->lse;
   a->out = NULL;
   a->lse = NULL;
+  if (req->device) {
+    /* Client memory throughout (backend.h device_io): the kernels write
+     * the outputs where the client has them; the result carries none. */
+    j->job.device_io = 1;
+    j->job.inputs_pinned = j->job.outputs_pinned = 0;
+    b->out = p->Tq ? req->out.data : NULL;
+    b->lse = req->want_lse && p->Tq ? (float *)req->lse.data : NULL;
+    j->job.lse_bytes = b->lse ? a->lse_bytes : 0;
+  }
 }
 
 /* One item's session moves: its layer's length, token ids at layer 0 (a

@@ -80,6 +80,7 @@ static void on_tcp_conn(uv_stream_t *server, int status) {
   /* Off loopback, Hello{token} must come first (docs/protocol.md); with
    * --require-token on loopback too. */
   attnd_conn_start(s, c, ATTND_IDENTITY_ANON, !loop || s->cfg->require_token, name);
+  c->rc.same_host = loop; /* may register device buffers (docs/protocol.md) */
 }
 
 /* ---- listeners ---- */

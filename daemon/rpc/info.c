@@ -92,6 +92,7 @@ void attnd_rpc_encode_health(attnd_rpc_req_t *q, const attnd_result_t *res,
   h->kv_blocks = info->kv_blocks;
   h->device_memory_bytes = info->device_memory;
   h->compute_capability = (uint32_t)info->compute_capability;
+  snprintf(h->device_uuid, sizeof(h->device_uuid), "%s", info->device_uuid);
 }
 
 void attnd_rpc_call_stats(attnd_rpc_req_t *q) {

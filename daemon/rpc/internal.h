@@ -12,6 +12,8 @@
  *   fields.c   the field budget walked before a call is decoded
  *   encode.c   a Response out: one frame, or pieces for sendv
  *   trace.c    the step trace (--step-trace)
+ *   buffers.c  same-host zero-copy: RegisterBuffer, ReleaseBuffer, a Step's
+ *              tensor refs resolved against the connection's buffers
  */
 #ifndef ATTND_RPC_INTERNAL_H
 #define ATTND_RPC_INTERNAL_H
@@ -67,6 +69,8 @@ struct attnd_rpc_req_s {
     attnd_v1_StepRequest step;
     attnd_v1_SetScalesRequest scales;
     attnd_v1_SetSinksRequest sinks;
+    attnd_v1_RegisterBufferRequest reg;
+    attnd_v1_ReleaseBufferRequest rel;
   } m;
   /* The native request handed to the engine. */
   attnd_item_t *items;
@@ -82,6 +86,11 @@ struct attnd_rpc_req_s {
   int decode_failed;          /* a callback failed for a reason of ours: its ATTND_E* (msg set) */
   uint64_t tokens_total;      /* token ids decoded over all items */
   uint64_t mask_bytes;        /* bytes of the items' masks in the kernels' form */
+  /* Same-host zero-copy (buffers.c): the buffers a Step's refs name, held
+   * until the request is freed; RegisterBuffer's new id. */
+  struct attnd_rpc_buf_s *bufs[5];
+  int nbufs;
+  uint64_t buffer_id;
   char msg[200];
 };
 
@@ -122,6 +131,26 @@ void attnd_rpc_encode_list_sessions(attnd_rpc_req_t *q, const attnd_result_t *re
                                     attnd_v1_Response *resp);
 int attnd_rpc_decode_hello(attnd_rpc_req_t *q, pb_istream_t *s);
 void attnd_rpc_call_hello(attnd_rpc_req_t *q);
+
+/* ---- buffers.c: same-host zero-copy (docs/protocol.md) ---- */
+
+int attnd_rpc_decode_register(attnd_rpc_req_t *q, pb_istream_t *s);
+void attnd_rpc_call_register(attnd_rpc_req_t *q);
+void attnd_rpc_encode_register(attnd_rpc_req_t *q, const attnd_result_t *res,
+                               attnd_v1_Response *resp);
+int attnd_rpc_decode_release(attnd_rpc_req_t *q, pb_istream_t *s);
+void attnd_rpc_call_release(attnd_rpc_req_t *q);
+/* A decoded Step's refs (m->q_ref ...) into st's tensors as device
+ * pointers, each bounds-checked against its buffer, which q holds until it
+ * is freed: 0, nothing to do without refs, or an ATTND_E* with q->msg set
+ * (INVALID_ARGUMENT: a buffer not registered, a bad offset, dtype, shape or
+ * mix of bytes and refs; PERMISSION_DENIED: another connection's buffer). */
+int attnd_rpc_step_refs(attnd_rpc_req_t *q, const attnd_v1_StepRequest *m, attnd_step_req_t *st);
+/* What a request holds goes with it (req_free). */
+void attnd_rpc_bufs_drop(attnd_rpc_req_t *q);
+/* The connection closed: its buffers are released (in-flight steps keep
+ * theirs mapped until they finish). */
+void attnd_rpc_bufs_conn_closed(attnd_rpc_conn_t *c);
 
 /* ---- rpc.c ---- */
 

@@ -112,6 +112,8 @@ static int decode_step(attnd_rpc_req_t *q, pb_istream_t *s) {
       attnd_rpc_tensor_finish(&st->v, m->has_v, &m->v, "v", q->msg, sizeof(q->msg)))
     return ATTND_EINVAL;
   st->pinned = q->frame_pinned; /* q, k and v point into the frame (decode.c) */
+  if ((rc = attnd_rpc_step_refs(q, m, st))) /* or into registered device buffers */
+    return rc;
   if (m->plan != 0 && q->nitems != 0) {
     snprintf(q->msg, sizeof(q->msg), "step: names plan %llu and carries %u inline items; give one",
              (unsigned long long)m->plan, q->nitems);
@@ -244,6 +246,10 @@ const attnd_rpc_method_t attnd_rpc_methods[ATTND_M_COUNT] = {
         attnd_rpc_call_list_sessions, attnd_rpc_encode_list_sessions),
     ROW(ATTND_M_SET_SINKS, "set_sinks", set_sinks, RPC_M_OPERATOR, decode_sinks, call_sinks,
         encode_sinks),
+    ROW(ATTND_M_REGISTER_BUFFER, "register_buffer", register_buffer, 0, attnd_rpc_decode_register,
+        attnd_rpc_call_register, attnd_rpc_encode_register),
+    ROW(ATTND_M_RELEASE_BUFFER, "release_buffer", release_buffer, 0, attnd_rpc_decode_release,
+        attnd_rpc_call_release, encode_empty),
 };
 
 const char *attnd_rpc_method_name(int m) {

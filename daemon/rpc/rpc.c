@@ -53,6 +53,8 @@ int attnd_rpc_init(attnd_rpc_t *r, uv_loop_t *loop, attnd_engine_t *engine,
 
 void attnd_rpc_free(attnd_rpc_t *r) {
   attnd_rpc_free_tokens(r);
+  if (r->buffers.b)
+    attnd_idmap_free(&r->buffers); /* empty: every connection released its own */
   attnd_rpc_trace_free(r);
 }
 
@@ -63,6 +65,7 @@ void attnd_rpc_conn_init(attnd_rpc_conn_t *c, attnd_rpc_t *r, uint64_t identity,
   c->identity = identity;
   c->need_hello = need_hello;
   c->is_unix = identity < (1ull << 32); /* rpc.h: only a Unix peer's uid is that small */
+  attnd_list_init(&c->buffers);
 }
 
 /* The in-flight map goes with the last request of a closed connection. */
@@ -75,6 +78,7 @@ int attnd_rpc_conn_closed(attnd_rpc_conn_t *c) {
   if (c->closed)
     return c->pending == 0;
   c->closed = 1;
+  attnd_rpc_bufs_conn_closed(c);
   attnd_engine_conn_closed(c->rpc->engine, c->id);
   conn_let_go(c);
   return c->pending == 0;
@@ -109,6 +113,7 @@ static attnd_rpc_req_t *req_new(attnd_rpc_conn_t *c, uint64_t id, int method, ui
 }
 
 static void req_free(attnd_rpc_req_t *q) {
+  attnd_rpc_bufs_drop(q);
   for (uint32_t i = 0; i < q->nitems; i++) {
     free((void *)q->items[i].tokens);
     free((void *)q->items[i].mask.intervals);
@@ -318,7 +323,7 @@ static int walk_request(const uint8_t *frame, size_t len, uint64_t *id, uint32_t
     if (tag == attnd_v1_Request_id_tag) {
       if (wt != PB_WT_VARINT || !pb_decode_varint(&s, id))
         return -1;
-    } else if (tag >= attnd_v1_Request_hello_tag && tag <= attnd_v1_Request_set_sinks_tag) {
+    } else if (tag >= attnd_v1_Request_hello_tag && tag <= attnd_v1_Request_release_buffer_tag) {
       if (wt != PB_WT_STRING || !pb_decode_varint32(&s, call_len) || *call_len > s.bytes_left)
         return -1;
       *call_tag = tag;

@@ -40,6 +40,8 @@ enum {
   ATTND_M_SET_SCALES,
   ATTND_M_LIST_SESSIONS,
   ATTND_M_SET_SINKS,
+  ATTND_M_REGISTER_BUFFER,
+  ATTND_M_RELEASE_BUFFER,
   ATTND_M_COUNT
 };
 
@@ -144,6 +146,9 @@ struct attnd_rpc_s {
   attnd_rpc_tokens_t *tokens;
   uint64_t own_uid; /* the daemon's uid: its peers on the Unix socket are operators */
   attnd_rpc_trace_t *trace; /* --step-trace, else NULL */
+  /* Registered device buffers of every connection, by id (buffers.c):
+   * a step names only its own connection's. */
+  attnd_idmap_t buffers;
 };
 
 struct attnd_rpc_conn_s {
@@ -152,6 +157,10 @@ struct attnd_rpc_conn_s {
   uint64_t identity;
   int need_hello;    /* off-loopback TCP: a valid Hello must come first */
   int is_unix;       /* identity is a Unix peer's uid (a wrong Hello token keeps it) */
+  int same_host;     /* a loopback TCP peer (set by the transport): may register buffers */
+  /* Its registered device buffers (buffers.c), released when it closes. */
+  attnd_list_t buffers;
+  uint32_t nbuffers;
   uint64_t op_token; /* the operator token's identity it presented in Hello, or 0 */
   int closed;        /* the transport is gone: results are dropped */
   /* The step trace, set by the transport before each frame it hands over:

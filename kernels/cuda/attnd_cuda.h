@@ -90,6 +90,33 @@ int attnd_cuda_attend_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b,
 int attnd_cuda_attend_splits_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b,
                                   size_t workspace_bytes, const attnd_cuda_opts_t *opts);
 
+/* Same-host zero-copy (ipc.cu; docs/protocol.md). */
+enum { ATTND_CUDA_IPC_HANDLE_BYTES = 64 };
+
+/* The device's UUID as "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (lower
+ * case hex, nvidia-smi -L's form), which a client compares with its own. */
+int attnd_cuda_device_uuid(int device, char *out, size_t len);
+
+/* Maps the memory of a cudaIpcMemHandle_t (its 64 bytes at handle) from
+ * another process into this one on device: *base is the device address of
+ * the allocation's first byte, *size the allocation's bytes (0 when the
+ * driver cannot tell). Blocks (about
+ * a millisecond): call it off any latency-critical thread. A handle that
+ * cannot be opened (another host's, another device's, a closed allocation)
+ * is ATTND_CUDA_ECUDA. */
+int attnd_cuda_ipc_open(int device, const void *handle, void **base, size_t *size);
+/* Unmaps what attnd_cuda_ipc_open mapped, once no queued work reads it. */
+int attnd_cuda_ipc_close(int device, void *base);
+
+/* The finiteness and magnitude check of rows x row_elems 16-bit values
+ * (bf16 or fp16, DEVICE memory at p, 2-byte aligned): *result (DEVICE, 8
+ * bytes, 8-byte aligned) becomes UINT64_MAX when no row's largest magnitude
+ * pattern (sign cleared) exceeds bound_bits, else (row << 32) | bits of the
+ * first row that does, bits being that row's largest pattern. Enqueued on
+ * stream (a memset and one kernel). */
+int attnd_cuda_scan_rows(const void *p, int64_t rows, int32_t row_elems, uint32_t bound_bits,
+                         uint64_t *result, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

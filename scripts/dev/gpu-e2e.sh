@@ -38,7 +38,9 @@
 #   5b. the same daemon under attnd.service's system call sandbox without systemd
 #      (deploy/sandbox-check.sh --no-systemd, attnd-sandbox-exec);
 #   6. the Python e2e modules with ATTND_E2E_BACKEND=cuda (each test class
-#      starts its own `attnd --backend cuda`; GPU_E2E_MODULES overrides the list);
+#      starts its own `attnd --backend cuda`; GPU_E2E_MODULES overrides the list;
+#      test_ipc: same-host zero-copy with torch tensors on cuda:0, IPC against
+#      bytes and the float64 reference, and its refusals);
 #   7. the default Llama-3-8B-like shape (32 layers, 32/8 heads, d 128) with
 #      --kv-memory 0 (90% of free memory): prefill and pipelined decode through
 #      all layers, layers 0 and 31 checked against the numpy reference, timings;
@@ -333,7 +335,7 @@ else
 fi
 
 # ---- 6. the Python e2e suite on the CUDA backend ------------------------------
-modules=${GPU_E2E_MODULES:-test_health test_sessions test_scales test_hf_adapter}
+modules=${GPU_E2E_MODULES:-test_health test_sessions test_scales test_hf_adapter test_ipc}
 if [ -n "$attnd_bin" ] && [ -n "$pb2" ]; then
   for m in $modules; do
     if ! time_left 100; then

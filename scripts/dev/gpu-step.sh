@@ -20,7 +20,9 @@
 #   3. bench/bench_e2e.py --backend cuda, 8B shape (32 layers, 32/8 heads,
 #      d 128): sessions 1,16,64 at 4,096 over the Unix socket, then 1,16 over
 #      loopback TCP, 16 tokens each, one 4,096-token prefill layer step per
-#      transport, PyTorch's in-process attention beside it; --step-trace only
+#      transport, PyTorch's in-process attention beside it, and on the Unix
+#      socket each decode case again over same-host zero-copy (ipc: torch
+#      tensors on the GPU by reference); --step-trace only
 #      (no CUDA events: the latencies as served). Filling 64 sessions to 4,096
 #      moves 34 GB of k+v through the daemon (~60 s at today's ~0.55 GB/s);
 #      cases run small first, so a timeout keeps the first ones;
@@ -185,6 +187,9 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 p = sys.argv[2]
 for c in r["cases"]:
+    if "skipped" in c:
+        print(f"{p} {c['transport']}=skipped: {c['skipped']}")
+        continue
     t = c.get("torch_token_p50_us")
     print(f"{p} {c['transport']} decode {c['sessions']}x{r['context']}=token p50 {c['token_p50_us']:.0f} us "
           f"(torch {t:.0f} us)" if t else
@@ -201,12 +206,17 @@ EOF
 }
 
 # ---- 3. the end-to-end benchmark, as served (Unix socket, then loopback TCP) ----------
+# On the Unix socket each case also runs over same-host zero-copy (transport
+# ipc: torch tensors on the GPU by reference, same sessions, right after the
+# bytes run; skipped without torch or on the CPU backend).
 for tr in unix tcp; do
-  if [ $tr = unix ]; then want=120 args=("${e2e_args[@]}"); else want=60 args=("${e2e_tcp_args[@]}"); fi
+  if [ $tr = unix ]; then want=130 args=("${e2e_args[@]}"); else want=60 args=("${e2e_tcp_args[@]}"); fi
+  trs=$tr
+  [ $tr = unix ] && trs=unix,ipc
   t=$(tmo $want)
   if [ "$t" -gt 0 ]; then
     timeout "$t" $py "$here/bench/bench_e2e.py" --attnd "$attnd_bin" "${args[@]}" \
-      --transports $tr --json "$out/e2e-$tr.json" --log "$out/attnd-e2e-$tr.log" >"$out/e2e-$tr.txt" 2>&1
+      --transports $trs --json "$out/e2e-$tr.json" --log "$out/attnd-e2e-$tr.log" >"$out/e2e-$tr.txt" 2>&1
     rc=$?
     tail -25 "$out/e2e-$tr.txt"
     record bench_e2e_$tr $rc

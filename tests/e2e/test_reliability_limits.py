@@ -21,15 +21,15 @@ from test_reliability_util import (INVALID, PERM, UNAVAIL, Closed, D, EXHAUSTED,
 
 
 def padded_health(total):
-    """A Health request whose frame body is exactly `total` bytes (unknown field 15 pads it)."""
+    """A Health request whose frame body is exactly `total` bytes (unknown field 100 pads it)."""
     base = pb.Request()
     base.id = 7
     base.health.SetInParent()
     b = base.SerializeToString()
     pad = total - len(b)
-    # field 15, wire type 2: tag 0x7a, then a varint length, then the bytes.
+    # field 100, wire type 2: tag 0xa2 0x06, then a varint length, then the bytes.
     for lenlen in range(1, 6):
-        n = pad - 1 - lenlen
+        n = pad - 2 - lenlen
         v, enc = n, b""
         while True:
             if v < 0x80:
@@ -38,7 +38,7 @@ def padded_health(total):
             enc += bytes([(v & 0x7F) | 0x80])
             v >>= 7
         if len(enc) == lenlen:
-            return b + b"\x7a" + enc + b"\0" * n
+            return b + b"\xa2\x06" + enc + b"\0" * n
     raise ValueError(total)
 
 

@@ -302,6 +302,7 @@ def seeds():
     step(s, 0, [(1, 4, 1, [5], False, None)])
     out["end_after_steps"] = s
 
+
     # The field budget: an OpenSession with more unknown fields than any
     # valid one (1024 + max_context), then a Request with 65 top-level fields.
     s = Seed()
@@ -362,6 +363,41 @@ def seeds():
     r.open_session.base = 1 << 20                 # past max_context
     s.add(r)
     out["split_context"] = s
+
+    # Same-host zero-copy (the CPU backend refuses every registration): a
+    # RegisterBuffer, one with a short handle, a release of buffer 1, a step
+    # whose tensors are refs to buffer 1, one mixing bytes and refs, then the
+    # same step as bytes (nothing changed before it).
+    s = Seed()
+    open_(s)
+    for handle in (bytes(range(64)), b"short"):
+        r = s.req()
+        r.register_buffer.cuda_ipc_handle = handle
+        r.register_buffer.size = 1 << 20
+        r.register_buffer.device_uuid = "GPU-00000000-0000-0000-0000-000000000000"
+        s.add(r)
+    simple(s, "release_buffer", buffer=1)
+
+    def ref(t, off, shape, dtype=pb.DTYPE_BF16):
+        t.buffer, t.offset, t.dtype = 1, off, dtype
+        t.shape.extend(shape)
+
+    for mixed in (False, True):
+        r = s.req()
+        st = r.step
+        item(st.items.add(), 1, 0, 2, [1, 2])
+        ref(st.q_ref, 0, [2, QH, D])
+        ref(st.out_ref, 4096, [2, QH, D])
+        if mixed:
+            tensor(st.k, pb.DTYPE_BF16, [2, KVH, D], bf16((2, KVH, D)))
+        else:
+            ref(st.k_ref, 8192, [2, KVH, D])
+        ref(st.v_ref, 12288, [2, KVH, D])
+        ref(st.lse_ref, 16384, [2, QH], pb.DTYPE_FP32)
+        st.want_lse = True
+        s.add(r)
+    step(s, 0, [(1, 0, 2, [1, 2], False, None)])
+    out["zero_copy"] = s
     return out
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import errors
+from . import ipc as _ipc
 
 try:  # installed package: the generated module sits next to this one
     from . import attnd_pb2 as pb
@@ -334,7 +335,10 @@ class Client:
     from a restarted daemon), "flag" (only sets .epoch_changed) or a callable
     taking (old, new). epoch: the epoch a previous connection saw, so that a
     reconnect to a restarted daemon is noticed too. bf16: how bf16 outputs come back: "auto" (ml_dtypes
-    bfloat16 if installed, else uint16 bits), "uint16" or "float32".
+    bfloat16 if installed, else uint16 bits), "uint16" or "float32". ipc: whether step()
+    over torch CUDA tensors names them in place (same-host zero-copy, attnd.ipc) instead
+    of sending bytes: "auto" (when the daemon is on this host and device; bytes from
+    the first FAILED_PRECONDITION on), True (refusals raise) or False.
 
     Blocking calls (health(), step(), ...) and pipelined ones (step_send() many,
     then step_recv(id) in any order) can be mixed. A Client is safe to share
@@ -344,8 +348,10 @@ class Client:
     def __init__(self, address: Optional[Address] = None, token: Optional[str] = None,
                  timeout: Optional[float] = None,
                  on_epoch_change: Union[str, Callable[[int, int], Any]] = "raise",
-                 bf16: str = "auto", epoch: int = 0) -> None:
+                 bf16: str = "auto", epoch: int = 0, ipc: Union[bool, str] = "auto") -> None:
         self.address: Address = address if address is not None else default_socket()
+        # Same-host zero-copy for torch CUDA tensors (attnd.ipc): "auto", True or False.
+        self.ipc = _ipc.IpcState(self, ipc)
         self.on_epoch_change = on_epoch_change
         self.bf16 = bf16
         self.epoch = int(epoch)
@@ -586,6 +592,30 @@ class Client:
         _fill_tensor(s.sinks, DTYPE_FP32, a.shape, a.tobytes())
         return int(self.call(req).set_sinks.version)
 
+    # -- same-host zero-copy (docs/protocol.md) --
+
+    @property
+    def local(self) -> bool:
+        """Whether the daemon is on this host: a Unix socket, or TCP to loopback."""
+        a = self.address
+        if isinstance(a, str) and "/" in a:
+            return True
+        host = a[0] if isinstance(a, tuple) else a.rsplit(":", 1)[0].strip("[]")
+        return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+    def register_buffer(self, handle: bytes, size: int, device_uuid: str) -> int:
+        """Registers device memory shared with cudaIpcGetMemHandle (its 64 handle bytes,
+        the allocation's size, its device's UUID); returns the buffer id for TensorRef."""
+        req = pb.Request()
+        r = req.register_buffer
+        r.cuda_ipc_handle = bytes(handle)
+        r.size = int(size)
+        r.device_uuid = device_uuid
+        return int(self.call(req).register_buffer.buffer)
+
+    def release_buffer(self, buffer: int) -> None:
+        self._simple("release_buffer", buffer=int(buffer))
+
     # -- steps --
 
     def _wire(self, arr: npt.ArrayLike, what: str) -> Tuple[int, Tuple[int, ...], bytes]:
@@ -653,5 +683,16 @@ class Client:
         """One blocking Step; see step_send(). torch tensors in: torch tensors out,
         on the device of the first of q, k, v given (bf16 stays bf16)."""
         t = next((x for x in (q, k, v) if x is not None and _is_torch(x)), None)
+        if t is not None and self.ipc.usable(q, k, v):
+            try:
+                rid, out, lse = _ipc.step_send(self, layer, q, k, v, items, plan, want_lse,
+                                               fp32_out)
+            except (errors.FailedPrecondition, _ipc.IpcUnavailable):
+                if self.ipc.mode is True:
+                    raise
+                self.ipc.off = True  # refused at registration: bytes from now on
+            else:
+                resp = self.recv(rid)
+                return StepResult(out=out, lse=lse, timing=resp.timing, id=resp.id)
         rid = self.step_send(layer, q, k, v, items, plan, want_lse, fp32_out)
         return self.step_recv(rid, torch_device=t.device if t is not None else None)

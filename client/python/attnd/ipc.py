@@ -1,0 +1,246 @@
+"""Same-host zero-copy (docs/protocol.md, "Same-host zero-copy"): torch CUDA tensors
+named in steps instead of sent as bytes.
+
+A client on the daemon's host shares the device allocations its tensors live in
+with the daemon once (RegisterBuffer: a CUDA IPC memory handle, the allocation's
+size, its device's UUID) and then names (buffer, offset) for q, k, v and for
+where out and lse go. The daemon reads and writes those tensors in place; the
+response carries no tensor bytes.
+
+The handle, the allocation's base and its size come from the CUDA driver through
+ctypes (cuMemGetAddressRange, cuIpcGetMemHandle on libcuda.so.1, which every
+CUDA install has): no dependency beyond torch itself, which stays optional.
+
+Rules the client keeps (the daemon relies on them):
+- q, k and v are complete when the step is sent: the stream that wrote them is
+  synchronized first (done here);
+- nothing touches the step's tensors (inputs and outputs) until its response has
+  arrived: the daemon answers once its kernels are done, so from then on out and
+  lse hold the result and every stream may use them.
+"""
+
+import ctypes
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+from . import errors
+
+_HANDLE_BYTES = 64
+
+
+class IpcUnavailable(Exception):
+    """This process cannot share a tensor's memory (no CUDA driver library, memory
+    that CUDA IPC cannot export, ...): the client sends bytes instead."""
+
+
+class _Driver:
+    """The few CUDA driver calls zero-copy needs, through ctypes (torch has made
+    the device's primary context current on the calling thread)."""
+
+    _lock = threading.Lock()
+    _lib: Any = None
+
+    @classmethod
+    def lib(cls) -> Any:
+        with cls._lock:
+            if cls._lib is None:
+                try:
+                    lib = ctypes.CDLL("libcuda.so.1")
+                except OSError as e:
+                    raise IpcUnavailable(f"no CUDA driver library: {e}") from None
+                u64, vp = ctypes.c_uint64, ctypes.c_void_p
+                lib.cuMemGetAddressRange_v2.argtypes = [vp, vp, u64]
+                lib.cuIpcGetMemHandle.argtypes = [vp, u64]
+                lib.cuDeviceGet.argtypes = [vp, ctypes.c_int]
+                lib.cuDeviceGetUuid_v2.argtypes = [vp, ctypes.c_int]
+                for f in ("cuMemGetAddressRange_v2", "cuIpcGetMemHandle", "cuDeviceGet",
+                          "cuDeviceGetUuid_v2"):
+                    getattr(lib, f).restype = ctypes.c_int
+                cls._lib = lib
+            return cls._lib
+
+    @classmethod
+    def allocation(cls, ptr: int) -> Tuple[int, int, bytes]:
+        """(base, size, handle) of the device allocation holding address ptr."""
+        lib = cls.lib()
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+        if rc != 0:
+            raise IpcUnavailable(f"cuMemGetAddressRange failed (CUresult {rc})")
+        h = ctypes.create_string_buffer(_HANDLE_BYTES)
+        rc = lib.cuIpcGetMemHandle(ctypes.byref(h), base.value)
+        if rc != 0:  # e.g. memory from cuMemCreate (expandable segments): not shareable this way
+            raise IpcUnavailable(f"cuIpcGetMemHandle failed (CUresult {rc})")
+        return int(base.value), int(size.value), h.raw
+
+    @classmethod
+    def uuid(cls, ordinal: int) -> str:
+        """The device's UUID as the daemon writes it (cudaDeviceProp.uuid's bytes)."""
+        lib = cls.lib()
+        dev = ctypes.c_int(0)
+        u = ctypes.create_string_buffer(16)
+        if lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0 or \
+                lib.cuDeviceGetUuid_v2(ctypes.byref(u), dev.value) != 0:
+            raise IpcUnavailable(f"cannot read the UUID of CUDA device {ordinal}")
+        h = u.raw.hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def device_uuid(device: Any) -> str:
+    """The UUID of a torch CUDA device, in the daemon's form ("GPU-...")."""
+    import torch
+
+    dev = torch.device(device)
+    return _Driver.uuid(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def _same_device(a: str, b: str) -> bool:
+    def bare(s: str) -> str:
+        s = s.lower()
+        return s[4:] if s.startswith("gpu-") else s
+
+    return bool(a) and bare(a) == bare(b)
+
+
+class IpcState:
+    """One connection's registered allocations and whether zero-copy is in use.
+
+    mode: "auto" (use it when the daemon is on this host and the tensors are on its
+    device; fall back to bytes for good once the daemon refuses a registration with
+    FAILED_PRECONDITION), True (the same, but a refusal raises), False (never).
+    """
+
+    def __init__(self, client: Any, mode: Any) -> None:
+        self.client = client
+        self.mode = mode
+        self.off = mode is False
+        self._uuid: Optional[str] = None  # the daemon's device
+        self._bufs: Dict[bytes, Tuple[int, int]] = {}  # handle -> (buffer id, size)
+        self._lock = threading.Lock()
+
+    def _daemon_uuid(self) -> str:
+        if self._uuid is None:
+            self._uuid = self.client.health().device_uuid
+        return self._uuid
+
+    def usable(self, *tensors: Any) -> bool:
+        """Whether a step over these torch tensors goes by reference."""
+        if self.off or not self.client.local:
+            return False
+        ts = [t for t in tensors if t is not None]
+        # Contiguous, and at the 256-byte offsets refs need (an allocation's start
+        # is aligned further, so the address tells); anything else goes as bytes.
+        if not ts or not all(_is_cuda_tensor(t) and t.is_contiguous() and t.data_ptr() % 256 == 0
+                             for t in ts):
+            return False
+        import torch
+
+        act = torch.float16 if self.client.model.dtype == "fp16" else torch.bfloat16
+        if any(t.dtype != act for t in ts):  # bytes: the client rounds them
+            return False
+        dev = ts[0].device
+        if any(t.device != dev for t in ts):
+            return False
+        theirs = self._daemon_uuid()
+        try:
+            ours = device_uuid(dev)
+        except IpcUnavailable:
+            if self.mode is True:
+                raise
+            self.off = True
+            return False
+        if not theirs or not _same_device(ours, theirs):
+            if self.mode is True:
+                raise errors.FailedPrecondition(
+                    f"zero-copy: the tensors are on {ours}, the daemon runs on "
+                    f"{theirs or 'no CUDA device'}")
+            return False
+        return True
+
+    def ref(self, t: Any, out: Any) -> None:
+        """Fills the TensorRef out for the contiguous torch CUDA tensor t (registering
+        its allocation on first use)."""
+        import torch
+
+        if not t.is_contiguous():
+            raise ValueError("zero-copy needs contiguous tensors")
+        ptr = t.data_ptr()
+        nbytes = t.numel() * t.element_size()
+        base, size, handle = _Driver.allocation(ptr)
+        if ptr - base + nbytes > size:
+            raise ValueError("tensor extends past its allocation")
+        with self._lock:
+            have = self._bufs.get(handle)
+        if have is None or have[1] != size:
+            buf = self.client.register_buffer(handle, size, device_uuid(t.device))
+            with self._lock:
+                self._bufs[handle] = (buf, size)
+            have = (buf, size)
+        out.buffer = have[0]
+        out.offset = ptr - base
+        dts = {torch.bfloat16: _pb().DTYPE_BF16, torch.float16: _pb().DTYPE_FP16,
+               torch.float32: _pb().DTYPE_FP32}
+        if t.dtype not in dts:
+            raise ValueError(f"zero-copy: unsupported dtype {t.dtype}")
+        out.dtype = dts[t.dtype]
+        del out.shape[:]
+        out.shape.extend(int(s) for s in t.shape)
+
+    def release_all(self) -> None:
+        with self._lock:
+            bufs = [b for b, _ in self._bufs.values()]
+            self._bufs.clear()
+        for b in bufs:
+            try:
+                self.client.release_buffer(b)
+            except (errors.AttndError, OSError):
+                pass
+
+
+def _is_cuda_tensor(x: Any) -> bool:
+    return (type(x).__module__.startswith("torch") and hasattr(x, "is_cuda") and bool(x.is_cuda))
+
+
+def _pb() -> Any:
+    from .client import pb
+
+    return pb
+
+
+def step_send(client: Any, layer: int, q: Any, k: Any, v: Any, items: Any, plan: int,
+              want_lse: bool, fp32_out: bool, out: Any = None, lse: Any = None) -> Tuple[int, Any, Any]:
+    """Sends one Step over torch CUDA tensors by reference; returns (request id, out,
+    lse): the tensors the daemon writes (allocated here when not given)."""
+    import torch
+
+    st_ipc: IpcState = client.ipc
+    m = client.model
+    act = torch.float16 if m.dtype == "fp16" else torch.bfloat16
+    dev = next(t for t in (q, k, v) if t is not None).device
+    if q is not None and out is None:
+        out = torch.empty((q.shape[0], m.q_heads, m.head_dim),
+                          dtype=torch.float32 if fp32_out else act, device=dev)
+    if q is not None and want_lse and lse is None:
+        lse = torch.empty((q.shape[0], m.q_heads), dtype=torch.float32, device=dev)
+    pb = _pb()
+    req = pb.Request()
+    st = req.step
+    st.layer = int(layer)
+    st.plan = int(plan)
+    if items:
+        for it in items:
+            it.to_pb(st.items.add())
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None:
+            if t.dtype != act:
+                raise ValueError(f"zero-copy: {name} must be {act} (the daemon's activation dtype)")
+            st_ipc.ref(t, getattr(st, name + "_ref"))
+    if out is not None:
+        st_ipc.ref(out, st.out_ref)
+    if lse is not None:
+        st_ipc.ref(lse, st.lse_ref)
+    st.want_lse = bool(want_lse)
+    st.fp32_out = bool(fp32_out)
+    # The daemon reads q, k and v as soon as the step arrives: they must be written.
+    torch.cuda.current_stream(dev).synchronize()
+    return client.send(req), out, lse

@@ -1,0 +1,249 @@
+"""Same-host zero-copy (docs/protocol.md): RegisterBuffer, ReleaseBuffer and steps
+whose tensors are (buffer, offset) refs instead of bytes.
+
+Everywhere (CI has no GPU): the refusals that need no device. The CPU backend
+answers RegisterBuffer with FAILED_PRECONDITION, so does --ipc false; a handle
+that is not 64 bytes, a step naming a buffer nobody registered, a step mixing
+bytes and refs, a release of an unknown buffer are INVALID_ARGUMENT, and a
+refused step changes nothing (the session still steps from 0).
+
+On the CUDA backend with torch on the daemon's GPU (the lead's GPU round:
+scripts/dev/gpu-e2e.sh runs this module with ATTND_E2E_BACKEND=cuda): the same
+steps over the IPC path and the bytes path give bit-equal outputs (same kernels),
+both within the bf16 bound of the float64 reference; outputs appear in the
+client's own tensors (poisoned with NaN first); a bad offset, a misaligned one,
+a released buffer, another connection's buffer and a NaN in q are refused and
+change nothing, and so is a registration larger than its allocation."""
+import os
+import unittest
+
+import numpy as np
+
+import attnd
+import reference
+import tolerance
+from attnd import ipc as attnd_ipc
+from attnd.client import pb
+from harness import BACKEND, DaemonTestCase
+
+try:
+    import torch
+except ImportError:  # optional dependency
+    torch = None
+
+HANDLE = bytes(range(64))  # 64 bytes that no driver would open
+
+
+def ref_step(layer, items, **refs):
+    """A Step whose tensors are refs: refs maps 'q'/'k'/... to (buffer, offset, dtype, shape)."""
+    req = pb.Request()
+    st = req.step
+    st.layer = layer
+    for it in items:
+        it.to_pb(st.items.add())
+    for name, (buf, off, dt, shape) in refs.items():
+        r = getattr(st, name + "_ref")
+        r.buffer, r.offset, r.dtype = buf, off, dt
+        r.shape.extend(shape)
+    return req
+
+
+def register_req(handle=HANDLE, size=1 << 20, uuid="GPU-00000000-0000-0000-0000-000000000000"):
+    req = pb.Request()
+    req.register_buffer.cuda_ipc_handle = handle
+    req.register_buffer.size = size
+    req.register_buffer.device_uuid = uuid
+    return req
+
+
+class RefusalTest(DaemonTestCase):
+    def test_health_names_the_device(self):
+        with self.daemon.client() as c:
+            u = c.health().device_uuid
+        if BACKEND == "cpu":
+            self.assertEqual(u, "")
+        else:
+            self.assertTrue(u.startswith("GPU-"), u)
+
+    @unittest.skipIf(BACKEND != "cpu", "the CPU backend's answer")
+    def test_register_on_the_cpu_backend_is_failed_precondition(self):
+        with self.daemon.client() as c:
+            with self.assertRaises(attnd.FailedPrecondition) as e:
+                c.call(register_req())
+            self.assertIn("cpu backend", e.exception.message)
+        # TCP to loopback is on this host: the same answer, from the backend.
+        with attnd.Client(f"127.0.0.1:{self.daemon.tcp_port}", timeout=10) as c:
+            with self.assertRaises(attnd.FailedPrecondition) as e:
+                c.call(register_req())
+            self.assertIn("cpu backend", e.exception.message)
+
+    def test_a_handle_of_the_wrong_size_is_invalid(self):
+        with self.daemon.client() as c:
+            with self.assertRaises(attnd.InvalidArgument) as e:
+                c.call(register_req(handle=b"x" * 10))
+            self.assertIn("64", e.exception.message)
+            with self.assertRaises(attnd.InvalidArgument):
+                c.call(register_req(size=0))
+
+    def test_release_of_an_unknown_buffer_is_invalid(self):
+        with self.daemon.client() as c:
+            with self.assertRaises(attnd.InvalidArgument) as e:
+                c.release_buffer(0x1234)
+            self.assertIn("not registered", e.exception.message)
+
+    def test_a_step_naming_an_unknown_buffer_changes_nothing(self):
+        with self.daemon.client() as c:
+            m = c.model
+            n = 3
+            s, _ = c.open_session()
+            it = [attnd.Item(s, 0, n, tokens=[1, 2, 3])]
+            bf = pb.DTYPE_BF16
+            req = ref_step(0, it, q=(77, 0, bf, [n, m.q_heads, m.head_dim]),
+                           k=(77, 4096, bf, [n, m.kv_heads, m.head_dim]),
+                           v=(77, 8192, bf, [n, m.kv_heads, m.head_dim]),
+                           out=(77, 16384, bf, [n, m.q_heads, m.head_dim]))
+            with self.assertRaises(attnd.InvalidArgument) as e:
+                c.call(req)
+            self.assertIn("not registered", e.exception.message)
+            self.assertEqual([x.len for x in c.list_sessions() if x.session == s], [0])
+            # Bytes and refs in one step: refused the same way.
+            rng = np.random.default_rng(1)
+            q = rng.standard_normal((n, m.q_heads, m.head_dim), dtype=np.float32)
+            kv = rng.standard_normal((n, m.kv_heads, m.head_dim), dtype=np.float32)
+            req = pb.Request()
+            req.step.CopyFrom(ref_step(0, it, out=(77, 0, bf, [n, m.q_heads, m.head_dim])).step)
+            for name, a in (("q", q), ("k", kv), ("v", kv)):
+                dt, shape, data = c._wire(a, name)
+                t = getattr(req.step, name)
+                t.dtype = dt
+                t.shape.extend(shape)
+                t.data = data
+            with self.assertRaises(attnd.InvalidArgument) as e:
+                c.call(req)
+            self.assertIn("all bytes or all refs", e.exception.message)
+            # Nothing changed: the session steps from position 0.
+            out = c.step(0, q, kv, kv, items=it).out
+            self.assertEqual(out.shape, (n, m.q_heads, m.head_dim))
+            self.assertEqual([x.len for x in c.list_sessions() if x.session == s], [n])
+
+
+class IpcOffTest(DaemonTestCase):
+    extra_args = ("--ipc", "false")
+
+    def test_register_with_ipc_off_is_failed_precondition(self):
+        with self.daemon.client() as c:
+            with self.assertRaises(attnd.FailedPrecondition) as e:
+                c.call(register_req())
+            self.assertIn("--ipc false", e.exception.message)
+
+
+def _gpu_ready():
+    return BACKEND == "cuda" and torch is not None and torch.cuda.is_available()
+
+
+@unittest.skipUnless(_gpu_ready(), "needs the CUDA backend and torch on a GPU")
+class GpuIpcTest(DaemonTestCase):
+    def setUp(self):
+        self.dev = torch.device("cuda", int(os.environ.get("ATTND_E2E_CUDA_DEVICE", "0")))
+
+    def rand(self, g, *shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16).to(self.dev)
+
+    def test_ipc_and_bytes_agree_bit_for_bit_and_match_the_reference(self):
+        with self.daemon.client(ipc=True) as ci, self.daemon.client(ipc=False) as cb:
+            m = ci.model
+            g = torch.Generator().manual_seed(11)
+            a, _ = ci.open_session()
+            b, _ = cb.open_session()
+            ref = reference.RefSession(m)
+            worst = 0.0
+            start = 0
+            for n in (37, 1, 1, 5):  # a prefill, two decodes, a short prefill
+                toks = list(range(start, start + n))
+                for layer in range(m.layers):
+                    q = self.rand(g, n, m.q_heads, m.head_dim)
+                    k = self.rand(g, n, m.kv_heads, m.head_dim)
+                    v = self.rand(g, n, m.kv_heads, m.head_dim)
+                    ri = ci.step(layer, q, k, v, items=[attnd.Item(a, start, n, tokens=toks)],
+                                 want_lse=True)
+                    rb = cb.step(layer, q, k, v, items=[attnd.Item(b, start, n, tokens=toks)],
+                                 want_lse=True)
+                    self.assertTrue(ri.out.is_cuda)  # the IPC path: the client's own tensor
+                    self.assertEqual(ri.out.device, self.dev)
+                    self.assertTrue(torch.equal(ri.out.cpu().view(torch.int16),
+                                                rb.out.cpu().view(torch.int16)))
+                    self.assertTrue(torch.equal(ri.lse.cpu(), rb.lse.cpu()))
+                    f = lambda t: t.float().cpu().numpy()
+                    want = ref.step(layer, start, f(q), f(k), f(v))
+                    worst = max(worst, reference.rel_l2(f(ri.out), want))
+                start += n
+            print(f"ipc vs reference: worst rel L2 {worst:.2e}")
+            self.assertLess(worst, tolerance.REL_L2["bf16"])
+
+    def test_outputs_land_in_the_clients_tensors(self):
+        with self.daemon.client(ipc=True) as c:
+            m = c.model
+            g = torch.Generator().manual_seed(3)
+            n = 4
+            s, _ = c.open_session()
+            q = self.rand(g, n, m.q_heads, m.head_dim)
+            kv = self.rand(g, n, m.kv_heads, m.head_dim)
+            out = torch.full((n, m.q_heads, m.head_dim), float("nan"), dtype=torch.float32,
+                             device=self.dev)
+            lse = torch.full((n, m.q_heads), float("nan"), dtype=torch.float32, device=self.dev)
+            rid, o, l = attnd_ipc.step_send(c, 0, q, kv, kv, [attnd.Item(s, 0, n, tokens=[9] * n)],
+                                            0, True, True, out=out, lse=lse)
+            resp = c.recv(rid)
+            self.assertFalse(resp.step.HasField("out"))  # no bytes came back
+            self.assertIs(o, out)
+            self.assertFalse(torch.isnan(out).any().item())
+            self.assertFalse(torch.isnan(lse).any().item())
+
+    def test_bad_refs_are_refused_and_change_nothing(self):
+        with self.daemon.client(ipc=True) as c, self.daemon.client(ipc=True) as other:
+            m = c.model
+            n = 2
+            s, _ = c.open_session()
+            it = [attnd.Item(s, 0, n, tokens=[1, 2])]
+            big = torch.zeros(1 << 20, dtype=torch.bfloat16, device=self.dev)
+            ref = pb.TensorRef()
+            c.ipc.ref(big, ref)
+            buf, base = ref.buffer, ref.offset
+            _, asize, handle = attnd_ipc._Driver.allocation(big.data_ptr())
+            bf = pb.DTYPE_BF16
+            qs, kvs = [n, m.q_heads, m.head_dim], [n, m.kv_heads, m.head_dim]
+
+            def refs(qoff):
+                return dict(q=(buf, qoff, bf, qs), k=(buf, base + 65536, bf, kvs),
+                            v=(buf, base + 131072, bf, kvs), out=(buf, base + 196608, bf, qs))
+
+            for off, why in ((base + 2, "multiples of 256"), (asize + 4096, "do not fit")):
+                with self.assertRaises(attnd.InvalidArgument) as e:
+                    c.call(ref_step(0, it, **refs(off)))
+                self.assertIn(why, e.exception.message)
+            # Another connection's buffer: refused by name.
+            so, _ = other.open_session()
+            with self.assertRaises(attnd.PermissionDenied):
+                other.call(ref_step(0, [attnd.Item(so, 0, n, tokens=[1, 2])], **refs(base)))
+            # A NaN in q: refused before anything is written, naming the item.
+            big[5] = float("nan")  # q's first row
+            torch.cuda.synchronize()
+            with self.assertRaises(attnd.InvalidArgument) as e:
+                c.call(ref_step(0, it, **refs(base)))
+            self.assertIn("item 0", e.exception.message)
+            self.assertIn("NaN", e.exception.message)
+            big.zero_()
+            torch.cuda.synchronize()
+            # Registering more bytes than the allocation holds: refused.
+            with self.assertRaises(attnd.InvalidArgument) as e:
+                c.register_buffer(handle, asize + 1, attnd_ipc.device_uuid(self.dev))
+            self.assertIn("more than the allocation", e.exception.message)
+            # Released: refused.
+            c.release_buffer(buf)
+            with self.assertRaises(attnd.InvalidArgument):
+                c.call(ref_step(0, it, **refs(base)))
+            self.assertEqual([x.len for x in c.list_sessions() if x.session == s], [0])
+
+
+if __name__ == "__main__":
+    unittest.main()
