@@ -97,9 +97,11 @@ typedef struct {
   int qh, kvh, hd;
 } ctx_t;
 
-/* One inline step of n new tokens of a session at start, q for every row. */
-static void step_send(ctx_t *c, uint64_t session, uint32_t start, uint32_t n, uint16_t *q,
-                      uint16_t *kv, uint32_t *tokens, attnd_item_t *it, res_t *x) {
+/* One inline step of n new tokens of a session at start, q for every row,
+ * from connection conn (the sessions' clients use different connections, as
+ * two clients would: a connection's calls are admitted in arrival order). */
+static void step_send(ctx_t *c, uint64_t conn, uint64_t session, uint32_t start, uint32_t n,
+                      uint16_t *q, uint16_t *kv, uint32_t *tokens, attnd_item_t *it, res_t *x) {
   *it = (attnd_item_t){
       .session = session, .start = start, .n = n, .tokens = tokens + start, .ntokens = n};
   attnd_step_req_t r = {.layer = 0, .items = it, .nitems = 1};
@@ -107,7 +109,7 @@ static void step_send(ctx_t *c, uint64_t session, uint32_t start, uint32_t n, ui
   r.k = t3(kv, n, (uint32_t)c->kvh, (uint32_t)c->hd);
   r.v = t3(kv, n, (uint32_t)c->kvh, (uint32_t)c->hd);
   memset(x, 0, sizeof(*x));
-  attnd_engine_step(c->e, 1, 1, &r, on_done, x);
+  attnd_engine_step(c->e, 1, conn, &r, on_done, x);
 }
 
 int main(int argc, char **argv) {
@@ -163,20 +165,21 @@ int main(int argc, char **argv) {
   res_t x;
   attnd_item_t it;
   memset(&x, 0, sizeof(x));
-  attnd_engine_open_session(e, 1, NULL, 0, NULL, 0, on_done, &x);
+  enum { CONN_A = 1, CONN_B = 2 };
+  attnd_engine_open_session(e, 1, CONN_A, NULL, 0, NULL, 0, on_done, &x);
   wait_res(&loop, &x);
   uint64_t a = x.session;
   memset(&x, 0, sizeof(x));
-  attnd_engine_open_session(e, 1, NULL, 0, NULL, 0, on_done, &x);
+  attnd_engine_open_session(e, 1, CONN_B, NULL, 0, NULL, 0, on_done, &x);
   wait_res(&loop, &x);
   uint64_t b = x.session;
-  step_send(&c, b, 0, (uint32_t)ctxlen, q, kv, tokens, &it, &x);
+  step_send(&c, CONN_B, b, 0, (uint32_t)ctxlen, q, kv, tokens, &it, &x);
   wait_res(&loop, &x);
   uint32_t pos = (uint32_t)ctxlen;
   uint64_t idle[IDLE];
   for (int i = 0; i < IDLE; i++) {
     uint64_t t0 = uv_hrtime();
-    step_send(&c, b, pos++, 1, q, kv, tokens, &it, &x);
+    step_send(&c, CONN_B, b, pos++, 1, q, kv, tokens, &it, &x);
     wait_res(&loop, &x);
     idle[i] = uv_hrtime() - t0;
   }
@@ -185,12 +188,12 @@ int main(int argc, char **argv) {
   res_t px;
   attnd_item_t pit;
   uint64_t p0 = uv_hrtime();
-  step_send(&c, a, 0, (uint32_t)prefill, q, kv, tokens, &pit, &px);
+  step_send(&c, CONN_A, a, 0, (uint32_t)prefill, q, kv, tokens, &pit, &px);
   static uint64_t dec[MAXDEC];
   int nd = 0;
   while (!px.done && nd < MAXDEC) {
     uint64_t t0 = uv_hrtime();
-    step_send(&c, b, pos++, 1, q, kv, tokens, &it, &x);
+    step_send(&c, CONN_B, b, pos++, 1, q, kv, tokens, &it, &x);
     while (!x.done)
       uv_run(&loop, UV_RUN_ONCE);
     if (x.status) {
@@ -248,13 +251,13 @@ int main(int argc, char **argv) {
   printf("decode during the prefill: %d steps, median %.3f ms, p90 %.3f ms, max %.3f ms (target 2 "
          "x idle + one chunk = %.3f ms)\n",
          nd, med_ms, p90_ms, max_ms, 2 * idle_ms + chunk_ms);
-  printf("{\"backend\": \"%s\", \"prefill\": %d, \"ctx\": %d, \"threads\": %d, \"chunk_keys\": %llu, \"q_heads\": %d, "
+  printf("{\"backend\": \"%s\", \"prefill\": %d, \"ctx\": %d, \"threads\": %d, \"chunk_keys\": "
+         "%llu, \"q_heads\": %d, "
          "\"kv_heads\": %d, \"idle_ms\": %.4f, \"prefill_ms\": %.2f, \"chunk_ms\": %.3f, "
          "\"decodes\": %d, \"during_median_ms\": %.4f, \"during_p90_ms\": %.4f, \"during_max_ms\": "
          "%.4f}\n",
          cuda ? "cuda" : "cpu", prefill, ctxlen, lanes, (unsigned long long)chunk_keys, qh, kvh,
-         idle_ms, pre_ms,
-         chunk_ms, nd, med_ms, p90_ms, max_ms);
+         idle_ms, pre_ms, chunk_ms, nd, med_ms, p90_ms, max_ms);
   int closed = 0;
   attnd_engine_close(e, closed_cb, &closed);
   while (!closed)

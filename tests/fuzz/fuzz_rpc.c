@@ -204,7 +204,7 @@ static void reset_and_check(void) {
   while ((n = attnd_engine_list_sessions(F.engine, FUZZ_IDENTITY, ss, 64)) > 0) {
     uint32_t m = n < 64 ? n : 64;
     for (uint32_t i = 0; i < m; i++)
-      attnd_engine_close_session(F.engine, FUZZ_IDENTITY, ss[i].session, closed_cb, NULL);
+      attnd_engine_close_session(F.engine, FUZZ_IDENTITY, 1, ss[i].session, closed_cb, NULL);
     /* Closes may wait for steps still running on the backend. */
     for (int spins = 0; attnd_engine_list_sessions(F.engine, FUZZ_IDENTITY, ss, 1) == n; spins++) {
       if (spins > 100000)
