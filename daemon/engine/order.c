@@ -145,7 +145,7 @@ void attnd_order_push(attnd_engine_t *e, attnd_qnode_t *n, attnd_qkeys_t *ks) {
       attnd_idmap_del(m, n->keys[i].id);
     }
     if (attnd_idmap_put(m, n->keys[i].id, n) != 0)
-      abort(); /* small bookkeeping (STYLE.md) */
+      abort(); /* small bookkeeping: out of memory aborts, like attnd_xmalloc */
   }
   n->epoch = cur_epoch(e);
   n->epoch->n++;
