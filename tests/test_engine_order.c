@@ -5,7 +5,8 @@
  * of the step's connection, and one naming the step's session from another
  * connection, wait and are admitted in arrival order after it; a SetScales
  * holds every later call; a connection's close waits for a queued step of
- * another connection that names one of its plans (engine_fixture.h). */
+ * another connection that names one of its plans; the idle sweep spares the
+ * sessions queued calls name, and only those (engine_fixture.h). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -267,11 +268,49 @@ static void test_session_chain(void **state) {
   fx_free(f);
 }
 
+/* The idle sweep (every 250 ms with a 1 s idle time) closes an idle
+ * session while a large step of another session waits in the admission
+ * queue, but not the session that step names: it is in use. */
+static void test_idle_sweep_spares_queued(void **state) {
+  (void)state;
+  fx_t *f = calloc(1, sizeof(*f));
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  f->rng = 0x1d1e;
+  fx_config(f, ATTND_KV_BF16, 64);
+  f->cfg.session_idle_s = 1;
+  fx_start(f);
+  attnd_engine_set_offload_bytes(f->e, OFFLOAD);
+  sim_t *a = sim_new(), *b = sim_new();
+  fill_tokens(f, a, 0, 200);
+  open_session(f, a, 0, NULL, 0);
+  open_session(f, b, 0, NULL, 0);
+  hold_on();
+  static pend_t pa;
+  spec_t sa = {.sim = a, .start = 0, .n = 24};
+  step_submit(f, 0, &sa, 1, 0, CONN_A, NULL, &pa);
+  int never = 0;
+  run_until(f, &never, 1700);
+  attnd_session_info_t info[4];
+  uint32_t n = attnd_engine_list_sessions(f->e, 1, info, 4);
+  assert_int_equal(n, 1); /* b was swept */
+  assert_int_equal(info[0].session, a->id);
+  hold_release();
+  char msg[256];
+  if (step_finish(f, &pa, msg, NULL) != 0)
+    fail_msg("the held step on the spared session: %s", msg);
+  hold_off();
+  check_engine(f);
+  sim_free(a);
+  sim_free(b);
+  fx_free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_decode_passes_held_scan, teardown),
       cmocka_unit_test_teardown(test_conn_close_waits_for_plan_user, teardown),
       cmocka_unit_test_teardown(test_session_chain, teardown),
+      cmocka_unit_test_teardown(test_idle_sweep_spares_queued, teardown),
   };
   if (uv_mutex_init(&g_mu) != 0 || uv_cond_init(&g_cv) != 0)
     return 1;
