@@ -31,10 +31,11 @@
  * attnd_engine_close waits for it to be admitted (it arrived before the close).
  *
  * SetScales (and SetSinks) with persistence on always goes through the queue,
- * as a barrier: once everything before it is admitted it is checked, the table as it will be is
- * written to the state file on the threadpool while the call keeps the head,
- * and only then is it admitted: applied, or, when the file could not be
- * written, answered INTERNAL having changed nothing.
+ * as a barrier: once everything queued before it is admitted it is checked,
+ * the table as it will be is written to the state file on the threadpool
+ * while the call stays queued (every later call waits for it), and only then
+ * is it admitted: applied, or, when the file could not be written, answered
+ * INTERNAL having changed nothing.
  */
 #include <stdio.h>
 #include <stdlib.h>
