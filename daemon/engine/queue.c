@@ -79,7 +79,7 @@ struct call_s {
   attnd_scales_req_t scales;
   attnd_sinks_req_t sinks;
   int answered;   /* refused before its admission (a SetScales's checks) */
-  int persisting; /* SetScales: its checks ran at the head of the queue */
+  int persisting; /* SetScales: its checks ran, everything queued before it admitted */
   int persist_rc; /* and how it went */
   uint8_t *persist_buf;
   size_t persist_len;
