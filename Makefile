@@ -36,7 +36,8 @@ asan: deps
 	cd build-asan && ctest --output-on-failure -j $(JOBS) --timeout 900
 
 # libFuzzer over frame reader -> RPC dispatch -> a tiny CPU engine (clang,
-# ASan+UBSan), seeded from tests/fuzz/corpus, for FUZZ_SECONDS. New inputs go
+# ASan+UBSan), seeded from tests/fuzz/corpus, for FUZZ_SECONDS on one
+# connection, then half that with the frames split over two. New inputs go
 # to build-fuzz/corpus (the committed seeds are left alone); a crash leaves
 # build-fuzz/crash-* and fails the target: add it to tests/fuzz/regressions/.
 fuzz: deps
@@ -47,6 +48,9 @@ fuzz: deps
 	build-fuzz/tests/fuzz_rpc -max_total_time=$(FUZZ_SECONDS) -timeout=20 -rss_limit_mb=3072 \
 	  -print_final_stats=1 -artifact_prefix=build-fuzz/ build-fuzz/corpus tests/fuzz/corpus \
 	  tests/fuzz/regressions
+	ATTND_FUZZ_CONNS=2 build-fuzz/tests/fuzz_rpc -max_total_time=$$(( $(FUZZ_SECONDS) / 2 + 1 )) \
+	  -timeout=20 -rss_limit_mb=3072 -print_final_stats=1 -artifact_prefix=build-fuzz/ \
+	  build-fuzz/corpus tests/fuzz/corpus tests/fuzz/regressions
 
 clean:
 	rm -rf $(BUILD) build-asan build-fuzz

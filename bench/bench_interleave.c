@@ -30,6 +30,7 @@ typedef struct {
   int done, status;
   uint64_t plan, session;
   uint64_t t_done;
+  uint32_t scan_us; /* a large step's finiteness scan on the worker pool */
   char msg[256];
 } res_t;
 
@@ -47,6 +48,7 @@ static void on_done(void *arg, attnd_result_t *r) {
   x->plan = r->plan;
   x->session = r->session;
   x->t_done = uv_hrtime();
+  x->scan_us = r->scan_us;
   snprintf(x->msg, sizeof(x->msg), "%s", r->message);
   x->done = 1;
 }
@@ -97,9 +99,11 @@ typedef struct {
   int qh, kvh, hd;
 } ctx_t;
 
-/* One inline step of n new tokens of a session at start, q for every row. */
-static void step_send(ctx_t *c, uint64_t session, uint32_t start, uint32_t n, uint16_t *q,
-                      uint16_t *kv, uint32_t *tokens, attnd_item_t *it, res_t *x) {
+/* One inline step of n new tokens of a session at start, q for every row,
+ * from connection conn (the sessions' clients use different connections, as
+ * two clients would: a connection's calls are admitted in arrival order). */
+static void step_send(ctx_t *c, uint64_t conn, uint64_t session, uint32_t start, uint32_t n,
+                      uint16_t *q, uint16_t *kv, uint32_t *tokens, attnd_item_t *it, res_t *x) {
   *it = (attnd_item_t){
       .session = session, .start = start, .n = n, .tokens = tokens + start, .ntokens = n};
   attnd_step_req_t r = {.layer = 0, .items = it, .nitems = 1};
@@ -107,7 +111,7 @@ static void step_send(ctx_t *c, uint64_t session, uint32_t start, uint32_t n, ui
   r.k = t3(kv, n, (uint32_t)c->kvh, (uint32_t)c->hd);
   r.v = t3(kv, n, (uint32_t)c->kvh, (uint32_t)c->hd);
   memset(x, 0, sizeof(*x));
-  attnd_engine_step(c->e, 1, 1, &r, on_done, x);
+  attnd_engine_step(c->e, 1, conn, &r, on_done, x);
 }
 
 int main(int argc, char **argv) {
@@ -163,20 +167,21 @@ int main(int argc, char **argv) {
   res_t x;
   attnd_item_t it;
   memset(&x, 0, sizeof(x));
-  attnd_engine_open_session(e, 1, NULL, 0, NULL, 0, on_done, &x);
+  enum { CONN_A = 1, CONN_B = 2 };
+  attnd_engine_open_session(e, 1, CONN_A, NULL, 0, NULL, 0, on_done, &x);
   wait_res(&loop, &x);
   uint64_t a = x.session;
   memset(&x, 0, sizeof(x));
-  attnd_engine_open_session(e, 1, NULL, 0, NULL, 0, on_done, &x);
+  attnd_engine_open_session(e, 1, CONN_B, NULL, 0, NULL, 0, on_done, &x);
   wait_res(&loop, &x);
   uint64_t b = x.session;
-  step_send(&c, b, 0, (uint32_t)ctxlen, q, kv, tokens, &it, &x);
+  step_send(&c, CONN_B, b, 0, (uint32_t)ctxlen, q, kv, tokens, &it, &x);
   wait_res(&loop, &x);
   uint32_t pos = (uint32_t)ctxlen;
   uint64_t idle[IDLE];
   for (int i = 0; i < IDLE; i++) {
     uint64_t t0 = uv_hrtime();
-    step_send(&c, b, pos++, 1, q, kv, tokens, &it, &x);
+    step_send(&c, CONN_B, b, pos++, 1, q, kv, tokens, &it, &x);
     wait_res(&loop, &x);
     idle[i] = uv_hrtime() - t0;
   }
@@ -185,23 +190,42 @@ int main(int argc, char **argv) {
   res_t px;
   attnd_item_t pit;
   uint64_t p0 = uv_hrtime();
-  step_send(&c, a, 0, (uint32_t)prefill, q, kv, tokens, &pit, &px);
-  static uint64_t dec[MAXDEC];
+  step_send(&c, CONN_A, a, 0, (uint32_t)prefill, q, kv, tokens, &pit, &px);
+  static uint64_t dec[MAXDEC], dec_t0[MAXDEC];
   int nd = 0;
   while (!px.done && nd < MAXDEC) {
     uint64_t t0 = uv_hrtime();
-    step_send(&c, b, pos++, 1, q, kv, tokens, &it, &x);
+    step_send(&c, CONN_B, b, pos++, 1, q, kv, tokens, &it, &x);
     while (!x.done)
       uv_run(&loop, UV_RUN_ONCE);
     if (x.status) {
       fprintf(stderr, "decode failed: %s\n", x.msg);
       return 1;
     }
-    if (!px.done || px.t_done > t0) /* started while the prefill ran */
+    if (!px.done || px.t_done > t0) { /* started while the prefill ran */
+      dec_t0[nd] = t0 - p0;
       dec[nd++] = uv_hrtime() - t0;
+    }
   }
   wait_res(&loop, &px);
   double pre_ms = (double)(px.t_done - p0) / 1e6;
+  /* The decodes sent while the prefill's scan ran (it starts at once on the
+   * worker pool): they waited for it when the admission queue kept arrival
+   * order across sessions, and wait for nothing now (docs/sessions.md §5). */
+  double scan_ms = px.scan_us / 1e3, scan_max_ms = 0;
+  int nscan = 0;
+  for (int i = 0; i < nd; i++)
+    if ((double)dec_t0[i] / 1e6 < scan_ms) {
+      nscan++;
+      if ((double)dec[i] / 1e6 > scan_max_ms)
+        scan_max_ms = (double)dec[i] / 1e6;
+    }
+  double max_at_ms = 0; /* when the slowest decode was sent, after the prefill */
+  for (int i = 0, worst = 0; i < nd; i++)
+    if (dec[i] > dec[worst] || i == 0) {
+      worst = i;
+      max_at_ms = (double)dec_t0[i] / 1e6;
+    }
   qsort(dec, (size_t)nd, sizeof(uint64_t), cmp_u64);
   /* Chunks as the CPU backend cuts them (daemon/backend/cpu.c: units of a
    * row tile and kv head, each weighing its rows times the keys it sees,
@@ -248,13 +272,17 @@ int main(int argc, char **argv) {
   printf("decode during the prefill: %d steps, median %.3f ms, p90 %.3f ms, max %.3f ms (target 2 "
          "x idle + one chunk = %.3f ms)\n",
          nd, med_ms, p90_ms, max_ms, 2 * idle_ms + chunk_ms);
-  printf("{\"backend\": \"%s\", \"prefill\": %d, \"ctx\": %d, \"threads\": %d, \"chunk_keys\": %llu, \"q_heads\": %d, "
-         "\"kv_heads\": %d, \"idle_ms\": %.4f, \"prefill_ms\": %.2f, \"chunk_ms\": %.3f, "
-         "\"decodes\": %d, \"during_median_ms\": %.4f, \"during_p90_ms\": %.4f, \"during_max_ms\": "
-         "%.4f}\n",
+  printf("decode during the prefill's scan (%.1f ms): %d steps, max %.3f ms; the slowest decode "
+         "was sent %.1f ms into the prefill\n",
+         scan_ms, nscan, scan_max_ms, max_at_ms);
+  printf("{\"backend\": \"%s\", \"prefill\": %d, \"ctx\": %d, \"threads\": %d, "
+         "\"chunk_keys\": %llu, \"q_heads\": %d, \"kv_heads\": %d, \"idle_ms\": %.4f, "
+         "\"prefill_ms\": %.2f, \"chunk_ms\": %.3f, \"decodes\": %d, \"during_median_ms\": "
+         "%.4f, \"during_p90_ms\": %.4f, \"during_max_ms\": %.4f, \"scan_ms\": %.2f, "
+         "\"during_scan_decodes\": %d, \"during_scan_max_ms\": %.4f, \"during_max_at_ms\": %.1f}\n",
          cuda ? "cuda" : "cpu", prefill, ctxlen, lanes, (unsigned long long)chunk_keys, qh, kvh,
-         idle_ms, pre_ms,
-         chunk_ms, nd, med_ms, p90_ms, max_ms);
+         idle_ms, pre_ms, chunk_ms, nd, med_ms, p90_ms, max_ms, scan_ms, nscan, scan_max_ms,
+         max_at_ms);
   int closed = 0;
   attnd_engine_close(e, closed_cb, &closed);
   while (!closed)

@@ -6,7 +6,7 @@ add_library(attnd_engine_fixture STATIC ${CMAKE_CURRENT_SOURCE_DIR}/engine_fixtu
 target_link_libraries(attnd_engine_fixture PUBLIC attnd_engine attnd_oracle PkgConfig::CMOCKA)
 target_include_directories(attnd_engine_fixture PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
 
-foreach(m step plan session kvcache jobs queue check scales)
+foreach(m step plan session kvcache jobs queue order check scales)
   attnd_add_test(test_engine_${m} SOURCES test_engine_${m}.c LIBS attnd_engine_fixture TIMEOUT 120)
 endforeach()
 attnd_add_test(test_engine_blocks SOURCES test_engine_blocks.c LIBS attnd_engine TIMEOUT 60)
@@ -19,6 +19,6 @@ attnd_add_test(test_engine_scan SOURCES test_engine_scan.c LIBS attnd_engine TIM
 # over the CPU backend given stand-in zero-copy ops.
 attnd_add_test(test_engine_ipc SOURCES test_engine_ipc.c LIBS attnd_engine_fixture TIMEOUT 60)
 foreach(t test_engine_blocks test_engine_prefix test_engine_scales test_engine_kvcache
-        test_engine_sinks test_engine_scan test_engine_ipc)
+        test_engine_sinks test_engine_scan test_engine_ipc test_engine_order)
   target_include_directories(${t} PRIVATE ${PROJECT_SOURCE_DIR}/daemon/engine)
 endforeach()

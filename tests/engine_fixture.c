@@ -138,7 +138,7 @@ void sim_free(sim_t *s) {
 
 uint32_t open_session(fx_t *f, sim_t *s, uint32_t ntokens, const uint8_t *salt, size_t sl) {
   res_t x = {0};
-  attnd_engine_open_session(f->e, 1, ntokens ? s->tokens : NULL, ntokens, salt, sl, on_done, &x);
+  attnd_engine_open_session(f->e, 1, 1, ntokens ? s->tokens : NULL, ntokens, salt, sl, on_done, &x);
   wait_res(f, &x);
   assert_int_equal(x.r.status, 0);
   s->id = x.r.session;
@@ -149,11 +149,11 @@ uint32_t open_session(fx_t *f, sim_t *s, uint32_t ntokens, const uint8_t *salt, 
 int simple_call(fx_t *f, int which, uint64_t session, uint32_t arg, uint64_t *out) {
   res_t x = {0};
   if (which == 0)
-    attnd_engine_close_session(f->e, 1, session, on_done, &x);
+    attnd_engine_close_session(f->e, 1, 1, session, on_done, &x);
   else if (which == 1)
-    attnd_engine_fork(f->e, 1, session, on_done, &x);
+    attnd_engine_fork(f->e, 1, 1, session, on_done, &x);
   else
-    attnd_engine_truncate(f->e, 1, session, arg, on_done, &x);
+    attnd_engine_truncate(f->e, 1, 1, session, arg, on_done, &x);
   wait_res(f, &x);
   if (out)
     *out = x.r.session;

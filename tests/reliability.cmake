@@ -19,6 +19,13 @@ if(NOT ATTND_FUZZ)
            ${ATTND_REL_DIR}/fuzz/regressions)
   set_tests_properties(fuzz_replay PROPERTIES TIMEOUT 120 LABELS reliability
     FAIL_REGULAR_EXPRESSION "runtime error|ERROR: AddressSanitizer|ERROR: LeakSanitizer")
+  # The same inputs split over two connections (frames in turn), so calls
+  # of one pass the other's queued ones.
+  add_test(NAME fuzz_replay_2conns COMMAND fuzz_replay ${ATTND_REL_DIR}/fuzz/corpus
+           ${ATTND_REL_DIR}/fuzz/regressions)
+  set_tests_properties(fuzz_replay_2conns PROPERTIES TIMEOUT 120 LABELS reliability
+    ENVIRONMENT ATTND_FUZZ_CONNS=2
+    FAIL_REGULAR_EXPRESSION "runtime error|ERROR: AddressSanitizer|ERROR: LeakSanitizer")
 endif()
 
 if(ATTND_FUZZ)

@@ -65,14 +65,15 @@ void fake_complete_all(void) {
     fake_complete(fe.nheld - 1);
 }
 
-void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
-                               uint32_t ntokens, const uint8_t *salt, size_t saltlen,
-                               attnd_engine_done_cb cb, void *arg) {
-  attnd_engine_open_session_at(e, identity, 0, tokens, ntokens, salt, saltlen, cb, arg);
+void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                               const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
+                               size_t saltlen, attnd_engine_done_cb cb, void *arg) {
+  attnd_engine_open_session_at(e, identity, conn, 0, tokens, ntokens, salt, saltlen, cb, arg);
 }
-void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint32_t base,
-                                  const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
-                                  size_t saltlen, attnd_engine_done_cb cb, void *arg) {
+void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                                  uint32_t base, const uint32_t *tokens, uint32_t ntokens,
+                                  const uint8_t *salt, size_t saltlen, attnd_engine_done_cb cb,
+                                  void *arg) {
   attnd_result_t r;
   memset(&r, 0, sizeof(r));
   fe.last_identity = identity;
@@ -83,8 +84,8 @@ void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint32_t
   r.computing_us = 22;
   finish(cb, arg, &r);
 }
-void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t session,
-                                attnd_engine_done_cb cb, void *arg) {
+void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                                uint64_t session, attnd_engine_done_cb cb, void *arg) {
   attnd_result_t r;
   memset(&r, 0, sizeof(r));
   if (session != 0xabcdef0123456789ull) {
@@ -93,15 +94,15 @@ void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t s
   }
   finish(cb, arg, &r);
 }
-void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
+void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t conn, uint64_t session,
                        attnd_engine_done_cb cb, void *arg) {
   attnd_result_t r;
   memset(&r, 0, sizeof(r));
   r.session = session + 1;
   finish(cb, arg, &r);
 }
-void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t session, uint32_t len,
-                           attnd_engine_done_cb cb, void *arg) {
+void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t conn, uint64_t session,
+                           uint32_t len, attnd_engine_done_cb cb, void *arg) {
   attnd_result_t r;
   memset(&r, 0, sizeof(r));
   finish(cb, arg, &r);

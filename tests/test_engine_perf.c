@@ -105,7 +105,7 @@ static void test_decode_latency(void **state) {
   }
   for (int i = 0; i < g_b; i++) {
     res_t x = {0};
-    attnd_engine_open_session(e, 1, NULL, 0, NULL, 0, on_done, &x);
+    attnd_engine_open_session(e, 1, 1, NULL, 0, NULL, 0, on_done, &x);
     assert_int_equal(x.status, 0);
   }
   uint32_t nsess = attnd_engine_list_sessions(e, 1, NULL, 0);

@@ -105,10 +105,10 @@ static void arrival_order(int queued) {
   if (queued)
     assert_int_equal(queued_now(f), LAYERS); /* the first scan has not reported back */
   cnt_t tr = {0}, cl = {0};
-  attnd_engine_truncate(f->e, 1, a->id, 24, on_count, &tr);
+  attnd_engine_truncate(f->e, 1, 1, a->id, 24, on_count, &tr);
   spec_t after = {.sim = a, .start = 24, .n = 2};
   step_submit(f, 0, &after, 1, 0, 1, NULL, &pd[LAYERS]);
-  attnd_engine_close_session(f->e, 1, a->id, on_count, &cl);
+  attnd_engine_close_session(f->e, 1, 1, a->id, on_count, &cl);
   step_submit(f, 0, &after, 1, 0, 1, NULL, &pd[LAYERS + 1]);
   if (queued) {
     assert_int_equal(queued_now(f), LAYERS + 4);
@@ -233,16 +233,16 @@ static void test_queued_drain(void **state) {
   /* Now close with a scan running and calls of every kind behind it. */
   spec_t g2 = {.sim = a, .start = 46, .n = 5};
   step_submit(f, 0, &g2, 1, 0, 1, NULL, &pd[1]);
-  attnd_engine_open_session(f->e, 1, b->tokens, 40, NULL, 0, on_count, &c[1]);
-  attnd_engine_fork(f->e, 1, a->id, on_count, &c[2]); /* layers differ: refused */
+  attnd_engine_open_session(f->e, 1, 1, b->tokens, 40, NULL, 0, on_count, &c[1]);
+  attnd_engine_fork(f->e, 1, 1, a->id, on_count, &c[2]); /* layers differ: refused */
   attnd_engine_plan(f->e, 1, 1, ib.items, 1, on_count, &c[3]);
-  attnd_engine_truncate(f->e, 1, a->id, 3, on_count, &c[4]);
-  attnd_engine_close_session(f->e, 1, a->id, on_count, &c[5]);
+  attnd_engine_truncate(f->e, 1, 1, a->id, 3, on_count, &c[4]);
+  attnd_engine_close_session(f->e, 1, 1, a->id, on_count, &c[5]);
   assert_int_equal(queued_now(f), 6);
   drain_t d = {.c = c + 1, .n = 5};
   attnd_engine_close(f->e, drain_closed, &d);
   cnt_t late = {0};
-  attnd_engine_truncate(f->e, 1, a->id, 3, on_count, &late);
+  attnd_engine_truncate(f->e, 1, 1, a->id, 3, on_count, &late);
   assert_int_equal(late.calls, 1);
   assert_int_equal(late.r.status, ATTND_EUNAVAIL);
   while (!d.closed)

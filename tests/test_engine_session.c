@@ -65,11 +65,11 @@ static void test_limits_and_info(void **state) {
   open_session(f, a, 0, NULL, 0);
   uint8_t salt[65] = {0};
   res_t x = {0};
-  attnd_engine_open_session(f->e, 1, NULL, 0, salt, 65, on_done, &x);
+  attnd_engine_open_session(f->e, 1, 1, NULL, 0, salt, 65, on_done, &x);
   assert_int_equal(x.r.status, ATTND_EINVAL);
   open_session(f, b, 0, NULL, 0);
   res_t y = {0};
-  attnd_engine_open_session(f->e, 3, NULL, 0, NULL, 0, on_done, &y);
+  attnd_engine_open_session(f->e, 3, 1, NULL, 0, NULL, 0, on_done, &y);
   assert_int_equal(y.r.status, ATTND_ENOSPC);
   assert_int_equal(simple_call(f, 1, a->id, 0, NULL), ATTND_ENOSPC);
   assert_int_equal(attnd_engine_list_sessions(f->e, 1, NULL, 0), 2);
@@ -111,7 +111,7 @@ static void test_idle_close(void **state) {
 
 static uint64_t open_as(fx_t *f, uint64_t identity, int *status) {
   res_t x = {0};
-  attnd_engine_open_session(f->e, identity, NULL, 0, NULL, 0, on_done, &x);
+  attnd_engine_open_session(f->e, identity, 1, NULL, 0, NULL, 0, on_done, &x);
   wait_res(f, &x);
   *status = x.r.status;
   return x.r.session;
@@ -133,7 +133,7 @@ static void test_identity_quota(void **state) {
   open_as(f, 1, &st);
   assert_int_equal(st, 0);
   res_t x = {0};
-  attnd_engine_open_session(f->e, 1, NULL, 0, NULL, 0, on_done, &x);
+  attnd_engine_open_session(f->e, 1, 1, NULL, 0, NULL, 0, on_done, &x);
   wait_res(f, &x);
   expect(f, x.r.status, ATTND_ENOSPC, x.r.message, "--max-sessions-per-identity");
   assert_int_equal(simple_call(f, 1, a1, 0, NULL), ATTND_ENOSPC); /* fork */

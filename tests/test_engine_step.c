@@ -212,7 +212,7 @@ static void test_invalid_leave_state(void **state) {
   spec_t s11[2] = {good, {.sim = &ghost, .start = 0, .n = 1}};
   expect(f, step_ex(f, 0, s11, 2, 0, 1, NULL, msg, NULL), ATTND_ENOTFOUND, msg, "item 1");
   res_t x = {0};
-  attnd_engine_close_session(f->e, 2, a->id, on_done, &x);
+  attnd_engine_close_session(f->e, 2, 1, a->id, on_done, &x);
   wait_res(f, &x);
   assert_int_equal(x.r.status, ATTND_EPERM);
   /* Fork/Truncate need equal lengths; truncate beyond len. */

@@ -157,7 +157,7 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
     abort();
   attnd_list_init(&e->slist);
   attnd_list_init(&e->plist);
-  attnd_list_init(&e->queue);
+  attnd_order_init(e);
   attnd_scales_update_fingerprint(e);
   start_idle_sweep(e);
   *out = e;
@@ -192,6 +192,7 @@ static void idle_closed(uv_handle_t *h) {
   attnd_idmap_free(&e->sessions);
   attnd_idmap_free(&e->plans);
   attnd_idmap_free(&e->idents);
+  attnd_order_free(e);
   attnd_prefix_free(e->px);
   attnd_sched_free(e);
   attnd_blocks_free(&e->pool);

@@ -3,7 +3,8 @@
  * The RPC layer decodes a Request into the plain structs below (native types:
  * kernel dtypes and masks, never wire enums) and calls the engine on the loop
  * thread. The engine validates and admits the
- * call on the loop thread (state changes at admission, in arrival order), runs
+ * call on the loop thread (state changes at admission; docs/sessions.md §5
+ * says in which order calls are admitted), runs
  * the math on its backend off the loop, and reports completion through
  * attnd_engine_done_cb on the loop thread. Nothing here blocks the loop.
  *
@@ -53,8 +54,8 @@ typedef struct {
   uint32_t start; /* absolute position (a session with base: >= base) */
   uint32_t n;
   int kv_only;
-  int q_only; /* attend only: q rows over the keys the session holds, nothing
-               * written, no token ids, start >= the session's len (docs/scale-out.md) */
+  int q_only;             /* attend only: q rows over the keys the session holds, nothing
+                           * written, no token ids, start >= the session's len (docs/scale-out.md) */
   attnd_mask_t mask;      /* zeroed: causal */
   const uint32_t *tokens; /* ntokens token ids */
   uint32_t ntokens;
@@ -149,7 +150,8 @@ typedef struct {
   uint64_t prefix_queries, prefix_hit_tokens, prefix_miss_tokens;
   uint64_t evictions, cow_copies;
   uint64_t steps, prefill_steps, decode_steps, tokens_written;
-  uint32_t queued; /* gauge: calls waiting for admission behind a large step's scan */
+  uint32_t queued;    /* gauge: calls waiting for admission (behind a large step's scan, a
+                       * SetScales's file write, or a queued call they must follow) */
   uint32_t sinks_set; /* layers whose sinks are set (attention-sinks on) */
 } attnd_engine_stats_t;
 
@@ -179,24 +181,27 @@ uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_
                                     uint32_t max);
 
 /* Every call names the caller's identity (sessions are usable only by the
- * identity that opened them) and the connection (plans end with it). Every call
+ * identity that opened them) and the connection (plans end with it; a
+ * connection's calls are admitted in arrival order, and so are the calls
+ * naming one session, while a call waits for no unrelated queued one). Every call
  * completes exactly once through cb, possibly before returning. */
-void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
-                               uint32_t ntokens, const uint8_t *salt, size_t saltlen,
-                               attnd_engine_done_cb cb, void *arg);
+void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                               const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
+                               size_t saltlen, attnd_engine_done_cb cb, void *arg);
 /* OpenSession with a base position (split context, docs/scale-out.md): the
  * session holds positions [base, ...); base < max_context (else ATTND_ERANGE).
  * A session with base > 0 neither looks up (cached_len 0) nor publishes
  * prefix blocks. attnd_engine_open_session is base 0. */
-void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint32_t base,
-                                  const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
-                                  size_t saltlen, attnd_engine_done_cb cb, void *arg);
-void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t session,
-                                attnd_engine_done_cb cb, void *arg);
-void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
+void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                                  uint32_t base, const uint32_t *tokens, uint32_t ntokens,
+                                  const uint8_t *salt, size_t saltlen, attnd_engine_done_cb cb,
+                                  void *arg);
+void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                                uint64_t session, attnd_engine_done_cb cb, void *arg);
+void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t conn, uint64_t session,
                        attnd_engine_done_cb cb, void *arg);
-void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t session, uint32_t len,
-                           attnd_engine_done_cb cb, void *arg);
+void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t conn, uint64_t session,
+                           uint32_t len, attnd_engine_done_cb cb, void *arg);
 void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
                        const attnd_item_t *items, uint32_t nitems, attnd_engine_done_cb cb,
                        void *arg);
@@ -239,8 +244,9 @@ void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);
 
 /* A Step whose q, k and v hold more than cfg->engine_offload_bytes together
  * has its finiteness scan (and any aligned copy) run on the libuv threadpool
- * before it is admitted; calls arriving meanwhile are admitted after it, in
- * arrival order. This sets that threshold later (tests: 0 sends every step
+ * before it is admitted; calls arriving meanwhile that must follow it (its
+ * connection's, its sessions', a barrier) are admitted after it, in arrival
+ * order, and the others at once. This sets that threshold later (tests: 0 sends every step
  * through the threadpool scan and the admission queue). */
 void attnd_engine_set_offload_bytes(attnd_engine_t *e, size_t bytes);
 

@@ -1,7 +1,8 @@
 /* internal.h: the engine's private declarations, seen only by engine/'s own
  * files. The engine is these modules, in the order a call meets them:
  *
- *   queue.c     the public entry points and the admission queue (arrival order)
+ *   queue.c     the public entry points and the admission queue
+ *   order.c     the admission queue's order: who waits for whom (keys, barriers)
  *   scan.c      the finiteness scan of a step's q, k and v (loop or worker pool)
  *   session.c   sessions and their state changes: open, close, fork, truncate, idle
  *   plan.c      plans: items checked and copied, live plans per connection
@@ -38,6 +39,8 @@
 #include "engine.h"
 
 typedef struct attnd_plan_s attnd_plan_t;
+typedef struct attnd_qepoch_s attnd_qepoch_t; /* order.c */
+typedef struct attnd_qnode_s attnd_qnode_t;   /* order.c */
 
 #include "internal_tables.h"
 
@@ -216,10 +219,15 @@ struct attnd_engine_s {
   void (*fatal_cb)(void *); /* attnd_engine_on_fatal */
   void *fatal_arg;
   int fatal;          /* the backend reported ATTND_EDEVICE */
-  attnd_list_t queue; /* admission queue, oldest first (queue.c) */
+  attnd_list_t queue; /* admission queue, oldest first (queue.c, order.c) */
   uint32_t nqueued;
-  int admitting;        /* the queue is being pumped: a nested call leaves the work to it */
-  size_t offload_bytes; /* a step with more q+k+v bytes is scanned on the threadpool */
+  attnd_list_t qready;     /* queued calls that may be admitted now */
+  attnd_idmap_t qconn;     /* conn -> the last queued call of that connection */
+  attnd_idmap_t qsess;     /* session -> the last queued call naming it */
+  attnd_qnode_t *qbarrier; /* the last queued barrier */
+  attnd_qepoch_t *qepoch;  /* the queued calls since it */
+  int admitting;           /* the queue is being pumped: a nested call leaves the work to it */
+  size_t offload_bytes;    /* a step with more q+k+v bytes is scanned on the threadpool */
   /* The scheduler (sched.c), per (layer, block) and per layer. */
   attnd_ejob_t **sb_w;    /* [layers * blocks]: last unfinished job writing the block */
   attnd_list_t *sb_r;     /* [layers * blocks]: unfinished jobs reading it since (rnodes) */
@@ -248,10 +256,73 @@ static inline uint64_t attnd_engine_now_us(void) {
   return uv_hrtime() / 1000;
 }
 
+/* ---- the admission order (order.c) ------------------------------------------
+ *
+ * A call that cannot be admitted on arrival (a large step's scan, or earlier
+ * queued calls it must follow) waits in the admission queue. It waits only
+ * for the earlier queued calls it shares a key with: its connection, each
+ * session it names (a plan's sessions for a step naming a plan), or, for a
+ * barrier (SetScales, SetSinks), every earlier queued call, and every later
+ * call waits for a barrier. Per key the engine keeps the last queued call
+ * naming it (qconn, qsess), so a new call finds what it waits for in
+ * O(its keys), never by walking the queue. */
+
+enum { ATTND_QK_CONN = 0, ATTND_QK_SESSION = 1 };
+
+typedef struct {
+  int kind; /* ATTND_QK_* */
+  uint64_t id;
+} attnd_qkey_t;
+
+/* The keys of one call, built on the stack (a few inline, more on the heap). */
+typedef struct {
+  attnd_qkey_t *k;
+  uint32_t n, cap;
+  int barrier; /* waits for every earlier queued call; every later one waits for it */
+  attnd_qkey_t inl[8];
+} attnd_qkeys_t;
+
+/* A queued call's place in the admission order (inside queue.c's call). */
+struct attnd_qnode_s {
+  attnd_list_t link;  /* e->queue: every queued call, oldest first */
+  attnd_list_t rlink; /* e->qready while ready */
+  int ready;
+  int held;                /* its own work (a scan, a state file write) has not reported back */
+  uint32_t nwait;          /* earlier queued calls it still waits for */
+  attnd_qnode_t **waiters; /* later calls waiting for this one (one entry per key shared) */
+  uint32_t nwaiters, waiters_cap;
+  attnd_qkey_t *keys;
+  uint32_t nkeys;
+  int barrier;
+  attnd_qepoch_t *epoch; /* the calls since the last barrier, which the next one waits for */
+};
+
+void attnd_qkeys_init(attnd_qkeys_t *ks);
+void attnd_qkeys_add(attnd_qkeys_t *ks, int kind, uint64_t id);
+void attnd_qkeys_free(attnd_qkeys_t *ks);
+/* 1 when a call with these keys must wait for a queued one. O(keys). */
+int attnd_order_must_wait(const attnd_engine_t *e, const attnd_qkeys_t *ks);
+/* Queues n behind what it must wait for; takes ks's keys (ks is emptied).
+ * n->held set by the caller keeps it from being ready until unheld. */
+void attnd_order_push(attnd_engine_t *e, attnd_qnode_t *n, attnd_qkeys_t *ks);
+/* The next call that may be admitted now (waits for nothing, not held), or NULL. */
+attnd_qnode_t *attnd_order_next(attnd_engine_t *e);
+/* n's own work reported back: it may become ready. */
+void attnd_order_unhold(attnd_engine_t *e, attnd_qnode_t *n);
+/* n is being admitted: it leaves the queue and the calls waiting for it may
+ * become ready (admitted after n, by the caller's loop). */
+void attnd_order_release(attnd_engine_t *e, attnd_qnode_t *n);
+/* 1 while a queued call names the session (the idle sweep leaves it alone). */
+int attnd_order_names_session(const attnd_engine_t *e, uint64_t session);
+void attnd_order_init(attnd_engine_t *e);
+void attnd_order_free(attnd_engine_t *e);
+
 /* ---- queue.c ---- */
 
-/* 1 while calls wait for admission (the idle sweep then waits too). */
-int attnd_queue_busy(const attnd_engine_t *e);
+/* Test hook: when set, a large step's scan on the worker pool calls it first
+ * (on the worker thread), so a test can hold a scan while it sends other
+ * calls. Never set outside tests. */
+extern void (*attnd_queue_test_scan_hook)(const attnd_step_req_t *req);
 
 /* ---- scan.c ---- */
 
@@ -286,9 +357,9 @@ void attnd_session_destroy(attnd_engine_t *e, attnd_session_t *s);
 /* Ends the live plan on s, if any. */
 void attnd_session_end_plan(attnd_engine_t *e, attnd_session_t *s);
 /* The admissions (every stateful check, then the change), on the loop thread. */
-void attnd_session_open(attnd_engine_t *e, uint64_t identity, uint32_t base,
-                        const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
-                        size_t saltlen, attnd_engine_done_cb cb, void *arg);
+void attnd_session_open(attnd_engine_t *e, uint64_t identity, uint32_t base, const uint32_t *tokens,
+                        uint32_t ntokens, const uint8_t *salt, size_t saltlen,
+                        attnd_engine_done_cb cb, void *arg);
 /* The attnd_kitem_t.flags of an item of session s: ATTND_ITEM_SINK for a
  * session whose first position is 0, none for a split-context part that
  * starts later (its merge must count each sink once, docs/numerics.md). The

@@ -15,23 +15,27 @@
  * threadpool first, together with the aligned copy of tensors decoded at odd
  * addresses; the scan reads only the request's bytes and records the first
  * row of each tensor holding a non-finite value. Meanwhile the call waits in
- * an engine-wide FIFO of calls not yet admitted, and while that FIFO is not
- * empty every later mutating call (any kind, any session, conn_closed too)
- * waits behind it: calls are still admitted one by one in arrival order, on
- * the loop thread, with every stateful check made at admission exactly as on
- * the direct path, which maps the recorded rows to the item they fall in.
- * With an empty FIFO a small call (every decode step) is admitted at once,
- * scan included, with no extra latency. Stateless refusals (a layer out of
+ * the admission queue, and so does every later mutating call that must
+ * follow it: one of the same connection, one naming a session it names, and
+ * then whatever must follow those (order.c says who waits for whom). Every
+ * other call is admitted at once, passing the queued ones: calls not yet
+ * answered, so admitting it first is a valid serialization. Queued calls are
+ * admitted one by one on the loop thread as what they wait for is admitted,
+ * with every stateful check made at admission exactly as on the direct path,
+ * which maps the recorded rows to the item they fall in. A small call (every
+ * decode step) with nothing to wait for is admitted at once, scan included,
+ * with no extra latency. Stateless refusals (a layer out of
  * range, a plan and inline items together, a salt too long) are answered at
  * arrival: they change nothing, whatever runs before them. A scan cannot be
  * cancelled once started, so a queued call counts as pending work and
  * attnd_engine_close waits for it to be admitted (it arrived before the close).
  *
- * SetScales with persistence on always goes through the queue: at its head
- * (everything before it admitted) it is checked, the table as it will be is
- * written to the state file on the threadpool while the call keeps the head,
- * and only then is it admitted: applied, or, when the file could not be
- * written, answered INTERNAL having changed nothing.
+ * SetScales (and SetSinks) with persistence on always goes through the queue,
+ * as a barrier: once everything queued before it is admitted it is checked,
+ * the table as it will be is written to the state file on the threadpool
+ * while the call stays queued (every later call waits for it), and only then
+ * is it admitted: applied, or, when the file could not be written, answered
+ * INTERNAL having changed nothing.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,10 +63,9 @@ typedef struct call_s call_t;
 struct call_s {
   uv_work_t work; /* the scan of a large step, or a SetScales's file write */
   attnd_engine_t *e;
-  attnd_list_t link; /* the admission queue */
+  attnd_qnode_t q; /* its place in the admission order (q.held: its scan or write runs) */
   int kind;
-  int scanning; /* the scan has not reported back: the call cannot be admitted yet */
-  int scanned;  /* scan holds the result (a large step) */
+  int scanned; /* scan holds the result (a large step) */
   uint64_t identity, conn, session;
   uint32_t len;           /* Truncate */
   uint32_t base;          /* OpenSession */
@@ -76,7 +79,7 @@ struct call_s {
   attnd_scales_req_t scales;
   attnd_sinks_req_t sinks;
   int answered;   /* refused before its admission (a SetScales's checks) */
-  int persisting; /* SetScales: its checks ran at the head of the queue */
+  int persisting; /* SetScales: its checks ran, everything queued before it admitted */
   int persist_rc; /* and how it went */
   uint8_t *persist_buf;
   size_t persist_len;
@@ -162,14 +165,14 @@ static void persist_done(uv_work_t *w, int status) {
   call_t *c = (call_t *)w;
   if (status != 0 && !c->persist_rc)
     c->persist_rc = ATTND_EINTERNAL;
-  c->scanning = 0;
+  attnd_order_unhold(c->e, &c->q);
   queue_pump(c->e);
 }
 
-/* A SetScales reaching the head of the queue: everything before it is
- * admitted, so its checks see the state it will change. When they pass, the
- * table as the call leaves it is written first (worker pool) while the call
- * holds the head, so no later call is admitted before the scales are on disk;
+/* A SetScales whose turn came: everything queued before it is admitted
+ * (a barrier), so its checks see the state it will change. When they pass,
+ * the table as the call leaves it is written first (worker pool) while the
+ * call stays queued, so no later call is admitted before the scales are on disk;
  * only then does the admission apply them. 1 when the call now waits for its
  * write; 0 when it can be admitted (or was answered: c->answered). */
 static int scales_start(attnd_engine_t *e, call_t *c) {
@@ -191,31 +194,28 @@ static int scales_start(attnd_engine_t *e, call_t *c) {
     c->persist_rc = rc;
     return 0;
   }
-  c->scanning = 1;
+  c->q.held = 1;
   if (uv_queue_work(e->loop, &c->work, persist_work, persist_done) != 0) {
-    c->scanning = 0; /* cannot happen with valid arguments: fail the call */
+    c->q.held = 0; /* cannot happen with valid arguments: fail the call */
     c->persist_rc = ATTND_EINTERNAL;
     return 0;
   }
   return 1;
 }
 
-/* Admits queued calls from the head while the head's scan is done. A call's
- * callback may make new calls: they queue behind what is left (or, with the
- * queue empty, run at once), and this loop admits them in turn. */
+/* Admits queued calls as they become ready (order.c). A call's callback may
+ * make new calls: they queue behind what they must follow (or, waiting for
+ * nothing, run at once), and this loop admits them in turn. */
 static void queue_pump(attnd_engine_t *e) {
   if (e->admitting)
     return;
   e->admitting = 1;
-  attnd_list_t *first;
-  while ((first = attnd_list_first(&e->queue)) != NULL) {
-    call_t *c = ATTND_LIST_DATA(first, call_t, link);
+  attnd_qnode_t *n;
+  while ((n = attnd_order_next(e)) != NULL) {
+    call_t *c = ATTND_LIST_DATA(n, call_t, q);
     if ((c->kind == CALL_SCALES || c->kind == CALL_SINKS) && !c->persisting && scales_start(e, c))
-      break;
-    if (c->scanning)
-      break;
-    attnd_list_remove(&c->link);
-    e->nqueued--;
+      continue; /* held until its file is written (persist_done) */
+    attnd_order_release(e, n);
     if (!c->answered)
       call_admit(e, c);
     free(c);
@@ -225,16 +225,20 @@ static void queue_pump(attnd_engine_t *e) {
   attnd_engine_maybe_finish_close(e);
 }
 
-static void call_push(attnd_engine_t *e, call_t *c) {
+/* Queues c behind what its keys say it must follow; takes the keys. */
+static void call_push(attnd_engine_t *e, call_t *c, attnd_qkeys_t *ks) {
   /* Pending until admitted: a close waits for queued calls and running scans. */
   e->pending++;
-  e->nqueued++;
-  attnd_list_insert_tail(&e->queue, &c->link);
+  attnd_order_push(e, &c->q, ks);
   queue_pump(e);
 }
 
+void (*attnd_queue_test_scan_hook)(const attnd_step_req_t *req) = NULL;
+
 static void scan_work(uv_work_t *w) {
   call_t *c = (call_t *)w;
+  if (attnd_queue_test_scan_hook)
+    attnd_queue_test_scan_hook(&c->step);
   attnd_scan_any(c->e, &c->step, &c->scan);
 }
 
@@ -242,28 +246,42 @@ static void scan_done(uv_work_t *w, int status) {
   call_t *c = (call_t *)w;
   /* status is UV_ECANCELED only after uv_cancel, which is never called. */
   (void)status;
-  c->scanning = 0;
+  attnd_order_unhold(c->e, &c->q);
   queue_pump(c->e);
 }
 
-/* 1 when earlier calls wait for admission: a new call queues behind them. */
-static int must_queue(attnd_engine_t *e) {
-  return !attnd_list_empty(&e->queue);
+/* The keys of a call of a connection naming one session (0: none). */
+static void keys_conn(attnd_qkeys_t *ks, uint64_t conn, uint64_t session, int named) {
+  attnd_qkeys_init(ks);
+  attnd_qkeys_add(ks, ATTND_QK_CONN, conn);
+  if (named)
+    attnd_qkeys_add(ks, ATTND_QK_SESSION, session);
 }
 
-int attnd_queue_busy(const attnd_engine_t *e) {
-  return !attnd_list_empty(&e->queue);
+/* 1 (and the keys freed) when the call may be admitted at once. */
+static int direct(attnd_engine_t *e, attnd_qkeys_t *ks) {
+  if (attnd_order_must_wait(e, ks))
+    return 0;
+  attnd_qkeys_free(ks);
+  return 1;
 }
 
-void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, const uint32_t *tokens,
-                               uint32_t ntokens, const uint8_t *salt, size_t saltlen,
-                               attnd_engine_done_cb cb, void *arg) {
-  attnd_engine_open_session_at(e, identity, 0, tokens, ntokens, salt, saltlen, cb, arg);
+void attnd_engine_open_session(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                               const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
+                               size_t saltlen, attnd_engine_done_cb cb, void *arg) {
+  attnd_engine_open_session_at(e, identity, conn, 0, tokens, ntokens, salt, saltlen, cb, arg);
 }
 
-void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint32_t base,
-                                  const uint32_t *tokens, uint32_t ntokens, const uint8_t *salt,
-                                  size_t saltlen, attnd_engine_done_cb cb, void *arg) {
+/* An OpenSession follows only its connection's queued calls. It may pass a
+ * queued step of another connection that would publish the prefix it looks
+ * up: that is the order in which the open arrived first (neither has been
+ * answered), so it finds what is published at its own admission; its blocks
+ * and its session count against the pool and the quotas at its admission,
+ * and the step's checks at the step's, as in that order. */
+void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                                  uint32_t base, const uint32_t *tokens, uint32_t ntokens,
+                                  const uint8_t *salt, size_t saltlen, attnd_engine_done_cb cb,
+                                  void *arg) {
   if (!check_open(e, cb, arg))
     return;
   if (base >= (uint32_t)e->cfg.max_context) {
@@ -276,58 +294,80 @@ void attnd_engine_open_session_at(attnd_engine_t *e, uint64_t identity, uint32_t
                         ATTND_PREFIX_MAX_SALT);
     return;
   }
-  if (!must_queue(e)) {
+  attnd_qkeys_t ks;
+  keys_conn(&ks, conn, 0, 0);
+  if (direct(e, &ks)) {
     attnd_session_open(e, identity, base, tokens, ntokens, salt, saltlen, cb, arg);
     return;
   }
   call_t *c = call_new(e, CALL_OPEN, identity, cb, arg);
+  c->conn = conn;
   c->base = base;
   c->tokens = tokens;
   c->ntokens = ntokens;
   c->saltlen = saltlen;
   if (saltlen)
     memcpy(c->salt, salt, saltlen);
-  call_push(e, c);
+  call_push(e, c, &ks);
 }
 
-void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t session,
-                                attnd_engine_done_cb cb, void *arg) {
+void attnd_engine_close_session(attnd_engine_t *e, uint64_t identity, uint64_t conn,
+                                uint64_t session, attnd_engine_done_cb cb, void *arg) {
   if (!check_open(e, cb, arg))
     return;
-  if (!must_queue(e)) {
+  attnd_qkeys_t ks;
+  keys_conn(&ks, conn, session, 1);
+  if (direct(e, &ks)) {
     attnd_session_close(e, identity, session, cb, arg);
     return;
   }
   call_t *c = call_new(e, CALL_CLOSE, identity, cb, arg);
+  c->conn = conn;
   c->session = session;
-  call_push(e, c);
+  call_push(e, c, &ks);
 }
 
-void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t session,
+/* The child's id is drawn at admission, so no queued call can name it: a
+ * Fork follows its connection and its parent only. */
+void attnd_engine_fork(attnd_engine_t *e, uint64_t identity, uint64_t conn, uint64_t session,
                        attnd_engine_done_cb cb, void *arg) {
   if (!check_open(e, cb, arg))
     return;
-  if (!must_queue(e)) {
+  attnd_qkeys_t ks;
+  keys_conn(&ks, conn, session, 1);
+  if (direct(e, &ks)) {
     attnd_session_fork(e, identity, session, cb, arg);
     return;
   }
   call_t *c = call_new(e, CALL_FORK, identity, cb, arg);
+  c->conn = conn;
   c->session = session;
-  call_push(e, c);
+  call_push(e, c, &ks);
 }
 
-void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t session, uint32_t len,
-                           attnd_engine_done_cb cb, void *arg) {
+void attnd_engine_truncate(attnd_engine_t *e, uint64_t identity, uint64_t conn, uint64_t session,
+                           uint32_t len, attnd_engine_done_cb cb, void *arg) {
   if (!check_open(e, cb, arg))
     return;
-  if (!must_queue(e)) {
+  attnd_qkeys_t ks;
+  keys_conn(&ks, conn, session, 1);
+  if (direct(e, &ks)) {
     attnd_session_truncate(e, identity, session, len, cb, arg);
     return;
   }
   call_t *c = call_new(e, CALL_TRUNCATE, identity, cb, arg);
+  c->conn = conn;
   c->session = session;
   c->len = len;
-  call_push(e, c);
+  call_push(e, c, &ks);
+}
+
+/* The sessions items name, as keys (ids as given: one that does not exist
+ * is refused at admission, and no queued call can create it, ids being
+ * drawn at random when a session is made). */
+static void keys_items(attnd_qkeys_t *ks, const attnd_item_t *items, uint32_t nitems) {
+  for (uint32_t i = 0; i < nitems; i++)
+    attnd_qkeys_add(ks, ATTND_QK_SESSION, items[i].session);
 }
 
 void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
@@ -335,7 +375,10 @@ void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
                        void *arg) {
   if (!check_open(e, cb, arg))
     return;
-  if (!must_queue(e)) {
+  attnd_qkeys_t ks;
+  keys_conn(&ks, conn, 0, 0);
+  keys_items(&ks, items, nitems);
+  if (direct(e, &ks)) {
     attnd_plan_admit(e, identity, conn, items, nitems, cb, arg);
     return;
   }
@@ -343,13 +386,17 @@ void attnd_engine_plan(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   c->conn = conn;
   c->items = items;
   c->nitems = nitems;
-  call_push(e, c);
+  call_push(e, c, &ks);
 }
 
 static size_t tensor_bytes(const attnd_tensor_t *t) {
   return t->present && t->data ? t->nbytes : 0;
 }
 
+/* A step follows its connection and the sessions it names: its inline
+ * items', or those of the live plan it names (plan ids are drawn at random
+ * when a Plan is admitted, so a plan that is not live now can only be one
+ * that ended: the step is refused at admission whatever it follows). */
 void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
                        const attnd_step_req_t *req, attnd_engine_done_cb cb, void *arg) {
   if (!check_open(e, cb, arg))
@@ -366,7 +413,16 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   /* Tensors in client device memory are checked on the device, and that
    * check is awaited off the loop thread like a large step's scan. */
   int large = bytes > e->offload_bytes || req->device;
-  if (!large && !must_queue(e)) {
+  attnd_qkeys_t ks;
+  keys_conn(&ks, conn, 0, 0);
+  if (req->plan) {
+    const attnd_plan_t *p = attnd_idmap_get(&e->plans, req->plan);
+    for (uint32_t i = 0; p && i < p->nitems; i++)
+      attnd_qkeys_add(&ks, ATTND_QK_SESSION, p->items[i].s->id);
+  } else {
+    keys_items(&ks, req->items, req->nitems);
+  }
+  if (!large && direct(e, &ks)) {
     attnd_step_admit(e, identity, conn, req, cb, arg, NULL);
     return;
   }
@@ -375,22 +431,31 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   c->step = *req;
   if (large) {
     c->scanned = 1;
-    c->scanning = 1;
+    c->q.held = 1;
     if (uv_queue_work(e->loop, &c->work, scan_work, scan_done) != 0) {
       /* Cannot happen with valid arguments; scan here rather than fail. */
       attnd_scan_any(e, &c->step, &c->scan);
-      c->scanning = 0;
+      c->q.held = 0;
     }
   }
-  call_push(e, c);
+  call_push(e, c, &ks);
+}
+
+/* SetScales and SetSinks change what every later step of the layer computes
+ * (and drop_cached_kv every session's KV there): barriers. */
+static void keys_barrier(attnd_qkeys_t *ks) {
+  attnd_qkeys_init(ks);
+  ks->barrier = 1;
 }
 
 void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
                              attnd_engine_done_cb cb, void *arg) {
   if (!check_open(e, cb, arg))
     return;
-  if (!must_queue(e) && !e->sc.path[0]) {
-    /* Nothing to persist: checked and applied at once. */
+  attnd_qkeys_t ks;
+  keys_barrier(&ks);
+  if (!e->sc.path[0] && direct(e, &ks)) {
+    /* Nothing queued, nothing to persist: checked and applied at once. */
     char msg[200];
     int rc = attnd_scales_check(e, req, msg, sizeof(msg));
     if (rc)
@@ -400,17 +465,19 @@ void attnd_engine_set_scales(attnd_engine_t *e, const attnd_scales_req_t *req,
     return;
   }
   /* Through the queue, even when it is empty: the file is written while the
-   * call holds the queue's head (scales_start). */
+   * call holds every later one back (scales_start). */
   call_t *c = call_new(e, CALL_SCALES, 0, cb, arg);
   c->scales = *req;
-  call_push(e, c);
+  call_push(e, c, &ks);
 }
 
 void attnd_engine_set_sinks(attnd_engine_t *e, const attnd_sinks_req_t *req,
                             attnd_engine_done_cb cb, void *arg) {
   if (!check_open(e, cb, arg))
     return;
-  if (!must_queue(e) && !e->sk.path[0]) {
+  attnd_qkeys_t ks;
+  keys_barrier(&ks);
+  if (!e->sk.path[0] && direct(e, &ks)) {
     char msg[200];
     int rc = attnd_sinks_check(e, req, msg, sizeof(msg));
     if (rc)
@@ -421,7 +488,7 @@ void attnd_engine_set_sinks(attnd_engine_t *e, const attnd_sinks_req_t *req,
   }
   call_t *c = call_new(e, CALL_SINKS, 0, cb, arg);
   c->sinks = *req;
-  call_push(e, c);
+  call_push(e, c, &ks);
 }
 
 void *attnd_engine_host_alloc(attnd_engine_t *e, size_t len, int *pinned) {
@@ -444,16 +511,26 @@ void attnd_engine_host_free(attnd_engine_t *e, void *p, int pinned) {
     free(p);
 }
 
+/* A connection's close ends its plans: it follows the connection's queued
+ * calls (a queued Plan of it is admitted first and then ends here, as it
+ * would have without the queue) and every queued call naming a session of
+ * one of its live plans (a step of another connection may name such a plan;
+ * docs/sessions.md §4). O(live plans), like the ending itself. */
 void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) {
-  /* Behind queued calls, so that a queued Plan of this connection is admitted
-   * first and then ends here, as it would have without the queue. */
-  if (!must_queue(e)) {
+  attnd_qkeys_t ks;
+  keys_conn(&ks, conn, 0, 0);
+  ATTND_LIST_FOREACH(it, nx, &e->plist) {
+    const attnd_plan_t *p = ATTND_LIST_DATA(it, attnd_plan_t, link);
+    for (uint32_t i = 0; p->conn == conn && i < p->nitems; i++)
+      attnd_qkeys_add(&ks, ATTND_QK_SESSION, p->items[i].s->id);
+  }
+  if (direct(e, &ks)) {
     attnd_plan_conn_closed(e, conn);
     return;
   }
   call_t *c = call_new(e, CALL_CONN_CLOSED, 0, NULL, NULL);
   c->conn = conn;
-  call_push(e, c);
+  call_push(e, c, &ks);
 }
 
 void attnd_engine_set_offload_bytes(attnd_engine_t *e, size_t bytes) {

@@ -300,12 +300,13 @@ void attnd_session_truncate(attnd_engine_t *e, uint64_t identity, uint64_t sessi
 
 void attnd_session_idle_cb(uv_timer_t *t) {
   attnd_engine_t *e = t->data;
-  if (attnd_queue_busy(e))
-    return; /* a queued call may name an idle session: sweep on a later tick */
   uint64_t now = attnd_engine_now_ms(e), idle = (uint64_t)e->cfg.session_idle_s * 1000;
   ATTND_LIST_FOREACH(it, nx, &e->slist) {
     attnd_session_t *s = ATTND_LIST_DATA(it, attnd_session_t, link);
-    if (now - s->last_used_ms >= idle)
+    /* A session a queued call names is in use: that call is admitted first
+     * (and refreshes it). Destroying s also ends its plan, whose other
+     * sessions a queued step of it names too, so those keep it as well. */
+    if (now - s->last_used_ms >= idle && !attnd_order_names_session(e, s->id))
       attnd_session_destroy(e, s);
   }
 }

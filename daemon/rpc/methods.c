@@ -29,7 +29,7 @@ static int decode_open(attnd_rpc_req_t *q, pb_istream_t *s) {
 static void call_open(attnd_rpc_req_t *q) {
   attnd_rpc_conn_t *c = q->conn;
   attnd_rpc_req_hold(q);
-  attnd_engine_open_session_at(c->rpc->engine, c->identity, q->m.open.base, q->open_tokens.v,
+  attnd_engine_open_session_at(c->rpc->engine, c->identity, c->id, q->m.open.base, q->open_tokens.v,
                                q->open_tokens.n, q->m.open.salt.bytes, q->m.open.salt.size,
                                attnd_rpc_done, q);
 }
@@ -47,7 +47,8 @@ static int decode_close(attnd_rpc_req_t *q, pb_istream_t *s) {
 static void call_close(attnd_rpc_req_t *q) {
   attnd_rpc_conn_t *c = q->conn;
   attnd_rpc_req_hold(q);
-  attnd_engine_close_session(c->rpc->engine, c->identity, q->m.close.session, attnd_rpc_done, q);
+  attnd_engine_close_session(c->rpc->engine, c->identity, c->id, q->m.close.session, attnd_rpc_done,
+                             q);
 }
 
 static int decode_fork(attnd_rpc_req_t *q, pb_istream_t *s) {
@@ -57,7 +58,7 @@ static int decode_fork(attnd_rpc_req_t *q, pb_istream_t *s) {
 static void call_fork(attnd_rpc_req_t *q) {
   attnd_rpc_conn_t *c = q->conn;
   attnd_rpc_req_hold(q);
-  attnd_engine_fork(c->rpc->engine, c->identity, q->m.fork.session, attnd_rpc_done, q);
+  attnd_engine_fork(c->rpc->engine, c->identity, c->id, q->m.fork.session, attnd_rpc_done, q);
 }
 
 static void encode_fork(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1_Response *resp) {
@@ -71,8 +72,8 @@ static int decode_truncate(attnd_rpc_req_t *q, pb_istream_t *s) {
 static void call_truncate(attnd_rpc_req_t *q) {
   attnd_rpc_conn_t *c = q->conn;
   attnd_rpc_req_hold(q);
-  attnd_engine_truncate(c->rpc->engine, c->identity, q->m.truncate.session, q->m.truncate.len,
-                        attnd_rpc_done, q);
+  attnd_engine_truncate(c->rpc->engine, c->identity, c->id, q->m.truncate.session,
+                        q->m.truncate.len, attnd_rpc_done, q);
 }
 
 static void encode_empty(attnd_rpc_req_t *q, const attnd_result_t *res, attnd_v1_Response *resp) {}

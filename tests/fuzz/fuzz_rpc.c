@@ -24,7 +24,12 @@
  * ATTND_FUZZ_SINKS=1 starts the daemon with attention sinks (steps then need
  * SetSinks first; the set_sinks seed does it). Layer 0 always slides by 5
  * keys and scores are soft-capped at 30 (docs/numerics.md §5);
- * ATTND_FUZZ_VERBOSE=1 prints every response's status (to check seeds). */
+ * ATTND_FUZZ_VERBOSE=1 prints every response's status (to check seeds);
+ * ATTND_FUZZ_CONNS=2 hands the frames to two connections of the same
+ * identity in turn (even frames to the first), so calls of one connection
+ * pass another's queued ones (docs/sessions.md §5). Steps of more than
+ * OFFLOAD bytes are scanned on the worker pool and queued, as 1 MiB ones are
+ * in the daemon. */
 #include <pb_decode.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -73,6 +78,21 @@ static struct {
 } F;
 
 static int verbose; /* ATTND_FUZZ_VERBOSE=1: print each response's status */
+static int nconns;  /* ATTND_FUZZ_CONNS: 1 or 2 */
+enum { OFFLOAD = 2048 };
+
+/* The connections of one input and how many frames went to them. */
+static struct {
+  fconn_t c[2];
+  uint64_t frames;
+} P;
+
+static int any_ended(void) {
+  for (int i = 0; i < nconns; i++)
+    if (P.c[i].close_seen || P.c[i].rc.ending)
+      return 1;
+  return 0;
+}
 
 static void die(const char *what, const char *detail) {
   fprintf(stderr, "fuzz_rpc: %s%s%s\n", what, detail ? ": " : "", detail ? detail : "");
@@ -115,19 +135,21 @@ static void drain(void) {
 }
 
 static int frame_cb(void *arg, uint8_t *frame, size_t len) {
-  fconn_t *c = arg;
-  /* As the transport does: once the connection ends, nothing more is read. */
-  if (c->close_seen || c->rc.ending) {
+  (void)arg;
+  /* As the transport does: once a connection ends, nothing more is read
+   * (from either: the input is one stream). */
+  if (any_ended()) {
     free(frame);
     return -1;
   }
+  fconn_t *c = &P.c[P.frames++ % (uint64_t)nconns];
   c->handed++;
   attnd_rpc_handle_frame(&c->rc, frame, len);
   /* Let a few requests pipeline, as a client would, but keep the memory a
    * single input can pin bounded. */
   if (c->rc.pending >= 8)
     drain();
-  return c->close_seen || c->rc.ending ? -1 : 0;
+  return any_ended() ? -1 : 0;
 }
 
 static void rm_state(void) {
@@ -148,6 +170,8 @@ static void setup(void) {
     die("uv_loop_init", NULL);
   const char *kv = getenv("ATTND_FUZZ_KV_CACHE");
   verbose = getenv("ATTND_FUZZ_VERBOSE") != NULL;
+  const char *nc = getenv("ATTND_FUZZ_CONNS");
+  nconns = nc && nc[0] == '2' ? 2 : 1;
   char sd[96];
   snprintf(sd, sizeof(sd), "--state-dir=%s", F.state_dir);
   char kvarg[64];
@@ -192,6 +216,7 @@ static void setup(void) {
     die("engine init", err);
   if (attnd_rpc_init(&F.rpc, &F.loop, F.engine, &F.cfg, err, sizeof(err)) != 0)
     die("rpc init", err);
+  attnd_engine_set_offload_bytes(F.engine, OFFLOAD);
   F.ready = 1;
 }
 
@@ -204,7 +229,7 @@ static void reset_and_check(void) {
   while ((n = attnd_engine_list_sessions(F.engine, FUZZ_IDENTITY, ss, 64)) > 0) {
     uint32_t m = n < 64 ? n : 64;
     for (uint32_t i = 0; i < m; i++)
-      attnd_engine_close_session(F.engine, FUZZ_IDENTITY, ss[i].session, closed_cb, NULL);
+      attnd_engine_close_session(F.engine, FUZZ_IDENTITY, 1, ss[i].session, closed_cb, NULL);
     /* Closes may wait for steps still running on the backend. */
     for (int spins = 0; attnd_engine_list_sessions(F.engine, FUZZ_IDENTITY, ss, 1) == n; spins++) {
       if (spins > 100000)
@@ -233,23 +258,27 @@ static void reset_and_check(void) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   setup();
   next_id = 0;
-  fconn_t c;
-  memset(&c, 0, sizeof(c));
-  attnd_rpc_conn_init(&c.rc, &F.rpc, FUZZ_IDENTITY, 0);
-  c.rc.send = f_send;
-  c.rc.progress = f_progress;
-  c.rc.released = f_released;
+  memset(&P, 0, sizeof(P));
+  for (int i = 0; i < nconns; i++) {
+    fconn_t *c = &P.c[i];
+    attnd_rpc_conn_init(&c->rc, &F.rpc, FUZZ_IDENTITY, 0);
+    c->rc.send = f_send;
+    c->rc.progress = f_progress;
+    c->rc.released = f_released;
+  }
 
   attnd_frame_reader_t fr;
   attnd_frame_reader_init(&fr, F.cfg.max_frame);
-  int rc = attnd_frame_reader_feed(&fr, data, size, frame_cb, &c);
-  int ended = c.close_seen || c.rc.ending;
+  int rc = attnd_frame_reader_feed(&fr, data, size, frame_cb, NULL);
+  int ended = any_ended();
+  /* The framing error is answered too, on the connection the frame was for. */
+  fconn_t *next = &P.c[P.frames % (uint64_t)nconns];
   if (rc == ATTND_ENOSPC && !ended) {
-    c.handed++; /* the framing error is answered too */
-    attnd_rpc_frame_error(&c.rc, ATTND_ENOSPC, "frame too large");
+    next->handed++;
+    attnd_rpc_frame_error(&next->rc, ATTND_ENOSPC, "frame too large");
   } else if (rc == ATTND_EINVAL && !ended) {
-    c.handed++;
-    attnd_rpc_frame_error(&c.rc, ATTND_EINVAL, "zero-length frame");
+    next->handed++;
+    attnd_rpc_frame_error(&next->rc, ATTND_EINVAL, "zero-length frame");
   } else if (rc < 0 && rc != -1) {
     die("frame reader", attnd_strerror(rc));
   }
@@ -257,17 +286,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
   /* Every frame handed over is answered, close or not. */
   drain();
-  if (c.answered != c.handed) {
-    fprintf(stderr, "fuzz_rpc: %llu requests, %llu responses\n", (unsigned long long)c.handed,
-            (unsigned long long)c.answered);
-    abort();
+  for (int i = 0; i < nconns; i++) {
+    fconn_t *c = &P.c[i];
+    if (c->answered != c->handed) {
+      fprintf(stderr, "fuzz_rpc: connection %d: %llu requests, %llu responses\n", i,
+              (unsigned long long)c->handed, (unsigned long long)c->answered);
+      abort();
+    }
+    if (c->rc.ending && !c->close_seen)
+      die("an ended connection was never told to close", NULL);
   }
-  if (c.rc.ending && !c.close_seen)
-    die("an ended connection was never told to close", NULL);
-  /* The transport goes away: in-flight results are dropped, plans end. */
-  if (!attnd_rpc_conn_closed(&c.rc)) {
-    while (!c.released)
-      uv_run(&F.loop, UV_RUN_ONCE);
+  /* The transports go away: in-flight results are dropped, plans end. */
+  for (int i = 0; i < nconns; i++) {
+    fconn_t *c = &P.c[i];
+    if (!attnd_rpc_conn_closed(&c->rc)) {
+      while (!c->released)
+        uv_run(&F.loop, UV_RUN_ONCE);
+    }
   }
   drain();
   reset_and_check();
