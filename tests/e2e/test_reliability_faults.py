@@ -166,9 +166,10 @@ class SigtermUnderLoadTest(unittest.TestCase):
             codes = [c for _, a in stats for (c, _) in a.values()]
             # A request still in the socket buffer when the drained daemon closes
             # the connection is never read (the client sees EOF, as for one sent
-            # just after the close); anything sent 100 ms before the signal was
-            # read and must be answered.
-            lost = [(i, t) for s, a in stats for i, t in s.items() if t < sig_at[0] - 0.1 and i not in a]
+            # just after the close); anything sent 500 ms before the signal was
+            # read and must be answered (100 ms was too short on a loaded 2-core
+            # machine: six pipelining clients and the daemon share the cores).
+            lost = [(i, t) for s, a in stats for i, t in s.items() if t < sig_at[0] - 0.5 and i not in a]
             unread = sum(1 for s, a in stats for i, t in s.items() if t < sig_at[0] and i not in a)
             # In flight at the signal: sent before it, answered after it.
             inflight = [a[i][0] for s, a in stats for i, t in s.items()
