@@ -201,12 +201,18 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   const int jfirst = klo & ~(KS - 1);
   const int nchunks = khi >= jfirst ? (khi - jfirst) / KS + 1 : 0;
   const int cnt = nchunks > warp ? (nchunks - 1 - warp) / NW + 1 : 0;
+  DecCopy<C> cpy;
+  dec_copy_init<C>(P, kvh, lane, cpy);
+  const uint32_t sStages = (uint32_t)__cvta_generic_to_shared(myStages);
+  auto chunk_key = [&](int n) { return jfirst + (warp + NW * n) * KS; };
 #pragma unroll
   for (int n = 0; n < NS - 1; n++) {
     if (n < cnt && !no_load)
-      dec_issue<C>(P, bt, kvh, jfirst + (warp + NW * n) * KS, khi, myStages + n * C::kStage, lane);
+      dec_issue<C>(P, cpy, bt[chunk_key(n) >> cpy.lbs], chunk_key(n), khi, sStages + n * C::kStage, lane);
     cp_async_commit();
   }
+  // The block of the next refill, read a chunk ahead.
+  int32_t nblk = NS - 1 < cnt ? bt[chunk_key(NS - 1) >> cpy.lbs] : 0;
 
   // While the first chunks are on their way: the static scales, and q.
   DecPiece pc;
@@ -272,9 +278,19 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   pc.lo_pass = qsplit && !pc.qlo_cols;
   for (int idx = tid; idx < QV * D; idx += C::NTH) {
     const int r = idx / D, d = idx % D;
-    const float x = q_at(idx) * qscale;
-    const KT hi = KA::from_f(x);
-    const KT lo = KA::from_f(x - KA::to_f(hi));
+    KT hi, lo;
+    if constexpr (C::kBf16Split) {
+      // The tiled kernel's bf16 halves, scaled by a power of two into fp16 (exact).
+      const float x = q_at(idx);
+      const float hb = __bfloat162float(__float2bfloat16_rn(x));
+      const float lb = __bfloat162float(__float2bfloat16_rn(x - hb));
+      hi = KA::from_f(hb * qscale);
+      lo = KA::from_f(lb * qscale);
+    } else {
+      const float x = q_at(idx) * qscale;
+      hi = KA::from_f(x);
+      lo = KA::from_f(x - KA::to_f(hi));
+    }
     const int col = qcol<C>(d);
     if constexpr (C::TR) {
       sQ[r * LD + col] = hi;
@@ -333,23 +349,37 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     pc.zc[i] = C::K::kI4 && P.cap2 > 0.f ? sC[v] : 0.f;
   }
   const int pmin = it.start, pmax = it.start + it.n - 1;
+  // Stage of chunk n, counted without a division (NS is 3 to 6).
+  int stage = 0;
   for (int n = 0; n < cnt; n++) {
     // The stage of chunk n - 1 is free (the warp passed its end): refill it.
-    if (n + NS - 1 < cnt && !no_load)
-      dec_issue<C>(P, bt, kvh, jfirst + (warp + NW * (n + NS - 1)) * KS, khi,
-                   myStages + ((n + NS - 1) % NS) * C::kStage, lane);
+    if (n + NS - 1 < cnt) {
+      const int refill = stage == 0 ? NS - 1 : stage - 1;
+      if (!no_load)
+        dec_issue<C>(P, cpy, nblk, chunk_key(n + NS - 1), khi, sStages + refill * C::kStage, lane);
+      if (n + NS < cnt)
+        nblk = bt[chunk_key(n + NS) >> cpy.lbs];
+    }
     cp_async_commit();
     cp_async_wait<NS - 1>();
     __syncwarp();
+    const uint8_t *sb = myStages + stage * C::kStage;
+    stage = stage == NS - 1 ? 0 : stage + 1;
     if (no_math)
       continue;
-    const uint8_t *sb = myStages + (n % NS) * C::kStage;
     const int j0 = jfirst + (warp + NW * n) * KS;
     const bool need_mask = tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS, P.window);
-    if constexpr (C::TR)
-      dec_chunk_tr<C>(P, pc, sb, qb, sQ, sP, j0, need_mask, acc);
-    else
-      dec_chunk_rows<C>(P, pc, sb, sQ, sQlo, j0, need_mask, acc);
+    if constexpr (C::TR) {
+      if (need_mask)
+        dec_chunk_tr<C, true>(P, pc, sb, qb, sQ, sP, j0, acc);
+      else
+        dec_chunk_tr<C, false>(P, pc, sb, qb, sQ, sP, j0, acc);
+    } else {
+      if (need_mask)
+        dec_chunk_rows<C, true>(P, pc, sb, sQ, sQlo, j0, acc);
+      else
+        dec_chunk_rows<C, false>(P, pc, sb, sQ, sQlo, j0, acc);
+    }
     __syncwarp(); // the stage is refilled next iteration
   }
   cp_async_wait<0>();
