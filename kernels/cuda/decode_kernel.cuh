@@ -205,14 +205,23 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   dec_copy_init<C>(P, kvh, lane, cpy);
   const uint32_t sStages = (uint32_t)__cvta_generic_to_shared(myStages);
   auto chunk_key = [&](int n) { return jfirst + (warp + NW * n) * KS; };
+  // Timing A/B only (launch option debug, results exact): bit 4 the copy as
+  // main had it (dec_issue_ref), bit 8 one chunk in flight ahead of the one
+  // being computed instead of NS - 1.
+  const bool ref_copy = P.debug & 4;
+  const int la = (P.debug & 8) ? 1 : NS - 1; // chunks issued ahead
 #pragma unroll
   for (int n = 0; n < NS - 1; n++) {
-    if (n < cnt && !no_load)
-      dec_issue<C>(P, cpy, bt[chunk_key(n) >> cpy.lbs], chunk_key(n), khi, sStages + n * C::kStage, lane);
+    if (n < cnt && n < la && !no_load) {
+      if (ref_copy)
+        dec_issue_ref<C>(P, bt, kvh, chunk_key(n), khi, myStages + n * C::kStage, lane);
+      else
+        dec_issue<C>(P, cpy, bt[chunk_key(n) >> cpy.lbs], chunk_key(n), khi, sStages + n * C::kStage, lane);
+    }
     cp_async_commit();
   }
   // The block of the next refill, read a chunk ahead.
-  int32_t nblk = NS - 1 < cnt ? bt[chunk_key(NS - 1) >> cpy.lbs] : 0;
+  int32_t nblk = la < cnt ? bt[chunk_key(la) >> cpy.lbs] : 0;
 
   // While the first chunks are on their way: the static scales, and q.
   DecPiece pc;
@@ -353,15 +362,22 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   int stage = 0;
   for (int n = 0; n < cnt; n++) {
     // The stage of chunk n - 1 is free (the warp passed its end): refill it.
-    if (n + NS - 1 < cnt) {
-      const int refill = stage == 0 ? NS - 1 : stage - 1;
-      if (!no_load)
-        dec_issue<C>(P, cpy, nblk, chunk_key(n + NS - 1), khi, sStages + refill * C::kStage, lane);
-      if (n + NS < cnt)
-        nblk = bt[chunk_key(n + NS) >> cpy.lbs];
+    if (n + la < cnt) {
+      const int refill = stage + la >= NS ? stage + la - NS : stage + la; // stage of chunk n + la
+      if (no_load) {
+      } else if (ref_copy) {
+        dec_issue_ref<C>(P, bt, kvh, chunk_key(n + la), khi, myStages + refill * C::kStage, lane);
+      } else {
+        dec_issue<C>(P, cpy, nblk, chunk_key(n + la), khi, sStages + refill * C::kStage, lane);
+        if (n + la + 1 < cnt)
+          nblk = bt[chunk_key(n + la + 1) >> cpy.lbs];
+      }
     }
     cp_async_commit();
-    cp_async_wait<NS - 1>();
+    if (la == NS - 1)
+      cp_async_wait<NS - 1>();
+    else
+      cp_async_wait<1>();
     __syncwarp();
     const uint8_t *sb = myStages + stage * C::kStage;
     stage = stage == NS - 1 ? 0 : stage + 1;

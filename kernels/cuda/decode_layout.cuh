@@ -311,4 +311,36 @@ __device__ __forceinline__ void dec_issue(const DecodeParams &P, const DecCopy<C
   }
 }
 
+// The chunk copy as main had it before decode-perf (launch option debug bit 4,
+// timing A/B only, results exact): the block-table entry read at the refill
+// and each copy's addresses computed from its row. Its loop spread the 8
+// copies of an 8-bit chunk over ~110 instructions, and the light-math types
+// ran faster with it (bench/RESULTS.md, decode-perf round).
+template <class C>
+__device__ __forceinline__ void dec_issue_ref(const DecodeParams &P, const int32_t *bt, int kvh, int j0, int jmax,
+                                              uint8_t *sb, int lane) {
+  constexpr int KS = C::KS, RB = C::RB, CPR = C::CPR;
+  const int nval = min(KS, jmax - j0 + 1);
+  const size_t blk = (size_t)bt[j0 >> (__ffs(P.bs) - 1)] * P.block_bytes;
+  const int rib = kvh * P.bs + (j0 & (P.bs - 1));
+  const size_t v_region = (size_t)P.kv_heads * P.bs * RB;
+  const uint8_t *kp = P.cache + blk + (size_t)rib * RB;
+#pragma unroll
+  for (int i = 0; i < (KS * CPR) / 32; i++) {
+    const int x = lane + 32 * i, r = x / CPR, cc = x % CPR;
+    const bool ok = r < nval;
+    const int dst = r * RB + ((cc ^ dec_swz<CPR>(r)) << 4);
+    cp_async16(sb + dst, ok ? kp + (size_t)r * RB + cc * 16 : P.cache, ok);
+    cp_async16(sb + KS * RB + dst, ok ? kp + v_region + (size_t)r * RB + cc * 16 : P.cache, ok);
+  }
+  if constexpr (C::K::kDyn) {
+    if (lane < 8) {
+      const int which = lane >> 2, k4 = (lane & 3) * 4;
+      const int nb = max(0, min(4, nval - k4)) * 4;
+      const uint8_t *src = P.cache + blk + 2 * v_region + ((size_t)which * P.kv_heads * P.bs + rib + k4) * 4;
+      cp_async16n(sb + 2 * KS * RB + which * KS * 4 + k4 * 4, nb ? src : P.cache, nb);
+    }
+  }
+}
+
 } // namespace attnd
