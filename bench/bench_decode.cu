@@ -76,9 +76,16 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   const Timed r = time_attend(S, &refc), l = time_attend(S, &ahead1);
   const float wus = 1e3f * median_ms([&] { CKA(attnd_cuda_write(&S.s, &S.b, nullptr)); }, 3, 20);
   const double gbps = S.cache_bytes / (a.us * 1e-6) / 1e9;
+  // ATTND_BENCH_DEC_L2PF set: also debug 16 (whole blocks prefetched into L2),
+  // a bulk-copy-engine path the tests do not run: its own process in a round.
+  char l2pf[96] = "";
+  if (getenv("ATTND_BENCH_DEC_L2PF")) {
+    const attnd_cuda_opts_t pf = {16, 0, 0, 0};
+    snprintf(l2pf, sizeof l2pf, " | l2pf %7.1f", time_attend(S, &pf).us);
+  }
   printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | ref-copy %7.1f "
-         "| ahead1 %7.1f\n",
-         nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us);
+         "| ahead1 %7.1f%s\n",
+         nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, l2pf);
   char extra[256] = "";
   if (diag) {
     const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0};

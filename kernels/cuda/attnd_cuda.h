@@ -50,7 +50,8 @@ typedef struct {
                    * loads, 2 skip the math of the attention kernels; results
                    * exact: decode kernel load-path variants, 4 its chunk copy
                    * with the block-table read at each refill (the earlier
-                   * copy), 8 one chunk in flight ahead instead of all stages */
+                   * copy), 8 one chunk in flight ahead instead of all stages,
+                   * 16 whole blocks prefetched into L2 a block ahead */
   int split;      /* decode batches: 0 choose (kernels/cuda/README.md), 1 flat
                    * split (every CTA the same number of key chunks), 2 per-item
                    * split */

@@ -207,8 +207,10 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   auto chunk_key = [&](int n) { return jfirst + (warp + NW * n) * KS; };
   // Timing A/B only (launch option debug, results exact): bit 4 the copy as
   // main had it (dec_issue_ref), bit 8 one chunk in flight ahead of the one
-  // being computed instead of NS - 1.
+  // being computed instead of NS - 1, bit 16 whole blocks into L2, the next
+  // block at the refill that starts one (dec_prefetch_l2).
   const bool ref_copy = P.debug & 4;
+  const bool pf_blocks = (P.debug & 16) && kvh == 0;
   const int la = (P.debug & 8) ? 1 : NS - 1; // chunks issued ahead
 #pragma unroll
   for (int n = 0; n < NS - 1; n++) {
@@ -371,6 +373,15 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
         dec_issue<C>(P, cpy, nblk, chunk_key(n + la), khi, sStages + refill * C::kStage, lane);
         if (n + la + 1 < cnt)
           nblk = bt[chunk_key(n + la + 1) >> cpy.lbs];
+      }
+      const int jr = chunk_key(n + la);
+      if (pf_blocks && lane == 0 && (jr & ((1 << cpy.lbs) - 1)) == 0) {
+        const int jp = jr + max(P.bs, NW * KS); // the next block (this chunk's block starts at jr)
+        if (jp <= khi) {
+          const uint8_t *b = P.cache + (size_t)bt[jp >> cpy.lbs] * P.block_bytes;
+          dec_prefetch_l2(b, (uint32_t)cpy.vreg);
+          dec_prefetch_l2(b + cpy.vreg, (uint32_t)cpy.vreg);
+        }
       }
     }
     cp_async_commit();

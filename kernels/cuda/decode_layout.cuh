@@ -311,6 +311,19 @@ __device__ __forceinline__ void dec_issue(const DecodeParams &P, const DecCopy<C
   }
 }
 
+// Asks the copy engine to bring n bytes at p into L2 (sm_90; a hint, no data
+// moves to the SM). Launch option debug bit 16 (timing A/B): the CTA of kv
+// head 0 prefetches whole blocks, every kv head's K and V rows, so that the
+// CTAs of one item find them in L2 and DRAM sees one long read per block.
+__device__ __forceinline__ void dec_prefetch_l2(const void *p, uint32_t n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(n) : "memory");
+#else
+  (void)p;
+  (void)n;
+#endif
+}
+
 // The chunk copy as main had it before decode-perf (launch option debug bit 4,
 // timing A/B only, results exact): the block-table entry read at the refill
 // and each copy's addresses computed from its row. Its loop spread the 8

@@ -45,7 +45,7 @@ struct DecodeParams {
   const float *sinks;  // [q_heads] or NULL (items with ATTND_ITEM_SINK)
   int flat, nctas;     // flat split over nctas CTAs
   int nsplit, split_keys; // per-item split
-  int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math; 4, 8 load-path variants
+  int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math; 4, 8, 16 load-path variants
 };
 
 // Offsets in the workspace of the flat split.
