@@ -69,11 +69,23 @@ double pct(double gbps, double roof) { return 100.0 * gbps / roof; }
 // One decode row at the default options, with variants of the same launch.
 double decode_row(const char *nm, Setup &S, double copy, double read, bool diag) {
   const attnd_cuda_opts_t dflt = {}, item = {0, 2, 0, 0}, nopdl = {0, 0, 0, 1};
+  // The decode kernel's load-path variants (attnd_cuda_opts_t.debug 4 and 8,
+  // results exact): the chunk copy as main had it; one chunk in flight ahead.
+  const attnd_cuda_opts_t refc = {4, 0, 0, 0}, ahead1 = {8, 0, 0, 0};
   const Timed a = time_attend(S, &dflt), b = time_attend(S, &item), c = time_attend(S, &nopdl);
+  const Timed r = time_attend(S, &refc), l = time_attend(S, &ahead1);
   const float wus = 1e3f * median_ms([&] { CKA(attnd_cuda_write(&S.s, &S.b, nullptr)); }, 3, 20);
   const double gbps = S.cache_bytes / (a.us * 1e-6) / 1e9;
-  printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f\n", nm, a.us, gbps,
-         pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus);
+  // ATTND_BENCH_DEC_L2PF set: also debug 16 (whole blocks prefetched into L2),
+  // a bulk-copy-engine path the tests do not run: its own process in a round.
+  char l2pf[96] = "";
+  if (getenv("ATTND_BENCH_DEC_L2PF")) {
+    const attnd_cuda_opts_t pf = {16, 0, 0, 0};
+    snprintf(l2pf, sizeof l2pf, " | l2pf %7.1f", time_attend(S, &pf).us);
+  }
+  printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | ref-copy %7.1f "
+         "| ahead1 %7.1f%s\n",
+         nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, l2pf);
   char extra[256] = "";
   if (diag) {
     const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0};
@@ -83,8 +95,10 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   }
   jrow(nm,
        "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "
-       "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"bytes\": %.0f%s",
-       a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, S.cache_bytes, extra);
+       "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"us_ref_copy\": %.1f, \"us_ahead1\": %.1f, "
+       "\"bytes\": %.0f%s",
+       a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, S.cache_bytes,
+       extra);
   return pct(gbps, read);
 }
 

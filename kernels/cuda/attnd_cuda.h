@@ -47,7 +47,11 @@ const char *attnd_cuda_last_error(void);
  * defaults, all zero). The kernels read no environment. */
 typedef struct {
   int debug;      /* timing experiments only, results wrong: 1 skip the K/V
-                   * loads, 2 skip the math of the attention kernels */
+                   * loads, 2 skip the math of the attention kernels; results
+                   * exact: decode kernel load-path variants, 4 its chunk copy
+                   * with the block-table read at each refill (the earlier
+                   * copy), 8 one chunk in flight ahead instead of all stages,
+                   * 16 whole blocks prefetched into L2 a block ahead */
   int split;      /* decode batches: 0 choose (kernels/cuda/README.md), 1 flat
                    * split (every CTA the same number of key chunks), 2 per-item
                    * split */

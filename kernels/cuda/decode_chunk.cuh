@@ -45,20 +45,14 @@ template <class C> __device__ __forceinline__ float dec_sigma(DecAcc<C> &acc, fl
   return beta;
 }
 
-// One chunk in the transposed form: S^T = K q^T, online softmax, O^T += V^T P^T.
-template <class C>
-__device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPiece &pc, const uint8_t *sb,
-                                             const uint32_t (*qb)[2], const typename Act<C::KDT>::T *sQ,
-                                             typename Act<C::PDT>::T *sP, int j0, bool need_mask,
-                                             DecAcc<C> &acc) {
-  using PA = Act<C::PDT>;
-  constexpr int KS = C::KS, LD = C::LD;
+// S^T = K q^T of one chunk into two accumulators (transposed form). LO: a
+// second product with the lo halves of q (rows 8..15 of sQ); a template
+// argument so that the one-product path issues no predicated-off HMMA.
+template <class C, bool LO>
+__device__ __forceinline__ void dec_scores_tr(const uint8_t *sK, const uint32_t (*qb)[2],
+                                              const typename Act<C::KDT>::T *sQ, float *sa, float *sb2) {
+  constexpr int LD = C::LD;
   const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
-  const uint8_t *sK = sb, *sV = sb + KS * C::RB;
-  const float *sKs = reinterpret_cast<const float *>(sb + 2 * KS * C::RB), *sVsc = sKs + KS;
-
-  // S^T: 16 keys x 8 vectors; two accumulators halve the dependency chain.
-  float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int p = 0; p < C::NKP; p++) {
     uint32_t w0[C::KPW], w1[C::KPW];
@@ -68,7 +62,7 @@ __device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPie
     for (int u = 0; u < C::TPP; u += 2) {
       const int t = p * C::TPP + u;
       uint32_t ql[4];
-      if (pc.lo_pass)
+      if constexpr (LO)
         ldsm_x4(ql[0], ql[1], ql[2], ql[3],
                 sQ + (8 + (lane & 7)) * LD + t * 16 + ((lane >> 3) & 1) * 8 + (lane >> 4) * 16);
 #pragma unroll
@@ -76,20 +70,52 @@ __device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPie
         const uint32_t a[4] = {k_op<C>(w0, u + h, 0), k_op<C>(w1, u + h, 0), k_op<C>(w0, u + h, 1),
                                k_op<C>(w1, u + h, 1)};
         mma16816<C::KDT>(h ? sb2 : sa, a, qb[t + h][0], qb[t + h][1]);
-        if (pc.lo_pass)
+        if constexpr (LO)
           mma16816<C::KDT>(h ? sb2 : sa, a, ql[2 * h], ql[2 * h + 1]);
       }
     }
   }
+}
+
+// One chunk in the transposed form: S^T = K q^T, online softmax, O^T += V^T P^T.
+// MASK: the chunk needs the per-element mask (tile_needs_mask); a template
+// argument, so that the unmasked chunks (nearly all) carry none of its code
+// (~60 instructions of the mask's address and range arithmetic were left in
+// the unmasked path of a runtime flag).
+template <class C, bool MASK>
+__device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPiece &pc, const uint8_t *sb,
+                                             const uint32_t (*qb)[2], const typename Act<C::KDT>::T *sQ,
+                                             typename Act<C::PDT>::T *sP, int j0, DecAcc<C> &acc) {
+  using PA = Act<C::PDT>;
+  constexpr int KS = C::KS;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
+  const uint8_t *sK = sb, *sV = sb + KS * C::RB;
+  const float *sKs = reinterpret_cast<const float *>(sb + 2 * KS * C::RB), *sVsc = sKs + KS;
+
+  // S^T: 16 keys x 8 vectors; two accumulators halve the dependency chain.
+  float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb2[4] = {0.f, 0.f, 0.f, 0.f};
+  if constexpr (C::K::kStatic) {
+    if (pc.lo_pass)
+      dec_scores_tr<C, true>(sK, qb, sQ, sa, sb2);
+    else
+      dec_scores_tr<C, false>(sK, qb, sQ, sa, sb2);
+  } else {
+    dec_scores_tr<C, false>(sK, qb, sQ, sa, sb2);
+  }
   // Element e: key g + 8 (e >> 1), vector 2c + (e & 1). Soft-capping: a
   // branch per chunk, uniform over the CTA.
 #pragma unroll
+  for (int e = 0; e < 4; e++)
+    sa[e] += sb2[e];
+  if (C::K::kStatic && pc.qlo_cols) {
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+      sa[e] += __shfl_xor_sync(0xffffffffu, sa[e], 2); // lane c ^ 2 holds the other half
+  }
+#pragma unroll
   for (int e = 0; e < 4; e++) {
     const int key = g + 8 * (e >> 1);
-    float x = sa[e] + sb2[e];
-    if (pc.qlo_cols)
-      x += __shfl_xor_sync(0xffffffffu, x, 2); // lane c ^ 2 holds the other half
-    x *= pc.sl2;
+    float x = sa[e] * pc.sl2;
     if constexpr (C::K::kDyn)
       x *= sKs[key];
     sa[e] = x;
@@ -104,7 +130,7 @@ __device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPie
   for (int e = 0; e < 4; e++) {
     const int key = g + 8 * (e >> 1);
     float x = sa[e];
-    if (need_mask)
+    if constexpr (MASK)
       x = dec_mask(P, pc, x, j0 + key, pc.prow[e & 1]);
     sa[e] = x;
     mx[e & 1] = fmaxf(mx[e & 1], x);
@@ -176,12 +202,11 @@ __device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPie
   }
 }
 
-// One chunk in the rows form: S = q K^T, online softmax, O += P V.
-template <class C>
+// One chunk in the rows form: S = q K^T, online softmax, O += P V (MASK as above).
+template <class C, bool MASK>
 __device__ __forceinline__ void dec_chunk_rows(const DecodeParams &P, const DecPiece &pc, const uint8_t *sb,
                                                const typename Act<C::KDT>::T *sQ,
-                                               const typename Act<C::KDT>::T *sQlo, int j0, bool need_mask,
-                                               DecAcc<C> &acc) {
+                                               const typename Act<C::KDT>::T *sQlo, int j0, DecAcc<C> &acc) {
   using PA = Act<C::PDT>;
   constexpr int KS = C::KS, LD = C::LD;
   const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
@@ -239,7 +264,7 @@ __device__ __forceinline__ void dec_chunk_rows(const DecodeParams &P, const DecP
     for (int e = 0; e < 4; e++) {
       const int key = nt * 8 + 2 * c4 + (e & 1);
       float x = s[nt][e];
-      if (need_mask)
+      if constexpr (MASK)
         x = dec_mask(P, pc, x, j0 + key, pc.prow[e >> 1]);
       s[nt][e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);

@@ -204,12 +204,29 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   const int jfirst = klo & ~(KS - 1);
   const int nchunks = khi >= jfirst ? (khi - jfirst) / KS + 1 : 0;
   const int cnt = nchunks > warp ? (nchunks - 1 - warp) / NW + 1 : 0;
+  DecCopy<C> cpy;
+  dec_copy_init<C>(P, kvh, lane, cpy);
+  const uint32_t sStages = (uint32_t)__cvta_generic_to_shared(myStages);
+  auto chunk_key = [&](int n) { return jfirst + (warp + NW * n) * KS; };
+  // Timing A/B only (launch option debug, results exact): bit 4 the copy as
+  // main had it (dec_issue_ref), bit 8 one chunk in flight ahead of the one
+  // being computed instead of NS - 1, bit 16 whole blocks into L2, the next
+  // block at the refill that starts one (dec_prefetch_l2).
+  const bool ref_copy = P.debug & 4;
+  const bool pf_blocks = (P.debug & 16) && kvh == 0;
+  const int la = (P.debug & 8) ? 1 : NS - 1; // chunks issued ahead
 #pragma unroll
   for (int n = 0; n < NS - 1; n++) {
-    if (n < cnt && !no_load)
-      dec_issue<C>(P, bt, kvh, jfirst + (warp + NW * n) * KS, khi, myStages + n * C::kStage, lane);
+    if (n < cnt && n < la && !no_load) {
+      if (ref_copy)
+        dec_issue_ref<C>(P, bt, kvh, chunk_key(n), khi, myStages + n * C::kStage, lane);
+      else
+        dec_issue<C>(P, cpy, bt[chunk_key(n) >> cpy.lbs], chunk_key(n), khi, sStages + n * C::kStage, lane);
+    }
     cp_async_commit();
   }
+  // The block of the next refill, read a chunk ahead.
+  int32_t nblk = la < cnt ? bt[chunk_key(la) >> cpy.lbs] : 0;
 
   // While the first chunks are on their way: the static scales, and q.
   DecPiece pc;
@@ -275,9 +292,19 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   pc.lo_pass = qsplit && !pc.qlo_cols;
   for (int idx = tid; idx < QV * D; idx += C::NTH) {
     const int r = idx / D, d = idx % D;
-    const float x = q_at(idx) * qscale;
-    const KT hi = KA::from_f(x);
-    const KT lo = KA::from_f(x - KA::to_f(hi));
+    KT hi, lo;
+    if constexpr (C::kBf16Split) {
+      // The tiled kernel's bf16 halves, scaled by a power of two into fp16 (exact).
+      const float x = q_at(idx);
+      const float hb = __bfloat162float(__float2bfloat16_rn(x));
+      const float lb = __bfloat162float(__float2bfloat16_rn(x - hb));
+      hi = KA::from_f(hb * qscale);
+      lo = KA::from_f(lb * qscale);
+    } else {
+      const float x = q_at(idx) * qscale;
+      hi = KA::from_f(x);
+      lo = KA::from_f(x - KA::to_f(hi));
+    }
     const int col = qcol<C>(d);
     if constexpr (C::TR) {
       sQ[r * LD + col] = hi;
@@ -336,23 +363,53 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     pc.zc[i] = C::K::kI4 && P.cap2 > 0.f ? sC[v] : 0.f;
   }
   const int pmin = it.start, pmax = it.start + it.n - 1;
+  // Stage of chunk n, counted without a division (NS is 3 to 6).
+  int stage = 0;
   for (int n = 0; n < cnt; n++) {
     // The stage of chunk n - 1 is free (the warp passed its end): refill it.
-    if (n + NS - 1 < cnt && !no_load)
-      dec_issue<C>(P, bt, kvh, jfirst + (warp + NW * (n + NS - 1)) * KS, khi,
-                   myStages + ((n + NS - 1) % NS) * C::kStage, lane);
+    if (n + la < cnt) {
+      const int refill = stage + la >= NS ? stage + la - NS : stage + la; // stage of chunk n + la
+      if (no_load) {
+      } else if (ref_copy) {
+        dec_issue_ref<C>(P, bt, kvh, chunk_key(n + la), khi, myStages + refill * C::kStage, lane);
+      } else {
+        dec_issue<C>(P, cpy, nblk, chunk_key(n + la), khi, sStages + refill * C::kStage, lane);
+        if (n + la + 1 < cnt)
+          nblk = bt[chunk_key(n + la + 1) >> cpy.lbs];
+      }
+      const int jr = chunk_key(n + la);
+      if (pf_blocks && lane == 0 && (jr & ((1 << cpy.lbs) - 1)) == 0) {
+        const int jp = jr + max(P.bs, NW * KS); // the next block (this chunk's block starts at jr)
+        if (jp <= khi) {
+          const uint8_t *b = P.cache + (size_t)bt[jp >> cpy.lbs] * P.block_bytes;
+          dec_prefetch_l2(b, (uint32_t)cpy.vreg);
+          dec_prefetch_l2(b + cpy.vreg, (uint32_t)cpy.vreg);
+        }
+      }
+    }
     cp_async_commit();
-    cp_async_wait<NS - 1>();
+    if (la == NS - 1)
+      cp_async_wait<NS - 1>();
+    else
+      cp_async_wait<1>();
     __syncwarp();
+    const uint8_t *sb = myStages + stage * C::kStage;
+    stage = stage == NS - 1 ? 0 : stage + 1;
     if (no_math)
       continue;
-    const uint8_t *sb = myStages + (n % NS) * C::kStage;
     const int j0 = jfirst + (warp + NW * n) * KS;
     const bool need_mask = tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS, P.window);
-    if constexpr (C::TR)
-      dec_chunk_tr<C>(P, pc, sb, qb, sQ, sP, j0, need_mask, acc);
-    else
-      dec_chunk_rows<C>(P, pc, sb, sQ, sQlo, j0, need_mask, acc);
+    if constexpr (C::TR) {
+      if (need_mask)
+        dec_chunk_tr<C, true>(P, pc, sb, qb, sQ, sP, j0, acc);
+      else
+        dec_chunk_tr<C, false>(P, pc, sb, qb, sQ, sP, j0, acc);
+    } else {
+      if (need_mask)
+        dec_chunk_rows<C, true>(P, pc, sb, sQ, sQlo, j0, acc);
+      else
+        dec_chunk_rows<C, false>(P, pc, sb, sQ, sQlo, j0, acc);
+    }
     __syncwarp(); // the stage is refilled next iteration
   }
   cp_async_wait<0>();

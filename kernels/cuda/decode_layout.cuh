@@ -30,21 +30,25 @@ template <int D_, int DT_, int KV_, bool TR_> struct Dec {
   static constexpr int NO = TR ? D / 16 : D / 8;                 // O tiles per lane
   static constexpr int LD = D + 8;                               // padded q row: conflict-free ldmatrix
   static constexpr int MINB = dec_minb<KV, D>(TR);
-  // Operand dtypes of the two products. fp16 wherever the stored values are
-  // exact in it (every cache but bf16): the bytes become operands in one to
-  // three instructions per pair instead of the seven of an exact int8 -> bf16
-  // conversion. q (bf16 activations) is scaled by a power of two into fp16's
-  // range; P goes in as P 2^14 (fp16's subnormals start at 2^-14); the dynamic
-  // types' P carries V's scale and keeps the activation dtype (bf16's range),
-  // and with fp16 activations it is taken relative to a running power-of-two
-  // reference of those scales (kSigma).
-  // Static types under bf16 activations keep bf16 for the first product: their
-  // q is split into hi + lo exactly as the tiled kernel splits it, so a prefix
-  // hit (this kernel) and a full recompute (tiled) see the same scores; with
-  // fp16 halves they differed at 2^-17 and P's roundings flipped (1.2e-4
-  // against the 1e-4 bound, bench/RESULTS.md decode round 3).
-  static constexpr int KDT =
-      DT == ATTND_DT_BF16 && (KV == ATTND_KV_BF16 || K::kStatic) ? ATTND_DT_BF16 : ATTND_DT_FP16;
+  // Operand dtypes of the two products. fp16 for the first product wherever
+  // the stored values are exact in it (every cache but bf16): int8 bytes
+  // become operands in two instructions per pair and e4m3 pairs in one,
+  // against five through fp32 for bf16 operands. q (bf16 activations) is
+  // scaled by a power of two into fp16's range; P goes in as P 2^14 (fp16's
+  // subnormals start at 2^-14); the dynamic types' P carries V's scale and
+  // keeps the activation dtype (bf16's range), and with fp16 activations it is
+  // taken relative to a running power-of-two reference of those scales
+  // (kSigma).
+  // Static types under bf16 activations split q s / 2^e into hi + lo exactly
+  // as the tiled kernel does (bf16 roundings), then carry those bf16 values
+  // scaled by the same power of two as fp16 operands (kBf16Split: exact, 8
+  // significant bits fit in fp16's 11, for halves down to 2^-28 of the tile's
+  // largest |q s|, where fp16's subnormals start), so a prefix hit (this kernel) and a
+  // full recompute (tiled) see the same scores; fp16 roundings of the halves
+  // differed at 2^-17 and P's roundings flipped (1.2e-4 against the 1e-4
+  // bound, bench/RESULTS.md decode round 3).
+  static constexpr int KDT = DT == ATTND_DT_BF16 && KV == ATTND_KV_BF16 ? ATTND_DT_BF16 : ATTND_DT_FP16;
+  static constexpr bool kBf16Split = K::kStatic && DT == ATTND_DT_BF16;
   static constexpr int PDT = (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) ? ATTND_DT_BF16
                              : K::kDyn                                    ? DT
                                                                           : ATTND_DT_FP16;
@@ -122,15 +126,69 @@ template <class C> __device__ __forceinline__ void k_piece(const uint8_t *sK, in
   }
 }
 
+// ---- stored bytes -> operand registers (exact) --------------------------------
+// Written so that each pair costs the fewest instructions (counted in the
+// SASS, bench/RESULTS.md decode-perf): PRMT against a register of magic
+// bytes instead of AND + OR, LOP3 with one immediate, HADD2/HFMA2 on the pair.
+// fp16 pair h - c (exact where used: integers of at most 11 bits).
+__device__ __forceinline__ uint32_t dec_hsub(uint32_t h, uint32_t c) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(h), "r"(c));
+  return d;
+}
+// Biased bytes u = x + 128 of t (sel picks two, each below a byte 0x64) -> the
+// fp16 pair (x_lo, x_hi): 1024 + u has u in its low mantissa byte. The magic
+// bytes come from the constant bank: as a literal, ptxas made them PRMT's
+// immediate and moved the selector into a register before every PRMT (29 moves
+// per int8 chunk).
+static __constant__ uint32_t dec_magic64 = 0x64646464u;
+__device__ __forceinline__ uint32_t dec_u8_f16(uint32_t t, uint32_t sel) {
+  return dec_hsub(__byte_perm(t, dec_magic64, sel), 0x64806480u); // - 1152
+}
+// int8 bytes x (two's complement) at bytes 0 and 2 of t -> the bf16 pair:
+// (128 + (x & 127)) - (128 + (x & 128)), both terms exact in bf16.
+__device__ __forceinline__ uint32_t dec_s8_bf16(uint32_t t) {
+  uint32_t a, b, d;
+  asm("lop3.b32 %0, %1, 0x007f007f, %2, 0xEA;" : "=r"(a) : "r"(t), "r"(0x43004300u));
+  asm("lop3.b32 %0, %1, 0x00800080, %2, 0xEA;" : "=r"(b) : "r"(t), "r"(0x43004300u));
+  const __nv_bfloat162 r =
+      __hsub2(*reinterpret_cast<const __nv_bfloat162 *>(&a), *reinterpret_cast<const __nv_bfloat162 *>(&b));
+  d = *reinterpret_cast<const uint32_t *>(&r);
+  return d;
+}
+// Nibble i (0..3) of each halfword of x -> the fp16 pair (exact): even i as
+// 1024 + u - 1024, odd i as (1024 + 16 u) / 16 - 64 in one HFMA2 (no shift).
+__device__ __forceinline__ uint32_t dec_u4_f16(uint32_t x, int i) {
+  const uint32_t y = i >= 2 ? x >> 8 : x;
+  uint32_t h, d;
+  if (i & 1) {
+    asm("lop3.b32 %0, %1, 0x00f000f0, %2, 0xEA;" : "=r"(h) : "r"(y), "r"(0x64006400u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(h), "r"(0x2c002c00u), "r"(0xd400d400u)); // 1/16, -64
+  } else {
+    asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xEA;" : "=r"(h) : "r"(y), "r"(0x64006400u));
+    d = dec_hsub(h, 0x64006400u);
+  }
+  return d;
+}
+// A 16-bit pair of e4m3 values -> the fp16 pair (exact).
+__device__ __forceinline__ uint32_t dec_e4m3_f16(uint16_t v) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(v));
+  return d;
+}
+
 // The k-operand register of k-step u of a piece: logical columns {2c, 2c+1}
 // (hi = 0) or {2c+8, 2c+9} (hi = 1).
 template <class C> __device__ __forceinline__ uint32_t k_op(const uint32_t *w, int u, int hi) {
+  static_assert(C::K::k16 || C::KDT == ATTND_DT_FP16, "converted K operands are fp16");
   if constexpr (C::K::kI4)
-    return pair4<C::KDT>(w[u >> 1], 2 * (u & 1) + hi);
+    return dec_u4_f16(w[u >> 1], 2 * (u & 1) + hi);
   else if constexpr (C::K::k16)
     return word16<C::KV, C::KDT>(w[2 * u + hi]);
+  else if constexpr (C::K::kInt8)
+    return dec_u8_f16(w[u] ^ 0x80808080u, hi ? 0x4342 : 0x4140); // bytes 2h, 2h + 1
   else
-    return pair8<C::KV, C::KDT>(w[u], w[u], hi ? 2 : 0, hi ? 3 : 1);
+    return dec_e4m3_f16((uint16_t)(hi ? w[u] >> 16 : w[u]));
 }
 
 // Piece p of lane g's channels of V row r (C::VPW words).
@@ -153,29 +211,131 @@ template <class C> __device__ __forceinline__ void v_piece(const uint8_t *sV, in
 }
 
 // Channel jj of a V piece in rows a and b as one operand register (a low).
+// Channels jj and jj ^ 1 share their first permute (the compiler merges it).
 template <class C> __device__ __forceinline__ uint32_t v_pair(const uint32_t *xa, const uint32_t *xb, int jj) {
   if constexpr (C::K::kI4) {
     const uint32_t x = __byte_perm(xa[jj >> 3], xb[jj >> 3], (jj & 4) ? 0x7632 : 0x5410);
-    return pair4<C::PDT>(x, jj & 3);
+    static_assert(C::PDT == ATTND_DT_FP16, "int4 P V operands are fp16");
+    return dec_u4_f16(x, jj & 3);
   } else if constexpr (C::K::k16) {
     return word16<C::KV, C::PDT>(__byte_perm(xa[jj >> 1], xb[jj >> 1], (jj & 1) ? 0x7632 : 0x5410));
   } else {
-    return pair8<C::KV, C::PDT>(xa[jj >> 2], xb[jj >> 2], jj & 3, jj & 3);
+    const uint32_t wa = xa[jj >> 2], wb = xb[jj >> 2];
+    const int j = jj & 2; // t = bytes (a.j, b.j, a.j+1, b.j+1)
+    const uint32_t t = __byte_perm(wa, wb, (unsigned)(j | (j + 4) << 4 | (j + 1) << 8 | (j + 5) << 12));
+    if constexpr (C::K::kInt8 && C::PDT == ATTND_DT_FP16) {
+      return dec_u8_f16(t ^ 0x80808080u, (jj & 1) ? 0x4342 : 0x4140);
+    } else if constexpr (C::K::kInt8) {
+      return dec_s8_bf16(__byte_perm(wa, wb, (unsigned)((jj & 3) | ((jj & 3) + 4) << 8)));
+    } else if constexpr (C::PDT == ATTND_DT_FP16) {
+      return dec_e4m3_f16((uint16_t)((jj & 1) ? t >> 16 : t));
+    } else {
+      return pair8<C::KV, C::PDT>(wa, wb, jj & 3, jj & 3);
+    }
   }
 }
 
-// cp.async of the chunk of 16 keys at j0 (all in one block: chunks are
-// 16-aligned, blocks hold >= 16 keys) into a stage; rows past jmax are
-// zero-filled, so a stale tail of the block is never read as a value. (Reading
-// the block-table entry a chunk ahead, in a register, made the copies slower
-// on the H200: bench/RESULTS.md, decode round 2.)
+// cp.async of 16 bytes to a shared address; nbytes 0: zero-filled, nothing read.
+__device__ __forceinline__ void dec_cp16(uint32_t dst, const void *src, int nbytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(nbytes));
+}
+__device__ __forceinline__ void dec_cp16(uint32_t dst, const void *src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
+// A lane's share of every chunk copy of a piece, computed once per piece: a
+// chunk's K rows are KS * RB contiguous bytes of its block (so are its V
+// rows), so copy i of a lane reads bytes 16 (lane + 32 i) of them and only
+// the swizzled shared-memory offsets need registers. (The per-chunk address
+// arithmetic was ~110 of the ~740 instructions of an int8 chunk.)
+template <class C> struct DecCopy {
+  static constexpr int NI = (C::KS * C::CPR) / 32; // 16-byte copies per lane, K and V each
+  static constexpr int RSTEP = 32 / C::CPR;        // rows between copy i and i + 1
+  uint32_t dst[NI];   // offsets in a stage (K; V at + KS * RB)
+  int row0;           // row of copy 0 (copy i: row0 + i * RSTEP)
+  int lbs;            // log2 of the block size
+  int rowbase;        // first row of the kv head in a block's [kv head][token] order
+  size_t vreg;        // bytes from a block's K rows to its V rows
+  size_t sc;          // kDyn lanes 0..7: from a block's start to their scales, less 4 rib
+  static_assert(C::CPR <= 32 && 32 % C::CPR == 0, "a lane's copies are rows apart by a constant");
+};
+
+template <class C> __device__ __forceinline__ void dec_copy_init(const DecodeParams &P, int kvh, int lane,
+                                                                 DecCopy<C> &cp) {
+  constexpr int CPR = C::CPR, RB = C::RB;
+  cp.row0 = lane / CPR;
+#pragma unroll
+  for (int i = 0; i < DecCopy<C>::NI; i++) {
+    const int r = cp.row0 + i * DecCopy<C>::RSTEP, cc = lane % CPR;
+    cp.dst[i] = (uint32_t)(r * RB + ((cc ^ dec_swz<CPR>(r)) << 4));
+  }
+  cp.lbs = __ffs(P.bs) - 1;
+  cp.rowbase = kvh * P.bs;
+  cp.vreg = (size_t)P.kv_heads * P.bs * RB;
+  cp.sc = 2 * cp.vreg + ((size_t)(lane >> 2) * P.kv_heads * P.bs + (lane & 3) * 4) * 4;
+}
+
+// cp.async of the chunk of 16 keys at j0 (all in block blk: chunks are
+// 16-aligned, blocks hold >= 16 keys) into the stage at shared address sb;
+// rows past jmax are zero-filled, so a stale tail of the block is never read
+// as a value. The caller reads blk from the block table a chunk ahead (its
+// latency then hides behind a chunk's math instead of stalling the copies).
 template <class C>
-__device__ __forceinline__ void dec_issue(const DecodeParams &P, const int32_t *bt, int kvh, int j0, int jmax,
-                                          uint8_t *sb, int lane) {
+__device__ __forceinline__ void dec_issue(const DecodeParams &P, const DecCopy<C> &cp, int32_t blk, int j0,
+                                          int jmax, uint32_t sb, int lane) {
+  constexpr int KS = C::KS, RB = C::RB, NI = DecCopy<C>::NI, RS = DecCopy<C>::RSTEP;
+  const int nval = min(KS, jmax - j0 + 1);
+  const uint8_t *base = P.cache + (size_t)blk * P.block_bytes;
+  const int rib = cp.rowbase + (j0 & ((1 << cp.lbs) - 1)); // row in the block's [kv head][token] order
+  const uint8_t *kp = base + (size_t)rib * RB + lane * 16, *vp = kp + cp.vreg;
+  if (nval == KS) {
+#pragma unroll
+    for (int i = 0; i < NI; i++) {
+      dec_cp16(sb + cp.dst[i], kp + 512 * i);
+      dec_cp16(sb + KS * RB + cp.dst[i], vp + 512 * i);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NI; i++) {
+      const int nb = cp.row0 + i * RS < nval ? 16 : 0;
+      dec_cp16(sb + cp.dst[i], kp + 512 * i, nb);
+      dec_cp16(sb + KS * RB + cp.dst[i], vp + 512 * i, nb);
+    }
+  }
+  if constexpr (C::K::kDyn) {
+    if (lane < 8) {
+      const int k4 = (lane & 3) * 4;
+      const int nb = max(0, min(4, nval - k4)) * 4;
+      dec_cp16(sb + 2 * KS * RB + (lane >> 2) * KS * 4 + k4 * 4, base + cp.sc + (size_t)rib * 4, nb);
+    }
+  }
+}
+
+// Asks the copy engine to bring n bytes at p into L2 (sm_90; a hint, no data
+// moves to the SM). Launch option debug bit 16 (timing A/B): the CTA of kv
+// head 0 prefetches whole blocks, every kv head's K and V rows, so that the
+// CTAs of one item find them in L2 and DRAM sees one long read per block.
+__device__ __forceinline__ void dec_prefetch_l2(const void *p, uint32_t n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(n) : "memory");
+#else
+  (void)p;
+  (void)n;
+#endif
+}
+
+// The chunk copy as main had it before decode-perf (launch option debug bit 4,
+// timing A/B only, results exact): the block-table entry read at the refill
+// and each copy's addresses computed from its row. Its loop spread the 8
+// copies of an 8-bit chunk over ~110 instructions, and the light-math types
+// ran faster with it (bench/RESULTS.md, decode-perf round).
+template <class C>
+__device__ __forceinline__ void dec_issue_ref(const DecodeParams &P, const int32_t *bt, int kvh, int j0, int jmax,
+                                              uint8_t *sb, int lane) {
   constexpr int KS = C::KS, RB = C::RB, CPR = C::CPR;
   const int nval = min(KS, jmax - j0 + 1);
   const size_t blk = (size_t)bt[j0 >> (__ffs(P.bs) - 1)] * P.block_bytes;
-  const int rib = kvh * P.bs + (j0 & (P.bs - 1)); // row in the block's [kv head][token] order
+  const int rib = kvh * P.bs + (j0 & (P.bs - 1));
   const size_t v_region = (size_t)P.kv_heads * P.bs * RB;
   const uint8_t *kp = P.cache + blk + (size_t)rib * RB;
 #pragma unroll
@@ -190,8 +350,7 @@ __device__ __forceinline__ void dec_issue(const DecodeParams &P, const int32_t *
     if (lane < 8) {
       const int which = lane >> 2, k4 = (lane & 3) * 4;
       const int nb = max(0, min(4, nval - k4)) * 4;
-      const uint8_t *src =
-          P.cache + blk + 2 * v_region + ((size_t)which * P.kv_heads * P.bs + rib + k4) * 4;
+      const uint8_t *src = P.cache + blk + 2 * v_region + ((size_t)which * P.kv_heads * P.bs + rib + k4) * 4;
       cp_async16n(sb + 2 * KS * RB + which * KS * 4 + k4 * 4, nb ? src : P.cache, nb);
     }
   }

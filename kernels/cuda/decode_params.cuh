@@ -55,7 +55,7 @@ struct DecodeParams {
   int flat, nctas;     // flat split: CTAs launched (and workspace slot pairs)
   int mkv, kvh0, mctas; // flat split: the model's kv heads, the first held one, the model's CTA budget
   int nsplit, split_keys; // per-item split
-  int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math
+  int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math; 4, 8, 16 load-path variants
 };
 
 // Offsets in the workspace of the flat split.
