@@ -19,7 +19,8 @@
 #            call, 1e-3; head shards' out and lse memcmp-equal to the whole) ~20 s
 #         3. compute-sanitizer memcheck, pairwise test_cuda_kernels        ~40 s
 #         4. compute-sanitizer racecheck, pairwise prefill matrix (the
-#            Hopper path and, through the A/B, the tiled kernel)           ~50 s
+#            Hopper path and, through the A/B, the tiled kernel; ROUND_RACECHECK_ONLY
+#            names another test, e.g. test_matrix for the decode kernel)   ~50 s
 #         5. bench_prefill, its main rows (ATTND_BENCH_PREFILL=all: every row) ~30 s
 #         6. bench_kernels, the decode rows (B64 ctx4096, B8 ctx32768, every type;
 #            sliding decode at 32k in windows of 4096 / 128 against full layers
@@ -124,7 +125,7 @@ run() {
     compute-sanitizer --tool memcheck --error-exitcode 3 ./test_cuda_kernels
   grep -E "ERROR SUMMARY|Invalid|FAIL" "$out/memcheck.log" | head -10
   step racecheck 50 120 racecheck.log env ATTND_GPU_TEST_PAIRWISE=1 \
-    ATTND_GPU_TEST_ONLY=test_prefill_matrix \
+    ATTND_GPU_TEST_ONLY="${ROUND_RACECHECK_ONLY:-test_prefill_matrix}" \
     compute-sanitizer --tool racecheck --error-exitcode 3 ./test_cuda_kernels
   grep -E "RACECHECK SUMMARY|hazard|FAIL" "$out/racecheck.log" | head -10
   if [ "${ATTND_ROUND_NO_BENCH:-0}" != 1 ]; then
