@@ -69,9 +69,12 @@ double pct(double gbps, double roof) { return 100.0 * gbps / roof; }
 // One decode row at the default options, with variants of the same launch.
 double decode_row(const char *nm, Setup &S, double copy, double read, bool diag) {
   const attnd_cuda_opts_t dflt = {}, item = {0, 2, 0, 0}, nopdl = {0, 0, 0, 1};
-  // The decode kernel's load-path variants (attnd_cuda_opts_t.debug 4 and 8,
-  // results exact): the chunk copy as main had it; one chunk in flight ahead.
-  const attnd_cuda_opts_t refc = {4, 0, 0, 0}, ahead1 = {8, 0, 0, 0};
+  // The decode kernel's load-path variants (attnd_cuda_opts_t.debug, results
+  // exact): the other chunk copy (4, the refill-read copy, for the 16-bit
+  // types and int4; 32, the per-piece copy, for the 1-byte types, whose
+  // default is 4's); one chunk in flight ahead (8).
+  const bool one_byte = S.s.kv == ATTND_KV_INT8 || S.s.kv == ATTND_KV_FP8 || attnd_kv_type_dynamic(S.s.kv);
+  const attnd_cuda_opts_t refc = {one_byte ? 32 : 4, 0, 0, 0}, ahead1 = {8, 0, 0, 0};
   const Timed a = time_attend(S, &dflt), b = time_attend(S, &item), c = time_attend(S, &nopdl);
   const Timed r = time_attend(S, &refc), l = time_attend(S, &ahead1);
   const float wus = 1e3f * median_ms([&] { CKA(attnd_cuda_write(&S.s, &S.b, nullptr)); }, 3, 20);
@@ -83,7 +86,7 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
     const attnd_cuda_opts_t pf = {16, 0, 0, 0};
     snprintf(l2pf, sizeof l2pf, " | l2pf %7.1f", time_attend(S, &pf).us);
   }
-  printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | ref-copy %7.1f "
+  printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | alt-copy %7.1f "
          "| ahead1 %7.1f%s\n",
          nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, l2pf);
   char extra[256] = "";

@@ -233,7 +233,19 @@ static void check_ab(const attnd_kshape_t *s, int ncase, attnd_kbatch_t b, const
      * orders) moves it by ~1e-4 relative: items of fewer than 8 rows (decode
      * rows riding in a prefill batch) get 1e-3; 8 rows and more average such
      * flips out and keep the prefix-hit bound. */
-    const double bound = ti[i].n >= 8 ? 1e-4 : 1e-3;
+    double bound = ti[i].n >= 8 ? 1e-4 : 1e-3;
+    /* A row a sink dominates is sum P~ v / (sum P~ + e^(sink - m)): nothing
+     * divides the rounding of P out of it, and the two kernels round P
+     * against different running maxima (tiles of 64 / 128 keys), so they
+     * differ by up to two roundoffs of P's type (docs/numerics.md, "Which sum
+     * lse is the log of"). */
+    if (o->sinks) {
+      const int p_bf16 =
+          s->dtype == ATTND_DT_BF16 && (s->kv == ATTND_KV_BF16 || attnd_kv_type_dynamic(s->kv));
+      const double two_u = p_bf16 ? 2 * 0x1p-9 : 2 * 0x1p-11;
+      if (bound < two_u)
+        bound = two_u;
+    }
     if (!(err <= bound))
       fail_msg("case %d kv %s D %d bs %d G %d item %d (start %d n %d mask %d): Hopper path vs "
                "tiled kernel rel L2 %g > %g",
@@ -247,7 +259,8 @@ static void check_ab(const attnd_kshape_t *s, int ncase, attnd_kbatch_t b, const
       const float a = hl[0][items[i].q_row * QH + r], c = hl[1][items[i].q_row * QH + r];
       /* Each kernel's lse is the log of its sum of P as rounded for the matrix
        * units, against its own running maxima (tests/tolerance.h). */
-      if (!(a == c || fabs((double)a - c) <= 2 * ATTND_TOL_CUDA_LSE_ABS + 1e-4 * (1 + fabs((double)c))))
+      if (!(a == c ||
+            fabs((double)a - c) <= 2 * ATTND_TOL_CUDA_LSE_ABS + 1e-4 * (1 + fabs((double)c))))
         fail_msg("case %d item %d row %d: lse %g (Hopper path) vs %g (tiled)", ncase, i, r, a, c);
     }
   }

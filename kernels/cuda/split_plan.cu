@@ -228,7 +228,15 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
   p.mctas = pl.mctas;
   p.nsplit = pl.nsplit;
   p.split_keys = pl.split_keys;
+  // The chunk copy: the 1-byte caches (int8, fp8 and their dynamic forms) use
+  // the copy that reads the block table at each refill, which ran 2-7% faster
+  // for them on the H200 than the per-piece copy the 16-bit types and int4
+  // gain from (bench/RESULTS.md, decode after decode-perf); debug 32 forces
+  // the per-piece copy for a timing A/B. Both are exact.
   p.debug = o.debug;
+  const bool one_byte = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8 || attnd_kv_type_dynamic(s->kv);
+  if (one_byte && !(o.debug & 32))
+    p.debug |= 4;
   const bool pdl = !o.no_pdl;
   dim3 grid = pl.flat ? dim3((unsigned)pl.nctas) : dim3((unsigned)(b->nitems * s->kv_heads), 1u, (unsigned)pl.nsplit);
   cudaError_t e = with_types<RunF>(s->head_dim, s->dtype, s->kv, pl.tr, p, grid, pdl, st);

@@ -124,7 +124,7 @@ record() {
   echo "== $name: $what"
 }
 
-# skipped NAME: 0 when GPU_E2E_SKIP (space-separated: memcheck fault small sandbox
+# skipped NAME: 0 when GPU_E2E_SKIP (space-separated: backend memcheck fault small sandbox
 # default interleave) names that step, for a round that needs only some of them.
 skipped() {
   case " ${GPU_E2E_SKIP:-} " in *" $1 "*) return 0 ;; esac
@@ -191,7 +191,9 @@ $py -c "import numpy, google.protobuf; print('numpy', numpy.__version__, 'protob
 cat "$out/python.txt"
 
 # ---- 2-4. the backend test ----------------------------------------------------
-if [ -z "$test_bin" ]; then
+if skipped backend; then
+  record test_backend_cuda 77
+elif [ -z "$test_bin" ]; then
   record test_backend_cuda 1
   echo "test_backend_cuda not found under build-gpu/" | tee "$out/test_backend_cuda.log"
 else
