@@ -143,8 +143,7 @@ static void release(cu_backend_t *be) {
   cudaGetLastError();
 }
 
-static void async_closed(uv_handle_t *h) {
-  cu_backend_t *be = h->data;
+void attnd_cu_free_struct(cu_backend_t *be) {
   uv_mutex_destroy(&be->mu);
   uv_mutex_destroy(&be->ipc_mu);
   if (be->poll) {
@@ -153,6 +152,15 @@ static void async_closed(uv_handle_t *h) {
   }
   free(be->trace);
   free(be);
+}
+
+static void async_closed(uv_handle_t *h) {
+  cu_backend_t *be = h->data;
+  /* A pinned allocation still on the worker pool frees the struct in its
+   * callback (cuda_stage.c). */
+  be->handle_closed = 1;
+  if (!attnd_cu_allocs_inflight(be))
+    attnd_cu_free_struct(be);
 }
 
 static void cu_destroy(attnd_backend_t *base) {
@@ -179,6 +187,7 @@ static void cu_destroy(attnd_backend_t *base) {
     free(r);
     r = next;
   }
+  be->closed = 1; /* an allocation finishing from now on frees its buffer (cuda_stage.c) */
   release(be);
   uv_close((uv_handle_t *)&be->async, async_closed);
 }

@@ -5,7 +5,16 @@
  * job waits for a buffer a running job gives back, so a burst of large
  * prefills cannot pin the host's memory. Device buffers belong to a stream
  * and grow with the stream-ordered allocator, so growing never waits for the
- * device and never frees memory a queued kernel of that stream still reads. */
+ * device and never frees memory a queued kernel of that stream still reads.
+ *
+ * A pinned buffer of CU_ASYNC_ALLOC_MIN bytes or more is allocated on the
+ * worker pool, never on the loop thread: cudaHostAlloc pins every page
+ * (hundreds of milliseconds for the ~650 MB of a 32k-token prefill's
+ * staging), and every connection's calls would wait behind it (measured on
+ * the H200: a decode of another session waited 771 ms at such a step's
+ * admission, bench/RESULTS.md). Meanwhile the job that needs the buffer waits
+ * as for a full pool (unordered small jobs pass it), and a frame that finds
+ * no pooled buffer is plain memory this once. */
 #ifdef ATTND_HAVE_CUDA
 
 #include <stdio.h>
@@ -13,6 +22,117 @@
 #include <string.h>
 
 #include "internal.h"
+
+#define CU_ASYNC_ALLOC_MIN ((size_t)8 << 20)
+
+typedef struct {
+  uv_work_t w; /* first: the work request is the struct */
+  cu_backend_t *be;
+  size_t cap;
+  int frame; /* 1 for the frame pool, 0 for the stages */
+  uint8_t *p;
+  cudaError_t err;
+} cu_alloc_t;
+
+int attnd_cu_allocs_inflight(const cu_backend_t *be) {
+  return be->stage_alloc_inflight || be->frame_alloc_inflight;
+}
+
+static void alloc_work(uv_work_t *w) {
+  cu_alloc_t *a = (cu_alloc_t *)w;
+  a->err = cudaSetDevice(a->be->device);
+  if (a->err == cudaSuccess)
+    a->err = cudaHostAlloc((void **)&a->p, a->cap, cudaHostAllocPortable);
+  if (a->err != cudaSuccess) {
+    a->p = NULL;
+    cudaGetLastError();
+  }
+}
+
+static int owned_add(cu_backend_t *be, cu_stage_t *s) {
+  if (be->nowned == be->owned_cap) {
+    size_t nc = be->owned_cap ? 2 * be->owned_cap : 16;
+    cu_stage_t **no = realloc(be->owned, nc * sizeof(*no));
+    if (!no)
+      return -1;
+    be->owned = no;
+    be->owned_cap = nc;
+  }
+  be->owned[be->nowned++] = s;
+  return 0;
+}
+
+static void alloc_done(uv_work_t *w, int status) {
+  cu_alloc_t *a = (cu_alloc_t *)w;
+  cu_backend_t *be = a->be;
+  const int frame = a->frame;
+  if (frame)
+    be->frame_alloc_inflight = 0;
+  else
+    be->stage_alloc_inflight = 0;
+  if (be->closed) {
+    /* The backend was destroyed meanwhile (its pools are gone): this
+     * callback owns the struct once no allocation is left in flight. */
+    if (a->p)
+      cudaFreeHost(a->p);
+    free(a);
+    if (!attnd_cu_allocs_inflight(be) && be->handle_closed)
+      attnd_cu_free_struct(be);
+    return;
+  }
+  cu_stage_t *s = a->p && status == 0 ? calloc(1, sizeof(*s)) : NULL;
+  if (s && !frame && owned_add(be, s) != 0) {
+    free(s);
+    s = NULL;
+  }
+  if (!s) {
+    if (a->p)
+      cudaFreeHost(a->p);
+    if (frame) {
+      be->frame_bytes -= a->cap;
+    } else {
+      be->pinned_bytes -= a->cap;
+      be->stage_alloc_err = a->err != cudaSuccess ? (int)a->err : (int)cudaErrorMemoryAllocation;
+    }
+  } else {
+    s->p = a->p;
+    s->cap = a->cap;
+    if (frame) {
+      s->next = be->free_frames;
+      be->free_frames = s;
+    } else {
+      s->next = be->free_stages;
+      be->free_stages = s;
+    }
+  }
+  free(a);
+  if (!frame)
+    attnd_cu_pump_waiting(be); /* the job that asked for it takes it, or its error */
+}
+
+/* Starts a pinned allocation of cap bytes on the worker pool, its bytes
+ * counted against the pool's cap from now; -1 when it cannot be queued
+ * (the caller then allocates here). */
+static int alloc_start(cu_backend_t *be, size_t cap, int frame) {
+  cu_alloc_t *a = calloc(1, sizeof(*a));
+  if (!a)
+    return -1;
+  a->be = be;
+  a->cap = cap;
+  a->frame = frame;
+  if (uv_queue_work(be->loop, &a->w, alloc_work, alloc_done) != 0) {
+    free(a);
+    return -1;
+  }
+  if (frame) {
+    be->frame_alloc_inflight = 1;
+    be->frame_bytes += cap;
+  } else {
+    be->stage_alloc_inflight = 1;
+    be->pinned_bytes += cap;
+  }
+  return 0;
+}
 
 static void stage_free_unused(cu_backend_t *be) {
   /* Rare (the pool is at its cap): cudaFreeHost may wait for the device. */
@@ -57,6 +177,19 @@ cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *ce
       return NULL; /* wait for running jobs to return theirs */
     stage_free_unused(be);
   }
+  /* Off the loop from CU_ASYNC_ALLOC_MIN, or from --cuda-hostfn-min where
+   * that is lower (the large steps; 0 in the tests, which so run this path). */
+  const size_t amin = be->hostfn_min < CU_ASYNC_ALLOC_MIN ? be->hostfn_min : CU_ASYNC_ALLOC_MIN;
+  if (!force && cap >= amin) {
+    if (be->stage_alloc_err) {
+      /* The allocation started for this taker failed: its job fails. */
+      *cerr = be->stage_alloc_err;
+      be->stage_alloc_err = 0;
+      return NULL;
+    }
+    if (be->stage_alloc_inflight || alloc_start(be, cap, 0) == 0)
+      return NULL; /* wait: alloc_done pumps the waiting jobs */
+  }
   cu_stage_t *s = calloc(1, sizeof(*s));
   if (!s) {
     *cerr = cudaErrorMemoryAllocation;
@@ -69,19 +202,12 @@ cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *ce
     *cerr = e;
     return NULL;
   }
-  if (be->nowned == be->owned_cap) {
-    size_t nc = be->owned_cap ? 2 * be->owned_cap : 16;
-    cu_stage_t **no = realloc(be->owned, nc * sizeof(*no));
-    if (!no) {
-      cudaFreeHost(s->p);
-      free(s);
-      *cerr = cudaErrorMemoryAllocation;
-      return NULL;
-    }
-    be->owned = no;
-    be->owned_cap = nc;
+  if (owned_add(be, s) != 0) {
+    cudaFreeHost(s->p);
+    free(s);
+    *cerr = cudaErrorMemoryAllocation;
+    return NULL;
   }
-  be->owned[be->nowned++] = s;
   s->cap = cap;
   be->pinned_bytes += cap;
   be->stages_out++;
@@ -122,6 +248,12 @@ void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len) {
       cap <<= 1;
     if (be->frame_bytes + cap > be->pinned_max / 2)
       return NULL;
+    if (cap >= CU_ASYNC_ALLOC_MIN) {
+      /* Plain memory this time; a pooled buffer for the next frame this large. */
+      if (!be->frame_alloc_inflight && alloc_start(be, cap, 1) != 0)
+        return NULL;
+      return NULL;
+    }
     s = calloc(1, sizeof(*s));
     if (!s)
       return NULL;

@@ -143,8 +143,14 @@ struct cu_backend_s {
   cu_stage_t *free_frames;
   size_t frame_bytes; /* pinned bytes of every frame buffer, free or out */
   int frames_out;
-  cu_run_t *whead, *wtail;         /* jobs waiting for a stage, FIFO */
-  uv_mutex_t mu;                   /* guards the done queue and streams[].last_end_us */
+  cu_run_t *whead, *wtail; /* jobs waiting for a stage, FIFO */
+  /* Large pinned buffers are allocated on the worker pool (cuda_stage.c):
+   * one stage and one frame allocation at a time, in flight. */
+  int stage_alloc_inflight, frame_alloc_inflight;
+  int stage_alloc_err; /* cudaError_t of the last failed stage allocation, for the next taker */
+  int closed;          /* destroyed: an allocation finishing frees its buffer */
+  int handle_closed;   /* async handle closed: the last allocation's callback frees the struct */
+  uv_mutex_t mu;       /* guards the done queue and streams[].last_end_us */
   cu_run_t *dhead, *dtail;
   atomic_int dead; /* a sticky device error was seen */
   int inflight;    /* jobs submitted, done_cb not yet called */
@@ -190,11 +196,18 @@ static inline int attnd_cu_sticky(cudaError_t e) {
 cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *cerr);
 void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s);
 /* Pinned memory for a large request frame's body or step output (backend.h host_alloc),
- * or NULL (too small to be worth it, or the frame pool is at its cap). */
+ * or NULL (too small to be worth it, the frame pool at its cap, or a buffer
+ * of that size being allocated off the loop thread for the next one). */
 void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len);
 void attnd_cu_frame_free(attnd_backend_t *base, void *p);
 /* Frees the frame pool's free buffers (teardown). */
 void attnd_cu_frames_release(cu_backend_t *be);
+/* 1 while an allocation started by attnd_cu_stage_get or attnd_cu_frame_alloc
+ * runs on the worker pool (teardown then leaves the struct to its callback). */
+int attnd_cu_allocs_inflight(const cu_backend_t *be);
+/* Frees the struct and its mutexes (cuda_device.c): the async handle's close
+ * callback, or the last allocation's callback after it. */
+void attnd_cu_free_struct(cu_backend_t *be);
 /* Grows a stream-owned device buffer, ordered on that stream. */
 cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need, size_t min);
 /* The one host copy of a step's q, k and v into its pinned buffer; runs on
