@@ -242,7 +242,7 @@ static void check_ab(const attnd_kshape_t *s, int ncase, attnd_kbatch_t b, const
     if (o->sinks) {
       const int p_bf16 =
           s->dtype == ATTND_DT_BF16 && (s->kv == ATTND_KV_BF16 || attnd_kv_type_dynamic(s->kv));
-      const double two_u = p_bf16 ? 2 * 0x1p-9 : 2 * 0x1p-11;
+      const double two_u = p_bf16 ? 2 * 0x1p-8 : 2 * 0x1p-11; /* unit roundoffs of bf16, fp16 */
       if (bound < two_u)
         bound = two_u;
     }

@@ -741,6 +741,19 @@ static void test_unavailable_without_device(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* Every test starts from the options and modes main set: a test that fails
+ * part-way (cmocka jumps out of it) leaves no mode behind for the next one
+ * (a failed test_pinned_frames once left frames on under test_device_io,
+ * whose client block then went through free()). */
+static attnd_backend_opts_t g_opts0;
+static int reset_modes(void **state) {
+  (void)state;
+  g_opts = g_opts0;
+  g_frames = 0;
+  g_devio = 0;
+  return 0;
+}
+
 int main(int argc, char **argv) {
   attnd_backend_opts_defaults(&g_opts);
   g_opts.threads = 2;
@@ -773,20 +786,21 @@ int main(int argc, char **argv) {
     print_message("no usable CUDA device: GPU backend tests skipped\n");
     return 77;
   }
+  g_opts0 = g_opts;
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_unavailable_without_device),
-      cmocka_unit_test(test_bf16_matches_cpu),
-      cmocka_unit_test(test_int8_dynamic_matches_cpu),
-      cmocka_unit_test(test_int8_static_scales),
-      cmocka_unit_test(test_long_context_decode),
-      cmocka_unit_test(test_many_layers_in_flight),
-      cmocka_unit_test(test_pinned_cap),
-      cmocka_unit_test(test_hostfn_staging),
-      cmocka_unit_test(test_pinned_frames),
-      cmocka_unit_test(test_device_io),
-      cmocka_unit_test(test_ipc_ops),
-      cmocka_unit_test(test_unordered_jobs),
-      cmocka_unit_test(test_sinks_window_softcap),
+      cmocka_unit_test_setup(test_unavailable_without_device, reset_modes),
+      cmocka_unit_test_setup(test_bf16_matches_cpu, reset_modes),
+      cmocka_unit_test_setup(test_int8_dynamic_matches_cpu, reset_modes),
+      cmocka_unit_test_setup(test_int8_static_scales, reset_modes),
+      cmocka_unit_test_setup(test_long_context_decode, reset_modes),
+      cmocka_unit_test_setup(test_many_layers_in_flight, reset_modes),
+      cmocka_unit_test_setup(test_pinned_cap, reset_modes),
+      cmocka_unit_test_setup(test_hostfn_staging, reset_modes),
+      cmocka_unit_test_setup(test_pinned_frames, reset_modes),
+      cmocka_unit_test_setup(test_device_io, reset_modes),
+      cmocka_unit_test_setup(test_ipc_ops, reset_modes),
+      cmocka_unit_test_setup(test_unordered_jobs, reset_modes),
+      cmocka_unit_test_setup(test_sinks_window_softcap, reset_modes),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }

@@ -28,11 +28,11 @@
 #define ATTND_TOL_BACKENDS 1e-2
 /* The CUDA kernels' lse is the log of the sum their output was normalized by,
  * the sum of P as rounded to the P.V operand type (docs/numerics.md, "Which
- * sum lse is the log of"): within one unit roundoff of bf16 (2^-9, the
+ * sum lse is the log of"): within one unit roundoff of bf16 (2^-8, the
  * coarser of the two P types) of the unrounded sum's log, which is what the
  * CPU backend writes. Per element: |cuda - cpu| <= this + 1e-4 (1 + |cpu|);
  * two CUDA kernels that round P against different running maxima: twice it. */
-#define ATTND_TOL_CUDA_LSE_ABS 0.001953125
+#define ATTND_TOL_CUDA_LSE_ABS 0.00390625
 /* The engine's log-sum-exp against the oracle: |got - ref| <= tol * (1 + |ref|). */
 #define ATTND_TOL_ENGINE_LSE 2e-2
 /* The CPU kernels' log-sum-exp against the oracle: |got - ref| <= abs + rel * |ref|. */
