@@ -2,7 +2,7 @@
  * while another session's long prefill runs on the same layer (through the
  * engine; bench/README.md).
  *
- *   bench_interleave [PREFILL [CTX [THREADS [CHUNK_KEYS [QH KVH [BACKEND]]]]]]
+ *   bench_interleave [PREFILL [CTX [THREADS [CHUNK_KEYS [QH KVH [BACKEND [warm]]]]]]]
  *
  * defaults 16384 1024 2 16384 8 2 cpu (head_dim 128, block 64, bf16, one
  * layer); BACKEND cuda runs the same on device 0 (THREADS is then ignored:
@@ -15,7 +15,11 @@
  * the prefill's time, the decode steps' median and maximum during it, and the
  * target of docs/sessions.md section 5 (twice the idle latency plus one
  * chunk, the largest chunk's time estimated from the prefill's time and the
- * chunks' weights). One JSON line follows for bench/RESULTS.md. */
+ * chunks' weights). One JSON line follows for bench/RESULTS.md. `warm` first
+ * runs the same prefill once on A and truncates it, so that the measured one
+ * finds the backend's buffers (the CUDA backend's pinned staging) allocated:
+ * with and without it, a run tells a first large step's one-time costs from
+ * every large step's. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,6 +125,7 @@ int main(int argc, char **argv) {
   uint64_t chunk_keys = argc > 4 ? strtoull(argv[4], NULL, 0) : 16384;
   int qh = argc > 5 ? atoi(argv[5]) : 8, kvh = argc > 6 ? atoi(argv[6]) : 2, hd = 128;
   const int cuda = argc > 7 && strcmp(argv[7], "cuda") == 0;
+  const int warm = argc > 8 && strcmp(argv[8], "warm") == 0;
   if (argc > 7 && !cuda && strcmp(argv[7], "cpu") != 0) {
     fprintf(stderr, "backend must be cpu or cuda, not %s\n", argv[7]);
     return 2;
@@ -186,6 +191,20 @@ int main(int argc, char **argv) {
     idle[i] = uv_hrtime() - t0;
   }
   qsort(idle, IDLE, sizeof(uint64_t), cmp_u64);
+  if (warm) {
+    res_t wx;
+    attnd_item_t wit;
+    memset(&wx, 0, sizeof(wx));
+    step_send(&c, CONN_A, a, 0, (uint32_t)prefill, q, kv, tokens, &wit, &wx);
+    wait_res(&loop, &wx);
+    if (wx.status) {
+      fprintf(stderr, "warm-up prefill failed: %s\n", wx.msg);
+      return 1;
+    }
+    memset(&x, 0, sizeof(x));
+    attnd_engine_truncate(e, 1, CONN_A, a, 0, on_done, &x);
+    wait_res(&loop, &x);
+  }
   /* The long prefill, then decode steps of b until it is answered. */
   res_t px;
   attnd_item_t pit;
@@ -279,10 +298,11 @@ int main(int argc, char **argv) {
          "\"chunk_keys\": %llu, \"q_heads\": %d, \"kv_heads\": %d, \"idle_ms\": %.4f, "
          "\"prefill_ms\": %.2f, \"chunk_ms\": %.3f, \"decodes\": %d, \"during_median_ms\": "
          "%.4f, \"during_p90_ms\": %.4f, \"during_max_ms\": %.4f, \"scan_ms\": %.2f, "
-         "\"during_scan_decodes\": %d, \"during_scan_max_ms\": %.4f, \"during_max_at_ms\": %.1f}\n",
+         "\"during_scan_decodes\": %d, \"during_scan_max_ms\": %.4f, \"during_max_at_ms\": %.1f, "
+         "\"warm\": %d}\n",
          cuda ? "cuda" : "cpu", prefill, ctxlen, lanes, (unsigned long long)chunk_keys, qh, kvh,
          idle_ms, pre_ms, chunk_ms, nd, med_ms, p90_ms, max_ms, scan_ms, nscan, scan_max_ms,
-         max_at_ms);
+         max_at_ms, warm);
   int closed = 0;
   attnd_engine_close(e, closed_cb, &closed);
   while (!closed)
