@@ -51,7 +51,9 @@ typedef struct {
                    * exact: decode kernel load-path variants, 4 its chunk copy
                    * with the block-table read at each refill (the earlier
                    * copy), 8 one chunk in flight ahead instead of all stages,
-                   * 16 whole blocks prefetched into L2 a block ahead */
+                   * 16 whole blocks prefetched into L2 a block ahead, 32
+                   * the per-piece copy where 4's copy is the default (the
+                   * 1-byte cache types) */
   int split;      /* decode batches: 0 choose (kernels/cuda/README.md), 1 flat
                    * split (every CTA the same number of key chunks), 2 per-item
                    * split */
