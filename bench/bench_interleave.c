@@ -2,7 +2,7 @@
  * while another session's long prefill runs on the same layer (through the
  * engine; bench/README.md).
  *
- *   bench_interleave [PREFILL [CTX [THREADS [CHUNK_KEYS [QH KVH [BACKEND [warm]]]]]]]
+ *   bench_interleave [PREFILL [CTX [THREADS [CHUNK_KEYS [QH KVH [BACKEND [warm|pinned=BYTES]]]]]]]
  *
  * defaults 16384 1024 2 16384 8 2 cpu (head_dim 128, block 64, bf16, one
  * layer); BACKEND cuda runs the same on device 0 (THREADS is then ignored:
@@ -19,7 +19,8 @@
  * runs the same prefill once on A and truncates it, so that the measured one
  * finds the backend's buffers (the CUDA backend's pinned staging) allocated:
  * with and without it, a run tells a first large step's one-time costs from
- * every large step's. */
+ * every large step's; `pinned=BYTES` sets --cuda-pinned-warm instead (the
+ * buffer made at start). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -126,6 +127,8 @@ int main(int argc, char **argv) {
   int qh = argc > 5 ? atoi(argv[5]) : 8, kvh = argc > 6 ? atoi(argv[6]) : 2, hd = 128;
   const int cuda = argc > 7 && strcmp(argv[7], "cuda") == 0;
   const int warm = argc > 8 && strcmp(argv[8], "warm") == 0;
+  const unsigned long long pinned_warm =
+      argc > 8 && strncmp(argv[8], "pinned=", 7) == 0 ? strtoull(argv[8] + 7, NULL, 0) : 0;
   if (argc > 7 && !cuda && strcmp(argv[7], "cpu") != 0) {
     fprintf(stderr, "backend must be cpu or cuda, not %s\n", argv[7]);
     return 2;
@@ -158,6 +161,7 @@ int main(int argc, char **argv) {
   cfg.threads = threads;
   cfg.engine_offload_bytes = ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES;
   cfg.engine_chunk_keys = chunk_keys;
+  cfg.cuda_pinned_warm = pinned_warm;
   attnd_engine_t *e;
   char err[256];
   if (attnd_engine_init(&e, &loop, &cfg, err, sizeof(err)) != 0) {

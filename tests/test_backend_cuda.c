@@ -555,6 +555,28 @@ static void test_pinned_cap(void **state) {
   g_opts = saved;
 }
 
+/* --cuda-pinned-warm: the large steps' staging buffer is made at start
+ * (pinning it while serving would stall every CUDA call meanwhile), within
+ * the pinned cap: past it the backend is not created and says which option;
+ * within it the scenarios run as before. */
+static void test_pinned_warm(void **state) {
+  SKIP_WITHOUT_GPU();
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *gpu = NULL;
+  g_opts.cuda_pinned_warm = 24u << 20; /* a 32 MiB buffer */
+  g_opts.cuda_pinned_max = 16u << 20;
+  assert_int_not_equal(
+      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)), 0);
+  assert_non_null(strstr(err, "--cuda-pinned-warm"));
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+  g_opts.cuda_pinned_max = 0;
+  many_layers_in_flight();
+}
+
 /* The same scenarios with q, k and v staged by a host function on the
  * stream (hostfn-min 0: every step), the path of large prefills:
  * the H2D copy must wait for it in stream order, and with the pool capped a
@@ -796,6 +818,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup(test_long_context_decode, reset_modes),
       cmocka_unit_test_setup(test_many_layers_in_flight, reset_modes),
       cmocka_unit_test_setup(test_pinned_cap, reset_modes),
+      cmocka_unit_test_setup(test_pinned_warm, reset_modes),
       cmocka_unit_test_setup(test_hostfn_staging, reset_modes),
       cmocka_unit_test_setup(test_pinned_frames, reset_modes),
       cmocka_unit_test_setup(test_device_io, reset_modes),

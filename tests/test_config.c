@@ -398,7 +398,7 @@ static void test_tuning(void **state) {
   const char *u = attnd_config_usage();
   const char *names[] = {"--worker-threads",  "--engine-offload-bytes", "--rpc-ref-min",
                          "--cuda-pinned-max", "--cuda-hostfn-min",      "--cuda-completion",
-                         "--cuda-trace",      "--engine-chunk-keys"};
+                         "--cuda-trace",      "--engine-chunk-keys", "--cuda-pinned-warm"};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
     if (!strstr(u, names[i]))
       fail_msg("--help does not name %s", names[i]);

@@ -163,6 +163,8 @@ typedef struct {
   int device;               /* CUDA: device ordinal */
   uint64_t cuda_pinned_max; /* CUDA: cap on pinned staging, 0 = 1/8 of host
                              * memory within [256 MiB, 8 GiB] */
+  uint64_t cuda_pinned_warm; /* CUDA: one pinned staging buffer this large made at
+                              * start (--cuda-pinned-warm), 0 = none */
   uint64_t cuda_hostfn_min; /* CUDA: q+k+v bytes above which their host copy
                              * runs in a host function on the stream */
   int cuda_callbacks;       /* CUDA: 1 = stream callbacks signal completion,

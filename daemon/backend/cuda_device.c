@@ -218,6 +218,7 @@ static void apply_opts(cu_backend_t *be, const attnd_backend_opts_t *o) {
   if (o->cuda_pinned_max)
     be->pinned_max = (size_t)o->cuda_pinned_max;
   be->hostfn_min = (size_t)o->cuda_hostfn_min;
+  be->pinned_warm = (size_t)o->cuda_pinned_warm;
   be->poll = !o->cuda_callbacks;
   be->chunk_keys = o->chunk_keys;
   if (o->cuda_trace)
@@ -307,7 +308,7 @@ static int create_pool(cu_backend_t *be, int layers, uint64_t kv_memory, char *e
  * attnd_cu_stage_get allocates a new one. */
 static int warm_up(cu_backend_t *be, char *err, size_t errlen) {
   cudaError_t e;
-  cu_stage_t *warm[2 * CU_MAX_STREAMS];
+  cu_stage_t *warm[2 * CU_MAX_STREAMS + 1];
   int nwarm = 0, rc = 0;
   for (int i = 0; i < 2 * be->nstreams && !rc; i++) {
     int cerr = cudaSuccess;
@@ -318,6 +319,30 @@ static int warm_up(cu_backend_t *be, char *err, size_t errlen) {
       rc = ATTND_ECUDA;
     } else {
       warm[nwarm++] = st;
+    }
+  }
+  /* --cuda-pinned-warm: the large steps' buffer now, not while serving
+   * (pinning stalls every CUDA call of the process meanwhile). */
+  if (!rc && be->pinned_warm > 0) {
+    size_t cap = CU_STAGE_MIN;
+    while (cap < be->pinned_warm)
+      cap <<= 1;
+    if (be->pinned_bytes + cap > be->pinned_max) {
+      snprintf(err, errlen,
+               "--cuda-pinned-warm %zu rounds up to a %zu-byte buffer, past the pinned cap of %zu "
+               "(--cuda-pinned-max)",
+               be->pinned_warm, cap, be->pinned_max);
+      rc = ATTND_EINVAL;
+    } else {
+      int cerr = cudaSuccess;
+      cu_stage_t *st = attnd_cu_stage_get(be, be->pinned_warm, 1, &cerr);
+      if (!st) {
+        snprintf(err, errlen, "cudaHostAlloc (--cuda-pinned-warm): %s",
+                 cudaGetErrorString((cudaError_t)cerr));
+        rc = ATTND_ECUDA;
+      } else {
+        warm[nwarm++] = st;
+      }
     }
   }
   while (nwarm > 0)

@@ -135,6 +135,7 @@ struct cu_backend_s {
   size_t nowned, owned_cap;
   size_t pinned_bytes, pinned_max; /* sum of owned caps; the cap on it */
   size_t hostfn_min;               /* q+k+v bytes copied by a host function past this */
+  size_t pinned_warm;              /* --cuda-pinned-warm: one stage this large made at start */
   int stages_out;                  /* stages held by runs */
   /* Pinned request frames (attnd_cu_frame_alloc): a pool apart from the
    * stages (frames are held until their requests finish, which may wait for

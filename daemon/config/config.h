@@ -133,6 +133,8 @@ typedef struct {
                                        * (UV_THREADPOOL_SIZE), 0 = max(4, CPU workers) */
   uint64_t cuda_pinned_max;           /* --cuda-pinned-max: pinned staging cap, 0 = 1/8 of
                                        * host memory within [256M, 8G] */
+  uint64_t cuda_pinned_warm;          /* --cuda-pinned-warm: one pinned staging buffer this
+                                       * large allocated at start, 0 = none */
   uint64_t cuda_hostfn_min;           /* --cuda-hostfn-min: q+k+v bytes copied to pinned
                                        * memory by a host function past this, default 1M */
   attnd_completion_t cuda_completion; /* --cuda-completion poll|callback */
