@@ -130,7 +130,7 @@ no_systemd() {
       runas=()
     fi
   fi
-  echo "== user: $( [ ${#runas[@]} -gt 0 ] && echo "${runas[2]#--reuid=}" || id -un)"
+  echo "== user: $( [ ${#runas[@]} -gt 0 ] && echo "${runas[1]#--reuid=}" || id -un)"
   echo "== starting attnd under $sandbox_exec (the filter of $unit, errno ${errno_name:-EPERM}, families ${fams:-any})"
   local exec_args=(--allow "$allow" --deny "$deny" --errno "${errno_name:-EPERM}")
   [ -n "$fams" ] && exec_args+=(--families "$fams")
