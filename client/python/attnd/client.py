@@ -337,8 +337,9 @@ class Client:
     reconnect to a restarted daemon is noticed too. bf16: how bf16 outputs come back: "auto" (ml_dtypes
     bfloat16 if installed, else uint16 bits), "uint16" or "float32". ipc: whether step()
     over torch CUDA tensors names them in place (same-host zero-copy, attnd.ipc) instead
-    of sending bytes: "auto" (when the daemon is on this host and device; bytes from
-    the first FAILED_PRECONDITION on), True (refusals raise) or False.
+    of sending bytes: "auto" (when the daemon is on this host and device and the step's
+    q, k and v come to 1 MiB or more; bytes from the first FAILED_PRECONDITION on),
+    True (every such step; refusals raise) or False.
 
     Blocking calls (health(), step(), ...) and pipelined ones (step_send() many,
     then step_recv(id) in any order) can be mixed. A Client is safe to share

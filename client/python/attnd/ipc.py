@@ -105,10 +105,17 @@ def _same_device(a: str, b: str) -> bool:
 class IpcState:
     """One connection's registered allocations and whether zero-copy is in use.
 
-    mode: "auto" (use it when the daemon is on this host and the tensors are on its
-    device; fall back to bytes for good once the daemon refuses a registration with
-    FAILED_PRECONDITION), True (the same, but a refusal raises), False (never).
+    mode: "auto" (use it when the daemon is on this host, the tensors are on its
+    device and q, k and v come to at least AUTO_MIN_BYTES; fall back to bytes for good
+    once the daemon refuses a registration with FAILED_PRECONDITION), True (every
+    such step, and a refusal raises), False (never).
     """
+
+    # Below this, a step's bytes cost less to send than the daemon's device check of
+    # refs costs (an H200, 8B shape: a 1-session decode layer step took 376 us by
+    # reference and 152 us as bytes; 16 sessions, 131 KB of q, were even), so "auto"
+    # sends them; large steps (prefills) go by reference.
+    AUTO_MIN_BYTES = 1 << 20
 
     def __init__(self, client: Any, mode: Any) -> None:
         self.client = client
@@ -128,6 +135,9 @@ class IpcState:
         if self.off or not self.client.local:
             return False
         ts = [t for t in tensors if t is not None]
+        if self.mode == "auto" and sum(t.numel() * t.element_size() for t in ts
+                                       if _is_cuda_tensor(t)) < self.AUTO_MIN_BYTES:
+            return False
         # Contiguous, and at the 256-byte offsets refs need (an allocation's start
         # is aligned further, so the address tells); anything else goes as bytes.
         if not ts or not all(_is_cuda_tensor(t) and t.is_contiguous() and t.data_ptr() % 256 == 0
