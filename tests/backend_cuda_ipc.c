@@ -45,7 +45,6 @@ void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d) {
  * another process: tests/e2e/test_ipc.py). */
 void test_ipc_ops(void **state) {
   SKIP_WITHOUT_GPU();
-  attnd_backend_opts_t saved = g_opts;
   g_opts.cuda_hostfn_min = 0;
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   uv_loop_t loop;
@@ -86,7 +85,6 @@ void test_ipc_ops(void **state) {
   if (attnd_cuda_mock_hold)
     gpu->ops->ipc_close(gpu, base);
   gpu->ops->host_free(gpu, x);
-  g_opts = saved;
   destroy_and_close(&loop, gpu);
   assert_int_equal(uv_loop_close(&loop), 0);
 }

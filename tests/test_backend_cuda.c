@@ -549,10 +549,8 @@ static void test_many_layers_in_flight(void **state) {
  * buffers, every job waits for one to come back, in submission order. */
 static void test_pinned_cap(void **state) {
   SKIP_WITHOUT_GPU();
-  attnd_backend_opts_t saved = g_opts;
   g_opts.cuda_pinned_max = 1;
   many_layers_in_flight();
-  g_opts = saved;
 }
 
 /* --cuda-pinned-warm: the large steps' staging buffer is made at start
@@ -583,14 +581,12 @@ static void test_pinned_warm(void **state) {
  * pinned buffer must not be reused before its host function ran. */
 static void test_hostfn_staging(void **state) {
   SKIP_WITHOUT_GPU();
-  attnd_backend_opts_t saved = g_opts;
   g_opts.cuda_hostfn_min = 0;
   compare_backends(ATTND_KV_BF16);
   compare_backends(ATTND_KV_INT8_DYNAMIC);
   many_layers_in_flight();
   g_opts.cuda_pinned_max = 1;
   many_layers_in_flight();
-  g_opts = saved;
 }
 
 /* Large frames received into the backend's pinned host memory: q, k and v
@@ -600,13 +596,10 @@ static void test_hostfn_staging(void **state) {
  * handed back and reused across the runs. */
 static void test_pinned_frames(void **state) {
   SKIP_WITHOUT_GPU();
-  attnd_backend_opts_t saved = g_opts;
   g_opts.cuda_hostfn_min = 0;
   g_frames = 1;
   compare_backends(ATTND_KV_BF16);
   compare_backends(ATTND_KV_INT8_DYNAMIC);
-  g_frames = 0;
-  g_opts = saved;
 }
 
 /* Same-host zero-copy (backend.h device_io): the steps' q, k, v, out and
@@ -618,13 +611,10 @@ static void test_pinned_frames(void **state) {
  * process's device memory. */
 static void test_device_io(void **state) {
   SKIP_WITHOUT_GPU();
-  attnd_backend_opts_t saved = g_opts;
   g_opts.cuda_hostfn_min = 0;
   g_devio = 1;
   compare_backends(ATTND_KV_BF16);
   compare_backends(ATTND_KV_INT8_DYNAMIC);
-  g_devio = 0;
-  g_opts = saved;
 }
 
 /* Unordered jobs (the engine's, which it vouches conflict with nothing
@@ -769,7 +759,7 @@ static void test_unavailable_without_device(void **state) {
  * (a failed test_pinned_frames once left frames on under test_device_io,
  * whose client block then went through free()). */
 static attnd_backend_opts_t g_opts0;
-static int reset_modes(void **state) {
+static int reset_modes(void **state) { /* the one place a test's modes are undone */
   (void)state;
   g_opts = g_opts0;
   g_frames = 0;

@@ -186,19 +186,6 @@ void attnd_rpc_call_release(attnd_rpc_req_t *q) {
 
 /* ---- a Step's refs ---- */
 
-static size_t dtype_bytes(int dt) {
-  switch (dt) {
-  case attnd_v1_DType_DTYPE_BF16:
-  case attnd_v1_DType_DTYPE_FP16:
-    return 2;
-  case attnd_v1_DType_DTYPE_FP32:
-  case attnd_v1_DType_DTYPE_INT32:
-    return 4;
-  default:
-    return 0;
-  }
-}
-
 /* One ref into t: its buffer held by q, its region inside the buffer. */
 static int resolve(attnd_rpc_req_t *q, const attnd_v1_TensorRef *ref, const char *name,
                    attnd_tensor_t *t) {
@@ -208,7 +195,7 @@ static int resolve(attnd_rpc_req_t *q, const attnd_v1_TensorRef *ref, const char
   int rc = lookup(q, ref->buffer, what, &b);
   if (rc)
     return rc;
-  size_t es = dtype_bytes(ref->dtype);
+  size_t es = attnd_rpc_dtype_size(ref->dtype);
   if (!es || ref->shape_count < 1) {
     snprintf(q->msg, sizeof(q->msg), "%s: needs a dtype (BF16, FP16, FP32) and a shape", what);
     return ATTND_EINVAL;

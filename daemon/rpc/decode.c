@@ -61,7 +61,7 @@ void attnd_rpc_set_tensor_cb(attnd_v1_Tensor *pb, attnd_tensor_t *t) {
   pb->data.arg = t;
 }
 
-static size_t dtype_size(int dt) {
+size_t attnd_rpc_dtype_size(int dt) {
   switch (dt) {
   case attnd_v1_DType_DTYPE_BF16:
   case attnd_v1_DType_DTYPE_FP16:
@@ -101,7 +101,7 @@ int attnd_rpc_tensor_finish(attnd_tensor_t *t, bool has, const attnd_v1_Tensor *
   t->ndim = (int)pb->shape_count;
   t->data = data;
   t->nbytes = nbytes;
-  size_t es = dtype_size(t->dtype);
+  size_t es = attnd_rpc_dtype_size(t->dtype);
   if (!es) {
     snprintf(msg, cap, "%s: dtype %d is not one of BF16, FP16, FP32, INT32", name, t->dtype);
     return ATTND_EINVAL;

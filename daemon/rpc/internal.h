@@ -55,7 +55,7 @@ struct attnd_rpc_req_s {
   uint8_t *frame;
   size_t frame_len;
   int frame_pinned; /* frame is the engine's pinned frame memory (rpc.h) */
-  uint64_t t0_ns;  /* frame decoded */
+  uint64_t t0_ns;   /* frame decoded */
   uint64_t t_read0_ns, t_decoded_ns, t_called_ns; /* the step trace (rpc.h) */
   int close_after; /* close the connection once the answer is written */
   /* The call's message as decoded; tensor and mask data point into frame. */
@@ -190,6 +190,9 @@ int attnd_rpc_pb_decode(attnd_rpc_req_t *q, pb_istream_t *s, const pb_msgdesc_t 
 bool attnd_rpc_dec_u32_cb(pb_istream_t *s, const pb_field_t *f, void **arg);
 bool attnd_rpc_dec_item_cb(pb_istream_t *s, const pb_field_t *f, void **arg);
 void attnd_rpc_set_tensor_cb(attnd_v1_Tensor *pb, attnd_tensor_t *t);
+/* Bytes per element of a wire DType (attnd.v1.DType), 0 for an unknown one:
+ * for tensors' bytes and tensor refs' regions alike. */
+size_t attnd_rpc_dtype_size(int dt);
 /* Fills t from the decoded message and checks what the wire alone can say:
  * a known dtype, 1 to 4 dims, and as many bytes as the shape needs. */
 int attnd_rpc_tensor_finish(attnd_tensor_t *t, bool has, const attnd_v1_Tensor *pb,
