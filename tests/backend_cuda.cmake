@@ -5,7 +5,8 @@
 # the backend library, with or without CUDA) and skipped at run time when no
 # CUDA device answers; the GPU round runs it on the H200 from build-gpu/, so it
 # finds libcmocka and libuv beside itself.
-attnd_add_test(test_backend_cuda SOURCES test_backend_cuda.c backend_cuda_fixture.c backend_cuda_ipc.c
+attnd_add_test(test_backend_cuda SOURCES test_backend_cuda.c test_backend_cuda_ring.c backend_cuda_fixture.c
+                       backend_cuda_ipc.c
                LIBS attnd_backend TIMEOUT 300
                LABELS "gpu;backend")
 set_target_properties(test_backend_cuda PROPERTIES BUILD_RPATH "\$ORIGIN" INSTALL_RPATH "\$ORIGIN")
@@ -20,7 +21,8 @@ find_path(ATTND_CUDART_INCLUDE_DIR cuda_runtime_api.h
           HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
 if(ATTND_CUDART_INCLUDE_DIR)
   attnd_add_test(test_backend_cuda_mock TIMEOUT 120 LABELS backend
-                 SOURCES test_backend_cuda.c backend_cuda_fixture.c backend_cuda_ipc.c cuda_mock.c
+                 SOURCES test_backend_cuda.c test_backend_cuda_ring.c backend_cuda_fixture.c
+                         backend_cuda_ipc.c cuda_mock.c
                          ${ATTND_BACKEND_CUDA_SRC}
                          ${PROJECT_SOURCE_DIR}/daemon/backend/backend.c
                          ${PROJECT_SOURCE_DIR}/daemon/backend/cpu.c
@@ -37,6 +39,10 @@ if(ATTND_CUDART_INCLUDE_DIR)
   add_test(NAME test_backend_cuda_mock_fault_hostfn
            COMMAND test_backend_cuda_mock --fault --hostfn-min=0)
   set_tests_properties(test_backend_cuda_mock_fault_hostfn PROPERTIES TIMEOUT 60 LABELS backend
+                       ENVIRONMENT "ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
+  # A fault in a later chunk of a large step staged through the ring.
+  add_test(NAME test_backend_cuda_mock_ring_fault COMMAND test_backend_cuda_mock --ring-fault)
+  set_tests_properties(test_backend_cuda_mock_ring_fault PROPERTIES TIMEOUT 60 LABELS backend
                        ENVIRONMENT "ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
   # Completion through stream callbacks (--cuda-completion callback) instead of
   # the event poller, with the per-step trace on: the whole test, then the fault.

@@ -15,6 +15,8 @@
  * modelled (every stream runs on its own thread). A write whose block table names a
  * block >= ATTND_CUDA_MOCK_FAULT_BLOCK (default 2^24) reports
  * cudaErrorIllegalAddress to every later callback (a sticky fault).
+ * attnd_cuda_mock_allocs() counts the allocation calls (cudaHostAlloc,
+ * cudaMalloc, cudaMallocAsync), which must all happen at start.
  *
  * Linked only into test_backend_cuda_mock, never into the daemon. */
 #include <cuda_runtime_api.h>
@@ -69,6 +71,13 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct CUstream_st *g_streams;
 static atomic_int g_sticky; /* cudaErrorIllegalAddress once a fault ran */
 static atomic_int g_hold;   /* streams start no operation while set */
+static atomic_int g_allocs; /* cudaHostAlloc, cudaMalloc and cudaMallocAsync calls */
+
+/* Allocation calls so far: a test reads it after the backend started and
+ * again after its steps, which must have allocated nothing (cuda_ring.c). */
+int attnd_cuda_mock_allocs(void) {
+  return atomic_load(&g_allocs);
+}
 
 /* Lets a test enqueue a whole batch of jobs before any stream starts, so that
  * ordering does not depend on how fast the submitting thread happens to run. */
@@ -369,6 +378,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t st) {
 }
 
 cudaError_t cudaMalloc(void **p, size_t size) {
+  atomic_fetch_add(&g_allocs, 1);
   *p = calloc(1, size ? size : 1);
   return *p ? cudaSuccess : cudaErrorMemoryAllocation;
 }
@@ -390,6 +400,7 @@ cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {
 }
 
 cudaError_t cudaHostAlloc(void **p, size_t size, unsigned int flags) {
+  atomic_fetch_add(&g_allocs, 1);
   *p = malloc(size ? size : 1);
   if (*p)
     memset(*p, 0xa5, size); /* garbage, as fresh pinned memory may hold */
@@ -402,6 +413,7 @@ cudaError_t cudaFreeHost(void *p) {
 }
 
 cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t st) {
+  atomic_fetch_add(&g_allocs, 1);
   *p = malloc(size ? size : 1);
   if (*p)
     memset(*p, 0x5a, size);
@@ -457,7 +469,8 @@ cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t st) {
 }
 
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
-  *ms = (float)(atomic_load((_Atomic double *)(void *)b) - atomic_load((_Atomic double *)(void *)a));
+  *ms =
+      (float)(atomic_load((_Atomic double *)(void *)b) - atomic_load((_Atomic double *)(void *)a));
   return cudaSuccess;
 }
 

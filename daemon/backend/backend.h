@@ -94,9 +94,17 @@ struct attnd_job_s {
    * events): microseconds per ATTND_DEV_* phase. */
   uint32_t dev_us[ATTND_DEV_COUNT];
   int dev_timed;
-  void (*done_cb)(attnd_job_t *job);          /* on the loop thread */
+  void (*done_cb)(attnd_job_t *job); /* on the loop thread */
   void *user;
 };
+
+/* What a backend holds and did, for Health and tests (ops.stats). */
+typedef struct {
+  uint64_t pinned_bytes;  /* pinned host memory held: staging, frames, the ring */
+  uint64_t ring_bytes;    /* of which the ring (CUDA: --cuda-ring) */
+  uint64_t ring_chunks;   /* chunks staged through the ring so far */
+  uint64_t oneshot_steps; /* large steps that could not be cut, staged whole */
+} attnd_backend_stats_t;
 
 typedef struct {
   const char *name; /* "cpu" | "cuda" */
@@ -107,6 +115,8 @@ typedef struct {
   int (*inflight)(attnd_backend_t *b);
   /* Device name, memory and compute capability for Health. */
   void (*describe)(attnd_backend_t *b, char *device, size_t len, uint64_t *mem, int *cc);
+  /* Optional (NULL: nothing to say): attnd_backend_stats_t, loop thread. */
+  void (*stats)(attnd_backend_t *b, attnd_backend_stats_t *st);
   /* Frees everything; only called with nothing in flight. */
   void (*destroy)(attnd_backend_t *b);
   /* Optional (NULL: malloc): host memory of len bytes for a request frame's
@@ -157,24 +167,28 @@ struct attnd_backend_s {
  * daemon's options (docs/operations.md). attnd_backend_opts_defaults() gives
  * the defaults of every field. */
 typedef struct {
-  uint64_t kv_memory;       /* KV pool bytes, all layers; 0 = backend default (CPU
-                             * 1 GiB, CUDA 90% of free device memory) */
-  int threads;              /* CPU: worker parts per phase, 0 = one per core */
-  int device;               /* CUDA: device ordinal */
-  uint64_t cuda_pinned_max; /* CUDA: cap on pinned staging, 0 = 1/8 of host
-                             * memory within [256 MiB, 8 GiB] */
-  uint64_t cuda_pinned_warm; /* CUDA: one pinned staging buffer this large made at
-                              * start (--cuda-pinned-warm), 0 = none */
-  uint64_t cuda_hostfn_min; /* CUDA: q+k+v bytes above which their host copy
-                             * runs in a host function on the stream */
-  int cuda_callbacks;       /* CUDA: 1 = stream callbacks signal completion,
-                             * 0 = an event poller thread (default) */
-  int cuda_trace;           /* CUDA: 1 = log where steps' time goes */
-  uint64_t chunk_keys;      /* a step whose attention reads more keys per q head
-                             * (summed over its rows) is large: the CPU backend
-                             * cuts it into chunks of about this much, the CUDA
-                             * backend keeps it off the priority streams; 0 =
-                             * none is (--engine-chunk-keys) */
+  uint64_t kv_memory;        /* KV pool bytes, all layers; 0 = backend default (CPU
+                              * 1 GiB, CUDA 90% of free device memory) */
+  int threads;               /* CPU: worker parts per phase, 0 = one per core */
+  int device;                /* CUDA: device ordinal */
+  uint64_t cuda_pinned_max;  /* CUDA: cap on pinned staging, 0 = 1/8 of host
+                              * memory within [256 MiB, 8 GiB] */
+  uint64_t cuda_ring;        /* CUDA: bytes of the pinned ring (and of its device
+                              * twin) through which large steps are staged in
+                              * chunks, made at start (--cuda-ring); 0 = 256 MiB,
+                              * less where --cuda-pinned-max leaves less */
+  uint64_t cuda_pinned_warm; /* CUDA: the older name of cuda_ring (--cuda-pinned-warm),
+                              * used when cuda_ring is 0; 0 = none */
+  uint64_t cuda_hostfn_min;  /* CUDA: q+k+v bytes above which their host copy
+                              * runs in a host function on the stream */
+  int cuda_callbacks;        /* CUDA: 1 = stream callbacks signal completion,
+                              * 0 = an event poller thread (default) */
+  int cuda_trace;            /* CUDA: 1 = log where steps' time goes */
+  uint64_t chunk_keys;       /* a step whose attention reads more keys per q head
+                              * (summed over its rows) is large: the CPU backend
+                              * cuts it into chunks of about this much, the CUDA
+                              * backend keeps it off the priority streams; 0 =
+                              * none is (--engine-chunk-keys) */
 } attnd_backend_opts_t;
 
 void attnd_backend_opts_defaults(attnd_backend_opts_t *o);

@@ -43,7 +43,15 @@ static void push_done(cu_backend_t *be, cu_run_t *r) {
                                                                             : r->job->t_submit_us;
   if (r->t_start > r->t_end)
     r->t_start = r->t_end;
-  cs->last_end_us = r->t_end;
+  if (r->parent) {
+    /* A ring chunk: its run began with its first chunk. */
+    if (!r->parent->t_first)
+      r->parent->t_first = r->t_start;
+  } else {
+    if (r->t_first && r->t_first < r->t_start)
+      r->t_start = r->t_first;
+    cs->last_end_us = r->t_end;
+  }
   r->next = NULL;
   if (be->dtail)
     be->dtail->next = r;
@@ -65,7 +73,9 @@ static void CUDART_CB stream_cb(cudaStream_t st, cudaError_t status, void *arg) 
   if (status != cudaSuccess && attnd_cu_sticky(status))
     atomic_store(&be->dead, 1);
   attnd_job_t *job = r->job;
-  if (status == cudaSuccess && !r->status && job->kind == ATTND_JOB_STEP && !job->device_io) {
+  /* Ring runs and chunks: the chunks' host functions copied the outputs. */
+  if (status == cudaSuccess && !r->status && job->kind == ATTND_JOB_STEP && !job->device_io &&
+      r->path != 2) {
     if (job->out_bytes && !job->outputs_pinned) /* pinned: DMA'd there already */
       memcpy(job->batch.out, r->stage->p + r->out_off, job->out_bytes);
     if (job->lse_bytes && job->batch.lse)
@@ -191,7 +201,16 @@ static void finish_run(cu_backend_t *be, cu_run_t *r) {
   attnd_cu_ev_put(be, r->done_ev);
   attnd_cu_ev_put(be, r->fence_ev);
   r->done_ev = r->fence_ev = NULL;
+  if (r->parent) {
+    cu_run_t *run = attnd_cu_ring_chunk_done(be, r);
+    if (run)
+      finish_run(be, run);
+    return;
+  }
+  if (attnd_cu_ring_defer(r))
+    return; /* its chunks' completions come later; the last one finishes it */
   be->streams[r->stream].nrun--;
+  attnd_cu_ring_plan_free(r->plan);
   if (!r->status && r->async != cudaSuccess) {
     int sticky = attnd_cu_sticky(r->async);
     r->status = sticky ? ATTND_EDEVICE : ATTND_ECUDA;

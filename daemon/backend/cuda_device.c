@@ -92,6 +92,14 @@ static void cu_describe(attnd_backend_t *base, char *device, size_t len, uint64_
   *cc = be->cc;
 }
 
+static void cu_stats(attnd_backend_t *base, attnd_backend_stats_t *st) {
+  cu_backend_t *be = (cu_backend_t *)base;
+  st->pinned_bytes = be->pinned_bytes + be->frame_bytes + be->ring_bytes;
+  st->ring_bytes = be->ring_bytes;
+  st->ring_chunks = be->ring_chunks;
+  st->oneshot_steps = be->oneshot_steps;
+}
+
 /* Frees the device and pinned memory; the struct itself goes in the async
  * handle's close callback. */
 static void release(cu_backend_t *be) {
@@ -116,6 +124,7 @@ static void release(cu_backend_t *be) {
     cudaFree(be->dscales);
   if (be->dsinks)
     cudaFree(be->dsinks);
+  attnd_cu_ring_release(be);
   be->pool = NULL;
   be->dscales = NULL;
   be->dsinks = NULL;
@@ -197,6 +206,7 @@ static const attnd_backend_ops_t cu_ops = {
     .submit = attnd_cu_submit,
     .inflight = cu_inflight,
     .describe = cu_describe,
+    .stats = cu_stats,
     .destroy = cu_destroy,
     .host_alloc = attnd_cu_frame_alloc,
     .host_free = attnd_cu_frame_free,
@@ -219,6 +229,7 @@ static void apply_opts(cu_backend_t *be, const attnd_backend_opts_t *o) {
     be->pinned_max = (size_t)o->cuda_pinned_max;
   be->hostfn_min = (size_t)o->cuda_hostfn_min;
   be->pinned_warm = (size_t)o->cuda_pinned_warm;
+  be->ring_want = (size_t)o->cuda_ring;
   be->poll = !o->cuda_callbacks;
   be->chunk_keys = o->chunk_keys;
   if (o->cuda_trace)
@@ -308,7 +319,7 @@ static int create_pool(cu_backend_t *be, int layers, uint64_t kv_memory, char *e
  * attnd_cu_stage_get allocates a new one. */
 static int warm_up(cu_backend_t *be, char *err, size_t errlen) {
   cudaError_t e;
-  cu_stage_t *warm[2 * CU_MAX_STREAMS + 1];
+  cu_stage_t *warm[2 * CU_MAX_STREAMS];
   int nwarm = 0, rc = 0;
   for (int i = 0; i < 2 * be->nstreams && !rc; i++) {
     int cerr = cudaSuccess;
@@ -321,42 +332,33 @@ static int warm_up(cu_backend_t *be, char *err, size_t errlen) {
       warm[nwarm++] = st;
     }
   }
-  /* --cuda-pinned-warm: the large steps' buffer now, not while serving
-   * (pinning stalls every CUDA call of the process meanwhile). */
-  if (!rc && be->pinned_warm > 0) {
-    size_t cap = CU_STAGE_MIN;
-    while (cap < be->pinned_warm)
-      cap <<= 1;
-    if (be->pinned_bytes + cap > be->pinned_max) {
-      snprintf(err, errlen,
-               "--cuda-pinned-warm %zu rounds up to a %zu-byte buffer, past the pinned cap of %zu "
-               "(--cuda-pinned-max)",
-               be->pinned_warm, cap, be->pinned_max);
-      rc = ATTND_EINVAL;
-    } else {
-      int cerr = cudaSuccess;
-      cu_stage_t *st = attnd_cu_stage_get(be, be->pinned_warm, 1, &cerr);
-      if (!st) {
-        snprintf(err, errlen, "cudaHostAlloc (--cuda-pinned-warm): %s",
-                 cudaGetErrorString((cudaError_t)cerr));
-        rc = ATTND_ECUDA;
-      } else {
-        warm[nwarm++] = st;
-      }
-    }
-  }
   while (nwarm > 0)
     attnd_cu_stage_put(be, warm[--nwarm]);
   if (rc)
     return rc;
+  /* The attention workspace each stream keeps (it never grows while
+   * serving: past CU_WS_ROWS rows a decode batch splits less). */
+  size_t ws = attnd_cuda_attend_workspace(&be->base.shape, CU_WS_ROWS);
+  if (ws > CU_WS_MAX)
+    ws = CU_WS_MAX;
   for (int i = 0; i < 2 * be->nstreams; i++) {
     cu_stream_t *cs = &be->streams[i];
     if ((e = attnd_cu_dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, CU_DBUF_MIN, CU_DBUF_MIN)) !=
-        cudaSuccess) {
+            cudaSuccess ||
+        (ws &&
+         (e = attnd_cu_dev_reserve(cs, &cs->ws, &cs->wcap, ws, (size_t)1 << 20)) != cudaSuccess)) {
       snprintf(err, errlen, "cudaMallocAsync (device staging): %s", cudaGetErrorString(e));
       return ATTND_ECUDA;
     }
   }
+  if ((rc = attnd_cu_frames_create(be, err, errlen)) != 0)
+    return rc;
+  /* The ring last: by default it takes what the pinned cap leaves, up to
+   * CU_RING_DEFAULT. */
+  const char *opt = be->ring_want || !be->pinned_warm ? "cuda-ring" : "cuda-pinned-warm";
+  size_t want = be->ring_want ? be->ring_want : be->pinned_warm;
+  if ((rc = attnd_cu_ring_create(be, want, opt, err, errlen)) != 0)
+    return rc;
   if ((e = cudaDeviceSynchronize()) != cudaSuccess) {
     snprintf(err, errlen, "cudaDeviceSynchronize: %s", cudaGetErrorString(e));
     return ATTND_ECUDA;
@@ -441,6 +443,10 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
       (rc = create_pool(be, layers, o->kv_memory, err, errlen)) != 0 ||
       (rc = warm_up(be, err, errlen)) != 0 || (rc = start_completion(be, loop, err, errlen)) != 0)
     goto fail_mem;
+  be->started = 1;
+  ATTND_LOGI("cuda_ring", "ring_bytes=%zu slots=%d slot_bytes=%zu pinned_bytes=%zu frame_bytes=%zu",
+             be->ring_bytes, CU_RING_SLOTS, be->slot_bytes, be->pinned_bytes + be->ring_bytes,
+             be->frame_bytes);
   *out = &be->base;
   return 0;
 

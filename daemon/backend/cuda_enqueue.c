@@ -78,22 +78,24 @@ enqueued:
  * kernels and before its later ones without the loop waiting for either.
  * The flags later enqueues read (scales_ok, per_channel) change here, on the
  * loop thread, in submission order. */
-static void enqueue_scales(cu_backend_t *be, cu_run_t *r) {
+static int enqueue_scales(cu_backend_t *be, cu_run_t *r) {
   const attnd_job_t *job = r->job;
   int layer = job->layer;
   if (!be->dscales)
-    return; /* a type without static scales: nothing the kernels read */
-  be->scales_ok[layer] = 0;
+    return 0; /* a type without static scales: nothing the kernels read */
   size_t n =
       (size_t)be->base.shape.kv_heads * (job->per_channel ? (size_t)be->base.shape.head_dim : 1);
   size_t bytes = 4 * be->nsc * sizeof(float);
   int cerr = cudaSuccess;
-  r->stage = attnd_cu_stage_get(be, bytes, 1, &cerr);
+  r->stage = attnd_cu_stage_get(be, bytes, 0, &cerr);
   if (!r->stage) {
+    if (cerr == cudaSuccess)
+      return 1; /* every pooled buffer is out: wait for one */
     attnd_cu_run_fail_cuda(r, __FILE__, __LINE__, "cudaHostAlloc (scales)", (cudaError_t)cerr);
-    return;
+    return 0;
   }
   float *hp = (float *)r->stage->p;
+  be->scales_ok[layer] = 0;
   memset(hp, 0, bytes);
   memcpy(hp, job->k_scale, n * sizeof(float));
   memcpy(hp + be->nsc, job->v_scale, n * sizeof(float));
@@ -106,33 +108,36 @@ static void enqueue_scales(cu_backend_t *be, cu_run_t *r) {
   be->scales_ok[layer] = 1;
   be->per_channel[layer] = job->per_channel;
 enqueued:
-  return;
+  return 0;
 }
 
 /* A SINKS job: the layer's sink logits, staged and copied on the layer's
- * stream like scales; steps enqueued after it read them (sinks_ok). */
-static void enqueue_sinks(cu_backend_t *be, cu_run_t *r) {
+ * stream like scales; steps enqueued after it read them (sinks_ok). 1 when
+ * it waits for a pooled buffer. */
+static int enqueue_sinks(cu_backend_t *be, cu_run_t *r) {
   const attnd_job_t *job = r->job;
   int layer = job->layer;
   size_t bytes = (size_t)be->base.shape.q_heads * sizeof(float);
-  be->sinks_ok[layer] = 0;
   int cerr = cudaSuccess;
-  r->stage = attnd_cu_stage_get(be, bytes, 1, &cerr);
+  r->stage = attnd_cu_stage_get(be, bytes, 0, &cerr);
   if (!r->stage) {
+    if (cerr == cudaSuccess)
+      return 1;
     attnd_cu_run_fail_cuda(r, __FILE__, __LINE__, "cudaHostAlloc (sinks)", (cudaError_t)cerr);
-    return;
+    return 0;
   }
+  be->sinks_ok[layer] = 0;
   memcpy(r->stage->p, job->sinks, bytes);
   RUN_CU(r, cudaMemcpyAsync(be->dsinks + (size_t)layer * (size_t)be->base.shape.q_heads,
                             r->stage->p, bytes, cudaMemcpyHostToDevice, be->streams[r->stream].st));
   be->sinks_ok[layer] = 1;
 enqueued:
-  return;
+  return 0;
 }
 
 /* The device view of a step's batch: the layer's pool and its static scales
  * on the device. 0, or -1 with r->status set (no scales uploaded). */
-static int device_batch(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db) {
+int attnd_cu_device_batch(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db) {
   const attnd_kshape_t *s = &be->base.shape;
   int layer = r->job->layer;
   *db = r->job->batch;
@@ -208,7 +213,9 @@ static void enqueue_kernels(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db, u
   attnd_cu_trace_mark(r, 2, cs->st);
   int attend = db->total_q > 0 && job->out_bytes;
   if (attend) {
-    size_t want = attnd_cuda_attend_workspace(s, db->total_q);
+    /* The workspace made at start serves every step (it never grows while
+     * serving), but for the one-shot path's, which allocates anyway. */
+    size_t want = r->path == 3 ? attnd_cuda_attend_workspace(s, db->total_q) : 0;
     if (want > CU_WS_MAX)
       want = CU_WS_MAX;
     if (want &&
@@ -292,10 +299,29 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
   const attnd_kbatch_t *hb = &job->batch;
   cu_stream_t *cs = &be->streams[r->stream];
   attnd_kbatch_t db;
-  if (device_batch(be, r, &db) != 0)
+  if (attnd_cu_device_batch(be, r, &db) != 0)
     return 0;
   layout_t lo;
   step_layout(job, r, &lo);
+  if (!r->path) {
+    /* Fast: a pooled buffer holds it. Ring: cut into chunks (cuda_ring.c).
+     * One-shot: neither (a step with an uncuttable item larger than a slot,
+     * or client device memory larger than a pooled buffer): staged whole,
+     * in buffers allocated for it. */
+    if (lo.total <= CU_STAGE_MIN)
+      r->path = 1;
+    else if (attnd_cu_ring_plan(be, r))
+      r->path = 2;
+    else
+      r->path = 3;
+    if (r->path == 3 && be->oneshot_steps++ % 1000 == 0)
+      ATTND_LOGW("cuda_oneshot",
+                 "layer=%d bytes=%zu steps=%llu err=\"a large step could not be cut "
+                 "into ring chunks; staged whole (allocates while serving)\"",
+                 job->layer, lo.total, (unsigned long long)be->oneshot_steps);
+  }
+  if (r->path == 2)
+    return attnd_cu_ring_pump(be, r);
   int cerr = cudaSuccess;
   if (job->device_io)
     return enqueue_step_device(be, r, &db, &lo);
@@ -386,14 +412,17 @@ static int start_run(cu_backend_t *be, cu_run_t *r) {
   if (atomic_load(&be->dead)) {
     r->status = ATTND_EDEVICE;
     snprintf(r->msg, sizeof(r->msg), "the CUDA device is unusable after an earlier error");
-  } else if (!r->fence_ev && r->stream < be->nstreams && fence_priority(be, r) != 0) {
-    /* r->status says why; the completion below still follows. */
+  } else if (!r->fence_ev && !r->path && r->stream < be->nstreams && fence_priority(be, r) != 0) {
+    /* r->status says why; the completion below still follows. (Fenced at the
+     * first attempt only: a ring run comes back here for each slot.) */
   } else if (job->kind == ATTND_JOB_COPY) {
     enqueue_copy(be, r);
   } else if (job->kind == ATTND_JOB_SCALES) {
-    enqueue_scales(be, r);
+    if (enqueue_scales(be, r))
+      return 1;
   } else if (job->kind == ATTND_JOB_SINKS) {
-    enqueue_sinks(be, r);
+    if (enqueue_sinks(be, r))
+      return 1;
   } else if (enqueue_step(be, r)) {
     return 1;
   }

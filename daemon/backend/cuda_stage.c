@@ -163,6 +163,10 @@ cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *ce
     be->stages_out++;
     return s;
   }
+  /* Every step but the one-shot path's fits a pooled buffer (CU_STAGE_MIN),
+   * made at start: wait for one to come back rather than allocate. */
+  if (be->started && need <= CU_STAGE_MIN)
+    return NULL;
   /* Warm-up (or a larger step than ever before): a new pinned buffer. Smaller
    * free ones stay while under the cap: freeing pinned memory may wait for
    * the device. */
@@ -231,44 +235,38 @@ void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s) {
 
 void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len) {
   cu_backend_t *be = (cu_backend_t *)base;
-  if (len < be->hostfn_min || atomic_load(&be->dead))
+  if (len < be->hostfn_min || len + CU_ALIGN > CU_STAGE_MIN || atomic_load(&be->dead))
     return NULL;
-  size_t need = len + CU_ALIGN;
-  cu_stage_t **pp = &be->free_frames, **best = NULL;
-  for (; *pp; pp = &(*pp)->next)
-    if ((*pp)->cap >= need && (!best || (*pp)->cap < (*best)->cap))
-      best = pp;
-  cu_stage_t *s;
-  if (best) {
-    s = *best;
-    *best = s->next;
-  } else {
-    size_t cap = CU_STAGE_MIN;
-    while (cap < need)
-      cap <<= 1;
-    if (be->frame_bytes + cap > be->pinned_max / 2)
-      return NULL;
-    if (cap >= CU_ASYNC_ALLOC_MIN) {
-      /* Plain memory this time; a pooled buffer for the next frame this large. */
-      if (!be->frame_alloc_inflight && alloc_start(be, cap, 1) != 0)
-        return NULL;
-      return NULL;
-    }
-    s = calloc(1, sizeof(*s));
-    if (!s)
-      return NULL;
-    if (cudaHostAlloc((void **)&s->p, cap, cudaHostAllocPortable) != cudaSuccess) {
-      cudaGetLastError();
-      free(s);
-      return NULL;
-    }
-    s->cap = cap;
-    be->frame_bytes += cap;
-  }
+  /* Only the frames made at start (attnd_cu_frames_create): none is pinned
+   * while serving, and a larger body or output goes through the ring. */
+  cu_stage_t *s = be->free_frames;
+  if (!s)
+    return NULL;
+  be->free_frames = s->next;
   s->next = NULL;
   be->frames_out++;
   memcpy(s->p, &s, sizeof(s));
   return s->p + CU_ALIGN;
+}
+
+int attnd_cu_frames_create(cu_backend_t *be, char *err, size_t errlen) {
+  if (be->hostfn_min + CU_ALIGN > CU_STAGE_MIN)
+    return 0; /* no frame could qualify */
+  for (int i = 0; i < CU_FRAMES; i++) {
+    cu_stage_t *s = attnd_xcalloc(1, sizeof(*s));
+    cudaError_t e = cudaHostAlloc((void **)&s->p, CU_STAGE_MIN, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      free(s);
+      snprintf(err, errlen, "cudaHostAlloc (pinned frames): %s", cudaGetErrorString(e));
+      return ATTND_ECUDA;
+    }
+    s->cap = CU_STAGE_MIN;
+    be->frame_bytes += s->cap;
+    s->next = be->free_frames;
+    be->free_frames = s;
+  }
+  return 0;
 }
 
 void attnd_cu_frame_free(attnd_backend_t *base, void *p) {

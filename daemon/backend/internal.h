@@ -4,6 +4,7 @@
  *
  *   cuda_device.c    device setup and teardown, the ops table, Health facts
  *   cuda_stage.c     pinned host staging and stream-ordered device buffers
+ *   cuda_ring.c      the fixed pinned ring: large steps staged in chunks
  *   cuda_enqueue.c   a job's work enqueued on its layer's stream (loop thread)
  *   cuda_complete.c  completion: event poller or stream callbacks -> loop
  *   cuda_trace.c     --cuda-trace: timing of where a step's time goes
@@ -61,8 +62,21 @@ _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE
 #define CU_WS_MAX ((size_t)256 << 20)
 /* Alignment of every region inside a staging buffer (vector loads, DMA). */
 #define CU_ALIGN ((size_t)256)
+/* The ring (cuda_ring.c): its default size, its least, its slots, and how
+ * many slots one step holds at once (one chunk computing, one staged). */
+#define CU_RING_DEFAULT ((size_t)256 << 20)
+#define CU_RING_MIN ((size_t)1 << 20)
+#define CU_RING_SLOTS 4
+#define CU_RING_PER_RUN 2
+/* Pinned request frames made at start (each CU_STAGE_MIN bytes). */
+#define CU_FRAMES 16
+/* q rows the per-stream attention workspace is sized for at start: a decode
+ * batch of up to this many rows gets all the splits it asks for; a larger
+ * one splits less (the workspace never grows while serving). */
+#define CU_WS_ROWS 128
 
 typedef struct cu_backend_s cu_backend_t;
+typedef struct cu_ring_plan_s cu_ring_plan_t; /* cuda_ring.c */
 
 typedef struct cu_stage_s {
   uint8_t *p; /* pinned host memory */
@@ -87,8 +101,16 @@ typedef struct cu_run_s {
   cudaEvent_t ev[5];
   int traced;
   uint64_t t_enq, t_cb;
-  cudaEvent_t done_ev;    /* polled completion: recorded behind the run's work */
-  cudaEvent_t fence_ev;   /* an ordered run's wait for its layer's priority stream */
+  cudaEvent_t done_ev;  /* polled completion: recorded behind the run's work */
+  cudaEvent_t fence_ev; /* an ordered run's wait for its layer's priority stream */
+  /* The ring (cuda_ring.c). A large step's run has a plan and holds ring
+   * slots through its chunks; each chunk is a run of its own (parent set,
+   * slot held) whose completion gives the slot back. */
+  cu_ring_plan_t *plan;
+  struct cu_run_s *parent;
+  int slot;               /* a chunk's ring slot */
+  int path;               /* 0 undecided, 1 fast (pooled stage), 2 ring, 3 one-shot */
+  uint64_t t_first;       /* a ring run: when its first chunk began (under mu) */
   struct cu_run_s *pnext; /* pending list of the poller (under pmu) */
   struct cu_run_s *next;  /* wait queue (loop thread), then done queue (under mu) */
 } cu_run_t;
@@ -135,8 +157,16 @@ struct cu_backend_s {
   size_t nowned, owned_cap;
   size_t pinned_bytes, pinned_max; /* sum of owned caps; the cap on it */
   size_t hostfn_min;               /* q+k+v bytes copied by a host function past this */
-  size_t pinned_warm;              /* --cuda-pinned-warm: one stage this large made at start */
-  int stages_out;                  /* stages held by runs */
+  /* The ring: ring_bytes of pinned host memory and as much device memory,
+   * CU_RING_SLOTS slots of slot_bytes, made at start (cuda_ring.c). */
+  uint8_t *ring_h, *ring_d;
+  size_t ring_bytes, slot_bytes;
+  size_t ring_want;   /* --cuda-ring, 0 = the default */
+  size_t pinned_warm; /* --cuda-pinned-warm: the ring's older name */
+  int slot_busy[CU_RING_SLOTS];
+  uint64_t ring_chunks;   /* chunks staged through the ring so far (tests, logs) */
+  uint64_t oneshot_steps; /* large steps that could not be cut (one-shot staging) */
+  int stages_out;         /* stages held by runs */
   /* Pinned request frames (attnd_cu_frame_alloc): a pool apart from the
    * stages (frames are held until their requests finish, which may wait for
    * stages: sharing one cap could deadlock), capped at half of pinned_max;
@@ -149,6 +179,8 @@ struct cu_backend_s {
    * one stage and one frame allocation at a time, in flight. */
   int stage_alloc_inflight, frame_alloc_inflight;
   int stage_alloc_err; /* cudaError_t of the last failed stage allocation, for the next taker */
+  int started;         /* create finished: from now on nothing is allocated for a step
+                        * (but by the one-shot path, cuda_ring.c) */
   int closed;          /* destroyed: an allocation finishing frees its buffer */
   int handle_closed;   /* async handle closed: the last allocation's callback frees the struct */
   uv_mutex_t mu;       /* guards the done queue and streams[].last_end_us */
@@ -201,6 +233,8 @@ void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s);
  * of that size being allocated off the loop thread for the next one). */
 void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len);
 void attnd_cu_frame_free(attnd_backend_t *base, void *p);
+/* The frame pool, CU_FRAMES buffers of CU_STAGE_MIN, made at start. */
+int attnd_cu_frames_create(cu_backend_t *be, char *err, size_t errlen);
 /* Frees the frame pool's free buffers (teardown). */
 void attnd_cu_frames_release(cu_backend_t *be);
 /* 1 while an allocation started by attnd_cu_stage_get or attnd_cu_frame_alloc
@@ -214,6 +248,28 @@ cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_
 /* The one host copy of a step's q, k and v into its pinned buffer; runs on
  * the loop thread for small steps, else as a host function on the stream. */
 void CUDART_CB attnd_cu_stage_inputs_fn(void *arg);
+
+/* ---- cuda_ring.c: the ring (loop thread, except the host functions) ---- */
+
+/* Allocates the ring at start (size from the options, within pinned_max). */
+int attnd_cu_ring_create(cu_backend_t *be, size_t want, const char *opt, char *err, size_t errlen);
+void attnd_cu_ring_release(cu_backend_t *be);
+/* 1 when the step can go through the ring in chunks (then r->plan is set). */
+int attnd_cu_ring_plan(cu_backend_t *be, cu_run_t *r);
+/* Enqueues the run's next chunks while slots are free: 1 while chunks are
+ * left (the run waits for a slot), 0 once all are enqueued or it failed
+ * (r->status says which). */
+int attnd_cu_ring_pump(cu_backend_t *be, cu_run_t *r);
+/* Loop thread: a chunk's work is done; its slot comes back. Returns its run
+ * when the run's own completion was deferred for it (now to be finished). */
+cu_run_t *attnd_cu_ring_chunk_done(cu_backend_t *be, cu_run_t *c);
+/* 1 when a ring run's completion arrived while chunks of it are still out
+ * (its completion could not be tracked behind them: an error path); the
+ * last chunk's completion then hands it back. */
+int attnd_cu_ring_defer(cu_run_t *r);
+void attnd_cu_ring_plan_free(cu_ring_plan_t *p);
+/* The device view of a step's batch (cuda_enqueue.c): pool, scales, sinks. */
+int attnd_cu_device_batch(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db);
 
 /* ---- cuda_enqueue.c: submission (loop thread) ---- */
 

@@ -96,6 +96,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->worker_threads = 0;
   c->cuda_pinned_max = 0;
   c->cuda_pinned_warm = 0;
+  c->cuda_ring = 0;
   c->cuda_hostfn_min = ATTND_DEFAULT_CUDA_HOSTFN_MIN;
   c->cuda_completion = ATTND_COMPLETION_POLL;
   c->cuda_trace = 0;

@@ -62,9 +62,9 @@ typedef struct {
   char log_file[256];           /* --log-file: append here instead of stderr */
 
   /* Model shape (attnd_kshape_t carries the kernels' part of it). */
-  int layers;             /* --layers, default 32 */
-  attnd_kshape_t shape;   /* --q-heads --kv-heads --head-dim --block-size --dtype
-                           * --kv-cache --rope --rope-theta --rotary-dim --softmax-scale */
+  int layers;           /* --layers, default 32 */
+  attnd_kshape_t shape; /* --q-heads --kv-heads --head-dim --block-size --dtype
+                         * --kv-cache --rope --rope-theta --rotary-dim --softmax-scale */
   /* Head sharding (docs/scale-out.md): --kv-heads takes the model's kv heads N
    * or the held range A:B. Options carry the model's totals in shape.q_heads and
    * shape.kv_heads; attnd_config_validate then narrows shape to the held heads
@@ -133,8 +133,9 @@ typedef struct {
                                        * (UV_THREADPOOL_SIZE), 0 = max(4, CPU workers) */
   uint64_t cuda_pinned_max;           /* --cuda-pinned-max: pinned staging cap, 0 = 1/8 of
                                        * host memory within [256M, 8G] */
-  uint64_t cuda_pinned_warm;          /* --cuda-pinned-warm: one pinned staging buffer this
-                                       * large allocated at start, 0 = none */
+  uint64_t cuda_ring;                 /* --cuda-ring: the pinned ring large steps are staged
+                                       * through in chunks, made at start, 0 = 256M */
+  uint64_t cuda_pinned_warm;          /* --cuda-pinned-warm: the older name of cuda_ring */
   uint64_t cuda_hostfn_min;           /* --cuda-hostfn-min: q+k+v bytes copied to pinned
                                        * memory by a host function past this, default 1M */
   attnd_completion_t cuda_completion; /* --cuda-completion poll|callback */
