@@ -122,8 +122,9 @@ typedef struct {
   /* Optional (NULL: malloc): host memory of len bytes for a request frame's
    * body, which the transport reads the socket straight into, or for a
    * step's output, which the transport writes to the socket straight from
-   * (loop thread). The CUDA backend gives pinned memory for large ones, so
-   * that q, k and v go to the device by DMA from the frame itself and the
+   * (loop thread). The CUDA backend gives pinned memory (from buffers made
+   * at start, up to 2 MiB) for those of at least --cuda-hostfn-min bytes,
+   * so that q, k and v go to the device by DMA from the frame itself and the
    * output comes back by DMA into its buffer (jobs with inputs_pinned,
    * outputs_pinned), with no staging copy; NULL when it has none to give
    * (the caller mallocs). host_free takes back what host_alloc gave. */

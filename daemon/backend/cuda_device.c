@@ -1,5 +1,5 @@
 /* cuda_device.c: the CUDA backend (backend.h) on top of kernels/cuda
- * (attnd_cuda.h): device setup and teardown. The whole design, for the five
+ * (attnd_cuda.h): device setup and teardown. The whole design, for the
  * cuda_*.c files (internal.h):
  *
  * Memory. One cudaMalloc holds the KV pool of every layer (layer l's blocks
@@ -17,21 +17,21 @@
  * another session's long prefill on its layer: the device schedules its
  * blocks ahead of the prefill's waiting ones. An ordered job waits on its
  * layer's priority stream through an event when that stream has work of its
- * own. Each stream owns a device staging buffer (inputs and outputs of the job running
- * on it) and an attention workspace; both grow on demand with the
- * stream-ordered allocator (cudaFreeAsync + cudaMallocAsync on that stream),
- * so growing never waits for the device and never frees memory a queued
- * kernel of that stream still reads.
+ * own. Each stream owns a device staging buffer (inputs and outputs of the
+ * small job running on it) and an attention workspace, both made at start.
  *
- * A STEP job: its items, meta, q, k and v are copied once (one memcpy each)
- * into a pinned host staging buffer taken from a pool (grown on demand; once
- * warm, nothing is cudaHostAlloc'ed; the pool stops growing at a cap, 1/8 of
- * the host's memory up to 8 GiB, or --cuda-pinned-max, and jobs then
- * wait, in submission order, for a buffer to come back, so a burst of large
- * prefills cannot pin the host's memory), one H2D copy moves them to the stream's
- * device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H copy of
- * out (+ lse) back into the pinned buffer, and a stream callback. A COPY job
- * is one D2D cudaMemcpyAsync per block pair within the layer's pool.
+ * Nothing is allocated while serving (docs/operations.md, "CUDA backend
+ * memory"): an allocation then holds the driver lock every other CUDA call
+ * of the process needs. A STEP job whose items, meta, q, k, v, out and lse
+ * fit CU_STAGE_MIN is copied once (one memcpy each) into a pinned buffer of
+ * a pool made at start (two per stream; with all out, jobs wait in
+ * submission order for one to come back), one H2D copy moves it to the
+ * stream's device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H
+ * copy of out (+ lse) back into the pinned buffer, and the completion. A
+ * larger step goes through the ring in chunks (cuda_ring.c); one that cannot
+ * be cut so is staged whole in buffers allocated for it (the one-shot path,
+ * the old pool's, capped by --cuda-pinned-max; logged). A COPY job is one
+ * D2D cudaMemcpyAsync per block pair within the layer's pool.
  *
  * The loop thread copies only the small items and meta. When q, k and v
  * together exceed hostfn_min (--cuda-hostfn-min, default 1 MiB)

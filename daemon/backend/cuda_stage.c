@@ -1,20 +1,18 @@
 /* cuda_stage.c: the CUDA backend's staging (internal.h).
  *
- * Pinned host buffers come from a pool that grows on demand (power-of-two
- * sizes from CU_STAGE_MIN) up to a cap (--cuda-pinned-max); past the cap a
- * job waits for a buffer a running job gives back, so a burst of large
- * prefills cannot pin the host's memory. Device buffers belong to a stream
- * and grow with the stream-ordered allocator, so growing never waits for the
- * device and never frees memory a queued kernel of that stream still reads.
- *
- * A pinned buffer of CU_ASYNC_ALLOC_MIN bytes or more is allocated on the
- * worker pool, never on the loop thread: cudaHostAlloc pins every page
- * (hundreds of milliseconds for the ~650 MB of a 32k-token prefill's
- * staging), and every connection's calls would wait behind it (measured on
- * the H200: a decode of another session waited 771 ms at such a step's
- * admission, bench/RESULTS.md). Meanwhile the job that needs the buffer waits
- * as for a full pool (unordered small jobs pass it), and a frame that finds
- * no pooled buffer is plain memory this once. */
+ * Pinned host buffers come from a pool made at start: two of CU_STAGE_MIN
+ * per stream, for every step that fits one (larger ones go through the ring,
+ * cuda_ring.c); with all of them out, a job waits for one a running job
+ * gives back. Request frames likewise come from CU_FRAMES buffers made at
+ * start. Nothing here allocates while serving (an allocation then holds the
+ * driver lock that every CUDA call of the process needs: bench/RESULTS.md),
+ * but for the one-shot path: a large step the ring cannot cut gets a buffer
+ * of a power-of-two size, within --cuda-pinned-max, allocated on the worker
+ * pool (cudaHostAlloc pins every page: hundreds of milliseconds for ~650 MB)
+ * while its job waits as for a full pool. Device buffers belong to a stream
+ * (made at start; the one-shot path grows them with the stream-ordered
+ * allocator, which never frees memory a queued kernel of that stream still
+ * reads). */
 #ifdef ATTND_HAVE_CUDA
 
 #include <stdio.h>
@@ -228,10 +226,10 @@ void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s) {
 
 /* ---- pinned request frames ----
  *
- * A frame buffer is one pinned allocation of a power-of-two size; its
+ * A frame buffer is one pinned CU_STAGE_MIN allocation made at start; its
  * cu_stage_t sits in the first CU_ALIGN bytes, the body after them (so the
  * body keeps CU_ALIGN alignment). Only frames of at least hostfn_min bytes
- * (the large steps, whose staging copy is worth skipping) are pinned. */
+ * (whose staging copy is worth skipping) that fit one are pinned. */
 
 void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len) {
   cu_backend_t *be = (cu_backend_t *)base;
