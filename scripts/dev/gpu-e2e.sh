@@ -32,7 +32,8 @@
 #   2. test_backend_cuda (CUDA vs CPU backend, ordering, loop teardown);
 #   3. compute-sanitizer memcheck on test_backend_cuda;
 #   4. test_backend_cuda --fault (a kernel fault must fail
-#      the job with ATTND_EDEVICE and every later job too, without a hang);
+#      the job with ATTND_EDEVICE and every later job too, without a hang),
+#      then --ring-fault (the same in a later chunk of a ring-staged step);
 #   5. `attnd --backend cuda` with the e2e's small shape on a temp socket:
 #      Health, the tiny Llama example against it, then SIGTERM must exit 0;
 #   5b. the same daemon under attnd.service's system call sandbox without systemd
@@ -45,7 +46,8 @@
 #      --kv-memory 0 (90% of free memory): prefill and pipelined decode through
 #      all layers, layers 0 and 31 checked against the numpy reference, timings;
 #      then the same with --kv-cache int8_dynamic (looser check: quantized);
-#   8. bench_interleave on CUDA: a decode's latency beside a 32k prefill.
+#   8. bench_interleave on CUDA: a decode's latency beside a 32k prefill, for the
+#      process's first (cold) and a second (warm) one, default options.
 # It always ends with one line:
 #   GPU-E2E SUMMARY: pass=N fail=M skip=K | step=result ...
 # and exits 0 only when no step failed and at least one passed. GPU_E2E_BUDGET (seconds, default 540)
@@ -224,6 +226,17 @@ else
     record fault $rc
   else
     record fault 77
+  fi
+
+  # The same for a fault in a later chunk of a large step staged through the
+  # ring (its own run: the fault leaves the context unusable). Same log file.
+  if ! skipped ring_fault && time_left 60; then
+    (cd "$libdir" && timeout 60 "$test_bin" --ring-fault) >>"$out/fault.log" 2>&1
+    rc=$?
+    grep -E "faulting large step|no fault" "$out/fault.log" | head -5
+    record ring_fault $rc
+  else
+    record ring_fault 77
   fi
 fi
 
