@@ -104,6 +104,7 @@ void test_ipc_ops(void **state);
 /* The ring (test_backend_cuda_ring.c); test_ring_fault only with --ring-fault. */
 void test_ring_matches_cpu(void **state);
 void test_ring_no_alloc(void **state);
+void test_ring_oneshot(void **state);
 void test_ring_fault(void **state);
 
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

@@ -8,7 +8,8 @@
  * only, attend only) and items kept whole (full mask); a decode submitted
  * behind the large step finishes before it while an ordered step behind it
  * waits for it and reads its keys; no allocation call happens after start
- * for steps of any size (counted by the mock); a fault in a later chunk
+ * for steps of any size (counted by the mock); a step the ring cannot cut
+ * takes the one-shot path and is still right; a fault in a later chunk
  * fails the step with ATTND_EDEVICE, and every later job too. */
 #include <math.h>
 #include <stdio.h>
@@ -225,6 +226,50 @@ void test_ring_no_alloc(void **state) {
     job_free(&j[i]);
     spec_free(&sp[i]);
   }
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+/* A step the ring cannot cut: one full-mask item (every row reads every key
+ * of the item) larger than a slot goes the one-shot path (staged whole,
+ * counted), and still matches the CPU backend. */
+void test_ring_oneshot(void **state) {
+  SKIP_WITHOUT_GPU();
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *cpu = NULL, *gpu = NULL;
+  g_opts.cuda_ring = 1u << 20;
+  assert_int_equal(
+      attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  assert_int_equal(
+      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  titem_t it = {.start = 0, .n = 450, .has_q = 1, .mask = ATTND_MASK_FULL, .nb = 29};
+  for (int b = 0; b < 29; b++)
+    it.table[b] = 30 + b;
+  tjob_spec_t sp;
+  spec_step(&sp, 0, &it, 1, 0, 1);
+  tjob_t jc, jg;
+  int dummy = 0;
+  job_from_spec(&jc, &sp, &dummy);
+  job_from_spec(&jg, &sp, &dummy);
+  run_all(&loop, cpu, &jc, 1);
+  run_all(&loop, gpu, &jg, 1);
+  if (jg.job.status)
+    fail_msg("cuda: %s", jg.job.message);
+  attnd_backend_stats_t st;
+  stats(gpu, &st);
+  assert_int_equal(st.oneshot_steps, 1);
+  assert_int_equal(st.ring_chunks, 0);
+  double r = rel_l2_out(&jg, &jc, (size_t)sp.Tq * QH * HD);
+  print_message("one-shot full-mask step of %d rows: rel L2 %.3e\n", sp.Tq, r);
+  assert_true(r <= ATTND_TOL_BACKENDS);
+  check_lse(&jg, &jc, sp.Tq, "one-shot");
+  job_free(&jc);
+  job_free(&jg);
+  spec_free(&sp);
+  cpu->ops->destroy(cpu);
   destroy_and_close(&loop, gpu);
   assert_int_equal(uv_loop_close(&loop), 0);
 }

@@ -27,13 +27,12 @@ typedef struct {
   uv_work_t w; /* first: the work request is the struct */
   cu_backend_t *be;
   size_t cap;
-  int frame; /* 1 for the frame pool, 0 for the stages */
   uint8_t *p;
   cudaError_t err;
 } cu_alloc_t;
 
 int attnd_cu_allocs_inflight(const cu_backend_t *be) {
-  return be->stage_alloc_inflight || be->frame_alloc_inflight;
+  return be->stage_alloc_inflight;
 }
 
 static void alloc_work(uv_work_t *w) {
@@ -63,11 +62,7 @@ static int owned_add(cu_backend_t *be, cu_stage_t *s) {
 static void alloc_done(uv_work_t *w, int status) {
   cu_alloc_t *a = (cu_alloc_t *)w;
   cu_backend_t *be = a->be;
-  const int frame = a->frame;
-  if (frame)
-    be->frame_alloc_inflight = 0;
-  else
-    be->stage_alloc_inflight = 0;
+  be->stage_alloc_inflight = 0;
   if (be->closed) {
     /* The backend was destroyed meanwhile (its pools are gone): this
      * callback owns the struct once no allocation is left in flight. */
@@ -79,63 +74,55 @@ static void alloc_done(uv_work_t *w, int status) {
     return;
   }
   cu_stage_t *s = a->p && status == 0 ? calloc(1, sizeof(*s)) : NULL;
-  if (s && !frame && owned_add(be, s) != 0) {
+  if (s && owned_add(be, s) != 0) {
     free(s);
     s = NULL;
   }
   if (!s) {
     if (a->p)
       cudaFreeHost(a->p);
-    if (frame) {
-      be->frame_bytes -= a->cap;
-    } else {
-      be->pinned_bytes -= a->cap;
-      be->stage_alloc_err = a->err != cudaSuccess ? (int)a->err : (int)cudaErrorMemoryAllocation;
-    }
+    be->pinned_bytes -= a->cap;
+    be->stage_alloc_err = a->err != cudaSuccess ? (int)a->err : (int)cudaErrorMemoryAllocation;
   } else {
     s->p = a->p;
     s->cap = a->cap;
-    if (frame) {
-      s->next = be->free_frames;
-      be->free_frames = s;
-    } else {
-      s->next = be->free_stages;
-      be->free_stages = s;
-    }
+    s->next = be->free_stages;
+    be->free_stages = s;
   }
   free(a);
-  if (!frame)
-    attnd_cu_pump_waiting(be); /* the job that asked for it takes it, or its error */
+  attnd_cu_pump_waiting(be); /* the job that asked for it takes it, or its error */
 }
 
 /* Starts a pinned allocation of cap bytes on the worker pool, its bytes
  * counted against the pool's cap from now; -1 when it cannot be queued
  * (the caller then allocates here). */
-static int alloc_start(cu_backend_t *be, size_t cap, int frame) {
+static int alloc_start(cu_backend_t *be, size_t cap) {
   cu_alloc_t *a = calloc(1, sizeof(*a));
   if (!a)
     return -1;
   a->be = be;
   a->cap = cap;
-  a->frame = frame;
   if (uv_queue_work(be->loop, &a->w, alloc_work, alloc_done) != 0) {
     free(a);
     return -1;
   }
-  if (frame) {
-    be->frame_alloc_inflight = 1;
-    be->frame_bytes += cap;
-  } else {
-    be->stage_alloc_inflight = 1;
-    be->pinned_bytes += cap;
-  }
+  be->stage_alloc_inflight = 1;
+  be->pinned_bytes += cap;
   return 0;
 }
 
 static void stage_free_unused(cu_backend_t *be) {
-  /* Rare (the pool is at its cap): cudaFreeHost may wait for the device. */
+  /* Rare (the pool is at its cap): cudaFreeHost may wait for the device.
+   * Only the one-shot path's buffers: the pooled ones made at start stay
+   * (small steps wait for them and never allocate). */
+  cu_stage_t **pp = &be->free_stages;
   for (cu_stage_t *f = be->free_stages, *next; f; f = next) {
     next = f->next;
+    if (f->cap <= CU_STAGE_MIN) {
+      pp = &f->next;
+      continue;
+    }
+    *pp = next;
     for (size_t i = 0; i < be->nowned; i++)
       if (be->owned[i] == f) {
         be->owned[i] = be->owned[--be->nowned];
@@ -145,7 +132,6 @@ static void stage_free_unused(cu_backend_t *be) {
     cudaFreeHost(f->p);
     free(f);
   }
-  be->free_stages = NULL;
 }
 
 cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *cerr) {
@@ -159,6 +145,7 @@ cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *ce
     *best = s->next;
     s->next = NULL;
     be->stages_out++;
+    be->big_out += s->cap > CU_STAGE_MIN;
     return s;
   }
   /* Every step but the one-shot path's fits a pooled buffer (CU_STAGE_MIN),
@@ -174,9 +161,10 @@ cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *ce
   if (!force && be->pinned_bytes + cap > be->pinned_max) {
     size_t free_total = 0;
     for (cu_stage_t *f = be->free_stages; f; f = f->next)
-      free_total += f->cap;
-    if (be->pinned_bytes - free_total + cap > be->pinned_max && be->stages_out > 0)
-      return NULL; /* wait for running jobs to return theirs */
+      if (f->cap > CU_STAGE_MIN) /* what stage_free_unused would free */
+        free_total += f->cap;
+    if (be->pinned_bytes - free_total + cap > be->pinned_max && be->big_out > 0)
+      return NULL; /* wait for running one-shot jobs to return theirs */
     stage_free_unused(be);
   }
   /* Off the loop from CU_ASYNC_ALLOC_MIN, or from --cuda-hostfn-min where
@@ -189,7 +177,7 @@ cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *ce
       be->stage_alloc_err = 0;
       return NULL;
     }
-    if (be->stage_alloc_inflight || alloc_start(be, cap, 0) == 0)
+    if (be->stage_alloc_inflight || alloc_start(be, cap) == 0)
       return NULL; /* wait: alloc_done pumps the waiting jobs */
   }
   cu_stage_t *s = calloc(1, sizeof(*s));
@@ -213,6 +201,7 @@ cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *ce
   s->cap = cap;
   be->pinned_bytes += cap;
   be->stages_out++;
+  be->big_out += cap > CU_STAGE_MIN;
   return s;
 }
 
@@ -220,6 +209,7 @@ void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s) {
   if (!s)
     return;
   be->stages_out--;
+  be->big_out -= s->cap > CU_STAGE_MIN;
   s->next = be->free_stages;
   be->free_stages = s;
 }

@@ -167,6 +167,7 @@ struct cu_backend_s {
   uint64_t ring_chunks;   /* chunks staged through the ring so far (tests, logs) */
   uint64_t oneshot_steps; /* large steps that could not be cut (one-shot staging) */
   int stages_out;         /* stages held by runs */
+  int big_out;            /* of which the one-shot path's (over CU_STAGE_MIN) */
   /* Pinned request frames (attnd_cu_frame_alloc): a pool apart from the
    * stages (frames are held until their requests finish, which may wait for
    * stages: sharing one cap could deadlock), capped at half of pinned_max;
@@ -175,9 +176,9 @@ struct cu_backend_s {
   size_t frame_bytes; /* pinned bytes of every frame buffer, free or out */
   int frames_out;
   cu_run_t *whead, *wtail; /* jobs waiting for a stage, FIFO */
-  /* Large pinned buffers are allocated on the worker pool (cuda_stage.c):
-   * one stage and one frame allocation at a time, in flight. */
-  int stage_alloc_inflight, frame_alloc_inflight;
+  /* The one-shot path's large pinned buffers are allocated on the worker
+   * pool (cuda_stage.c), one at a time. */
+  int stage_alloc_inflight;
   int stage_alloc_err; /* cudaError_t of the last failed stage allocation, for the next taker */
   int started;         /* create finished: from now on nothing is allocated for a step
                         * (but by the one-shot path, cuda_ring.c) */
