@@ -41,7 +41,7 @@ typedef struct {
   int kind, layer;
   int nitems;
   attnd_kitem_t items[4];
-  int32_t meta[256];
+  int32_t meta[2048];
   int nmeta;
   int T, Tq, max_kv, max_n, q_only_rows;
   uint16_t *q, *k, *v;
@@ -105,6 +105,7 @@ void test_ipc_ops(void **state);
 void test_ring_matches_cpu(void **state);
 void test_ring_no_alloc(void **state);
 void test_ring_oneshot(void **state);
+void test_ring_document(void **state);
 void test_ring_fault(void **state);
 
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

@@ -274,6 +274,75 @@ void test_ring_oneshot(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* A document mask (intervals on top of causal: two documents packed in one
+ * item of 450 rows, the second not seeing the first) through the ring: its
+ * rows are cut between chunks, each piece with its own intervals; the
+ * outputs match the CPU backend's, and differ from plain causal ones (the
+ * intervals took effect). */
+void test_ring_document(void **state) {
+  SKIP_WITHOUT_GPU();
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *cpu = NULL, *gpu = NULL;
+  g_opts.cuda_ring = 1u << 20;
+  assert_int_equal(
+      attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  assert_int_equal(
+      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  enum { N = 450, DOC = 200 };
+  titem_t it = {.start = 0, .n = N, .has_q = 1, .mask = ATTND_MASK_INTERVALS, .nb = 29};
+  for (int b = 0; b < 29; b++)
+    it.table[b] = 30 + b;
+  tjob_spec_t sp, plain;
+  spec_step(&sp, 0, &it, 1, 0, 1);
+  plain = sp; /* the same inputs as plain causal (shares q, k, v: freed once) */
+  plain.items[0].mask_kind = ATTND_MASK_CAUSAL;
+  sp.items[0].causal = 1;
+  sp.items[0].intervals = sp.nmeta;
+  /* Rows DOC.. are masked from keys before DOC: lts = DOC, lte = N there. */
+  int32_t *iv = sp.meta + sp.nmeta;
+  for (int j = 0; j < N; j++) {
+    iv[j] = j < DOC ? DOC : 0;
+    iv[N + j] = j < DOC ? N : 0;
+    iv[2 * N + j] = iv[3 * N + j] = 0;
+  }
+  sp.nmeta += 4 * N;
+  assert_true(sp.nmeta <= (int)(sizeof(sp.meta) / sizeof(sp.meta[0])));
+  tjob_t jc, jg, jp;
+  int dummy = 0;
+  job_from_spec(&jc, &sp, &dummy);
+  job_from_spec(&jg, &sp, &dummy);
+  job_from_spec(&jp, &plain, &dummy);
+  run_all(&loop, cpu, &jc, 1);
+  run_all(&loop, gpu, &jg, 1);
+  if (jg.job.status)
+    fail_msg("cuda: %s", jg.job.message);
+  attnd_backend_stats_t st;
+  stats(gpu, &st);
+  assert_int_equal(st.oneshot_steps, 0);
+  assert_true(st.ring_chunks >= 3);
+  double r = rel_l2_out(&jg, &jc, (size_t)N * QH * HD);
+  print_message("document mask of %d rows in %llu ring chunks: rel L2 %.3e\n", N,
+                (unsigned long long)st.ring_chunks, r);
+  assert_true(r <= ATTND_TOL_BACKENDS);
+  check_lse(&jg, &jc, N, "document");
+  /* The plain causal step on a fresh CPU backend (the same blocks). */
+  cpu->ops->destroy(cpu);
+  assert_int_equal(
+      attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  run_all(&loop, cpu, &jp, 1);
+  assert_true(rel_l2_out(&jp, &jc, (size_t)N * QH * HD) > 1e-2);
+  job_free(&jc);
+  job_free(&jg);
+  job_free(&jp);
+  spec_free(&sp);
+  cpu->ops->destroy(cpu);
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 /* Only with --ring-fault (a sticky fault leaves the context unusable): the
  * large step's rows past 300 name blocks far outside the pool, so a later
  * chunk faults after earlier ones ran; the step fails with ATTND_EDEVICE

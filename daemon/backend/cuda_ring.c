@@ -28,9 +28,11 @@
  * piece reads was written by it or by an earlier chunk. A row at position p
  * of a causal or sliding-window item reads keys <= p only, so the piece's
  * shorter kv_len (start + a + m) hides nothing it would read; the same for a
- * prefix-LM item whose prefix is already in the cache (mask_param <= start)
+ * prefix-LM item whose prefix is already in the cache (mask_param <= start),
+ * for a causal item with mask intervals (a document mask; each piece gets
+ * its own intervals, the first kv_len of each array, after the step's meta)
  * and for write-only items. Items with other masks (full, prefix-LM over
- * their own rows, intervals) are never cut: each goes into one chunk whole,
+ * their own rows, intervals without causal) are never cut: each goes into one chunk whole,
  * and a step with such an item too large for a slot is staged in one piece
  * instead (the one-shot path of cuda_enqueue.c, which allocates; counted in
  * oneshot_steps and logged; docs/operations.md says so). The kernels'
@@ -76,6 +78,7 @@ typedef struct {
   attnd_kitem_t *items; /* the pieces as items of the chunk's batch */
   int np;
   int32_t tq, tkv, qo, max_kv, max_n;
+  size_t iv_ints; /* int32 of cut items' intervals after the step's meta */
   size_t off_meta, off_q, off_k, off_v, off_out, off_lse, in_bytes, total;
 } cu_chunk_t;
 
@@ -147,9 +150,17 @@ static int splittable(const attnd_kitem_t *it, const attnd_kbatch_t *b) {
     return 1;
   case ATTND_MASK_PREFIX_LM:
     return it->mask_param <= it->start;
+  case ATTND_MASK_INTERVALS:
+    return it->causal; /* a document mask: intervals on top of causal */
   default:
     return 0;
   }
+}
+
+/* A cut item with mask intervals carries its own [4][kv_len] of them (the
+ * layout depends on kv_len): the bytes they take per key of the piece. */
+static size_t iv_per_key(const attnd_kitem_t *it) {
+  return it->mask_kind == ATTND_MASK_INTERVALS && it->intervals >= 0 ? 4 * sizeof(int32_t) : 0;
 }
 
 /* Attend-only items (attnd_kbatch_t.q_only_rows) have virtual k/v rows. */
@@ -191,7 +202,8 @@ int attnd_cu_ring_plan(cu_backend_t *be, cu_run_t *r) {
   for (int i = 0; i < b->nitems; i++) {
     const attnd_kitem_t *it = &b->items[i];
     size_t c = row_cost(&pl, it, b);
-    size_t need = sizeof(attnd_kitem_t) + (splittable(it, b) ? c : c * (size_t)it->n);
+    size_t need = sizeof(attnd_kitem_t) + (splittable(it, b) ? c : c * (size_t)it->n) +
+                  iv_per_key(it) * (size_t)(it->start + it->n);
     if (need > budget)
       return 0;
   }
@@ -209,18 +221,20 @@ static void cut_chunk(cu_backend_t *be, cu_run_t *r, cu_chunk_t *ch) {
   ch->items = attnd_xcalloc((size_t)(b->nitems - p->ci), sizeof(attnd_kitem_t));
   while (p->ci < b->nitems) {
     const attnd_kitem_t *it = &b->items[p->ci];
-    size_t c = row_cost(p, it, b);
+    size_t c = row_cost(p, it, b), ivk = iv_per_key(it);
+    /* Fixed: the item, and its intervals over the keys before its rows. */
+    size_t fixed = sizeof(attnd_kitem_t) + ivk * (size_t)(it->start + p->ca);
     int32_t rows = it->n - p->ca, m = rows;
-    if (budget < sizeof(attnd_kitem_t) + c)
+    if (budget < fixed + c + ivk)
       break;
     if (splittable(it, b)) {
-      size_t fit = c ? (budget - sizeof(attnd_kitem_t)) / c : (size_t)rows;
+      size_t fit = c + ivk ? (budget - fixed) / (c + ivk) : (size_t)rows;
       if (fit < (size_t)m)
         m = (int32_t)fit;
-    } else if (sizeof(attnd_kitem_t) + c * (size_t)rows > budget) {
+    } else if (fixed + (c + ivk) * (size_t)rows > budget) {
       break; /* whole in the next chunk (attnd_cu_ring_plan checked it fits one) */
     }
-    budget -= sizeof(attnd_kitem_t) + c * (size_t)m;
+    budget -= fixed + (c + ivk) * (size_t)m;
     piece_t *pc = &ch->p[ch->np];
     attnd_kitem_t *k = &ch->items[ch->np];
     ch->np++;
@@ -231,6 +245,11 @@ static void cut_chunk(cu_backend_t *be, cu_run_t *r, cu_chunk_t *ch) {
     k->start = it->start + p->ca;
     k->n = m;
     k->q_row = it->q_row >= 0 ? ch->tq : -1;
+    if (ivk) {
+      /* After the step's meta: this piece's intervals, [4][its kv_len]. */
+      k->intervals = (int32_t)(p->meta_bytes / sizeof(int32_t) + ch->iv_ints);
+      ch->iv_ints += 4 * (size_t)(k->start + m);
+    }
     if (it->q_row >= 0)
       ch->tq += m;
     if (q_only(it, b)) {
@@ -259,7 +278,7 @@ static void cut_chunk(cu_backend_t *be, cu_run_t *r, cu_chunk_t *ch) {
     }
   size_t items = (size_t)ch->np * sizeof(attnd_kitem_t);
   ch->off_meta = attnd_cu_align_up(items);
-  ch->off_q = ch->off_meta + attnd_cu_align_up(p->meta_bytes);
+  ch->off_q = ch->off_meta + attnd_cu_align_up(p->meta_bytes + ch->iv_ints * sizeof(int32_t));
   ch->off_k = ch->off_q + attnd_cu_align_up((size_t)ch->tq * p->qrow);
   ch->off_v = ch->off_k + attnd_cu_align_up((size_t)ch->tkv * p->kvrow);
   ch->in_bytes = ch->off_v + (size_t)ch->tkv * p->kvrow;
@@ -284,6 +303,13 @@ static void CUDART_CB stage_fn(void *arg) {
   for (int i = 0; i < ch->np; i++) {
     const attnd_kitem_t *it = &b->items[ch->p[i].item], *k = &ch->items[i];
     size_t a = (size_t)ch->p[i].a, m = (size_t)ch->p[i].m;
+    if (iv_per_key(it)) {
+      /* The first kv_len of each of the item's four interval arrays. */
+      size_t kvo = (size_t)it->start + (size_t)it->n, kvn = (size_t)k->start + (size_t)k->n;
+      int32_t *dst = (int32_t *)(hp + ch->off_meta) + k->intervals;
+      for (size_t r = 0; r < 4; r++)
+        memcpy(dst + r * kvn, b->meta + it->intervals + r * kvo, kvn * sizeof(int32_t));
+    }
     if (it->q_row >= 0)
       memcpy(hp + ch->off_q + (size_t)k->q_row * p->qrow,
              (const uint8_t *)b->q + ((size_t)it->q_row + a) * p->qrow, m * p->qrow);
