@@ -345,8 +345,7 @@ static int warm_up(cu_backend_t *be, char *err, size_t errlen) {
     cu_stream_t *cs = &be->streams[i];
     if ((e = attnd_cu_dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, CU_DBUF_MIN, CU_DBUF_MIN)) !=
             cudaSuccess ||
-        (ws &&
-         (e = attnd_cu_dev_reserve(cs, &cs->ws, &cs->wcap, ws, (size_t)1 << 20)) != cudaSuccess)) {
+        (ws && (e = attnd_cu_dev_reserve(cs, &cs->ws, &cs->wcap, ws, ws)) != cudaSuccess)) {
       snprintf(err, errlen, "cudaMallocAsync (device staging): %s", cudaGetErrorString(e));
       return ATTND_ECUDA;
     }

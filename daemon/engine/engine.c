@@ -251,6 +251,14 @@ void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st) {
   st->sinks_set = 0;
   for (int l = 0; e->sk.enabled && l < e->layers; l++)
     st->sinks_set += e->sk.l[l].present ? 1u : 0u;
+  if (e->be->ops->stats) {
+    attnd_backend_stats_t bs;
+    memset(&bs, 0, sizeof(bs));
+    e->be->ops->stats(e->be, &bs);
+    st->pinned_bytes = bs.pinned_bytes;
+    st->ring_chunks = bs.ring_chunks;
+    st->oneshot_steps = bs.oneshot_steps;
+  }
 }
 
 uint32_t attnd_engine_list_sessions(attnd_engine_t *e, uint64_t identity, attnd_session_info_t *out,

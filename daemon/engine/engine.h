@@ -153,6 +153,10 @@ typedef struct {
   uint32_t queued;    /* gauge: calls waiting for admission (behind a large step's scan, a
                        * SetScales's file write, or a queued call they must follow) */
   uint32_t sinks_set; /* layers whose sinks are set (attention-sinks on) */
+  /* The backend's (backend.h attnd_backend_stats_t; 0 where it has none). */
+  uint64_t pinned_bytes;  /* gauge: pinned host memory held */
+  uint64_t ring_chunks;   /* chunks of large steps staged through the CUDA ring */
+  uint64_t oneshot_steps; /* large steps staged whole (they allocate) */
 } attnd_engine_stats_t;
 
 typedef struct {

@@ -276,6 +276,14 @@ int attnd_metrics_render(const attnd_metrics_src_t *src, char **out, size_t *len
   sb_printf(&b, "attnd_steps_total{kind=\"decode\"} %llu\n", (unsigned long long)es.decode_steps);
   SIMPLE("attnd_tokens_written_total", "counter", "Tokens written into the KV cache.",
          es.tokens_written);
+  SIMPLE("attnd_pinned_bytes", "gauge",
+         "Pinned host memory the backend holds (CUDA: staging, frames, the ring).",
+         es.pinned_bytes);
+  SIMPLE("attnd_ring_chunks_total", "counter",
+         "Chunks of large steps staged through the CUDA backend's ring.", es.ring_chunks);
+  SIMPLE("attnd_oneshot_steps_total", "counter",
+         "Large steps the CUDA ring could not cut, staged whole (they allocate).",
+         es.oneshot_steps);
 #undef SIMPLE
 
   head(&b, "attnd_step_latency_seconds", "histogram",
