@@ -218,6 +218,8 @@ static void test_errors(void **state) {
       {{"--rotary-dim", "33"}, "--rotary-dim 33"},
       {{"--max-frame", "2G"}, "--max-frame"},
       {{"--max-frame", "1G", "--max-inflight", "512M"}, "--max-inflight"},
+      {{"--cuda-ring", "64K"}, "--cuda-ring 65536: must be 0 (the default) or at least 1M"},
+      {{"--cuda-ring", "1G", "--cuda-pinned-max", "512M"}, "--cuda-ring 1073741824: must fit"},
       {{"--listen", "nohostport"}, "--listen 'nohostport'"},
       {{"--metrics", "1.2.3.4:99999"}, "--metrics"},
       {{"--socket", "relative.sock"}, "--socket 'relative.sock'"},
@@ -398,7 +400,7 @@ static void test_tuning(void **state) {
   const char *u = attnd_config_usage();
   const char *names[] = {"--worker-threads",  "--engine-offload-bytes", "--rpc-ref-min",
                          "--cuda-pinned-max", "--cuda-hostfn-min",      "--cuda-completion",
-                         "--cuda-trace",      "--engine-chunk-keys", "--cuda-pinned-warm"};
+                         "--cuda-trace",      "--engine-chunk-keys",    "--cuda-pinned-warm"};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
     if (!strstr(u, names[i]))
       fail_msg("--help does not name %s", names[i]);

@@ -217,6 +217,15 @@ int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen) {
   if (c->max_inflight < c->max_frame)
     ERR("--max-inflight %llu: must be >= --max-frame %llu", (unsigned long long)c->max_inflight,
         (unsigned long long)c->max_frame);
+  /* The CUDA ring's least size (daemon/backend/internal.h CU_RING_MIN); its
+   * fit under --cuda-pinned-max is checked at start, beside the pooled
+   * buffers whose count depends on the streams. */
+  if (c->cuda_ring && c->cuda_ring < (1u << 20))
+    ERR("--cuda-ring %llu: must be 0 (the default) or at least 1M",
+        (unsigned long long)c->cuda_ring);
+  if (c->cuda_ring && c->cuda_pinned_max && c->cuda_ring > c->cuda_pinned_max)
+    ERR("--cuda-ring %llu: must fit --cuda-pinned-max %llu", (unsigned long long)c->cuda_ring,
+        (unsigned long long)c->cuda_pinned_max);
   if (c->max_partial_bytes && c->max_partial_bytes < c->max_frame)
     ERR("--max-partial-bytes %llu: must be 0 (auto) or >= --max-frame %llu",
         (unsigned long long)c->max_partial_bytes, (unsigned long long)c->max_frame);
