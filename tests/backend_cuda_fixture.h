@@ -106,6 +106,7 @@ void test_ring_matches_cpu(void **state);
 void test_ring_no_alloc(void **state);
 void test_ring_oneshot(void **state);
 void test_ring_document(void **state);
+void test_ring_device_io(void **state);
 void test_ring_fault(void **state);
 
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

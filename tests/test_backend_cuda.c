@@ -831,6 +831,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup(test_ring_no_alloc, reset_modes),
       cmocka_unit_test_setup(test_ring_oneshot, reset_modes),
       cmocka_unit_test_setup(test_ring_document, reset_modes),
+      cmocka_unit_test_setup(test_ring_device_io, reset_modes),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }

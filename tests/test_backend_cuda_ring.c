@@ -343,6 +343,75 @@ void test_ring_document(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* A large same-host zero-copy step (backend.h device_io: q, k, v, out and lse
+ * in client device memory) through the ring: its pieces' rows are copied on
+ * the device to and from the slots; no allocation; the client's q is not
+ * changed; outputs match the CPU backend. Over the mock only, where device
+ * memory is host memory (on a GPU, tests/e2e/test_ipc.py). */
+void test_ring_device_io(void **state) {
+  SKIP_WITHOUT_GPU();
+  if (!attnd_cuda_mock_allocs) {
+    print_message("client memory of this size needs a second process on a GPU: skipped\n");
+    skip();
+  }
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *cpu = NULL, *gpu = NULL;
+  g_opts.cuda_ring = 1u << 20;
+  assert_int_equal(
+      attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  assert_int_equal(
+      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  const int allocs0 = attnd_cuda_mock_allocs();
+  /* Its staged part (items, meta, q) must pass the pooled 2 MiB buffers:
+   * 1100 rows of q, beside a write-only item. */
+  tjob_spec_t sp[2];
+  spec_cached(&sp[0], 0);
+  titem_t it[2] = {
+      {.start = 0, .n = 1100, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .nb = 69},
+      {.start = 0, .n = 90, .has_q = 0, .mask = ATTND_MASK_CAUSAL, .nb = 6},
+  };
+  for (int b = 0; b < 69; b++)
+    it[0].table[b] = 300 + b;
+  for (int b = 0; b < 6; b++)
+    it[1].table[b] = 400 + b;
+  spec_step(&sp[1], 0, it, 2, 1, 1);
+  tjob_t jc[2], jg[2];
+  int dummy = 0;
+  for (int i = 0; i < 2; i++) {
+    job_from_spec(&jc[i], &sp[i], &dummy);
+    job_from_spec(&jg[i], &sp[i], &dummy);
+    jg[i].job.device_io = 1; /* the mock's device memory is host memory */
+  }
+  run_all(&loop, cpu, jc, 2);
+  run_all(&loop, gpu, jg, 2);
+  for (int i = 0; i < 2; i++)
+    if (jg[i].job.status)
+      fail_msg("cuda job %d: %s", i, jg[i].job.message);
+  attnd_backend_stats_t st;
+  stats(gpu, &st);
+  print_message("device_io: %llu ring chunks, %d allocation calls after start\n",
+                (unsigned long long)st.ring_chunks, attnd_cuda_mock_allocs() - allocs0);
+  assert_true(st.ring_chunks >= 5);
+  assert_int_equal(st.oneshot_steps, 0);
+  assert_int_equal(attnd_cuda_mock_allocs(), allocs0);
+  assert_memory_equal(jg[1].job.batch.q, sp[1].q, jg[1].job.q_bytes); /* the client's q */
+  double r = rel_l2_out(&jg[1], &jc[1], (size_t)sp[1].Tq * QH * HD);
+  print_message("device_io large step (Tq %d): rel L2 %.3e\n", sp[1].Tq, r);
+  assert_true(r <= ATTND_TOL_BACKENDS);
+  check_lse(&jg[1], &jc[1], sp[1].Tq, "device_io");
+  for (int i = 0; i < 2; i++) {
+    job_free(&jc[i]);
+    job_free(&jg[i]);
+    spec_free(&sp[i]);
+  }
+  cpu->ops->destroy(cpu);
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 /* Only with --ring-fault (a sticky fault leaves the context unusable): the
  * large step's rows past 300 name blocks far outside the pool, so a later
  * chunk faults after earlier ones ran; the step fails with ATTND_EDEVICE

@@ -305,9 +305,8 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
   step_layout(job, r, &lo);
   if (!r->path) {
     /* Fast: a pooled buffer holds it. Ring: cut into chunks (cuda_ring.c).
-     * One-shot: neither (a step with an uncuttable item larger than a slot,
-     * or client device memory larger than a pooled buffer): staged whole,
-     * in buffers allocated for it. */
+     * One-shot: neither (a step with an uncuttable item larger than a
+     * slot): staged whole, in buffers allocated for it. */
     if (lo.total <= CU_STAGE_MIN)
       r->path = 1;
     else if (attnd_cu_ring_plan(be, r))

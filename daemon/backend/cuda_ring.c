@@ -19,7 +19,10 @@
  * copy moves them to the device slot, attnd_cuda_write and attnd_cuda_attend
  * run on them, one D2H copy brings out and lse back into the host slot, and
  * a second host function copies them into the engine's output buffers (never
- * the loop thread: it only plans pieces and enqueues). The chunk's
+ * the loop thread: it only plans pieces and enqueues). A same-host
+ * zero-copy step (backend.h device_io) takes the same path, its pieces' q,
+ * k, v rows and out, lse rows copied on the device between the client's
+ * tensors and the device slot instead. The chunk's
  * completion event gives its slot back; a run holds at most CU_RING_PER_RUN
  * slots, so two large steps share the ring.
  *
@@ -184,7 +187,7 @@ static size_t slot_budget(const cu_backend_t *be, const cu_ring_plan_t *p) {
 int attnd_cu_ring_plan(cu_backend_t *be, cu_run_t *r) {
   const attnd_job_t *job = r->job;
   const attnd_kbatch_t *b = &job->batch;
-  if (!be->ring_h || job->device_io || b->nitems <= 0)
+  if (!be->ring_h || b->nitems <= 0)
     return 0;
   cu_ring_plan_t pl;
   memset(&pl, 0, sizeof(pl));
@@ -310,6 +313,8 @@ static void CUDART_CB stage_fn(void *arg) {
       for (size_t r = 0; r < 4; r++)
         memcpy(dst + r * kvn, b->meta + it->intervals + r * kvo, kvn * sizeof(int32_t));
     }
+    if (job->device_io)
+      continue; /* q, k and v are the client's device memory: copied on the device */
     if (it->q_row >= 0)
       memcpy(hp + ch->off_q + (size_t)k->q_row * p->qrow,
              (const uint8_t *)b->q + ((size_t)it->q_row + a) * p->qrow, m * p->qrow);
@@ -341,6 +346,46 @@ static void CUDART_CB out_fn(void *arg) {
       memcpy((uint8_t *)b->lse + ((size_t)it->q_row + a) * p->lrow,
              hp + ch->off_lse + (size_t)k->q_row * p->lrow, m * p->lrow);
   }
+}
+
+/* A device_io chunk's copies on the device, piece by piece: its q, k and v
+ * rows from the client's tensors into the device slot (out 0), or its out
+ * and lse rows from the slot into the client's (out 1). cudaMemcpyDefault:
+ * the address says where the client's memory is. */
+static cudaError_t device_io_copies(const cu_chunk_t *ch, uint8_t *dp, int out, cudaStream_t st) {
+  const cu_run_t *r = ch->r.parent;
+  const attnd_kbatch_t *b = &r->job->batch;
+  const cu_ring_plan_t *p = r->plan;
+  cudaError_t e = cudaSuccess;
+  for (int i = 0; i < ch->np && e == cudaSuccess; i++) {
+    const attnd_kitem_t *it = &b->items[ch->p[i].item], *k = &ch->items[i];
+    size_t a = (size_t)ch->p[i].a, m = (size_t)ch->p[i].m;
+    if (out) {
+      if (it->q_row < 0)
+        continue;
+      e = cudaMemcpyAsync((uint8_t *)b->out + ((size_t)it->q_row + a) * p->orow,
+                          dp + ch->off_out + (size_t)k->q_row * p->orow, m * p->orow,
+                          cudaMemcpyDefault, st);
+      if (e == cudaSuccess && p->lrow)
+        e = cudaMemcpyAsync((uint8_t *)b->lse + ((size_t)it->q_row + a) * p->lrow,
+                            dp + ch->off_lse + (size_t)k->q_row * p->lrow, m * p->lrow,
+                            cudaMemcpyDefault, st);
+      continue;
+    }
+    if (it->q_row >= 0)
+      e = cudaMemcpyAsync(dp + ch->off_q + (size_t)k->q_row * p->qrow,
+                          (const uint8_t *)b->q + ((size_t)it->q_row + a) * p->qrow, m * p->qrow,
+                          cudaMemcpyDefault, st);
+    if (e == cudaSuccess && !q_only(it, b)) {
+      size_t src = ((size_t)it->kv_row + a) * p->kvrow, dst = (size_t)k->kv_row * p->kvrow;
+      e = cudaMemcpyAsync(dp + ch->off_k + dst, (const uint8_t *)b->k + src, m * p->kvrow,
+                          cudaMemcpyDefault, st);
+      if (e == cudaSuccess)
+        e = cudaMemcpyAsync(dp + ch->off_v + dst, (const uint8_t *)b->v + src, m * p->kvrow,
+                            cudaMemcpyDefault, st);
+    }
+  }
+  return e;
 }
 
 static void chunk_free(cu_chunk_t *ch) {
@@ -383,7 +428,14 @@ static void enqueue_chunk(cu_backend_t *be, cu_run_t *r, int slot) {
     goto enqueued;
   uint8_t *hp = slot_h(be, slot), *dp = slot_d(be, slot);
   RING_CU(c, cudaLaunchHostFunc(cs->st, stage_fn, ch));
-  RING_CU(c, cudaMemcpyAsync(dp, hp, ch->in_bytes, cudaMemcpyHostToDevice, cs->st));
+  if (job->device_io) {
+    /* Client memory (backend.h device_io): items and meta from the host
+     * slot, the pieces' q, k and v rows copied on the device. */
+    RING_CU(c, cudaMemcpyAsync(dp, hp, ch->off_q, cudaMemcpyHostToDevice, cs->st));
+    RING_CU(c, device_io_copies(ch, dp, 0, cs->st));
+  } else {
+    RING_CU(c, cudaMemcpyAsync(dp, hp, ch->in_bytes, cudaMemcpyHostToDevice, cs->st));
+  }
   db.items = (const attnd_kitem_t *)dp;
   db.nitems = ch->np;
   db.meta = (const int32_t *)(dp + ch->off_meta);
@@ -409,9 +461,13 @@ static void enqueue_chunk(cu_backend_t *be, cu_run_t *r, int slot) {
       attnd_cu_run_fail_kernel(c, rc);
       goto enqueued;
     }
-    RING_CU(c, cudaMemcpyAsync(hp + ch->off_out, dp + ch->off_out, ch->total - ch->off_out,
-                               cudaMemcpyDeviceToHost, cs->st));
-    RING_CU(c, cudaLaunchHostFunc(cs->st, out_fn, ch));
+    if (job->device_io) {
+      RING_CU(c, device_io_copies(ch, dp, 1, cs->st));
+    } else {
+      RING_CU(c, cudaMemcpyAsync(hp + ch->off_out, dp + ch->off_out, ch->total - ch->off_out,
+                                 cudaMemcpyDeviceToHost, cs->st));
+      RING_CU(c, cudaLaunchHostFunc(cs->st, out_fn, ch));
+    }
   }
 enqueued:
   if (c->status)
