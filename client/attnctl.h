@@ -29,6 +29,7 @@ typedef struct {
   int prompt;
   int steps;
   int depth;
+  int repeat; /* --repeat: prefills */
   int use_plan;
   int want_lse;
   unsigned seed;
