@@ -116,8 +116,9 @@ typedef struct {
 /* What a sendv piece held, freed the way it was allocated (rpc.h seg). */
 static void free_owned(attnd_conn_t *c, void **owned, unsigned char *pinned, unsigned n) {
   for (unsigned i = 0; i < n; i++) {
-    if (pinned[i])
-      attnd_engine_host_free(c->srv->engine, owned[i], 1);
+    /* Plain pieces go back through the engine too: large ones are kept for reuse. */
+    if (c->srv->engine)
+      attnd_engine_host_free(c->srv->engine, owned[i], pinned[i]);
     else
       free(owned[i]);
   }
