@@ -209,8 +209,10 @@ int attnctl_cmd_bench(attnd_client_t *c, const attnctl_opts_t *o) {
   }
   rng_state = o->seed;
   int S = o->sessions;
+  /* --prefill-sessions: sessions per prefill step (0: all in one). */
+  int G = o->prefill_sessions > 0 && o->prefill_sessions < S ? o->prefill_sessions : S;
   uint32_t P = (uint32_t)o->prompt;
-  size_t max_rows = (size_t)S * P > (size_t)S ? (size_t)S * P : (size_t)S;
+  size_t max_rows = (size_t)G * P > (size_t)S ? (size_t)G * P : (size_t)S;
   size_t heads = m->q_heads > m->kv_heads ? m->q_heads : m->kv_heads;
   bench_t b;
   memset(&b, 0, sizeof(b));
@@ -253,38 +255,41 @@ int attnctl_cmd_bench(attnd_client_t *c, const attnctl_opts_t *o) {
     }
   }
   /* Prefill: every session's uncached prompt tokens in one step per layer;
-   * again from 0 after a truncation for each --repeat. */
+   * again from 0 after a truncation for each --repeat; --prefill-sessions
+   * sessions per step. */
   for (int rep = 0; P > 0 && rep < o->repeat; rep++) {
-    uint32_t rows = 0;
-    size_t n = 0;
-    for (int i = 0; i < S; i++) {
-      if (rep > 0) {
-        if ((rc = attnd_client_truncate(c, sess[i], 0)) != 0) {
-          exit_code = attnctl_report(c, rc, "bench truncate");
-          goto out;
+    for (int g0 = 0; g0 < S; g0 += G) {
+      uint32_t rows = 0;
+      size_t n = 0;
+      for (int i = g0; i < S && i < g0 + G; i++) {
+        if (rep > 0) {
+          if ((rc = attnd_client_truncate(c, sess[i], 0)) != 0) {
+            exit_code = attnctl_report(c, rc, "bench truncate");
+            goto out;
+          }
+          cached[i] = 0;
         }
-        cached[i] = 0;
+        if (cached[i] >= P)
+          continue;
+        items[n].session = sess[i];
+        items[n].start = cached[i];
+        items[n].n = P - cached[i];
+        items[n].tokens = &tokens[(size_t)i * ntok + cached[i]];
+        rows += items[n].n;
+        n++;
       }
-      if (cached[i] >= P)
-        continue;
-      items[n].session = sess[i];
-      items[n].start = cached[i];
-      items[n].n = P - cached[i];
-      items[n].tokens = &tokens[(size_t)i * ntok + cached[i]];
-      rows += items[n].n;
-      n++;
+      prefill_rows += rows;
+      double t0 = attnctl_now();
+      b.kind = 0;
+      b.step_lat = prefill_steps;
+      if (n > 0 && (exit_code = bench_pass(&b, items, n, rows, &prefill)) != 0)
+        goto out;
+      t_prefill += attnctl_now() - t0;
+      prefill_steps = b.step_lat;
+      memset(&b.step_lat, 0, sizeof(b.step_lat));
+      if (tty)
+        fprintf(stderr, "prefill: %zu sessions x %u tokens in %.3f s\n", n, P, attnctl_now() - t0);
     }
-    prefill_rows += rows;
-    double t0 = attnctl_now();
-    b.kind = 0;
-    b.step_lat = prefill_steps;
-    if (n > 0 && (exit_code = bench_pass(&b, items, n, rows, &prefill)) != 0)
-      goto out;
-    t_prefill += attnctl_now() - t0;
-    prefill_steps = b.step_lat;
-    memset(&b.step_lat, 0, sizeof(b.step_lat));
-    if (tty)
-      fprintf(stderr, "prefill: %d sessions x %u tokens in %.3f s\n", S, P, attnctl_now() - t0);
   }
   b.kind = 1;
   double t0 = attnctl_now(), last = 0;
