@@ -16,17 +16,6 @@
 
 /* ---- accepting ---- */
 
-/* Kernel socket buffers of a few MiB: a 48 MiB frame then arrives in a few
- * large reads, and a response leaves in a few writes, instead of one per
- * ~200 KiB (the default), each a wakeup of both sides. A cap, not an
- * allocation: the kernel holds only what is in flight. Best effort. */
-static void big_socket_buffers(attnd_conn_t *c) {
-  int v = 4 << 20;
-  (void)uv_send_buffer_size(&c->h.handle, &v);
-  v = 4 << 20;
-  (void)uv_recv_buffer_size(&c->h.handle, &v);
-}
-
 static void on_unix_conn(uv_stream_t *server, int status) {
   attnd_server_t *s = server->data;
   if (status < 0 || s->draining)
@@ -37,7 +26,6 @@ static void on_unix_conn(uv_stream_t *server, int status) {
     attnd_conn_close(c);
     return;
   }
-  big_socket_buffers(c);
   /* The peer's uid is its identity; the kernel vouches for it. */
   uv_os_fd_t fd;
   struct ucred cred;
@@ -76,7 +64,6 @@ static void on_tcp_conn(uv_stream_t *server, int status) {
     return;
   }
   uv_tcp_nodelay(&c->h.tcp, 1);
-  big_socket_buffers(c);
   /* A peer that vanished without a FIN is noticed, and its slot freed. */
   uv_tcp_keepalive(&c->h.tcp, 1, 60);
   struct sockaddr_storage peer;
