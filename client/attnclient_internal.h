@@ -42,6 +42,10 @@ struct attnd_client_s {
   struct attnd_client_piece_s *piece;
   size_t npiece, piececap;
   size_t open_off; /* sbuf offset where the small bytes not yet in piece[] start */
+  /* Bytes read ahead of the frame being read (attnclient_io.c): a small
+   * response's header and body come in one recv. */
+  uint8_t *rbuf;
+  size_t rpos, rlen;
   attnd_client_phases_t ph;
   char addr[256];
   char errmsg[640];

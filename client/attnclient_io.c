@@ -78,6 +78,9 @@ int attnd_client_fail(attnd_client_t *c, int err, const char *fmt, ...) {
 }
 
 void attnd_client_io_free(attnd_client_t *c) {
+  free(c->rbuf);
+  c->rbuf = NULL;
+  c->rpos = c->rlen = 0;
   free(c->sbuf);
   free(c->piece);
   c->sbuf = NULL;
@@ -210,8 +213,23 @@ int attnd_client_send(attnd_client_t *c, attnd_v1_Request *req, uint64_t *id) {
   return rc;
 }
 
+/* Reads n bytes into p: first what was read ahead, then straight into p for
+ * large reads, else through the read-ahead buffer (one recv takes whatever
+ * the daemon has sent, up to READ_AHEAD bytes: a small response's body with
+ * its header, or several pipelined answers). */
+#define READ_AHEAD ((size_t)64 << 10)
 static int read_all(attnd_client_t *c, uint8_t *p, size_t n) {
   while (n > 0) {
+    if (c->rpos < c->rlen) {
+      size_t k = c->rlen - c->rpos < n ? c->rlen - c->rpos : n;
+      memcpy(p, c->rbuf + c->rpos, k);
+      c->rpos += k;
+      p += k;
+      n -= k;
+      continue;
+    }
+    if (!c->rbuf && !(c->rbuf = malloc(READ_AHEAD)))
+      return attnd_client_fail(c, ATTND_CLIENT_ENOMEM, "out of memory");
     if (c->timeout_ms > 0) {
       struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
       int r = poll(&pfd, 1, c->timeout_ms);
@@ -221,7 +239,8 @@ static int read_all(attnd_client_t *c, uint8_t *p, size_t n) {
         return attnd_client_fail(c, ATTND_CLIENT_ETIMEDOUT, "no answer from %s within %d ms",
                                  c->addr, c->timeout_ms);
     }
-    ssize_t r = recv(c->fd, p, n, 0);
+    int direct = n >= READ_AHEAD;
+    ssize_t r = recv(c->fd, direct ? p : c->rbuf, direct ? n : READ_AHEAD, 0);
     if (r < 0) {
       if (errno == EINTR)
         continue;
@@ -229,8 +248,13 @@ static int read_all(attnd_client_t *c, uint8_t *p, size_t n) {
     }
     if (r == 0)
       return attnd_client_fail(c, ATTND_CLIENT_EIO, "attnd at %s closed the connection", c->addr);
-    p += r;
-    n -= (size_t)r;
+    if (direct) {
+      p += r;
+      n -= (size_t)r;
+    } else {
+      c->rpos = 0;
+      c->rlen = (size_t)r;
+    }
   }
   return 0;
 }
