@@ -21,6 +21,8 @@
  *   check.c     attnd_engine_check, the bookkeeping checker for tests
  *   ipc.c       same-host zero-copy: client device memory mapped and
  *               counted, the device check of a step's tensors there
+ *   hostmem.c   host memory of frames and outputs, large plain buffers kept
+ *               for reuse
  *
  * The tables of blocks.c, prefix.c, scales.c and sinks.c are declared in
  * internal_tables.h. Semantics: docs/sessions.md. Everything here runs on the loop thread except
