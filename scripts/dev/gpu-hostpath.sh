@@ -16,7 +16,8 @@
 #      Unix socket, twice: linear in the bytes?
 #   3. decode layer steps at 4,096 tokens of context, 1 / 16 / 64 sessions,
 #      depth 1 and 8 (layer steps in flight on the connection), Unix socket
-#      (an 8-layer daemon; the sessions are filled 4 per prefill step).
+#      (an 8-layer daemon; the sessions are filled 4 per prefill step, once:
+#      the depth-8 run finds its prompts in the prefix cache).
 # Per case: the round trip's p50/p99, the daemon's total and computing time
 # (the responses' Timing), the client's phases (encode, send, wait, read,
 # parse; attnd_client_phases) and the daemon's step_trace p50s (read, scan,
@@ -107,12 +108,12 @@ else
   big_sessions=16 dec_sessions=(1 16 64) dec_prompt=4096 dec_layers=8 dec_steps=64
 fi
 
-# row NAME JSONFILE LOGFILE KIND: one summary row from attnctl's JSON and the
-# daemon's last step_trace line of KIND (prefill or decode).
+# row NAME JSONFILE LOGFILE KIND INDEX: one summary row from attnctl's JSON and
+# the daemon's INDEX-th step_trace line of KIND (prefill or decode; -1: the last).
 row() {
   "$py" - "$@" <<'EOF'
 import json, re, sys
-name, jf, lf, kind = sys.argv[1:5]
+name, jf, lf, kind, index = sys.argv[1:6]
 try:
     j = json.loads(open(jf).read().strip().splitlines()[-1])
 except Exception as e:
@@ -122,11 +123,13 @@ def p(key, q="p50_ms"):
     v = j.get(key, {}).get(q)
     return "-" if v is None else (f"{v:.3f}" if v < 10 else f"{v:.1f}")
 rt = f"{p(k + '_layer_step')} / {p(k + '_layer_step', 'p99_ms')}"
-tr = {}
+lines = []
 for line in open(lf, errors="replace"):
     m = re.search(r"event=step_trace\b.*?kind=(\w+) steps=(\d+) stat=p50/p90(.*)$", line)
     if m and m.group(1) == k:
-        tr = {a: float(b) / 1e3 for a, b in re.findall(r"(\w+)_us=([\d.]+)/", m.group(3))}
+        lines.append({a: float(b) / 1e3 for a, b in re.findall(r"(\w+)_us=([\d.]+)/", m.group(3))})
+i = int(index)
+tr = lines[i] if -len(lines) <= i < len(lines) else {}
 def t(x):
     v = tr.get(x)
     return "-" if v is None else (f"{v:.3f}" if v < 10 else f"{v:.1f}")
@@ -143,21 +146,27 @@ print(f"| {name} | " + " | ".join(cells) + " |")
 EOF
 }
 
-# case NAME TRANSPORT LAYERS WANT_S KIND "BENCH ARGS" [DAEMON ARGS...]
+# run_case NAME TRANSPORT LAYERS WANT_S KIND TRACE_N "SUB=BENCH ARGS"... [-- DAEMON ARGS...]
+# One daemon (--step-trace TRACE_N), then one attnctl bench per SUB against it
+# (a later SUB with the same --seed finds the prompts in the prefix cache:
+# no second fill); the SUB-th step_trace line of KIND is that SUB's.
 run_case() {
-  local name=$1 tr=$2 layers=$3 want=$4 kind=$5 bargs=$6
+  local name=$1 tr=$2 layers=$3 want=$4 kind=$5 tn=$6
   shift 6
-  local l
-  l=$(left)
-  if [ "$l" -lt 15 ]; then
+  local subs=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do
+    subs+=("$1")
+    shift
+  done
+  [ "${1:-}" = -- ] && shift
+  if [ "$(left)" -lt 15 ]; then
     record "$name" 77
     return
   fi
-  [ "$l" -lt "$want" ] && want=$l
-  local dtmp dpid port addr rc
+  local dtmp dpid port addr i sub sname bargs t idx
   dtmp=$(mktemp -d /tmp/gpu-hostpath-XXXXXX)
   "$attnd_bin" --socket "$dtmp/attnd.sock" --listen 127.0.0.1:0 --metrics "" --state-dir "$dtmp" \
-    "${shape[@]}" --layers "$layers" --step-trace 65536 "$@" >"$out/attnd-$name.log" 2>&1 &
+    "${shape[@]}" --layers "$layers" --step-trace "$tn" "$@" >"$out/attnd-$name.log" 2>&1 &
   dpid=$!
   for _ in $(seq 1 600); do
     grep -q "event=ready" "$out/attnd-$name.log" 2>/dev/null && break
@@ -166,29 +175,45 @@ run_case() {
   done
   port=$(sed -n 's/.*event=listening tcp=[^ ]* port=\([0-9]*\).*/\1/p' "$out/attnd-$name.log" | head -1)
   if [ "$tr" = tcp ]; then addr=(--tcp "127.0.0.1:$port"); else addr=(--socket "$dtmp/attnd.sock"); fi
-  # shellcheck disable=SC2086
-  timeout "$want" "$attnctl_bin" "${addr[@]}" --json bench $bargs >"$out/$name.json" 2>"$out/$name.err"
-  rc=$?
+  local rcs=()
+  for i in "${!subs[@]}"; do
+    sub=${subs[$i]}
+    sname=$name${sub%%=*}
+    bargs=${sub#*=}
+    t=$(left)
+    [ "$t" -gt "$want" ] && t=$want
+    if [ "$t" -lt 10 ]; then
+      rcs+=(77)
+      continue
+    fi
+    # shellcheck disable=SC2086
+    timeout "$t" "$attnctl_bin" "${addr[@]}" --json bench $bargs >"$out/$sname.json" 2>"$out/$sname.err"
+    rcs+=($?)
+  done
   kill -TERM $dpid 2>/dev/null
   wait $dpid
   rm -rf "$dtmp"
-  record "$name" $rc
-  rows+=("$(row "$name" "$out/$name.json" "$out/attnd-$name.log" "$kind")")
-  echo "${rows[-1]}"
+  for i in "${!subs[@]}"; do
+    sub=${subs[$i]}
+    sname=$name${sub%%=*}
+    record "$sname" "${rcs[$i]}"
+    if [ "$kind" = prefill ]; then idx=-1; else idx=$i; fi
+    rows+=("$(row "$sname" "$out/$sname.json" "$out/attnd-$name.log" "$kind" "$idx")")
+    echo "${rows[-1]}"
+  done
 }
 
 # ---- 1. one 4,096-token prefill layer step, Unix socket and TCP ---------------------------
 for tr in unix tcp; do
-  run_case "prefill_1x4096_$tr" $tr 2 40 prefill "--sessions 1 --prompt 4096 --steps 0 --repeat 8"
+  run_case "prefill_1x4096_$tr" $tr 2 40 prefill 65536 "=--sessions 1 --prompt 4096 --steps 0 --repeat 8"
 done
 # ---- 2. 16 x 4,096 in one layer step ------------------------------------------------------
-run_case "prefill_${big_sessions}x4096_unix" unix 2 60 prefill \
-  "--sessions $big_sessions --prompt 4096 --steps 0 --repeat 2" --max-frame 1G --max-inflight 2G
-# ---- 3. decode layer steps at 4,096, depth 1 and 8 ----------------------------------------------
+run_case "prefill_${big_sessions}x4096_unix" unix 2 60 prefill 65536 \
+  "=--sessions $big_sessions --prompt 4096 --steps 0 --repeat 2" -- --max-frame 1G --max-inflight 2G
+# ---- 3. decode layer steps at 4,096, depth 1 then 8 (the second run hits the prefix cache) ---------
 for s in "${dec_sessions[@]}"; do
-  for d in 1 8; do
-    run_case "decode_${s}x${dec_prompt}_d$d" unix $dec_layers 45 decode \
-      "--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --depth $d"
-  done
+  b="--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --seed 7"
+  run_case "decode_${s}x${dec_prompt}" unix $dec_layers 90 decode $((dec_steps * dec_layers)) \
+    "_d1=$b --depth 1" "_d8=$b --depth 8"
 done
 [ $nfail = 0 ] && [ $npass -gt 0 ]
