@@ -5,6 +5,7 @@
  * simple orchestrators want. Pipelining still works because sends never wait
  * for answers. */
 #include "attnclient.h"
+#include "attnclient_internal.h"
 
 #include <errno.h>
 #include <netdb.h>
@@ -22,33 +23,6 @@
 
 #include <pb_decode.h>
 #include <pb_encode.h>
-
-/* The daemon never sends frames of 2^31 bytes or more (docs/operations.md). */
-#define ATTND_CLIENT_MAX_FRAME ((uint32_t)1 << 31)
-
-typedef struct pending_s {
-  struct pending_s *next;
-  attnd_client_resp_t resp;
-} pending_t;
-
-struct attnd_client_s {
-  int fd;
-  int timeout_ms;
-  int status;
-  uint64_t epoch;
-  uint64_t next_id;
-  pending_t *pending; /* responses received while waiting for another id */
-  char addr[256];
-  char errmsg[640];
-};
-
-static int fail(attnd_client_t *c, int err, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(c->errmsg, sizeof(c->errmsg), fmt, ap);
-  va_end(ap);
-  return err;
-}
 
 const char *attnd_client_strerror(int err) {
   switch (err) {
@@ -121,19 +95,21 @@ static int connect_unix(attnd_client_t *c, const char *path) {
   memset(&sa, 0, sizeof(sa));
   sa.sun_family = AF_UNIX;
   if (strlen(path) >= sizeof(sa.sun_path))
-    return fail(c, ATTND_CLIENT_ECONNECT, "socket path too long: %s", path);
+    return attnd_client_fail(c, ATTND_CLIENT_ECONNECT, "socket path too long: %s", path);
   memcpy(sa.sun_path, path, strlen(path) + 1);
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0)
-    return fail(c, ATTND_CLIENT_ECONNECT, "socket: %s", strerror(errno));
+    return attnd_client_fail(c, ATTND_CLIENT_ECONNECT, "socket: %s", strerror(errno));
   if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
     int e = errno;
     close(fd);
-    return fail(c, ATTND_CLIENT_ECONNECT, "cannot connect to attnd at unix socket %s: %s%s", path,
-                strerror(e),
-                e == ENOENT || e == ECONNREFUSED ? " (is attnd running? try --socket PATH)" : "");
+    return attnd_client_fail(
+        c, ATTND_CLIENT_ECONNECT, "cannot connect to attnd at unix socket %s: %s%s", path,
+        strerror(e),
+        e == ENOENT || e == ECONNREFUSED ? " (is attnd running? try --socket PATH)" : "");
   }
   c->fd = fd;
+  attnd_client_io_tune(c);
   return 0;
 }
 
@@ -141,14 +117,14 @@ static int connect_tcp(attnd_client_t *c, const char *addr) {
   char host[256];
   const char *colon = strrchr(addr, ':');
   if (!colon || colon == addr || !colon[1])
-    return fail(c, ATTND_CLIENT_ECONNECT, "bad TCP address %s (want HOST:PORT)", addr);
+    return attnd_client_fail(c, ATTND_CLIENT_ECONNECT, "bad TCP address %s (want HOST:PORT)", addr);
   size_t hl = (size_t)(colon - addr);
   if (addr[0] == '[' && hl >= 2 && addr[hl - 1] == ']') {
     addr++;
     hl -= 2;
   }
   if (hl >= sizeof(host))
-    return fail(c, ATTND_CLIENT_ECONNECT, "host name too long");
+    return attnd_client_fail(c, ATTND_CLIENT_ECONNECT, "host name too long");
   memcpy(host, addr, hl);
   host[hl] = 0;
 
@@ -158,7 +134,8 @@ static int connect_tcp(attnd_client_t *c, const char *addr) {
   hints.ai_socktype = SOCK_STREAM;
   int rc = getaddrinfo(host, colon + 1, &hints, &res);
   if (rc != 0)
-    return fail(c, ATTND_CLIENT_ECONNECT, "cannot resolve %s: %s", c->addr, gai_strerror(rc));
+    return attnd_client_fail(c, ATTND_CLIENT_ECONNECT, "cannot resolve %s: %s", c->addr,
+                             gai_strerror(rc));
   int e = 0;
   for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
     int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
@@ -171,6 +148,7 @@ static int connect_tcp(attnd_client_t *c, const char *addr) {
       /* Small request/response frames: Nagle would add a delay to every call. */
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       c->fd = fd;
+      attnd_client_io_tune(c);
       freeaddrinfo(res);
       return 0;
     }
@@ -178,8 +156,8 @@ static int connect_tcp(attnd_client_t *c, const char *addr) {
     close(fd);
   }
   freeaddrinfo(res);
-  return fail(c, ATTND_CLIENT_ECONNECT, "cannot connect to attnd at tcp %s: %s", c->addr,
-              strerror(e));
+  return attnd_client_fail(c, ATTND_CLIENT_ECONNECT, "cannot connect to attnd at tcp %s: %s",
+                           c->addr, strerror(e));
 }
 
 int attnd_client_connect(attnd_client_t **out, const char *addr) {
@@ -209,6 +187,7 @@ void attnd_client_free(attnd_client_t *c) {
     attnd_client_resp_free(&p->resp);
     free(p);
   }
+  attnd_client_io_free(c);
   free(c);
 }
 
@@ -284,169 +263,6 @@ static bool enc_items_cb(pb_ostream_t *s, const pb_field_t *f, void *const *arg)
       return false;
   }
   return true;
-}
-
-/* ---- framing ---- */
-
-static int write_all(attnd_client_t *c, const uint8_t *p, size_t n) {
-  while (n > 0) {
-    ssize_t w = send(c->fd, p, n, MSG_NOSIGNAL);
-    if (w < 0) {
-      if (errno == EINTR)
-        continue;
-      return fail(c, ATTND_CLIENT_EIO, "write to %s: %s", c->addr, strerror(errno));
-    }
-    p += w;
-    n -= (size_t)w;
-  }
-  return 0;
-}
-
-static int read_all(attnd_client_t *c, uint8_t *p, size_t n) {
-  while (n > 0) {
-    if (c->timeout_ms > 0) {
-      struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
-      int r = poll(&pfd, 1, c->timeout_ms);
-      if (r < 0 && errno == EINTR)
-        continue;
-      if (r == 0)
-        return fail(c, ATTND_CLIENT_ETIMEDOUT, "no answer from %s within %d ms", c->addr,
-                    c->timeout_ms);
-    }
-    ssize_t r = recv(c->fd, p, n, 0);
-    if (r < 0) {
-      if (errno == EINTR)
-        continue;
-      return fail(c, ATTND_CLIENT_EIO, "read from %s: %s", c->addr, strerror(errno));
-    }
-    if (r == 0)
-      return fail(c, ATTND_CLIENT_EIO, "attnd at %s closed the connection", c->addr);
-    p += r;
-    n -= (size_t)r;
-  }
-  return 0;
-}
-
-int attnd_client_send(attnd_client_t *c, attnd_v1_Request *req, uint64_t *id) {
-  if (!c || c->fd < 0 || !req)
-    return ATTND_CLIENT_EINVAL;
-  if (req->id == 0)
-    req->id = c->next_id++;
-  size_t size = 0;
-  if (!pb_get_encoded_size(&size, attnd_v1_Request_fields, req))
-    return fail(c, ATTND_CLIENT_EINVAL, "cannot encode request");
-  if (size == 0 || size >= ATTND_CLIENT_MAX_FRAME)
-    return fail(c, ATTND_CLIENT_EINVAL, "request of %zu bytes does not fit a frame", size);
-  uint8_t *buf = malloc(size + 4);
-  if (!buf)
-    return fail(c, ATTND_CLIENT_ENOMEM, "out of memory for a %zu byte request", size);
-  buf[0] = (uint8_t)(size >> 24);
-  buf[1] = (uint8_t)(size >> 16);
-  buf[2] = (uint8_t)(size >> 8);
-  buf[3] = (uint8_t)size;
-  pb_ostream_t os = pb_ostream_from_buffer(buf + 4, size);
-  if (!pb_encode(&os, attnd_v1_Request_fields, req)) {
-    free(buf);
-    return fail(c, ATTND_CLIENT_EINVAL, "cannot encode request: %s", PB_GET_ERROR(&os));
-  }
-  int rc = write_all(c, buf, size + 4);
-  free(buf);
-  if (rc == 0 && id)
-    *id = req->id;
-  return rc;
-}
-
-static int read_frame(attnd_client_t *c, attnd_client_resp_t *resp) {
-  uint8_t hdr[4];
-  int rc = read_all(c, hdr, 4);
-  if (rc)
-    return rc;
-  uint32_t n = (uint32_t)hdr[0] << 24 | (uint32_t)hdr[1] << 16 | (uint32_t)hdr[2] << 8 | hdr[3];
-  if (n == 0 || n >= ATTND_CLIENT_MAX_FRAME)
-    return fail(c, ATTND_CLIENT_EPROTO, "bad frame length %u from %s", n, c->addr);
-  memset(resp, 0, sizeof(*resp));
-  resp->raw = malloc(n);
-  if (!resp->raw)
-    return fail(c, ATTND_CLIENT_ENOMEM, "out of memory for a %u byte frame", n);
-  resp->rawlen = n;
-  rc = read_all(c, resp->raw, n);
-  if (rc) {
-    attnd_client_resp_free(resp);
-    return rc;
-  }
-  pb_istream_t is = pb_istream_from_buffer(resp->raw, n);
-  if (!pb_decode(&is, attnd_v1_Response_fields, &resp->msg)) {
-    rc = fail(c, ATTND_CLIENT_EPROTO, "cannot parse a response from %s: %s", c->addr,
-              PB_GET_ERROR(&is));
-    attnd_client_resp_free(resp);
-    return rc;
-  }
-  return 0;
-}
-
-static int finish(attnd_client_t *c, attnd_client_resp_t *resp) {
-  if (resp->msg.epoch)
-    c->epoch = resp->msg.epoch;
-  c->status = 0;
-  if (resp->msg.has_status && resp->msg.status.code != attnd_v1_Status_Code_OK) {
-    c->status = (int)resp->msg.status.code;
-    return fail(c, ATTND_CLIENT_ESTATUS, "%s: %s", attnd_client_status_name(c->status),
-                resp->msg.status.message);
-  }
-  return 0;
-}
-
-int attnd_client_recv(attnd_client_t *c, uint64_t id, attnd_client_resp_t *resp) {
-  if (!c || c->fd < 0 || !resp)
-    return ATTND_CLIENT_EINVAL;
-  for (pending_t **pp = &c->pending; *pp; pp = &(*pp)->next) {
-    if (id == 0 || (*pp)->resp.msg.id == id) {
-      pending_t *p = *pp;
-      *pp = p->next;
-      *resp = p->resp;
-      free(p);
-      return finish(c, resp);
-    }
-  }
-  for (;;) {
-    int rc = read_frame(c, resp);
-    if (rc)
-      return rc;
-    /* id 0 from the daemon is about the connection itself (bad frame, too
-     * large): it answers whoever waits, so the error is seen. */
-    if (id == 0 || resp->msg.id == id || resp->msg.id == 0)
-      return finish(c, resp);
-    pending_t *p = malloc(sizeof(*p));
-    if (!p) {
-      attnd_client_resp_free(resp);
-      return fail(c, ATTND_CLIENT_ENOMEM, "out of memory");
-    }
-    p->resp = *resp;
-    memset(resp, 0, sizeof(*resp));
-    /* Append so that recv(0) returns responses in arrival order. */
-    pending_t **tail = &c->pending;
-    while (*tail)
-      tail = &(*tail)->next;
-    p->next = NULL;
-    *tail = p;
-  }
-}
-
-int attnd_client_call(attnd_client_t *c, attnd_v1_Request *req, attnd_client_resp_t *resp) {
-  uint64_t id = 0;
-  memset(resp, 0, sizeof(*resp));
-  int rc = attnd_client_send(c, req, &id);
-  if (rc)
-    return rc;
-  return attnd_client_recv(c, id, resp);
-}
-
-void attnd_client_resp_free(attnd_client_resp_t *resp) {
-  if (!resp)
-    return;
-  free(resp->raw);
-  resp->raw = NULL;
-  resp->rawlen = 0;
 }
 
 /* ---- reading callback fields from the raw frame ---- */
@@ -562,8 +378,8 @@ int attnd_client_resp_sessions(const attnd_client_resp_t *resp, attnd_v1_Session
 static int expect(attnd_client_t *c, attnd_client_resp_t *r, pb_size_t tag) {
   if (r->msg.which_result != tag) {
     attnd_client_resp_free(r);
-    return fail(c, ATTND_CLIENT_EPROTO, "unexpected result (field %u) from %s",
-                (unsigned)r->msg.which_result, c->addr);
+    return attnd_client_fail(c, ATTND_CLIENT_EPROTO, "unexpected result (field %u) from %s",
+                             (unsigned)r->msg.which_result, c->addr);
   }
   return 0;
 }
@@ -610,7 +426,7 @@ int attnd_client_list_sessions(attnd_client_t *c, attnd_v1_SessionInfo *out, siz
   if (rc == 0) {
     rc = attnd_client_resp_sessions(&r, out, max, n);
     if (rc)
-      fail(c, rc, "cannot parse the session list from %s", c->addr);
+      attnd_client_fail(c, rc, "cannot parse the session list from %s", c->addr);
   }
   attnd_client_resp_free(&r);
   return rc;
@@ -766,7 +582,7 @@ int attnd_client_step_send(attnd_client_t *c, const attnd_client_step_t *s, uint
   items_arg_t ia = {s->items, s->nitems};
   bytes_arg_t qb, kb, vb;
   if (s->dtype != attnd_v1_DType_DTYPE_BF16 && s->dtype != attnd_v1_DType_DTYPE_FP16)
-    return fail(c, ATTND_CLIENT_EINVAL, "step activations must be bf16 or fp16");
+    return attnd_client_fail(c, ATTND_CLIENT_EINVAL, "step activations must be bf16 or fp16");
   req.which_call = attnd_v1_Request_step_tag;
   attnd_v1_StepRequest *st = &req.call.step;
   st->layer = s->layer;

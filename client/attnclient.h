@@ -75,6 +75,19 @@ uint64_t attnd_client_epoch(const attnd_client_t *c);
 /* Receive timeout in milliseconds; 0 (the default) waits forever. */
 void attnd_client_set_timeout(attnd_client_t *c, int ms);
 
+/* Where the last call's time went on this side, for benchmarks (attnctl
+ * bench): the last send's encoding (sizing and the small fields; tensor bytes
+ * of 64 KiB or more are not copied but written from the caller's memory) and
+ * its write to the socket, the last received frame's wait (the recv call, or
+ * the end of the previous frame, until its header), its body's read and its
+ * parse. */
+typedef struct {
+  double encode_us, send_us;
+  double wait_us, read_us, decode_us;
+  uint64_t sent_bytes, recv_bytes;
+} attnd_client_phases_t;
+void attnd_client_phases(const attnd_client_t *c, attnd_client_phases_t *out);
+
 /* Sends one request. If req->id is 0 a fresh id is assigned; the id used is
  * written to *id (may be NULL). Nothing is read. */
 int attnd_client_send(attnd_client_t *c, attnd_v1_Request *req, uint64_t *id);

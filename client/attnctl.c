@@ -68,6 +68,7 @@ static const char *const usage_config =
 static const char *const usage_bench =
     "usage: attnctl [global options] bench [--sessions N] [--prompt N] [--steps N]\n"
     "                                      [--depth N] [--inline] [--lse] [--seed N]\n"
+    "                                      [--repeat N] [--prefill-sessions N]\n"
     "Closed-loop load generator: opens sessions, prefills their prompts through every\n"
     "layer, then runs decode steps, each a Plan for all sessions and one Step per\n"
     "layer with random bf16 q, k, v. Prints progress, then p50/p99/max latency per\n"
@@ -78,7 +79,12 @@ static const char *const usage_bench =
     "  --depth N     layer steps in flight (default 1)\n"
     "  --inline      send the items with every Step instead of a Plan\n"
     "  --lse         ask for the log-sum-exp output too\n"
-    "  --seed N      prompts and data (default 1); the same seed hits the prefix cache\n";
+    "  --seed N      prompts and data (default 1); the same seed hits the prefix cache\n"
+    "  --repeat N    prefill N times (the sessions truncated to 0 in between), for\n"
+    "                percentiles of large steps (default 1)\n"
+    "  --prefill-sessions N  sessions per prefill step (default: all in one)\n"
+    "Layer steps also get the client's phases (encode, send, wait for the answer,\n"
+    "read, parse) and the daemon's total and computing time of each.\n";
 
 static const char *const usage_set_sinks =
     "usage: attnctl [global options] set-sinks --layer N --sinks X1,X2,...\n"
@@ -104,6 +110,8 @@ enum {
   OPT_SEED,
   OPT_LAYER,
   OPT_SINKS,
+  OPT_REPEAT,
+  OPT_PREFILL_SESSIONS,
 };
 #define OPT_BIT(id) (1u << ((id)-OPT_SOCKET))
 #define OPTS_GLOBAL                                                                                \
@@ -111,7 +119,8 @@ enum {
 #define OPTS_WATCH (OPT_BIT(OPT_WATCH) | OPT_BIT(OPT_COUNT))
 #define OPTS_BENCH                                                                                 \
   (OPT_BIT(OPT_SESSIONS) | OPT_BIT(OPT_PROMPT) | OPT_BIT(OPT_STEPS) | OPT_BIT(OPT_DEPTH) |         \
-   OPT_BIT(OPT_INLINE) | OPT_BIT(OPT_LSE) | OPT_BIT(OPT_SEED))
+   OPT_BIT(OPT_INLINE) | OPT_BIT(OPT_LSE) | OPT_BIT(OPT_SEED) | OPT_BIT(OPT_REPEAT) |              \
+   OPT_BIT(OPT_PREFILL_SESSIONS))
 #define OPTS_SINKS (OPT_BIT(OPT_LAYER) | OPT_BIT(OPT_SINKS))
 
 static const struct option long_options[] = {
@@ -130,6 +139,8 @@ static const struct option long_options[] = {
     {"seed", required_argument, NULL, OPT_SEED},
     {"layer", required_argument, NULL, OPT_LAYER},
     {"sinks", required_argument, NULL, OPT_SINKS},
+    {"repeat", required_argument, NULL, OPT_REPEAT},
+    {"prefill-sessions", required_argument, NULL, OPT_PREFILL_SESSIONS},
     {"help", no_argument, NULL, 'h'},
     {"version", no_argument, NULL, 'V'},
     {NULL, 0, NULL, 0},
@@ -271,12 +282,16 @@ static int parse_args(int argc, char **argv, attnctl_opts_t *o, const command_t 
     case OPT_SESSIONS:
     case OPT_PROMPT:
     case OPT_STEPS:
+    case OPT_REPEAT:
+    case OPT_PREFILL_SESSIONS:
     case OPT_DEPTH: {
-      int *field = ch == OPT_COUNT      ? &o->watch_count
-                   : ch == OPT_SESSIONS ? &o->sessions
-                   : ch == OPT_PROMPT   ? &o->prompt
-                   : ch == OPT_STEPS    ? &o->steps
-                                        : &o->depth;
+      int *field = ch == OPT_COUNT              ? &o->watch_count
+                   : ch == OPT_SESSIONS         ? &o->sessions
+                   : ch == OPT_PROMPT           ? &o->prompt
+                   : ch == OPT_STEPS            ? &o->steps
+                   : ch == OPT_REPEAT           ? &o->repeat
+                   : ch == OPT_PREFILL_SESSIONS ? &o->prefill_sessions
+                                                : &o->depth;
       int min = ch == OPT_PROMPT || ch == OPT_STEPS ? 0 : 1;
       if (parse_int(optarg, min, field)) {
         fprintf(stderr, "attnctl: --%s wants an integer >= %d, not '%s'\nTry 'attnctl --help'.\n",
@@ -343,6 +358,7 @@ int main(int argc, char **argv) {
   o.prompt = 64;
   o.steps = 32;
   o.depth = 1;
+  o.repeat = 1;
   o.use_plan = 1;
   o.seed = 1;
   const command_t *cmd = NULL;

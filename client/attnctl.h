@@ -29,6 +29,8 @@ typedef struct {
   int prompt;
   int steps;
   int depth;
+  int repeat;           /* --repeat: prefills */
+  int prefill_sessions; /* --prefill-sessions: sessions per prefill step, 0 all */
   int use_plan;
   int want_lse;
   unsigned seed;

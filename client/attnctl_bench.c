@@ -3,7 +3,10 @@
  * Opens --sessions sessions, prefills each with a --prompt token prompt in one
  * Plan and one Step per layer, then runs --steps decode steps (a Plan for all
  * sessions, one Step per layer with random bf16 q, k, v; --depth layer steps in
- * flight) and prints latency percentiles per layer step and per token. */
+ * flight) and prints latency percentiles per layer step and per token, with
+ * where a layer step's time went: the client's phases (attnd_client_phases)
+ * and the daemon's own total and computing time (Timing). --repeat prefills
+ * again after truncating the sessions, for percentiles of large steps. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -67,10 +70,15 @@ typedef struct {
   const attnd_v1_HealthResponse *h;
   const uint16_t *pool; /* random bf16 values */
   size_t pool_elems;
-  lat_t step_lat;    /* one layer step, seconds */
-  lat_t srv_total;   /* the daemon's Timing.total_us of each decode layer step, seconds */
-  lat_t srv_compute; /* its Timing.computing_us */
+  lat_t step_lat;       /* one layer step, seconds */
+  int kind;             /* what the layer steps are now: 0 prefill, 1 decode */
+  lat_t srv_total[2];   /* the daemon's Timing.total_us of each layer step, seconds */
+  lat_t srv_compute[2]; /* its Timing.computing_us */
+  lat_t cl[2][5];       /* the client's phases: encode, send, wait, read, parse */
 } bench_t;
+
+static const char *const cl_name[5] = {"client encode", "client send", "client wait", "client read",
+                                       "client parse"};
 
 static const uint16_t *pool_at(bench_t *b, size_t elems) {
   size_t off = elems < b->pool_elems ? (size_t)(rng_next() % (b->pool_elems - elems + 1)) : 0;
@@ -116,6 +124,10 @@ static int bench_pass(bench_t *b, const attnd_client_item_t *items, size_t nitem
       sent[next] = attnctl_now();
       if ((rc = attnd_client_step_send(b->c, &s, &ids[next])) != 0)
         break;
+      attnd_client_phases_t ph;
+      attnd_client_phases(b->c, &ph);
+      lat_add(&b->cl[b->kind][0], ph.encode_us * 1e-6);
+      lat_add(&b->cl[b->kind][1], ph.send_us * 1e-6);
       next++;
     }
     if (rc)
@@ -134,9 +146,14 @@ static int bench_pass(bench_t *b, const attnd_client_item_t *items, size_t nitem
         return ATTNCTL_DAEMON;
       }
       lat_add(&b->step_lat, attnctl_now() - sent[done]);
+      attnd_client_phases_t ph;
+      attnd_client_phases(b->c, &ph);
+      lat_add(&b->cl[b->kind][2], ph.wait_us * 1e-6);
+      lat_add(&b->cl[b->kind][3], ph.read_us * 1e-6);
+      lat_add(&b->cl[b->kind][4], ph.decode_us * 1e-6);
       if (r.msg.has_timing) {
-        lat_add(&b->srv_total, (double)r.msg.timing.total_us * 1e-6);
-        lat_add(&b->srv_compute, (double)r.msg.timing.computing_us * 1e-6);
+        lat_add(&b->srv_total[b->kind], (double)r.msg.timing.total_us * 1e-6);
+        lat_add(&b->srv_compute[b->kind], (double)r.msg.timing.computing_us * 1e-6);
       }
     }
     attnd_client_resp_free(&r);
@@ -192,8 +209,10 @@ int attnctl_cmd_bench(attnd_client_t *c, const attnctl_opts_t *o) {
   }
   rng_state = o->seed;
   int S = o->sessions;
+  /* --prefill-sessions: sessions per prefill step (0: all in one). */
+  int G = o->prefill_sessions > 0 && o->prefill_sessions < S ? o->prefill_sessions : S;
   uint32_t P = (uint32_t)o->prompt;
-  size_t max_rows = (size_t)S * P > (size_t)S ? (size_t)S * P : (size_t)S;
+  size_t max_rows = (size_t)G * P > (size_t)S ? (size_t)G * P : (size_t)S;
   size_t heads = m->q_heads > m->kv_heads ? m->q_heads : m->kv_heads;
   bench_t b;
   memset(&b, 0, sizeof(b));
@@ -235,31 +254,44 @@ int attnctl_cmd_bench(attnd_client_t *c, const attnctl_opts_t *o) {
       goto out;
     }
   }
-  /* Prefill: every session's uncached prompt tokens in one step per layer. */
-  if (P > 0) {
-    uint32_t rows = 0;
-    size_t n = 0;
-    for (int i = 0; i < S; i++) {
-      if (cached[i] >= P)
-        continue;
-      items[n].session = sess[i];
-      items[n].start = cached[i];
-      items[n].n = P - cached[i];
-      items[n].tokens = &tokens[(size_t)i * ntok + cached[i]];
-      rows += items[n].n;
-      n++;
+  /* Prefill: every session's uncached prompt tokens in one step per layer;
+   * again from 0 after a truncation for each --repeat; --prefill-sessions
+   * sessions per step. */
+  for (int rep = 0; P > 0 && rep < o->repeat; rep++) {
+    for (int g0 = 0; g0 < S; g0 += G) {
+      uint32_t rows = 0;
+      size_t n = 0;
+      for (int i = g0; i < S && i < g0 + G; i++) {
+        if (rep > 0) {
+          if ((rc = attnd_client_truncate(c, sess[i], 0)) != 0) {
+            exit_code = attnctl_report(c, rc, "bench truncate");
+            goto out;
+          }
+          cached[i] = 0;
+        }
+        if (cached[i] >= P)
+          continue;
+        items[n].session = sess[i];
+        items[n].start = cached[i];
+        items[n].n = P - cached[i];
+        items[n].tokens = &tokens[(size_t)i * ntok + cached[i]];
+        rows += items[n].n;
+        n++;
+      }
+      prefill_rows += rows;
+      double t0 = attnctl_now();
+      b.kind = 0;
+      b.step_lat = prefill_steps;
+      if (n > 0 && (exit_code = bench_pass(&b, items, n, rows, &prefill)) != 0)
+        goto out;
+      t_prefill += attnctl_now() - t0;
+      prefill_steps = b.step_lat;
+      memset(&b.step_lat, 0, sizeof(b.step_lat));
+      if (tty)
+        fprintf(stderr, "prefill: %zu sessions x %u tokens in %.3f s\n", n, P, attnctl_now() - t0);
     }
-    prefill_rows = rows;
-    double t0 = attnctl_now();
-    if (n > 0 && (exit_code = bench_pass(&b, items, n, rows, &prefill)) != 0)
-      goto out;
-    t_prefill = attnctl_now() - t0;
-    prefill_steps = b.step_lat;
-    memset(&b.step_lat, 0, sizeof(b.step_lat));
-    b.srv_total.n = b.srv_compute.n = 0; /* server timings are reported for decode only */
-    if (tty)
-      fprintf(stderr, "prefill: %d sessions x %u tokens in %.3f s\n", S, P, t_prefill);
   }
+  b.kind = 1;
   double t0 = attnctl_now(), last = 0;
   for (int t = 0; t < o->steps; t++) {
     for (int i = 0; i < S; i++) {
@@ -300,8 +332,19 @@ int attnctl_cmd_bench(attnd_client_t *c, const attnctl_opts_t *o) {
     json_lat("prefill", &prefill, t_prefill, (double)prefill_rows, &f);
     json_lat("prefill_layer_step", &prefill_steps, t_prefill, (double)prefill_rows / L, &f);
     json_lat("decode_layer_step", &b.step_lat, t_decode, (double)S / L, &f);
-    json_lat("decode_layer_server_total", &b.srv_total, t_decode, (double)S / L, &f);
-    json_lat("decode_layer_server_compute", &b.srv_compute, t_decode, (double)S / L, &f);
+    json_lat("prefill_layer_server_total", &b.srv_total[0], 0, 0, &f);
+    json_lat("prefill_layer_server_compute", &b.srv_compute[0], 0, 0, &f);
+    json_lat("decode_layer_server_total", &b.srv_total[1], t_decode, (double)S / L, &f);
+    json_lat("decode_layer_server_compute", &b.srv_compute[1], t_decode, (double)S / L, &f);
+    for (int k = 0; k < 2; k++)
+      for (int i = 0; i < 5; i++) {
+        char name[64];
+        snprintf(name, sizeof(name), "%s_layer_%s", k ? "decode" : "prefill", cl_name[i]);
+        for (char *p = name; *p; p++)
+          if (*p == ' ')
+            *p = '_';
+        json_lat(name, &b.cl[k][i], 0, 0, &f);
+      }
     json_lat("decode_token", &decode, t_decode, (double)S, &f);
     printf("}\n");
   } else {
@@ -311,12 +354,22 @@ int attnctl_cmd_bench(attnd_client_t *c, const attnctl_opts_t *o) {
     printf("%-16s %8s %10s %10s %10s %10s %12s\n", "phase", "count", "p50 ms", "p99 ms", "max ms",
            "per s", "tokens/s");
     print_lat_row("prefill", &prefill, t_prefill, (double)prefill_rows);
-    print_lat_row("prefill layer", &prefill_steps, t_prefill, (double)prefill_rows / L);
-    print_lat_row("decode layer", &b.step_lat, t_decode, (double)S / L);
-    if (b.srv_total.n) {
-      /* Where the time goes: the daemon's own view of the same steps. */
-      print_lat_row("  in daemon", &b.srv_total, 0, 0);
-      print_lat_row("  computing", &b.srv_compute, 0, 0);
+    for (int k = 0; k < 2; k++) {
+      if (k == 0)
+        print_lat_row("prefill layer", &prefill_steps, t_prefill, (double)prefill_rows / L);
+      else
+        print_lat_row("decode layer", &b.step_lat, t_decode, (double)S / L);
+      if (b.srv_total[k].n) {
+        /* Where the time goes: the daemon's own view of the same steps. */
+        print_lat_row("  in daemon", &b.srv_total[k], 0, 0);
+        print_lat_row("  computing", &b.srv_compute[k], 0, 0);
+      }
+      for (int i = 0; i < 5; i++) {
+        char name[32];
+        snprintf(name, sizeof(name), "  %s", cl_name[i]);
+        if (b.cl[k][i].n)
+          print_lat_row(name, &b.cl[k][i], 0, 0);
+      }
     }
     print_lat_row("decode token", &decode, t_decode, (double)S);
   }
@@ -328,8 +381,12 @@ out:
   free(decode.v);
   free(prefill_steps.v);
   free(b.step_lat.v);
-  free(b.srv_total.v);
-  free(b.srv_compute.v);
+  for (int k = 0; k < 2; k++) {
+    free(b.srv_total[k].v);
+    free(b.srv_compute[k].v);
+    for (int i = 0; i < 5; i++)
+      free(b.cl[k][i].v);
+  }
   free(pool);
   free(sess);
   free(cached);

@@ -1,6 +1,7 @@
 # libattnclient (C client library) and attnctl (CLI). Included from
 # client/CMakeLists.txt, so the binaries land in $BUILD/client/.
-add_library(attnd_client STATIC ${CMAKE_CURRENT_SOURCE_DIR}/attnclient.c)
+add_library(attnd_client STATIC ${CMAKE_CURRENT_SOURCE_DIR}/attnclient.c
+                         ${CMAKE_CURRENT_SOURCE_DIR}/attnclient_io.c)
 target_include_directories(attnd_client PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(attnd_client PUBLIC attnd_proto)
 

@@ -25,6 +25,8 @@ endfunction()
 
 attnd_add_e2e(e2e_client_fake test_client_fake)
 attnd_add_e2e(e2e_torch_client test_torch_client)
+# The Python client's hand-framed steps and cut answers (attnd/_frames.py), no daemon.
+attnd_add_e2e(e2e_frames test_frames)
 attnd_add_e2e(e2e_health test_health)
 # Same-host zero-copy: RegisterBuffer's refusals here; the IPC path itself on a GPU.
 attnd_add_e2e(e2e_ipc test_ipc)

@@ -2,7 +2,8 @@
  * an odd address, both ways: copied to an aligned buffer (the CPU backend) or
  * read through a bounce buffer with no copy (a backend that reads any
  * alignment, backend.h any_alignment): the same first bad rows either way,
- * across chunk boundaries, and the view is the request's own bytes. */
+ * across chunk boundaries, and the view is the request's own bytes; and the
+ * same in parts (a large step's scan spread over the worker pool). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -109,6 +110,33 @@ static void test_odd_address(void **state) {
     assert_null(b.vbuf);
     assert_null(b.qbuf);
     assert_memory_equal(a.k, k, 2 * kvn);
+    /* In parts (a large step's scan on the worker pool), both ways: the
+     * same first rows, and the copies whole even past a bad row. */
+    for (int any = 0; any < 2; any++) {
+      attnd_scan_t p;
+      attnd_scan_part_t parts[3];
+      attnd_scan_begin(NULL, &sh, &req, any, &p);
+      for (int i = 2; i >= 0; i--) /* any order */
+        attnd_scan_part(&sh, &req, &p, i, 3, &parts[i]);
+      attnd_scan_end(&p, parts, 3);
+      assert_int_equal(p.bad_k, a.bad_k);
+      assert_int_equal(p.bad_v, a.bad_v);
+      assert_int_equal(p.bad_q, a.bad_q);
+      assert_int_equal(p.bits_k, a.bits_k);
+      assert_int_equal(p.bits_v, a.bits_v);
+      assert_int_equal(p.bits_q, a.bits_q);
+      if (any) {
+        assert_ptr_equal(p.k, k);
+        assert_null(p.kbuf);
+      } else {
+        assert_memory_equal(p.k, k, 2 * kvn);
+        assert_memory_equal(p.v, v, 2 * kvn);
+        assert_memory_equal(p.q, q, 2 * qn);
+      }
+      free(p.kbuf);
+      free(p.vbuf);
+      free(p.qbuf);
+    }
     free(a.kbuf);
     free(a.vbuf);
     free(a.qbuf);

@@ -6,10 +6,22 @@
 
 #include "internal.h"
 
+/* Ids are drawn from the kernel 32 at a time: one getrandom per id was one
+ * syscall per Plan, i.e. per token of a decode loop, on the loop thread. The
+ * pool is per thread, so no lock. */
+#define ID_POOL 32
+static _Thread_local uint64_t id_pool[ID_POOL];
+static _Thread_local int id_left;
+
 uint64_t attnd_random_id(void) {
   uint64_t x = 0;
   while (x == 0) {
-    if (getrandom(&x, sizeof(x), 0) != (ssize_t)sizeof(x)) {
+    if (id_left == 0 && getrandom(id_pool, sizeof(id_pool), 0) == (ssize_t)sizeof(id_pool))
+      id_left = ID_POOL;
+    if (id_left > 0) {
+      x = id_pool[--id_left];
+      id_pool[id_left] = 0; /* a drawn id is not kept around */
+    } else {
       /* getrandom on Linux >= 3.17 does not fail for 8 bytes once seeded;
        * keep going with a weaker source rather than abort the daemon. */
       struct timespec ts;

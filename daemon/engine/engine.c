@@ -131,6 +131,12 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
   e->layers = cfg->layers;
   e->bs = (uint32_t)e->shape.block_size;
   e->offload_bytes = (size_t)cfg->engine_offload_bytes;
+  /* A large scan's parts run on the libuv pool beside other work: at most its size. */
+  e->scan_parts = attnd_config_worker_threads(cfg);
+  if (e->scan_parts < 1)
+    e->scan_parts = 1;
+  if (e->scan_parts > ATTND_SCAN_MAX_PARTS)
+    e->scan_parts = ATTND_SCAN_MAX_PARTS;
   if (e->cfg.max_context <= 0)
     e->cfg.max_context = 131072;
   if (e->layers <= 0 || attnd_kshape_check(&e->shape) != 0) {
@@ -160,6 +166,7 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
   attnd_list_init(&e->slist);
   attnd_list_init(&e->plist);
   attnd_order_init(e);
+  attnd_hostmem_init(&e->hm);
   attnd_scales_update_fingerprint(e);
   start_idle_sweep(e);
   *out = e;
@@ -200,6 +207,7 @@ static void idle_closed(uv_handle_t *h) {
   attnd_blocks_free(&e->pool);
   attnd_scales_free(&e->sc);
   attnd_sinks_free(&e->sk);
+  attnd_hostmem_free(&e->hm);
   free(e);
   if (cb)
     cb(arg);

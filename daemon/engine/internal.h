@@ -21,6 +21,8 @@
  *   check.c     attnd_engine_check, the bookkeeping checker for tests
  *   ipc.c       same-host zero-copy: client device memory mapped and
  *               counted, the device check of a step's tensors there
+ *   hostmem.c   host memory of frames and outputs, large plain buffers kept
+ *               for reuse
  *
  * The tables of blocks.c, prefix.c, scales.c and sinks.c are declared in
  * internal_tables.h. Semantics: docs/sessions.md. Everything here runs on the loop thread except
@@ -191,6 +193,22 @@ typedef struct {
 
 /* ---- the engine ---------------------------------------------------------------- */
 
+/* Large frame bodies and step outputs in plain memory, kept after their free
+ * for the next large one (hostmem.c): reading a socket into pages already
+ * faulted in runs twice as fast as into fresh ones (bench/RESULTS.md). */
+#define ATTND_HOSTMEM_SLOTS 8
+typedef struct {
+  uv_mutex_t mu; /* frees may come from any thread */
+  void *p[ATTND_HOSTMEM_SLOTS];
+  size_t cap[ATTND_HOSTMEM_SLOTS];
+  size_t bytes; /* sum of cap[] */
+} attnd_hostmem_t;
+void attnd_hostmem_init(attnd_hostmem_t *h);
+/* Plain host memory of len bytes, 64-byte aligned, perhaps a kept buffer;
+ * aborts when out of memory. attnd_engine_host_free(e, p, 0) takes it back. */
+void *attnd_engine_host_plain(attnd_engine_t *e, size_t len);
+void attnd_hostmem_free(attnd_hostmem_t *h);
+
 struct attnd_engine_s {
   uv_loop_t *loop;
   attnd_config_t cfg;
@@ -228,14 +246,16 @@ struct attnd_engine_s {
   attnd_qepoch_t *qepoch;  /* the queued calls since it */
   int admitting;           /* the queue is being pumped: a nested call leaves the work to it */
   size_t offload_bytes;    /* a step with more q+k+v bytes is scanned on the threadpool */
+  int scan_parts;          /* ... in at most this many parts at once (its workers) */
   /* The scheduler (sched.c), per (layer, block) and per layer. */
-  attnd_ejob_t **sb_w;    /* [layers * blocks]: last unfinished job writing the block */
-  attnd_list_t *sb_r;     /* [layers * blocks]: unfinished jobs reading it since (rnodes) */
-  attnd_list_t *ljobs;    /* [layers]: unfinished jobs, in admission order */
-  attnd_ejob_t **barrier; /* [layers]: the unfinished SCALES job */
-  attnd_list_t readyq;    /* jobs whose wait ended, to hand to the backend */
-  int sched_busy;         /* readyq is being drained */
+  attnd_ejob_t **sb_w;        /* [layers * blocks]: last unfinished job writing the block */
+  attnd_list_t *sb_r;         /* [layers * blocks]: unfinished jobs reading it since (rnodes) */
+  attnd_list_t *ljobs;        /* [layers]: unfinished jobs, in admission order */
+  attnd_ejob_t **barrier;     /* [layers]: the unfinished SCALES job */
+  attnd_list_t readyq;        /* jobs whose wait ended, to hand to the backend */
+  int sched_busy;             /* readyq is being drained */
   struct ipc_map_s *ipc_maps; /* client device memory mapped (ipc.c) */
+  attnd_hostmem_t hm;         /* large host buffers kept for reuse (hostmem.c) */
 };
 
 /* ---- engine.c ---- */
@@ -332,6 +352,26 @@ extern void (*attnd_queue_test_scan_hook)(const attnd_step_req_t *req);
  * scanned through a small bounce buffer instead of copied whole. */
 void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, int any_alignment,
                      attnd_scan_t *sc);
+/* A large step's scan in n parts over rows that may run in parallel (the
+ * queue runs them on the worker pool): attnd_scan_begin on the loop thread
+ * (the views, and the memory of the aligned copies: no pass over the data),
+ * attnd_scan_part on any thread (part i of n copies and scans its rows of
+ * q, k and v), attnd_scan_end once all are done (the first bad row of each
+ * tensor; us: from the first part's start to the last one's end). */
+#define ATTND_SCAN_PART_BYTES ((size_t)4 << 20) /* bytes per part at least */
+#define ATTND_SCAN_MAX_PARTS 16
+typedef struct {
+  size_t bad[3]; /* q, k, v: first row past its bound, SIZE_MAX: none */
+  uint32_t bits[3];
+  uint64_t t0_us, t1_us;
+} attnd_scan_part_t;
+void attnd_scan_begin(attnd_engine_t *e, const attnd_kshape_t *sh, const attnd_step_req_t *req,
+                      int any_alignment, attnd_scan_t *sc);
+void attnd_scan_part(const attnd_kshape_t *sh, const attnd_step_req_t *req, const attnd_scan_t *sc,
+                     int i, int n, attnd_scan_part_t *out);
+void attnd_scan_end(attnd_scan_t *sc, const attnd_scan_part_t *parts, int n);
+/* How many parts a request's scan takes, at most max_parts (1 for device memory). */
+int attnd_scan_nparts(const attnd_step_req_t *req, int max_parts);
 /* The bounds of q, k and v for a model shape. */
 void attnd_scan_bounds(const attnd_kshape_t *sh, attnd_scan_bound_t *q, attnd_scan_bound_t *k,
                        attnd_scan_bound_t *v);

@@ -43,9 +43,9 @@ void attnd_ejob_free(attnd_ejob_t *j) {
   free(j->meta);
   attnd_engine_host_free(j->e, j->out, j->out_pinned);
   free(j->lse);
-  free(j->qbuf);
-  free(j->kbuf);
-  free(j->vbuf);
+  attnd_engine_host_free(j->e, j->qbuf, 0);
+  attnd_engine_host_free(j->e, j->kbuf, 0);
+  attnd_engine_host_free(j->e, j->vbuf, 0);
   free(j->copies);
   free(j->sessions);
   free(j->sk);

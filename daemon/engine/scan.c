@@ -26,21 +26,6 @@
 
 #include "internal.h"
 
-/* The CPU kernels read 16-bit elements through typed pointers, so tensor
- * bytes decoded in place from a frame (any offset) are copied once when they
- * are not 2-byte aligned, for a backend that needs it (backend.h
- * any_alignment; the CUDA backend copies them into staging with memcpy and
- * needs no copy). Returns p or the copy, stored in *keep. */
-static const uint8_t *aligned_data(const uint8_t *p, size_t n, void **keep) {
-  if (((uintptr_t)p & 1) == 0)
-    return p;
-  *keep = aligned_alloc(64, (n + 63) & ~(size_t)63);
-  if (!*keep)
-    abort();
-  memcpy(*keep, p, n);
-  return *keep;
-}
-
 double attnd_scan_value(attnd_dtype_t dt, uint32_t bits) {
   if (dt == ATTND_DT_BF16) {
     uint32_t u = bits << 16;
@@ -133,66 +118,137 @@ static size_t first_bad_row(attnd_dtype_t dt, const uint8_t *p, size_t n, size_t
   return SIZE_MAX;
 }
 
-/* first_bad_row over odd-aligned bytes without copying them whole: each
- * chunk of whole rows goes through one bounce buffer of at most
- * SCAN_CHUNK_ELEMS elements (it stays in cache; the copy costs a fraction of
- * the scan's memory traffic). */
-static size_t first_bad_row_bounced(attnd_dtype_t dt, const uint8_t *p, size_t n, size_t row_elems,
-                                    uint32_t lim, uint32_t *bits) {
-  size_t per = SCAN_CHUNK_ELEMS / row_elems ? SCAN_CHUNK_ELEMS / row_elems : 1;
-  size_t chunk = per * row_elems * 2;
-  uint8_t *tmp = malloc(chunk < n ? chunk : n);
-  if (!tmp)
-    abort();
-  size_t bad = SIZE_MAX;
-  for (size_t off = 0, r0 = 0; off < n; off += chunk, r0 += per) {
-    size_t len = n - off < chunk ? n - off : chunk;
-    memcpy(tmp, p + off, len);
-    size_t r = first_bad_row(dt, tmp, len, row_elems, lim, bits);
-    if (r != SIZE_MAX) {
-      bad = r0 + r;
-      break;
-    }
-  }
-  free(tmp);
-  return bad;
+/* Rows of a tensor part i of n scans: [r0, r1) of rows (elements past the
+ * last whole row count as one more row, the last part's). */
+static void part_rows(size_t elems, size_t row_elems, int i, int n, size_t *r0, size_t *r1) {
+  size_t rows = (elems + row_elems - 1) / row_elems;
+  *r0 = rows * (size_t)i / (size_t)n;
+  *r1 = rows * (size_t)(i + 1) / (size_t)n;
 }
 
-/* Scans one tensor of the activation dtype: an aligned view (copying it if
- * needed, unless any_alignment) and its first row past the bound. A tensor
- * that is absent, empty or of another dtype is left unscanned: the step
- * fails on its shape first. */
-static void scan_tensor(attnd_dtype_t dt, int any_alignment, const attnd_tensor_t *t,
-                        size_t row_elems, const attnd_scan_bound_t *bound, const uint8_t **view,
-                        void **buf, size_t *bad, uint32_t *bits) {
+/* One tensor of the activation dtype: the view the backend reads and, when
+ * that view is a copy, its memory (the copy itself is made by the parts). A
+ * tensor that is absent, empty or of another dtype is left unscanned: the
+ * step fails on its shape first. The CPU kernels read 16-bit elements
+ * through typed pointers, so tensor bytes decoded in place from a frame (any
+ * offset) are copied once when they are not 2-byte aligned, for a backend
+ * that needs it (backend.h any_alignment; the CUDA backend copies them into
+ * staging with memcpy, or reads them by DMA, and needs no copy). */
+static void begin_tensor(attnd_engine_t *e, attnd_dtype_t dt, int any_alignment,
+                         const attnd_tensor_t *t, const uint8_t **view, void **buf) {
   *view = NULL;
   *buf = NULL;
-  *bad = SIZE_MAX;
-  *bits = 0;
   if (!t->present || !t->data || t->nbytes == 0 || t->dtype != dt)
     return;
-  if (any_alignment && ((uintptr_t)t->data & 1)) {
+  if (any_alignment || ((uintptr_t)t->data & 1) == 0) {
     *view = t->data;
-    *bad = first_bad_row_bounced(dt, *view, t->nbytes, row_elems, bound->bits, bits);
     return;
   }
-  *view = aligned_data(t->data, t->nbytes, buf);
-  *bad = first_bad_row(dt, *view, t->nbytes, row_elems, bound->bits, bits);
+  /* The engine's: a large copy reuses memory already faulted in (hostmem.c). */
+  if (e)
+    *buf = attnd_engine_host_plain(e, t->nbytes);
+  else if (!(*buf = aligned_alloc(64, (t->nbytes + 63) & ~(size_t)63)))
+    abort();
+  *view = *buf;
+}
+
+/* Part i of n of one tensor: its rows, chunk by chunk, copied into the view
+ * first when the view is a copy (the scan then reads the chunk from cache:
+ * one pass over memory, not two), or through a bounce buffer of one chunk
+ * when they are odd-aligned and the backend reads them in place. */
+static void part_tensor(attnd_dtype_t dt, const attnd_tensor_t *t, const uint8_t *view,
+                        size_t row_elems, uint32_t lim, int i, int n, uint8_t *bounce, size_t *bad,
+                        uint32_t *bits) {
+  *bad = SIZE_MAX;
+  *bits = 0;
+  if (!view)
+    return;
+  size_t elems = t->nbytes / 2, r0, r1;
+  part_rows(elems, row_elems, i, n, &r0, &r1);
+  size_t per = SCAN_CHUNK_ELEMS / row_elems ? SCAN_CHUNK_ELEMS / row_elems : 1;
+  int copy = view != t->data, odd = ((uintptr_t)view & 1) != 0;
+  for (size_t a = r0; a < r1; a += per) {
+    size_t b = a + per < r1 ? a + per : r1;
+    size_t off = a * row_elems * 2;
+    size_t end = b * row_elems * 2 < t->nbytes ? b * row_elems * 2 : t->nbytes;
+    const uint8_t *p = view + off;
+    if (copy)
+      memcpy((uint8_t *)view + off, t->data + off, end - off);
+    if (*bad != SIZE_MAX) /* only the copy is left to finish */
+      continue;
+    if (odd && !copy) {
+      memcpy(bounce, t->data + off, end - off);
+      p = bounce;
+    }
+    size_t r = first_bad_row(dt, p, end - off, row_elems, lim, bits);
+    if (r != SIZE_MAX) {
+      *bad = a + r;
+      if (!copy)
+        return;
+    }
+  }
+}
+
+void attnd_scan_begin(attnd_engine_t *e, const attnd_kshape_t *sh, const attnd_step_req_t *req,
+                      int any_alignment, attnd_scan_t *sc) {
+  memset(sc, 0, sizeof(*sc));
+  begin_tensor(e, sh->dtype, any_alignment, &req->q, &sc->q, &sc->qbuf);
+  begin_tensor(e, sh->dtype, any_alignment, &req->k, &sc->k, &sc->kbuf);
+  begin_tensor(e, sh->dtype, any_alignment, &req->v, &sc->v, &sc->vbuf);
+}
+
+void attnd_scan_part(const attnd_kshape_t *sh, const attnd_step_req_t *req, const attnd_scan_t *sc,
+                     int i, int n, attnd_scan_part_t *out) {
+  size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
+  attnd_scan_bound_t bq, bk, bv;
+  attnd_scan_bounds(sh, &bq, &bk, &bv);
+  out->t0_us = attnd_engine_now_us();
+  uint8_t *bounce = NULL;
+  if ((sc->q && ((uintptr_t)sc->q & 1)) || (sc->k && ((uintptr_t)sc->k & 1)) ||
+      (sc->v && ((uintptr_t)sc->v & 1)))
+    if (!(bounce = malloc(SCAN_CHUNK_ELEMS * 2 + 2 * qrow + 2 * kvrow)))
+      abort();
+  part_tensor(sh->dtype, &req->q, sc->q, qrow, bq.bits, i, n, bounce, &out->bad[0], &out->bits[0]);
+  part_tensor(sh->dtype, &req->k, sc->k, kvrow, bk.bits, i, n, bounce, &out->bad[1], &out->bits[1]);
+  part_tensor(sh->dtype, &req->v, sc->v, kvrow, bv.bits, i, n, bounce, &out->bad[2], &out->bits[2]);
+  free(bounce);
+  out->t1_us = attnd_engine_now_us();
+}
+
+void attnd_scan_end(attnd_scan_t *sc, const attnd_scan_part_t *parts, int n) {
+  size_t *bad[3] = {&sc->bad_q, &sc->bad_k, &sc->bad_v};
+  uint32_t *bits[3] = {&sc->bits_q, &sc->bits_k, &sc->bits_v};
+  uint64_t t0 = UINT64_MAX, t1 = 0;
+  for (int t = 0; t < 3; t++)
+    *bad[t] = SIZE_MAX;
+  /* Parts hold ascending rows: the first part with a bad row has the first. */
+  for (int i = 0; i < n; i++) {
+    for (int t = 0; t < 3; t++)
+      if (*bad[t] == SIZE_MAX && parts[i].bad[t] != SIZE_MAX) {
+        *bad[t] = parts[i].bad[t];
+        *bits[t] = parts[i].bits[t];
+      }
+    t0 = parts[i].t0_us < t0 ? parts[i].t0_us : t0;
+    t1 = parts[i].t1_us > t1 ? parts[i].t1_us : t1;
+  }
+  sc->us = n > 0 ? (uint32_t)(t1 - t0) : 0;
+}
+
+int attnd_scan_nparts(const attnd_step_req_t *req, int max_parts) {
+  size_t bytes = (req->q.present ? req->q.nbytes : 0) + (req->k.present ? req->k.nbytes : 0) +
+                 (req->v.present ? req->v.nbytes : 0);
+  size_t n = bytes / ATTND_SCAN_PART_BYTES;
+  if (req->device || n < 1)
+    return 1;
+  return n < (size_t)max_parts ? (int)n : max_parts;
 }
 
 void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, int any_alignment,
                      attnd_scan_t *sc) {
-  size_t kvrow = (size_t)sh->kv_heads * sh->head_dim, qrow = (size_t)sh->q_heads * sh->head_dim;
-  attnd_scan_bound_t bq, bk, bv;
-  attnd_scan_bounds(sh, &bq, &bk, &bv);
-  const uint64_t t0 = attnd_engine_now_us();
-  scan_tensor(sh->dtype, any_alignment, &req->q, qrow, &bq, &sc->q, &sc->qbuf, &sc->bad_q,
-              &sc->bits_q);
-  scan_tensor(sh->dtype, any_alignment, &req->k, kvrow, &bk, &sc->k, &sc->kbuf, &sc->bad_k,
-              &sc->bits_k);
-  scan_tensor(sh->dtype, any_alignment, &req->v, kvrow, &bv, &sc->v, &sc->vbuf, &sc->bad_v,
-              &sc->bits_v);
-  sc->us = (uint32_t)(attnd_engine_now_us() - t0);
+  attnd_scan_part_t part;
+  attnd_scan_begin(NULL, sh, req, any_alignment, sc);
+  attnd_scan_part(sh, req, sc, 0, 1, &part);
+  attnd_scan_end(sc, &part, 1);
 }
 
 void attnd_scan_any(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc) {

@@ -551,9 +551,9 @@ void attnd_step_admit(attnd_engine_t *e, uint64_t identity, uint64_t conn,
   if ((rc = step_check(&a)) != 0 || (rc = step_reserve(&a)) != 0) {
     attnd_engine_host_free(e, a.out, a.out_pinned);
     free(a.lse);
-    free(a.scan.kbuf);
-    free(a.scan.vbuf);
-    free(a.scan.qbuf);
+    attnd_engine_host_free(e, a.scan.kbuf, 0);
+    attnd_engine_host_free(e, a.scan.vbuf, 0);
+    attnd_engine_host_free(e, a.scan.qbuf, 0);
     attnd_plan_free(a.inl);
     attnd_engine_answer(cb, arg, rc, "%s", a.msg);
     return;

@@ -116,8 +116,9 @@ typedef struct {
 /* What a sendv piece held, freed the way it was allocated (rpc.h seg). */
 static void free_owned(attnd_conn_t *c, void **owned, unsigned char *pinned, unsigned n) {
   for (unsigned i = 0; i < n; i++) {
-    if (pinned[i])
-      attnd_engine_host_free(c->srv->engine, owned[i], 1);
+    /* Plain pieces go back through the engine too: large ones are kept for reuse. */
+    if (c->srv->engine)
+      attnd_engine_host_free(c->srv->engine, owned[i], pinned[i]);
     else
       free(owned[i]);
   }
@@ -201,9 +202,45 @@ static void flush_batch(attnd_conn_t *c) {
   submit(c, c->batch, n, len, NULL, NULL, 0, kind1);
 }
 
+/* A small response answered outside a read, on a connection with nothing
+ * else to write and no state its write callback would move on: written now
+ * with uv_try_write. 1 when the socket took all of it (the caller frees buf):
+ * no write request, no callback a loop turn later, no epoll change. A
+ * partial write queues the rest as a copy. 0: nothing written, the caller
+ * queues it. */
+#define TRY_WRITE_MAX ((size_t)64 << 10)
+static int write_now(attnd_conn_t *c, const uint8_t *buf, size_t len, int kind1) {
+  if (len > TRY_WRITE_MAX || c->in_feed || c->bp_paused || conn_ending(c) ||
+      uv_stream_get_write_queue_size(&c->h.stream) > 0)
+    return 0;
+  uint64_t t0 = c->srv->rpc.trace && kind1 ? uv_hrtime() : 0;
+  uv_buf_t ub = uv_buf_init((char *)buf, (unsigned)len);
+  int r = uv_try_write(&c->h.stream, &ub, 1);
+  if (r <= 0)
+    return 0;
+  if ((size_t)r < len) {
+    uint8_t *rest = malloc(len - (size_t)r);
+    if (!rest)
+      abort();
+    memcpy(rest, buf + r, len - (size_t)r);
+    c->write_bytes += len - (size_t)r;
+    uv_buf_t rb = uv_buf_init((char *)rest, (unsigned)(len - (size_t)r));
+    submit(c, &rb, 1, len - (size_t)r, NULL, NULL, 0, kind1);
+    return 1;
+  }
+  if (t0)
+    attnd_rpc_trace_write(&c->srv->rpc, kind1 - 1, (uv_hrtime() - t0) / 1000);
+  c->active_ms = uv_now(c->srv->loop);
+  return 1;
+}
+
 static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_after) {
   attnd_conn_t *c = ATTND_CONN_OF(rc);
   if (c->closing) {
+    free(buf);
+    return;
+  }
+  if (!close_after && write_now(c, buf, len, rc->send_kind1)) {
     free(buf);
     return;
   }

@@ -92,8 +92,8 @@ uint32_t attnd_rpc_conn_id_probes(const attnd_rpc_conn_t *c, uint64_t id) {
 
 /* A request frame goes back where it came from (rpc.h frame_pinned). */
 static void frame_release(attnd_rpc_t *r, uint8_t *frame, int pinned) {
-  if (pinned)
-    attnd_engine_host_free(r->engine, frame, 1);
+  if (r->engine)
+    attnd_engine_host_free(r->engine, frame, pinned);
   else
     free(frame);
 }
@@ -257,8 +257,8 @@ void attnd_rpc_done(void *arg, attnd_result_t *res) {
     answer(q, res, code);
   if (traced && !c->closed)
     trace_step(q, res, trace_kind(res), t_ans, attnd_rpc_now_ns());
-  if (res->out_pinned)
-    attnd_engine_host_free(r->engine, res->out, 1);
+  if (r->engine)
+    attnd_engine_host_free(r->engine, res->out, res->out_pinned);
   else
     free(res->out);
   free(res->lse);

@@ -9,6 +9,10 @@
 #       GPU_STEP_RESTAGE is not 1.
 #   scripts/dev/gpu-step.sh run     (on the GPU machine, from the root of the same
 #       checkout, with build-gpu/stage/ copied there)
+#   scripts/dev/gpu-step.sh hostpath   (on the GPU machine, likewise): only the
+#       host path's round, scripts/dev/gpu-hostpath.sh (attnctl bench: a
+#       4,096-token prefill over the Unix socket and TCP, 16 x 4,096 in one
+#       step, decode at 1/16/64 sessions, with the per-phase breakdown; ~230 s)
 #
 # Steps of `run`, each under its own timeout, logs and JSON in $OUT (default
 # ./gpu-step-out), within GPU_STEP_BUDGET seconds (default 300; a step that
@@ -49,8 +53,9 @@ stage)
   exec bash "$here/scripts/dev/gpu-e2e.sh" stage
   ;;
 run) ;;
+hostpath) exec bash "$here/scripts/dev/gpu-hostpath.sh" ;;
 *)
-  echo "usage: $0 stage|run" >&2
+  echo "usage: $0 stage|run|hostpath" >&2
   exit 2
   ;;
 esac

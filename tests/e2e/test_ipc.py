@@ -117,7 +117,7 @@ class RefusalTest(DaemonTestCase):
                 t = getattr(req.step, name)
                 t.dtype = dt
                 t.shape.extend(shape)
-                t.data = data
+                t.data = bytes(memoryview(data))
             with self.assertRaises(attnd.InvalidArgument) as e:
                 c.call(req)
             self.assertIn("all bytes or all refs", e.exception.message)

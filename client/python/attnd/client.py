@@ -17,6 +17,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
 import numpy as np
 import numpy.typing as npt
 
+from . import _frames
 from . import errors
 from . import ipc as _ipc
 
@@ -234,7 +235,7 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "untyped_storage")
 
 
-def _torch_wire(t: Any, what: str, model_dtype: str) -> Tuple[int, Tuple[int, ...], bytes]:
+def _torch_wire(t: Any, what: str, model_dtype: str) -> Tuple[int, Tuple[int, ...], Any]:
     """torch tensor -> (dtype enum, shape, bytes): bf16 and fp16 as they are (one copy
     to host bytes, no per-element Python work); float32/64 rounded by torch to the
     daemon's activation dtype (round to nearest even)."""
@@ -252,32 +253,54 @@ def _torch_wire(t: Any, what: str, model_dtype: str) -> Tuple[int, Tuple[int, ..
     else:
         raise ValueError(f"{what} has unsupported dtype {t.dtype}")
     t = t.to("cpu").contiguous()
-    return dt, tuple(t.shape), t.view(torch.int16).numpy().tobytes()
+    # A view of the host tensor's memory (one copy from a device, none on the host).
+    return dt, tuple(t.shape), t.view(torch.int16).numpy()
 
 
-def _tensor_to_torch(t: Any, device: Any = None) -> Any:
-    """A response tensor as a torch tensor of its own dtype (bf16 stays bf16): the
-    bytes are copied once into a writable buffer and viewed, never walked in Python."""
+_ITEMSIZE = {DTYPE_FP32: 4, DTYPE_FP16: 2, DTYPE_BF16: 2, DTYPE_INT32: 4}
+
+
+def _tensor_buf(t: Any, frame: Optional[bytearray], span: Any) -> Tuple[Any, int, int]:
+    """(buffer, offset, count) of a response tensor's elements: a view of the frame
+    when its data were cut out of the message (_frames.cut_step; aligned there in
+    place), else its data field's bytes."""
+    size = _ITEMSIZE.get(t.dtype)
+    if size is None:
+        raise errors.AttndError(f"response tensor has unknown dtype {t.dtype}", code=13)
+    if frame is not None and span is not None:
+        off, count = _frames.tensor_view(frame, span, size)
+        return frame, off, count
+    return t.data, 0, len(t.data) // size
+
+
+def _tensor_to_torch(t: Any, device: Any = None, frame: Optional[bytearray] = None,
+                     span: Any = None) -> Any:
+    """A response tensor as a torch tensor of its own dtype (bf16 stays bf16): a view
+    of the received frame (large tensors) or one copy of its bytes into a writable
+    buffer, never walked in Python."""
     import torch
 
     dts = {DTYPE_FP32: torch.float32, DTYPE_FP16: torch.float16, DTYPE_BF16: torch.bfloat16,
            DTYPE_INT32: torch.int32}
-    if t.dtype not in dts:
-        raise errors.AttndError(f"response tensor has unknown dtype {t.dtype}", code=13)
-    out = torch.frombuffer(bytearray(t.data), dtype=dts[t.dtype]).reshape(tuple(t.shape))
+    buf, off, count = _tensor_buf(t, frame, span)
+    if not isinstance(buf, bytearray):
+        buf = bytearray(buf)
+    out = torch.frombuffer(buf, dtype=dts[t.dtype], count=count, offset=off).reshape(tuple(t.shape))
     return out.to(device) if device is not None else out
 
 
-def _tensor_to_numpy(t: Any, bf16: str = "auto") -> np.ndarray:
+def _tensor_to_numpy(t: Any, bf16: str = "auto", frame: Optional[bytearray] = None,
+                     span: Any = None) -> np.ndarray:
     shape = tuple(t.shape)
+    buf, off, count = _tensor_buf(t, frame, span)
     if t.dtype == DTYPE_FP32:
-        return np.frombuffer(t.data, dtype="<f4").reshape(shape)
+        return np.frombuffer(buf, dtype="<f4", count=count, offset=off).reshape(shape)
     if t.dtype == DTYPE_FP16:
-        return np.frombuffer(t.data, dtype="<f2").reshape(shape)
+        return np.frombuffer(buf, dtype="<f2", count=count, offset=off).reshape(shape)
     if t.dtype == DTYPE_INT32:
-        return np.frombuffer(t.data, dtype="<i4").reshape(shape)
+        return np.frombuffer(buf, dtype="<i4", count=count, offset=off).reshape(shape)
     if t.dtype == DTYPE_BF16:
-        bits = np.frombuffer(t.data, dtype="<u2").reshape(shape)
+        bits = np.frombuffer(buf, dtype="<u2", count=count, offset=off).reshape(shape)
         if bf16 == "float32":
             return bf16_to_f32(bits)
         if bf16 == "auto" and BFLOAT16 is not None:
@@ -358,7 +381,9 @@ class Client:
         self.epoch = int(epoch)
         self.epoch_changed = False
         self._next_id = 1
-        self._pending: Dict[int, "Response"] = {}
+        # id -> (Response, cut): cut is (frame, spans) when _frames.cut_step took
+        # a step's out/lse data out of the message (they are views of frame).
+        self._pending: Dict[int, Tuple["Response", Any]] = {}
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._model: Optional["ModelShape"] = None
@@ -413,7 +438,7 @@ class Client:
             raise errors.AttndConnectionError(f"the client of attnd at {self.address} is closed")
         return self._sock
 
-    def _recv_exact(self, n: int) -> bytes:
+    def _recv_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -425,7 +450,7 @@ class Client:
             if k == 0:
                 raise errors.AttndConnectionError(f"attnd at {self.address} closed the connection")
             got += k
-        return bytes(buf)
+        return buf
 
     # -- raw requests --
 
@@ -444,13 +469,41 @@ class Client:
                 raise errors.AttndConnectionError(f"write to attnd at {self.address}: {e}") from None
             return int(req.id)
 
-    def _read_response(self) -> "Response":
+    def _read_response(self) -> Tuple["Response", Any]:
+        """The next Response, and (frame, spans) when a step's large out/lse data
+        were cut out of it (_frames.cut_step), else None."""
         (n,) = struct.unpack(">I", self._recv_exact(4))
         if n == 0 or n > _MAX_FRAME:
             raise errors.AttndConnectionError(f"bad frame length {n} from attnd")
+        buf = self._recv_exact(n)
         resp = pb.Response()
-        resp.ParseFromString(self._recv_exact(n))
-        return resp
+        if n >= _frames.CUT_MIN:
+            try:
+                rest, spans = _frames.cut_step(buf)
+            except (ValueError, IndexError):
+                rest, spans = b"", {}  # protobuf says what is wrong with it
+            if spans:
+                resp.ParseFromString(rest)
+                return resp, (buf, spans)
+        resp.ParseFromString(bytes(buf))
+        return resp, None
+
+    def _recv_cut(self, id: Optional[int], check: bool) -> Tuple["Response", Any]:
+        with self._recv_lock:
+            if id is None and self._pending:
+                resp, cut = self._pending.pop(next(iter(self._pending)))
+            elif id is not None and id in self._pending:
+                resp, cut = self._pending.pop(id)
+            else:
+                while True:
+                    resp, cut = self._read_response()
+                    # id 0 is about the connection itself: whoever waits must see it.
+                    if id is None or resp.id == id or resp.id == 0:
+                        break
+                    self._pending[resp.id] = (resp, cut)
+        if check:
+            self._check(resp)
+        return resp, cut
 
     def recv(self, id: Optional[int] = None, check: bool = True) -> "Response":
         """Receives the Response with this id (None: the next one, any id).
@@ -458,20 +511,9 @@ class Client:
         Responses for other ids are kept until asked for. With check, a non-OK
         status raises its typed exception and an epoch change is reported.
         """
-        with self._recv_lock:
-            if id is None and self._pending:
-                resp = self._pending.pop(next(iter(self._pending)))
-            elif id is not None and id in self._pending:
-                resp = self._pending.pop(id)
-            else:
-                while True:
-                    resp = self._read_response()
-                    # id 0 is about the connection itself: whoever waits must see it.
-                    if id is None or resp.id == id or resp.id == 0:
-                        break
-                    self._pending[resp.id] = resp
-        if check:
-            self._check(resp)
+        resp, cut = self._recv_cut(id, check)
+        if cut is not None:
+            _frames.put_back(resp, *cut)
         return resp
 
     def _check(self, resp: "Response") -> None:
@@ -619,23 +661,25 @@ class Client:
 
     # -- steps --
 
-    def _wire(self, arr: npt.ArrayLike, what: str) -> Tuple[int, Tuple[int, ...], bytes]:
+    def _wire(self, arr: npt.ArrayLike, what: str) -> Tuple[int, Tuple[int, ...], Any]:
         """numpy or torch -> (dtype enum, shape, bytes) in the daemon's activation dtype."""
         if _is_torch(arr):
             return _torch_wire(arr, what, self.model.dtype)
         a = np.asarray(arr)
         if a.ndim != 3:
             raise ValueError(f"{what} must be [rows, heads, head_dim], got shape {a.shape}")
+        # The arrays themselves (C order, no copy when they already are) go to
+        # the socket: _frames.step_frame takes any buffer.
         if BFLOAT16 is not None and a.dtype == BFLOAT16:
-            return DTYPE_BF16, a.shape, np.ascontiguousarray(a).view("<u2").tobytes()
+            return DTYPE_BF16, a.shape, np.ascontiguousarray(a).view("<u2")
         if a.dtype == np.uint16:  # bf16 bits
-            return DTYPE_BF16, a.shape, np.ascontiguousarray(a, dtype="<u2").tobytes()
+            return DTYPE_BF16, a.shape, np.ascontiguousarray(a, dtype="<u2")
         if a.dtype == np.float16:
-            return DTYPE_FP16, a.shape, np.ascontiguousarray(a, dtype="<f2").tobytes()
+            return DTYPE_FP16, a.shape, np.ascontiguousarray(a, dtype="<f2")
         if a.dtype.kind == "f":
             if self.model.dtype == "fp16":
-                return DTYPE_FP16, a.shape, np.ascontiguousarray(a, dtype="<f2").tobytes()
-            return DTYPE_BF16, a.shape, f32_to_bf16(a).astype("<u2").tobytes()
+                return DTYPE_FP16, a.shape, np.ascontiguousarray(a, dtype="<f2")
+            return DTYPE_BF16, a.shape, np.ascontiguousarray(f32_to_bf16(a), dtype="<u2")
         raise ValueError(f"{what} has unsupported dtype {a.dtype}")
 
     def step_send(self, layer: int, q: Optional[npt.ArrayLike] = None,
@@ -656,26 +700,49 @@ class Client:
         if items:
             for it in items:
                 it.to_pb(st.items.add())
+        tensors = []
         for name, arr in (("q", q), ("k", k), ("v", v)):
             if arr is not None:
                 dt, shape, data = self._wire(arr, name)
-                _fill_tensor(getattr(st, name), dt, shape, data)
+                tensors.append((name, dt, shape, data))
         st.want_lse = bool(want_lse)
         st.fp32_out = bool(fp32_out)
-        return self.send(req)
+        return self._send_step(req, tensors)
+
+    def _send_step(self, req: "Request", tensors: List[Tuple[str, int, Tuple[int, ...], Any]]) -> int:
+        """send() for a Step whose tensors are framed by hand (_frames.step_frame):
+        their bytes go to the socket from where they lie."""
+        with self._send_lock:
+            if req.id == 0:
+                req.id = self._next_id
+                self._next_id += 1
+            pieces = _frames.step_frame(req, tensors)
+            n = sum(memoryview(p).nbytes for p in pieces) - 4
+            if not 0 < n <= _MAX_FRAME:
+                raise errors.InvalidArgument(f"request of {n} bytes does not fit a frame")
+            try:
+                _frames.sendmsg_all(self._conn(), pieces)
+            except OSError as e:
+                raise errors.AttndConnectionError(f"write to attnd at {self.address}: {e}") from None
+            return int(req.id)
 
     def step_recv(self, id: int, torch_device: Any = None, as_torch: bool = False) -> StepResult:
         """Receives a Step's answer by request id. as_torch (or a torch_device):
         out and lse as torch tensors (bf16 stays bf16), on torch_device if given."""
-        resp = self.recv(id)
+        resp, cut = self._recv_cut(id, True)
         sr = resp.step
-        if as_torch or torch_device is not None:
-            out = _tensor_to_torch(sr.out, torch_device) if sr.HasField("out") else None
-            lse = _tensor_to_torch(sr.lse, torch_device) if sr.HasField("lse") else None
-            return StepResult(out=out, lse=lse, timing=resp.timing, id=resp.id)
-        out = _tensor_to_numpy(sr.out, self.bf16) if sr.HasField("out") else None
-        lse = _tensor_to_numpy(sr.lse) if sr.HasField("lse") else None
-        return StepResult(out=out, lse=lse, timing=resp.timing, id=resp.id)
+        frame, spans = cut if cut is not None else (None, {})
+        torch_out = as_torch or torch_device is not None
+        res = {}
+        for name in ("out", "lse"):
+            if not sr.HasField(name):
+                res[name] = None
+            elif torch_out:
+                res[name] = _tensor_to_torch(getattr(sr, name), torch_device, frame, spans.get(name))
+            else:
+                res[name] = _tensor_to_numpy(getattr(sr, name), self.bf16 if name == "out" else "auto",
+                                             frame, spans.get(name))
+        return StepResult(out=res["out"], lse=res["lse"], timing=resp.timing, id=resp.id)
 
     def step(self, layer: int, q: Optional[npt.ArrayLike] = None,
              k: Optional[npt.ArrayLike] = None, v: Optional[npt.ArrayLike] = None,

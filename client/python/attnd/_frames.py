@@ -1,0 +1,183 @@
+"""Step frames without copies of their tensors (used by client.Client).
+
+A Step's q, k and v go to the socket from the caller's own buffers: the request
+is serialized by protobuf without them, and their Tensor fields are framed here
+by hand (a tag and a length each), so ``socket.sendmsg`` takes the tensor bytes
+where they lie. A Step's answer is read into one buffer, its out and lse data
+are cut out of the message before protobuf parses the rest (a few fields), and
+the arrays returned are views of that buffer. Protobuf copied each tensor once
+more per layer of its API (bytes into the message, the message into a string,
+the string into the frame; and back), which cost more than the socket itself
+for a 48 MiB prefill step. Only fields are walked here, never elements.
+"""
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+try:
+    from . import attnd_pb2 as pb
+except ImportError:  # the generated module on PYTHONPATH instead (build tree)
+    import attnd_pb2 as pb  # type: ignore[no-redef,import-not-found,unused-ignore]
+
+_REQ_STEP = pb.Request.DESCRIPTOR.fields_by_name["step"].number
+_RESP_STEP = pb.Response.DESCRIPTOR.fields_by_name["step"].number
+_STEP_IN = {n: pb.StepRequest.DESCRIPTOR.fields_by_name[n].number for n in ("q", "k", "v")}
+_STEP_OUT = {pb.StepResponse.DESCRIPTOR.fields_by_name[n].number: n for n in ("out", "lse")}
+_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+
+# Tensors at least this large are cut out of an answer (smaller: protobuf's copy is cheap).
+CUT_MIN = 1 << 16
+
+
+def _bytes_view(buf: Any) -> memoryview:
+    """A flat byte view of a C-contiguous buffer (an empty one for no elements)."""
+    mv = memoryview(buf)
+    return mv.cast("B") if mv.nbytes else memoryview(b"")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _ld_head(field: int, n: int) -> bytes:
+    """The tag and length of a length-delimited field of n bytes."""
+    return _varint(field << 3 | 2) + _varint(n)
+
+
+def step_frame(req: Any, tensors: Sequence[Tuple[str, int, Tuple[int, ...], Any]]) -> List[Any]:
+    """The frame of a Step request as pieces for sendmsg: req (a pb.Request whose
+    step holds no q, k or v) and tensors [(name, dtype, shape, buffer)], each buffer
+    anything with the buffer protocol, sent as it is (its bytes, C order)."""
+    step = req.step.SerializeToString()
+    head = pb.Request()
+    head.CopyFrom(req)
+    head.ClearField("step")
+    pieces: List[Any] = []
+    body = 0
+    for name, dtype, shape, buf in tensors:
+        mv = _bytes_view(buf)
+        hdr = pb.Tensor(dtype=dtype, shape=[int(s) for s in shape]).SerializeToString()
+        # An empty data field is left out, as protobuf itself would.
+        dhead = _ld_head(_DATA, mv.nbytes) if mv.nbytes else b""
+        thead = _ld_head(_STEP_IN[name], len(hdr) + len(dhead) + mv.nbytes) + hdr + dhead
+        pieces += [thead, mv]
+        body += len(thead) + mv.nbytes
+    first = head.SerializeToString() + _ld_head(_REQ_STEP, len(step) + body) + step
+    n = len(first) + body
+    return [n.to_bytes(4, "big") + first] + pieces
+
+
+def _fields(buf: Any, pos: int, end: int):
+    """(field, wire type, value start, value end, field start) of buf[pos:end]."""
+    while pos < end:
+        start = pos
+        key = shift = 0
+        while True:
+            b = buf[pos]
+            pos += 1
+            key |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                break
+        wt = key & 7
+        if wt == 0:
+            vs = pos
+            while buf[pos] >= 0x80:
+                pos += 1
+            pos += 1
+        elif wt == 1:
+            vs, pos = pos, pos + 8
+        elif wt == 5:
+            vs, pos = pos, pos + 4
+        elif wt == 2:
+            n = shift = 0
+            while True:
+                b = buf[pos]
+                pos += 1
+                n |= (b & 0x7F) << shift
+                shift += 7
+                if b < 0x80:
+                    break
+            vs, pos = pos, pos + n
+        else:
+            raise ValueError(f"wire type {wt}")
+        if pos > end:
+            raise ValueError("field past the end of its message")
+        yield key >> 3, wt, vs, pos, start
+
+
+def cut_step(buf: bytearray) -> Tuple[bytes, Dict[str, Tuple[int, int]]]:
+    """A Response frame body with the data of its step's out and lse (CUT_MIN bytes
+    or more) cut out: (the rest, for ParseFromString; {"out"/"lse": (start, end)}
+    of the data in buf). Nothing cut: (b"", {})."""
+    spans: Dict[str, Tuple[int, int]] = {}
+    mv = memoryview(buf)
+    parts: List[bytes] = []
+    for f, wt, vs, ve, fs in _fields(buf, 0, len(buf)):
+        if f != _RESP_STEP or wt != 2:
+            parts.append(bytes(mv[fs:ve]))
+            continue
+        sparts: List[bytes] = []
+        for f2, wt2, vs2, ve2, fs2 in _fields(buf, vs, ve):
+            name = _STEP_OUT.get(f2) if wt2 == 2 else None
+            if name is None or ve2 - vs2 < CUT_MIN:
+                sparts.append(bytes(mv[fs2:ve2]))
+                continue
+            tparts: List[bytes] = []
+            for f3, wt3, vs3, ve3, fs3 in _fields(buf, vs2, ve2):
+                if f3 == _DATA and wt3 == 2:
+                    spans[name] = (vs3, ve3)
+                else:
+                    tparts.append(bytes(mv[fs3:ve3]))
+            t = b"".join(tparts)
+            sparts.append(_ld_head(f2, len(t)) + t)
+        s = b"".join(sparts)
+        parts.append(_ld_head(f, len(s)) + s)
+    if not spans:
+        return b"", {}
+    return b"".join(parts), spans
+
+
+def aligned_span(buf: bytearray, span: Tuple[int, int], align: int) -> int:
+    """Moves buf[start:end] back to an offset that is a multiple of align, over the
+    field's own tag and length (already parsed; a cut tensor has at least 4 bytes
+    of them), and returns that offset: typed views of unaligned memory are slow or
+    refused. One move within the buffer, no allocation."""
+    s, e = span
+    to = s - s % align
+    if to != s:
+        memoryview(buf)[to:to + e - s] = memoryview(buf)[s:e]
+    return to
+
+
+def put_back(resp: Any, buf: bytearray, spans: Dict[str, Tuple[int, int]]) -> None:
+    """Restores cut data into resp (for callers of the plain recv): one copy each."""
+    for name, (s, e) in spans.items():
+        getattr(resp.step, name).data = bytes(memoryview(buf)[s:e])
+
+
+def sendmsg_all(sock: Any, pieces: List[Any]) -> None:
+    """sendmsg of every piece, resumed after short writes."""
+    views = [_bytes_view(p) for p in pieces]
+    while views:
+        n = sock.sendmsg(views[:512])
+        while n > 0 and views:
+            if n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+        while views and views[0].nbytes == 0:
+            views.pop(0)
+
+
+def tensor_view(buf: bytearray, span: Optional[Tuple[int, int]], itemsize: int) -> Optional[Tuple[int, int]]:
+    """(offset, count) of a cut tensor in buf after aligning it, or None."""
+    if span is None:
+        return None
+    off = aligned_span(buf, span, itemsize)
+    return off, (span[1] - span[0]) // itemsize
