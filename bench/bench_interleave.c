@@ -292,8 +292,10 @@ int main(int argc, char **argv) {
   cfg.shape = s;
   cfg.layers = 1;
   cfg.backend = cuda ? ATTND_BACKEND_CUDA : ATTND_BACKEND_CPU;
-  cfg.max_context = prefill + ctxlen + MAXDEC + 64;
-  uint64_t blocks = (uint64_t)(prefill + ctxlen + MAXDEC + 200) / 64 + 8;
+  /* B decodes up to MAXDEC steps per measured prefill (two with `both`). */
+  const int maxdec = (both ? 2 : 1) * MAXDEC;
+  cfg.max_context = prefill + ctxlen + maxdec + 64;
+  uint64_t blocks = (uint64_t)(prefill + ctxlen + maxdec + 200) / 64 + 8;
   cfg.kv_memory = blocks * attnd_kv_block_bytes(&s);
   cfg.prefix_cache = 0;
   cfg.threads = threads;
@@ -308,7 +310,8 @@ int main(int argc, char **argv) {
   }
   g_engine = e;
   ctx_t c = {.e = e, .loop = &loop, .qh = qh, .kvh = kvh, .hd = hd};
-  uint32_t *tokens = calloc((size_t)prefill + (size_t)ctxlen + MAXDEC + 64, sizeof(uint32_t));
+  uint32_t *tokens =
+      calloc((size_t)prefill + (size_t)ctxlen + (size_t)maxdec + 64, sizeof(uint32_t));
   size_t big = (size_t)(prefill > ctxlen ? prefill : ctxlen);
   uint16_t *q = random_bf16(big * (size_t)qh * hd, 1), *kv = random_bf16(big * (size_t)kvh * hd, 2);
   res_t x;

@@ -230,3 +230,43 @@ void destroy_and_close(uv_loop_t *loop, attnd_backend_t *be) {
   be->ops->destroy(be);
   uv_run(loop, UV_RUN_DEFAULT);
 }
+
+int g_frames_pinned;
+
+/* Moves a step's q, k and v into one buffer from host_alloc, each at an odd
+ * offset as in a request frame, and marks them pinned (backend.h
+ * inputs_pinned): the CUDA backend DMAs them from there. Returns the frame. */
+void *inputs_in_frame(attnd_backend_t *gpu, attnd_job_t *j) {
+  assert_non_null(gpu->ops->host_alloc);
+  size_t n = j->q_bytes + 2 * j->kv_bytes + 3;
+  uint8_t *f = gpu->ops->host_alloc(gpu, n);
+  if (!f)
+    return NULL; /* the frames made at start are all out: plain memory, as the transport does */
+  g_frames_pinned++;
+  assert_int_equal((uintptr_t)f % 16, 0); /* CU_ALIGN past a pinned (mock: malloc) block */
+  uint8_t *q = f + 1, *k = q + j->q_bytes + 1, *v = k + j->kv_bytes + 1;
+  if (j->q_bytes)
+    memcpy(q, j->batch.q, j->q_bytes);
+  memcpy(k, j->batch.k, j->kv_bytes);
+  memcpy(v, j->batch.v, j->kv_bytes);
+  j->batch.q = j->q_bytes ? q : NULL;
+  j->batch.k = k;
+  j->batch.v = v;
+  j->inputs_pinned = 1;
+  return f;
+}
+
+/* Moves a step's output buffer into host_alloc memory (outputs_pinned: the
+ * D2H copy lands there). Returns it; the job's own buffer is freed. */
+void *output_in_host_memory(attnd_backend_t *gpu, attnd_job_t *j) {
+  if (!j->out_bytes)
+    return NULL;
+  uint8_t *o = gpu->ops->host_alloc(gpu, j->out_bytes);
+  if (!o)
+    return NULL;
+  memset(o, 0xff, j->out_bytes); /* NaN in bf16 and fp32, as the fixture's */
+  free(j->batch.out);
+  j->batch.out = o;
+  j->outputs_pinned = 1;
+  return o;
+}

@@ -92,6 +92,14 @@ void run_all(uv_loop_t *loop, attnd_backend_t *be, tjob_t *jobs, int n);
 double rel_l2_out(const tjob_t *a, const tjob_t *ref, size_t n);
 void destroy_and_close(uv_loop_t *loop, attnd_backend_t *be);
 
+/* Pinned frames (test_pinned_frames): a step's q, k and v moved into one
+ * host_alloc buffer at odd offsets (inputs_pinned), and its output into
+ * another (outputs_pinned); NULL, the job unchanged, when host_alloc has
+ * none left. g_frames_pinned counts the input frames that were pinned. */
+extern int g_frames_pinned;
+void *inputs_in_frame(attnd_backend_t *gpu, attnd_job_t *j);
+void *output_in_host_memory(attnd_backend_t *gpu, attnd_job_t *j);
+
 /* Same-host zero-copy (backend_cuda_ipc.c). What io_in_pinned moved, put back
  * (out, lse into the job's batch) and freed (block, with host_free) before
  * the job is freed. */

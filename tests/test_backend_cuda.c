@@ -99,48 +99,11 @@ static int build_scenario(tjob_spec_t *sp) {
   return n;
 }
 
-/* test_pinned_frames: q, k and v in the backend's frame memory (how many). */
-static int g_frames, g_frames_pinned;
+/* test_pinned_frames: q, k and v in the backend's frame memory (how many:
+ * g_frames_pinned, backend_cuda_fixture.h). */
+static int g_frames;
 /* test_device_io: q, k, v, out and lse in client device memory. */
 static int g_devio;
-
-/* Moves a step's q, k and v into one buffer from host_alloc, each at an odd
- * offset as in a request frame, and marks them pinned (backend.h
- * inputs_pinned): the CUDA backend DMAs them from there. Returns the frame. */
-static void *inputs_in_frame(attnd_backend_t *gpu, attnd_job_t *j) {
-  assert_non_null(gpu->ops->host_alloc);
-  size_t n = j->q_bytes + 2 * j->kv_bytes + 3;
-  uint8_t *f = gpu->ops->host_alloc(gpu, n);
-  if (!f)
-    return NULL; /* the frames made at start are all out: plain memory, as the transport does */
-  g_frames_pinned++;
-  assert_int_equal((uintptr_t)f % 16, 0); /* CU_ALIGN past a pinned (mock: malloc) block */
-  uint8_t *q = f + 1, *k = q + j->q_bytes + 1, *v = k + j->kv_bytes + 1;
-  if (j->q_bytes)
-    memcpy(q, j->batch.q, j->q_bytes);
-  memcpy(k, j->batch.k, j->kv_bytes);
-  memcpy(v, j->batch.v, j->kv_bytes);
-  j->batch.q = j->q_bytes ? q : NULL;
-  j->batch.k = k;
-  j->batch.v = v;
-  j->inputs_pinned = 1;
-  return f;
-}
-
-/* Moves a step's output buffer into host_alloc memory (outputs_pinned: the
- * D2H copy lands there). Returns it; the job's own buffer is freed. */
-static void *output_in_host_memory(attnd_backend_t *gpu, attnd_job_t *j) {
-  if (!j->out_bytes)
-    return NULL;
-  uint8_t *o = gpu->ops->host_alloc(gpu, j->out_bytes);
-  if (!o)
-    return NULL;
-  memset(o, 0xff, j->out_bytes); /* NaN in bf16 and fp32, as the fixture's */
-  free(j->batch.out);
-  j->batch.out = o;
-  j->outputs_pinned = 1;
-  return o;
-}
 
 static void compare_backends(attnd_kv_type_t kv) {
   SKIP_WITHOUT_GPU();
@@ -767,7 +730,8 @@ static attnd_backend_opts_t g_opts0;
 static int reset_modes(void **state) { /* the one place a test's modes are undone */
   (void)state;
   g_opts = g_opts0;
-  g_frames = g_frames_pinned = 0;
+  g_frames = 0;
+  g_frames_pinned = 0;
   g_devio = 0;
   return 0;
 }
