@@ -324,6 +324,24 @@ __device__ __forceinline__ void dec_prefetch_l2(const void *p, uint32_t n) {
 #endif
 }
 
+// This CTA's rows of block blk into L2: its kv head's K rows and V rows
+// (bs RB bytes each, contiguous) and, for the dynamic types, its K and V
+// scales (bs floats each), which the chunk copies would otherwise fetch from
+// DRAM 64 bytes at a time.
+template <class C>
+__device__ __forceinline__ void dec_prefetch_own(const DecodeParams &P, const DecCopy<C> &cp, int32_t blk) {
+  const uint8_t *b = P.cache + (size_t)blk * P.block_bytes;
+  const uint8_t *k = b + (size_t)cp.rowbase * C::RB;
+  const uint32_t n = (uint32_t)P.bs * C::RB;
+  dec_prefetch_l2(k, n);
+  dec_prefetch_l2(k + cp.vreg, n);
+  if constexpr (C::K::kDyn) {
+    const uint8_t *ks = b + 2 * cp.vreg + (size_t)cp.rowbase * 4;
+    dec_prefetch_l2(ks, (uint32_t)P.bs * 4);
+    dec_prefetch_l2(ks + (size_t)P.kv_heads * P.bs * 4, (uint32_t)P.bs * 4);
+  }
+}
+
 // The chunk copy as main had it before decode-perf (launch option debug bit 4,
 // timing A/B only, results exact): the block-table entry read at the refill
 // and each copy's addresses computed from its row. Its loop spread the 8

@@ -19,6 +19,9 @@ template <int D, int DT> struct DecDispatch {
   template <int KV> static int items(bool tr) {
     return tr ? decode_flat_items<D, DT, KV, true>() : decode_flat_items<D, DT, KV, false>();
   }
+  template <int KV> static bool cluster_ok(bool tr, int n) {
+    return tr ? decode_cluster_ok<D, DT, KV, true>(n) : decode_cluster_ok<D, DT, KV, false>(n);
+  }
   template <int KV> static cudaError_t run(bool tr, const DecodeParams &p, dim3 g, bool pdl, cudaStream_t st) {
     return tr ? launch_decode_one<D, DT, KV, true>(p, g, 0, pdl, st) : launch_decode_one<D, DT, KV, false>(p, g, 0, pdl, st);
   }
@@ -59,6 +62,11 @@ struct OccF {
 struct ItemsF {
   template <int D, int DT, int KV> static int call(bool tr) { return DecDispatch<D, DT>::template items<KV>(tr); }
 };
+struct ClusterF {
+  template <int D, int DT, int KV> static bool call(bool tr, int n) {
+    return DecDispatch<D, DT>::template cluster_ok<KV>(tr, n);
+  }
+};
 struct RunF {
   template <int D, int DT, int KV>
   static cudaError_t call(bool tr, const DecodeParams &p, dim3 g, bool pdl, cudaStream_t st) {
@@ -84,7 +92,7 @@ long plan_span(const attnd_kbatch_t *b) {
 // head it holds comes out in the same bits. Work counts below therefore use
 // the model's kv heads (attnd_kshape_model_kv_heads), never the held count.
 int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int slots_per_sm, int tile_vec,
-                int *split_keys) {
+                int *split_keys, long min_part_keys) {
   const int G = s->q_heads / s->kv_heads;
   // A sliding layer's parts cover the keys of a CTA's rows from its first
   // visible key, not the whole context: a decode row at 32k in a window of
@@ -99,7 +107,7 @@ int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
     // the last wave is time lost; every extra part costs a prologue, a shorter
     // pipeline and merge traffic), else the best filling. Two waves measured
     // worse than one or four on the H200 (bench/RESULTS.md): skip them.
-    long limit = span / (2 * kBN); // at least two key tiles per part
+    long limit = span / min_part_keys; // at least two key tiles per part by default
     const long by_ws = (long)(ws_bytes / split_bytes_per_part(s, b->total_q));
     if (limit > by_ws)
       limit = by_ws;
@@ -140,15 +148,28 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
   pl->mctas = 0;
   pl->nsplit = 1;
   pl->split_keys = 0;
+  pl->cluster = 0;
+  // Launch option debug 256: a per-item split's parts form one cluster and
+  // merge there (decode_cluster.cuh), so parts are at most 16 (one GPC).
+  const bool want_cluster = (o.debug & 256) != 0;
+  const long span = plan_span(b);
+  const long cl_keys = want_cluster ? (span + 16 * kBN - 1) / (16 * kBN) * kBN : 0; // <= 16 parts
+  auto clustered = [&]() {
+    if (want_cluster && pl->nsplit > 1 && pl->nsplit <= 16 &&
+        with_types<ClusterF>(s->head_dim, s->dtype, s->kv, pl->tr, pl->nsplit))
+      pl->cluster = pl->nsplit;
+  };
   // Choosing: where the per-item plan splits the items (few items for the GPU),
   // it ran faster than the flat split on the H200, balanced or not; where it
   // does not (one CTA per item), the flat split keeps long items of an uneven
   // batch from running in one CTA each (2x for the 8-bit types) at ~10% on
   // balanced batches (bench/RESULTS.md, decode round 3).
   if (o.split == 0) {
-    pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys);
-    if (pl->nsplit > 1)
+    pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys, cl_keys > 2 * kBN ? cl_keys : 2 * kBN);
+    if (pl->nsplit > 1) {
+      clustered();
       return 0;
+    }
   }
   if (o.split != 2 && b->nitems <= kFlatMaxItems &&
       b->nitems <= with_types<ItemsF>(s->head_dim, s->dtype, s->kv, pl->tr)) {
@@ -187,7 +208,14 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
       return 0;
     }
   }
-  pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys);
+  // A forced per-item split takes min_chunks as the fewest 16-key chunks per
+  // part (timing the part count of small batches: fewer, longer parts pay
+  // fewer prologues and merge reads, more fill the GPU).
+  long min_keys = o.split == 2 && o.min_chunks > 0 ? (long)o.min_chunks * kDecKeys : 2L * kBN;
+  if (min_keys < cl_keys)
+    min_keys = cl_keys;
+  pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys, min_keys);
+  clustered();
   return 0;
 }
 
@@ -228,6 +256,7 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
   p.mctas = pl.mctas;
   p.nsplit = pl.nsplit;
   p.split_keys = pl.split_keys;
+  p.cluster = pl.cluster;
   // The chunk copy: the 1-byte caches (int8, fp8 and their dynamic forms) use
   // the copy that reads the block table at each refill, which ran 2-7% faster
   // for them on the H200 than the per-piece copy the 16-bit types and int4
@@ -240,11 +269,20 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
   const bool pdl = !o.no_pdl;
   dim3 grid = pl.flat ? dim3((unsigned)pl.nctas) : dim3((unsigned)(b->nitems * s->kv_heads), 1u, (unsigned)pl.nsplit);
   cudaError_t e = with_types<RunF>(s->head_dim, s->dtype, s->kv, pl.tr, p, grid, pdl, st);
+  if (e != cudaSuccess && pl.cluster > 0) {
+    // The cluster launch refused (its occupancy check passed, the launch did
+    // not): the same parts through the workspace and the merge kernel (the
+    // plan kept within the workspace either way).
+    cudaGetLastError();
+    pl.cluster = 0;
+    p.cluster = 0;
+    e = with_types<RunF>(s->head_dim, s->dtype, s->kv, pl.tr, p, grid, pdl, st);
+  }
   if (e != cudaSuccess)
     return set_error(__FILE__, __LINE__, "decode_kernel launch", e);
   if (pl.flat && pl.nctas > 1)
     return launch_merge_flat(s, p, pdl, st);
-  if (!pl.flat && pl.nsplit > 1) {
+  if (!pl.flat && pl.nsplit > 1 && pl.cluster == 0) {
     const float *ws_o = p.ws, *ws_lse = p.ws + (size_t)pl.nsplit * b->total_q * s->q_heads * s->head_dim;
     return launch_merge_split(s, b, ws_o, ws_lse, pl.nsplit, pdl, st);
   }
