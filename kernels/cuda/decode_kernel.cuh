@@ -251,7 +251,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     // one such a refill prefetches (below).
     const int b0 = ((jfirst + NW * KS * la + P.bs - 1) >> cpy.lbs) << cpy.lbs;
     for (int k = 0; k < pfb() && b0 + k * P.bs <= khi; k++)
-      dec_prefetch_own<C>(P, cpy, bt[(b0 + k * P.bs) >> cpy.lbs]);
+      dec_prefetch_own<C>(P, kvh, bt[(b0 + k * P.bs) >> cpy.lbs]);
   }
 
   // While the first chunks are on their way: the static scales, and q.
@@ -404,7 +404,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
           nblk = bt[chunk_key(n + la + 1) >> cpy.lbs];
       }
       const int jr = chunk_key(n + la);
-      if ((P.debug & (16 | 64)) && lane == 0 && (jr & ((1 << cpy.lbs) - 1)) == 0 && !no_load) {
+      if ((P.debug & (16 | 64)) && lane == 0 && (jr & (P.bs - 1)) == 0 && !no_load) {
         if (pf_blocks) {
           const int jp = jr + max(P.bs, NW * KS); // the next block (this chunk's block starts at jr)
           if (jp <= khi) {
@@ -418,7 +418,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
           // blocks b0 + pfb bs onwards are each prefetched once, pfb blocks early.
           const int jp = jr + pfb() * P.bs;
           if (jp <= khi)
-            dec_prefetch_own<C>(P, cpy, bt[jp >> cpy.lbs]);
+            dec_prefetch_own<C>(P, kvh, bt[jp >> (__ffs(P.bs) - 1)]);
         }
       }
     }

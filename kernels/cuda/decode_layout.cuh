@@ -328,15 +328,18 @@ __device__ __forceinline__ void dec_prefetch_l2(const void *p, uint32_t n) {
 // (bs RB bytes each, contiguous) and, for the dynamic types, its K and V
 // scales (bs floats each), which the chunk copies would otherwise fetch from
 // DRAM 64 bytes at a time.
-template <class C>
-__device__ __forceinline__ void dec_prefetch_own(const DecodeParams &P, const DecCopy<C> &cp, int32_t blk) {
+// Every offset comes from the parameters (constant bank) and kvh, so that
+// nothing of it stays in registers through the key loop (the refill-read copy
+// the 1-byte types use keeps no DecCopy state live there).
+template <class C> __device__ __forceinline__ void dec_prefetch_own(const DecodeParams &P, int kvh, int32_t blk) {
+  const size_t vreg = (size_t)P.kv_heads * P.bs * C::RB, rowbase = (size_t)kvh * P.bs;
   const uint8_t *b = P.cache + (size_t)blk * P.block_bytes;
-  const uint8_t *k = b + (size_t)cp.rowbase * C::RB;
+  const uint8_t *k = b + rowbase * C::RB;
   const uint32_t n = (uint32_t)P.bs * C::RB;
   dec_prefetch_l2(k, n);
-  dec_prefetch_l2(k + cp.vreg, n);
+  dec_prefetch_l2(k + vreg, n);
   if constexpr (C::K::kDyn) {
-    const uint8_t *ks = b + 2 * cp.vreg + (size_t)cp.rowbase * 4;
+    const uint8_t *ks = b + 2 * vreg + rowbase * 4;
     dec_prefetch_l2(ks, (uint32_t)P.bs * 4);
     dec_prefetch_l2(ks + (size_t)P.kv_heads * P.bs * 4, (uint32_t)P.bs * 4);
   }
