@@ -75,12 +75,15 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   // The decode kernel's load-path variants (attnd_cuda_opts_t.debug, results
   // exact): the other chunk copy (4, the refill-read copy, for the 16-bit
   // types and int4; 32, the per-piece copy, for the 1-byte types, whose
-  // default is 4's); one chunk in flight ahead (8).
+  // default is 4's); the other lookahead (below).
   // pfown (64): each CTA's own rows prefetched into L2 by the bulk copy
   // engine ~32 KB ahead, with either split. ATTND_BENCH_DEC_DEBUG ORs bits into
   // the default launch (a profiler's first decode launch then runs them).
   const bool one_byte = S.s.kv == ATTND_KV_INT8 || S.s.kv == ATTND_KV_FP8 || attnd_kv_type_dynamic(S.s.kv);
-  const attnd_cuda_opts_t refc = {one_byte ? 32 : 4, 0, 0, 0}, ahead1 = {8, 0, 0, 0};
+  // The other lookahead than the type's default (split_plan.cu): all stages
+  // ahead (512) for the converted types, one chunk ahead (8) for the 16-bit.
+  const bool k16 = S.s.kv == ATTND_KV_BF16 || S.s.kv == ATTND_KV_FP16;
+  const attnd_cuda_opts_t refc = {one_byte ? 32 : 4, 0, 0, 0}, ahead1 = {k16 ? 8 : 512, 0, 0, 0};
   const attnd_cuda_opts_t pfo = {64, 0, 0, 0}, pfi = {64, 2, 0, 0};
   attnd_cuda_opts_t dbg = dflt;
   if (getenv("ATTND_BENCH_DEC_DEBUG"))
@@ -100,7 +103,7 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
     snprintf(l2pf, sizeof l2pf, " | l2pf %7.1f", time_attend(S, &pf).us);
   }
   printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | alt-copy %7.1f "
-         "| ahead1 %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f%s\n",
+         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f%s\n",
          nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us,
          pct(S.cache_bytes / (po.us * 1e-6) / 1e9, read), pi.us, cl.us, l2pf);
   char extra[256] = "";
@@ -112,7 +115,7 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   }
   jrow(nm,
        "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "
-       "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"us_ref_copy\": %.1f, \"us_ahead1\": %.1f, "
+       "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"us_ref_copy\": %.1f, \"us_alt_ahead\": %.1f, "
        "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"bytes\": %.0f%s",
        a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us, pi.us,
        cl.us, S.cache_bytes, extra);

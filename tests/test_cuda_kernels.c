@@ -43,13 +43,14 @@ static int g_cases[ATTND_KV_COUNT_];
 /* Launch options cycle over the cases: the flat split (tiny pieces, and
  * CTAs spanning several items), the per-item split (and parts of at least 4
  * chunks), with and without programmatic dependent launch, the decode
- * kernel's L2 prefetch of its own rows (debug 64, 128: results exact) and the
- * per-item split merged inside thread-block clusters (debug 256). */
+ * kernel's L2 prefetch of its own rows (debug 64, 128: results exact), the
+ * per-item split merged inside thread-block clusters (debug 256) and the
+ * converted types' chunks all in flight (debug 512, their former default). */
 #define N_OPTS 9
 static const attnd_cuda_opts_t k_opts[N_OPTS] = {{.split = 0},
                                                  {.split = 2},
                                                  {.split = 1, .min_chunks = 2},
-                                                 {.split = 0, .no_pdl = 1},
+                                                 {.split = 0, .no_pdl = 1, .debug = 512},
                                                  {.split = 1, .min_chunks = 150},
                                                  {.split = 2, .min_chunks = 4, .debug = 64},
                                                  {.split = 1, .min_chunks = 2, .debug = 64 | 128},

@@ -159,17 +159,25 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
         with_types<ClusterF>(s->head_dim, s->dtype, s->kv, pl->tr, pl->nsplit))
       pl->cluster = pl->nsplit;
   };
-  // Choosing: where the per-item plan splits the items (few items for the GPU),
-  // it ran faster than the flat split on the H200, balanced or not; where it
-  // does not (one CTA per item), the flat split keeps long items of an uneven
-  // batch from running in one CTA each (2x for the 8-bit types) at ~10% on
-  // balanced batches (bench/RESULTS.md, decode round 3).
+  // Choosing: where the per-item plan splits the items (few items for the GPU)
+  // over long contexts, it ran faster than the flat split on the H200,
+  // balanced or not (B8 ctx 32768: int8 181 vs 201 us); where it does not
+  // (one CTA per item), the flat split keeps long items of an uneven batch
+  // from running in one CTA each (2x for the 8-bit types) at ~4% on balanced
+  // batches (bench/RESULTS.md, decode round 3 and decode3). Spans of at most
+  // kFlatSpan keys take the flat split even where the per-item plan splits:
+  // the small-batch sequences at ctx 4096 ran 2-13% faster with it (16
+  // chunks per CTA; B1 int8_dynamic 23.3 vs 25.9 us, B8 fp8 40.8 vs 46.6 us
+  // as graphs; decode3).
+  constexpr long kFlatSpan = 4096;
   if (o.split == 0) {
     pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys, cl_keys > 2 * kBN ? cl_keys : 2 * kBN);
-    if (pl->nsplit > 1) {
+    if (pl->nsplit > 1 && span > kFlatSpan) {
       clustered();
       return 0;
     }
+    pl->nsplit = 1;
+    pl->split_keys = 0;
   }
   if (o.split != 2 && b->nitems <= kFlatMaxItems &&
       b->nitems <= with_types<ItemsF>(s->head_dim, s->dtype, s->kv, pl->tr)) {
@@ -185,7 +193,9 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
     // attnd_cuda_attend_workspace sizes (room for 8 CTAs per SM).
     const int mkv = attnd_kshape_model_kv_heads(s);
     const long chunks_max = (long)b->nitems * mkv * ((plan_span(b) + kDecKeys - 1) / kDecKeys + 1);
-    const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 8;
+    // 16 chunks per CTA at least: B1 ctx 4096 ran 3-8% faster than with 8
+    // (fewer partial pieces to merge), B8 the same (decode3).
+    const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 16;
     long c = chunks_max / min_chunks;
     if (c > slots)
       c = slots;
@@ -266,6 +276,14 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
   const bool one_byte = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8 || attnd_kv_type_dynamic(s->kv);
   if (one_byte && !(o.debug & 32))
     p.debug |= 4;
+  // Chunks in flight per warp: the converted types (1-byte and int4) keep one
+  // ahead of the one being computed, not NS - 1: faster or even in every row
+  // of three H200 runs (B64 / B8 ctx32768: int4 -2.4 / -2.1%, int8 -0.9 /
+  // -2.4%, fp8 -2.8 / -4.9%, fp8_dynamic -1.8 / -0.6%, int8_dynamic even;
+  // bench/RESULTS.md, decode3), the 16-bit types even or slower (fp16 B8
+  // +2.8%). Debug 512 keeps NS - 1 for the A/B; both are exact.
+  if (s->kv != ATTND_KV_BF16 && s->kv != ATTND_KV_FP16 && !(o.debug & 512))
+    p.debug |= 8;
   const bool pdl = !o.no_pdl;
   dim3 grid = pl.flat ? dim3((unsigned)pl.nctas) : dim3((unsigned)(b->nitems * s->kv_heads), 1u, (unsigned)pl.nsplit);
   cudaError_t e = with_types<RunF>(s->head_dim, s->dtype, s->kv, pl.tr, p, grid, pdl, st);

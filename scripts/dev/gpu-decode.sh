@@ -13,7 +13,7 @@
 #            and test_cuda_scaleout side by side (correctness only; ~60 s)
 #         2. bench_kernels' decode rows, B64 ctx4096 and B8 ctx32768, every
 #            type, with the launch-option columns in the same rows (per-item
-#            split, alt copy, one chunk ahead, l2pf, pfown)        ~40 s
+#            split, alt copy, alt lookahead, l2pf, pfown, cluster) ~40 s
 #         3. DECODE_BASE_BENCH's build (if packed): its B64 rows         ~12 s
 #            bench_kernels' small-batch rows (B1 / B8 at ctx 4096)    ~15 s
 #         4. bench/torch_reference.py: copy, read, decode, b1        ~30 s
@@ -148,7 +148,7 @@ run() {
     grep -E "\[  PASSED|\[  FAILED|FAIL|prefix hit .* vs full|worst ratio per|^split context:|> 1e-|rel L2 .* >" \
       "$out"/test_test_*.log "$out/numerics.log" "$out/scaleout.log" 2>/dev/null | sed "s#$out/##" | head -40
     grep -E "^read_bw [0-9]+ GB/s" "$out/bench_main.log"
-    grep -E "^decode_B" "$out/bench_main.log" | grep -v _w | awk '{printf "%s %s %s | item %s | alt %s | a1 %s | pfown %s %s | pfi %s | cl %s | l2pf %s\n", $1, $2, $4, $9, $19, $22, $25, $26, $30, $33, $36}'
+    grep -E "^decode_B" "$out/bench_main.log" | grep -v _w | awk '{printf "%s %s %s | item %s | alt %s | alt-ahead %s | pfown %s %s | pfi %s | cl %s | l2pf %s\n", $1, $2, $4, $9, $19, $22, $25, $26, $30, $33, $36}'
     grep -E "^decode_B" "$out/bench_base.log" 2>/dev/null | awk '{printf "base %s %s %s | item %s\n", $1, $2, $4, $9}'
     grep -E "^small_" "$out/bench_small.log" | awk '{printf "%s %s %s %s\n", $1, $2, $3, $4}' | head -120
     grep -E "^uneven_" "$out/bench_uneven.log"
