@@ -127,10 +127,14 @@ run() {
   local m=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
   m=$m,lts__t_sector_hit_rate.pct,launch__grid_size
   {
-    echo "== B1 bf16 sequence parts: write, decode, merge"
+    # The B1 bf16 step's kernels, each alone: a write of the row's timing loop
+    # (the setups' history writes come first), the first decode and merge.
+    echo "== B1 bf16 sequence parts: write (with its warp states), decode, merge"
     ATTND_BENCH_FILTER=small_B1_ctx4096_bf16 ATTND_BENCH_SMALL_ALONE=1 timeout -k 5 "$(lim 25)" \
-      ncu --clock-control none --metrics "$m" -k 'regex:write_kernel|decode_kernel|merge' \
-      --launch-skip 104 --launch-count 3 ./bench_kernels
+      ncu --clock-control none --metrics "$m" --section WarpStateStats --section LaunchStats \
+      -k 'regex:write_kernel' --launch-skip 60 --launch-count 1 ./bench_kernels
+    ATTND_BENCH_FILTER=small_B1_ctx4096_bf16 ATTND_BENCH_SMALL_ALONE=1 timeout -k 5 "$(lim 25)" \
+      ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel|merge' --launch-count 2 ./bench_kernels
     echo "== B64 int8 decode, default"
     ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 25)" \
       ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
@@ -153,8 +157,8 @@ run() {
     grep -E "^small_" "$out/bench_small.log" | awk '{printf "%s %s %s %s\n", $1, $2, $3, $4}' | head -120
     grep -E "^uneven_" "$out/bench_uneven.log"
     grep -E "decode_bf16_cudnn|b1|read_bw|copy_bw" "$out/reference.log" | head -8
-    grep -E "^== |write_kernel|decode_kernel|merge_|gpu__time_duration|dram__throughput|lts__t_sector_hit|dram__bytes_read" \
-      "$out/ncu.log" | head -40
+    grep -E "^== |write_kernel|decode_kernel|merge_|gpu__time_duration|dram__throughput|lts__t_sector_hit|dram__bytes_read|Stall|Warp Cycles|Achieved|Registers" \
+      "$out/ncu.log" | head -60
   } | tee "$out/summary.txt"
   cp "$out/summary.txt" "$dst/"
   tar -C "$out" -cJf "$dst/logs.tar.xz" .
