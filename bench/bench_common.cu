@@ -23,7 +23,7 @@ bool bench_wanted(const char *name) {
 }
 
 void jrow(const char *name, const char *fmt, ...) {
-  char buf[1024];
+  char buf[2048];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);

@@ -9,9 +9,12 @@
 //   sweep       B64 ctx4096 at d 64 / 256, GQA 1 / 8 / 16, block 16 / 128, as a
 //               fraction of the d128 / GQA 4 / block 64 row of the same type;
 //   uneven      64 sessions, contexts log-uniform in 128..32768, flat and
-//               per-item split;
+//               per-item split, and the default with pfown (debug 64);
 //   small       B1 and B8 at ctx 4096: the whole launch sequence of a layer
-//               step (write kernel, attention, merge) timed with CUDA events
+//               step (write kernel, attention, merge) under the default plan,
+//               flat splits of 4-32 chunks per CTA and per-item splits of at
+//               least 16-64 chunks per part, with and without the merge
+//               inside clusters (debug 256), timed with CUDA events
 //               around it, one sequence at a time (median) and as a CUDA graph
 //               of sequences (mean); inputs rotate among setups so that the
 //               cache is not L2-resident.
@@ -72,11 +75,24 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   // The decode kernel's load-path variants (attnd_cuda_opts_t.debug, results
   // exact): the other chunk copy (4, the refill-read copy, for the 16-bit
   // types and int4; 32, the per-piece copy, for the 1-byte types, whose
-  // default is 4's); one chunk in flight ahead (8).
+  // default is 4's); the other lookahead (below).
+  // pfown (64): each CTA's own rows prefetched into L2 by the bulk copy
+  // engine ~32 KB ahead, with either split. ATTND_BENCH_DEC_DEBUG ORs bits into
+  // the default launch (a profiler's first decode launch then runs them).
   const bool one_byte = S.s.kv == ATTND_KV_INT8 || S.s.kv == ATTND_KV_FP8 || attnd_kv_type_dynamic(S.s.kv);
-  const attnd_cuda_opts_t refc = {one_byte ? 32 : 4, 0, 0, 0}, ahead1 = {8, 0, 0, 0};
-  const Timed a = time_attend(S, &dflt), b = time_attend(S, &item), c = time_attend(S, &nopdl);
+  // The other lookahead than the type's default (split_plan.cu): all stages
+  // ahead (512) for the converted types, one chunk ahead (8) for the 16-bit.
+  const bool k16 = S.s.kv == ATTND_KV_BF16 || S.s.kv == ATTND_KV_FP16;
+  const attnd_cuda_opts_t refc = {one_byte ? 32 : 4, 0, 0, 0}, ahead1 = {k16 ? 8 : 512, 0, 0, 0};
+  const attnd_cuda_opts_t pfo = {64, 0, 0, 0}, pfi = {64, 2, 0, 0};
+  attnd_cuda_opts_t dbg = dflt;
+  if (getenv("ATTND_BENCH_DEC_DEBUG"))
+    dbg.debug = atoi(getenv("ATTND_BENCH_DEC_DEBUG"));
+  const Timed a = time_attend(S, &dbg), b = time_attend(S, &item), c = time_attend(S, &nopdl);
   const Timed r = time_attend(S, &refc), l = time_attend(S, &ahead1);
+  const Timed po = time_attend(S, &pfo), pi = time_attend(S, &pfi);
+  const attnd_cuda_opts_t clo = {256, 0, 0, 0}; // a per-item split merged in clusters (debug 256)
+  const Timed cl = time_attend(S, &clo);
   const float wus = 1e3f * median_ms([&] { CKA(attnd_cuda_write(&S.s, &S.b, nullptr)); }, 3, 20);
   const double gbps = S.cache_bytes / (a.us * 1e-6) / 1e9;
   // ATTND_BENCH_DEC_L2PF set: also debug 16 (whole blocks prefetched into L2),
@@ -87,8 +103,9 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
     snprintf(l2pf, sizeof l2pf, " | l2pf %7.1f", time_attend(S, &pf).us);
   }
   printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | alt-copy %7.1f "
-         "| ahead1 %7.1f%s\n",
-         nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, l2pf);
+         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f%s\n",
+         nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us,
+         pct(S.cache_bytes / (po.us * 1e-6) / 1e9, read), pi.us, cl.us, l2pf);
   char extra[256] = "";
   if (diag) {
     const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0};
@@ -98,10 +115,10 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   }
   jrow(nm,
        "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "
-       "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"us_ref_copy\": %.1f, \"us_ahead1\": %.1f, "
-       "\"bytes\": %.0f%s",
-       a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, S.cache_bytes,
-       extra);
+       "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"us_ref_copy\": %.1f, \"us_alt_ahead\": %.1f, "
+       "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"bytes\": %.0f%s",
+       a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us, pi.us,
+       cl.us, S.cache_bytes, extra);
   return pct(gbps, read);
 }
 
@@ -177,13 +194,15 @@ void rows_uneven(double copy, double read) {
     sh.kv = (attnd_kv_type_t)kv;
     Setup S;
     setup_ex(S, sh, ctx, 1, ATTND_MASK_CAUSAL, 0, nullptr);
-    const attnd_cuda_opts_t dflt = {}, item = {0, 2, 0, 0};
-    const Timed a = time_attend(S, &dflt), b = time_attend(S, &item);
+    const attnd_cuda_opts_t dflt = {}, item = {0, 2, 0, 0}, pfo = {64, 0, 0, 0};
+    const Timed a = time_attend(S, &dflt), b = time_attend(S, &item), c = time_attend(S, &pfo);
     const double gbps = S.cache_bytes / (a.us * 1e-6) / 1e9, gb2 = S.cache_bytes / (b.us * 1e-6) / 1e9;
-    printf("%-34s %8.1f %7.0f %6.1f%% | %7.1f us %6.1f%%\n", nm, a.us, gbps, pct(gbps, read), b.us, pct(gb2, read));
+    const double gb3 = S.cache_bytes / (c.us * 1e-6) / 1e9;
+    printf("%-34s %8.1f %7.0f %6.1f%% | %7.1f us %6.1f%% | pfown %7.1f us %6.1f%%\n", nm, a.us, gbps, pct(gbps, read),
+           b.us, pct(gb2, read), c.us, pct(gb3, read));
     jrow(nm, "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "
-             "\"pct_read_per_item\": %.1f",
-         a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, pct(gb2, read));
+             "\"pct_read_per_item\": %.1f, \"us_pfown\": %.1f, \"pct_read_pfown\": %.1f",
+         a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, pct(gb2, read), c.us, pct(gb3, read));
     teardown(S);
   }
 }
@@ -252,7 +271,10 @@ void rows_small(double read) {
     const char *name;
     attnd_cuda_opts_t o;
   } vs[] = {{"flat8", {0, 1, 8, 0}},   {"flat4", {0, 1, 4, 0}},   {"flat16", {0, 1, 16, 0}},
-            {"flat32", {0, 1, 32, 0}}, {"peritem", {0, 2, 0, 0}}, {"flat8_nopdl", {0, 1, 8, 1}}};
+            {"flat32", {0, 1, 32, 0}}, {"peritem", {0, 2, 0, 0}}, {"flat8_nopdl", {0, 1, 8, 1}},
+            {"item16", {0, 2, 16, 0}}, {"item32", {0, 2, 32, 0}}, {"item64", {0, 2, 64, 0}},
+            {"default", {0, 0, 0, 0}},
+            {"cluster", {256, 2, 0, 0}}, {"cluster_i32", {256, 2, 32, 0}}, {"cluster_auto", {256, 0, 0, 0}}};
   printf("\n%-30s %8s %8s %8s   (us of device time per layer step: write + attention + merge)\n",
          "small batches, ctx 4096", "single", "graph", "floor");
   for (int B : Bs)
@@ -284,7 +306,10 @@ void rows_small(double read) {
       char wb[96];
       snprintf(wb, sizeof wb, "\"write_alone_us\": %.2f, \"attend_alone_us\": %.2f", w_us, a_us);
       std::string js = wb;
+      // ATTND_BENCH_SMALL_ALONE set: the parts alone only (a profiler's run).
       for (auto &v : vs) {
+        if (getenv("ATTND_BENCH_SMALL_ALONE"))
+          break;
         float su, gu;
         time_small(q, &v.o, &su, &gu);
         printf("%-22s %-12s %8.1f %8.1f %8.1f\n", nm, v.name, su, gu, floor_us);

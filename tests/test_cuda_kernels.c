@@ -41,13 +41,21 @@ static double g_max_err[ATTND_KV_COUNT_];
 static int g_cases[ATTND_KV_COUNT_];
 
 /* Launch options cycle over the cases: the flat split (tiny pieces, and
- * CTAs spanning several items), the per-item split, with and without
- * programmatic dependent launch. */
-static const attnd_cuda_opts_t k_opts[5] = {{.split = 0},
-                                            {.split = 2},
-                                            {.split = 1, .min_chunks = 2},
-                                            {.split = 0, .no_pdl = 1},
-                                            {.split = 1, .min_chunks = 150}};
+ * CTAs spanning several items), the per-item split (and parts of at least 4
+ * chunks), with and without programmatic dependent launch, the decode
+ * kernel's L2 prefetch of its own rows (debug 64, 128: results exact), the
+ * per-item split merged inside thread-block clusters (debug 256) and the
+ * converted types' chunks all in flight (debug 512, their former default). */
+#define N_OPTS 9
+static const attnd_cuda_opts_t k_opts[N_OPTS] = {{.split = 0},
+                                                 {.split = 2},
+                                                 {.split = 1, .min_chunks = 2},
+                                                 {.split = 0, .no_pdl = 1, .debug = 512},
+                                                 {.split = 1, .min_chunks = 150},
+                                                 {.split = 2, .min_chunks = 4, .debug = 64},
+                                                 {.split = 1, .min_chunks = 2, .debug = 64 | 128},
+                                                 {.split = 2, .debug = 256},
+                                                 {.split = 0, .debug = 256 | 64}};
 
 static double case_run(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,
                        int out_fp32, int use_ws, int per_channel) {
@@ -56,7 +64,7 @@ static double case_run(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int
                    .per_channel = per_channel,
                    .check_hit = 1,
                    .check_ab = 1,
-                   .opts = &k_opts[ncase % 5]};
+                   .opts = &k_opts[ncase % N_OPTS]};
   case_result_t r;
   run_case(s, ncase, ti, nitems, &o, &r);
   return r.cuda_err;

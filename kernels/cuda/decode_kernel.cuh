@@ -41,11 +41,13 @@
 #pragma once
 
 #include "decode_chunk.cuh"
+#include "decode_cluster.cuh"
 
 namespace attnd {
 
 // Where a piece's result goes.
-enum { kOutFinal = 0, kOutSlot = 1, kOutSplit = 2 };
+// kOutCluster: a per-item split part merged inside its cluster (decode_cluster.cuh).
+enum { kOutFinal = 0, kOutSlot = 1, kOutSplit = 2, kOutCluster = 3 };
 // out_kind | kOutSink: the piece holds the first keys of an item with
 // ATTND_ITEM_SINK: the sink joins its rows (one bit of a value the key loop
 // keeps anyway, not a register of its own).
@@ -161,6 +163,14 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
         reinterpret_cast<typename A::T *>(P.out)[ob] = A::from_f(x);
       if (P.lse && d == 0)
         P.lse[(size_t)row * P.q_heads + h] = lse;
+    } else if (out_kind == kOutCluster) {
+      // This thread's own (r, d) of warp 0's rows, read above by it alone;
+      // the (m, l, lt) area is not read past the merge (dec_cl_o, dec_cl_l).
+      so[r * D + d] = x;
+      if (d == 0) {
+        sm[r] = lse;
+        sm[16 + r] = lset;
+      }
     } else if (out_kind == kOutSlot) {
       float *slot = P.ws + (size_t)out_idx * flat_slot_floats(P.max_vec, D);
       slot[r * D + d] = x;
@@ -215,6 +225,15 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   const bool ref_copy = P.debug & 4;
   const bool pf_blocks = (P.debug & 16) && kvh == 0;
   const int la = (P.debug & 8) ? 1 : NS - 1; // chunks issued ahead
+  // Bit 64 (exact: a hint): this CTA's own K and V rows of the block pfb
+  // blocks past each refill that starts a block go to L2 through the bulk
+  // copy engine (one request per 1..32 KB region instead of 16-byte
+  // cp.async misses), ~32 KB ahead per CTA, ~64 KB with bit 128
+  // (dec_prefetch_own).
+  // (Read from the parameters where used, not held in registers through the
+  // key loop: the 8-bit instantiations sit at their 128-register bound.)
+  auto pf_own = [&]() { return (P.debug & 64) != 0; };
+  auto pfb = [&]() { return max(1, ((P.debug & 128) ? 65536 : 32768) / (2 * P.bs * C::RB)); };
 #pragma unroll
   for (int n = 0; n < NS - 1; n++) {
     if (n < cnt && n < la && !no_load) {
@@ -227,6 +246,13 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   }
   // The block of the next refill, read a chunk ahead.
   int32_t nblk = la < cnt ? bt[chunk_key(la) >> cpy.lbs] : 0;
+  if (pf_own() && warp == 0 && lane == 0 && !no_load) {
+    // The blocks between the first one a loop refill starts and the first
+    // one such a refill prefetches (below).
+    const int b0 = ((jfirst + NW * KS * la + P.bs - 1) >> cpy.lbs) << cpy.lbs;
+    for (int k = 0; k < pfb() && b0 + k * P.bs <= khi; k++)
+      dec_prefetch_own<C>(P, kvh, bt[(b0 + k * P.bs) >> cpy.lbs]);
+  }
 
   // While the first chunks are on their way: the static scales, and q.
   DecPiece pc;
@@ -378,12 +404,21 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
           nblk = bt[chunk_key(n + la + 1) >> cpy.lbs];
       }
       const int jr = chunk_key(n + la);
-      if (pf_blocks && lane == 0 && (jr & ((1 << cpy.lbs) - 1)) == 0) {
-        const int jp = jr + max(P.bs, NW * KS); // the next block (this chunk's block starts at jr)
-        if (jp <= khi) {
-          const uint8_t *b = P.cache + (size_t)bt[jp >> cpy.lbs] * P.block_bytes;
-          dec_prefetch_l2(b, (uint32_t)cpy.vreg);
-          dec_prefetch_l2(b + cpy.vreg, (uint32_t)cpy.vreg);
+      if ((P.debug & (16 | 64)) && lane == 0 && (jr & (P.bs - 1)) == 0 && !no_load) {
+        if (pf_blocks) {
+          const int jp = jr + max(P.bs, NW * KS); // the next block (this chunk's block starts at jr)
+          if (jp <= khi) {
+            const uint8_t *b = P.cache + (size_t)bt[jp >> cpy.lbs] * P.block_bytes;
+            dec_prefetch_l2(b, (uint32_t)cpy.vreg);
+            dec_prefetch_l2(b + cpy.vreg, (uint32_t)cpy.vreg);
+          }
+        }
+        if (pf_own()) {
+          // Every block start is some warp's refill (blocks hold >= 16 keys), so
+          // blocks b0 + pfb bs onwards are each prefetched once, pfb blocks early.
+          const int jp = jr + pfb() * P.bs;
+          if (jp <= khi)
+            dec_prefetch_own<C>(P, kvh, bt[jp >> (__ffs(P.bs) - 1)]);
         }
       }
     }
@@ -509,12 +544,14 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
       const int b0 = P.window > 0 ? lo : 0; // a sliding layer's parts cover its window only
       lo = max(lo, b0 + split * P.split_keys);
       hi = min(hi, b0 + (split + 1) * P.split_keys - 1);
-      out_kind = kOutSplit;
+      out_kind = P.cluster > 1 ? kOutCluster : kOutSplit;
     }
     pdl_wait(); // q and the cache are written by the previous kernel
     if (split == 0 && P.sinks && (it.flags & ATTND_ITEM_SINK))
       out_kind |= kOutSink;
     dec_piece<C>(P, smem, it, kvh, lo, hi, out_kind, split);
+    if (P.cluster > 1)
+      dec_cluster_merge<C>(P, smem, it, kvh); // every CTA of the cluster gets here (one item)
     return;
   }
   // Flat split (decode_params.cuh): model CTA cm = cfirst + blockIdx.x takes
@@ -604,7 +641,41 @@ cudaError_t launch_decode_one(const DecodeParams &p, dim3 grid, size_t extra_sme
     attr_done = true;
   }
   (void)extra_smem;
+  if (p.cluster > 1)
+    return launch_decode_cluster(decode_kernel<D, DT, KV, TR>, grid, dim3(C::NTH), C::kBytes, pdl, st, p);
   return launch_ex(decode_kernel<D, DT, KV, TR>, grid, dim3(C::NTH), C::kBytes, pdl, st, p);
+}
+
+// Whether clusters of n (<= 16) parts of this instantiation can be resident
+// (a cluster lives on one GPC; over 8 needs the non-portable size).
+template <int D, int DT, int KV, bool TR> bool decode_cluster_ok(int n) {
+  using C = Dec<D, DT, KV, TR>;
+  static signed char ok[17]; // 0 unknown, 1 yes, -1 no
+  if (n < 2 || n > 16)
+    return false;
+  if (ok[n] == 0) {
+    auto k = decode_kernel<D, DT, KV, TR>;
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes);
+    if (n > 8)
+      cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1, 1, (unsigned)n);
+    cfg.blockDim = dim3(C::NTH);
+    cfg.dynamicSmemBytes = C::kBytes;
+    cudaLaunchAttribute a[1];
+    a[0].id = cudaLaunchAttributeClusterDimension;
+    a[0].val.clusterDim.x = 1;
+    a[0].val.clusterDim.y = 1;
+    a[0].val.clusterDim.z = (unsigned)n;
+    cfg.attrs = a;
+    cfg.numAttrs = 1;
+    int nc = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&nc, k, &cfg);
+    if (e != cudaSuccess)
+      cudaGetLastError();
+    ok[n] = e == cudaSuccess && nc > 0 ? 1 : -1;
+  }
+  return ok[n] > 0;
 }
 
 // Resident CTAs per SM (planning), from the occupancy calculator.
@@ -634,7 +705,8 @@ template <int D, int DT, int KV, bool TR> int decode_flat_items() {
 #define ATTND_DECODE_INST_ONE(D, DT, KV, TR)                                                                   \
   template cudaError_t launch_decode_one<D, DT, KV, TR>(const DecodeParams &, dim3, size_t, bool, cudaStream_t); \
   template int decode_occupancy<D, DT, KV, TR>();                                                              \
-  template int decode_flat_items<D, DT, KV, TR>();
+  template int decode_flat_items<D, DT, KV, TR>();                                                             \
+  template bool decode_cluster_ok<D, DT, KV, TR>(int);
 #define ATTND_DECODE_INST(D, DT, KV)                                                                           \
   ATTND_DECODE_INST_ONE(D, DT, KV, true)                                                                       \
   ATTND_DECODE_INST_ONE(D, DT, KV, false)

@@ -324,6 +324,27 @@ __device__ __forceinline__ void dec_prefetch_l2(const void *p, uint32_t n) {
 #endif
 }
 
+// This CTA's rows of block blk into L2: its kv head's K rows and V rows
+// (bs RB bytes each, contiguous) and, for the dynamic types, its K and V
+// scales (bs floats each), which the chunk copies would otherwise fetch from
+// DRAM 64 bytes at a time.
+// Every offset comes from the parameters (constant bank) and kvh, so that
+// nothing of it stays in registers through the key loop (the refill-read copy
+// the 1-byte types use keeps no DecCopy state live there).
+template <class C> __device__ __forceinline__ void dec_prefetch_own(const DecodeParams &P, int kvh, int32_t blk) {
+  const size_t vreg = (size_t)P.kv_heads * P.bs * C::RB, rowbase = (size_t)kvh * P.bs;
+  const uint8_t *b = P.cache + (size_t)blk * P.block_bytes;
+  const uint8_t *k = b + rowbase * C::RB;
+  const uint32_t n = (uint32_t)P.bs * C::RB;
+  dec_prefetch_l2(k, n);
+  dec_prefetch_l2(k + vreg, n);
+  if constexpr (C::K::kDyn) {
+    const uint8_t *ks = b + 2 * vreg + rowbase * 4;
+    dec_prefetch_l2(ks, (uint32_t)P.bs * 4);
+    dec_prefetch_l2(ks + (size_t)P.kv_heads * P.bs * 4, (uint32_t)P.bs * 4);
+  }
+}
+
 // The chunk copy as main had it before decode-perf (launch option debug bit 4,
 // timing A/B only, results exact): the block-table entry read at the refill
 // and each copy's addresses computed from its row. Its loop spread the 8

@@ -55,7 +55,10 @@ struct DecodeParams {
   int flat, nctas;     // flat split: CTAs launched (and workspace slot pairs)
   int mkv, kvh0, mctas; // flat split: the model's kv heads, the first held one, the model's CTA budget
   int nsplit, split_keys; // per-item split
-  int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math; 4, 8, 16 load-path variants
+  int cluster;         // per-item split: > 1 the parts of a (item, kv head) are one cluster, merged in it
+  int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math; 4, 8, 16, 64, 128 load-path variants;
+                       // 256 the cluster merge (decode_cluster.cuh); host only: 32 and 512 the other
+                       // copy / lookahead than the type's default (split_plan.cu, launch_decode)
 };
 
 // Offsets in the workspace of the flat split.
@@ -95,6 +98,7 @@ template <int D, int DT, int KV, bool TR>
 cudaError_t launch_decode_one(const DecodeParams &p, dim3 grid, size_t extra_smem, bool pdl, cudaStream_t st);
 template <int D, int DT, int KV, bool TR> int decode_occupancy();
 template <int D, int DT, int KV, bool TR> int decode_flat_items();
+template <int D, int DT, int KV, bool TR> bool decode_cluster_ok(int n);
 
 // A decode batch's cut (plan_decode) and its launch (kernel, then merge).
 struct DecodePlan {
@@ -102,6 +106,7 @@ struct DecodePlan {
   int flat, nctas;       // flat split over nctas CTAs (launched)
   int mctas;             // flat split: the whole model's CTA budget (= nctas on one daemon)
   int nsplit, split_keys; // per-item split
+  int cluster;            // per-item split merged inside clusters of nsplit CTAs (0: by merge_split)
 };
 int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,
                 DecodePlan *pl);
@@ -132,8 +137,9 @@ long plan_span(const attnd_kbatch_t *b);
 // The split planning of the tiled kernel (tiled_kernel.cuh) and the decode path.
 size_t split_bytes_per_part(const attnd_kshape_t *s, int32_t total_q);
 // Parts per item (1: no split) for CTAs of tile_vec query vectors, slots_per_sm
-// of them resident per SM, and the keys per part.
+// of them resident per SM, and the keys per part; parts hold at least
+// min_part_keys keys (two key tiles unless a launch option says otherwise).
 int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int slots_per_sm, int tile_vec,
-                int *split_keys);
+                int *split_keys, long min_part_keys = 2 * kBN);
 
 } // namespace attnd

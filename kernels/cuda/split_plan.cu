@@ -19,6 +19,9 @@ template <int D, int DT> struct DecDispatch {
   template <int KV> static int items(bool tr) {
     return tr ? decode_flat_items<D, DT, KV, true>() : decode_flat_items<D, DT, KV, false>();
   }
+  template <int KV> static bool cluster_ok(bool tr, int n) {
+    return tr ? decode_cluster_ok<D, DT, KV, true>(n) : decode_cluster_ok<D, DT, KV, false>(n);
+  }
   template <int KV> static cudaError_t run(bool tr, const DecodeParams &p, dim3 g, bool pdl, cudaStream_t st) {
     return tr ? launch_decode_one<D, DT, KV, true>(p, g, 0, pdl, st) : launch_decode_one<D, DT, KV, false>(p, g, 0, pdl, st);
   }
@@ -59,6 +62,11 @@ struct OccF {
 struct ItemsF {
   template <int D, int DT, int KV> static int call(bool tr) { return DecDispatch<D, DT>::template items<KV>(tr); }
 };
+struct ClusterF {
+  template <int D, int DT, int KV> static bool call(bool tr, int n) {
+    return DecDispatch<D, DT>::template cluster_ok<KV>(tr, n);
+  }
+};
 struct RunF {
   template <int D, int DT, int KV>
   static cudaError_t call(bool tr, const DecodeParams &p, dim3 g, bool pdl, cudaStream_t st) {
@@ -84,7 +92,7 @@ long plan_span(const attnd_kbatch_t *b) {
 // head it holds comes out in the same bits. Work counts below therefore use
 // the model's kv heads (attnd_kshape_model_kv_heads), never the held count.
 int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, int slots_per_sm, int tile_vec,
-                int *split_keys) {
+                int *split_keys, long min_part_keys) {
   const int G = s->q_heads / s->kv_heads;
   // A sliding layer's parts cover the keys of a CTA's rows from its first
   // visible key, not the whole context: a decode row at 32k in a window of
@@ -99,7 +107,7 @@ int plan_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
     // the last wave is time lost; every extra part costs a prologue, a shorter
     // pipeline and merge traffic), else the best filling. Two waves measured
     // worse than one or four on the H200 (bench/RESULTS.md): skip them.
-    long limit = span / (2 * kBN); // at least two key tiles per part
+    long limit = span / min_part_keys; // at least two key tiles per part by default
     const long by_ws = (long)(ws_bytes / split_bytes_per_part(s, b->total_q));
     if (limit > by_ws)
       limit = by_ws;
@@ -140,15 +148,36 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
   pl->mctas = 0;
   pl->nsplit = 1;
   pl->split_keys = 0;
-  // Choosing: where the per-item plan splits the items (few items for the GPU),
-  // it ran faster than the flat split on the H200, balanced or not; where it
-  // does not (one CTA per item), the flat split keeps long items of an uneven
-  // batch from running in one CTA each (2x for the 8-bit types) at ~10% on
-  // balanced batches (bench/RESULTS.md, decode round 3).
+  pl->cluster = 0;
+  // Launch option debug 256: a per-item split's parts form one cluster and
+  // merge there (decode_cluster.cuh), so parts are at most 16 (one GPC).
+  const bool want_cluster = (o.debug & 256) != 0;
+  const long span = plan_span(b);
+  const long cl_keys = want_cluster ? (span + 16 * kBN - 1) / (16 * kBN) * kBN : 0; // <= 16 parts
+  auto clustered = [&]() {
+    if (want_cluster && pl->nsplit > 1 && pl->nsplit <= 16 &&
+        with_types<ClusterF>(s->head_dim, s->dtype, s->kv, pl->tr, pl->nsplit))
+      pl->cluster = pl->nsplit;
+  };
+  // Choosing: where the per-item plan splits the items (few items for the GPU)
+  // over long contexts, it ran faster than the flat split on the H200,
+  // balanced or not (B8 ctx 32768: int8 181 vs 201 us); where it does not
+  // (one CTA per item), the flat split keeps long items of an uneven batch
+  // from running in one CTA each (2x for the 8-bit types) at ~4% on balanced
+  // batches (bench/RESULTS.md, decode round 3 and decode3). Spans of at most
+  // kFlatSpan keys take the flat split even where the per-item plan splits:
+  // the small-batch sequences at ctx 4096 ran 2-13% faster with it (16
+  // chunks per CTA; B1 int8_dynamic 23.3 vs 25.9 us, B8 fp8 40.8 vs 46.6 us
+  // as graphs; decode3).
+  constexpr long kFlatSpan = 4096;
   if (o.split == 0) {
-    pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys);
-    if (pl->nsplit > 1)
+    pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys, cl_keys > 2 * kBN ? cl_keys : 2 * kBN);
+    if (pl->nsplit > 1 && span > kFlatSpan) {
+      clustered();
       return 0;
+    }
+    pl->nsplit = 1;
+    pl->split_keys = 0;
   }
   if (o.split != 2 && b->nitems <= kFlatMaxItems &&
       b->nitems <= with_types<ItemsF>(s->head_dim, s->dtype, s->kv, pl->tr)) {
@@ -164,7 +193,9 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
     // attnd_cuda_attend_workspace sizes (room for 8 CTAs per SM).
     const int mkv = attnd_kshape_model_kv_heads(s);
     const long chunks_max = (long)b->nitems * mkv * ((plan_span(b) + kDecKeys - 1) / kDecKeys + 1);
-    const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 8;
+    // 16 chunks per CTA at least: B1 ctx 4096 ran 3-8% faster than with 8
+    // (fewer partial pieces to merge), B8 the same (decode3).
+    const int min_chunks = o.min_chunks > 0 ? o.min_chunks : 16;
     long c = chunks_max / min_chunks;
     if (c > slots)
       c = slots;
@@ -187,7 +218,14 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
       return 0;
     }
   }
-  pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys);
+  // A forced per-item split takes min_chunks as the fewest 16-key chunks per
+  // part (timing the part count of small batches: fewer, longer parts pay
+  // fewer prologues and merge reads, more fill the GPU).
+  long min_keys = o.split == 2 && o.min_chunks > 0 ? (long)o.min_chunks * kDecKeys : 2L * kBN;
+  if (min_keys < cl_keys)
+    min_keys = cl_keys;
+  pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys, min_keys);
+  clustered();
   return 0;
 }
 
@@ -228,6 +266,7 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
   p.mctas = pl.mctas;
   p.nsplit = pl.nsplit;
   p.split_keys = pl.split_keys;
+  p.cluster = pl.cluster;
   // The chunk copy: the 1-byte caches (int8, fp8 and their dynamic forms) use
   // the copy that reads the block table at each refill, which ran 2-7% faster
   // for them on the H200 than the per-piece copy the 16-bit types and int4
@@ -237,14 +276,31 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
   const bool one_byte = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8 || attnd_kv_type_dynamic(s->kv);
   if (one_byte && !(o.debug & 32))
     p.debug |= 4;
+  // Chunks in flight per warp: the converted types (1-byte and int4) keep one
+  // ahead of the one being computed, not NS - 1: faster or even in every row
+  // of three H200 runs (B64 / B8 ctx32768: int4 -2.4 / -2.1%, int8 -0.9 /
+  // -2.4%, fp8 -2.8 / -4.9%, fp8_dynamic -1.8 / -0.6%, int8_dynamic even;
+  // bench/RESULTS.md, decode3), the 16-bit types even or slower (fp16 B8
+  // +2.8%). Debug 512 keeps NS - 1 for the A/B; both are exact.
+  if (s->kv != ATTND_KV_BF16 && s->kv != ATTND_KV_FP16 && !(o.debug & 512))
+    p.debug |= 8;
   const bool pdl = !o.no_pdl;
   dim3 grid = pl.flat ? dim3((unsigned)pl.nctas) : dim3((unsigned)(b->nitems * s->kv_heads), 1u, (unsigned)pl.nsplit);
   cudaError_t e = with_types<RunF>(s->head_dim, s->dtype, s->kv, pl.tr, p, grid, pdl, st);
+  if (e != cudaSuccess && pl.cluster > 0) {
+    // The cluster launch refused (its occupancy check passed, the launch did
+    // not): the same parts through the workspace and the merge kernel (the
+    // plan kept within the workspace either way).
+    cudaGetLastError();
+    pl.cluster = 0;
+    p.cluster = 0;
+    e = with_types<RunF>(s->head_dim, s->dtype, s->kv, pl.tr, p, grid, pdl, st);
+  }
   if (e != cudaSuccess)
     return set_error(__FILE__, __LINE__, "decode_kernel launch", e);
   if (pl.flat && pl.nctas > 1)
     return launch_merge_flat(s, p, pdl, st);
-  if (!pl.flat && pl.nsplit > 1) {
+  if (!pl.flat && pl.nsplit > 1 && pl.cluster == 0) {
     const float *ws_o = p.ws, *ws_lse = p.ws + (size_t)pl.nsplit * b->total_q * s->q_heads * s->head_dim;
     return launch_merge_split(s, b, ws_o, ws_lse, pl.nsplit, pdl, st);
   }
