@@ -517,6 +517,7 @@ static void test_many_layers_in_flight(void **state) {
 static void test_pinned_cap(void **state) {
   SKIP_WITHOUT_GPU();
   g_opts.cuda_pinned_max = 1;
+  g_opts.cuda_frame_pool = 0; /* the default: its floor, under the one-byte cap */
   many_layers_in_flight();
 }
 
@@ -533,12 +534,14 @@ static void test_pinned_warm(void **state) {
   attnd_backend_t *gpu = NULL;
   g_opts.cuda_pinned_warm = 24u << 20; /* a 32 MiB buffer */
   g_opts.cuda_pinned_max = 16u << 20;
+  g_opts.cuda_frame_pool = 0; /* the default: what the cap leaves */
   assert_int_not_equal(
       attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)), 0);
   assert_non_null(strstr(err, "--cuda-pinned-warm"));
   uv_run(&loop, UV_RUN_DEFAULT);
   assert_int_equal(uv_loop_close(&loop), 0);
   g_opts.cuda_pinned_max = 0;
+  g_opts.cuda_frame_pool = 32u << 20; /* as main set it */
   many_layers_in_flight();
 }
 
@@ -553,6 +556,7 @@ static void test_hostfn_staging(void **state) {
   compare_backends(ATTND_KV_INT8_DYNAMIC);
   many_layers_in_flight();
   g_opts.cuda_pinned_max = 1;
+  g_opts.cuda_frame_pool = 0; /* the default: its floor, under the one-byte cap */
   many_layers_in_flight();
 }
 
@@ -739,6 +743,9 @@ static int reset_modes(void **state) { /* the one place a test's modes are undon
 int main(int argc, char **argv) {
   attnd_backend_opts_defaults(&g_opts);
   g_opts.threads = 2;
+  /* Room for the tests' frames and outputs, not the default's 1/16 of host
+   * memory (pinned at every backend's start). */
+  g_opts.cuda_frame_pool = 32u << 20;
   int fault = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--fault") == 0)
