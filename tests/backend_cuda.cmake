@@ -44,6 +44,11 @@ if(ATTND_CUDART_INCLUDE_DIR)
   add_test(NAME test_backend_cuda_mock_ring_fault COMMAND test_backend_cuda_mock --ring-fault)
   set_tests_properties(test_backend_cuda_mock_ring_fault PROPERTIES TIMEOUT 60 LABELS backend
                        ENVIRONMENT "ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
+  # The same with the step's frame and output in the pinned frame pool.
+  add_test(NAME test_backend_cuda_mock_ring_fault_pinned
+           COMMAND test_backend_cuda_mock --ring-fault-pinned)
+  set_tests_properties(test_backend_cuda_mock_ring_fault_pinned PROPERTIES TIMEOUT 60
+                       LABELS backend ENVIRONMENT "ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
   # Completion through stream callbacks (--cuda-completion callback) instead of
   # the event poller, with the per-step trace on: the whole test, then the fault.
   add_test(NAME test_backend_cuda_mock_callback COMMAND test_backend_cuda_mock --callback --trace)

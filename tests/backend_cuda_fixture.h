@@ -115,6 +115,11 @@ void test_ring_no_alloc(void **state);
 void test_ring_oneshot(void **state);
 void test_ring_document(void **state);
 void test_ring_device_io(void **state);
+void test_ring_pinned(void **state);
+void test_ring_pool_full(void **state);
+void test_frame_pool(void **state);
+/* test_ring_fault with the large step's frame and output pinned (--ring-fault-pinned). */
+extern int g_fault_pinned;
 void test_ring_fault(void **state);
 
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

@@ -18,7 +18,8 @@
  * job with ATTND_EDEVICE, and teardown must not hang. It leaves the CUDA
  * context unusable, hence the separate run (also with --hostfn-min=0: host
  * functions that a sticky error skips must not leave a job unanswered);
- * --ring-fault likewise runs only test_backend_cuda_ring.c's fault test. */
+ * --ring-fault likewise runs only test_backend_cuda_ring.c's fault test
+ * (--ring-fault-pinned: with the step's frame and output pinned). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -752,6 +753,8 @@ int main(int argc, char **argv) {
       fault = 1;
     else if (strcmp(argv[i], "--ring-fault") == 0)
       fault = 2;
+    else if (strcmp(argv[i], "--ring-fault-pinned") == 0)
+      fault = 2, g_fault_pinned = 1;
     else if (strcmp(argv[i], "--callback") == 0)
       g_opts.cuda_callbacks = 1;
     else if (strcmp(argv[i], "--trace") == 0)
@@ -759,7 +762,9 @@ int main(int argc, char **argv) {
     else if (strncmp(argv[i], "--hostfn-min=", 13) == 0)
       g_opts.cuda_hostfn_min = strtoull(argv[i] + 13, NULL, 10);
     else {
-      fprintf(stderr, "usage: %s [--fault|--ring-fault] [--callback] [--trace] [--hostfn-min=N]\n",
+      fprintf(stderr,
+              "usage: %s [--fault|--ring-fault|--ring-fault-pinned] [--callback] [--trace] "
+              "[--hostfn-min=N]\n",
               argv[0]);
       return 2;
     }
@@ -803,6 +808,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup(test_ring_oneshot, reset_modes),
       cmocka_unit_test_setup(test_ring_document, reset_modes),
       cmocka_unit_test_setup(test_ring_device_io, reset_modes),
+      cmocka_unit_test_setup(test_ring_pinned, reset_modes),
+      cmocka_unit_test_setup(test_ring_pool_full, reset_modes),
+      cmocka_unit_test_setup(test_frame_pool, reset_modes),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }

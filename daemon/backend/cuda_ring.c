@@ -498,7 +498,10 @@ static void enqueue_chunk(cu_backend_t *be, cu_run_t *r, int slot) {
   cut_chunk(be, r, ch);
   if (r->plan->ci == job->batch.nitems)
     r->plan->done = 1;
-  cudaStream_t hs = cs->h2d, ks = cs->st, ds = cs->d2h;
+  /* A run on a priority twin (a step judged small by chunk_keys but too
+   * large for a pooled buffer) shares its layer stream's copy streams. */
+  const cu_stream_t *cp = &be->streams[r->stream % be->nstreams];
+  cudaStream_t hs = cp->h2d, ks = cs->st, ds = cp->d2h;
   int at = 0; /* 1: the kernels wait for the H2D; 2: the D2H waits for the kernels */
   attnd_kbatch_t db;
   if (attnd_cu_device_batch(be, c, &db) != 0)

@@ -242,8 +242,7 @@ _Static_assert(sizeof(frame_ext_t) <= CU_ALIGN && sizeof(frame_hdr_t) <= CU_ALIG
 
 void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len) {
   cu_backend_t *be = (cu_backend_t *)base;
-  if (len < be->hostfn_min || !be->frames_h || atomic_load(&be->dead) ||
-      len > be->frame_bytes)
+  if (len < be->hostfn_min || !be->frames_h || atomic_load(&be->dead) || len > be->frame_bytes)
     return NULL;
   const size_t need = CU_ALIGN + attnd_cu_align_up(len ? len : 1);
   uint8_t *blk = NULL;
@@ -303,8 +302,11 @@ int attnd_cu_frames_create(cu_backend_t *be, char *err, size_t errlen) {
              cudaGetErrorString(e));
     return ATTND_ENOMEM;
   }
-  frame_ext_t *f = (frame_ext_t *)be->frames_h;
-  f->size = n;
+  /* Blocks at CU_ALIGN multiples from an aligned start (a device's pinned
+   * memory is page-aligned; the test's stand-in need not be). */
+  size_t lead = (CU_ALIGN - (uintptr_t)be->frames_h % CU_ALIGN) % CU_ALIGN;
+  frame_ext_t *f = (frame_ext_t *)(be->frames_h + lead);
+  f->size = n - (lead ? CU_ALIGN : 0);
   f->next = NULL;
   be->frames_free = f;
   be->frame_bytes = n;

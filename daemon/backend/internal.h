@@ -67,7 +67,8 @@ _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE
 #define CU_RING_DEFAULT ((size_t)256 << 20)
 #define CU_RING_MIN ((size_t)1 << 20)
 #define CU_RING_SLOTS 4
-#define CU_RING_PER_RUN 3 /* one chunk's H2D, the one before computing, the one before that's D2H */
+#define CU_RING_PER_RUN 3 /* one chunk's H2D, the one before computing, the one before that's D2H  \
+                           */
 /* The pinned frame pool (cuda_stage.c): its default cap, and its least size. */
 #define CU_FRAMES_DEFAULT ((size_t)2 << 30)
 #define CU_FRAMES_MIN ((size_t)1 << 20)
@@ -168,7 +169,7 @@ struct cu_backend_s {
   size_t ring_want;   /* --cuda-ring, 0 = the default */
   size_t pinned_warm; /* --cuda-pinned-warm: the ring's older name */
   int slot_busy[CU_RING_SLOTS];
-  uint64_t ring_chunks;   /* chunks staged through the ring so far (tests, logs) */
+  uint64_t ring_chunks; /* chunks staged through the ring so far (tests, logs) */
   /* Bytes of steps' q, k, v and out copied on the host into or out of
    * pinned staging (0 for a step whose frame and output are pinned). */
   atomic_uint_fast64_t staged_bytes;
