@@ -28,10 +28,14 @@
  * submission order for one to come back), one H2D copy moves it to the
  * stream's device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H
  * copy of out (+ lse) back into the pinned buffer, and the completion. A
- * larger step goes through the ring in chunks (cuda_ring.c); one that cannot
- * be cut so is staged whole in buffers allocated for it (the one-shot path,
- * the old pool's, capped by --cuda-pinned-max; logged). A COPY job is one
- * D2D cudaMemcpyAsync per block pair within the layer's pool.
+ * larger step goes through the ring in chunks (cuda_ring.c), its copies on
+ * two copy streams per layer stream beside the kernels; one that cannot be
+ * cut so is staged whole in buffers allocated for it (the one-shot path,
+ * the old pool's, capped by --cuda-pinned-max; logged). Request frames and
+ * step outputs of at least hostfn_min bytes are carved from a pinned frame
+ * pool made at start (host_alloc, cuda_stage.c), so that a large step's
+ * q, k, v and out move by DMA alone. A COPY job is one D2D cudaMemcpyAsync
+ * per block pair within the layer's pool.
  *
  * The loop thread copies only the small items and meta. When q, k and v
  * together exceed hostfn_min (--cuda-hostfn-min, default 1 MiB)

@@ -1,10 +1,11 @@
 /* internal.h: the backends' private declarations, seen only by backend/'s
  * own files. The CPU backend (cpu.c) keeps everything static; the CUDA
- * backend is five files over one struct, declared here:
+ * backend is these files over one struct, declared here:
  *
  *   cuda_device.c    device setup and teardown, the ops table, Health facts
  *   cuda_stage.c     pinned host staging and stream-ordered device buffers
- *   cuda_ring.c      the fixed pinned ring: large steps staged in chunks
+ *   cuda_ring.c      the ring: large steps' chunks through its slots
+ *   cuda_ring_plan.c the ring made at start, large steps cut into chunks
  *   cuda_enqueue.c   a job's work enqueued on its layer's stream (loop thread)
  *   cuda_complete.c  completion: event poller or stream callbacks -> loop
  *   cuda_trace.c     --cuda-trace: timing of where a step's time goes
@@ -78,7 +79,7 @@ _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE
 #define CU_WS_ROWS 128
 
 typedef struct cu_backend_s cu_backend_t;
-typedef struct cu_ring_plan_s cu_ring_plan_t; /* cuda_ring.c */
+typedef struct cu_ring_plan_s cu_ring_plan_t; /* internal_ring.h */
 
 typedef struct cu_stage_s {
   uint8_t *p; /* pinned host memory */
