@@ -6,7 +6,7 @@
 # CUDA device answers; the GPU round runs it on the H200 from build-gpu/, so it
 # finds libcmocka and libuv beside itself.
 attnd_add_test(test_backend_cuda SOURCES test_backend_cuda.c test_backend_cuda_ring.c backend_cuda_fixture.c
-                       backend_cuda_ipc.c
+                       backend_cuda_ipc.c backend_cuda_fault.c
                LIBS attnd_backend TIMEOUT 300
                LABELS "gpu;backend")
 set_target_properties(test_backend_cuda PROPERTIES BUILD_RPATH "\$ORIGIN" INSTALL_RPATH "\$ORIGIN")
@@ -22,7 +22,7 @@ find_path(ATTND_CUDART_INCLUDE_DIR cuda_runtime_api.h
 if(ATTND_CUDART_INCLUDE_DIR)
   attnd_add_test(test_backend_cuda_mock TIMEOUT 120 LABELS backend
                  SOURCES test_backend_cuda.c test_backend_cuda_ring.c backend_cuda_fixture.c
-                         backend_cuda_ipc.c cuda_mock.c
+                         backend_cuda_ipc.c backend_cuda_fault.c cuda_mock.c
                          ${ATTND_BACKEND_CUDA_SRC}
                          ${PROJECT_SOURCE_DIR}/daemon/backend/backend.c
                          ${PROJECT_SOURCE_DIR}/daemon/backend/cpu.c

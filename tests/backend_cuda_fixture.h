@@ -109,6 +109,9 @@ typedef struct {
 void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d);
 void test_ipc_ops(void **state);
 
+/* --fault (backend_cuda_fault.c). */
+void test_device_fault(void **state);
+
 /* The ring (test_backend_cuda_ring.c); test_ring_fault only with --ring-fault. */
 void test_ring_matches_cpu(void **state);
 void test_ring_no_alloc(void **state);
