@@ -6,7 +6,7 @@
 # CUDA device answers; the GPU round runs it on the H200 from build-gpu/, so it
 # finds libcmocka and libuv beside itself.
 attnd_add_test(test_backend_cuda SOURCES test_backend_cuda.c test_backend_cuda_ring.c backend_cuda_fixture.c
-                       backend_cuda_ipc.c
+                       backend_cuda_ipc.c backend_cuda_fault.c
                LIBS attnd_backend TIMEOUT 300
                LABELS "gpu;backend")
 set_target_properties(test_backend_cuda PROPERTIES BUILD_RPATH "\$ORIGIN" INSTALL_RPATH "\$ORIGIN")
@@ -22,7 +22,7 @@ find_path(ATTND_CUDART_INCLUDE_DIR cuda_runtime_api.h
 if(ATTND_CUDART_INCLUDE_DIR)
   attnd_add_test(test_backend_cuda_mock TIMEOUT 120 LABELS backend
                  SOURCES test_backend_cuda.c test_backend_cuda_ring.c backend_cuda_fixture.c
-                         backend_cuda_ipc.c cuda_mock.c
+                         backend_cuda_ipc.c backend_cuda_fault.c cuda_mock.c
                          ${ATTND_BACKEND_CUDA_SRC}
                          ${PROJECT_SOURCE_DIR}/daemon/backend/backend.c
                          ${PROJECT_SOURCE_DIR}/daemon/backend/cpu.c
@@ -44,6 +44,11 @@ if(ATTND_CUDART_INCLUDE_DIR)
   add_test(NAME test_backend_cuda_mock_ring_fault COMMAND test_backend_cuda_mock --ring-fault)
   set_tests_properties(test_backend_cuda_mock_ring_fault PROPERTIES TIMEOUT 60 LABELS backend
                        ENVIRONMENT "ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
+  # The same with the step's frame and output in the pinned frame pool.
+  add_test(NAME test_backend_cuda_mock_ring_fault_pinned
+           COMMAND test_backend_cuda_mock --ring-fault-pinned)
+  set_tests_properties(test_backend_cuda_mock_ring_fault_pinned PROPERTIES TIMEOUT 60
+                       LABELS backend ENVIRONMENT "ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
   # Completion through stream callbacks (--cuda-completion callback) instead of
   # the event poller, with the per-step trace on: the whole test, then the fault.
   add_test(NAME test_backend_cuda_mock_callback COMMAND test_backend_cuda_mock --callback --trace)

@@ -109,12 +109,20 @@ typedef struct {
 void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d);
 void test_ipc_ops(void **state);
 
+/* --fault (backend_cuda_fault.c). */
+void test_device_fault(void **state);
+
 /* The ring (test_backend_cuda_ring.c); test_ring_fault only with --ring-fault. */
 void test_ring_matches_cpu(void **state);
 void test_ring_no_alloc(void **state);
 void test_ring_oneshot(void **state);
 void test_ring_document(void **state);
 void test_ring_device_io(void **state);
+void test_ring_pinned(void **state);
+void test_ring_pool_full(void **state);
+void test_frame_pool(void **state);
+/* test_ring_fault with the large step's frame and output pinned (--ring-fault-pinned). */
+extern int g_fault_pinned;
 void test_ring_fault(void **state);
 
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

@@ -6,8 +6,9 @@
  *
  * A stream is a thread draining a FIFO of operations; "device" memory is host
  * memory; attnd_cuda_write/attend run the CPU kernels on the stream's thread.
- * Every operation sleeps a little at random, so that a missing ordering shows
- * as a wrong result rather than passing by luck, and attnd_cuda_mock_hold()
+ * Every operation sleeps a little at random, and a large copy or write in
+ * proportion to its size, so that a missing ordering (within a stream or
+ * between streams) shows as a wrong result rather than passing by luck, and attnd_cuda_mock_hold()
  * lets a test enqueue everything before any stream starts. Host functions
  * (cudaLaunchHostFunc) run on the stream's thread in order, and are skipped
  * after a sticky fault as on a device; cudaStreamWaitEvent holds a stream
@@ -111,8 +112,22 @@ static void run_op(struct CUstream_st *st, op_t *o) {
   int sticky = atomic_load(&g_sticky);
   switch (o->kind) {
   case OP_COPY:
-    if (!sticky)
+    /* A large copy takes time, as a DMA does (here ~50 MB/s), reading its
+     * source when it starts and writing its destination when it ends: work
+     * on another stream that should come before it or wait for it, and does
+     * not, is seen in the bytes. */
+    if (o->n >= ((size_t)16 << 10) && !sticky) {
+      void *tmp = malloc(o->n);
+      if (!tmp)
+        abort();
+      memcpy(tmp, o->src, o->n);
+      size_t t = o->n < ((size_t)1 << 20) ? o->n : (size_t)1 << 20;
+      nanosleep(&(struct timespec){0, (long)t * 20}, NULL);
+      memcpy(o->dst, tmp, o->n);
+      free(tmp);
+    } else if (!sticky) {
       memcpy(o->dst, o->src, o->n);
+    }
     break;
   case OP_SET:
     if (!sticky)

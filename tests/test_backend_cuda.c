@@ -18,7 +18,8 @@
  * job with ATTND_EDEVICE, and teardown must not hang. It leaves the CUDA
  * context unusable, hence the separate run (also with --hostfn-min=0: host
  * functions that a sticky error skips must not leave a job unanswered);
- * --ring-fault likewise runs only test_backend_cuda_ring.c's fault test. */
+ * --ring-fault likewise runs only test_backend_cuda_ring.c's fault test
+ * (--ring-fault-pinned: with the step's frame and output pinned). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -517,6 +518,7 @@ static void test_many_layers_in_flight(void **state) {
 static void test_pinned_cap(void **state) {
   SKIP_WITHOUT_GPU();
   g_opts.cuda_pinned_max = 1;
+  g_opts.cuda_frame_pool = 0; /* the default: its floor, under the one-byte cap */
   many_layers_in_flight();
 }
 
@@ -533,12 +535,14 @@ static void test_pinned_warm(void **state) {
   attnd_backend_t *gpu = NULL;
   g_opts.cuda_pinned_warm = 24u << 20; /* a 32 MiB buffer */
   g_opts.cuda_pinned_max = 16u << 20;
+  g_opts.cuda_frame_pool = 0; /* the default: what the cap leaves */
   assert_int_not_equal(
       attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)), 0);
   assert_non_null(strstr(err, "--cuda-pinned-warm"));
   uv_run(&loop, UV_RUN_DEFAULT);
   assert_int_equal(uv_loop_close(&loop), 0);
   g_opts.cuda_pinned_max = 0;
+  g_opts.cuda_frame_pool = 32u << 20; /* as main set it */
   many_layers_in_flight();
 }
 
@@ -553,6 +557,7 @@ static void test_hostfn_staging(void **state) {
   compare_backends(ATTND_KV_INT8_DYNAMIC);
   many_layers_in_flight();
   g_opts.cuda_pinned_max = 1;
+  g_opts.cuda_frame_pool = 0; /* the default: its floor, under the one-byte cap */
   many_layers_in_flight();
 }
 
@@ -658,55 +663,6 @@ static void test_unordered_jobs(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
-/* Only with --fault (see the header comment). */
-static void test_device_fault(void **state) {
-  SKIP_WITHOUT_GPU();
-  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
-  uv_loop_t loop;
-  assert_int_equal(uv_loop_init(&loop), 0);
-  char err[256] = "";
-  attnd_backend_t *gpu = NULL;
-  assert_int_equal(
-      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)), 0);
-  titem_t it = {
-      .start = 0, .n = 3, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .table = {INT32_MAX / 2}, .nb = 1};
-  tjob_spec_t sp;
-  spec_step(&sp, 0, &it, 1, 0, 0);
-  tjob_t j[2];
-  int dummy = 0;
-  job_from_spec(&j[0], &sp, &dummy);
-  job_from_spec(&j[1], &sp, &dummy);
-  /* With host functions staging the inputs, the second job goes in flight
-   * behind the faulting one: the fault skips its host function, and it must
-   * still be answered. */
-  int together = g_opts.cuda_hostfn_min == 0;
-  run_all(&loop, gpu, &j[0], together ? 2 : 1);
-  print_message("faulting job: status %d (%s), message: %s\n", j[0].job.status,
-                attnd_strerror(j[0].job.status), j[0].job.message);
-  if (j[0].job.status == 0) {
-    /* The kernel's reads stayed in mapped memory: nothing to judge. */
-    job_free(&j[0]);
-    job_free(&j[1]);
-    spec_free(&sp);
-    destroy_and_close(&loop, gpu);
-    assert_int_equal(uv_loop_close(&loop), 0);
-    print_message("no fault happened: skipped\n");
-    skip();
-  }
-  assert_true(j[0].job.status == ATTND_EDEVICE || j[0].job.status == ATTND_ECUDA);
-  if (j[0].job.status == ATTND_EDEVICE) {
-    if (!together)
-      run_all(&loop, gpu, &j[1], 1);
-    print_message("next job: status %d, message: %s\n", j[1].job.status, j[1].job.message);
-    assert_int_equal(j[1].job.status, ATTND_EDEVICE);
-  }
-  job_free(&j[0]);
-  job_free(&j[1]);
-  spec_free(&sp);
-  destroy_and_close(&loop, gpu);
-  assert_int_equal(uv_loop_close(&loop), 0);
-}
-
 /* Without a device, create says so instead of crashing. */
 static void test_unavailable_without_device(void **state) {
   if (attnd_backend_cuda_available())
@@ -739,12 +695,17 @@ static int reset_modes(void **state) { /* the one place a test's modes are undon
 int main(int argc, char **argv) {
   attnd_backend_opts_defaults(&g_opts);
   g_opts.threads = 2;
+  /* Room for the tests' frames and outputs, not the default's 1/16 of host
+   * memory (pinned at every backend's start). */
+  g_opts.cuda_frame_pool = 32u << 20;
   int fault = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--fault") == 0)
       fault = 1;
     else if (strcmp(argv[i], "--ring-fault") == 0)
       fault = 2;
+    else if (strcmp(argv[i], "--ring-fault-pinned") == 0)
+      fault = 2, g_fault_pinned = 1;
     else if (strcmp(argv[i], "--callback") == 0)
       g_opts.cuda_callbacks = 1;
     else if (strcmp(argv[i], "--trace") == 0)
@@ -752,7 +713,9 @@ int main(int argc, char **argv) {
     else if (strncmp(argv[i], "--hostfn-min=", 13) == 0)
       g_opts.cuda_hostfn_min = strtoull(argv[i] + 13, NULL, 10);
     else {
-      fprintf(stderr, "usage: %s [--fault|--ring-fault] [--callback] [--trace] [--hostfn-min=N]\n",
+      fprintf(stderr,
+              "usage: %s [--fault|--ring-fault|--ring-fault-pinned] [--callback] [--trace] "
+              "[--hostfn-min=N]\n",
               argv[0]);
       return 2;
     }
@@ -796,6 +759,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup(test_ring_oneshot, reset_modes),
       cmocka_unit_test_setup(test_ring_document, reset_modes),
       cmocka_unit_test_setup(test_ring_device_io, reset_modes),
+      cmocka_unit_test_setup(test_ring_pinned, reset_modes),
+      cmocka_unit_test_setup(test_ring_pool_full, reset_modes),
+      cmocka_unit_test_setup(test_frame_pool, reset_modes),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }

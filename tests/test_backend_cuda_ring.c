@@ -10,7 +10,11 @@
  * waits for it and reads its keys; no allocation call happens after start
  * for steps of any size (counted by the mock); a step the ring cannot cut
  * takes the one-shot path and is still right; a fault in a later chunk
- * fails the step with ATTND_EDEVICE, and every later job too. */
+ * fails the step with ATTND_EDEVICE, and every later job too. Steps whose
+ * frames and outputs are the backend's pinned memory go through the slots
+ * by DMA alone (no host staging copy, counted), and when the frame pool is
+ * full, plain memory takes the host copies instead, with the same results;
+ * the pool's allocator itself. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,15 +78,62 @@ static void check_lse(const tjob_t *g, const tjob_t *c, int rows, const char *wh
   }
 }
 
+/* What pin_job moved into the backend's pinned memory (NULL: host_alloc
+ * had none, the job's own memory stays). */
+typedef struct {
+  void *frame, *out;
+} pinned_t;
+
+/* A step's q, k and v into a frame from host_alloc and its output into a
+ * buffer from host_alloc, as the transport and the engine do for large
+ * requests (backend.h inputs_pinned, outputs_pinned), as far as it gives. */
+static void pin_job(attnd_backend_t *gpu, tjob_t *t, pinned_t *pm) {
+  pm->frame = inputs_in_frame(gpu, &t->job);
+  pm->out = output_in_host_memory(gpu, &t->job);
+}
+
+static void unpin_job(attnd_backend_t *gpu, tjob_t *t, pinned_t *pm) {
+  if (pm->out) {
+    gpu->ops->host_free(gpu, pm->out);
+    t->job.batch.out = NULL; /* not job_free's */
+  }
+  if (pm->frame)
+    gpu->ops->host_free(gpu, pm->frame);
+  pm->frame = pm->out = NULL;
+}
+
+/* The host staging copies a run of steps should make (the stats'
+ * staged_bytes): q, k and v of each step whose inputs are not pinned, out
+ * of each whose output is not. */
+static uint64_t staged_expected(const tjob_t *j, const pinned_t *pm, int n) {
+  uint64_t b = 0;
+  for (int i = 0; i < n; i++) {
+    if (j[i].job.kind != ATTND_JOB_STEP)
+      continue;
+    if (!pm || !pm[i].frame)
+      b += j[i].job.q_bytes + 2 * j[i].job.kv_bytes;
+    if (!pm || !pm[i].out)
+      b += j[i].job.out_bytes;
+  }
+  return b;
+}
+
 /* Runs the scenario on one backend: the cached prefix, then the large step,
  * an unordered decode of another session and the ordered decode behind it,
  * submitted back to back; then a second large step (bf16 outputs the first
- * time, fp32 the second). */
+ * time, fp32 the second). pin: which jobs go into pinned memory (bit i: job
+ * i; 0: none), what they got in pm. */
 enum { NJ = 6 };
-static void run_scenario(uv_loop_t *loop, attnd_backend_t *be, tjob_spec_t *sp, tjob_t *j) {
+static void run_scenario(uv_loop_t *loop, attnd_backend_t *be, tjob_spec_t *sp, tjob_t *j,
+                         unsigned pin, pinned_t *pm) {
   int dummy = 0;
-  for (int i = 0; i < NJ; i++)
+  for (int i = 0; i < NJ; i++) {
     job_from_spec(&j[i], &sp[i], &dummy);
+    if (pm)
+      memset(&pm[i], 0, sizeof(pm[i]));
+    if (pin & (1u << i))
+      pin_job(be, &j[i], &pm[i]);
+  }
   run_all(loop, be, &j[0], 1);
   j[1].job.unordered = 1;
   j[2].job.unordered = 1; /* conflicts with nothing unfinished (another session) */
@@ -91,6 +142,41 @@ static void run_scenario(uv_loop_t *loop, attnd_backend_t *be, tjob_spec_t *sp, 
   for (int i = 0; i < NJ; i++)
     if (j[i].job.status)
       fail_msg("%s job %d: %s", be->ops->name, i, j[i].job.message);
+}
+
+/* The scenario's steps: run_scenario's, on layer 0. */
+static void spec_scenario(tjob_spec_t *sp) {
+  spec_cached(&sp[0], 0);
+  spec_large(&sp[1], 0, 0);
+  spec_decodes(&sp[2], &sp[3], 0);
+  {
+    /* The prefill's session goes on (420 more keys, 53 blocks), beside a
+     * full-mask item of 30 rows, which is never cut. fp32 outputs. */
+    titem_t it = {.start = 421, .n = 420, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .nb = 53};
+    for (int b = 0; b < 53; b++)
+      it.table[b] = 100 + b;
+    titem_t full = {.start = 0, .n = 30, .has_q = 1, .mask = ATTND_MASK_FULL, .nb = 2};
+    full.table[0] = 400;
+    full.table[1] = 401;
+    titem_t its[2] = {it, full};
+    spec_step(&sp[4], 0, its, 2, 1, 1);
+  }
+  titem_t tail = {.start = 841, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .nb = 53};
+  for (int b = 0; b < 53; b++)
+    tail.table[b] = 100 + b;
+  spec_step(&sp[5], 0, &tail, 1, 0, 1);
+}
+
+/* Every job's out and lse against the CPU backend's. */
+static void check_scenario(const tjob_spec_t *sp, const tjob_t *jg, const tjob_t *jc,
+                           const char *what) {
+  for (int i = 1; i < NJ; i++) {
+    double r = rel_l2_out(&jg[i], &jc[i], (size_t)sp[i].Tq * QH * HD);
+    print_message("%s job %d (Tq %d): rel L2 %.3e\n", what, i, sp[i].Tq, r);
+    if (!(r <= ATTND_TOL_BACKENDS))
+      fail_msg("%s job %d: rel L2 %.3e", what, i, r);
+    check_lse(&jg[i], &jc[i], sp[i].Tq, what);
+  }
 }
 
 void test_ring_matches_cpu(void **state) {
@@ -113,29 +199,10 @@ void test_ring_matches_cpu(void **state) {
   const int allocs0 = attnd_cuda_mock_allocs ? attnd_cuda_mock_allocs() : 0;
 
   tjob_spec_t sp[NJ];
-  spec_cached(&sp[0], 0);
-  spec_large(&sp[1], 0, 0);
-  spec_decodes(&sp[2], &sp[3], 0);
-  {
-    /* The prefill's session goes on (420 more keys, 53 blocks), beside a
-     * full-mask item of 30 rows, which is never cut. fp32 outputs. */
-    titem_t it = {.start = 421, .n = 420, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .nb = 53};
-    for (int b = 0; b < 53; b++)
-      it.table[b] = 100 + b;
-    titem_t full = {.start = 0, .n = 30, .has_q = 1, .mask = ATTND_MASK_FULL, .nb = 2};
-    full.table[0] = 400;
-    full.table[1] = 401;
-    titem_t its[2] = {it, full};
-    spec_step(&sp[4], 0, its, 2, 1, 1);
-  }
-  titem_t tail = {.start = 841, .n = 1, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .nb = 53};
-  for (int b = 0; b < 53; b++)
-    tail.table[b] = 100 + b;
-  spec_step(&sp[5], 0, &tail, 1, 0, 1);
-
+  spec_scenario(sp);
   tjob_t jc[NJ], jg[NJ];
-  run_scenario(&loop, cpu, sp, jc);
-  run_scenario(&loop, gpu, sp, jg);
+  run_scenario(&loop, cpu, sp, jc, 0, NULL);
+  run_scenario(&loop, gpu, sp, jg, 0, NULL);
   stats(gpu, &st1);
   print_message("ring: %llu chunks for 2 large steps; pinned %llu bytes, ring %llu\n",
                 (unsigned long long)(st1.ring_chunks - st0.ring_chunks),
@@ -152,15 +219,9 @@ void test_ring_matches_cpu(void **state) {
   if (attnd_cuda_mock_allocs)
     assert_true(jg[2].done_seq < jg[1].done_seq);
   assert_true(jg[3].done_seq > jg[1].done_seq);
-  double worst = 0;
-  for (int i = 1; i < NJ; i++) {
-    double r = rel_l2_out(&jg[i], &jc[i], (size_t)sp[i].Tq * QH * HD);
-    print_message("ring job %d (Tq %d): rel L2 %.3e\n", i, sp[i].Tq, r);
-    if (r > worst)
-      worst = r;
-    assert_true(r <= ATTND_TOL_BACKENDS);
-    check_lse(&jg[i], &jc[i], sp[i].Tq, "ring");
-  }
+  /* Plain memory: every step's q, k, v and out were copied on the host once. */
+  assert_int_equal(st1.staged_bytes - st0.staged_bytes, staged_expected(jg, NULL, NJ));
+  check_scenario(sp, jg, jc, "ring");
   for (int i = 0; i < NJ; i++) {
     job_free(&jc[i]);
     job_free(&jg[i]);
@@ -415,7 +476,11 @@ void test_ring_device_io(void **state) {
 /* Only with --ring-fault (a sticky fault leaves the context unusable): the
  * large step's rows past 300 name blocks far outside the pool, so a later
  * chunk faults after earlier ones ran; the step fails with ATTND_EDEVICE
- * (or ATTND_ECUDA), the next job with ATTND_EDEVICE, teardown returns. */
+ * (or ATTND_ECUDA), the next job with ATTND_EDEVICE, teardown returns.
+ * --ring-fault-pinned: the same with the large step's frame and output in
+ * the pinned pool (its chunks' DMA on the copy streams). */
+int g_fault_pinned;
+
 void test_ring_fault(void **state) {
   SKIP_WITHOUT_GPU();
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
@@ -424,6 +489,8 @@ void test_ring_fault(void **state) {
   char err[256] = "";
   attnd_backend_t *gpu = NULL;
   g_opts.cuda_ring = 1u << 20;
+  if (g_fault_pinned)
+    g_opts.cuda_hostfn_min = 0;
   assert_int_equal(
       attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)), 0);
   titem_t it = {.start = 0, .n = 480, .has_q = 1, .mask = ATTND_MASK_CAUSAL, .nb = 30};
@@ -437,6 +504,12 @@ void test_ring_fault(void **state) {
   int dummy = 0;
   job_from_spec(&j[0], &sp[0], &dummy);
   job_from_spec(&j[1], &sp[1], &dummy);
+  pinned_t pm = {NULL, NULL};
+  if (g_fault_pinned) {
+    pin_job(gpu, &j[0], &pm);
+    assert_non_null(pm.frame);
+    assert_non_null(pm.out);
+  }
   run_all(&loop, gpu, &j[0], 1);
   attnd_backend_stats_t st;
   stats(gpu, &st);
@@ -454,10 +527,174 @@ void test_ring_fault(void **state) {
       assert_int_equal(j[1].job.status, ATTND_EDEVICE);
     }
   }
+  unpin_job(gpu, &j[0], &pm);
   for (int i = 0; i < 2; i++) {
     job_free(&j[i]);
     spec_free(&sp[i]);
   }
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+/* Creates the CPU backend and the CUDA one with a 1 MiB ring (four 256 KiB
+ * slots) and a frame pool of frame_pool bytes; frames and outputs of any
+ * size are pinned while they fit (hostfn-min 0). */
+static void pinned_backends(uv_loop_t *loop, attnd_backend_t **cpu, attnd_backend_t **gpu,
+                            uint64_t frame_pool) {
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  char err[256] = "";
+  g_opts.cuda_ring = 1u << 20;
+  g_opts.cuda_hostfn_min = 0;
+  g_opts.cuda_frame_pool = frame_pool;
+  assert_int_equal(attnd_backend_cpu_create(cpu, loop, &s, 1, opts(64ull << 20), err, sizeof(err)),
+                   0);
+  int rc = attnd_backend_cuda_create(gpu, loop, &s, 1, opts(64ull << 20), err, sizeof(err));
+  if (rc)
+    fail_msg("attnd_backend_cuda_create: %s (%s)", attnd_strerror(rc), err);
+}
+
+static void scenario_free(attnd_backend_t *gpu, tjob_spec_t *sp, tjob_t *jc, tjob_t *jg,
+                          pinned_t *pm) {
+  for (int i = 0; i < NJ; i++) {
+    unpin_job(gpu, &jg[i], &pm[i]);
+    job_free(&jc[i]);
+    job_free(&jg[i]);
+    spec_free(&sp[i]);
+  }
+}
+
+/* Every step's frame and output in the backend's pinned frame pool: the
+ * large steps' chunks are DMA'd from the frames' rows (at odd offsets) into
+ * the device slots and their outputs' rows back into the pinned outputs,
+ * over the copy streams, with no host staging copy of q, k, v or out at all
+ * (staged_bytes stays put; lse rows still pass the slot); no allocation
+ * after start; everything equals the CPU backend, ordering as before. */
+void test_ring_pinned(void **state) {
+  SKIP_WITHOUT_GPU();
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  attnd_backend_t *cpu = NULL, *gpu = NULL;
+  pinned_backends(&loop, &cpu, &gpu, 32u << 20);
+  attnd_backend_stats_t st0, st1;
+  stats(gpu, &st0);
+  assert_true(st0.pinned_bytes >= st0.ring_bytes + (32u << 20)); /* the pool is counted */
+  const int allocs0 = attnd_cuda_mock_allocs ? attnd_cuda_mock_allocs() : 0;
+  tjob_spec_t sp[NJ];
+  spec_scenario(sp);
+  tjob_t jc[NJ], jg[NJ];
+  pinned_t pc[NJ], pm[NJ];
+  run_scenario(&loop, cpu, sp, jc, 0, pc);
+  run_scenario(&loop, gpu, sp, jg, ~0u, pm);
+  stats(gpu, &st1);
+  for (int i = 0; i < NJ; i++)
+    if (!pm[i].frame || !pm[i].out)
+      fail_msg("job %d: the pool gave no %s", i, pm[i].frame ? "output" : "frame");
+  print_message("pinned: %llu ring chunks, %llu bytes staged on the host\n",
+                (unsigned long long)(st1.ring_chunks - st0.ring_chunks),
+                (unsigned long long)(st1.staged_bytes - st0.staged_bytes));
+  assert_true(st1.ring_chunks - st0.ring_chunks >= 10);
+  assert_int_equal(st1.oneshot_steps, 0);
+  assert_int_equal(st1.staged_bytes - st0.staged_bytes, 0);
+  if (attnd_cuda_mock_allocs) {
+    assert_int_equal(attnd_cuda_mock_allocs(), allocs0);
+    assert_true(jg[2].done_seq < jg[1].done_seq);
+  }
+  assert_true(jg[3].done_seq > jg[1].done_seq);
+  check_scenario(sp, jg, jc, "pinned");
+  scenario_free(gpu, sp, jc, jg, pm);
+  cpu->ops->destroy(cpu);
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+/* The pool's fallback: a 1 MiB pool holds the first large step's output
+ * (0.96 MiB) but not its frame (1.6 MiB), and neither of the second's; those
+ * stay plain memory and go through the slots by host copies: the first step
+ * with plain inputs and a pinned output, the second plain throughout. The
+ * host copies are exactly those tensors'; the results equal the CPU's. */
+void test_ring_pool_full(void **state) {
+  SKIP_WITHOUT_GPU();
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  attnd_backend_t *cpu = NULL, *gpu = NULL;
+  /* No step is large by its keys (chunk-keys 0): the unordered first large
+   * step runs on the layer's priority twin, its chunks on the layer
+   * stream's copy streams. */
+  g_opts.chunk_keys = 0;
+  pinned_backends(&loop, &cpu, &gpu, 1u << 20);
+  attnd_backend_stats_t st0, st1;
+  stats(gpu, &st0);
+  tjob_spec_t sp[NJ];
+  spec_scenario(sp);
+  tjob_t jc[NJ], jg[NJ];
+  pinned_t pc[NJ], pm[NJ];
+  run_scenario(&loop, cpu, sp, jc, 0, pc);
+  run_scenario(&loop, gpu, sp, jg, (1u << 1) | (1u << 4), pm);
+  stats(gpu, &st1);
+  assert_null(pm[1].frame);
+  assert_non_null(pm[1].out);
+  assert_null(pm[4].frame);
+  assert_null(pm[4].out);
+  const uint64_t want = staged_expected(jg, pm, NJ);
+  print_message("pool full: %llu bytes staged on the host (expected %llu), %llu chunks\n",
+                (unsigned long long)(st1.staged_bytes - st0.staged_bytes), (unsigned long long)want,
+                (unsigned long long)(st1.ring_chunks - st0.ring_chunks));
+  assert_int_equal(st1.staged_bytes - st0.staged_bytes, want);
+  assert_true(st1.ring_chunks - st0.ring_chunks >= 10);
+  assert_true(jg[3].done_seq > jg[1].done_seq); /* the ordered decode waited for it */
+  check_scenario(sp, jg, jc, "pool full");
+  scenario_free(gpu, sp, jc, jg, pm);
+  cpu->ops->destroy(cpu);
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+/* The frame pool's allocator (host_alloc, host_free): blocks are disjoint,
+ * aligned and within the pool; a request that fits no free extent gets NULL
+ * (the caller's plain memory), as one below --cuda-hostfn-min does; freed
+ * neighbours merge, so once everything is back the whole pool can be taken
+ * again. */
+void test_frame_pool(void **state) {
+  SKIP_WITHOUT_GPU();
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *gpu = NULL;
+  g_opts.cuda_frame_pool = 4u << 20;
+  g_opts.cuda_hostfn_min = 1000;
+  assert_int_equal(
+      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(16ull << 20), err, sizeof(err)), 0);
+  assert_null(gpu->ops->host_alloc(gpu, 999)); /* below hostfn-min: not worth pinning */
+  enum { MB = 1 << 20, N = 3 };
+  uint8_t *b[N];
+  for (int i = 0; i < N; i++) {
+    b[i] = gpu->ops->host_alloc(gpu, MB);
+    assert_non_null(b[i]);
+    assert_int_equal((uintptr_t)b[i] % 256, 0);
+    memset(b[i], 0x10 + i, MB);
+  }
+  for (int i = 0; i < N; i++)
+    for (int k = 0; k < N; k++)
+      if (i != k)
+        assert_true(b[i] + MB <= b[k] || b[k] + MB <= b[i]); /* disjoint */
+  assert_null(gpu->ops->host_alloc(gpu, 2 * MB));            /* ~1 MiB left */
+  uint8_t *c = gpu->ops->host_alloc(gpu, MB / 2);
+  assert_non_null(c);
+  gpu->ops->host_free(gpu, b[1]);
+  assert_null(gpu->ops->host_alloc(gpu, 3 * MB)); /* free, but not in one piece */
+  for (int i = 0; i < N; i++)
+    if (i != 1) {
+      for (size_t k = 0; k < MB; k += 4099)
+        assert_int_equal(b[i][k], 0x10 + i); /* no other block wrote here */
+      gpu->ops->host_free(gpu, b[i]);
+    }
+  gpu->ops->host_free(gpu, c);
+  /* Merged back into one extent (less a header and the alignment of its start). */
+  uint8_t *all = gpu->ops->host_alloc(gpu, 4 * MB - 512);
+  assert_non_null(all);
+  assert_null(gpu->ops->host_alloc(gpu, 1000));
+  gpu->ops->host_free(gpu, all);
   destroy_and_close(&loop, gpu);
   assert_int_equal(uv_loop_close(&loop), 0);
 }

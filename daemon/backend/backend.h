@@ -104,6 +104,9 @@ typedef struct {
   uint64_t ring_bytes;    /* of which the ring (CUDA: --cuda-ring) */
   uint64_t ring_chunks;   /* chunks staged through the ring so far */
   uint64_t oneshot_steps; /* large steps that could not be cut, staged whole */
+  uint64_t staged_bytes;  /* bytes of steps' q, k, v and out copied on the host into or
+                           * out of pinned staging (CUDA; 0 while frames and outputs
+                           * are the backend's pinned memory) */
 } attnd_backend_stats_t;
 
 typedef struct {
@@ -122,12 +125,13 @@ typedef struct {
   /* Optional (NULL: malloc): host memory of len bytes for a request frame's
    * body, which the transport reads the socket straight into, or for a
    * step's output, which the transport writes to the socket straight from
-   * (loop thread). The CUDA backend gives pinned memory (from buffers made
-   * at start, up to 2 MiB) for those of at least --cuda-hostfn-min bytes,
-   * so that q, k and v go to the device by DMA from the frame itself and the
-   * output comes back by DMA into its buffer (jobs with inputs_pinned,
-   * outputs_pinned), with no staging copy; NULL when it has none to give
-   * (the caller mallocs). host_free takes back what host_alloc gave. */
+   * (loop thread). The CUDA backend gives pinned memory (carved from a
+   * region made at start, --cuda-frame-pool) for those of at least
+   * --cuda-hostfn-min bytes, so that q, k and v go to the device by DMA from
+   * the frame itself and the output comes back by DMA into its buffer (jobs
+   * with inputs_pinned, outputs_pinned), with no staging copy; NULL when it
+   * has none to give (the caller mallocs). host_free takes back what
+   * host_alloc gave (from any thread). */
   void *(*host_alloc)(attnd_backend_t *b, size_t len);
   void (*host_free)(attnd_backend_t *b, void *p);
   /* Optional (NULL: the backend cannot use client device memory, and the
@@ -180,6 +184,10 @@ typedef struct {
                               * less where --cuda-pinned-max leaves less */
   uint64_t cuda_pinned_warm; /* CUDA: the older name of cuda_ring (--cuda-pinned-warm),
                               * used when cuda_ring is 0; 0 = none */
+  uint64_t cuda_frame_pool;  /* CUDA: bytes of pinned memory made at start for request
+                              * frames and step outputs (host_alloc), within
+                              * cuda_pinned_max; 0 = 1/16 of host memory, at most
+                              * 2 GiB and half of what the cap leaves (--cuda-frame-pool) */
   uint64_t cuda_hostfn_min;  /* CUDA: q+k+v bytes above which their host copy
                               * runs in a host function on the stream */
   int cuda_callbacks;        /* CUDA: 1 = stream callbacks signal completion,

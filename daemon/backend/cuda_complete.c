@@ -73,11 +73,16 @@ static void CUDART_CB stream_cb(cudaStream_t st, cudaError_t status, void *arg) 
   if (status != cudaSuccess && attnd_cu_sticky(status))
     atomic_store(&be->dead, 1);
   attnd_job_t *job = r->job;
-  /* Ring runs and chunks: the chunks' host functions copied the outputs. */
+  /* Ring runs and chunks: the chunks' D2H and host functions placed the
+   * outputs, but for the lse rows beside a pinned output (cuda_ring.c). */
+  if (status == cudaSuccess && !r->status && r->parent)
+    attnd_cu_ring_chunk_outputs(r);
   if (status == cudaSuccess && !r->status && job->kind == ATTND_JOB_STEP && !job->device_io &&
       r->path != 2) {
-    if (job->out_bytes && !job->outputs_pinned) /* pinned: DMA'd there already */
+    if (job->out_bytes && !job->outputs_pinned) { /* pinned: DMA'd there already */
       memcpy(job->batch.out, r->stage->p + r->out_off, job->out_bytes);
+      atomic_fetch_add(&be->staged_bytes, job->out_bytes);
+    }
     if (job->lse_bytes && job->batch.lse)
       memcpy(job->batch.lse, r->stage->p + r->lse_off, job->lse_bytes);
   }
@@ -210,7 +215,7 @@ static void finish_run(cu_backend_t *be, cu_run_t *r) {
   if (attnd_cu_ring_defer(r))
     return; /* its chunks' completions come later; the last one finishes it */
   be->streams[r->stream].nrun--;
-  attnd_cu_ring_plan_free(r->plan);
+  attnd_cu_ring_plan_free(be, r->plan);
   if (!r->status && r->async != cudaSuccess) {
     int sticky = attnd_cu_sticky(r->async);
     r->status = sticky ? ATTND_EDEVICE : ATTND_ECUDA;

@@ -28,10 +28,14 @@
  * submission order for one to come back), one H2D copy moves it to the
  * stream's device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H
  * copy of out (+ lse) back into the pinned buffer, and the completion. A
- * larger step goes through the ring in chunks (cuda_ring.c); one that cannot
- * be cut so is staged whole in buffers allocated for it (the one-shot path,
- * the old pool's, capped by --cuda-pinned-max; logged). A COPY job is one
- * D2D cudaMemcpyAsync per block pair within the layer's pool.
+ * larger step goes through the ring in chunks (cuda_ring.c), its copies on
+ * two copy streams per layer stream beside the kernels; one that cannot be
+ * cut so is staged whole in buffers allocated for it (the one-shot path,
+ * the old pool's, capped by --cuda-pinned-max; logged). Request frames and
+ * step outputs of at least hostfn_min bytes are carved from a pinned frame
+ * pool made at start (host_alloc, cuda_stage.c), so that a large step's
+ * q, k, v and out move by DMA alone. A COPY job is one D2D cudaMemcpyAsync
+ * per block pair within the layer's pool.
  *
  * The loop thread copies only the small items and meta. When q, k and v
  * together exceed hostfn_min (--cuda-hostfn-min, default 1 MiB)
@@ -94,7 +98,8 @@ static void cu_describe(attnd_backend_t *base, char *device, size_t len, uint64_
 
 static void cu_stats(attnd_backend_t *base, attnd_backend_stats_t *st) {
   cu_backend_t *be = (cu_backend_t *)base;
-  st->pinned_bytes = be->pinned_bytes + be->frame_bytes + be->ring_bytes;
+  st->pinned_bytes = be->pinned_bytes + be->ring_bytes; /* staging and frames, the ring */
+  st->staged_bytes = atomic_load(&be->staged_bytes);
   st->ring_bytes = be->ring_bytes;
   st->ring_chunks = be->ring_chunks;
   st->oneshot_steps = be->oneshot_steps;
@@ -115,6 +120,14 @@ static void release(cu_backend_t *be) {
     cudaStreamSynchronize(cs->st);
     cudaStreamDestroy(cs->st);
     cs->st = NULL;
+    for (int k = 0; k < 2; k++) {
+      cudaStream_t *c = k ? &cs->d2h : &cs->h2d;
+      if (*c) {
+        cudaStreamSynchronize(*c);
+        cudaStreamDestroy(*c);
+        *c = NULL;
+      }
+    }
     cs->dbuf = NULL;
     cs->ws = NULL;
   }
@@ -155,6 +168,7 @@ static void release(cu_backend_t *be) {
 void attnd_cu_free_struct(cu_backend_t *be) {
   uv_mutex_destroy(&be->mu);
   uv_mutex_destroy(&be->ipc_mu);
+  uv_mutex_destroy(&be->fmu);
   if (be->poll) {
     uv_cond_destroy(&be->pcv);
     uv_mutex_destroy(&be->pmu);
@@ -177,9 +191,15 @@ static void cu_destroy(attnd_backend_t *base) {
   cudaSetDevice(be->device);
   /* Teardown is the one place that waits for the device: every stream
    * callback has run once its stream is synchronized. */
-  for (int i = 0; i < 2 * be->nstreams; i++)
-    if (be->streams[i].st)
-      cudaStreamSynchronize(be->streams[i].st);
+  for (int i = 0; i < 2 * be->nstreams; i++) {
+    cu_stream_t *cs = &be->streams[i];
+    if (cs->h2d)
+      cudaStreamSynchronize(cs->h2d);
+    if (cs->st)
+      cudaStreamSynchronize(cs->st);
+    if (cs->d2h)
+      cudaStreamSynchronize(cs->d2h);
+  }
   /* Every pending event is complete now: the poller finishes those runs,
    * then exits. */
   attnd_cu_poller_stop(be);
@@ -230,6 +250,7 @@ static void apply_opts(cu_backend_t *be, const attnd_backend_opts_t *o) {
   be->hostfn_min = (size_t)o->cuda_hostfn_min;
   be->pinned_warm = (size_t)o->cuda_pinned_warm;
   be->ring_want = (size_t)o->cuda_ring;
+  be->frame_want = (size_t)o->cuda_frame_pool;
   be->poll = !o->cuda_callbacks;
   be->chunk_keys = o->chunk_keys;
   if (o->cuda_trace)
@@ -249,6 +270,16 @@ static int create_streams(cu_backend_t *be, int layers, char *err, size_t errlen
     if ((e = cudaStreamCreateWithPriority(&be->streams[i].st, cudaStreamNonBlocking,
                                           i < be->nstreams ? least : greatest)) != cudaSuccess) {
       snprintf(err, errlen, "cudaStreamCreateWithPriority: %s", cudaGetErrorString(e));
+      return ATTND_ECUDA;
+    }
+  /* The layer streams' copy streams: a ring chunk's H2D and D2H overlap the
+   * kernels of the chunks beside it (cuda_ring.c). */
+  for (int i = 0; i < be->nstreams; i++)
+    if ((e = cudaStreamCreateWithPriority(&be->streams[i].h2d, cudaStreamNonBlocking, least)) !=
+            cudaSuccess ||
+        (e = cudaStreamCreateWithPriority(&be->streams[i].d2h, cudaStreamNonBlocking, least)) !=
+            cudaSuccess) {
+      snprintf(err, errlen, "cudaStreamCreateWithPriority (copies): %s", cudaGetErrorString(e));
       return ATTND_ECUDA;
     }
   be->scales_ok = attnd_xcalloc((size_t)layers, sizeof(int));
@@ -437,6 +468,11 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
     rc = ATTND_EINTERNAL;
     goto fail_dev;
   }
+  if (uv_mutex_init(&be->fmu) != 0) {
+    snprintf(err, errlen, "uv_mutex_init failed");
+    rc = ATTND_EINTERNAL;
+    goto fail_ipc;
+  }
   /* Scales first (tiny), then the pool takes what the budget allows. */
   if ((rc = create_streams(be, layers, err, errlen)) != 0 ||
       (rc = create_pool(be, layers, o->kv_memory, err, errlen)) != 0 ||
@@ -452,6 +488,8 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
 fail_mem:
   cudaGetLastError();
   release(be);
+  uv_mutex_destroy(&be->fmu);
+fail_ipc:
   uv_mutex_destroy(&be->ipc_mu);
 fail_dev:
   cudaGetLastError();

@@ -3,8 +3,8 @@
  * Pinned host buffers come from a pool made at start: two of CU_STAGE_MIN
  * per stream, for every step that fits one (larger ones go through the ring,
  * cuda_ring.c); with all of them out, a job waits for one a running job
- * gives back. Request frames likewise come from CU_FRAMES buffers made at
- * start. Nothing here allocates while serving (an allocation then holds the
+ * gives back. Request frames and step outputs come from one pinned region
+ * made at start (below). Nothing here allocates while serving (an allocation then holds the
  * driver lock that every CUDA call of the process needs: bench/RESULTS.md),
  * but for the one-shot path: a large step the ring cannot cut gets a buffer
  * of a power-of-two size, within --cuda-pinned-max, allocated on the worker
@@ -216,44 +216,101 @@ void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s) {
 
 /* ---- pinned request frames ----
  *
- * A frame buffer is one pinned CU_STAGE_MIN allocation made at start; its
- * cu_stage_t sits in the first CU_ALIGN bytes, the body after them (so the
- * body keeps CU_ALIGN alignment). Only frames of at least hostfn_min bytes
- * (whose staging copy is worth skipping) that fit one are pinned. */
+ * One pinned region made at start (--cuda-frame-pool), carved first-fit:
+ * every block starts with a CU_ALIGN-byte header (its size, a tag), the
+ * body after it (so the body keeps CU_ALIGN alignment); a free extent keeps
+ * its size and the next free extent in its own first bytes, the list sorted
+ * by address so that a freed block merges with its neighbours. Only bodies
+ * of at least hostfn_min bytes (whose staging copy is worth skipping) are
+ * pinned; when none fits, the caller uses plain memory (and the step its
+ * staging copy). A few free extents at most: the walk is short. */
+
+#define FRAME_TAG 0x6672616d65ull /* "frame" */
+
+typedef struct frame_ext_s {
+  size_t size; /* bytes, header included */
+  struct frame_ext_s *next;
+} frame_ext_t;
+
+typedef struct {
+  size_t size;
+  uint64_t tag;
+} frame_hdr_t;
+
+_Static_assert(sizeof(frame_ext_t) <= CU_ALIGN && sizeof(frame_hdr_t) <= CU_ALIGN,
+               "frame headers fit CU_ALIGN");
 
 void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len) {
   cu_backend_t *be = (cu_backend_t *)base;
-  if (len < be->hostfn_min || len + CU_ALIGN > CU_STAGE_MIN || atomic_load(&be->dead))
+  if (len < be->hostfn_min || !be->frames_h || atomic_load(&be->dead) || len > be->frame_bytes)
     return NULL;
-  /* Only the frames made at start (attnd_cu_frames_create): none is pinned
-   * while serving, and a larger body or output goes through the ring. */
-  cu_stage_t *s = be->free_frames;
-  if (!s)
-    return NULL;
-  be->free_frames = s->next;
-  s->next = NULL;
-  be->frames_out++;
-  memcpy(s->p, &s, sizeof(s));
-  return s->p + CU_ALIGN;
+  const size_t need = CU_ALIGN + attnd_cu_align_up(len ? len : 1);
+  uint8_t *blk = NULL;
+  uv_mutex_lock(&be->fmu);
+  for (frame_ext_t **pp = (frame_ext_t **)&be->frames_free; *pp; pp = &(*pp)->next) {
+    frame_ext_t *f = *pp;
+    if (f->size < need)
+      continue;
+    if (f->size - need < 2 * CU_ALIGN) {
+      *pp = f->next; /* the whole extent: what is left would hold nothing */
+      blk = (uint8_t *)f;
+      ((frame_hdr_t *)blk)->size = f->size;
+    } else {
+      f->size -= need; /* the extent's tail: the list keeps its order */
+      blk = (uint8_t *)f + f->size;
+      ((frame_hdr_t *)blk)->size = need;
+    }
+    break;
+  }
+  if (blk) {
+    ((frame_hdr_t *)blk)->tag = FRAME_TAG;
+    be->frames_out++;
+    be->frames_inuse += ((frame_hdr_t *)blk)->size;
+  }
+  uv_mutex_unlock(&be->fmu);
+  return blk ? blk + CU_ALIGN : NULL;
 }
 
 int attnd_cu_frames_create(cu_backend_t *be, char *err, size_t errlen) {
-  if (be->hostfn_min + CU_ALIGN > CU_STAGE_MIN)
-    return 0; /* no frame could qualify */
-  for (int i = 0; i < CU_FRAMES; i++) {
-    cu_stage_t *s = attnd_xcalloc(1, sizeof(*s));
-    cudaError_t e = cudaHostAlloc((void **)&s->p, CU_STAGE_MIN, cudaHostAllocPortable);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      free(s);
-      snprintf(err, errlen, "cudaHostAlloc (pinned frames): %s", cudaGetErrorString(e));
-      return ATTND_ECUDA;
-    }
-    s->cap = CU_STAGE_MIN;
-    be->frame_bytes += s->cap;
-    s->next = be->free_frames;
-    be->free_frames = s;
+  size_t room = be->pinned_max > be->pinned_bytes ? be->pinned_max - be->pinned_bytes : 0;
+  size_t n = be->frame_want;
+  if (!n) {
+    /* 1/16 of host memory, at most CU_FRAMES_DEFAULT, and half of what the
+     * pinned cap leaves (the ring takes from the rest). */
+    uint64_t ram = uv_get_total_memory();
+    n = (size_t)(ram / 16 < CU_FRAMES_DEFAULT ? ram / 16 : CU_FRAMES_DEFAULT);
+    if (n > room / 2)
+      n = room / 2;
+    if (n < CU_FRAMES_MIN)
+      n = CU_FRAMES_MIN; /* the floor holds even under a tiny cap */
+  } else if (n < CU_FRAMES_MIN) {
+    snprintf(err, errlen, "--cuda-frame-pool %zu is below its least size, %zu", n, CU_FRAMES_MIN);
+    return ATTND_EINVAL;
+  } else if (n > room) {
+    snprintf(err, errlen,
+             "--cuda-frame-pool %zu does not fit the pinned cap of %zu (--cuda-pinned-max) "
+             "beside the %zu bytes of pooled staging",
+             n, be->pinned_max, be->pinned_bytes);
+    return ATTND_EINVAL;
   }
+  n &= ~(CU_ALIGN - 1);
+  cudaError_t e = cudaHostAlloc((void **)&be->frames_h, n, cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    be->frames_h = NULL;
+    snprintf(err, errlen, "cudaHostAlloc of the %zu-byte frame pool (--cuda-frame-pool): %s", n,
+             cudaGetErrorString(e));
+    return ATTND_ENOMEM;
+  }
+  /* Blocks at CU_ALIGN multiples from an aligned start (a device's pinned
+   * memory is page-aligned; the test's stand-in need not be). */
+  size_t lead = (CU_ALIGN - (uintptr_t)be->frames_h % CU_ALIGN) % CU_ALIGN;
+  frame_ext_t *f = (frame_ext_t *)(be->frames_h + lead);
+  f->size = n - (lead ? CU_ALIGN : 0);
+  f->next = NULL;
+  be->frames_free = f;
+  be->frame_bytes = n;
+  be->pinned_bytes += n; /* within the cap: the ring's room is what is left */
   return 0;
 }
 
@@ -261,23 +318,48 @@ void attnd_cu_frame_free(attnd_backend_t *base, void *p) {
   cu_backend_t *be = (cu_backend_t *)base;
   if (!p)
     return;
-  cu_stage_t *s;
-  memcpy(&s, (uint8_t *)p - CU_ALIGN, sizeof(s));
+  uint8_t *blk = (uint8_t *)p - CU_ALIGN;
+  frame_hdr_t *h = (frame_hdr_t *)blk;
+  if (blk < be->frames_h || blk >= be->frames_h + be->frame_bytes || h->tag != FRAME_TAG)
+    abort(); /* not host_alloc's: freeing it would corrupt the pool */
+  size_t size = h->size;
+  h->tag = 0;
+  uv_mutex_lock(&be->fmu);
   be->frames_out--;
-  s->next = be->free_frames;
-  be->free_frames = s;
+  be->frames_inuse -= size;
+  frame_ext_t *prev = NULL, *next = be->frames_free;
+  while (next && (uint8_t *)next < blk) {
+    prev = next;
+    next = next->next;
+  }
+  frame_ext_t *f = (frame_ext_t *)blk;
+  f->size = size;
+  f->next = next;
+  if (next && blk + size == (uint8_t *)next) {
+    f->size += next->size;
+    f->next = next->next;
+  }
+  if (prev && (uint8_t *)prev + prev->size == blk) {
+    prev->size += f->size;
+    prev->next = f->next;
+  } else if (prev) {
+    prev->next = f;
+  } else {
+    be->frames_free = f;
+  }
+  uv_mutex_unlock(&be->fmu);
 }
 
 void attnd_cu_frames_release(cu_backend_t *be) {
-  for (cu_stage_t *f = be->free_frames, *next; f; f = next) {
-    next = f->next;
-    be->frame_bytes -= f->cap;
-    cudaFreeHost(f->p);
-    free(f);
-  }
-  be->free_frames = NULL;
   if (be->frames_out)
     fprintf(stderr, "attnd: cuda backend destroyed with %d request frames out\n", be->frames_out);
+  if (be->frames_h) {
+    cudaFreeHost(be->frames_h);
+    be->pinned_bytes -= be->frame_bytes;
+  }
+  be->frames_h = NULL;
+  be->frames_free = NULL;
+  be->frame_bytes = 0;
 }
 
 cudaError_t attnd_cu_dev_reserve(cu_stream_t *cs, void **buf, size_t *cap, size_t need,
@@ -309,6 +391,7 @@ void CUDART_CB attnd_cu_stage_inputs_fn(void *arg) {
   cu_run_t *r = arg;
   const attnd_job_t *job = r->job;
   uint8_t *hp = r->stage->p;
+  atomic_fetch_add(&r->be->staged_bytes, job->q_bytes + 2 * job->kv_bytes);
   if (job->q_bytes)
     memcpy(hp + r->q_off, job->batch.q, job->q_bytes);
   if (job->kv_bytes) {

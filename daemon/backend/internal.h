@@ -1,10 +1,11 @@
 /* internal.h: the backends' private declarations, seen only by backend/'s
  * own files. The CPU backend (cpu.c) keeps everything static; the CUDA
- * backend is five files over one struct, declared here:
+ * backend is these files over one struct, declared here:
  *
  *   cuda_device.c    device setup and teardown, the ops table, Health facts
  *   cuda_stage.c     pinned host staging and stream-ordered device buffers
- *   cuda_ring.c      the fixed pinned ring: large steps staged in chunks
+ *   cuda_ring.c      the ring: large steps' chunks through its slots
+ *   cuda_ring_plan.c the ring made at start, large steps cut into chunks
  *   cuda_enqueue.c   a job's work enqueued on its layer's stream (loop thread)
  *   cuda_complete.c  completion: event poller or stream callbacks -> loop
  *   cuda_trace.c     --cuda-trace: timing of where a step's time goes
@@ -67,16 +68,18 @@ _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE
 #define CU_RING_DEFAULT ((size_t)256 << 20)
 #define CU_RING_MIN ((size_t)1 << 20)
 #define CU_RING_SLOTS 4
-#define CU_RING_PER_RUN 2
-/* Pinned request frames made at start (each CU_STAGE_MIN bytes). */
-#define CU_FRAMES 16
+#define CU_RING_PER_RUN 3 /* one chunk's H2D, the one before computing, the one before that's D2H  \
+                           */
+/* The pinned frame pool (cuda_stage.c): its default cap, and its least size. */
+#define CU_FRAMES_DEFAULT ((size_t)2 << 30)
+#define CU_FRAMES_MIN ((size_t)1 << 20)
 /* q rows the per-stream attention workspace is sized for at start: a decode
  * batch of up to this many rows gets all the splits it asks for; a larger
  * one splits less (the workspace never grows while serving). */
 #define CU_WS_ROWS 128
 
 typedef struct cu_backend_s cu_backend_t;
-typedef struct cu_ring_plan_s cu_ring_plan_t; /* cuda_ring.c */
+typedef struct cu_ring_plan_s cu_ring_plan_t; /* internal_ring.h */
 
 typedef struct cu_stage_s {
   uint8_t *p; /* pinned host memory */
@@ -126,6 +129,9 @@ typedef struct {
 
 typedef struct {
   cudaStream_t st;
+  /* A layer stream's copy streams (the ring's chunks: H2D on h2d, D2H on
+   * d2h, kernels on st, joined by events), NULL on the priority twins. */
+  cudaStream_t h2d, d2h;
   uint8_t *dbuf; /* device staging: inputs then outputs of the running job */
   size_t dcap;
   void *ws; /* attention workspace */
@@ -164,16 +170,23 @@ struct cu_backend_s {
   size_t ring_want;   /* --cuda-ring, 0 = the default */
   size_t pinned_warm; /* --cuda-pinned-warm: the ring's older name */
   int slot_busy[CU_RING_SLOTS];
-  uint64_t ring_chunks;   /* chunks staged through the ring so far (tests, logs) */
+  uint64_t ring_chunks; /* chunks staged through the ring so far (tests, logs) */
+  /* Bytes of steps' q, k, v and out copied on the host into or out of
+   * pinned staging (0 for a step whose frame and output are pinned). */
+  atomic_uint_fast64_t staged_bytes;
   uint64_t oneshot_steps; /* large steps that could not be cut (one-shot staging) */
   int stages_out;         /* stages held by runs */
   int big_out;            /* of which the one-shot path's (over CU_STAGE_MIN) */
-  /* Pinned request frames (attnd_cu_frame_alloc): a pool apart from the
-   * stages (frames are held until their requests finish, which may wait for
-   * stages: sharing one cap could deadlock), capped at half of pinned_max;
-   * past it frames are plain memory. Loop thread only. */
-  cu_stage_t *free_frames;
-  size_t frame_bytes; /* pinned bytes of every frame buffer, free or out */
+  /* Pinned request frames and step outputs (attnd_cu_frame_alloc): one
+   * region made at start, apart from the stages (frames are held until their
+   * requests finish, which may wait for stages: sharing buffers could
+   * deadlock), carved first-fit; when full, frames are plain memory. */
+  uv_mutex_t fmu;      /* guards the frame pool (host_free may come from any thread) */
+  uint8_t *frames_h;   /* the region */
+  void *frames_free;   /* free extents, by address (in-band headers) */
+  size_t frame_bytes;  /* the region's size (0: none) */
+  size_t frame_want;   /* --cuda-frame-pool, 0 = the default */
+  size_t frames_inuse; /* bytes of blocks out */
   int frames_out;
   cu_run_t *whead, *wtail; /* jobs waiting for a stage, FIFO */
   /* The one-shot path's large pinned buffers are allocated on the worker
@@ -234,9 +247,9 @@ void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s);
  * of that size being allocated off the loop thread for the next one). */
 void *attnd_cu_frame_alloc(attnd_backend_t *base, size_t len);
 void attnd_cu_frame_free(attnd_backend_t *base, void *p);
-/* The frame pool, CU_FRAMES buffers of CU_STAGE_MIN, made at start. */
+/* The frame pool, made at start (size from the options, within pinned_max). */
 int attnd_cu_frames_create(cu_backend_t *be, char *err, size_t errlen);
-/* Frees the frame pool's free buffers (teardown). */
+/* Frees the frame pool (teardown). */
 void attnd_cu_frames_release(cu_backend_t *be);
 /* 1 while an allocation started by attnd_cu_stage_get or attnd_cu_frame_alloc
  * runs on the worker pool (teardown then leaves the struct to its callback). */
@@ -268,7 +281,11 @@ cu_run_t *attnd_cu_ring_chunk_done(cu_backend_t *be, cu_run_t *c);
  * (its completion could not be tracked behind them: an error path); the
  * last chunk's completion then hands it back. */
 int attnd_cu_ring_defer(cu_run_t *r);
-void attnd_cu_ring_plan_free(cu_ring_plan_t *p);
+void attnd_cu_ring_plan_free(cu_backend_t *be, cu_ring_plan_t *p);
+/* The completion thread, once a chunk's device work is done: the host copies
+ * its outputs still need (lse rows beside an output DMA'd into its own
+ * pinned buffer). No CUDA calls. */
+void attnd_cu_ring_chunk_outputs(cu_run_t *c);
 /* The device view of a step's batch (cuda_enqueue.c): pool, scales, sinks. */
 int attnd_cu_device_batch(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db);
 

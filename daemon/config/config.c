@@ -97,6 +97,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->cuda_pinned_max = 0;
   c->cuda_pinned_warm = 0;
   c->cuda_ring = 0;
+  c->cuda_frame_pool = 0;
   c->cuda_hostfn_min = ATTND_DEFAULT_CUDA_HOSTFN_MIN;
   c->cuda_completion = ATTND_COMPLETION_POLL;
   c->cuda_trace = 0;
@@ -226,6 +227,13 @@ int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen) {
   if (c->cuda_ring && c->cuda_pinned_max && c->cuda_ring > c->cuda_pinned_max)
     ERR("--cuda-ring %llu: must fit --cuda-pinned-max %llu", (unsigned long long)c->cuda_ring,
         (unsigned long long)c->cuda_pinned_max);
+  /* The frame pool's least size (daemon/backend/internal.h CU_FRAMES_MIN). */
+  if (c->cuda_frame_pool && c->cuda_frame_pool < (1u << 20))
+    ERR("--cuda-frame-pool %llu: must be 0 (the default) or at least 1M",
+        (unsigned long long)c->cuda_frame_pool);
+  if (c->cuda_frame_pool && c->cuda_pinned_max && c->cuda_frame_pool > c->cuda_pinned_max)
+    ERR("--cuda-frame-pool %llu: must fit --cuda-pinned-max %llu",
+        (unsigned long long)c->cuda_frame_pool, (unsigned long long)c->cuda_pinned_max);
   if (c->max_partial_bytes && c->max_partial_bytes < c->max_frame)
     ERR("--max-partial-bytes %llu: must be 0 (auto) or >= --max-frame %llu",
         (unsigned long long)c->max_partial_bytes, (unsigned long long)c->max_frame);

@@ -136,6 +136,8 @@ typedef struct {
   uint64_t cuda_ring;                 /* --cuda-ring: the pinned ring large steps are staged
                                        * through in chunks, made at start, 0 = 256M */
   uint64_t cuda_pinned_warm;          /* --cuda-pinned-warm: the older name of cuda_ring */
+  uint64_t cuda_frame_pool;           /* --cuda-frame-pool: pinned frames and outputs, made
+                                       * at start, 0 = 1/16 of host memory, at most 2G */
   uint64_t cuda_hostfn_min;           /* --cuda-hostfn-min: q+k+v bytes copied to pinned
                                        * memory by a host function past this, default 1M */
   attnd_completion_t cuda_completion; /* --cuda-completion poll|callback */

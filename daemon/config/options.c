@@ -301,6 +301,7 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
   SIZE("cuda-pinned-max", cuda_pinned_max)
   SIZE("cuda-pinned-warm", cuda_pinned_warm)
   SIZE("cuda-ring", cuda_ring)
+  SIZE("cuda-frame-pool", cuda_frame_pool)
   SIZE("cuda-hostfn-min", cuda_hostfn_min)
   INT("step-trace", step_trace, 0, 1 << 16)
   if (strcmp(name, "cuda-completion") == 0) {

@@ -59,6 +59,7 @@ static int create_backend(attnd_engine_t *e, const attnd_config_t *cfg, char *er
   bo.cuda_pinned_max = cfg->cuda_pinned_max;
   bo.cuda_pinned_warm = cfg->cuda_pinned_warm;
   bo.cuda_ring = cfg->cuda_ring;
+  bo.cuda_frame_pool = cfg->cuda_frame_pool;
   bo.cuda_hostfn_min = cfg->cuda_hostfn_min;
   bo.cuda_callbacks = cfg->cuda_completion == ATTND_COMPLETION_CALLBACK;
   bo.cuda_trace = cfg->cuda_trace;

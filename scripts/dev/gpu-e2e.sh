@@ -33,7 +33,8 @@
 #   3. compute-sanitizer memcheck on test_backend_cuda;
 #   4. test_backend_cuda --fault (a kernel fault must fail
 #      the job with ATTND_EDEVICE and every later job too, without a hang),
-#      then --ring-fault (the same in a later chunk of a ring-staged step);
+#      then --ring-fault (the same in a later chunk of a ring-staged step)
+#      and --ring-fault-pinned (that step's frame and output in pinned memory);
 #   5. `attnd --backend cuda` with the e2e's small shape on a temp socket:
 #      Health, the tiny Llama example against it, then SIGTERM must exit 0;
 #   5b. the same daemon under attnd.service's system call sandbox without systemd
@@ -237,6 +238,16 @@ else
     record ring_fault $rc
   else
     record ring_fault 77
+  fi
+  # And with the large step's frame and output in the pinned frame pool (its
+  # chunks' DMA on the copy streams when the fault comes).
+  if ! skipped ring_fault && time_left 60; then
+    (cd "$libdir" && timeout 60 "$test_bin" --ring-fault-pinned) >>"$out/fault.log" 2>&1
+    rc=$?
+    grep -E "faulting large step|no fault" "$out/fault.log" | tail -1
+    record ring_fault_pinned $rc
+  else
+    record ring_fault_pinned 77
   fi
 fi
 
