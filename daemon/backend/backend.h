@@ -104,7 +104,14 @@ typedef struct {
   uint64_t ring_bytes;    /* of which the ring (CUDA: --cuda-ring) */
   uint64_t ring_chunks;   /* chunks staged through the ring so far */
   uint64_t oneshot_steps; /* large steps that could not be cut, staged whole */
+  uint64_t loop_done;     /* CUDA: runs completed by the loop thread's own
+                           * polling (--cuda-completion loop) */
 } attnd_backend_stats_t;
+
+/* --cuda-completion loop's polling window (attnd_backend_opts_t
+ * cuda_spin_us): a few small steps' device time; a longer step is left
+ * to the poller thread. */
+#define ATTND_CUDA_LOOP_SPIN_US 250
 
 typedef struct {
   const char *name; /* "cpu" | "cuda" */
@@ -184,6 +191,10 @@ typedef struct {
                               * runs in a host function on the stream */
   int cuda_callbacks;        /* CUDA: 1 = stream callbacks signal completion,
                               * 0 = an event poller thread (default) */
+  uint64_t cuda_spin_us;     /* CUDA, with the poller: the loop thread also polls
+                              * for completions itself for this long after each
+                              * submission or completion (--cuda-completion loop:
+                              * ATTND_CUDA_LOOP_SPIN_US); 0 = off */
   int cuda_trace;            /* CUDA: 1 = log where steps' time goes */
   uint64_t chunk_keys;       /* a step whose attention reads more keys per q head
                               * (summed over its rows) is large: the CPU backend

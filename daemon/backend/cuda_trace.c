@@ -3,7 +3,9 @@
  * A diagnostic: five events per traced step (around H2D, write, attend and
  * D2H) plus host times at the end of the enqueue and at completion. Every
  * CU_TRACE_N steps the medians of each interval go to the log as one
- * cuda_trace line (bench/RESULTS.md has numbers). */
+ * cuda_trace line (bench/RESULTS.md has numbers), with the completion mode
+ * and how many of those steps the loop thread's own polling completed
+ * (--cuda-completion loop; the rest came through the poller thread). */
 #ifdef ATTND_HAVE_CUDA
 
 #include <stdlib.h>
@@ -57,6 +59,7 @@ void attnd_cu_trace_run(cu_backend_t *be, cu_run_t *r) {
                              (float)(attnd_cu_now_us() - r->t_cb)};
   for (int i = 0; i < TR_COUNT; i++)
     t->v[i][t->n] = v[i];
+  t->nloop += r->by_loop;
   if (++t->n < CU_TRACE_N)
     return;
   for (int i = 0; i < TR_COUNT; i++)
@@ -64,10 +67,16 @@ void attnd_cu_trace_run(cu_backend_t *be, cu_run_t *r) {
   const int m = CU_TRACE_N / 2;
   ATTND_LOGI("cuda_trace",
              "steps=%d enqueue_us=%.1f h2d_us=%.1f write_us=%.1f attend_us=%.1f d2h_us=%.1f "
-             "callback_after_device_us=%.1f callback_to_loop_us=%.1f",
+             "callback_after_device_us=%.1f callback_to_loop_us=%.1f completion=%s "
+             "completed_by_loop=%d",
              CU_TRACE_N, t->v[TR_ENQ][m], t->v[TR_H2D][m], t->v[TR_WRITE][m], t->v[TR_ATTEND][m],
-             t->v[TR_D2H][m], t->v[TR_CB][m], t->v[TR_HOP][m]);
+             t->v[TR_D2H][m], t->v[TR_CB][m], t->v[TR_HOP][m],
+             !be->poll  ? "callback"
+             : be->spin ? "loop"
+                        : "poll",
+             t->nloop);
   t->n = 0;
+  t->nloop = 0;
 }
 
 #endif /* ATTND_HAVE_CUDA */

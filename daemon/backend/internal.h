@@ -101,6 +101,7 @@ typedef struct cu_run_s {
   cudaEvent_t ev[5];
   int traced;
   uint64_t t_enq, t_cb;
+  int by_loop;          /* completed by the loop thread's own polling (--cuda-completion loop) */
   cudaEvent_t done_ev;  /* polled completion: recorded behind the run's work */
   cudaEvent_t fence_ev; /* an ordered run's wait for its layer's priority stream */
   /* The ring (cuda_ring.c). A large step's run has a plan and holds ring
@@ -122,6 +123,7 @@ enum { TR_ENQ, TR_H2D, TR_WRITE, TR_ATTEND, TR_D2H, TR_CB, TR_HOP, TR_COUNT };
 typedef struct {
   float v[TR_COUNT][CU_TRACE_N];
   int n;
+  int nloop; /* of the window's steps, completed by the loop thread's polling */
 } cu_trace_t;
 
 typedef struct {
@@ -200,7 +202,14 @@ struct cu_backend_s {
   uv_cond_t pcv;
   cu_run_t *phead, *ptail; /* runs whose done event is recorded, in submission order */
   int pstop;
-  cudaEvent_t *evfree; /* recycled done events (loop thread) */
+  int pscan; /* the pending list is out for a round (poller or loop; under pmu) */
+  /* --cuda-completion loop: the loop thread's own polling (an idle handle,
+   * allocated, closed at destroy), its window and whether it runs now. */
+  uv_idle_t *spin;
+  uint64_t loop_spin_us, spin_until;
+  atomic_int loop_spinning;
+  uint64_t loop_completions; /* runs the loop's polling completed (stats) */
+  cudaEvent_t *evfree;       /* recycled done events (loop thread) */
   int nevfree, evcap;
   /* Same-host zero-copy (cuda_ipc.c): the device check of client tensors,
    * one at a time, on its own stream, made at the first check. */
@@ -294,6 +303,8 @@ cudaError_t attnd_cu_track(cu_backend_t *be, cu_run_t *r, cudaStream_t st);
  * is drained first: an error path only). */
 void attnd_cu_complete_untracked(cu_backend_t *be, cu_run_t *r);
 void attnd_cu_async_cb(uv_async_t *h);
+/* --cuda-completion loop: the loop thread polls pending runs itself. */
+void attnd_cu_spin_cb(uv_idle_t *h);
 void attnd_cu_poller_main(void *arg);
 void attnd_cu_poller_stop(cu_backend_t *be);
 /* Events from a recycled pool (loop thread); NULL when none can be made. */

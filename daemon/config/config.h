@@ -46,7 +46,11 @@ typedef enum {
 } attnd_backend_kind_t;
 
 /* How the CUDA backend learns that a job finished. */
-typedef enum { ATTND_COMPLETION_POLL = 0, ATTND_COMPLETION_CALLBACK = 1 } attnd_completion_t;
+typedef enum {
+  ATTND_COMPLETION_POLL = 0,
+  ATTND_COMPLETION_CALLBACK = 1,
+  ATTND_COMPLETION_LOOP = 2
+} attnd_completion_t;
 
 typedef struct {
   /* Listeners. Empty strings disable a listener. */
@@ -138,7 +142,7 @@ typedef struct {
   uint64_t cuda_pinned_warm;          /* --cuda-pinned-warm: the older name of cuda_ring */
   uint64_t cuda_hostfn_min;           /* --cuda-hostfn-min: q+k+v bytes copied to pinned
                                        * memory by a host function past this, default 1M */
-  attnd_completion_t cuda_completion; /* --cuda-completion poll|callback */
+  attnd_completion_t cuda_completion; /* --cuda-completion poll|callback|loop */
   int cuda_trace;                     /* --cuda-trace: log where steps' time goes */
   int step_trace;                     /* --step-trace N: log steps' phases every N (0 off) */
 

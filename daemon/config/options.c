@@ -308,8 +308,10 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
       c->cuda_completion = ATTND_COMPLETION_POLL;
     else if (strcmp(v, "callback") == 0)
       c->cuda_completion = ATTND_COMPLETION_CALLBACK;
+    else if (strcmp(v, "loop") == 0)
+      c->cuda_completion = ATTND_COMPLETION_LOOP;
     else
-      ERR("--cuda-completion: '%s' is not one of poll, callback", v);
+      ERR("--cuda-completion: '%s' is not one of poll, callback, loop", v);
     return 0;
   }
   if (strcmp(name, "dtype") == 0) {
