@@ -117,7 +117,8 @@ void test_ring_document(void **state);
 void test_ring_device_io(void **state);
 void test_ring_fault(void **state);
 
-/* --cuda-completion loop (test_backend_cuda_loop.c). */
+/* --cuda-completion loop and --cuda-graphs (test_backend_cuda_small.c). */
 void test_loop_completion(void **state);
+void test_graph_steps(void **state);
 
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

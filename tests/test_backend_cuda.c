@@ -11,8 +11,9 @@
  * before the run. Then: jobs of many layers in flight at once, and the loop closes cleanly.
  *
  * Arguments set the backend's options as the daemon's flags would:
- * --callback / --loop (--cuda-completion callback / loop), --trace
- * (--cuda-trace) and --hostfn-min=N (--cuda-hostfn-min). --fault runs only
+ * --callback / --loop (--cuda-completion callback / loop), --graphs
+ * (--cuda-graphs, from a shape's first step), --trace (--cuda-trace) and
+ * --hostfn-min=N (--cuda-hostfn-min). --fault runs only
  * the fault test instead: a block table that points far outside the pool
  * makes the kernel fault; the job must fail with ATTND_EDEVICE (or
  * ATTND_ECUDA), every later job with ATTND_EDEVICE, and teardown must not
@@ -750,13 +751,15 @@ int main(int argc, char **argv) {
       g_opts.cuda_callbacks = 1;
     else if (strcmp(argv[i], "--loop") == 0)
       g_opts.cuda_spin_us = ATTND_CUDA_LOOP_SPIN_US;
+    else if (strcmp(argv[i], "--graphs") == 0)
+      g_opts.cuda_graphs = 2; /* from a shape's first step: the fault test's too */
     else if (strcmp(argv[i], "--trace") == 0)
       g_opts.cuda_trace = 1;
     else if (strncmp(argv[i], "--hostfn-min=", 13) == 0)
       g_opts.cuda_hostfn_min = strtoull(argv[i] + 13, NULL, 10);
     else {
       fprintf(stderr,
-              "usage: %s [--fault|--ring-fault] [--callback|--loop] [--trace]\n"
+              "usage: %s [--fault|--ring-fault] [--callback|--loop] [--graphs] [--trace]\n"
               "          [--hostfn-min=N]\n",
               argv[0]);
       return 2;
@@ -802,6 +805,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup(test_ring_document, reset_modes),
       cmocka_unit_test_setup(test_ring_device_io, reset_modes),
       cmocka_unit_test_setup(test_loop_completion, reset_modes),
+      cmocka_unit_test_setup(test_graph_steps, reset_modes),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }

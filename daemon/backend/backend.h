@@ -106,6 +106,8 @@ typedef struct {
   uint64_t oneshot_steps; /* large steps that could not be cut, staged whole */
   uint64_t loop_done;     /* CUDA: runs completed by the loop thread's own
                            * polling (--cuda-completion loop) */
+  uint64_t graph_steps;   /* CUDA: small steps launched as one graph (--cuda-graphs) */
+  uint64_t graph_builds;  /* CUDA: executable graphs made (new shapes, refused updates) */
 } attnd_backend_stats_t;
 
 /* --cuda-completion loop's polling window (attnd_backend_opts_t
@@ -196,6 +198,9 @@ typedef struct {
                               * submission or completion (--cuda-completion loop:
                               * ATTND_CUDA_LOOP_SPIN_US); 0 = off */
   int cuda_trace;            /* CUDA: 1 = log where steps' time goes */
+  int cuda_graphs;           /* CUDA: 1 = small steps as one graph launch per
+                              * shape (--cuda-graphs); 2 = from a shape's first
+                              * step, not its second (tests) */
   uint64_t chunk_keys;       /* a step whose attention reads more keys per q head
                               * (summed over its rows) is large: the CPU backend
                               * cuts it into chunks of about this much, the CUDA

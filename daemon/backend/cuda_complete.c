@@ -225,9 +225,9 @@ void attnd_cu_poller_main(void *arg) {
       uv_cond_wait(&be->pcv, &be->pmu);
     if (!be->phead)
       break; /* stopping, nothing pending */
-    if (be->pscan) {
-      /* Stopping while the loop scans: destroy runs on the loop thread, so
-       * this cannot last; look again shortly. */
+    if (be->pscan || atomic_load(&be->loop_spinning)) {
+      /* The loop thread polls these itself on every turn (its done_cbs need
+       * that thread anyway): stand by, and take over once it stops. */
       uv_mutex_unlock(&be->pmu);
       nanosleep(&(struct timespec){0, 20000}, NULL);
       uv_mutex_lock(&be->pmu);
@@ -240,11 +240,10 @@ void attnd_cu_poller_main(void *arg) {
      * thread's launches for the driver's locks (measured on the H200: a
      * sched_yield spin made pipelined decode 40% slower). Short sleeps with a
      * 1 us timer slack poll every few microseconds, then back off to 20 us
-     * for long kernels, and while the loop thread polls itself (loop_spin). */
+     * for long kernels. */
     if (done > 0)
       idle = 0;
-    const int slow = ++idle > 100 || atomic_load(&be->loop_spinning);
-    nanosleep(&(struct timespec){0, slow ? 20000 : 3000}, NULL);
+    nanosleep(&(struct timespec){0, ++idle > 100 ? 20000 : 3000}, NULL);
     uv_mutex_lock(&be->pmu);
   }
   uv_mutex_unlock(&be->pmu);
@@ -310,8 +309,9 @@ void attnd_cu_async_cb(uv_async_t *h) {
  * reaches done_cb with no thread hop and no wake-up. Only this thread then
  * makes CUDA calls in those microseconds, so the spin does not contend with
  * launches for the driver's locks as a spinning poller thread did. The
- * poller thread stays as the backstop (long steps, large copies), polling
- * every 20 us meanwhile. */
+ * poller thread stands by meanwhile (checking every 20 us whether the loop
+ * stopped) and takes over when the window closes or a finished run has an
+ * output copy larger than hostfn_min (long steps, large copies). */
 void attnd_cu_spin_cb(uv_idle_t *h) {
   cu_backend_t *be = h->data;
   int handoff = 0, done = -1;

@@ -99,12 +99,15 @@ static void cu_stats(attnd_backend_t *base, attnd_backend_stats_t *st) {
   st->ring_chunks = be->ring_chunks;
   st->oneshot_steps = be->oneshot_steps;
   st->loop_done = be->loop_completions;
+  st->graph_steps = be->graph_steps;
+  st->graph_builds = be->graph_builds;
 }
 
 /* Frees the device and pinned memory; the struct itself goes in the async
  * handle's close callback. */
 static void release(cu_backend_t *be) {
   cudaSetDevice(be->device);
+  attnd_cu_graphs_release(be);
   for (int i = 0; i < 2 * be->nstreams; i++) {
     cu_stream_t *cs = &be->streams[i];
     if (!cs->st)
@@ -244,6 +247,7 @@ static void apply_opts(cu_backend_t *be, const attnd_backend_opts_t *o) {
   be->poll = !o->cuda_callbacks;
   be->loop_spin_us = be->poll ? (uint64_t)o->cuda_spin_us : 0;
   be->chunk_keys = o->chunk_keys;
+  be->graphs = o->cuda_graphs;
   if (o->cuda_trace)
     be->trace = attnd_xcalloc(1, sizeof(cu_trace_t));
 }

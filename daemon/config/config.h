@@ -144,6 +144,7 @@ typedef struct {
                                        * memory by a host function past this, default 1M */
   attnd_completion_t cuda_completion; /* --cuda-completion poll|callback|loop */
   int cuda_trace;                     /* --cuda-trace: log where steps' time goes */
+  int cuda_graphs;                    /* --cuda-graphs: small steps as one graph launch */
   int step_trace;                     /* --step-trace N: log steps' phases every N (0 off) */
 
   /* attnd_origin_t of each option, indexed by its row in deploy/options.toml
