@@ -6,7 +6,7 @@
 # CUDA device answers; the GPU round runs it on the H200 from build-gpu/, so it
 # finds libcmocka and libuv beside itself.
 attnd_add_test(test_backend_cuda SOURCES test_backend_cuda.c test_backend_cuda_ring.c backend_cuda_fixture.c
-                       backend_cuda_ipc.c backend_cuda_fault.c
+                       backend_cuda_ipc.c backend_cuda_fault.c test_backend_cuda_small.c
                LIBS attnd_backend TIMEOUT 300
                LABELS "gpu;backend")
 set_target_properties(test_backend_cuda PROPERTIES BUILD_RPATH "\$ORIGIN" INSTALL_RPATH "\$ORIGIN")
@@ -22,7 +22,7 @@ find_path(ATTND_CUDART_INCLUDE_DIR cuda_runtime_api.h
 if(ATTND_CUDART_INCLUDE_DIR)
   attnd_add_test(test_backend_cuda_mock TIMEOUT 120 LABELS backend
                  SOURCES test_backend_cuda.c test_backend_cuda_ring.c backend_cuda_fixture.c
-                         backend_cuda_ipc.c backend_cuda_fault.c cuda_mock.c
+                         backend_cuda_ipc.c backend_cuda_fault.c test_backend_cuda_small.c cuda_mock.c
                          ${ATTND_BACKEND_CUDA_SRC}
                          ${PROJECT_SOURCE_DIR}/daemon/backend/backend.c
                          ${PROJECT_SOURCE_DIR}/daemon/backend/cpu.c
@@ -56,5 +56,23 @@ if(ATTND_CUDART_INCLUDE_DIR)
   add_test(NAME test_backend_cuda_mock_callback_fault
            COMMAND test_backend_cuda_mock --fault --callback)
   set_tests_properties(test_backend_cuda_mock_callback_fault PROPERTIES TIMEOUT 60 LABELS backend
+                       ENVIRONMENT "ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
+  # Completion polled by the loop thread too (--cuda-completion loop), with
+  # the trace on; then with every output copy left to the poller thread
+  # (--hostfn-min=0); then the fault.
+  add_test(NAME test_backend_cuda_mock_loop COMMAND test_backend_cuda_mock --loop --trace)
+  set_tests_properties(test_backend_cuda_mock_loop PROPERTIES TIMEOUT 120 LABELS backend)
+  add_test(NAME test_backend_cuda_mock_loop_handoff
+           COMMAND test_backend_cuda_mock --loop --hostfn-min=0)
+  set_tests_properties(test_backend_cuda_mock_loop_handoff PROPERTIES TIMEOUT 120 LABELS backend)
+  add_test(NAME test_backend_cuda_mock_loop_fault COMMAND test_backend_cuda_mock --fault --loop)
+  set_tests_properties(test_backend_cuda_mock_loop_fault PROPERTIES TIMEOUT 60 LABELS backend
+                       ENVIRONMENT "ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
+  # Small steps as graph launches (--cuda-graphs, here from a shape's first
+  # step), with the loop's polling and the trace; then a faulting graph.
+  add_test(NAME test_backend_cuda_mock_graphs COMMAND test_backend_cuda_mock --graphs --loop --trace)
+  set_tests_properties(test_backend_cuda_mock_graphs PROPERTIES TIMEOUT 120 LABELS backend)
+  add_test(NAME test_backend_cuda_mock_graphs_fault COMMAND test_backend_cuda_mock --fault --graphs)
+  set_tests_properties(test_backend_cuda_mock_graphs_fault PROPERTIES TIMEOUT 60 LABELS backend
                        ENVIRONMENT "ATTND_CUDA_MOCK_FAULT_BLOCK=100000")
 endif()

@@ -125,4 +125,8 @@ void test_frame_pool(void **state);
 extern int g_fault_pinned;
 void test_ring_fault(void **state);
 
+/* --cuda-completion loop and --cuda-graphs (test_backend_cuda_small.c). */
+void test_loop_completion(void **state);
+void test_graph_steps(void **state);
+
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

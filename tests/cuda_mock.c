@@ -17,7 +17,13 @@
  * block >= ATTND_CUDA_MOCK_FAULT_BLOCK (default 2^24) reports
  * cudaErrorIllegalAddress to every later callback (a sticky fault).
  * attnd_cuda_mock_allocs() counts the allocation calls (cudaHostAlloc,
- * cudaMalloc, cudaMallocAsync), which must all happen at start.
+ * cudaMalloc, cudaMallocAsync), which must all happen at start. Stream
+ * capture records a stream's copies and kernels as a list instead of running
+ * them; an executable graph is a copy of that list, updated only from a list
+ * of the same operations (attnd_cuda_mock_refuse_updates() makes the next
+ * updates fail, as a device refuses a changed topology), and its launch
+ * enqueues the list's operations; attnd_cuda_mock_graph_launches() counts
+ * launches.
  *
  * Linked only into test_backend_cuda_mock, never into the daemon. */
 #include <cuda_runtime_api.h>
@@ -66,6 +72,21 @@ struct CUstream_st {
   int busy, stop;
   unsigned seed;
   struct CUstream_st *next_stream;
+  /* Stream capture (cudaStreamBeginCapture): operations go to this list
+   * instead of the FIFO; invalid once an operation was refused meanwhile.
+   * Only the thread that submits to the stream touches these. */
+  int capturing, cap_invalid;
+  op_t *cap_head, *cap_tail;
+};
+
+/* A captured graph and an executable one: the operations, in order. */
+struct CUgraph_st {
+  op_t *head;
+  int n;
+};
+struct CUgraphExec_st {
+  op_t *head;
+  int n;
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -210,8 +231,15 @@ static void *stream_main(void *arg) {
   return NULL;
 }
 
-/* Appends o to the stream's FIFO, fault or not. */
+/* Appends o to the stream's FIFO, fault or not. Nothing of this kind may
+ * happen on a capturing stream (the backend captures copies and kernels
+ * only): it invalidates the capture. */
 static cudaError_t enqueue(cudaStream_t st, op_t *o) {
+  if (st->capturing) {
+    st->cap_invalid = 1;
+    free(o);
+    return cudaErrorStreamCaptureUnsupported;
+  }
   pthread_mutex_lock(&st->mu);
   o->next = NULL;
   if (st->tail)
@@ -228,6 +256,17 @@ static cudaError_t enqueue(cudaStream_t st, op_t *o) {
 static cudaError_t push(cudaStream_t st, op_t *o) {
   if (atomic_load(&g_sticky))
     return (free(o), cudaErrorIllegalAddress);
+  if (st->capturing && o->kind != OP_EVENT && o->kind != OP_WAIT) {
+    o->next = NULL;
+    if (st->cap_tail)
+      st->cap_tail->next = o;
+    else
+      st->cap_head = o;
+    st->cap_tail = o;
+    return cudaSuccess;
+  }
+  /* An event recorded or waited for inside a capture would be a capture
+   * dependency on a device, not a timing or a wait: refused here. */
   return enqueue(st, o);
 }
 
@@ -515,4 +554,133 @@ cudaError_t cudaLaunchHostFunc(cudaStream_t st, cudaHostFn_t fn, void *userData)
   o->fn = fn;
   o->arg = userData;
   return push(st, o);
+}
+
+/* ---- graphs: stream capture, instantiate, update, launch ---------------- */
+
+static atomic_int g_graph_launches, g_update_refusals;
+
+/* Graph launches so far, and a test's wish that the next n updates be
+ * refused (as a device refuses one whose kernels changed topology). */
+int attnd_cuda_mock_graph_launches(void) {
+  return atomic_load(&g_graph_launches);
+}
+void attnd_cuda_mock_refuse_updates(int n) {
+  atomic_store(&g_update_refusals, n);
+}
+
+static void ops_free(op_t *o) {
+  for (op_t *next; o; o = next) {
+    next = o->next;
+    free(o);
+  }
+}
+
+static op_t *ops_copy(const op_t *o, int *n) {
+  op_t *head = NULL, **pp = &head;
+  *n = 0;
+  for (; o; o = o->next, ++*n) {
+    op_t *c = op_new(o->kind);
+    *c = *o;
+    c->next = NULL;
+    *pp = c;
+    pp = &c->next;
+  }
+  return head;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t st, enum cudaStreamCaptureMode mode) {
+  (void)mode;
+  if (st->capturing)
+    return cudaErrorIllegalState;
+  st->capturing = 1;
+  st->cap_invalid = 0;
+  st->cap_head = st->cap_tail = NULL;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t st, cudaGraph_t *g) {
+  *g = NULL;
+  if (!st->capturing)
+    return cudaErrorIllegalState;
+  st->capturing = 0;
+  op_t *ops = st->cap_head;
+  st->cap_head = st->cap_tail = NULL;
+  if (st->cap_invalid) {
+    ops_free(ops);
+    return cudaErrorStreamCaptureInvalidated;
+  }
+  struct CUgraph_st *gr = calloc(1, sizeof(*gr));
+  if (!gr)
+    abort();
+  gr->head = ops;
+  for (op_t *o = ops; o; o = o->next)
+    gr->n++;
+  *g = gr;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t g, unsigned long long flags) {
+  (void)flags;
+  struct CUgraphExec_st *x = calloc(1, sizeof(*x));
+  if (!x)
+    abort();
+  x->head = ops_copy(g->head, &x->n);
+  *exec = x;
+  return cudaSuccess;
+}
+
+/* Same operations in the same order: the executable graph takes the new
+ * parameters (pointers, sizes, batches); anything else is refused. */
+cudaError_t cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t g,
+                                cudaGraphExecUpdateResultInfo *info) {
+  memset(info, 0, sizeof(*info));
+  int same = exec->n == g->n;
+  for (const op_t *a = exec->head, *b = g->head; same && a && b; a = a->next, b = b->next)
+    same = a->kind == b->kind;
+  if (same && atomic_load(&g_update_refusals) > 0) {
+    atomic_fetch_sub(&g_update_refusals, 1);
+    same = 0;
+  }
+  if (!same) {
+    info->result = cudaGraphExecUpdateErrorTopologyChanged;
+    return cudaErrorGraphExecUpdateFailure;
+  }
+  ops_free(exec->head);
+  exec->head = ops_copy(g->head, &exec->n);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t st) {
+  if (atomic_load(&g_sticky))
+    return cudaErrorIllegalAddress;
+  if (st->capturing)
+    return cudaErrorStreamCaptureUnsupported;
+  int n = 0;
+  for (op_t *o = ops_copy(exec->head, &n), *next; o; o = next) {
+    next = o->next;
+    cudaError_t e = push(st, o);
+    if (e != cudaSuccess) {
+      ops_free(next);
+      return e;
+    }
+  }
+  atomic_fetch_add(&g_graph_launches, 1);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t g) {
+  if (g) {
+    ops_free(g->head);
+    free(g);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  if (exec) {
+    ops_free(exec->head);
+    free(exec);
+  }
+  return cudaSuccess;
 }

@@ -11,14 +11,16 @@
  * before the run. Then: jobs of many layers in flight at once, and the loop closes cleanly.
  *
  * Arguments set the backend's options as the daemon's flags would:
- * --callback (--cuda-completion callback), --trace (--cuda-trace) and
- * --hostfn-min=N (--cuda-hostfn-min). --fault runs only the fault test
- * instead: a block table that points far outside the pool makes the kernel
- * fault; the job must fail with ATTND_EDEVICE (or ATTND_ECUDA), every later
- * job with ATTND_EDEVICE, and teardown must not hang. It leaves the CUDA
- * context unusable, hence the separate run (also with --hostfn-min=0: host
- * functions that a sticky error skips must not leave a job unanswered);
- * --ring-fault likewise runs only test_backend_cuda_ring.c's fault test
+ * --callback / --loop (--cuda-completion callback / loop), --graphs
+ * (--cuda-graphs, from a shape's first step), --trace (--cuda-trace) and
+ * --hostfn-min=N (--cuda-hostfn-min). --fault runs only
+ * the fault test instead: a block table that points far outside the pool
+ * makes the kernel fault; the job must fail with ATTND_EDEVICE (or
+ * ATTND_ECUDA), every later job with ATTND_EDEVICE, and teardown must not
+ * hang. It leaves the CUDA context unusable, hence the separate run (also
+ * with --hostfn-min=0: host functions that a sticky error skips must not
+ * leave a job unanswered); --ring-fault likewise runs only
+ * test_backend_cuda_ring.c's fault test
  * (--ring-fault-pinned: with the step's frame and output pinned). */
 #include <math.h>
 #include <stdio.h>
@@ -708,14 +710,18 @@ int main(int argc, char **argv) {
       fault = 2, g_fault_pinned = 1;
     else if (strcmp(argv[i], "--callback") == 0)
       g_opts.cuda_callbacks = 1;
+    else if (strcmp(argv[i], "--loop") == 0)
+      g_opts.cuda_spin_us = ATTND_CUDA_LOOP_SPIN_US;
+    else if (strcmp(argv[i], "--graphs") == 0)
+      g_opts.cuda_graphs = 2; /* from a shape's first step: the fault test's too */
     else if (strcmp(argv[i], "--trace") == 0)
       g_opts.cuda_trace = 1;
     else if (strncmp(argv[i], "--hostfn-min=", 13) == 0)
       g_opts.cuda_hostfn_min = strtoull(argv[i] + 13, NULL, 10);
     else {
       fprintf(stderr,
-              "usage: %s [--fault|--ring-fault|--ring-fault-pinned] [--callback] [--trace] "
-              "[--hostfn-min=N]\n",
+              "usage: %s [--fault|--ring-fault|--ring-fault-pinned] [--callback|--loop]\n"
+              "          [--graphs] [--trace] [--hostfn-min=N]\n",
               argv[0]);
       return 2;
     }
@@ -762,6 +768,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup(test_ring_pinned, reset_modes),
       cmocka_unit_test_setup(test_ring_pool_full, reset_modes),
       cmocka_unit_test_setup(test_frame_pool, reset_modes),
+      cmocka_unit_test_setup(test_loop_completion, reset_modes),
+      cmocka_unit_test_setup(test_graph_steps, reset_modes),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }

@@ -372,6 +372,9 @@ static void test_tuning(void **state) {
   const char *t9[] = {"--threads", "9", NULL};
   assert_int_equal(parse(&c, t9), 0);
   assert_int_equal(attnd_config_worker_threads(&c), 9);
+  const char *loop[] = {"--cuda-completion", "loop", NULL};
+  assert_int_equal(parse(&c, loop), 0);
+  assert_int_equal(c.cuda_completion, ATTND_COMPLETION_LOOP);
   const char *bad1[] = {"--cuda-completion", "spin", NULL};
   assert_int_equal(parse(&c, bad1), ATTND_EINVAL);
   assert_non_null(strstr(err, "--cuda-completion: 'spin'"));

@@ -107,7 +107,16 @@ typedef struct {
   uint64_t staged_bytes;  /* bytes of steps' q, k, v and out copied on the host into or
                            * out of pinned staging (CUDA; 0 while frames and outputs
                            * are the backend's pinned memory) */
+  uint64_t loop_done;     /* CUDA: runs completed by the loop thread's own
+                           * polling (--cuda-completion loop) */
+  uint64_t graph_steps;   /* CUDA: small steps launched as one graph (--cuda-graphs) */
+  uint64_t graph_builds;  /* CUDA: executable graphs made (new shapes, refused updates) */
 } attnd_backend_stats_t;
+
+/* --cuda-completion loop's polling window (attnd_backend_opts_t
+ * cuda_spin_us): a few small steps' device time; a longer step is left
+ * to the poller thread. */
+#define ATTND_CUDA_LOOP_SPIN_US 250
 
 typedef struct {
   const char *name; /* "cpu" | "cuda" */
@@ -192,7 +201,14 @@ typedef struct {
                               * runs in a host function on the stream */
   int cuda_callbacks;        /* CUDA: 1 = stream callbacks signal completion,
                               * 0 = an event poller thread (default) */
+  uint64_t cuda_spin_us;     /* CUDA, with the poller: the loop thread also polls
+                              * for completions itself for this long after each
+                              * submission or completion (--cuda-completion loop:
+                              * ATTND_CUDA_LOOP_SPIN_US); 0 = off */
   int cuda_trace;            /* CUDA: 1 = log where steps' time goes */
+  int cuda_graphs;           /* CUDA: 1 = small steps as one graph launch per
+                              * shape (--cuda-graphs); 2 = from a shape's first
+                              * step, not its second (tests) */
   uint64_t chunk_keys;       /* a step whose attention reads more keys per q head
                               * (summed over its rows) is large: the CPU backend
                               * cuts it into chunks of about this much, the CUDA

@@ -138,7 +138,85 @@ cudaError_t attnd_cu_track(cu_backend_t *be, cu_run_t *r, cudaStream_t st) {
   be->ptail = r;
   uv_cond_signal(&be->pcv);
   uv_mutex_unlock(&be->pmu);
+  if (be->spin) {
+    be->spin_until = attnd_cu_now_us() + be->loop_spin_us;
+    if (!atomic_load(&be->loop_spinning)) {
+      atomic_store(&be->loop_spinning, 1);
+      uv_idle_start(be->spin, attnd_cu_spin_cb);
+    }
+  }
   return cudaSuccess;
+}
+
+/* Bytes a finished run's completion copies out of its pinned buffer into the
+ * engine's (stream_cb). */
+static size_t run_copy_bytes(const cu_run_t *r) {
+  const attnd_job_t *job = r->job;
+  if (r->status || job->kind != ATTND_JOB_STEP || job->device_io || r->path == 2)
+    return 0;
+  size_t n = job->out_bytes && !job->outputs_pinned ? job->out_bytes : 0;
+  return n + (job->lse_bytes && job->batch.lse ? job->lse_bytes : 0);
+}
+
+/* One round over the pending runs, with pmu held (it is released during the
+ * queries): takes the list unless the other scanner (poller thread or loop
+ * thread) has it, queries the runs' events in submission order and hands the
+ * finished ones to the done queue, in that order; the rest go back in front
+ * of newer ones. Only one scanner at a time, so the done queue keeps each
+ * stream's order. by_loop: a finished run whose output copy exceeds
+ * hostfn_min is left to the poller thread (the loop does no work of a step's
+ * size), and so are its stream's later runs; *handoff is then set. Returns
+ * the runs finished, -1 when the list was not taken. */
+static int scan_locked(cu_backend_t *be, int by_loop, int *handoff) {
+  if (!be->phead || be->pscan)
+    return -1;
+  cu_run_t *list = be->phead;
+  be->phead = be->ptail = NULL;
+  be->pscan = 1;
+  uv_mutex_unlock(&be->pmu);
+  cu_run_t *kh = NULL, *kt = NULL;
+  int done = 0;
+  /* Streams with an unfinished run in this round: their later runs are not
+   * even queried, since the stream may finish both between the two queries
+   * and the later one must not complete first (per-layer order). */
+  uint64_t blocked = 0;
+  for (cu_run_t *r = list, *next; r; r = next) {
+    next = r->pnext;
+    const uint64_t bit = (uint64_t)1 << r->stream;
+    cudaError_t q = (blocked & bit) ? cudaErrorNotReady : cudaEventQuery(r->done_ev);
+    if (q == cudaSuccess && by_loop && run_copy_bytes(r) > be->hostfn_min) {
+      *handoff = 1;
+      q = cudaErrorNotReady;
+    }
+    if (q == cudaErrorNotReady) {
+      blocked |= bit;
+      r->pnext = NULL;
+      if (kt)
+        kt->pnext = r;
+      else
+        kh = r;
+      kt = r;
+      continue;
+    }
+    if (q != cudaSuccess)
+      cudaGetLastError();
+    r->by_loop = by_loop;
+    if (by_loop)
+      be->loop_completions++; /* the loop thread's count (stats) */
+    stream_cb(NULL, q, r);    /* r now belongs to the loop */
+    done++;
+  }
+  uv_mutex_lock(&be->pmu);
+  be->pscan = 0;
+  if (kh) { /* unfinished runs go back in front of newer ones */
+    kt->pnext = be->phead;
+    be->phead = kh;
+    if (!be->ptail)
+      be->ptail = kt;
+  }
+  if (be->phead)
+    uv_cond_signal(&be->pcv); /* the poller may have waited for this round */
+  return done;
 }
 
 void attnd_cu_poller_main(void *arg) {
@@ -148,53 +226,30 @@ void attnd_cu_poller_main(void *arg) {
   int idle = 0;                              /* rounds without a completion since the last one */
   uv_mutex_lock(&be->pmu);
   for (;;) {
-    while (!be->phead && !be->pstop)
+    while ((!be->phead || be->pscan) && !be->pstop)
       uv_cond_wait(&be->pcv, &be->pmu);
     if (!be->phead)
       break; /* stopping, nothing pending */
-    cu_run_t *list = be->phead;
-    be->phead = be->ptail = NULL;
-    uv_mutex_unlock(&be->pmu);
-    cu_run_t *kh = NULL, *kt = NULL;
-    int done = 0;
-    /* Streams with an unfinished run in this round: their later runs are not
-     * even queried, since the stream may finish both between the two queries
-     * and the later one must not complete first (per-layer order). */
-    uint64_t blocked = 0;
-    for (cu_run_t *r = list, *next; r; r = next) {
-      next = r->pnext;
-      const uint64_t bit = (uint64_t)1 << r->stream;
-      cudaError_t q = (blocked & bit) ? cudaErrorNotReady : cudaEventQuery(r->done_ev);
-      if (q == cudaErrorNotReady) {
-        blocked |= bit;
-        r->pnext = NULL;
-        if (kt)
-          kt->pnext = r;
-        else
-          kh = r;
-        kt = r;
-        continue;
-      }
-      if (q != cudaSuccess)
-        cudaGetLastError();
-      stream_cb(NULL, q, r); /* r now belongs to the loop */
-      done++;
+    if (be->pscan || atomic_load(&be->loop_spinning)) {
+      /* The loop thread polls these itself on every turn (its done_cbs need
+       * that thread anyway): stand by, and take over once it stops. */
+      uv_mutex_unlock(&be->pmu);
+      nanosleep(&(struct timespec){0, 20000}, NULL);
+      uv_mutex_lock(&be->pmu);
+      continue;
     }
+    int handoff = 0;
+    int done = scan_locked(be, 0, &handoff);
+    uv_mutex_unlock(&be->pmu);
     /* No busy spin: a thread hammering cudaEventQuery contends with the loop
      * thread's launches for the driver's locks (measured on the H200: a
      * sched_yield spin made pipelined decode 40% slower). Short sleeps with a
      * 1 us timer slack poll every few microseconds, then back off to 20 us
      * for long kernels. */
-    if (done)
+    if (done > 0)
       idle = 0;
     nanosleep(&(struct timespec){0, ++idle > 100 ? 20000 : 3000}, NULL);
     uv_mutex_lock(&be->pmu);
-    if (kh) { /* unfinished runs go back in front of newer ones */
-      kt->pnext = be->phead;
-      be->phead = kh;
-      if (!be->ptail)
-        be->ptail = kt;
-    }
   }
   uv_mutex_unlock(&be->pmu);
 }
@@ -233,8 +288,8 @@ static void finish_run(cu_backend_t *be, cu_run_t *r) {
   job->done_cb(job);
 }
 
-void attnd_cu_async_cb(uv_async_t *h) {
-  cu_backend_t *be = h->data;
+/* Finishes every run on the done queue, in its order (loop thread). */
+static void drain_done(cu_backend_t *be) {
   uv_mutex_lock(&be->mu);
   cu_run_t *r = be->dhead;
   be->dhead = be->dtail = NULL;
@@ -246,6 +301,43 @@ void attnd_cu_async_cb(uv_async_t *h) {
   }
   attnd_cu_pump_waiting(be);
   attnd_cu_update_ref(be);
+}
+
+void attnd_cu_async_cb(uv_async_t *h) {
+  drain_done(h->data);
+}
+
+/* --cuda-completion loop: while runs are pending, and for at most
+ * loop_spin_us after the last submission or completion, the loop thread
+ * polls their events itself on every turn (an active idle handle makes the
+ * loop poll its sockets without blocking), so a small step's completion
+ * reaches done_cb with no thread hop and no wake-up. Only this thread then
+ * makes CUDA calls in those microseconds, so the spin does not contend with
+ * launches for the driver's locks as a spinning poller thread did. The
+ * poller thread stands by meanwhile (checking every 20 us whether the loop
+ * stopped) and takes over when the window closes or a finished run has an
+ * output copy larger than hostfn_min (long steps, large copies). */
+void attnd_cu_spin_cb(uv_idle_t *h) {
+  cu_backend_t *be = h->data;
+  int handoff = 0, done = -1;
+  if (uv_mutex_trylock(&be->pmu) == 0) {
+    done = scan_locked(be, 1, &handoff);
+    uv_mutex_unlock(&be->pmu);
+  }
+  const uint64_t now = attnd_cu_now_us();
+  if (done > 0)
+    be->spin_until = now + be->loop_spin_us;
+  /* The poller's completions too: the done queue is one queue in order.
+   * Their done_cbs may submit more (attnd_cu_track extends the window). */
+  drain_done(be);
+  uv_mutex_lock(&be->pmu);
+  const int left = be->phead != NULL || be->pscan;
+  uv_mutex_unlock(&be->pmu);
+  if (handoff || !left || now > be->spin_until) {
+    /* A later submission starts it again (attnd_cu_track). */
+    uv_idle_stop(h);
+    atomic_store(&be->loop_spinning, 0);
+  }
 }
 
 /* Its stream is drained first so that its pinned buffer is no longer read by

@@ -103,12 +103,16 @@ static void cu_stats(attnd_backend_t *base, attnd_backend_stats_t *st) {
   st->ring_bytes = be->ring_bytes;
   st->ring_chunks = be->ring_chunks;
   st->oneshot_steps = be->oneshot_steps;
+  st->loop_done = be->loop_completions;
+  st->graph_steps = be->graph_steps;
+  st->graph_builds = be->graph_builds;
 }
 
 /* Frees the device and pinned memory; the struct itself goes in the async
  * handle's close callback. */
 static void release(cu_backend_t *be) {
   cudaSetDevice(be->device);
+  attnd_cu_graphs_release(be);
   for (int i = 0; i < 2 * be->nstreams; i++) {
     cu_stream_t *cs = &be->streams[i];
     if (!cs->st)
@@ -186,9 +190,19 @@ static void async_closed(uv_handle_t *h) {
     attnd_cu_free_struct(be);
 }
 
+static void spin_closed(uv_handle_t *h) {
+  free(h);
+}
+
 static void cu_destroy(attnd_backend_t *base) {
   cu_backend_t *be = (cu_backend_t *)base;
   cudaSetDevice(be->device);
+  if (be->spin) {
+    /* The poller finishes what the loop's polling left (below). */
+    uv_close((uv_handle_t *)be->spin, spin_closed);
+    be->spin = NULL;
+    atomic_store(&be->loop_spinning, 0);
+  }
   /* Teardown is the one place that waits for the device: every stream
    * callback has run once its stream is synchronized. */
   for (int i = 0; i < 2 * be->nstreams; i++) {
@@ -252,7 +266,9 @@ static void apply_opts(cu_backend_t *be, const attnd_backend_opts_t *o) {
   be->ring_want = (size_t)o->cuda_ring;
   be->frame_want = (size_t)o->cuda_frame_pool;
   be->poll = !o->cuda_callbacks;
+  be->loop_spin_us = be->poll ? (uint64_t)o->cuda_spin_us : 0;
   be->chunk_keys = o->chunk_keys;
+  be->graphs = o->cuda_graphs;
   if (o->cuda_trace)
     be->trace = attnd_xcalloc(1, sizeof(cu_trace_t));
 }
@@ -418,6 +434,17 @@ static int start_completion(cu_backend_t *be, uv_loop_t *loop, char *err, size_t
       be->poll = 0;
     } else {
       be->poller_started = 1;
+    }
+  }
+  if (be->poll && be->loop_spin_us) {
+    /* Not started until a run is pending (attnd_cu_track). */
+    be->spin = malloc(sizeof(*be->spin));
+    if (!be->spin || uv_idle_init(loop, be->spin) != 0) {
+      free(be->spin);
+      be->spin = NULL;
+      ATTND_LOGW("cuda_poller", "err=\"cannot poll on the loop thread; the poller thread alone\"");
+    } else {
+      be->spin->data = be;
     }
   }
   return 0;

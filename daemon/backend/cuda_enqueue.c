@@ -6,9 +6,10 @@
  * stream; different layers overlap on different streams. A STEP: items and meta (and, for small
  * steps, q, k and v) are copied into a pinned buffer, one H2D copy moves everything to the stream's
  * device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H copy of out (+ lse) and the
- * completion marker (cuda_complete.c). A COPY is one D2D cudaMemcpyAsync per block pair within the
- * layer's pool, a SCALES job one H2D copy into the layer's scales. Nothing here waits for the
- * device. */
+ * completion marker (cuda_complete.c); with --cuda-graphs, a small step's sequence is captured
+ * and goes as one graph launch (cuda_graph.c). A COPY is one D2D cudaMemcpyAsync per block pair
+ * within the layer's pool, a SCALES job one H2D copy into the layer's scales. Nothing here waits
+ * for the device. */
 #ifdef ATTND_HAVE_CUDA
 
 #include <stdio.h>
@@ -299,6 +300,7 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
   const attnd_kbatch_t *hb = &job->batch;
   cu_stream_t *cs = &be->streams[r->stream];
   attnd_kbatch_t db;
+  int graph = 0; /* the sequence below is being captured (cuda_graph.c) */
   if (attnd_cu_device_batch(be, r, &db) != 0)
     return 0;
   layout_t lo;
@@ -353,6 +355,8 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
     RUN_CU(r, cudaLaunchHostFunc(cs->st, attnd_cu_stage_inputs_fn, r));
   attnd_cu_trace_begin(be, r);
   attnd_cu_trace_mark(r, 0, cs->st);
+  graph = attnd_cu_graph_begin(be, r);
+sequence:
   if (direct) {
     RUN_CU(r, cudaMemcpyAsync(dp, hp, lo.off_q, cudaMemcpyHostToDevice, cs->st));
     if (job->q_bytes)
@@ -377,6 +381,11 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
   db.lse = job->lse_bytes && hb->lse ? (float *)(dp + lo.off_lse) : NULL;
   enqueue_kernels(be, r, &db, hp, dp, &lo);
 enqueued:
+  if (graph) {
+    graph = 0;
+    if (attnd_cu_graph_end(be, r))
+      goto sequence; /* nothing captured to launch: the same calls, directly */
+  }
   return 0;
 }
 

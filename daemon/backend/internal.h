@@ -9,6 +9,7 @@
  *   cuda_enqueue.c   a job's work enqueued on its layer's stream (loop thread)
  *   cuda_complete.c  completion: event poller or stream callbacks -> loop
  *   cuda_trace.c     --cuda-trace: timing of where a step's time goes
+ *   cuda_graph.c     --cuda-graphs: a small step's sequence as one graph launch
  *   cuda_ipc.c       same-host zero-copy: client memory mapped, checked
  *
  * cuda_device.c's header comment explains memory, ordering, staging,
@@ -77,6 +78,9 @@ _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE
  * batch of up to this many rows gets all the splits it asks for; a larger
  * one splits less (the workspace never grows while serving). */
 #define CU_WS_ROWS 128
+/* --cuda-graphs: executable graphs kept per stream, one per step shape
+ * (cuda_graph.c), the least recently used replaced. */
+#define CU_GRAPHS 4
 
 typedef struct cu_backend_s cu_backend_t;
 typedef struct cu_ring_plan_s cu_ring_plan_t; /* internal_ring.h */
@@ -104,6 +108,8 @@ typedef struct cu_run_s {
   cudaEvent_t ev[5];
   int traced;
   uint64_t t_enq, t_cb;
+  int by_loop;          /* completed by the loop thread's own polling (--cuda-completion loop) */
+  int graphed;          /* its sequence is captured / went as one graph launch (cuda_graph.c) */
   cudaEvent_t done_ev;  /* polled completion: recorded behind the run's work */
   cudaEvent_t fence_ev; /* an ordered run's wait for its layer's priority stream */
   /* The ring (cuda_ring.c). A large step's run has a plan and holds ring
@@ -125,13 +131,23 @@ enum { TR_ENQ, TR_H2D, TR_WRITE, TR_ATTEND, TR_D2H, TR_CB, TR_HOP, TR_COUNT };
 typedef struct {
   float v[TR_COUNT][CU_TRACE_N];
   int n;
+  int nloop;  /* of the window's steps, completed by the loop thread's polling */
+  int ngraph; /* of the window's steps, launched as one graph (cuda_graph.c) */
 } cu_trace_t;
+
+/* A step shape's executable graph on one stream (cuda_graph.c); exec NULL:
+ * the shape was seen once (it runs directly; the next one is captured). */
+typedef struct {
+  uint64_t key, used;
+  cudaGraphExec_t exec;
+} cu_graph_t;
 
 typedef struct {
   cudaStream_t st;
   /* A layer stream's copy streams (the ring's chunks: H2D on h2d, D2H on
    * d2h, kernels on st, joined by events), NULL on the priority twins. */
   cudaStream_t h2d, d2h;
+  cu_graph_t graphs[CU_GRAPHS];
   uint8_t *dbuf; /* device staging: inputs then outputs of the running job */
   size_t dcap;
   void *ws; /* attention workspace */
@@ -213,6 +229,17 @@ struct cu_backend_s {
   uv_cond_t pcv;
   cu_run_t *phead, *ptail; /* runs whose done event is recorded, in submission order */
   int pstop;
+  int pscan; /* the pending list is out for a round (poller or loop; under pmu) */
+  /* --cuda-completion loop: the loop thread's own polling (an idle handle,
+   * allocated, closed at destroy), its window and whether it runs now. */
+  uv_idle_t *spin;
+  uint64_t loop_spin_us, spin_until;
+  atomic_int loop_spinning;
+  uint64_t loop_completions; /* runs the loop's polling completed (stats) */
+  /* --cuda-graphs (cuda_graph.c): 0 off, 1 from a shape's second step, 2
+   * from its first (tests); counts for stats and the trace. */
+  int graphs;
+  uint64_t graph_tick, graph_steps, graph_builds, graph_update_fails, graph_capture_fails;
   cudaEvent_t *evfree; /* recycled done events (loop thread) */
   int nevfree, evcap;
   /* Same-host zero-copy (cuda_ipc.c): the device check of client tensors,
@@ -289,6 +316,19 @@ void attnd_cu_ring_chunk_outputs(cu_run_t *c);
 /* The device view of a step's batch (cuda_enqueue.c): pool, scales, sinks. */
 int attnd_cu_device_batch(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db);
 
+/* ---- cuda_graph.c: small steps as graphs (loop thread) ---- */
+
+/* 1 when r's sequence (H2D, kernels, D2H) is to be captured: capture has
+ * begun on its stream; 0 to enqueue it directly. */
+int attnd_cu_graph_begin(cu_backend_t *be, cu_run_t *r);
+/* Ends the capture that attnd_cu_graph_begin began and, unless r failed,
+ * updates the stream's graph of that shape (or makes one) and launches it:
+ * 0. 1 when the capture gave nothing to launch and the device is alive: r's
+ * error is cleared and the caller makes the same calls directly. */
+int attnd_cu_graph_end(cu_backend_t *be, cu_run_t *r);
+/* Destroys every stream's graphs (teardown). */
+void attnd_cu_graphs_release(cu_backend_t *be);
+
 /* ---- cuda_enqueue.c: submission (loop thread) ---- */
 
 /* Records a failed CUDA runtime call in a run (first failure wins). */
@@ -311,6 +351,8 @@ cudaError_t attnd_cu_track(cu_backend_t *be, cu_run_t *r, cudaStream_t st);
  * is drained first: an error path only). */
 void attnd_cu_complete_untracked(cu_backend_t *be, cu_run_t *r);
 void attnd_cu_async_cb(uv_async_t *h);
+/* --cuda-completion loop: the loop thread polls pending runs itself. */
+void attnd_cu_spin_cb(uv_idle_t *h);
 void attnd_cu_poller_main(void *arg);
 void attnd_cu_poller_stop(cu_backend_t *be);
 /* Events from a recycled pool (loop thread); NULL when none can be made. */
@@ -333,6 +375,8 @@ void attnd_cu_ipc_release(cu_backend_t *be);
 void attnd_cu_trace_begin(cu_backend_t *be, cu_run_t *r);
 /* Records trace event i of a traced run on st. */
 void attnd_cu_trace_mark(cu_run_t *r, int i, cudaStream_t st);
+/* The same around a graph launch (attnd_cu_trace_mark skips graphed runs). */
+void attnd_cu_trace_mark_graph(cu_run_t *r, int i, cudaStream_t st);
 /* Loop thread, after the run completed: its events are complete. */
 void attnd_cu_trace_run(cu_backend_t *be, cu_run_t *r);
 

@@ -101,6 +101,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->cuda_hostfn_min = ATTND_DEFAULT_CUDA_HOSTFN_MIN;
   c->cuda_completion = ATTND_COMPLETION_POLL;
   c->cuda_trace = 0;
+  c->cuda_graphs = 0;
   c->step_trace = 0;
 }
 

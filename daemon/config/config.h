@@ -46,7 +46,11 @@ typedef enum {
 } attnd_backend_kind_t;
 
 /* How the CUDA backend learns that a job finished. */
-typedef enum { ATTND_COMPLETION_POLL = 0, ATTND_COMPLETION_CALLBACK = 1 } attnd_completion_t;
+typedef enum {
+  ATTND_COMPLETION_POLL = 0,
+  ATTND_COMPLETION_CALLBACK = 1,
+  ATTND_COMPLETION_LOOP = 2
+} attnd_completion_t;
 
 typedef struct {
   /* Listeners. Empty strings disable a listener. */
@@ -140,8 +144,9 @@ typedef struct {
                                        * at start, 0 = 1/16 of host memory, at most 2G */
   uint64_t cuda_hostfn_min;           /* --cuda-hostfn-min: q+k+v bytes copied to pinned
                                        * memory by a host function past this, default 1M */
-  attnd_completion_t cuda_completion; /* --cuda-completion poll|callback */
+  attnd_completion_t cuda_completion; /* --cuda-completion poll|callback|loop */
   int cuda_trace;                     /* --cuda-trace: log where steps' time goes */
+  int cuda_graphs;                    /* --cuda-graphs: small steps as one graph launch */
   int step_trace;                     /* --step-trace N: log steps' phases every N (0 off) */
 
   /* attnd_origin_t of each option, indexed by its row in deploy/options.toml

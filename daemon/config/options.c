@@ -309,8 +309,10 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
       c->cuda_completion = ATTND_COMPLETION_POLL;
     else if (strcmp(v, "callback") == 0)
       c->cuda_completion = ATTND_COMPLETION_CALLBACK;
+    else if (strcmp(v, "loop") == 0)
+      c->cuda_completion = ATTND_COMPLETION_LOOP;
     else
-      ERR("--cuda-completion: '%s' is not one of poll, callback", v);
+      ERR("--cuda-completion: '%s' is not one of poll, callback, loop", v);
     return 0;
   }
   if (strcmp(name, "dtype") == 0) {
@@ -371,6 +373,8 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
     return parse_bool(name, v, &c->ipc, err, errlen);
   if (strcmp(name, "cuda-trace") == 0)
     return parse_bool(name, v, &c->cuda_trace, err, errlen);
+  if (strcmp(name, "cuda-graphs") == 0)
+    return parse_bool(name, v, &c->cuda_graphs, err, errlen);
   ERR("unknown option '%s%s'", prefix, name_in);
 #undef STR
 #undef INT
@@ -443,6 +447,8 @@ static void set_switch(attnd_config_t *c, int idx) {
     c->require_token = 1;
   } else if (strcmp(name, "cuda-trace") == 0) {
     c->cuda_trace = 1;
+  } else if (strcmp(name, "cuda-graphs") == 0) {
+    c->cuda_graphs = 1;
   } else if (strcmp(name, "check-config") == 0) {
     c->check_config = 1;
   } else if (strcmp(name, "help") == 0) {

@@ -62,7 +62,9 @@ static int create_backend(attnd_engine_t *e, const attnd_config_t *cfg, char *er
   bo.cuda_frame_pool = cfg->cuda_frame_pool;
   bo.cuda_hostfn_min = cfg->cuda_hostfn_min;
   bo.cuda_callbacks = cfg->cuda_completion == ATTND_COMPLETION_CALLBACK;
+  bo.cuda_spin_us = cfg->cuda_completion == ATTND_COMPLETION_LOOP ? ATTND_CUDA_LOOP_SPIN_US : 0;
   bo.cuda_trace = cfg->cuda_trace;
+  bo.cuda_graphs = cfg->cuda_graphs;
   bo.chunk_keys = cfg->engine_chunk_keys;
   if (use_cuda)
     return attnd_backend_cuda_create(&e->be, e->loop, &e->shape, e->layers, &bo, err, errlen);

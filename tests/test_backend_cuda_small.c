@@ -1,0 +1,157 @@
+/* test_backend_cuda_small.c: small steps' submission and completion: --cuda-completion
+ * loop (daemon/backend/cuda_complete.c) and --cuda-graphs (cuda_graph.c),
+ * part of test_backend_cuda (on a GPU and over tests/cuda_mock.c).
+ *
+ * The loop thread polls pending runs' events itself while they are out, next
+ * to the poller thread; both hand completions over in one queue. Checked
+ * here with a window long enough that the loop's polling is always on:
+ * prefills and decode chains of two layers submitted back to back (each
+ * decode reads the keys of the steps before it) give the CPU backend's
+ * outputs and lse, each layer's jobs finish in submission order, and the
+ * loop did complete some of them (the backend's stats). The whole suite
+ * and the fault test run again under --loop (tests/backend_cuda.cmake),
+ * once with --hostfn-min=0, which leaves every run with an output copy to
+ * the poller thread.
+ *
+ * --cuda-graphs (daemon/backend/cuda_graph.c): the same chain gives the same
+ * outputs and order with small steps launched as graphs, exactly the steps
+ * expected go as graphs, and a refused update makes a new graph; the suite
+ * and the fault test (a faulting graph) run again under --graphs. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend_cuda_fixture.h"
+
+enum { DECODES = 6, PER_LAYER = 1 + DECODES, NJOBS = LAYERS * PER_LAYER };
+
+/* The mock's graph counters and knob (tests/cuda_mock.c); NULL on a device. */
+int attnd_cuda_mock_graph_launches(void) __attribute__((weak));
+void attnd_cuda_mock_refuse_updates(int n) __attribute__((weak));
+
+/* Submits the layers' prefills, then their decodes alternating (layer 0
+ * token 0, layer 1 token 0, layer 0 token 1, ...; odd tokens with fp32
+ * outputs: two decode shapes), all back to back, on a fresh CUDA backend
+ * with g_opts; checks every output and lse against the CPU backend's and
+ * each layer's completion order; returns the CUDA backend's stats. */
+static attnd_backend_stats_t run_chain(void) {
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  char err[256] = "";
+  attnd_backend_t *cpu = NULL, *gpu = NULL;
+  assert_int_equal(
+      attnd_backend_cpu_create(&cpu, &loop, &s, LAYERS, opts(64ull << 20), err, sizeof(err)), 0);
+  assert_int_equal(
+      attnd_backend_cuda_create(&gpu, &loop, &s, LAYERS, opts(64ull << 20), err, sizeof(err)), 0);
+  tjob_spec_t sp[NJOBS];
+  int layer_of[NJOBS];
+  int n = 0;
+  for (int l = 0; l < LAYERS; l++) {
+    titem_t pre = {.start = 0,
+                   .n = 20,
+                   .has_q = 1,
+                   .mask = ATTND_MASK_CAUSAL,
+                   .table = {2 * l, 2 * l + 1},
+                   .nb = 2};
+    layer_of[n] = l;
+    spec_step(&sp[n++], l, &pre, 1, 0, 1);
+  }
+  for (int t = 0; t < DECODES; t++)
+    for (int l = 0; l < LAYERS; l++) {
+      titem_t dec = {.start = 20 + t,
+                     .n = 1,
+                     .has_q = 1,
+                     .mask = ATTND_MASK_CAUSAL,
+                     .table = {2 * l, 2 * l + 1},
+                     .nb = 2};
+      layer_of[n] = l;
+      spec_step(&sp[n++], l, &dec, 1, t % 2, 1);
+    }
+  assert_int_equal(n, NJOBS);
+  tjob_t jc[NJOBS], jg[NJOBS];
+  int dummy = 0;
+  for (int i = 0; i < NJOBS; i++) {
+    job_from_spec(&jc[i], &sp[i], &dummy);
+    job_from_spec(&jg[i], &sp[i], &dummy);
+  }
+  run_all(&loop, cpu, jc, NJOBS);
+  run_all(&loop, gpu, jg, NJOBS);
+  double worst = 0, worst_lse = 0;
+  for (int i = 0; i < NJOBS; i++) {
+    if (jg[i].job.status)
+      fail_msg("cuda job %d: %s", i, jg[i].job.message);
+    assert_int_equal(jc[i].job.status, 0);
+    const size_t rows = (size_t)sp[i].Tq;
+    double r = rel_l2_out(&jg[i], &jc[i], rows * QH * HD);
+    if (!(r <= worst))
+      worst = r;
+    for (size_t e = 0; e < rows * QH; e++) {
+      double x = jg[i].job.batch.lse[e], y = jc[i].job.batch.lse[e];
+      double dl = fabs(x - y) - 1e-4 * (1 + fabs(y));
+      if (!(dl <= worst_lse))
+        worst_lse = isfinite(dl) ? dl : INFINITY;
+    }
+    /* Per-layer order: every earlier job of its layer finished before it. */
+    for (int j = 0; j < i; j++)
+      if (layer_of[j] == layer_of[i] && jg[j].done_seq > jg[i].done_seq)
+        fail_msg("layer %d: job %d finished before job %d", layer_of[i], i, j);
+  }
+  attnd_backend_stats_t st;
+  memset(&st, 0, sizeof(st));
+  assert_non_null(gpu->ops->stats);
+  gpu->ops->stats(gpu, &st);
+  print_message("%d jobs: %llu completed by the loop, %llu as graphs (%llu made); worst rel L2 "
+                "%.3e, worst |lse - cpu| - 1e-4 (1 + |cpu|) %.3e\n",
+                NJOBS, (unsigned long long)st.loop_done, (unsigned long long)st.graph_steps,
+                (unsigned long long)st.graph_builds, worst, worst_lse);
+  assert_true(worst <= ATTND_TOL_BACKENDS);
+  assert_true(worst_lse <= ATTND_TOL_CUDA_LSE_ABS);
+  for (int i = 0; i < NJOBS; i++) {
+    job_free(&jc[i]);
+    job_free(&jg[i]);
+    spec_free(&sp[i]);
+  }
+  cpu->ops->destroy(cpu);
+  destroy_and_close(&loop, gpu);
+  assert_int_equal(uv_loop_close(&loop), 0);
+  return st;
+}
+
+void test_loop_completion(void **state) {
+  (void)state;
+  SKIP_WITHOUT_GPU();
+  g_opts.cuda_callbacks = 0;                 /* loop polling is the poller's mode */
+  g_opts.cuda_spin_us = 10ull * 1000 * 1000; /* always on while runs are out */
+  /* --hostfn-min=0: every job here has an lse to copy out, so the loop must
+   * leave all of them to the poller thread. */
+  const int handoff = g_opts.cuda_hostfn_min == 0;
+  attnd_backend_stats_t st = run_chain();
+  /* The poller thread stands by while the loop polls (its window outlasts
+   * the test here): the loop completes every job, or none when each has a
+   * copy to leave to the poller. */
+  assert_int_equal(st.loop_done, handoff ? 0 : NJOBS);
+}
+
+/* --cuda-graphs: a shape's first step on a stream runs directly, the later
+ * ones as graph launches (each layer here has its own stream: a prefill
+ * shape and two decode shapes per stream, DECODES / 2 steps of each decode
+ * shape). Then graphs from a shape's first step, with two updates refused
+ * (the mock only): every step a graph, two more executable graphs made. */
+void test_graph_steps(void **state) {
+  (void)state;
+  SKIP_WITHOUT_GPU();
+  g_opts.cuda_graphs = 1;
+  attnd_backend_stats_t st = run_chain();
+  assert_int_equal(st.graph_steps, (uint64_t)LAYERS * (DECODES - 2));
+  if (attnd_cuda_mock_graph_launches)
+    assert_int_equal(st.graph_builds, (uint64_t)LAYERS * 2);
+  g_opts.cuda_graphs = 2;
+  if (attnd_cuda_mock_refuse_updates)
+    attnd_cuda_mock_refuse_updates(2);
+  st = run_chain();
+  assert_int_equal(st.graph_steps, (uint64_t)NJOBS);
+  if (attnd_cuda_mock_refuse_updates)
+    assert_int_equal(st.graph_builds, (uint64_t)LAYERS * 3 + 2);
+}
