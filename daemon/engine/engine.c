@@ -136,6 +136,7 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
    * core of its own takes the loop thread's (measured on 2 cores: queueing 4
    * parts held the loop 2-17 ms). */
   e->scan_parts = attnd_config_worker_threads(cfg);
+  e->scan_part_bytes = ATTND_SCAN_PART_BYTES;
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   if (ncpu > 1 && e->scan_parts > ncpu - 1)
     e->scan_parts = (int)(ncpu - 1);
