@@ -13,7 +13,8 @@
 #      8 times each over the Unix socket and over loopback TCP (a 2-layer daemon:
 #      the per-layer cost is the same, the run is shorter);
 #   2. prefill: 16 sessions x 4,096 in one layer step (768 MiB in, 512 MiB out),
-#      Unix socket, twice: linear in the bytes?
+#      Unix socket, 3 times (the first step of a size pays its pinned
+#      allocation; the p50 of 6 does not): linear in the bytes?
 #   3. decode layer steps at 4,096 tokens of context, 1 / 16 / 64 sessions,
 #      depth 1 and 8 (layer steps in flight on the connection), Unix socket
 #      (an 8-layer daemon; the sessions are filled 4 per prefill step, once:
@@ -209,7 +210,7 @@ for tr in unix tcp; do
 done
 # ---- 2. 16 x 4,096 in one layer step ------------------------------------------------------
 run_case "prefill_${big_sessions}x4096_unix" unix 2 60 prefill 65536 \
-  "=--sessions $big_sessions --prompt 4096 --steps 0 --repeat 2" -- --max-frame 1G --max-inflight 2G
+  "=--sessions $big_sessions --prompt 4096 --steps 0 --repeat 3" -- --max-frame 1G --max-inflight 2G
 # ---- 3. decode layer steps at 4,096, depth 1 then 8 (the second run hits the prefix cache) ---------
 for s in "${dec_sessions[@]}"; do
   b="--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --seed 7"
