@@ -283,6 +283,9 @@ def _tensor_to_torch(t: Any, device: Any = None, frame: Optional[bytearray] = No
     dts = {DTYPE_FP32: torch.float32, DTYPE_FP16: torch.float16, DTYPE_BF16: torch.bfloat16,
            DTYPE_INT32: torch.int32}
     buf, off, count = _tensor_buf(t, frame, span)
+    if count == 0:  # torch.frombuffer refuses an empty buffer
+        out = torch.empty(tuple(t.shape), dtype=dts[t.dtype])
+        return out.to(device) if device is not None else out
     if not isinstance(buf, bytearray):
         buf = bytearray(buf)
     out = torch.frombuffer(buf, dtype=dts[t.dtype], count=count, offset=off).reshape(tuple(t.shape))
