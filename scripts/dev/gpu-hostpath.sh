@@ -18,7 +18,9 @@
 #   3. decode layer steps at 4,096 tokens of context, 1 / 16 / 64 sessions,
 #      depth 1 and 8 (layer steps in flight on the connection), Unix socket
 #      (an 8-layer daemon; the sessions are filled 4 per prefill step, once:
-#      the depth-8 run finds its prompts in the prefix cache).
+#      the depth-8 run finds its prompts in the prefix cache), and depth 1
+#      again with the client busy-polling for its answers (attnctl bench
+#      --spin 300: what a sleeping client's wakeup costs).
 # Per case: the round trip's p50/p99, the daemon's total and computing time
 # (the responses' Timing), the client's phases (encode, send, wait, read,
 # parse; attnd_client_phases) and the daemon's step_trace p50s (read, scan,
@@ -215,6 +217,6 @@ run_case "prefill_${big_sessions}x4096_unix" unix 2 60 prefill 65536 \
 for s in "${dec_sessions[@]}"; do
   b="--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --seed 7"
   run_case "decode_${s}x${dec_prompt}" unix $dec_layers 90 decode $((dec_steps * dec_layers)) \
-    "_d1=$b --depth 1" "_d8=$b --depth 8"
+    "_d1=$b --depth 1" "_d8=$b --depth 8" "_d1spin=$b --depth 1 --spin 300"
 done
 [ $nfail = 0 ] && [ $npass -gt 0 ]
