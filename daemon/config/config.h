@@ -62,9 +62,9 @@ typedef struct {
   char log_file[256];           /* --log-file: append here instead of stderr */
 
   /* Model shape (attnd_kshape_t carries the kernels' part of it). */
-  int layers;             /* --layers, default 32 */
-  attnd_kshape_t shape;   /* --q-heads --kv-heads --head-dim --block-size --dtype
-                           * --kv-cache --rope --rope-theta --rotary-dim --softmax-scale */
+  int layers;           /* --layers, default 32 */
+  attnd_kshape_t shape; /* --q-heads --kv-heads --head-dim --block-size --dtype
+                         * --kv-cache --rope --rope-theta --rotary-dim --softmax-scale */
   /* Head sharding (docs/scale-out.md): --kv-heads takes the model's kv heads N
    * or the held range A:B. Options carry the model's totals in shape.q_heads and
    * shape.kv_heads; attnd_config_validate then narrows shape to the held heads
@@ -140,6 +140,8 @@ typedef struct {
   attnd_completion_t cuda_completion; /* --cuda-completion poll|callback */
   int cuda_trace;                     /* --cuda-trace: log where steps' time goes */
   int step_trace;                     /* --step-trace N: log steps' phases every N (0 off) */
+  int busy_poll_us;                   /* --busy-poll-us: the loop polls this long after RPC
+                                       * activity instead of sleeping (0 off) */
 
   /* attnd_origin_t of each option, indexed by its row in deploy/options.toml
    * (attnd_config_origin() looks one up by name). */

@@ -20,7 +20,9 @@
 #      (an 8-layer daemon; the sessions are filled 4 per prefill step, once:
 #      the depth-8 run finds its prompts in the prefix cache), and depth 1
 #      again with the client busy-polling for its answers (attnctl bench
-#      --spin 300: what a sleeping client's wakeup costs).
+#      --spin 300: what a sleeping client's wakeup costs);
+#   4. decode at 1 and 16 sessions again with attnd --busy-poll-us 300 (the
+#      daemon's loop polls instead of sleeping while traffic flows).
 # Per case: the round trip's p50/p99, the daemon's total and computing time
 # (the responses' Timing), the client's phases (encode, send, wait, read,
 # parse; attnd_client_phases) and the daemon's step_trace p50s (read, scan,
@@ -218,5 +220,11 @@ for s in "${dec_sessions[@]}"; do
   b="--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --seed 7"
   run_case "decode_${s}x${dec_prompt}" unix $dec_layers 90 decode $((dec_steps * dec_layers)) \
     "_d1=$b --depth 1" "_d8=$b --depth 8" "_d1spin=$b --depth 1 --spin 300"
+done
+# ---- 4. the same at 1 and 16 sessions with the daemon's loop busy-polling too ------------------
+for s in "${dec_sessions[@]:0:2}"; do
+  b="--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --seed 7"
+  run_case "decode_${s}x${dec_prompt}_busy" unix $dec_layers 60 decode $((dec_steps * dec_layers)) \
+    "_d1=$b --depth 1" "_d1spin=$b --depth 1 --spin 300" "_d8=$b --depth 8" -- --busy-poll-us 300
 done
 [ $nfail = 0 ] && [ $npass -gt 0 ]
