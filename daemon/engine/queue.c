@@ -285,8 +285,8 @@ static void part_done(uv_work_t *w, int status) {
 }
 
 /* A large step's scan, in parts on the worker pool when it is large enough
- * for them to pay (a 48 MiB prefill: ~4x faster on 4 workers than in one);
- * one worker for a check of device memory. */
+ * for them to pay (a pass over memory per part: parts on free cores divide
+ * its time); one worker for a check of device memory. */
 static void scan_start(attnd_engine_t *e, call_t *c) {
   int n = attnd_scan_nparts(&c->step, e->scan_parts, e->scan_part_bytes);
   c->q.held = 1;
