@@ -173,7 +173,7 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
   attnd_list_init(&e->slist);
   attnd_list_init(&e->plist);
   attnd_order_init(e);
-  attnd_hostmem_init(&e->hm);
+  attnd_hostmem_init(&e->hm, cfg->max_frame);
   attnd_scales_update_fingerprint(e);
   start_idle_sweep(e);
   *out = e;

@@ -201,9 +201,10 @@ typedef struct {
   uv_mutex_t mu; /* frees may come from any thread */
   void *p[ATTND_HOSTMEM_SLOTS];
   size_t cap[ATTND_HOSTMEM_SLOTS];
-  size_t bytes; /* sum of cap[] */
+  size_t bytes;     /* sum of cap[] */
+  size_t max_bytes; /* ... at most */
 } attnd_hostmem_t;
-void attnd_hostmem_init(attnd_hostmem_t *h);
+void attnd_hostmem_init(attnd_hostmem_t *h, uint64_t max_frame);
 /* Plain host memory of len bytes, 64-byte aligned, perhaps a kept buffer;
  * aborts when out of memory. attnd_engine_host_free(e, p, 0) takes it back. */
 void *attnd_engine_host_plain(attnd_engine_t *e, size_t len);
