@@ -74,6 +74,12 @@ int attnd_client_status(const attnd_client_t *c);
 uint64_t attnd_client_epoch(const attnd_client_t *c);
 /* Receive timeout in milliseconds; 0 (the default) waits forever. */
 void attnd_client_set_timeout(attnd_client_t *c, int ms);
+/* Busy-waiting: a receive that finds nothing polls the socket without
+ * sleeping for up to us microseconds before it blocks (0, the default: it
+ * blocks at once). A thread waiting for a ~100 us answer then wakes without
+ * the scheduler's and the idle CPU's wakeup latency, at the price of a core
+ * while it waits. */
+void attnd_client_set_spin(attnd_client_t *c, int us);
 
 /* Where the last call's time went on this side, for benchmarks (attnctl
  * bench): the last send's encoding (sizing and the small fields; tensor bytes

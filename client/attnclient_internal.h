@@ -46,6 +46,7 @@ struct attnd_client_s {
    * response's header and body come in one recv. */
   uint8_t *rbuf;
   size_t rpos, rlen;
+  int spin_us; /* attnd_client_set_spin */
   attnd_client_phases_t ph;
   char addr[256];
   char errmsg[640];

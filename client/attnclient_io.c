@@ -213,6 +213,23 @@ int attnd_client_send(attnd_client_t *c, attnd_v1_Request *req, uint64_t *id) {
   return rc;
 }
 
+void attnd_client_set_spin(attnd_client_t *c, int us) {
+  c->spin_us = us < 0 ? 0 : us;
+}
+
+/* recv without sleeping for up to spin_us: bytes, 0 at EOF, or -1 with the
+ * wait left to the blocking recv (nothing came, or an error it reports). */
+static ssize_t spin_recv(attnd_client_t *c, uint8_t *p, size_t n) {
+  double end = now_us() + c->spin_us;
+  for (;;) {
+    ssize_t r = recv(c->fd, p, n, MSG_DONTWAIT);
+    if (r >= 0)
+      return r;
+    if ((errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) || now_us() >= end)
+      return -1;
+  }
+}
+
 /* Reads n bytes into p: first what was read ahead, then straight into p for
  * large reads, else through the read-ahead buffer (one recv takes whatever
  * the daemon has sent, up to READ_AHEAD bytes: a small response's body with
@@ -230,17 +247,19 @@ static int read_all(attnd_client_t *c, uint8_t *p, size_t n) {
     }
     if (!c->rbuf && !(c->rbuf = malloc(READ_AHEAD)))
       return attnd_client_fail(c, ATTND_CLIENT_ENOMEM, "out of memory");
-    if (c->timeout_ms > 0) {
+    int direct = n >= READ_AHEAD;
+    ssize_t r = c->spin_us > 0 ? spin_recv(c, direct ? p : c->rbuf, direct ? n : READ_AHEAD) : -1;
+    if (r < 0 && c->timeout_ms > 0) {
       struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
-      int r = poll(&pfd, 1, c->timeout_ms);
-      if (r < 0 && errno == EINTR)
+      int pr = poll(&pfd, 1, c->timeout_ms);
+      if (pr < 0 && errno == EINTR)
         continue;
-      if (r == 0)
+      if (pr == 0)
         return attnd_client_fail(c, ATTND_CLIENT_ETIMEDOUT, "no answer from %s within %d ms",
                                  c->addr, c->timeout_ms);
     }
-    int direct = n >= READ_AHEAD;
-    ssize_t r = recv(c->fd, direct ? p : c->rbuf, direct ? n : READ_AHEAD, 0);
+    if (r < 0)
+      r = recv(c->fd, direct ? p : c->rbuf, direct ? n : READ_AHEAD, 0);
     if (r < 0) {
       if (errno == EINTR)
         continue;

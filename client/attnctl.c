@@ -83,6 +83,8 @@ static const char *const usage_bench =
     "  --repeat N    prefill N times (the sessions truncated to 0 in between), for\n"
     "                percentiles of large steps (default 1)\n"
     "  --prefill-sessions N  sessions per prefill step (default: all in one)\n"
+    "  --spin US     wait for each answer busy-polling up to US microseconds before\n"
+    "                sleeping (default 0: sleep at once)\n"
     "Layer steps also get the client's phases (encode, send, wait for the answer,\n"
     "read, parse) and the daemon's total and computing time of each.\n";
 
@@ -112,6 +114,7 @@ enum {
   OPT_SINKS,
   OPT_REPEAT,
   OPT_PREFILL_SESSIONS,
+  OPT_SPIN,
 };
 #define OPT_BIT(id) (1u << ((id)-OPT_SOCKET))
 #define OPTS_GLOBAL                                                                                \
@@ -120,7 +123,7 @@ enum {
 #define OPTS_BENCH                                                                                 \
   (OPT_BIT(OPT_SESSIONS) | OPT_BIT(OPT_PROMPT) | OPT_BIT(OPT_STEPS) | OPT_BIT(OPT_DEPTH) |         \
    OPT_BIT(OPT_INLINE) | OPT_BIT(OPT_LSE) | OPT_BIT(OPT_SEED) | OPT_BIT(OPT_REPEAT) |              \
-   OPT_BIT(OPT_PREFILL_SESSIONS))
+   OPT_BIT(OPT_PREFILL_SESSIONS) | OPT_BIT(OPT_SPIN))
 #define OPTS_SINKS (OPT_BIT(OPT_LAYER) | OPT_BIT(OPT_SINKS))
 
 static const struct option long_options[] = {
@@ -141,6 +144,7 @@ static const struct option long_options[] = {
     {"sinks", required_argument, NULL, OPT_SINKS},
     {"repeat", required_argument, NULL, OPT_REPEAT},
     {"prefill-sessions", required_argument, NULL, OPT_PREFILL_SESSIONS},
+    {"spin", required_argument, NULL, OPT_SPIN},
     {"help", no_argument, NULL, 'h'},
     {"version", no_argument, NULL, 'V'},
     {NULL, 0, NULL, 0},
@@ -284,6 +288,7 @@ static int parse_args(int argc, char **argv, attnctl_opts_t *o, const command_t 
     case OPT_STEPS:
     case OPT_REPEAT:
     case OPT_PREFILL_SESSIONS:
+    case OPT_SPIN:
     case OPT_DEPTH: {
       int *field = ch == OPT_COUNT              ? &o->watch_count
                    : ch == OPT_SESSIONS         ? &o->sessions
@@ -291,8 +296,9 @@ static int parse_args(int argc, char **argv, attnctl_opts_t *o, const command_t 
                    : ch == OPT_STEPS            ? &o->steps
                    : ch == OPT_REPEAT           ? &o->repeat
                    : ch == OPT_PREFILL_SESSIONS ? &o->prefill_sessions
+                   : ch == OPT_SPIN             ? &o->spin
                                                 : &o->depth;
-      int min = ch == OPT_PROMPT || ch == OPT_STEPS ? 0 : 1;
+      int min = ch == OPT_PROMPT || ch == OPT_STEPS || ch == OPT_SPIN ? 0 : 1;
       if (parse_int(optarg, min, field)) {
         fprintf(stderr, "attnctl: --%s wants an integer >= %d, not '%s'\nTry 'attnctl --help'.\n",
                 option_name(ch), min, optarg);

@@ -31,6 +31,7 @@ typedef struct {
   int depth;
   int repeat;           /* --repeat: prefills */
   int prefill_sessions; /* --prefill-sessions: sessions per prefill step, 0 all */
+  int spin;             /* --spin US: attnd_client_set_spin */
   int use_plan;
   int want_lse;
   unsigned seed;

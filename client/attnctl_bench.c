@@ -208,6 +208,7 @@ int attnctl_cmd_bench(attnd_client_t *c, const attnctl_opts_t *o) {
     return ATTNCTL_USAGE;
   }
   rng_state = o->seed;
+  attnd_client_set_spin(c, o->spin);
   int S = o->sessions;
   /* --prefill-sessions: sessions per prefill step (0: all in one). */
   int G = o->prefill_sessions > 0 && o->prefill_sessions < S ? o->prefill_sessions : S;

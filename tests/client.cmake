@@ -42,9 +42,9 @@ attnd_add_e2e(e2e_prefix_acceptance test_prefix_acceptance)
 # engine's admission queue (finiteness scan on the worker pool,
 # docs/sessions.md) and every step's output written to the socket by
 # reference (rpc sendv): the thresholds that normally keep small steps on the
-# direct paths are 0.
+# direct paths are 0; and the loop busy-polls after activity (--busy-poll-us).
 attnd_add_e2e(e2e_sessions_queued test_sessions test_reliability_badinput)
-set_tests_properties(e2e_sessions_queued PROPERTIES ENVIRONMENT "${ATTND_E2E_ENV};ATTND_E2E_DAEMON_ARGS=--engine-offload-bytes 0 --rpc-ref-min 0")
+set_tests_properties(e2e_sessions_queued PROPERTIES ENVIRONMENT "${ATTND_E2E_ENV};ATTND_E2E_DAEMON_ARGS=--engine-offload-bytes 0 --rpc-ref-min 0 --busy-poll-us 200")
 
 add_test(NAME e2e_tiny_llama
          COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/client/python/examples/tiny_llama.py

@@ -15,10 +15,12 @@ attnd_add_test(test_engine_perf SOURCES test_engine_perf.c LIBS attnd_engine TIM
 # The attention sinks table: validation, versions, its file (daemon/engine/sinks.c).
 attnd_add_test(test_engine_sinks SOURCES test_engine_sinks.c LIBS attnd_engine TIMEOUT 60)
 attnd_add_test(test_engine_scan SOURCES test_engine_scan.c LIBS attnd_engine TIMEOUT 60)
+# Host memory of frames and outputs: large plain buffers kept for reuse (daemon/engine/hostmem.c).
+attnd_add_test(test_engine_hostmem SOURCES test_engine_hostmem.c LIBS attnd_engine_fixture TIMEOUT 60)
 # Same-host zero-copy: the engine's mappings and device steps (daemon/engine/ipc.c),
 # over the CPU backend given stand-in zero-copy ops.
 attnd_add_test(test_engine_ipc SOURCES test_engine_ipc.c LIBS attnd_engine_fixture TIMEOUT 60)
 foreach(t test_engine_blocks test_engine_prefix test_engine_scales test_engine_kvcache
-        test_engine_sinks test_engine_scan test_engine_ipc test_engine_order)
+        test_engine_sinks test_engine_scan test_engine_ipc test_engine_order test_engine_hostmem)
   target_include_directories(${t} PRIVATE ${PROJECT_SOURCE_DIR}/daemon/engine)
 endforeach()

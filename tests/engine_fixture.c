@@ -85,8 +85,12 @@ void fx_start(fx_t *f) {
   int rc = attnd_engine_init(&f->e, &f->loop, &f->cfg, err, sizeof(err));
   if (rc)
     fail_msg("engine init: %s", err);
-  if (g_queued)
+  if (g_queued) {
     attnd_engine_set_offload_bytes(f->e, 0);
+    /* Every scan in 3 parts on the pool, however small: the parts' merge
+     * (first bad row, the copies) is what the oracle and the refusals judge. */
+    attnd_engine_set_scan_parts(f->e, 3, 1);
+  }
 }
 
 void closed_cb(void *arg) {

@@ -103,6 +103,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->cuda_trace = 0;
   c->cuda_graphs = 0;
   c->step_trace = 0;
+  c->busy_poll_us = 0;
 }
 
 int attnd_config_worker_threads(const attnd_config_t *c) {

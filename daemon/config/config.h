@@ -148,6 +148,8 @@ typedef struct {
   int cuda_trace;                     /* --cuda-trace: log where steps' time goes */
   int cuda_graphs;                    /* --cuda-graphs: small steps as one graph launch */
   int step_trace;                     /* --step-trace N: log steps' phases every N (0 off) */
+  int busy_poll_us;                   /* --busy-poll-us: the loop polls this long after RPC
+                                       * activity instead of sleeping (0 off) */
 
   /* attnd_origin_t of each option, indexed by its row in deploy/options.toml
    * (attnd_config_origin() looks one up by name). */

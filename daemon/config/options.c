@@ -304,6 +304,7 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
   SIZE("cuda-frame-pool", cuda_frame_pool)
   SIZE("cuda-hostfn-min", cuda_hostfn_min)
   INT("step-trace", step_trace, 0, 1 << 16)
+  INT("busy-poll-us", busy_poll_us, 0, 1000000)
   if (strcmp(name, "cuda-completion") == 0) {
     if (strcmp(v, "poll") == 0)
       c->cuda_completion = ATTND_COMPLETION_POLL;

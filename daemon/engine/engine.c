@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -134,8 +135,15 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
   e->layers = cfg->layers;
   e->bs = (uint32_t)e->shape.block_size;
   e->offload_bytes = (size_t)cfg->engine_offload_bytes;
-  /* A large scan's parts run on the libuv pool beside other work: at most its size. */
+  /* A large scan's parts run on the libuv pool beside other work: at most its
+   * size, and one core fewer than the machine has: a woken worker without a
+   * core of its own takes the loop thread's (measured on 2 cores: queueing 4
+   * parts held the loop 2-17 ms). */
   e->scan_parts = attnd_config_worker_threads(cfg);
+  e->scan_part_bytes = ATTND_SCAN_PART_BYTES;
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  if (ncpu > 1 && e->scan_parts > ncpu - 1)
+    e->scan_parts = (int)(ncpu - 1);
   if (e->scan_parts < 1)
     e->scan_parts = 1;
   if (e->scan_parts > ATTND_SCAN_MAX_PARTS)
@@ -169,7 +177,7 @@ int attnd_engine_init(attnd_engine_t **out, uv_loop_t *loop, const attnd_config_
   attnd_list_init(&e->slist);
   attnd_list_init(&e->plist);
   attnd_order_init(e);
-  attnd_hostmem_init(&e->hm);
+  attnd_hostmem_init(&e->hm, cfg->max_frame);
   attnd_scales_update_fingerprint(e);
   start_idle_sweep(e);
   *out = e;

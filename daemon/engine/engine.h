@@ -253,6 +253,10 @@ void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn);
  * order, and the others at once. This sets that threshold later (tests: 0 sends every step
  * through the threadpool scan and the admission queue). */
 void attnd_engine_set_offload_bytes(attnd_engine_t *e, size_t bytes);
+/* Tests: a queued step's scan runs in up to parts parts (at least 1) of at
+ * least part_bytes (at least 1) each; the defaults are one per core but one
+ * (and the worker pool's size), 4 MiB. */
+void attnd_engine_set_scan_parts(attnd_engine_t *e, int parts, size_t part_bytes);
 
 /* Checks the engine's bookkeeping: the block pool's invariants, every
  * block's table references against the sessions' block tables, published

@@ -7,8 +7,10 @@
  * as much as the copy out of the socket (a 48 MiB frame over a Unix socket:
  * ~25 ms into fresh pages, ~12 ms into faulted ones on the development host,
  * bench/RESULTS.md). So freed plain buffers of at least HOSTMEM_MIN bytes are
- * kept, up to ATTND_HOSTMEM_SLOTS of them and HOSTMEM_MAX bytes in all, and
- * handed out again for a request of between half their size and their size.
+ * kept, up to ATTND_HOSTMEM_SLOTS of them and max_bytes in all (256 MiB, or
+ * twice --max-frame when that is more: a largest step's frame and output;
+ * at most 1/8 of the host's memory), and handed out again for a request of
+ * between half their size and their size.
  * Kept buffers are malloc's, so whoever frees a plain buffer with free()
  * stays right; only frees through attnd_engine_host_free feed the cache. */
 #include <malloc.h>
@@ -18,12 +20,17 @@
 #include "internal.h"
 
 #define HOSTMEM_MIN ((size_t)1 << 20)
-#define HOSTMEM_MAX ((size_t)256 << 20)
+#define HOSTMEM_FLOOR ((size_t)256 << 20)
 
-void attnd_hostmem_init(attnd_hostmem_t *h) {
+void attnd_hostmem_init(attnd_hostmem_t *h, uint64_t max_frame) {
   memset(h, 0, sizeof(*h));
   if (uv_mutex_init(&h->mu) != 0)
     abort();
+  uint64_t want = 2 * max_frame > HOSTMEM_FLOOR ? 2 * max_frame : HOSTMEM_FLOOR;
+  uint64_t mem = uv_get_total_memory() / 8;
+  if (mem && want > mem)
+    want = mem > HOSTMEM_FLOOR ? mem : HOSTMEM_FLOOR;
+  h->max_bytes = (size_t)want;
 }
 
 void attnd_hostmem_free(attnd_hostmem_t *h) {
@@ -59,7 +66,7 @@ static int keep(attnd_hostmem_t *h, void *p) {
     return -1;
   int kept = -1;
   uv_mutex_lock(&h->mu);
-  for (int i = 0; i < ATTND_HOSTMEM_SLOTS && h->bytes + cap <= HOSTMEM_MAX; i++)
+  for (int i = 0; i < ATTND_HOSTMEM_SLOTS && h->bytes + cap <= h->max_bytes; i++)
     if (!h->p[i]) {
       h->p[i] = p;
       h->cap[i] = cap;

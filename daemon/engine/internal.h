@@ -201,9 +201,10 @@ typedef struct {
   uv_mutex_t mu; /* frees may come from any thread */
   void *p[ATTND_HOSTMEM_SLOTS];
   size_t cap[ATTND_HOSTMEM_SLOTS];
-  size_t bytes; /* sum of cap[] */
+  size_t bytes;     /* sum of cap[] */
+  size_t max_bytes; /* ... at most */
 } attnd_hostmem_t;
-void attnd_hostmem_init(attnd_hostmem_t *h);
+void attnd_hostmem_init(attnd_hostmem_t *h, uint64_t max_frame);
 /* Plain host memory of len bytes, 64-byte aligned, perhaps a kept buffer;
  * aborts when out of memory. attnd_engine_host_free(e, p, 0) takes it back. */
 void *attnd_engine_host_plain(attnd_engine_t *e, size_t len);
@@ -247,6 +248,7 @@ struct attnd_engine_s {
   int admitting;           /* the queue is being pumped: a nested call leaves the work to it */
   size_t offload_bytes;    /* a step with more q+k+v bytes is scanned on the threadpool */
   int scan_parts;          /* ... in at most this many parts at once (its workers) */
+  size_t scan_part_bytes;  /* ... of at least this many bytes (ATTND_SCAN_PART_BYTES) */
   /* The scheduler (sched.c), per (layer, block) and per layer. */
   attnd_ejob_t **sb_w;        /* [layers * blocks]: last unfinished job writing the block */
   attnd_list_t *sb_r;         /* [layers * blocks]: unfinished jobs reading it since (rnodes) */
@@ -370,8 +372,9 @@ void attnd_scan_begin(attnd_engine_t *e, const attnd_kshape_t *sh, const attnd_s
 void attnd_scan_part(const attnd_kshape_t *sh, const attnd_step_req_t *req, const attnd_scan_t *sc,
                      int i, int n, attnd_scan_part_t *out);
 void attnd_scan_end(attnd_scan_t *sc, const attnd_scan_part_t *parts, int n);
-/* How many parts a request's scan takes, at most max_parts (1 for device memory). */
-int attnd_scan_nparts(const attnd_step_req_t *req, int max_parts);
+/* How many parts a request's scan takes: one per part_bytes, at most
+ * max_parts (1 for device memory). */
+int attnd_scan_nparts(const attnd_step_req_t *req, int max_parts, size_t part_bytes);
 /* The bounds of q, k and v for a model shape. */
 void attnd_scan_bounds(const attnd_kshape_t *sh, attnd_scan_bound_t *q, attnd_scan_bound_t *k,
                        attnd_scan_bound_t *v);

@@ -285,10 +285,10 @@ static void part_done(uv_work_t *w, int status) {
 }
 
 /* A large step's scan, in parts on the worker pool when it is large enough
- * for them to pay (a 48 MiB prefill: ~4x faster on 4 workers than in one);
- * one worker for a check of device memory. */
+ * for them to pay (a pass over memory per part: parts on free cores divide
+ * its time); one worker for a check of device memory. */
 static void scan_start(attnd_engine_t *e, call_t *c) {
-  int n = attnd_scan_nparts(&c->step, e->scan_parts);
+  int n = attnd_scan_nparts(&c->step, e->scan_parts, e->scan_part_bytes);
   c->q.held = 1;
   if (n > 1) {
     attnd_scan_begin(e, &e->shape, &c->step, e->be->any_alignment, &c->scan);
@@ -569,4 +569,9 @@ void attnd_engine_conn_closed(attnd_engine_t *e, uint64_t conn) {
 
 void attnd_engine_set_offload_bytes(attnd_engine_t *e, size_t bytes) {
   e->offload_bytes = bytes;
+}
+
+void attnd_engine_set_scan_parts(attnd_engine_t *e, int parts, size_t part_bytes) {
+  e->scan_parts = parts < 1 ? 1 : parts > ATTND_SCAN_MAX_PARTS ? ATTND_SCAN_MAX_PARTS : parts;
+  e->scan_part_bytes = part_bytes ? part_bytes : 1;
 }

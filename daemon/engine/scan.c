@@ -234,10 +234,10 @@ void attnd_scan_end(attnd_scan_t *sc, const attnd_scan_part_t *parts, int n) {
   sc->us = n > 0 ? (uint32_t)(t1 - t0) : 0;
 }
 
-int attnd_scan_nparts(const attnd_step_req_t *req, int max_parts) {
+int attnd_scan_nparts(const attnd_step_req_t *req, int max_parts, size_t part_bytes) {
   size_t bytes = (req->q.present ? req->q.nbytes : 0) + (req->k.present ? req->k.nbytes : 0) +
                  (req->v.present ? req->v.nbytes : 0);
-  size_t n = bytes / ATTND_SCAN_PART_BYTES;
+  size_t n = bytes / part_bytes;
   if (req->device || n < 1)
     return 1;
   return n < (size_t)max_parts ? (int)n : max_parts;

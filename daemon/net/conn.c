@@ -236,6 +236,7 @@ static int write_now(attnd_conn_t *c, const uint8_t *buf, size_t len, int kind1)
 
 static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_after) {
   attnd_conn_t *c = ATTND_CONN_OF(rc);
+  attnd_net_busy_touch(c->srv);
   if (c->closing) {
     free(buf);
     return;
@@ -265,6 +266,7 @@ static void rc_send(attnd_rpc_conn_t *rc, uint8_t *buf, size_t len, int close_af
  * in one uv_write; the pieces' free_p are freed once it is written. */
 static void rc_sendv(attnd_rpc_conn_t *rc, const attnd_rpc_seg_t *segs, int n, int close_after) {
   attnd_conn_t *c = ATTND_CONN_OF(rc);
+  attnd_net_busy_touch(c->srv);
   void **owned = malloc((size_t)n * sizeof(void *));
   unsigned char *owned_pinned = malloc((size_t)n);
   uv_buf_t *bufs = malloc((size_t)n * sizeof(uv_buf_t));
@@ -373,6 +375,7 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 
 static void read_cb(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   attnd_conn_t *c = st->data;
+  attnd_net_busy_touch(c->srv);
   if (nread == UV_EOF) {
     /* A half-close: the client sends nothing more but may still read. Every
      * call it sent is answered, then the connection closes. */

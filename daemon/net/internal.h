@@ -129,6 +129,11 @@ struct attnd_server_s {
    * waits for the partial-frame budget, in arrival order. */
   uv_idle_t turn_idle;
   int has_turn_idle, turn_active;
+  /* --busy-poll-us: an idle handle active until busy_until_ns keeps the loop
+   * polling (timeout 0) instead of sleeping (limits.c). */
+  uv_idle_t busy_idle;
+  int has_busy_idle, busy_active;
+  uint64_t busy_until_ns;
   attnd_list_t turn_q, budget_q;
   uint64_t partial_used, partial_max; /* bytes of partly received frames, and the budget */
   attnd_idmap_t ident_conns; /* identity -> open connections (--max-connections-per-identity) */
@@ -147,6 +152,10 @@ struct attnd_server_s {
 int attnd_net_tcp_listen(uv_loop_t *loop, uv_tcp_t *tcp, const char *hostport, const char *flag,
                          int backlog, uv_connection_cb cb, int *inited, int *port, char *host,
                          size_t hostlen, char *err, size_t errlen);
+
+/* --busy-poll-us: RPC activity now (a frame read, an answer written); the
+ * loop keeps polling for that long after the last one. O(1); no-op when off. */
+void attnd_net_busy_touch(attnd_server_t *s);
 
 /* ---- listen.c ---- */
 

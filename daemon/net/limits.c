@@ -267,6 +267,26 @@ static void sweep_cb(uv_timer_t *t) {
 
 /* ---- start and stop ---- */
 
+/* Runs once per loop turn while active: an active idle handle makes the
+ * loop poll with a zero timeout, so it never sleeps until the window ends. */
+static void busy_idle_cb(uv_idle_t *h) {
+  attnd_server_t *s = h->data;
+  if (uv_hrtime() >= s->busy_until_ns) {
+    uv_idle_stop(&s->busy_idle);
+    s->busy_active = 0;
+  }
+}
+
+void attnd_net_busy_touch(attnd_server_t *s) {
+  if (!s->has_busy_idle)
+    return;
+  s->busy_until_ns = uv_hrtime() + (uint64_t)s->cfg->busy_poll_us * 1000u;
+  if (!s->busy_active) {
+    s->busy_active = 1;
+    uv_idle_start(&s->busy_idle, busy_idle_cb);
+  }
+}
+
 static void handle_close_cb(uv_handle_t *h) {
   attnd_server_t *s = h->data;
   s->open--;
@@ -296,6 +316,12 @@ int attnd_net_limits_start(attnd_server_t *s, char *err, size_t errlen) {
   s->turn_idle.data = s;
   s->has_turn_idle = 1;
   s->open++;
+  if (cfg->busy_poll_us > 0) {
+    uv_idle_init(s->loop, &s->busy_idle);
+    s->busy_idle.data = s;
+    s->has_busy_idle = 1;
+    s->open++;
+  }
   /* The sweep runs a few times per shortest timeout, at most once a second. */
   uint64_t period = 1000, t[3] = {(uint64_t)cfg->hello_timeout_ms, (uint64_t)cfg->frame_deadline_ms,
                                   (uint64_t)cfg->idle_timeout_s * 1000};
@@ -329,6 +355,11 @@ void attnd_net_limits_close(attnd_server_t *s, int all) {
     s->has_turn_idle = 0;
     s->turn_active = 0;
     uv_close((uv_handle_t *)&s->turn_idle, handle_close_cb);
+  }
+  if (all && s->has_busy_idle) {
+    s->has_busy_idle = 0;
+    s->busy_active = 0;
+    uv_close((uv_handle_t *)&s->busy_idle, handle_close_cb);
   }
 }
 

@@ -13,11 +13,16 @@
 #      8 times each over the Unix socket and over loopback TCP (a 2-layer daemon:
 #      the per-layer cost is the same, the run is shorter);
 #   2. prefill: 16 sessions x 4,096 in one layer step (768 MiB in, 512 MiB out),
-#      Unix socket, twice: linear in the bytes?
+#      Unix socket, 3 times (the first step of a size pays its pinned
+#      allocation; the p50 of 6 does not): linear in the bytes?
 #   3. decode layer steps at 4,096 tokens of context, 1 / 16 / 64 sessions,
 #      depth 1 and 8 (layer steps in flight on the connection), Unix socket
 #      (an 8-layer daemon; the sessions are filled 4 per prefill step, once:
-#      the depth-8 run finds its prompts in the prefix cache).
+#      the depth-8 run finds its prompts in the prefix cache), and depth 1
+#      again with the client busy-polling for its answers (attnctl bench
+#      --spin 300: what a sleeping client's wakeup costs);
+#   4. decode at 1 and 16 sessions again with attnd --busy-poll-us 300 (the
+#      daemon's loop polls instead of sleeping while traffic flows).
 # Per case: the round trip's p50/p99, the daemon's total and computing time
 # (the responses' Timing), the client's phases (encode, send, wait, read,
 # parse; attnd_client_phases) and the daemon's step_trace p50s (read, scan,
@@ -209,11 +214,17 @@ for tr in unix tcp; do
 done
 # ---- 2. 16 x 4,096 in one layer step ------------------------------------------------------
 run_case "prefill_${big_sessions}x4096_unix" unix 2 60 prefill 65536 \
-  "=--sessions $big_sessions --prompt 4096 --steps 0 --repeat 2" -- --max-frame 1G --max-inflight 2G
+  "=--sessions $big_sessions --prompt 4096 --steps 0 --repeat 3" -- --max-frame 1G --max-inflight 2G
 # ---- 3. decode layer steps at 4,096, depth 1 then 8 (the second run hits the prefix cache) ---------
 for s in "${dec_sessions[@]}"; do
   b="--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --seed 7"
   run_case "decode_${s}x${dec_prompt}" unix $dec_layers 90 decode $((dec_steps * dec_layers)) \
-    "_d1=$b --depth 1" "_d8=$b --depth 8"
+    "_d1=$b --depth 1" "_d8=$b --depth 8" "_d1spin=$b --depth 1 --spin 300"
+done
+# ---- 4. the same at 1 and 16 sessions with the daemon's loop busy-polling too ------------------
+for s in "${dec_sessions[@]:0:2}"; do
+  b="--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --seed 7"
+  run_case "decode_${s}x${dec_prompt}_busy" unix $dec_layers 60 decode $((dec_steps * dec_layers)) \
+    "_d1=$b --depth 1" "_d1spin=$b --depth 1 --spin 300" "_d8=$b --depth 8" -- --busy-poll-us 300
 done
 [ $nfail = 0 ] && [ $npass -gt 0 ]

@@ -217,6 +217,8 @@ static void setup(void) {
   if (attnd_rpc_init(&F.rpc, &F.loop, F.engine, &F.cfg, err, sizeof(err)) != 0)
     die("rpc init", err);
   attnd_engine_set_offload_bytes(F.engine, OFFLOAD);
+  /* Queued steps' scans in parts on the pool, as on a machine with cores to spare. */
+  attnd_engine_set_scan_parts(F.engine, 3, 1);
   F.ready = 1;
 }
 

@@ -10,6 +10,7 @@ more per layer of its API (bytes into the message, the message into a string,
 the string into the frame; and back), which cost more than the socket itself
 for a 48 MiB prefill step. Only fields are walked here, never elements.
 """
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 try:
@@ -22,6 +23,13 @@ _RESP_STEP = pb.Response.DESCRIPTOR.fields_by_name["step"].number
 _STEP_IN = {n: pb.StepRequest.DESCRIPTOR.fields_by_name[n].number for n in ("q", "k", "v")}
 _STEP_OUT = {pb.StepResponse.DESCRIPTOR.fields_by_name[n].number: n for n in ("out", "lse")}
 _DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_ID = pb.Request.DESCRIPTOR.fields_by_name["id"].number
+_DTYPE = pb.Tensor.DESCRIPTOR.fields_by_name["dtype"].number
+_SHAPE = pb.Tensor.DESCRIPTOR.fields_by_name["shape"].number
+# A Request is its id and the call (a oneof): its head is then framed here
+# too, without a protobuf copy of the request (a decode step's few
+# microseconds). Should the message grow other fields, protobuf frames them.
+_REQ_ONLY_ID = [f.name for f in pb.Request.DESCRIPTOR.fields if f.containing_oneof is None] == ["id"]
 
 # Tensors at least this large are cut out of an answer (smaller: protobuf's copy is cheap).
 CUT_MIN = 1 << 16
@@ -34,6 +42,10 @@ def _bytes_view(buf: Any) -> memoryview:
 
 
 def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return bytes((n,))
+    if n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -47,25 +59,38 @@ def _ld_head(field: int, n: int) -> bytes:
     return _varint(field << 3 | 2) + _varint(n)
 
 
+@functools.lru_cache(maxsize=256)
+def _tensor_head(dtype: int, shape: Tuple[int, ...]) -> bytes:
+    """A Tensor's dtype and shape fields (proto3: zero and empty left out;
+    shape packed), as protobuf writes them."""
+    out = _varint(_DTYPE << 3) + _varint(int(dtype)) if dtype else b""
+    dims = b"".join(_varint(int(s)) for s in shape)
+    return out + (_ld_head(_SHAPE, len(dims)) + dims if dims else b"")
+
+
 def step_frame(req: Any, tensors: Sequence[Tuple[str, int, Tuple[int, ...], Any]]) -> List[Any]:
     """The frame of a Step request as pieces for sendmsg: req (a pb.Request whose
     step holds no q, k or v) and tensors [(name, dtype, shape, buffer)], each buffer
     anything with the buffer protocol, sent as it is (its bytes, C order)."""
     step = req.step.SerializeToString()
-    head = pb.Request()
-    head.CopyFrom(req)
-    head.ClearField("step")
+    if _REQ_ONLY_ID:
+        first = _varint(_ID << 3) + _varint(req.id) if req.id else b""
+    else:
+        h = pb.Request()
+        h.CopyFrom(req)
+        h.ClearField("step")
+        first = h.SerializeToString()
     pieces: List[Any] = []
     body = 0
     for name, dtype, shape, buf in tensors:
         mv = _bytes_view(buf)
-        hdr = pb.Tensor(dtype=dtype, shape=[int(s) for s in shape]).SerializeToString()
+        hdr = _tensor_head(int(dtype), tuple(int(s) for s in shape))
         # An empty data field is left out, as protobuf itself would.
         dhead = _ld_head(_DATA, mv.nbytes) if mv.nbytes else b""
         thead = _ld_head(_STEP_IN[name], len(hdr) + len(dhead) + mv.nbytes) + hdr + dhead
         pieces += [thead, mv]
         body += len(thead) + mv.nbytes
-    first = head.SerializeToString() + _ld_head(_REQ_STEP, len(step) + body) + step
+    first += _ld_head(_REQ_STEP, len(step) + body) + step
     n = len(first) + body
     return [n.to_bytes(4, "big") + first] + pieces
 

@@ -46,6 +46,7 @@ DTYPE_FP16 = pb.DTYPE_FP16
 DTYPE_FP32 = pb.DTYPE_FP32
 DTYPE_INT32 = pb.DTYPE_INT32
 _MAX_FRAME = (1 << 31) - 1
+_READ_AHEAD = 1 << 16
 
 
 # ---- bf16 helpers (numpy has no bf16 dtype of its own) ----
@@ -283,6 +284,9 @@ def _tensor_to_torch(t: Any, device: Any = None, frame: Optional[bytearray] = No
     dts = {DTYPE_FP32: torch.float32, DTYPE_FP16: torch.float16, DTYPE_BF16: torch.bfloat16,
            DTYPE_INT32: torch.int32}
     buf, off, count = _tensor_buf(t, frame, span)
+    if count == 0:  # torch.frombuffer refuses an empty buffer
+        out = torch.empty(tuple(t.shape), dtype=dts[t.dtype])
+        return out.to(device) if device is not None else out
     if not isinstance(buf, bytearray):
         buf = bytearray(buf)
     out = torch.frombuffer(buf, dtype=dts[t.dtype], count=count, offset=off).reshape(tuple(t.shape))
@@ -386,6 +390,10 @@ class Client:
         self._pending: Dict[int, Tuple["Response", Any]] = {}
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
+        # Bytes read ahead of the frame being read: a small answer's header and
+        # body come in one recv (_recv_exact).
+        self._rbuf = bytearray(_READ_AHEAD)
+        self._rpos = self._rlen = 0
         self._model: Optional["ModelShape"] = None
         self._session_epoch: Dict[int, int] = {}
         self._sock: Optional[socket.socket] = self._connect(self.address, timeout)
@@ -441,8 +449,23 @@ class Client:
     def _recv_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
         view = memoryview(buf)
-        got = 0
+        got = min(n, self._rlen - self._rpos)
+        if got:  # what was read ahead first
+            view[:got] = memoryview(self._rbuf)[self._rpos:self._rpos + got]
+            self._rpos += got
         while got < n:
+            if n - got < _READ_AHEAD:  # small: whatever the daemon sent, into the read-ahead
+                try:
+                    k = self._conn().recv_into(self._rbuf, _READ_AHEAD)
+                except OSError as e:
+                    raise errors.AttndConnectionError(f"read from attnd at {self.address}: {e}") from None
+                if k == 0:
+                    raise errors.AttndConnectionError(f"attnd at {self.address} closed the connection")
+                take = min(k, n - got)
+                view[got:got + take] = memoryview(self._rbuf)[:take]
+                got += take
+                self._rpos, self._rlen = take, k
+                continue
             try:
                 k = self._conn().recv_into(view[got:], n - got)
             except OSError as e:

@@ -246,7 +246,11 @@ def _to_wire(t, dtype):
 def _from_wire(a, like):
     """A step output (numpy: bf16 bits / ml_dtypes bf16, fp16 or fp32) -> torch, like `like`."""
     torch = _torch()
-    a = np.array(a)  # np.frombuffer arrays are read-only; torch wants a writable one
+    # A large output is a writable view of the received frame (the client's
+    # _frames.py): used as it is. A small one views protobuf's read-only bytes,
+    # and torch wants a writable array: copied.
+    if not a.flags.writeable:
+        a = np.array(a)
     if a.dtype == np.float32 or a.dtype == np.float16:
         t = torch.from_numpy(a)
     else:  # bf16 bits (uint16) or ml_dtypes.bfloat16: both 2 bytes
