@@ -13,7 +13,9 @@
  * uses stream callbacks (cudaStreamAddCallback) instead: measured on the H200
  * they ran 20-27 us after the device finished (bench/RESULTS.md). Not
  * cudaLaunchHostFunc: a host function is never called once the context has a
- * sticky error, which would leave the engine waiting forever. */
+ * sticky error, which would leave the engine waiting forever.
+ * --cuda-completion loop adds the loop thread's own polling (attnd_cu_spin_cb)
+ * over the same pending list and done queue. */
 #ifdef ATTND_HAVE_CUDA
 
 #include <stdio.h>
