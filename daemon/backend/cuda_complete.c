@@ -229,7 +229,9 @@ void attnd_cu_poller_main(void *arg) {
       break; /* stopping, nothing pending */
     if (be->pscan || atomic_load(&be->loop_spinning)) {
       /* The loop thread polls these itself on every turn (its done_cbs need
-       * that thread anyway): stand by, and take over once it stops. */
+       * that thread anyway): stand by, and take over once it stops, at the
+       * short interval first. */
+      idle = 0;
       uv_mutex_unlock(&be->pmu);
       nanosleep(&(struct timespec){0, 20000}, NULL);
       uv_mutex_lock(&be->pmu);
