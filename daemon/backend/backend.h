@@ -114,9 +114,9 @@ typedef struct {
 } attnd_backend_stats_t;
 
 /* --cuda-completion loop's polling window (attnd_backend_opts_t
- * cuda_spin_us): a few small steps' device time; a longer step is left
+ * cuda_spin_us): a 64-session decode step's device time; a longer step is left
  * to the poller thread. */
-#define ATTND_CUDA_LOOP_SPIN_US 250
+#define ATTND_CUDA_LOOP_SPIN_US 1000
 
 typedef struct {
   const char *name; /* "cpu" | "cuda" */

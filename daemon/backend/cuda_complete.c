@@ -13,7 +13,9 @@
  * uses stream callbacks (cudaStreamAddCallback) instead: measured on the H200
  * they ran 20-27 us after the device finished (bench/RESULTS.md). Not
  * cudaLaunchHostFunc: a host function is never called once the context has a
- * sticky error, which would leave the engine waiting forever. */
+ * sticky error, which would leave the engine waiting forever.
+ * --cuda-completion loop adds the loop thread's own polling (attnd_cu_spin_cb)
+ * over the same pending list and done queue. */
 #ifdef ATTND_HAVE_CUDA
 
 #include <stdio.h>
@@ -232,7 +234,9 @@ void attnd_cu_poller_main(void *arg) {
       break; /* stopping, nothing pending */
     if (be->pscan || atomic_load(&be->loop_spinning)) {
       /* The loop thread polls these itself on every turn (its done_cbs need
-       * that thread anyway): stand by, and take over once it stops. */
+       * that thread anyway): stand by, and take over once it stops, at the
+       * short interval first. */
+      idle = 0;
       uv_mutex_unlock(&be->pmu);
       nanosleep(&(struct timespec){0, 20000}, NULL);
       uv_mutex_lock(&be->pmu);

@@ -64,7 +64,10 @@
  * callback (cudaStreamAddCallback) ran 20-27 us after the device finished;
  * --cuda-completion callback still selects it. (Not cudaLaunchHostFunc: a
  * host function is never called once the context has a sticky error, which
- * would leave the engine waiting forever.) The loop thread only enqueues
+ * would leave the engine waiting forever.) --cuda-completion loop: while
+ * runs are out the loop thread polls them itself too (cuda_complete.c), and
+ * --cuda-graphs launches a small step's sequence as one graph
+ * (cuda_graph.c). The loop thread only enqueues
  * work; it never waits for the device during steps (SCALES jobs enqueue too;
  * destroy synchronizes, once).
  *

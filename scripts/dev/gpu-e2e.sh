@@ -35,6 +35,8 @@
 #      the job with ATTND_EDEVICE and every later job too, without a hang),
 #      then --ring-fault (the same in a later chunk of a ring-staged step)
 #      and --ring-fault-pinned (that step's frame and output in pinned memory);
+#   4b. test_backend_cuda --graphs --loop (small steps as CUDA graphs, the loop
+#      thread polling completions), then --fault --graphs (a faulting graph);
 #   5. `attnd --backend cuda` with the e2e's small shape on a temp socket:
 #      Health, the tiny Llama example against it, then SIGTERM must exit 0;
 #   5b. the same daemon under attnd.service's system call sandbox without systemd
@@ -248,6 +250,25 @@ else
     record ring_fault_pinned $rc
   else
     record ring_fault_pinned 77
+  fi
+  # Small steps as CUDA graphs (from a shape's first step) with the loop
+  # thread's own completion polling: the whole suite again, then a faulting
+  # graph (its own run, same log file as the faults).
+  if ! skipped graphs && time_left 120; then
+    (cd "$libdir" && timeout 120 "$test_bin" --graphs --loop) >"$out/test_backend_cuda_graphs.log" 2>&1
+    rc=$?
+    grep -E "as graphs|FAILED|\[  (ERROR|FAILED) \]" "$out/test_backend_cuda_graphs.log" | head -10
+    record graphs $rc
+  else
+    record graphs 77
+  fi
+  if ! skipped graph_fault && time_left 60; then
+    (cd "$libdir" && timeout 60 "$test_bin" --fault --graphs) >>"$out/fault.log" 2>&1
+    rc=$?
+    grep -E "faulting job|next job" "$out/fault.log" | tail -2
+    record graph_fault $rc
+  else
+    record graph_fault 77
   fi
 fi
 

@@ -28,8 +28,13 @@
 # parse; attnd_client_phases) and the daemon's step_trace p50s (read, scan,
 # h2d, kwrite, attend, d2h, encode, write). Logs and JSON in $OUT (default
 # ./gpu-hostpath-out), within GPU_HOSTPATH_BUDGET seconds (default 230: a case
-# that would start after it is skipped). It always ends with the summary
-# table, then one line:
+# that would start after it is skipped). GPU_HOSTPATH_CASES (default "prefill
+# decode") picks the groups; GPU_HOSTPATH_MODES (default "base") runs each
+# decode case once per small-step mode, same build, same run (A/B): base (the
+# defaults), loop (--cuda-completion loop), graphs (--cuda-graphs), both, and
+# parts joined by + (trace: --cuda-trace, e.g. both+trace); rows of a mode
+# other than base are named decode_SxP_MODE. It always ends
+# with the summary table, then one line:
 #   GPU-HOSTPATH SUMMARY: pass=N fail=M skip=K | case=result ...
 # GPU_STEP_BACKEND=cpu: the same on the CPU backend with cheap compute (every
 # layer a sliding window of 1 key, so the host path dominates) and fewer
@@ -208,23 +213,43 @@ run_case() {
   done
 }
 
-# ---- 1. one 4,096-token prefill layer step, Unix socket and TCP ---------------------------
-for tr in unix tcp; do
-  run_case "prefill_1x4096_$tr" $tr 2 40 prefill 65536 "=--sessions 1 --prompt 4096 --steps 0 --repeat 8"
-done
-# ---- 2. 16 x 4,096 in one layer step ------------------------------------------------------
-run_case "prefill_${big_sessions}x4096_unix" unix 2 60 prefill 65536 \
-  "=--sessions $big_sessions --prompt 4096 --steps 0 --repeat 3" -- --max-frame 1G --max-inflight 2G
-# ---- 3. decode layer steps at 4,096, depth 1 then 8 (the second run hits the prefix cache) ---------
-for s in "${dec_sessions[@]}"; do
-  b="--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --seed 7"
-  run_case "decode_${s}x${dec_prompt}" unix $dec_layers 90 decode $((dec_steps * dec_layers)) \
-    "_d1=$b --depth 1" "_d8=$b --depth 8" "_d1spin=$b --depth 1 --spin 300"
-done
-# ---- 4. the same at 1 and 16 sessions with the daemon's loop busy-polling too ------------------
-for s in "${dec_sessions[@]:0:2}"; do
-  b="--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --seed 7"
-  run_case "decode_${s}x${dec_prompt}_busy" unix $dec_layers 60 decode $((dec_steps * dec_layers)) \
-    "_d1=$b --depth 1" "_d1spin=$b --depth 1 --spin 300" "_d8=$b --depth 8" -- --busy-poll-us 300
-done
+cases=" ${GPU_HOSTPATH_CASES:-prefill decode} "
+modes=${GPU_HOSTPATH_MODES:-base}
+mode_args() { # MODE: the daemon's flags of a small-step mode (parts joined by +)
+  local p
+  for p in ${1//+/ }; do
+    case $p in
+    base) ;;
+    loop) echo --cuda-completion loop ;;
+    graphs) echo --cuda-graphs ;;
+    both) echo --cuda-completion loop --cuda-graphs ;;
+    trace) echo --cuda-trace ;;
+    busy) echo --busy-poll-us 300 ;;
+    *) echo "unknown GPU_HOSTPATH_MODES part '$p'" >&2 ;;
+    esac
+  done
+}
+if [[ $cases == *" prefill "* ]]; then
+  # ---- 1. one 4,096-token prefill layer step, Unix socket and TCP -------------------------
+  for tr in unix tcp; do
+    run_case "prefill_1x4096_$tr" $tr 2 40 prefill 65536 "=--sessions 1 --prompt 4096 --steps 0 --repeat 8"
+  done
+  # ---- 2. 16 x 4,096 in one layer step ----------------------------------------------------
+  run_case "prefill_${big_sessions}x4096_unix" unix 2 60 prefill 65536 \
+    "=--sessions $big_sessions --prompt 4096 --steps 0 --repeat 3" -- --max-frame 1G --max-inflight 2G
+fi
+if [[ $cases == *" decode "* ]]; then
+  # ---- 3. decode layer steps at 4,096, depth 1 then 8 (the second run hits the prefix cache),
+  # once per small-step mode ----------------------------------------------------------------
+  for s in "${dec_sessions[@]}"; do
+    for m in $modes; do
+      b="--sessions $s --prompt $dec_prompt --prefill-sessions 4 --steps $dec_steps --seed 7"
+      suffix=
+      [ "$m" = base ] || suffix=_${m//+/-}
+      # shellcheck disable=SC2046
+      run_case "decode_${s}x${dec_prompt}$suffix" unix $dec_layers 90 decode $((dec_steps * dec_layers)) \
+        "_d1=$b --depth 1" "_d8=$b --depth 8" "_d1spin=$b --depth 1 --spin 300" -- $(mode_args "$m")
+    done
+  done
+fi
 [ $nfail = 0 ] && [ $npass -gt 0 ]
