@@ -34,6 +34,13 @@ namespace attnd {
 // sched: bit 0 = pingpong between the two consumer warpgroups (named
 // barriers), bit 1 = no intra-warpgroup overlap (softmax waits for P V),
 // bit 2 = skip the softmax (timing experiments only: the output is wrong);
+// the earlier forms, for A/B timing in one run (results within the same
+// bounds): bit 3 = scores to P by FMUL then FADD (the tiled kernel's two
+// roundings) with the unrounded sum of P kept, instead of one FFMA per score
+// against the max of the raw scores; bit 4 = q rows loaded one 16-byte unit
+// at a time after the CTA barrier, instead of every unit's load at once
+// before it; bit 5 = every partly masked FlashMask interval tile masked per
+// element from the intervals, also those whose intervals miss the CTA's rows;
 // attnd_cuda_opts_t.sm90_sched with bit 0 inverted (0 there is the default).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).

@@ -88,5 +88,53 @@ __device__ __forceinline__ void convert16(const uint4 &rv, uint32_t *out) {
   }
 }
 
+// FlashMask intervals: primitives.cuh's classify_tiles (the same bits 0 and
+// 1, so that the Hopper path skips exactly the tiled kernel's keys) plus
+// bit 2: no interval of any in-range key of the tile meets the rows [pmin,
+// pmax], so the tile's per-element mask is the causal / window / range one
+// alone (the cheap per-row ranges instead of four interval reads per key; the
+// diagonal tiles of a document mask). nw warps from warp 0.
+template <int BN>
+__device__ void classify_tiles_sm90(const attnd_kitem_t &it, const int32_t *iv, int kv_len, int lo, int hi,
+                                    int jfirst, int ntiles, int nflags, int pmin, int pmax, int win, int nw,
+                                    uint8_t *flags) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = min(ntiles, nflags);
+  // Two tiles per warp and round, every read at a key clamped into [lo, hi]
+  // (0 <= lo <= hi < kv_len when any tile runs) instead of under a branch:
+  // 8 BN / 32 loads of a lane in flight together (tiles past n are computed
+  // and not stored).
+  for (int t0 = warp; t0 < n; t0 += 2 * nw) {
+    bool masked_all[2], vis_all[2], nohit[2];
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+      const int t = t0 + q * nw;
+      masked_all[q] = vis_all[q] = nohit[q] = true;
+#pragma unroll
+      for (int h2 = 0; h2 < BN / 32; h2++) {
+        const int j = jfirst + t * BN + h2 * 32 + lane, jc = min(max(j, lo), hi);
+        const int a = __ldg(iv + jc), bb = __ldg(iv + kv_len + jc), c = __ldg(iv + 2 * kv_len + jc),
+                  dd = __ldg(iv + 3 * kv_len + jc);
+        if (j < kv_len && j >= lo && j <= hi) {
+          const bool cov1 = a <= pmin && pmax < bb, cov2 = c <= pmin && pmax < dd;
+          const bool cov12 = a <= pmin && c <= bb && pmax < dd; // the union covers
+          masked_all[q] &= (it.causal && j > pmax) || cov1 || cov2 || cov12;
+          const bool hit1 = a < bb && a <= pmax && pmin < bb, hit2 = c < dd && c <= pmax && pmin < dd;
+          vis_all[q] &= !(it.causal && j > pmin) && !hit1 && !hit2 && !(win > 0 && j <= pmax - win);
+          nohit[q] &= !hit1 && !hit2;
+        } else {
+          vis_all[q] = false;
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+      const bool m = __all_sync(0xffffffffu, masked_all[q]), v = __all_sync(0xffffffffu, vis_all[q]),
+                 h = __all_sync(0xffffffffu, nohit[q]);
+      if (lane == 0 && t0 + q * nw < n)
+        flags[t0 + q * nw] = (m ? 1 : 0) | (v ? 0 : 2) | (h ? 4 : 0);
+    }
+  }
+}
+
 } // namespace sm90
 } // namespace attnd

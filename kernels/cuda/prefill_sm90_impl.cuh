@@ -121,11 +121,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_init(BAR(12), 1);
     mbar_init_fence();
   }
+  // Consumers: this warpgroup's q rows, every 16-byte unit's load issued
+  // at once into registers (one thread's D / 16 units), before the
+  // classification and the CTA barrier, so that one memory latency, not
+  // D / 16 of them in a row, precedes the first product (sched bit 4: the
+  // unit-at-a-time loop below, for the A/B). Zeros past the last vector.
+  constexpr int NQ = D / 16, UQ = D / 8; // units per thread, 16-byte units per q row
+  const bool q_batch = !(P.sched & 16);
+  uint4 qv[NQ];
+  if (tid >= 128 && q_batch) {
+    pdl_wait(); // q is rotated in place by the previous kernel
+    const int cq = (tid >> 7) - 1;
+#pragma unroll
+    for (int k = 0; k < NQ; k++) {
+      const int u = (tid & 127) + k * 128, v = u / UQ, cu = u % UQ, vv = v0 + cq * 64 + v;
+      qv[k] = make_uint4(0, 0, 0, 0);
+      if (vv < nvec) {
+        const int r = vv / G, h = kvh * G + vv % G;
+        qv[k] = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
+                                                 ((size_t)(it.q_row + r) * F.q_heads + h) * D + cu * 8);
+      }
+    }
+  }
   // FlashMask intervals: every key tile classified once, as the tiled kernel
-  // does (skipped: each key masked for every row; bit 1: masked per element).
+  // does (skipped: each key masked for every row; bit 1: masked per element;
+  // bit 2: only the causal / window ranges mask it, classify_tiles_sm90).
   if (kind == ATTND_MASK_INTERVALS)
-    classify_tiles<BN>(it, iv, kv_len, lo, hi, jfirst, ntiles, C::kNF, pmin, pmax, win, kThreads / 32,
-                       sFlags);
+    classify_tiles_sm90<BN>(it, iv, kv_len, lo, hi, jfirst, ntiles, C::kNF, pmin, pmax, win,
+                            kThreads / 32, sFlags);
   __syncthreads();
 
   auto next_tile = [&](int t) -> int { // first live tile index >= t, or ntiles
@@ -281,20 +304,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       sl2 *= F.k_scale[kvh];
     }
   }
-  pdl_wait(); // q is rotated in place by the previous kernel
   // Q rows of this warpgroup -> shared memory in the swizzled K-major layout
   // (zeros past the last vector), hi and lo halves as tiled_load_q makes them.
   {
     uint8_t *sQ = smem + C::kQ, *sQlo = smem + C::kQlo;
-    constexpr int UQ = D / 8; // 16-byte units per q row
-    for (int u = t128; u < 64 * UQ; u += 128) {
+    // Unit u of the warpgroup's rows (val: its 16 bytes as loaded) -> sQ
+    // (and its lo half -> sQlo).
+    auto put = [&](int u, uint4 val) {
       const int v = u / UQ, cu = u % UQ, vv = v0 + c * 64 + v, col = cu * 8;
-      uint4 val = make_uint4(0, 0, 0, 0), vlo = make_uint4(0, 0, 0, 0);
-      if (vv < nvec) {
-        const int r = vv / G, h = kvh * G + vv % G;
-        val = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
-                                               ((size_t)(it.q_row + r) * F.q_heads + h) * D + col);
-        if constexpr (lo_pass) {
+      uint4 vlo = make_uint4(0, 0, 0, 0);
+      if constexpr (lo_pass) {
+        if (vv < nvec) {
           uint32_t *w = &val.x, *wl = &vlo.x;
 #pragma unroll
           for (int e = 0; e < 8; e += 2) {
@@ -315,6 +335,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       *reinterpret_cast<uint4 *>(sQ + off) = val;
       if constexpr (lo_pass)
         *reinterpret_cast<uint4 *>(sQlo + off) = vlo;
+    };
+    if (q_batch) {
+#pragma unroll
+      for (int k = 0; k < NQ; k++)
+        put(t128 + k * 128, qv[k]);
+    } else {
+      pdl_wait(); // q is rotated in place by the previous kernel
+      for (int u = t128; u < 64 * UQ; u += 128) {
+        const int v = u / UQ, cu = u % UQ, vv = v0 + c * 64 + v;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (vv < nvec) {
+          const int r = vv / G, h = kvh * G + vv % G;
+          val = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
+                                                 ((size_t)(it.q_row + r) * F.q_heads + h) * D + cu * 8);
+        }
+        put(u, val);
+      }
     }
     fence_proxy_async();
     named_sync(1 + c, 128);
@@ -355,10 +392,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     wpmin = it.start + (v0 + c * 64) / G;
     wpmax = it.start + (min(v0 + c * 64 + 63, vend - 1)) / G;
   }
-  auto need_mask = [&](int t, int j0) -> bool {
-    if (kind == ATTND_MASK_INTERVALS)
-      return t >= C::kNF || (sFlags[t] & 2);
-    return tile_needs_mask(it, wpmin, wpmax, lo, hi, j0, BN, win);
+  // How tile t is masked: 0 not at all, 1 by per-row key ranges (causal,
+  // window, sliding, prefix, the visible range; and interval tiles whose
+  // intervals miss these rows: flag bit 2, unless sched bit 5 asks for the
+  // interval reads there too), 2 by the intervals, per element.
+  const bool iv_ranges = !(P.sched & 32);
+  auto mask_mode = [&](int t, int j0) -> int {
+    if (kind == ATTND_MASK_INTERVALS) {
+      if (t >= C::kNF)
+        return 2;
+      const int f = sFlags[t];
+      return !(f & 2) ? 0 : (iv_ranges && (f & 4)) ? 1 : 2;
+    }
+    return tile_needs_mask(it, wpmin, wpmax, lo, hi, j0, BN, win) ? 1 : 0;
   };
 
   const uint32_t sQa = smem_u32(smem + C::kQ), sQloa = smem_u32(smem + C::kQlo),
@@ -388,6 +434,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f}, lt_r[2] = {0.f, 0.f};
   float sig = 0.f, vinv = 1.f;
   const bool pp = P.sched & 1, serial = (P.sched & 2) != 0;
+  // Scores to P' by one FFMA per score against the max of the raw scores
+  // (not the dynamic types, whose K scale multiplies each score first, nor
+  // soft-capped layers; sl2 > 0 so that -inf * sl2 stays -inf): sched bit
+  // 3 keeps the tiled kernel's FMUL then FADD (and the unrounded sum).
+  const bool exact_sum = (P.sched & 8) != 0;
+  const bool fused = !C::kDyn && !exact_sum && cap2 == 0.f && sl2 > 0.f;
   const int me = 3 + c, other = 3 + (c ^ 1);
 
   auto issue_qk = [&](int s) {
@@ -417,35 +469,38 @@ __global__ void __launch_bounds__(kThreads, 1)
       alpha[0] = alpha[1] = 1.f;
       return;
     }
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; nt++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) { // before the mask: -inf * 0 is NaN
-        const float x = __fmul_rn(sacc[nt * 4 + e], sl2);
-        sacc[nt * 4 + e] = C::kDyn ? __fmul_rn(x, sDs(s)[nt * 8 + (lane & 3) * 2 + (e & 1)]) : x;
-      }
-    if (cap2 > 0.f) { // soft-capping (softcap2): a branch per tile, uniform over the CTA
+    if (!fused) {
 #pragma unroll
       for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-          sacc[nt * 4 + e] = softcap2(sacc[nt * 4 + e], cap2, F.icap2, zrow[e >> 1]);
+        for (int e = 0; e < 4; e++) { // before the mask: -inf * 0 is NaN
+          const float x = __fmul_rn(sacc[nt * 4 + e], sl2);
+          sacc[nt * 4 + e] = C::kDyn ? __fmul_rn(x, sDs(s)[nt * 8 + (lane & 3) * 2 + (e & 1)]) : x;
+        }
+      if (cap2 > 0.f) { // soft-capping (softcap2): a branch per tile, uniform over the CTA
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+          for (int e = 0; e < 4; e++)
+            sacc[nt * 4 + e] = softcap2(sacc[nt * 4 + e], cap2, F.icap2, zrow[e >> 1]);
+      }
     }
-    if (need_mask(t, j0)) {
-      if (kind == ATTND_MASK_INTERVALS) {
+    const int mm = mask_mode(t, j0);
+    if (mm != 0) {
+      if (mm == 2) {
 #pragma unroll
         for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
           for (int cb = 0; cb < 2; cb++) {
             const int j = j0 + nt * 8 + (lane & 3) * 2 + cb;
             const bool in = j >= lo && j <= hi;
-            int a = 0, bb = 0, cc = 0, dd = 0;
-            if (in) {
-              a = iv[j];
-              bb = iv[kv_len + j];
-              cc = iv[2 * kv_len + j];
-              dd = iv[3 * kv_len + j];
-            }
+            // Read at a key clamped into [lo, hi] (0 <= lo <= hi < kv_len
+            // whenever a tile runs) rather than under a branch, so that the
+            // loads of all the thread's keys are in flight together; keys
+            // outside the range are masked by `in` whatever was read.
+            const int jc = min(max(j, lo), hi);
+            const int a = __ldg(iv + jc), bb = __ldg(iv + kv_len + jc), cc = __ldg(iv + 2 * kv_len + jc),
+                      dd = __ldg(iv + 3 * kv_len + jc);
 #pragma unroll
             for (int ri = 0; ri < 2; ri++) {
               const int p = prow[ri];
@@ -465,7 +520,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int p = prow[ri];
           wlo[ri] = win > 0 ? max(lo, p - win + 1) : lo;
           rlo[ri] = kind == ATTND_MASK_SLIDING ? max(wlo[ri], p - mp + 1) : wlo[ri];
-          rhi[ri] = kind == ATTND_MASK_FULL ? hi : min(hi, p);
+          rhi[ri] = kind == ATTND_MASK_FULL || (kind == ATTND_MASK_INTERVALS && !it.causal)
+                        ? hi
+                        : min(hi, p);
           phi[ri] = kind == ATTND_MASK_PREFIX_LM ? min(hi, mp - 1) : lo - 1;
         }
 #pragma unroll
@@ -505,25 +562,46 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int ri = 0; ri < 2; ri++) {
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
+      if (fused) // the max of rn(s sl2) is rn(max s * sl2): rounding is monotonic, sl2 > 0
+        mx[ri] = __fmul_rn(mx[ri], sl2);
       float mnew;
       mref[ri] = softmax_ref(m_r[ri], mx[ri], mnew);
       alpha[ri] = ex2(m_r[ri] - mref[ri]);
       m_r[ri] = mnew;
     }
     float rs[2] = {0.f, 0.f};
+    if (fused) {
+      // P' = 2^rn(s sl2 + (kPShift - m)): one FFMA per score (m an integer,
+      // kPShift - m exact); within one rounding of the exponent of the form
+      // below, which the tiled kernel computes.
+      const float nm[2] = {C::kPShift - mref[0], C::kPShift - mref[1]};
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; nt++)
+      for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        // P' = P 2^kPShift, the shift added after the difference (exact).
-        const float d = __fadd_rn(sacc[nt * 4 + e], -mref[e >> 1]);
-        const float p = ex2(C::kPShift != 0.f ? __fadd_rn(d, C::kPShift) : d);
-        sacc[nt * 4 + e] = p;
-        rs[e >> 1] += p;
-      }
+        for (int e = 0; e < 4; e++)
+          sacc[nt * 4 + e] = ex2(fmaf(sacc[nt * 4 + e], sl2, nm[e >> 1]));
+    } else {
 #pragma unroll
-    for (int ri = 0; ri < 2; ri++)
-      l_r[ri] = l_r[ri] * alpha[ri] + rs[ri];
+      for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          // P' = P 2^kPShift, the shift added after the difference (exact).
+          const float d = __fadd_rn(sacc[nt * 4 + e], -mref[e >> 1]);
+          const float p = ex2(C::kPShift != 0.f ? __fadd_rn(d, C::kPShift) : d);
+          sacc[nt * 4 + e] = p;
+          if (C::kDyn || exact_sum)
+            rs[e >> 1] += p;
+        }
+    }
+    // The sum of the unrounded P' is kept for the dynamic types only (their
+    // output is normalized by it); the others normalize by the rounded sum
+    // (lt_r, to_p), which is > 0 exactly when this one is (sched bit 3 keeps
+    // both, as before).
+    if (C::kDyn || exact_sum) {
+#pragma unroll
+      for (int ri = 0; ri < 2; ri++)
+        l_r[ri] = l_r[ri] * alpha[ri] + rs[ri];
+    }
   };
   // P' -> the A fragments of P V, rounded to C::PDT (dynamic V scales, over
   // the reference, multiply P here); the rounded values' sum joins lt.
@@ -658,7 +736,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the unrounded sum, so that a client merging parts by lse weights each
     // output by the sum it was divided by (docs/numerics.md, merging). The
     // sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
-    const bool any = l_r[ri] > 0.f;
+    const bool any = (C::kDyn || exact_sum ? l_r[ri] : lt_r[ri]) > 0.f;
     const float ln = C::kDyn ? l_r[ri] : lt_r[ri];
     const float inv = any ? (C::kSigma ? sig : 1.f) / ln : 0.f;
     // (Capped int4 scores hold the zero-point term: softcap2.)
