@@ -31,11 +31,15 @@ struct Variant {
   const char *name;
   attnd_cuda_opts_t opts;
 };
-// Variants timed per row: the Hopper path's schedules (pingpong, no
-// intra-warpgroup overlap, the launch order of round 1: every group's tiles
-// interleaved, no softmax: a timing experiment with wrong output), then the
-// tiled kernel. sm90_sched bit 0 turns pingpong off, bit 1 the overlap, bit 2
-// the softmax.
+// Variants timed per row: the Hopper path as it is (pp), with every earlier
+// form of round 4's changes at once (old: sm90_sched bits 3-6, the path of
+// the previous rounds) and with each alone (old_score: FMUL + FADD per score
+// and both sums; old_q: q loaded a unit at a time; old_iv: every partly
+// masked interval tile read per element; old_raw: converted types' copies
+// wait for the consumers), its schedules (nopp: no pingpong; pp_serial: no
+// intra-warpgroup overlap; pp_allgroups: round 1's launch order; no softmax:
+// a timing experiment with wrong output), then the tiled kernel. A row runs
+// the variants its flags ask for (Row.all_variants bits, below).
 static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   attnd_cuda_opts_t o = {};
   o.sm90 = sm90;
@@ -43,13 +47,21 @@ static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   o.sm90_gchunk = gchunk;
   return o;
 }
-static const Variant kVariants[] = {{"pp", variant_opts(0, 0, 0)},
-                                    {"nopp", variant_opts(0, 1, 0)},
-                                    {"pp_serial", variant_opts(0, 2, 0)},
-                                    {"nopp_serial", variant_opts(0, 3, 0)},
-                                    {"pp_allgroups", variant_opts(0, 0, 1000000)},
-                                    {"pp_nosoftmax", variant_opts(0, 4, 0)},
-                                    {"tiled", variant_opts(1, 0, 0)}};
+enum { V_BASE = 1, V_SCHED = 2, V_IV = 4, V_RAW = 8 };
+struct VariantSel {
+  Variant v;
+  int when; // the row's all_variants bits that run it (V_BASE: every row)
+};
+static const VariantSel kVariants[] = {{{"pp", variant_opts(0, 0, 0)}, V_BASE},
+                                       {{"old", variant_opts(0, 8 | 16 | 32 | 64, 0)}, V_BASE},
+                                       {{"old_score", variant_opts(0, 8, 0)}, V_SCHED},
+                                       {{"old_q", variant_opts(0, 16, 0)}, V_SCHED},
+                                       {{"old_iv", variant_opts(0, 32, 0)}, V_IV},
+                                       {{"old_raw", variant_opts(0, 64, 0)}, V_RAW},
+                                       {{"nopp", variant_opts(0, 1, 0)}, V_SCHED},
+                                       {{"pp_serial", variant_opts(0, 2, 0)}, V_SCHED},
+                                       {{"pp_nosoftmax", variant_opts(0, 4, 0)}, V_SCHED},
+                                       {{"tiled", variant_opts(1, 0, 0)}, V_BASE}};
 
 struct Row {
   const char *name;
@@ -83,26 +95,27 @@ int main() {
       tot += l;
     }
   }
+  // all_variants: which variants beyond pp, old and tiled (V_SCHED, V_IV, V_RAW).
   const Row rows[] = {
-      {"causal_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1, 1},
-      {"causal_d64_bf16", ATTND_KV_BF16, 64, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1, 1},
-      {"causal_d256_bf16", ATTND_KV_BF16, 256, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1, 1},
-      {"document_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_INTERVALS, 0, 1, 1},
-      {"sliding1024_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_SLIDING, 1024, 1, 1},
-      {"causal_d128_int8", ATTND_KV_INT8, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"causal_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"causal_d64_bf16", ATTND_KV_BF16, 64, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"causal_d256_bf16", ATTND_KV_BF16, 256, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"document_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_INTERVALS, 0, V_SCHED | V_IV, 1},
+      {"sliding1024_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_SLIDING, 1024, V_SCHED, 1},
+      {"causal_d128_int8", ATTND_KV_INT8, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_RAW, 0},
       {"causal_d128_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"append2048_over6144_bf16", ATTND_KV_BF16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 1, 1},
+      {"append2048_over6144_bf16", ATTND_KV_BF16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
       {"append2048_over6144_fp16", ATTND_KV_FP16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"append2048_over6144_int8", ATTND_KV_INT8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"append2048_over6144_fp8", ATTND_KV_FP8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"append2048_over6144_int8", ATTND_KV_INT8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_RAW, 0},
+      {"append2048_over6144_fp8", ATTND_KV_FP8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_RAW, 0},
       {"append2048_over6144_int8_dynamic", ATTND_KV_INT8_DYNAMIC, 128, 4, 8192, 2048,
        ATTND_MASK_CAUSAL, 0, 0, 1},
       {"append2048_over6144_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, 8192, 2048,
        ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"append2048_over6144_int4", ATTND_KV_INT4, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"small_1x512_over0", ATTND_KV_BF16, 128, 1, 512, 512, ATTND_MASK_CAUSAL, 0, 1, 1},
-      {"small_1x512_over8192", ATTND_KV_BF16, 128, 1, 8704, 512, ATTND_MASK_CAUSAL, 0, 1, 1},
-      {"small_64x64_over2048", ATTND_KV_BF16, 128, 64, 2112, 64, ATTND_MASK_CAUSAL, 0, 1, 1},
+      {"append2048_over6144_int4", ATTND_KV_INT4, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_RAW, 0},
+      {"small_1x512_over0", ATTND_KV_BF16, 128, 1, 512, 512, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"small_1x512_over8192", ATTND_KV_BF16, 128, 1, 8704, 512, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"small_64x64_over2048", ATTND_KV_BF16, 128, 64, 2112, 64, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
   };
   printf("\n%-34s %-12s %9s %9s %6s\n", "prefill (32/8 heads, bs 64)", "variant", "ms", "TFLOP/s",
          "splits");
@@ -129,8 +142,9 @@ int main() {
     const long big = (long)r.n * r.ctx;
     const int iters = big > 10000000L ? 10 : 50;
     std::string js;
-    for (const Variant &v : kVariants) {
-      if (!r.all_variants && strcmp(v.name, "pp") != 0 && strcmp(v.name, "tiled") != 0)
+    for (const VariantSel &vs : kVariants) {
+      const Variant &v = vs.v;
+      if (!(vs.when & (r.all_variants | V_BASE)))
         continue;
       const float ms = median_ms(
           [&] { CKA(attnd_cuda_attend_opts(&S.s, &S.b, S.ws, S.ws_bytes, nullptr, &v.opts)); }, 2,

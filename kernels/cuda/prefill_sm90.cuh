@@ -41,6 +41,9 @@ namespace attnd {
 // at a time after the CTA barrier, instead of every unit's load at once
 // before it; bit 5 = every partly masked FlashMask interval tile masked per
 // element from the intervals, also those whose intervals miss the CTA's rows;
+// bit 6 = converted cache types: two stages where the layout has three, and
+// the copy into a raw stage waits for the consumers to release the stage's
+// operand tiles, instead of for the finishing warps to have read the raw bytes;
 // attnd_cuda_opts_t.sm90_sched with bit 0 inverted (0 there is the default).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).

@@ -41,19 +41,24 @@ template <int D, int DT, int KV> struct Cfg {
                                        : 32;
   static constexpr int CH = D / 64;          // 64-element (128-byte) column chunks
   static constexpr uint32_t KT = BN * D * 2; // one operand tile (K or V)
-  // Pipeline stages: three where shared memory allows (16-bit caches, D <= 128).
-  static constexpr int kStages = kDirect && D <= 128 ? 3 : 2;
   static constexpr uint32_t kQ = 0; // [CH][kBMq][128 B]
   // Static types: q's lo half (per channel scales), the same layout.
   static constexpr uint32_t kQlo = kQ + kBMq * D * 2;
   static constexpr uint32_t kOp =
       kQlo + (kStatic ? kBMq * D * 2 : 0); // [kStages][K, V][CH][BN][128 B]
-  // Converting types: two raw stages, each K [BN][RB], V [BN][RB], then
+  // Converting types: a raw stage per stage, each K [BN][RB], V [BN][RB], then
   // (dynamic types) the K and V scales [2][BN] fp32, read there by the consumers.
-  static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
   static constexpr uint32_t kRawStage = kDirect ? 0 : 2 * BN * RB + (kDyn ? 2 * BN * 4 : 0);
-  static constexpr uint32_t kFlags = kRaw + kStages * kRawStage; // [kNF] u8 interval tile flags
   static constexpr uint32_t kTail = 16 * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
+  // Pipeline stages: three where shared memory allows (16-bit caches at D <=
+  // 128; converted types where three operand and raw stages fit beside every
+  // tile flag and the alignment slack: static int8/fp8 at D <= 128, the
+  // others at D 64), else two.
+  static constexpr int kStages =
+      kDirect ? (D <= 128 ? 3 : 2)
+              : (kOp + 3 * (2 * KT + kRawStage) + kMaxFlags + kTail + 16 * 8 + 1024 <= 232448 ? 3 : 2);
+  static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
+  static constexpr uint32_t kFlags = kRaw + kStages * kRawStage; // [kNF] u8 interval tile flags
   // Flags for the first kNF key tiles (later tiles are masked per element, never skipped).
   static constexpr int kNF = kFlags + kMaxFlags + kTail <= 232448 ? kMaxFlags : 512;
   static constexpr uint32_t kC = kFlags + kNF; // int4: [kBMq] fp32 q'.z_k

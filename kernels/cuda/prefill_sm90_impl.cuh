@@ -110,15 +110,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   // visible keys) land there instead of on raw_full, so that the finishing
   // warps, which wait for no other tile, wait on a barrier used once (a
   // parity wait on raw_full could pass on a phase two uses back).
-  constexpr int kS = C::kStages;
+  // Stages in use: C::kStages, but for the converted types with a third
+  // stage (prefill_sm90_cfg.cuh), sched bit 6 runs two of them (the earlier
+  // pipeline, for the A/B).
+  const int kS = C::kDirect || C::kStages < 3 || !(P.sched & 64) ? C::kStages : 2;
   auto BAR = [&](int i) -> uint32_t { return bar0 + 8u * (uint32_t)i; };
+  // Converted types without dynamic scales (the consumers read those from
+  // the raw stage): BAR(13 + s) raw_empty, the finishing warps done reading
+  // raw stage s, so that the copy of a tile kS ahead is issued as soon as the
+  // tile kS back is converted, not when the consumers are done with it; the
+  // finishing warps then wait for empty before writing the operand tiles.
+  // Copy latency then overlaps the products instead of adding to each
+  // conversion (sched bit 6: the producer waits for empty, as before).
+  const bool raw_early = !C::kDirect && !C::kDyn && !(P.sched & 64);
   if (tid == 0) {
-    for (int st = 0; st < kS; st++) {
+    for (int st = 0; st < C::kStages; st++) {
       mbar_init(BAR(st), 1);
       mbar_init(BAR(4 + st), kCvt);
       mbar_init(BAR(8 + st), 256);
     }
     mbar_init(BAR(12), 1);
+    for (int st = 0; st < C::kStages; st++)
+      mbar_init(BAR(13 + st), kCvt);
     mbar_init_fence();
   }
   // Consumers: this warpgroup's q rows, every 16-byte unit's load issued
@@ -177,8 +190,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int j0 = jfirst + t * BN;
         const int nvalid = min(nbox, (lastkey - j0) / R + 1);
         const int s = i % kS;
-        if (i >= kS) // the consumers are done with the tile kS back in this stage
-          mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
+        if (i >= kS) // the stage's tile kS back is done with: raw_empty, else empty
+          mbar_wait_wd(raw_early ? BAR(13 + s) : BAR(8 + s), ((i / kS) - 1) & 1);
         if constexpr (C::kDirect) {
           const uint32_t bar = lastkey + 1 - j0 < BN ? BAR(12) : BAR(s);
           mbar_arrive_expect_tx(bar, (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
@@ -238,6 +251,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       } else {
         mbar_wait_wd(BAR(s), (i / kS) & 1);
+        if (raw_early && i >= kS) // the consumers are done with the operand tiles kS back
+          mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
         constexpr int UPR = RB / 16; // raw 16-byte units per row
         constexpr int EPU = KvT<KV>::kElemPerChunk;
         const uint8_t *raw = smem + C::kRaw + s * C::kRawStage;
@@ -273,6 +288,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             if ((k % BN) >= lim)
               rs[k] = 0.f;
         }
+        if (raw_early)
+          mbar_arrive(BAR(13 + s)); // every read of the raw stage is done (its values are used)
         fence_proxy_async();
         mbar_arrive(BAR(4 + s));
       }
