@@ -44,6 +44,9 @@ namespace attnd {
 // bit 6 = converted cache types: two stages where the layout has three, and
 // the copy into a raw stage waits for the consumers to release the stage's
 // operand tiles, instead of for the finishing warps to have read the raw bytes;
+// bit 7 (opt-in, not yet the default) = 16-bit caches in the activation
+// dtype: K and V of a stage released and awaited apart (K's copy waits only
+// for Q K^T of the tile a ring back, the consumers wait for V only before its P V);
 // attnd_cuda_opts_t.sm90_sched with bit 0 inverted (0 there is the default).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).

@@ -41,7 +41,7 @@ template <int D, int DT, int KV> struct Cfg {
                                        : 32;
   static constexpr int CH = D / 64;          // 64-element (128-byte) column chunks
   static constexpr uint32_t KT = BN * D * 2; // one operand tile (K or V)
-  static constexpr uint32_t kQ = 0; // [CH][kBMq][128 B]
+  static constexpr uint32_t kQ = 0;          // [CH][kBMq][128 B]
   // Static types: q's lo half (per channel scales), the same layout.
   static constexpr uint32_t kQlo = kQ + kBMq * D * 2;
   static constexpr uint32_t kOp =
@@ -55,8 +55,9 @@ template <int D, int DT, int KV> struct Cfg {
   // tile flag and the alignment slack: static int8/fp8 at D <= 128, the
   // others at D 64), else two.
   static constexpr int kStages =
-      kDirect ? (D <= 128 ? 3 : 2)
-              : (kOp + 3 * (2 * KT + kRawStage) + kMaxFlags + kTail + 16 * 8 + 1024 <= 232448 ? 3 : 2);
+      kDirect
+          ? (D <= 128 ? 3 : 2)
+          : (kOp + 3 * (2 * KT + kRawStage) + kMaxFlags + kTail + 16 * 8 + 1024 <= 232448 ? 3 : 2);
   static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
   static constexpr uint32_t kFlags = kRaw + kStages * kRawStage; // [kNF] u8 interval tile flags
   // Flags for the first kNF key tiles (later tiles are masked per element, never skipped).
@@ -100,9 +101,9 @@ __device__ __forceinline__ void convert16(const uint4 &rv, uint32_t *out) {
 // alone (the cheap per-row ranges instead of four interval reads per key; the
 // diagonal tiles of a document mask). nw warps from warp 0.
 template <int BN>
-__device__ void classify_tiles_sm90(const attnd_kitem_t &it, const int32_t *iv, int kv_len, int lo, int hi,
-                                    int jfirst, int ntiles, int nflags, int pmin, int pmax, int win, int nw,
-                                    uint8_t *flags) {
+__device__ void classify_tiles_sm90(const attnd_kitem_t &it, const int32_t *iv, int kv_len, int lo,
+                                    int hi, int jfirst, int ntiles, int nflags, int pmin, int pmax,
+                                    int win, int nw, uint8_t *flags) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = min(ntiles, nflags);
   // Two tiles per warp and round, every read at a key clamped into [lo, hi]
   // (0 <= lo <= hi < kv_len when any tile runs) instead of under a branch:
@@ -123,7 +124,8 @@ __device__ void classify_tiles_sm90(const attnd_kitem_t &it, const int32_t *iv, 
           const bool cov1 = a <= pmin && pmax < bb, cov2 = c <= pmin && pmax < dd;
           const bool cov12 = a <= pmin && c <= bb && pmax < dd; // the union covers
           masked_all[q] &= (it.causal && j > pmax) || cov1 || cov2 || cov12;
-          const bool hit1 = a < bb && a <= pmax && pmin < bb, hit2 = c < dd && c <= pmax && pmin < dd;
+          const bool hit1 = a < bb && a <= pmax && pmin < bb,
+                     hit2 = c < dd && c <= pmax && pmin < dd;
           vis_all[q] &= !(it.causal && j > pmin) && !hit1 && !hit2 && !(win > 0 && j <= pmax - win);
           nohit[q] &= !hit1 && !hit2;
         } else {
@@ -133,8 +135,8 @@ __device__ void classify_tiles_sm90(const attnd_kitem_t &it, const int32_t *iv, 
     }
 #pragma unroll
     for (int q = 0; q < 2; q++) {
-      const bool m = __all_sync(0xffffffffu, masked_all[q]), v = __all_sync(0xffffffffu, vis_all[q]),
-                 h = __all_sync(0xffffffffu, nohit[q]);
+      const bool m = __all_sync(0xffffffffu, masked_all[q]),
+                 v = __all_sync(0xffffffffu, vis_all[q]), h = __all_sync(0xffffffffu, nohit[q]);
       if (lane == 0 && t0 + q * nw < n)
         flags[t0 + q * nw] = (m ? 1 : 0) | (v ? 0 : 2) | (h ? 4 : 0);
     }

@@ -123,6 +123,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Copy latency then overlaps the products instead of adding to each
   // conversion (sched bit 6: the producer waits for empty, as before).
   const bool raw_early = !C::kDirect && !C::kDyn && !(P.sched & 64);
+  // 16-bit caches in the activation dtype, sched bit 7 (opt-in, under
+  // measurement): K and V of a stage on barriers of their own, so that K's
+  // copy waits only for the consumers' Q K^T of the tile kS back (emptyK,
+  // BAR(3 + 4 s)) and V's for their P V (empty), and the consumers wait for V
+  // (fullV, BAR(13 + s); the tail tile's V still lands on BAR(12)) only before
+  // the P V that reads it, a tile after its Q K^T: each copy gets a tile more
+  // to land (two stages at D 256).
+  const bool kvsplit = C::kDirect && (P.sched & 128);
   if (tid == 0) {
     for (int st = 0; st < C::kStages; st++) {
       mbar_init(BAR(st), 1);
@@ -130,8 +138,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(BAR(8 + st), 256);
     }
     mbar_init(BAR(12), 1);
-    for (int st = 0; st < C::kStages; st++)
-      mbar_init(BAR(13 + st), kCvt);
+    for (int st = 0; st < C::kStages; st++) {
+      mbar_init(BAR(13 + st), C::kDirect ? 1 : kCvt); // fullV, else raw_empty
+      mbar_init(BAR(3 + 4 * st), 256);                // emptyK
+    }
     mbar_init_fence();
   }
   // Consumers: this warpgroup's q rows, every 16-byte unit's load issued
@@ -151,8 +161,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       qv[k] = make_uint4(0, 0, 0, 0);
       if (vv < nvec) {
         const int r = vv / G, h = kvh * G + vv % G;
-        qv[k] = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
-                                                 ((size_t)(it.q_row + r) * F.q_heads + h) * D + cu * 8);
+        qv[k] =
+            *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
+                                             ((size_t)(it.q_row + r) * F.q_heads + h) * D + cu * 8);
       }
     }
   }
@@ -190,9 +201,33 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int j0 = jfirst + t * BN;
         const int nvalid = min(nbox, (lastkey - j0) / R + 1);
         const int s = i % kS;
-        if (i >= kS) // the stage's tile kS back is done with: raw_empty, else empty
+        if (i >= kS && !kvsplit) // the stage's tile kS back is done with: raw_empty, else empty
           mbar_wait_wd(raw_early ? BAR(13 + s) : BAR(8 + s), ((i / kS) - 1) & 1);
-        if constexpr (C::kDirect) {
+        if (C::kDirect && kvsplit) {
+          const uint32_t bytes = (uint32_t)nvalid * (uint32_t)R * D * 2u;
+          const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
+          if (i >= kS) // the consumers' Q K^T of the tile kS back is done
+            mbar_wait_wd(BAR(3 + 4 * s), ((i / kS) - 1) & 1);
+          mbar_arrive_expect_tx(BAR(s), bytes);
+          for (int b = 0; b < nvalid; b++) {
+            const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
+#pragma unroll
+            for (int c = 0; c < CH; c++)
+              tma_load_4d(dK + (uint32_t)(c * BN * 128 + b * R * 128), &P.tmap, c * 64, ro, kvh,
+                          blk, BAR(s));
+          }
+          if (i >= kS) // and their P V
+            mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
+          const uint32_t vb = lastkey + 1 - j0 < BN ? BAR(12) : BAR(13 + s);
+          mbar_arrive_expect_tx(vb, bytes);
+          for (int b = 0; b < nvalid; b++) {
+            const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
+#pragma unroll
+            for (int c = 0; c < CH; c++)
+              tma_load_4d(dV + (uint32_t)(c * BN * 128 + b * R * 128), &P.tmap, c * 64, ro,
+                          F.kv_heads + kvh, blk, vb);
+          }
+        } else if constexpr (C::kDirect) {
           const uint32_t bar = lastkey + 1 - j0 < BN ? BAR(12) : BAR(s);
           mbar_arrive_expect_tx(bar, (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
           const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
@@ -365,7 +400,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (vv < nvec) {
           const int r = vv / G, h = kvh * G + vv % G;
           val = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
-                                                 ((size_t)(it.q_row + r) * F.q_heads + h) * D + cu * 8);
+                                                 ((size_t)(it.q_row + r) * F.q_heads + h) * D +
+                                                 cu * 8);
         }
         put(u, val);
       }
@@ -401,7 +437,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int vv = v0 + c * 64 + ra + ri * 8;
     rvalid[ri] = vv < vend;
     prow[ri] = it.start + min(vv, vend - 1) / G;
-    zrow[ri] = KV == ATTND_KV_INT4 ? reinterpret_cast<const float *>(smem + C::kC)[c * 64 + ra + ri * 8] : 0.f;
+    zrow[ri] = KV == ATTND_KV_INT4
+                   ? reinterpret_cast<const float *>(smem + C::kC)[c * 64 + ra + ri * 8]
+                   : 0.f;
   }
   // Row range of this warpgroup, for the per-tile mask decision.
   int wpmin = pmin, wpmax = pmax;
@@ -516,8 +554,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             // loads of all the thread's keys are in flight together; keys
             // outside the range are masked by `in` whatever was read.
             const int jc = min(max(j, lo), hi);
-            const int a = __ldg(iv + jc), bb = __ldg(iv + kv_len + jc), cc = __ldg(iv + 2 * kv_len + jc),
-                      dd = __ldg(iv + 3 * kv_len + jc);
+            const int a = __ldg(iv + jc), bb = __ldg(iv + kv_len + jc),
+                      cc = __ldg(iv + 2 * kv_len + jc), dd = __ldg(iv + 3 * kv_len + jc);
 #pragma unroll
             for (int ri = 0; ri < 2; ri++) {
               const int p = prow[ri];
@@ -664,11 +702,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Tile i (stage s) is ready: the copy engine's barrier for 16-bit tiles that
   // need no fix-up, else the finishing warps' (used once per CTA for those).
+  // kvsplit: K only here (BAR(s), the tail tile's too), V in wait_v.
   auto wait_tile = [&](int t, int s, int i) {
-    if (C::kDirect && lastkey + 1 - (jfirst + t * BN) >= BN)
+    if (C::kDirect && (kvsplit || lastkey + 1 - (jfirst + t * BN) >= BN))
       mbar_wait(BAR(s), (i / kS) & 1);
     else
       mbar_wait(BAR(4 + s), C::kDirect ? 0 : (i / kS) & 1);
+  };
+  auto wait_v = [&](int t, int s, int i) {
+    if (!kvsplit)
+      return;
+    if (lastkey + 1 - (jfirst + t * BN) >= BN)
+      mbar_wait(BAR(13 + s), (i / kS) & 1);
+    else
+      mbar_wait(BAR(4 + s), 0); // the tail tile: the finishing warps zeroed V's rows past the keys
   };
   int t = next_tile(0);
   if (t < ntiles) {
@@ -685,12 +732,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       named_arrive(other, 256);
     wgmma_wait<0>();
     fence_regs(sacc);
+    if (kvsplit)
+      mbar_arrive(BAR(3)); // emptyK of stage 0
     softmax(t, 0, alpha, beta);
     to_p(0, alpha); // O is still 0: nothing to rescale
-    int sprev = 0, i = 1;
+    int sprev = 0, i = 1, tprev = t;
     for (t = next_tile(t + 1); t < ntiles; t = next_tile(t + 1), i++) {
       const int s = i % kS;
       wait_tile(t, s, i);
+      wait_v(tprev, sprev, i - 1);
       if (pp)
         named_sync(me, 256);
       wgmma_fence();
@@ -705,6 +755,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       else
         wgmma_wait<1>(); // Q K^T of this tile done; P V of the last may still run
       fence_regs(sacc);
+      if (kvsplit)
+        mbar_arrive(BAR(3 + 4 * s)); // the stage's K is read
       softmax(t, s, alpha, beta);
       wgmma_wait<0>();
       fence_regs(o);
@@ -715,7 +767,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       rescale(alpha, beta);
       to_p(s, alpha);
       sprev = s;
+      tprev = t;
     }
+    wait_v(tprev, sprev, i - 1);
     if (pp)
       named_sync(me, 256);
     wgmma_fence();
@@ -740,7 +794,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const float *sC = reinterpret_cast<const float *>(smem + C::kC);
   const float *sink =
-      F.sinks && (F.items[item].flags & ATTND_ITEM_SINK) && (F.nsplit <= 1 || split == 0) ? F.sinks : nullptr;
+      F.sinks && (F.items[item].flags & ATTND_ITEM_SINK) && (F.nsplit <= 1 || split == 0) ? F.sinks
+                                                                                          : nullptr;
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     if (!rvalid[ri])
@@ -757,7 +812,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float ln = C::kDyn ? l_r[ri] : lt_r[ri];
     const float inv = any ? (C::kSigma ? sig : 1.f) / ln : 0.f;
     // (Capped int4 scores hold the zero-point term: softcap2.)
-    const float ref = m_r[ri] - (KV == ATTND_KV_INT4 && cap2 == 0.f ? sC[c * 64 + ra + ri * 8] : 0.f);
+    const float ref =
+        m_r[ri] - (KV == ATTND_KV_INT4 && cap2 == 0.f ? sC[c * 64 + ra + ri * 8] : 0.f);
     float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
     float lse = lset;
     // The sink joins the row once: here when it is not split, else in part 0.

@@ -16,9 +16,12 @@
 #            new defaults, old = the previous round's path, one per change)   ~20 s
 #         4. bench/torch_reference.py (prefill, flex, shapes, append)         ~70 s
 #         5. bench_prefill, the rows over int8 / fp8 / int4 / fp16 caches     ~10 s
+#         6. bench_prefill, the 16-bit rows: pp beside the opt-in kvsplit, outputs
+#            compared bit for bit (ATTND_BENCH_CHECK)                          ~15 s
 #       and prints a summary last (also $OUT/summary.txt): each step's result
-#       and the rows of both tables side by side. $OUT keeps 8 files: the two
-#       tests' logs, bench_prefill's logs and JSON, reference.json, summary.txt.
+#       and the rows of both tables side by side. $OUT keeps 7 files (at most 8
+#       come back): the two tests' logs, bench_prefill's three logs,
+#       reference.json, summary.txt.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 
@@ -84,19 +87,24 @@ run() {
   local pw=1
   [ "${AB_NUMERICS_FULL:-0}" = 1 ] && pw=0
   step test_cuda_numerics 35 numerics.log env ATTND_GPU_TEST_PAIRWISE=$pw ./test_cuda_numerics
-  step bench_main 30 prefill-main.log env OUT="$out" ATTND_BENCH_PREFILL=all \
+  step bench_main 30 prefill-main.log env ATTND_BENCH_PREFILL=all \
     ATTND_BENCH_FILTER=bf16,small,dynamic ./bench_prefill
-  [ -f "$out/prefill.json" ] && mv "$out/prefill.json" "$out/prefill-main.json"
   step torch_reference 80 reference.log env OUT="$out" PYTHONUNBUFFERED=1 \
     ATTND_REF_SECTIONS=prefill,flex,shapes,append python3 torch_reference.py
-  step bench_quant 25 prefill-quant.log env OUT="$out" ATTND_BENCH_PREFILL=all \
+  step bench_quant 25 prefill-quant.log env ATTND_BENCH_PREFILL=all \
     ATTND_BENCH_FILTER=d128_int8,6144_int8,6144_fp8,int4,fp16 ./bench_prefill
-  [ -f "$out/prefill.json" ] && mv "$out/prefill.json" "$out/prefill-quant.json"
+  # The opt-in K/V-split pipeline (sched bit 7) last, in a process of its own
+  # (untested by the matrix: a hang here costs nothing else), its outputs
+  # compared bit for bit with the default's.
+  step bench_kvsplit 25 prefill-kvsplit.log env ATTND_BENCH_PREFILL=all ATTND_BENCH_CHECK=1 \
+    ATTND_BENCH_VARIANTS=pp,kvsplit ATTND_BENCH_FILTER=bf16,small ./bench_prefill
   {
     echo "GPU: $(cat "$out/gpu.txt")"
     grep -E "FAIL|PASSED|rel L2 .* >|Hopper path vs|prefix hit|^kv |seed" "$out/test.log" | head -16
     grep -E "FAIL|PASSED|over 2x|A/B|worst ratio|seed" "$out/numerics.log" | head -8
-    grep -E "^(causal|document|sliding|append|small)" "$out/prefill-main.log" "$out/prefill-quant.log" |
+    grep -h "^check" "$out/prefill-kvsplit.log"
+    grep -E "^(causal|document|sliding|append|small)" "$out/prefill-main.log" "$out/prefill-quant.log" \
+      "$out/prefill-kvsplit.log" |
       sed 's/^[^:]*://' | awk '{printf "%s/%s %s ms %s TF; ", $1, $2, $3, $4} END {print ""}'
     grep -E "^(prefill_causal_sdpa_cudnn|prefill_causal_sdpa_flash|flex_|append_)" "$out/reference.log" |
       sed 's/"B": 4, "S": 8192, "Hq": 32, "Hkv": 8, "D": 128, //' | tr '\n' ' '
