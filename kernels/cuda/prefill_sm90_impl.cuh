@@ -626,10 +626,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       m_r[ri] = mnew;
     }
     float rs[2] = {0.f, 0.f};
-    if (fused) {
-      // P' = 2^rn(s sl2 + (kPShift - m)): one FFMA per score (m an integer,
-      // kPShift - m exact); within one rounding of the exponent of the form
-      // below, which the tiled kernel computes.
+    // P' = 2^rn(s sl2 + (kPShift - m)): one FFMA per score (m an integer,
+    // kPShift - m exact), which differs from the form below (rn(s sl2)
+    // first) by at most half an ulp of s sl2 in the exponent: below 2^-16
+    // while |m| < 256 (a relative change of P under 1.1e-5), but at the
+    // magnitudes the kernels take (|q|, |k| up to 2^48) as much as 2^76, which
+    // would turn the largest P into 0 or inf. So the warp takes the FFMA only
+    // while every reference of its rows is that small; else the tiled
+    // kernel's FMUL then FADD of the scaled scores (scaled here: the max was
+    // taken on the raw ones; mref is the same value either way).
+    const bool ffma =
+        fused && __all_sync(0xffffffffu, fabsf(mref[0]) < 256.f && fabsf(mref[1]) < 256.f);
+    if (fused && !ffma) {
+#pragma unroll
+      for (int k = 0; k < BN / 2; k++)
+        sacc[k] = __fmul_rn(sacc[k], sl2);
+    }
+    if (ffma) {
       const float nm[2] = {C::kPShift - mref[0], C::kPShift - mref[1]};
 #pragma unroll
       for (int nt = 0; nt < BN / 8; nt++)

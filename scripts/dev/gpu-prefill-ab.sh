@@ -16,11 +16,13 @@
 #            new defaults, old = the previous round's path, one per change)   ~20 s
 #         4. bench/torch_reference.py (prefill, flex, shapes, append)         ~70 s
 #         5. bench_prefill, the rows over int8 / fp8 / int4 / fp16 caches     ~10 s
-#         6. bench_prefill, the 16-bit rows: pp beside the opt-in kvsplit, outputs
+#         6. the opt-in kvsplit pipeline (sched bit 7): the prefill matrix's
+#            pairwise cover with it (ATTND_GPU_TEST_SM90_SCHED=128)            ~15 s
+#            and bench_prefill's 16-bit rows, pp beside kvsplit, outputs
 #            compared bit for bit (ATTND_BENCH_CHECK)                          ~15 s
 #       and prints a summary last (also $OUT/summary.txt): each step's result
-#       and the rows of both tables side by side. $OUT keeps 7 files (at most 8
-#       come back): the two tests' logs, bench_prefill's three logs,
+#       and the rows of both tables side by side. $OUT keeps 8 files (at most 8
+#       come back): the three test logs, bench_prefill's three logs,
 #       reference.json, summary.txt.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -96,12 +98,15 @@ run() {
   # The opt-in K/V-split pipeline (sched bit 7) last, in a process of its own
   # (untested by the matrix: a hang here costs nothing else), its outputs
   # compared bit for bit with the default's.
+  step test_kvsplit 30 test-kvsplit.log env ATTND_GPU_TEST_SM90_SCHED=128 ATTND_GPU_TEST_PAIRWISE=1 \
+    ATTND_GPU_TEST_ONLY=test_prefill_matrix ./test_cuda_kernels
   step bench_kvsplit 25 prefill-kvsplit.log env ATTND_BENCH_PREFILL=all ATTND_BENCH_CHECK=1 \
     ATTND_BENCH_VARIANTS=pp,kvsplit ATTND_BENCH_FILTER=bf16,small ./bench_prefill
   {
     echo "GPU: $(cat "$out/gpu.txt")"
     grep -E "FAIL|PASSED|rel L2 .* >|Hopper path vs|prefix hit|^kv |seed" "$out/test.log" | head -16
     grep -E "FAIL|PASSED|over 2x|A/B|worst ratio|seed" "$out/numerics.log" | head -8
+    grep -E "FAIL|PASSED|Hopper path vs|prefix hit" "$out/test-kvsplit.log" | sed 's/^/kvsplit: /' | head -6
     grep -h "^check" "$out/prefill-kvsplit.log"
     grep -E "^(causal|document|sliding|append|small)" "$out/prefill-main.log" "$out/prefill-quant.log" \
       "$out/prefill-kvsplit.log" |
