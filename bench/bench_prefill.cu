@@ -33,14 +33,15 @@ struct Variant {
   attnd_cuda_opts_t opts;
 };
 // Variants timed per row: the Hopper path as it is (pp), with every earlier
-// form of round 4's changes at once (old: sm90_sched bits 3-6, the path of
-// the previous rounds) and with each alone (old_score: FMUL + FADD per score
-// and both sums; old_q: q loaded a unit at a time; old_iv: every partly
-// masked interval tile read per element; old_raw: converted types' copies
-// wait for the consumers), its schedules (nopp: no pingpong; pp_serial: no
-// intra-warpgroup overlap; pp_allgroups: round 1's launch order; no softmax:
-// a timing experiment with wrong output), then the tiled kernel. A row runs
-// the variants its flags ask for (Row.all_variants bits, below).
+// form of round 4's changes at once (old: sm90_sched bits 4-6 and 8, the path
+// of the previous rounds) and with each alone (old_q: q loaded a unit at a
+// time; old_iv: every partly masked interval tile read per element; old_raw:
+// converted types' copies wait for the consumers, two stages; no_kvsplit: K
+// and V awaited together at D 256), the opt-in forms (ffma: one FFMA per
+// score; kvsplit: K and V apart at D <= 128), its schedules (nopp: no
+// pingpong; pp_serial: no intra-warpgroup overlap; no softmax: a timing
+// experiment with wrong output), then the tiled kernel. A row runs the
+// variants its flags ask for (Row.all_variants bits, below).
 static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   attnd_cuda_opts_t o = {};
   o.sm90 = sm90;
@@ -54,15 +55,16 @@ struct VariantSel {
   int when; // the row's all_variants bits that run it (V_BASE: every row)
 };
 static const VariantSel kVariants[] = {{{"pp", variant_opts(0, 0, 0)}, V_BASE},
-                                       {{"old", variant_opts(0, 8 | 16 | 32 | 64, 0)}, V_BASE},
-                                       {{"old_score", variant_opts(0, 8, 0)}, V_SCHED},
+                                       {{"old", variant_opts(0, 16 | 32 | 64 | 256, 0)}, V_BASE},
+                                       {{"ffma", variant_opts(0, 8, 0)}, V_SCHED},
                                        {{"old_q", variant_opts(0, 16, 0)}, V_SCHED},
                                        {{"old_iv", variant_opts(0, 32, 0)}, V_IV},
                                        {{"old_raw", variant_opts(0, 64, 0)}, V_RAW},
+                                       {{"kvsplit", variant_opts(0, 128, 0)}, V_SCHED},
+                                       {{"no_kvsplit", variant_opts(0, 256, 0)}, V_SCHED},
                                        {{"nopp", variant_opts(0, 1, 0)}, V_SCHED},
                                        {{"pp_serial", variant_opts(0, 2, 0)}, V_SCHED},
                                        {{"pp_nosoftmax", variant_opts(0, 4, 0)}, V_SCHED},
-                                       {{"kvsplit", variant_opts(0, 128, 0)}, 0},
                                        {{"tiled", variant_opts(1, 0, 0)}, V_BASE}};
 
 // Whether the comma-separated list holds name exactly.

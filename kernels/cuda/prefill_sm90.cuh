@@ -35,20 +35,23 @@ namespace attnd {
 // sched: bit 0 = pingpong between the two consumer warpgroups (named
 // barriers), bit 1 = no intra-warpgroup overlap (softmax waits for P V),
 // bit 2 = skip the softmax (timing experiments only: the output is wrong);
-// the earlier forms, for A/B timing in one run (results within the same
-// bounds): bit 3 = scores to P by FMUL then FADD (the tiled kernel's two
-// roundings) with the unrounded sum of P kept, instead of one FFMA per score
-// against the max of the raw scores; bit 4 = q rows loaded one 16-byte unit
-// at a time after the CTA barrier, instead of every unit's load at once
-// before it; bit 5 = every partly masked FlashMask interval tile masked per
-// element from the intervals, also those whose intervals miss the CTA's rows;
-// bit 6 = converted cache types: two stages where the layout has three, and
-// the copy into a raw stage waits for the consumers to release the stage's
-// operand tiles, instead of for the finishing warps to have read the raw bytes;
-// bit 7 (opt-in, not yet the default) = 16-bit caches in the activation
-// dtype: K and V of a stage released and awaited apart (K's copy waits only
-// for Q K^T of the tile a ring back, the consumers wait for V only before its P V);
-// attnd_cuda_opts_t.sm90_sched with bit 0 inverted (0 there is the default).
+// opt-in forms and the earlier ones, for A/B timing in one run: bit 3 =
+// 16-bit caches in the activation dtype: scores to P by one FFMA against the
+// max of the raw scores (a second kernel instantiation; P's exponent within
+// one rounding of the default's, which is the tiled kernel's FMUL then FADD:
+// over the A/B bound once on the H200, so not the default); bit 4 = q rows
+// loaded one 16-byte unit at a time after the CTA barrier, instead of every
+// unit's load at once before it; bit 5 = every partly masked FlashMask
+// interval tile masked per element from the intervals, also those whose
+// intervals miss the CTA's rows; bit 6 = converted cache types: two stages
+// where the layout has three, and the copy into a raw stage waits for the
+// consumers to release the stage's operand tiles, instead of for the
+// finishing warps to have read the raw bytes; bits 7 / 8 = 16-bit caches in
+// the activation dtype: K and V of a stage awaited and released apart (K's
+// copy waits only for Q K^T of the tile a ring back, the consumers wait for V
+// only before its P V) at D <= 128 (bit 7; the default at D 256) / not at D
+// 256 (bit 8). This is attnd_cuda_opts_t.sm90_sched with bit 0 inverted
+// (0 there is the default).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).
 struct Sm90Params { // 64-byte aligned through CUtensorMap
