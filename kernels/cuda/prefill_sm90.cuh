@@ -7,12 +7,12 @@
 // (prefill_sm90_<kv>.cu); prefill_sm90.cu decides eligibility and dispatches.
 //
 // Same function as the tiled kernel (tiled_params.cuh, tiled_kernel.cuh), to
-// fp32 summation order and P's rounding: query vectors are (row, q head of the GQA group)
+// fp32 summation order: query vectors are (row, q head of the GQA group)
 // pairs; the same operand dtypes (q and K in the activation dtype, P V in
 // Tiled::PDT, P as P 2^14 where that is fp16); scores scaled, shifted and
-// exponentiated against the same integer running max (exp2 domain; one FFMA
-// per score where the tiled kernel rounds twice, so P's exponent may differ
-// by one rounding); the same placement of every scale (static K scale per kv
+// exponentiated with the same fp32 operations against an integer running max
+// (exp2 domain; the opt-in FFMA form, sched bit 3, rounds P's exponent once
+// where they round twice); the same placement of every scale (static K scale per kv
 // head in the score scale, per channel in q as an exact hi + lo pair, int4's
 // K zero point out of the lse in fp64, dynamic scales on the scores and on P,
 // O normalized by the sum of P as rounded for the matrix units and V's static

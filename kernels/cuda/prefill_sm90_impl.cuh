@@ -25,10 +25,10 @@
 // other's.
 //
 // Numerics: line for line the tiled kernel's (tiled_kernel.cuh: tiled_load_q,
-// tiled_tile, tiled_write) but for the score -> P step of the non-dynamic,
-// uncapped types, one FFMA against the same integer reference (within one
-// rounding of P's exponent; sched bit 3 and the other types keep its FMUL,
-// FADD, FADD, written with explicit rounding so that no contraction changes them).
+// tiled_tile, tiled_write); the fp32 operations that turn a score into P are
+// written with explicit rounding (__fmul_rn, __fadd_rn) so that no
+// contraction makes them differ from its FMUL, FADD, FADD (but in the opt-in
+// FF kernels: one FFMA, within one rounding of P's exponent).
 #pragma once
 
 #include <math.h>
