@@ -70,7 +70,7 @@ bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p, const attnd_cu
 int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems,
                 const attnd_cuda_opts_t &o, cudaStream_t st);
 
-// Per (head dim, activation dtype, cache type); defined in prefill_sm90_impl.cuh.
+// Per (head dim, activation dtype, cache type); defined in prefill_sm90_launch.cuh.
 template <int D, int DT, int KV>
 int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st);
 

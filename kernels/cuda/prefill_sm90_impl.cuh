@@ -1,5 +1,7 @@
 // prefill_sm90_impl.cuh: the body of the Hopper prefill kernel (see
-// prefill_sm90.cuh). Included only by the prefill_sm90_<kv>.cu instantiation files.
+// prefill_sm90.cuh). Included only by prefill_sm90_launch.cuh (the host side and
+// the instantiations, for the prefill_sm90_<kv>.cu files); the copy side is
+// prefill_sm90_copy.cuh.
 //
 // One CTA per (item, kv head, tile of kBMq = 128 query vectors, KV split), 384
 // threads in three warpgroups:
@@ -36,6 +38,7 @@
 
 #include "prefill_sm90.cuh"
 #include "prefill_sm90_cfg.cuh"
+#include "prefill_sm90_copy.cuh"
 #include "sm90_primitives.cuh"
 
 namespace attnd {
@@ -55,7 +58,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using A = Act<DT>;
   using PA = Act<C::PDT>; // P's dtype
   using T = typename A::T;
-  constexpr int BN = C::BN, CH = C::CH, RB = C::RB;
+  constexpr int BN = C::BN, RB = C::RB;
   constexpr uint32_t KT = C::KT;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -136,8 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (fullV, BAR(13 + s); the tail tile's V still lands on BAR(12)) only before
   // the P V that reads it, a tile after its Q K^T: each copy gets a tile more
   // to land (two stages at D 256).
-  const bool kvsplit =
-      C::kDirect && (D == 256 ? !(P.sched & 256) : (P.sched & 128) != 0);
+  const bool kvsplit = C::kDirect && (D == 256 ? !(P.sched & 256) : (P.sched & 128) != 0);
   if (tid == 0) {
     for (int st = 0; st < C::kStages; st++) {
       mbar_init(BAR(st), 1);
@@ -182,160 +184,21 @@ __global__ void __launch_bounds__(kThreads, 1)
                             kThreads / 32, sFlags);
   __syncthreads();
 
-  auto next_tile = [&](int t) -> int { // first live tile index >= t, or ntiles
-    if (kind == ATTND_MASK_INTERVALS)
-      while (t < ntiles && t < C::kNF && (sFlags[t] & 1))
-        t++;
-    return t;
-  };
-  const int lastkey = hi;                     // hi <= kv_len - 1
-  const int R = min(F.bs, BN), nbox = BN / R; // rows per copy: one paged block or one tile
-  const int bs_shift = __ffs(F.bs) - 1, bs_mask = F.bs - 1;
-  const size_t v_region = (size_t)F.kv_heads * F.bs * RB;
+  const int lastkey = hi; // hi <= kv_len - 1
+  const Ring g{smem, sFlags, bt, bar0, kind, ntiles, jfirst, lastkey, kS, kvh, raw_early, kvsplit};
+  auto next_tile = [&](int t) -> int { return g.template next_tile<C::kNF>(t); };
 
   const int wg = tid >> 7;
   if (wg == 0) {
     regs_dec<kRegsProducer>();
     if (warp == 0) {
-      // ---- producer: one thread issues every copy ----
-      if (lane != 0)
-        return;
-      if constexpr (C::kDirect)
-        tma_prefetch_desc(&P.tmap);
-      pdl_wait(); // the cache is written by the previous kernel
-      int i = 0;
-      for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
-        const int j0 = jfirst + t * BN;
-        const int nvalid = min(nbox, (lastkey - j0) / R + 1);
-        const int s = i % kS;
-        if (i >= kS && !kvsplit) // the stage's tile kS back is done with: raw_empty, else empty
-          mbar_wait_wd(raw_early ? BAR(13 + s) : BAR(8 + s), ((i / kS) - 1) & 1);
-        if (C::kDirect && kvsplit) {
-          const uint32_t bytes = (uint32_t)nvalid * (uint32_t)R * D * 2u;
-          const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
-          if (i >= kS) // the consumers' Q K^T of the tile kS back is done
-            mbar_wait_wd(BAR(3 + 4 * s), ((i / kS) - 1) & 1);
-          mbar_arrive_expect_tx(BAR(s), bytes);
-          for (int b = 0; b < nvalid; b++) {
-            const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
-#pragma unroll
-            for (int c = 0; c < CH; c++)
-              tma_load_4d(dK + (uint32_t)(c * BN * 128 + b * R * 128), &P.tmap, c * 64, ro, kvh,
-                          blk, BAR(s));
-          }
-          if (i >= kS) // and their P V
-            mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
-          const uint32_t vb = lastkey + 1 - j0 < BN ? BAR(12) : BAR(13 + s);
-          mbar_arrive_expect_tx(vb, bytes);
-          for (int b = 0; b < nvalid; b++) {
-            const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
-#pragma unroll
-            for (int c = 0; c < CH; c++)
-              tma_load_4d(dV + (uint32_t)(c * BN * 128 + b * R * 128), &P.tmap, c * 64, ro,
-                          F.kv_heads + kvh, blk, vb);
-          }
-        } else if constexpr (C::kDirect) {
-          const uint32_t bar = lastkey + 1 - j0 < BN ? BAR(12) : BAR(s);
-          mbar_arrive_expect_tx(bar, (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
-          const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
-          for (int b = 0; b < nvalid; b++) {
-            const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
-#pragma unroll
-            for (int c = 0; c < CH; c++) {
-              const uint32_t off = (uint32_t)(c * BN * 128 + b * R * 128);
-              tma_load_4d(dK + off, &P.tmap, c * 64, ro, kvh, blk, bar);
-              tma_load_4d(dV + off, &P.tmap, c * 64, ro, F.kv_heads + kvh, blk, bar);
-            }
-          }
-        } else {
-          const uint32_t per = 2u * R * RB + (C::kDyn ? 2u * R * 4u : 0u);
-          mbar_arrive_expect_tx(BAR(s), (uint32_t)nvalid * per);
-          const uint32_t dRaw = smem_u32(smem + C::kRaw + s * C::kRawStage),
-                         dS = dRaw + 2 * BN * RB;
-          for (int b = 0; b < nvalid; b++) {
-            const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
-            const uint8_t *src =
-                F.cache + (size_t)blk * F.block_bytes + (size_t)(kvh * F.bs + ro) * RB;
-            bulk_load(dRaw + b * R * RB, src, R * RB, BAR(s));
-            bulk_load(dRaw + BN * RB + b * R * RB, src + v_region, R * RB, BAR(s));
-            if constexpr (C::kDyn) {
-              const uint8_t *ss = F.cache + (size_t)blk * F.block_bytes + 2 * v_region +
-                                  (size_t)(kvh * F.bs + ro) * 4;
-              bulk_load(dS + b * R * 4, ss, R * 4, BAR(s));
-              bulk_load(dS + BN * 4 + b * R * 4, ss + (size_t)F.kv_heads * F.bs * 4, R * 4, BAR(s));
-            }
-          }
-        }
-      }
+      // ---- producer: one thread issues every copy (prefill_sm90_copy.cuh) ----
+      if (lane == 0)
+        ring_produce<D, DT, KV>(P, g);
       return;
     }
     // ---- finishing warps 1-3: convert, zero what lies past the visible keys ----
-    const int ct = tid - 32;
-    int i = 0;
-    for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
-      const int j0 = jfirst + t * BN;
-      const int lim = min(BN, lastkey + 1 - j0); // keys [lim, BN) of the tile are never visible
-      const int s = i % kS;
-      uint8_t *opK = smem + C::kOp + s * 2 * KT, *opV = opK + KT;
-      if constexpr (C::kDirect) {
-        // Only the CTA's last tile can reach past the visible keys; the
-        // consumers wait for the copy engine directly on every other tile.
-        if (lim < BN) {
-          mbar_wait_wd(BAR(12), 0);
-          const int rows = BN - lim, n16 = CH * rows * 8;
-          for (int u = ct; u < n16; u += kCvt) {
-            const int c = u / (rows * 8), r = lim + (u % (rows * 8)) / 8, q = u & 7;
-            *reinterpret_cast<uint4 *>(opV + c * BN * 128 + r * 128 + q * 16) =
-                make_uint4(0, 0, 0, 0);
-          }
-          fence_proxy_async();
-          mbar_arrive(BAR(4 + s));
-        }
-      } else {
-        mbar_wait_wd(BAR(s), (i / kS) & 1);
-        if (raw_early && i >= kS) // the consumers are done with the operand tiles kS back
-          mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
-        constexpr int UPR = RB / 16; // raw 16-byte units per row
-        constexpr int EPU = KvT<KV>::kElemPerChunk;
-        const uint8_t *raw = smem + C::kRaw + s * C::kRawStage;
-        // Unit u of K and of V per round, both loads first (the chain is
-        // latency bound); K for Q K^T in the activation dtype, V for P V in
-        // C::PDT (as tiled_dequant). Zero raw bytes convert to zero operands.
-        for (int u = ct; u < BN * UPR; u += kCvt) {
-          const int key = u / UPR, cu = u % UPR;
-          uint4 rk = make_uint4(0, 0, 0, 0), rv = make_uint4(0, 0, 0, 0);
-          if (key < lim) {
-            rk = *reinterpret_cast<const uint4 *>(raw + key * RB + cu * 16);
-            rv = *reinterpret_cast<const uint4 *>(raw + BN * RB + key * RB + cu * 16);
-          }
-          const int e0 = cu * EPU, q0 = (e0 & 63) >> 3;
-          const uint32_t off = (e0 >> 6) * BN * 128 + key * 128;
-          uint32_t o[EPU / 2];
-          convert16<KV, DT>(rk, o);
-#pragma unroll
-          for (int q = 0; q < EPU / 8; q++)
-            *reinterpret_cast<uint4 *>(opK + off + (((q0 + q) ^ (key & 7)) << 4)) =
-                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-          convert16<KV, C::PDT>(rv, o);
-#pragma unroll
-          for (int q = 0; q < EPU / 8; q++)
-            *reinterpret_cast<uint4 *>(opV + off + (((q0 + q) ^ (key & 7)) << 4)) =
-                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-        }
-        if constexpr (C::kDyn) {
-          // Scales of keys past the visible range: 0 (masked keys; stale or
-          // poisoned bytes otherwise), as the tiled kernel's zero-filled copies.
-          float *rs = reinterpret_cast<float *>(smem + C::kRaw + s * C::kRawStage + 2 * BN * RB);
-          for (int k = ct; k < 2 * BN; k += kCvt)
-            if ((k % BN) >= lim)
-              rs[k] = 0.f;
-        }
-        if (raw_early)
-          mbar_arrive(BAR(13 + s)); // every read of the raw stage is done (its values are used)
-        fence_proxy_async();
-        mbar_arrive(BAR(4 + s));
-      }
-    }
+    ring_finish<D, DT, KV>(g, tid - 32);
     return;
   }
 
@@ -878,95 +741,5 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 } // namespace sm90
-
-namespace sm90 {
-// Sets the kernel's shared-memory limit (once) and launches it.
-template <int D, int DT, int KV, bool LO, bool FF>
-cudaError_t launch_k(const Sm90Params &P, dim3 grid, bool pdl, cudaStream_t st) {
-  using C = Cfg<D, DT, KV>;
-  static bool attr_done = false; // per instantiation; benign race: both set the same value
-  if (!attr_done) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(prefill_sm90_kernel<D, DT, KV, LO, FF>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes);
-    if (e != cudaSuccess)
-      return e;
-    attr_done = true;
-  }
-  return launch_ex(prefill_sm90_kernel<D, DT, KV, LO, FF>, grid, dim3(kThreads), C::kBytes, pdl, st, P);
-}
-} // namespace sm90
-
-template <int D, int DT, int KV>
-int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st) {
-  using C = sm90::Cfg<D, DT, KV>;
-  Sm90Params P;
-  memset(&P, 0, sizeof P);
-  P.f = p;
-  P.sched = sched;
-  if constexpr (C::kDirect) {
-    TensorMapEncodeFn enc = tensor_map_encoder();
-    if (!enc)
-      return set_error(__FILE__, __LINE__, "cuTensorMapEncodeTiled entry point",
-                       cudaErrorNotSupported);
-    // The pool's size is not part of the batch; block ids come from the block
-    // tables, so the view only needs to be large enough for any of them.
-    const cuuint64_t nblk = (cuuint64_t)((1ull << 46) / p.block_bytes) < 0x7fffffffull
-                                ? (cuuint64_t)((1ull << 46) / p.block_bytes)
-                                : 0x7fffffffull;
-    const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)p.bs, (cuuint64_t)(2 * p.kv_heads),
-                                nblk};
-    const cuuint64_t strides[3] = {(cuuint64_t)D * 2, (cuuint64_t)p.bs * D * 2,
-                                   (cuuint64_t)p.block_bytes};
-    const cuuint32_t box[4] = {64, (cuuint32_t)(p.bs < C::BN ? p.bs : C::BN), 1, 1};
-    const cuuint32_t estr[4] = {1, 1, 1, 1};
-    const CUresult r =
-        enc(&P.tmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, (void *)p.cache, dims, strides, box, estr,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS)
-      return set_error(__FILE__, __LINE__, "cuTensorMapEncodeTiled", cudaErrorInvalidValue);
-  }
-  const long tiles = ((long)p.max_vec + sm90::kBMq - 1) / sm90::kBMq;
-  const long groups = (long)nitems * p.kv_heads;
-  if (tiles * groups > 0x7fffffffL)
-    return set_invalid(__FILE__, __LINE__, "too many query tiles for the grid");
-  // Enough groups per chunk to fill the GPU once (one CTA per SM), unless
-  // the launch options say how many (A/B timing of the launch order).
-  long chunk = gchunk > 0 ? gchunk : (num_sms() + tiles - 1) / tiles;
-  chunk = chunk < 1 ? 1 : chunk > groups ? groups : chunk;
-  P.qtiles = (int)tiles;
-  P.gchunk = (int)chunk;
-  P.ngroups_items = nitems;
-  dim3 grid((unsigned)(tiles * groups), 1u, (unsigned)p.nsplit);
-  // q's hi + lo split: per-channel static scales (int4 always).
-  cudaError_t e;
-  // The FFMA score form (sched bit 3): 16-bit caches in the activation dtype only.
-  if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8)
-    e = p.per_channel ? sm90::launch_k<D, DT, KV, true, false>(P, grid, p.pdl != 0, st)
-                      : sm90::launch_k<D, DT, KV, false, false>(P, grid, p.pdl != 0, st);
-  else if constexpr (C::kDirect)
-    e = (sched & 8) ? sm90::launch_k<D, DT, KV, false, true>(P, grid, p.pdl != 0, st)
-                    : sm90::launch_k<D, DT, KV, false, false>(P, grid, p.pdl != 0, st);
-  else
-    e = sm90::launch_k<D, DT, KV, KV == ATTND_KV_INT4, false>(P, grid, p.pdl != 0, st);
-  if (e != cudaSuccess)
-    return set_error(__FILE__, __LINE__, "prefill_sm90_kernel launch", e);
-  return 0;
-}
-
-#define ATTND_SM90_INST(KVT)                                                                       \
-  template int launch_sm90_t<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,           \
-                                                     cudaStream_t);                                \
-  template int launch_sm90_t<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,          \
-                                                      cudaStream_t);                               \
-  template int launch_sm90_t<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,          \
-                                                      cudaStream_t);                               \
-  template int launch_sm90_t<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,           \
-                                                     cudaStream_t);                                \
-  template int launch_sm90_t<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,          \
-                                                      cudaStream_t);                               \
-  template int launch_sm90_t<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,          \
-                                                      cudaStream_t);
 
 } // namespace attnd
