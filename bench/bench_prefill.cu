@@ -14,7 +14,8 @@
 // d256, document, sliding, append over bf16 and int8_dynamic, the small
 // prefills); ATTND_BENCH_PREFILL=all runs every row (this tool's own
 // environment variables: the kernels read none). ATTND_BENCH_FILTER (comma-
-// separated substrings) runs only the rows whose name holds one.
+// separated substrings) runs only the rows whose name holds one;
+// ATTND_BENCH_VARIANTS (comma-separated names) runs exactly those variants.
 #include "bench_common.cuh"
 
 // B items of n new tokens over ctx - n cached ones (ctx keys in all), 32 q / 8 kv
@@ -31,11 +32,16 @@ struct Variant {
   const char *name;
   attnd_cuda_opts_t opts;
 };
-// Variants timed per row: the Hopper path's schedules (pingpong, no
-// intra-warpgroup overlap, the launch order of round 1: every group's tiles
-// interleaved, no softmax: a timing experiment with wrong output), then the
-// tiled kernel. sm90_sched bit 0 turns pingpong off, bit 1 the overlap, bit 2
-// the softmax.
+// Variants timed per row: the Hopper path as it is (pp), with every earlier
+// form of round 4's changes at once (old: sm90_sched bits 4-6 and 8, the path
+// of the previous rounds) and with each alone (old_q: q loaded a unit at a
+// time; old_iv: every partly masked interval tile read per element; old_raw:
+// converted types' copies wait for the consumers, two stages; no_kvsplit: K
+// and V awaited together at D 256), the opt-in forms (ffma: one FFMA per
+// score; kvsplit: K and V apart at D <= 128), its schedules (nopp: no
+// pingpong; pp_serial: no intra-warpgroup overlap; no softmax: a timing
+// experiment with wrong output), then the tiled kernel. A row runs the
+// variants its flags ask for (Row.all_variants bits, below).
 static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   attnd_cuda_opts_t o = {};
   o.sm90 = sm90;
@@ -43,13 +49,36 @@ static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   o.sm90_gchunk = gchunk;
   return o;
 }
-static const Variant kVariants[] = {{"pp", variant_opts(0, 0, 0)},
-                                    {"nopp", variant_opts(0, 1, 0)},
-                                    {"pp_serial", variant_opts(0, 2, 0)},
-                                    {"nopp_serial", variant_opts(0, 3, 0)},
-                                    {"pp_allgroups", variant_opts(0, 0, 1000000)},
-                                    {"pp_nosoftmax", variant_opts(0, 4, 0)},
-                                    {"tiled", variant_opts(1, 0, 0)}};
+enum { V_BASE = 1, V_SCHED = 2, V_IV = 4, V_RAW = 8 };
+struct VariantSel {
+  Variant v;
+  int when; // the row's all_variants bits that run it (V_BASE: every row)
+};
+static const VariantSel kVariants[] = {{{"pp", variant_opts(0, 0, 0)}, V_BASE},
+                                       {{"old", variant_opts(0, 16 | 32 | 64 | 256, 0)}, V_BASE},
+                                       {{"ffma", variant_opts(0, 8, 0)}, V_SCHED},
+                                       {{"old_q", variant_opts(0, 16, 0)}, V_SCHED},
+                                       {{"old_iv", variant_opts(0, 32, 0)}, V_IV},
+                                       {{"old_raw", variant_opts(0, 64, 0)}, V_RAW},
+                                       {{"kvsplit", variant_opts(0, 128, 0)}, V_SCHED},
+                                       {{"no_kvsplit", variant_opts(0, 256, 0)}, V_SCHED},
+                                       {{"nopp", variant_opts(0, 1, 0)}, V_SCHED},
+                                       {{"pp_serial", variant_opts(0, 2, 0)}, V_SCHED},
+                                       {{"pp_nosoftmax", variant_opts(0, 4, 0)}, V_SCHED},
+                                       {{"tiled", variant_opts(1, 0, 0)}, V_BASE}};
+
+// Whether the comma-separated list holds name exactly.
+static bool name_listed(const char *list, const char *name) {
+  const size_t n = strlen(name);
+  for (const char *p = list; *p;) {
+    const char *e = strchr(p, ',');
+    const size_t l = e ? (size_t)(e - p) : strlen(p);
+    if (l == n && strncmp(p, name, n) == 0)
+      return true;
+    p += l + (e ? 1 : 0);
+  }
+  return false;
+}
 
 struct Row {
   const char *name;
@@ -69,6 +98,9 @@ int main() {
   jrow("device", "\"name\": \"%s\", \"cc\": \"%d.%d\"", name, ma, mi);
 
   const char *which = getenv("ATTND_BENCH_PREFILL");
+  // ATTND_BENCH_VARIANTS (comma-separated names): exactly these variants on
+  // every row, e.g. the opt-in kvsplit beside pp in a process of its own.
+  const char *only = getenv("ATTND_BENCH_VARIANTS");
   const bool all_rows = which && strcmp(which, "all") == 0;
   const int S_ = 8192;
   std::vector<int> lens;
@@ -83,26 +115,32 @@ int main() {
       tot += l;
     }
   }
+  // all_variants: which variants beyond pp, old and tiled (V_SCHED, V_IV, V_RAW).
   const Row rows[] = {
-      {"causal_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1, 1},
-      {"causal_d64_bf16", ATTND_KV_BF16, 64, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1, 1},
-      {"causal_d256_bf16", ATTND_KV_BF16, 256, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 1, 1},
-      {"document_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_INTERVALS, 0, 1, 1},
-      {"sliding1024_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_SLIDING, 1024, 1, 1},
-      {"causal_d128_int8", ATTND_KV_INT8, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"causal_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"causal_d64_bf16", ATTND_KV_BF16, 64, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"causal_d256_bf16", ATTND_KV_BF16, 256, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"document_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_INTERVALS, 0, V_SCHED | V_IV,
+       1},
+      {"sliding1024_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_SLIDING, 1024, V_SCHED,
+       1},
+      {"causal_d128_int8", ATTND_KV_INT8, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_RAW, 0},
       {"causal_d128_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"append2048_over6144_bf16", ATTND_KV_BF16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 1, 1},
+      {"append2048_over6144_bf16", ATTND_KV_BF16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_SCHED,
+       1},
       {"append2048_over6144_fp16", ATTND_KV_FP16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"append2048_over6144_int8", ATTND_KV_INT8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"append2048_over6144_fp8", ATTND_KV_FP8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"append2048_over6144_int8", ATTND_KV_INT8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_RAW,
+       0},
+      {"append2048_over6144_fp8", ATTND_KV_FP8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_RAW, 0},
       {"append2048_over6144_int8_dynamic", ATTND_KV_INT8_DYNAMIC, 128, 4, 8192, 2048,
        ATTND_MASK_CAUSAL, 0, 0, 1},
       {"append2048_over6144_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, 8192, 2048,
        ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"append2048_over6144_int4", ATTND_KV_INT4, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"small_1x512_over0", ATTND_KV_BF16, 128, 1, 512, 512, ATTND_MASK_CAUSAL, 0, 1, 1},
-      {"small_1x512_over8192", ATTND_KV_BF16, 128, 1, 8704, 512, ATTND_MASK_CAUSAL, 0, 1, 1},
-      {"small_64x64_over2048", ATTND_KV_BF16, 128, 64, 2112, 64, ATTND_MASK_CAUSAL, 0, 1, 1},
+      {"append2048_over6144_int4", ATTND_KV_INT4, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_RAW,
+       0},
+      {"small_1x512_over0", ATTND_KV_BF16, 128, 1, 512, 512, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"small_1x512_over8192", ATTND_KV_BF16, 128, 1, 8704, 512, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"small_64x64_over2048", ATTND_KV_BF16, 128, 64, 2112, 64, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
   };
   printf("\n%-34s %-12s %9s %9s %6s\n", "prefill (32/8 heads, bs 64)", "variant", "ms", "TFLOP/s",
          "splits");
@@ -129,14 +167,47 @@ int main() {
     const long big = (long)r.n * r.ctx;
     const int iters = big > 10000000L ? 10 : 50;
     std::string js;
-    for (const Variant &v : kVariants) {
-      if (!r.all_variants && strcmp(v.name, "pp") != 0 && strcmp(v.name, "tiled") != 0)
+    // ATTND_BENCH_CHECK: each variant's output and lse, poisoned before one
+    // more call, compared bit for bit with the first variant's (variants that
+    // change only the schedule compute the same bits; NaN: an output unwritten).
+    const bool check = getenv("ATTND_BENCH_CHECK") != nullptr;
+    const size_t no = (size_t)S.b.total_q * S.s.q_heads * S.s.head_dim,
+                 nl = (size_t)S.b.total_q * S.s.q_heads;
+    std::vector<uint16_t> ref_o;
+    std::vector<float> ref_l;
+    for (const VariantSel &vs : kVariants) {
+      const Variant &v = vs.v;
+      if (only ? !name_listed(only, v.name) : !(vs.when & (r.all_variants | V_BASE)))
         continue;
       const float ms = median_ms(
           [&] { CKA(attnd_cuda_attend_opts(&S.s, &S.b, S.ws, S.ws_bytes, nullptr, &v.opts)); }, 2,
           iters);
       const double tf = flops / (ms * 1e-3) / 1e12;
       printf("%-34s %-12s %9.3f %9.1f %6d\n", r.name, v.name, ms, tf, splits);
+      if (check) {
+        CK(cudaMemset(S.b.out, 0xff, no * 2));
+        CK(cudaMemset(S.b.lse, 0xff, nl * 4));
+        CKA(attnd_cuda_attend_opts(&S.s, &S.b, S.ws, S.ws_bytes, nullptr, &v.opts));
+        CK(cudaDeviceSynchronize());
+        std::vector<uint16_t> o(no);
+        std::vector<float> l(nl);
+        CK(cudaMemcpy(o.data(), S.b.out, no * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(l.data(), S.b.lse, nl * 4, cudaMemcpyDeviceToHost));
+        size_t nan = 0, nd = 0, ld = 0;
+        for (size_t e = 0; e < no; e++) {
+          nan += (o[e] & 0x7fffu) > 0x7f80u;
+          nd += !ref_o.empty() && o[e] != ref_o[e];
+        }
+        for (size_t e = 0; e < nl && !ref_l.empty(); e++)
+          ld += memcmp(&l[e], &ref_l[e], 4) != 0;
+        printf("check %s %s: %zu NaN outputs of %zu; vs the first variant %zu outputs, %zu lse "
+               "differ\n",
+               r.name, v.name, nan, no, nd, ld);
+        if (ref_o.empty()) {
+          ref_o.swap(o);
+          ref_l.swap(l);
+        }
+      }
       char buf[160];
       snprintf(buf, sizeof buf, "%s\"%s\": {\"ms\": %.4f, \"TFLOPs\": %.1f}",
                js.empty() ? "" : ", ", v.name, ms, tf);

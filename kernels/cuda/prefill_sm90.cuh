@@ -11,7 +11,8 @@
 // pairs; the same operand dtypes (q and K in the activation dtype, P V in
 // Tiled::PDT, P as P 2^14 where that is fp16); scores scaled, shifted and
 // exponentiated with the same fp32 operations against an integer running max
-// (exp2 domain); the same placement of every scale (static K scale per kv
+// (exp2 domain; the opt-in FFMA form, sched bit 3, rounds P's exponent once
+// where they round twice); the same placement of every scale (static K scale per kv
 // head in the score scale, per channel in q as an exact hi + lo pair, int4's
 // K zero point out of the lse in fp64, dynamic scales on the scores and on P,
 // O normalized by the sum of P as rounded for the matrix units and V's static
@@ -34,7 +35,23 @@ namespace attnd {
 // sched: bit 0 = pingpong between the two consumer warpgroups (named
 // barriers), bit 1 = no intra-warpgroup overlap (softmax waits for P V),
 // bit 2 = skip the softmax (timing experiments only: the output is wrong);
-// attnd_cuda_opts_t.sm90_sched with bit 0 inverted (0 there is the default).
+// opt-in forms and the earlier ones, for A/B timing in one run: bit 3 =
+// 16-bit caches in the activation dtype: scores to P by one FFMA against the
+// max of the raw scores (a second kernel instantiation; P's exponent within
+// one rounding of the default's, which is the tiled kernel's FMUL then FADD:
+// over the A/B bound once on the H200, so not the default); bit 4 = q rows
+// loaded one 16-byte unit at a time after the CTA barrier, instead of every
+// unit's load at once before it; bit 5 = every partly masked FlashMask
+// interval tile masked per element from the intervals, also those whose
+// intervals miss the CTA's rows; bit 6 = converted cache types: two stages
+// where the layout has three, and the copy into a raw stage waits for the
+// consumers to release the stage's operand tiles, instead of for the
+// finishing warps to have read the raw bytes; bits 7 / 8 = 16-bit caches in
+// the activation dtype: K and V of a stage awaited and released apart (K's
+// copy waits only for Q K^T of the tile a ring back, the consumers wait for V
+// only before its P V) at D <= 128 (bit 7; the default at D 256) / not at D
+// 256 (bit 8). This is attnd_cuda_opts_t.sm90_sched with bit 0 inverted
+// (0 there is the default).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).
 struct Sm90Params { // 64-byte aligned through CUtensorMap
@@ -53,7 +70,7 @@ bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p, const attnd_cu
 int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems,
                 const attnd_cuda_opts_t &o, cudaStream_t st);
 
-// Per (head dim, activation dtype, cache type); defined in prefill_sm90_impl.cuh.
+// Per (head dim, activation dtype, cache type); defined in prefill_sm90_launch.cuh.
 template <int D, int DT, int KV>
 int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st);
 

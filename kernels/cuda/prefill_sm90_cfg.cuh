@@ -41,19 +41,25 @@ template <int D, int DT, int KV> struct Cfg {
                                        : 32;
   static constexpr int CH = D / 64;          // 64-element (128-byte) column chunks
   static constexpr uint32_t KT = BN * D * 2; // one operand tile (K or V)
-  // Pipeline stages: three where shared memory allows (16-bit caches, D <= 128).
-  static constexpr int kStages = kDirect && D <= 128 ? 3 : 2;
-  static constexpr uint32_t kQ = 0; // [CH][kBMq][128 B]
+  static constexpr uint32_t kQ = 0;          // [CH][kBMq][128 B]
   // Static types: q's lo half (per channel scales), the same layout.
   static constexpr uint32_t kQlo = kQ + kBMq * D * 2;
   static constexpr uint32_t kOp =
       kQlo + (kStatic ? kBMq * D * 2 : 0); // [kStages][K, V][CH][BN][128 B]
-  // Converting types: two raw stages, each K [BN][RB], V [BN][RB], then
+  // Converting types: a raw stage per stage, each K [BN][RB], V [BN][RB], then
   // (dynamic types) the K and V scales [2][BN] fp32, read there by the consumers.
-  static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
   static constexpr uint32_t kRawStage = kDirect ? 0 : 2 * BN * RB + (kDyn ? 2 * BN * 4 : 0);
-  static constexpr uint32_t kFlags = kRaw + kStages * kRawStage; // [kNF] u8 interval tile flags
   static constexpr uint32_t kTail = 16 * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
+  // Pipeline stages: three where shared memory allows (16-bit caches at D <=
+  // 128; converted types where three operand and raw stages fit beside every
+  // tile flag and the alignment slack: static int8/fp8 at D <= 128, the
+  // others at D 64), else two.
+  static constexpr int kStages =
+      kDirect
+          ? (D <= 128 ? 3 : 2)
+          : (kOp + 3 * (2 * KT + kRawStage) + kMaxFlags + kTail + 16 * 8 + 1024 <= 232448 ? 3 : 2);
+  static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
+  static constexpr uint32_t kFlags = kRaw + kStages * kRawStage; // [kNF] u8 interval tile flags
   // Flags for the first kNF key tiles (later tiles are masked per element, never skipped).
   static constexpr int kNF = kFlags + kMaxFlags + kTail <= 232448 ? kMaxFlags : 512;
   static constexpr uint32_t kC = kFlags + kNF; // int4: [kBMq] fp32 q'.z_k
@@ -85,6 +91,55 @@ __device__ __forceinline__ void convert16(const uint4 &rv, uint32_t *out) {
       out[e / 2] = word16<KV, ODT>(w[e >> 1]);
     else
       out[e / 2] = Act<ODT>::pack2(chunk_elem<KV>(rv, e), chunk_elem<KV>(rv, e + 1));
+  }
+}
+
+// FlashMask intervals: primitives.cuh's classify_tiles (the same bits 0 and
+// 1, so that the Hopper path skips exactly the tiled kernel's keys) plus
+// bit 2: no interval of any in-range key of the tile meets the rows [pmin,
+// pmax], so the tile's per-element mask is the causal / window / range one
+// alone (the cheap per-row ranges instead of four interval reads per key; the
+// diagonal tiles of a document mask). nw warps from warp 0.
+template <int BN>
+__device__ void classify_tiles_sm90(const attnd_kitem_t &it, const int32_t *iv, int kv_len, int lo,
+                                    int hi, int jfirst, int ntiles, int nflags, int pmin, int pmax,
+                                    int win, int nw, uint8_t *flags) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = min(ntiles, nflags);
+  // Two tiles per warp and round, every read at a key clamped into [lo, hi]
+  // (0 <= lo <= hi < kv_len when any tile runs) instead of under a branch:
+  // 8 BN / 32 loads of a lane in flight together (tiles past n are computed
+  // and not stored).
+  for (int t0 = warp; t0 < n; t0 += 2 * nw) {
+    bool masked_all[2], vis_all[2], nohit[2];
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+      const int t = t0 + q * nw;
+      masked_all[q] = vis_all[q] = nohit[q] = true;
+#pragma unroll
+      for (int h2 = 0; h2 < BN / 32; h2++) {
+        const int j = jfirst + t * BN + h2 * 32 + lane, jc = min(max(j, lo), hi);
+        const int a = __ldg(iv + jc), bb = __ldg(iv + kv_len + jc), c = __ldg(iv + 2 * kv_len + jc),
+                  dd = __ldg(iv + 3 * kv_len + jc);
+        if (j < kv_len && j >= lo && j <= hi) {
+          const bool cov1 = a <= pmin && pmax < bb, cov2 = c <= pmin && pmax < dd;
+          const bool cov12 = a <= pmin && c <= bb && pmax < dd; // the union covers
+          masked_all[q] &= (it.causal && j > pmax) || cov1 || cov2 || cov12;
+          const bool hit1 = a < bb && a <= pmax && pmin < bb,
+                     hit2 = c < dd && c <= pmax && pmin < dd;
+          vis_all[q] &= !(it.causal && j > pmin) && !hit1 && !hit2 && !(win > 0 && j <= pmax - win);
+          nohit[q] &= !hit1 && !hit2;
+        } else {
+          vis_all[q] = false;
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+      const bool m = __all_sync(0xffffffffu, masked_all[q]),
+                 v = __all_sync(0xffffffffu, vis_all[q]), h = __all_sync(0xffffffffu, nohit[q]);
+      if (lane == 0 && t0 + q * nw < n)
+        flags[t0 + q * nw] = (m ? 1 : 0) | (v ? 0 : 2) | (h ? 4 : 0);
+    }
   }
 }
 

@@ -1,5 +1,7 @@
 // prefill_sm90_impl.cuh: the body of the Hopper prefill kernel (see
-// prefill_sm90.cuh). Included only by the prefill_sm90_<kv>.cu instantiation files.
+// prefill_sm90.cuh). Included only by prefill_sm90_launch.cuh (the host side and
+// the instantiations, for the prefill_sm90_<kv>.cu files); the copy side is
+// prefill_sm90_copy.cuh.
 //
 // One CTA per (item, kv head, tile of kBMq = 128 query vectors, KV split), 384
 // threads in three warpgroups:
@@ -27,7 +29,8 @@
 // Numerics: line for line the tiled kernel's (tiled_kernel.cuh: tiled_load_q,
 // tiled_tile, tiled_write); the fp32 operations that turn a score into P are
 // written with explicit rounding (__fmul_rn, __fadd_rn) so that no
-// contraction makes them differ from its FMUL, FADD, FADD.
+// contraction makes them differ from its FMUL, FADD, FADD (but in the opt-in
+// FF kernels: one FFMA, within one rounding of P's exponent).
 #pragma once
 
 #include <math.h>
@@ -35,6 +38,7 @@
 
 #include "prefill_sm90.cuh"
 #include "prefill_sm90_cfg.cuh"
+#include "prefill_sm90_copy.cuh"
 #include "sm90_primitives.cuh"
 
 namespace attnd {
@@ -42,8 +46,11 @@ namespace sm90 {
 
 // LO: q split into hi + lo halves with a second Q K^T product (per-channel
 // static scales; int4 always), a template argument so that no branch sits
-// between the wgmma instructions (ptxas would fence them).
-template <int D, int DT, int KV, bool LO>
+// between the wgmma instructions (ptxas would fence them). FF: scores to P
+// by one FFMA (opt-in, sched bit 3, 16-bit caches in the activation dtype
+// only), a template argument so that the default softmax stays straight-line
+// code (as runtime branches, both forms measured ~10% slower on the H200).
+template <int D, int DT, int KV, bool LO, bool FF>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ Sm90Params P) {
 #if ATTND_SM90_DEVICE
@@ -51,7 +58,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using A = Act<DT>;
   using PA = Act<C::PDT>; // P's dtype
   using T = typename A::T;
-  constexpr int BN = C::BN, CH = C::CH, RB = C::RB;
+  constexpr int BN = C::BN, RB = C::RB;
   constexpr uint32_t KT = C::KT;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -110,150 +117,88 @@ __global__ void __launch_bounds__(kThreads, 1)
   // visible keys) land there instead of on raw_full, so that the finishing
   // warps, which wait for no other tile, wait on a barrier used once (a
   // parity wait on raw_full could pass on a phase two uses back).
-  constexpr int kS = C::kStages;
+  // Stages in use: C::kStages, but for the converted types with a third
+  // stage (prefill_sm90_cfg.cuh), sched bit 6 runs two of them (the earlier
+  // pipeline, for the A/B).
+  const int kS = C::kDirect || C::kStages < 3 || !(P.sched & 64) ? C::kStages : 2;
   auto BAR = [&](int i) -> uint32_t { return bar0 + 8u * (uint32_t)i; };
+  // Converted types without dynamic scales (the consumers read those from
+  // the raw stage): BAR(13 + s) raw_empty, the finishing warps done reading
+  // raw stage s, so that the copy of a tile kS ahead is issued as soon as the
+  // tile kS back is converted, not when the consumers are done with it; the
+  // finishing warps then wait for empty before writing the operand tiles.
+  // Copy latency then overlaps the products instead of adding to each
+  // conversion (sched bit 6: the producer waits for empty, as before).
+  const bool raw_early = !C::kDirect && !C::kDyn && !(P.sched & 64);
+  // 16-bit caches in the activation dtype at D 256 (two stages; 8.0 vs 10.6
+  // ms on the H200, causal B4 S8192; sched bit 8 turns it off) and, opt-in,
+  // at D <= 128 (sched bit 7; 4-5% slower there): K and V of a stage on
+  // barriers of their own, so that K's
+  // copy waits only for the consumers' Q K^T of the tile kS back (emptyK,
+  // BAR(3 + 4 s)) and V's for their P V (empty), and the consumers wait for V
+  // (fullV, BAR(13 + s); the tail tile's V still lands on BAR(12)) only before
+  // the P V that reads it, a tile after its Q K^T: each copy gets a tile more
+  // to land (two stages at D 256).
+  const bool kvsplit = C::kDirect && (D == 256 ? !(P.sched & 256) : (P.sched & 128) != 0);
   if (tid == 0) {
-    for (int st = 0; st < kS; st++) {
+    for (int st = 0; st < C::kStages; st++) {
       mbar_init(BAR(st), 1);
       mbar_init(BAR(4 + st), kCvt);
       mbar_init(BAR(8 + st), 256);
     }
     mbar_init(BAR(12), 1);
+    for (int st = 0; st < C::kStages; st++) {
+      mbar_init(BAR(13 + st), C::kDirect ? 1 : kCvt); // fullV, else raw_empty
+      mbar_init(BAR(3 + 4 * st), 256);                // emptyK
+    }
     mbar_init_fence();
   }
+  // Consumers: this warpgroup's q rows, every 16-byte unit's load issued
+  // at once into registers (one thread's D / 16 units), before the
+  // classification and the CTA barrier, so that one memory latency, not
+  // D / 16 of them in a row, precedes the first product (sched bit 4: the
+  // unit-at-a-time loop below, for the A/B). Zeros past the last vector.
+  constexpr int NQ = D / 16, UQ = D / 8; // units per thread, 16-byte units per q row
+  const bool q_batch = !(P.sched & 16);
+  uint4 qv[NQ];
+  if (tid >= 128 && q_batch) {
+    pdl_wait(); // q is rotated in place by the previous kernel
+    const int cq = (tid >> 7) - 1;
+#pragma unroll
+    for (int k = 0; k < NQ; k++) {
+      const int u = (tid & 127) + k * 128, v = u / UQ, cu = u % UQ, vv = v0 + cq * 64 + v;
+      qv[k] = make_uint4(0, 0, 0, 0);
+      if (vv < nvec) {
+        const int r = vv / G, h = kvh * G + vv % G;
+        qv[k] =
+            *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
+                                             ((size_t)(it.q_row + r) * F.q_heads + h) * D + cu * 8);
+      }
+    }
+  }
   // FlashMask intervals: every key tile classified once, as the tiled kernel
-  // does (skipped: each key masked for every row; bit 1: masked per element).
+  // does (skipped: each key masked for every row; bit 1: masked per element;
+  // bit 2: only the causal / window ranges mask it, classify_tiles_sm90).
   if (kind == ATTND_MASK_INTERVALS)
-    classify_tiles<BN>(it, iv, kv_len, lo, hi, jfirst, ntiles, C::kNF, pmin, pmax, win, kThreads / 32,
-                       sFlags);
+    classify_tiles_sm90<BN>(it, iv, kv_len, lo, hi, jfirst, ntiles, C::kNF, pmin, pmax, win,
+                            kThreads / 32, sFlags);
   __syncthreads();
 
-  auto next_tile = [&](int t) -> int { // first live tile index >= t, or ntiles
-    if (kind == ATTND_MASK_INTERVALS)
-      while (t < ntiles && t < C::kNF && (sFlags[t] & 1))
-        t++;
-    return t;
-  };
-  const int lastkey = hi;                     // hi <= kv_len - 1
-  const int R = min(F.bs, BN), nbox = BN / R; // rows per copy: one paged block or one tile
-  const int bs_shift = __ffs(F.bs) - 1, bs_mask = F.bs - 1;
-  const size_t v_region = (size_t)F.kv_heads * F.bs * RB;
+  const int lastkey = hi; // hi <= kv_len - 1
+  const Ring g{smem, sFlags, bt, bar0, kind, ntiles, jfirst, lastkey, kS, kvh, raw_early, kvsplit};
+  auto next_tile = [&](int t) -> int { return g.template next_tile<C::kNF>(t); };
 
   const int wg = tid >> 7;
   if (wg == 0) {
     regs_dec<kRegsProducer>();
     if (warp == 0) {
-      // ---- producer: one thread issues every copy ----
-      if (lane != 0)
-        return;
-      if constexpr (C::kDirect)
-        tma_prefetch_desc(&P.tmap);
-      pdl_wait(); // the cache is written by the previous kernel
-      int i = 0;
-      for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
-        const int j0 = jfirst + t * BN;
-        const int nvalid = min(nbox, (lastkey - j0) / R + 1);
-        const int s = i % kS;
-        if (i >= kS) // the consumers are done with the tile kS back in this stage
-          mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
-        if constexpr (C::kDirect) {
-          const uint32_t bar = lastkey + 1 - j0 < BN ? BAR(12) : BAR(s);
-          mbar_arrive_expect_tx(bar, (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
-          const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
-          for (int b = 0; b < nvalid; b++) {
-            const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
-#pragma unroll
-            for (int c = 0; c < CH; c++) {
-              const uint32_t off = (uint32_t)(c * BN * 128 + b * R * 128);
-              tma_load_4d(dK + off, &P.tmap, c * 64, ro, kvh, blk, bar);
-              tma_load_4d(dV + off, &P.tmap, c * 64, ro, F.kv_heads + kvh, blk, bar);
-            }
-          }
-        } else {
-          const uint32_t per = 2u * R * RB + (C::kDyn ? 2u * R * 4u : 0u);
-          mbar_arrive_expect_tx(BAR(s), (uint32_t)nvalid * per);
-          const uint32_t dRaw = smem_u32(smem + C::kRaw + s * C::kRawStage),
-                         dS = dRaw + 2 * BN * RB;
-          for (int b = 0; b < nvalid; b++) {
-            const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
-            const uint8_t *src =
-                F.cache + (size_t)blk * F.block_bytes + (size_t)(kvh * F.bs + ro) * RB;
-            bulk_load(dRaw + b * R * RB, src, R * RB, BAR(s));
-            bulk_load(dRaw + BN * RB + b * R * RB, src + v_region, R * RB, BAR(s));
-            if constexpr (C::kDyn) {
-              const uint8_t *ss = F.cache + (size_t)blk * F.block_bytes + 2 * v_region +
-                                  (size_t)(kvh * F.bs + ro) * 4;
-              bulk_load(dS + b * R * 4, ss, R * 4, BAR(s));
-              bulk_load(dS + BN * 4 + b * R * 4, ss + (size_t)F.kv_heads * F.bs * 4, R * 4, BAR(s));
-            }
-          }
-        }
-      }
+      // ---- producer: one thread issues every copy (prefill_sm90_copy.cuh) ----
+      if (lane == 0)
+        ring_produce<D, DT, KV>(P, g);
       return;
     }
     // ---- finishing warps 1-3: convert, zero what lies past the visible keys ----
-    const int ct = tid - 32;
-    int i = 0;
-    for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
-      const int j0 = jfirst + t * BN;
-      const int lim = min(BN, lastkey + 1 - j0); // keys [lim, BN) of the tile are never visible
-      const int s = i % kS;
-      uint8_t *opK = smem + C::kOp + s * 2 * KT, *opV = opK + KT;
-      if constexpr (C::kDirect) {
-        // Only the CTA's last tile can reach past the visible keys; the
-        // consumers wait for the copy engine directly on every other tile.
-        if (lim < BN) {
-          mbar_wait_wd(BAR(12), 0);
-          const int rows = BN - lim, n16 = CH * rows * 8;
-          for (int u = ct; u < n16; u += kCvt) {
-            const int c = u / (rows * 8), r = lim + (u % (rows * 8)) / 8, q = u & 7;
-            *reinterpret_cast<uint4 *>(opV + c * BN * 128 + r * 128 + q * 16) =
-                make_uint4(0, 0, 0, 0);
-          }
-          fence_proxy_async();
-          mbar_arrive(BAR(4 + s));
-        }
-      } else {
-        mbar_wait_wd(BAR(s), (i / kS) & 1);
-        constexpr int UPR = RB / 16; // raw 16-byte units per row
-        constexpr int EPU = KvT<KV>::kElemPerChunk;
-        const uint8_t *raw = smem + C::kRaw + s * C::kRawStage;
-        // Unit u of K and of V per round, both loads first (the chain is
-        // latency bound); K for Q K^T in the activation dtype, V for P V in
-        // C::PDT (as tiled_dequant). Zero raw bytes convert to zero operands.
-        for (int u = ct; u < BN * UPR; u += kCvt) {
-          const int key = u / UPR, cu = u % UPR;
-          uint4 rk = make_uint4(0, 0, 0, 0), rv = make_uint4(0, 0, 0, 0);
-          if (key < lim) {
-            rk = *reinterpret_cast<const uint4 *>(raw + key * RB + cu * 16);
-            rv = *reinterpret_cast<const uint4 *>(raw + BN * RB + key * RB + cu * 16);
-          }
-          const int e0 = cu * EPU, q0 = (e0 & 63) >> 3;
-          const uint32_t off = (e0 >> 6) * BN * 128 + key * 128;
-          uint32_t o[EPU / 2];
-          convert16<KV, DT>(rk, o);
-#pragma unroll
-          for (int q = 0; q < EPU / 8; q++)
-            *reinterpret_cast<uint4 *>(opK + off + (((q0 + q) ^ (key & 7)) << 4)) =
-                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-          convert16<KV, C::PDT>(rv, o);
-#pragma unroll
-          for (int q = 0; q < EPU / 8; q++)
-            *reinterpret_cast<uint4 *>(opV + off + (((q0 + q) ^ (key & 7)) << 4)) =
-                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-        }
-        if constexpr (C::kDyn) {
-          // Scales of keys past the visible range: 0 (masked keys; stale or
-          // poisoned bytes otherwise), as the tiled kernel's zero-filled copies.
-          float *rs = reinterpret_cast<float *>(smem + C::kRaw + s * C::kRawStage + 2 * BN * RB);
-          for (int k = ct; k < 2 * BN; k += kCvt)
-            if ((k % BN) >= lim)
-              rs[k] = 0.f;
-        }
-        fence_proxy_async();
-        mbar_arrive(BAR(4 + s));
-      }
-    }
+    ring_finish<D, DT, KV>(g, tid - 32);
     return;
   }
 
@@ -281,20 +226,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       sl2 *= F.k_scale[kvh];
     }
   }
-  pdl_wait(); // q is rotated in place by the previous kernel
   // Q rows of this warpgroup -> shared memory in the swizzled K-major layout
   // (zeros past the last vector), hi and lo halves as tiled_load_q makes them.
   {
     uint8_t *sQ = smem + C::kQ, *sQlo = smem + C::kQlo;
-    constexpr int UQ = D / 8; // 16-byte units per q row
-    for (int u = t128; u < 64 * UQ; u += 128) {
+    // Unit u of the warpgroup's rows (val: its 16 bytes as loaded) -> sQ
+    // (and its lo half -> sQlo).
+    auto put = [&](int u, uint4 val) {
       const int v = u / UQ, cu = u % UQ, vv = v0 + c * 64 + v, col = cu * 8;
-      uint4 val = make_uint4(0, 0, 0, 0), vlo = make_uint4(0, 0, 0, 0);
-      if (vv < nvec) {
-        const int r = vv / G, h = kvh * G + vv % G;
-        val = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
-                                               ((size_t)(it.q_row + r) * F.q_heads + h) * D + col);
-        if constexpr (lo_pass) {
+      uint4 vlo = make_uint4(0, 0, 0, 0);
+      if constexpr (lo_pass) {
+        if (vv < nvec) {
           uint32_t *w = &val.x, *wl = &vlo.x;
 #pragma unroll
           for (int e = 0; e < 8; e += 2) {
@@ -315,6 +257,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       *reinterpret_cast<uint4 *>(sQ + off) = val;
       if constexpr (lo_pass)
         *reinterpret_cast<uint4 *>(sQlo + off) = vlo;
+    };
+    if (q_batch) {
+#pragma unroll
+      for (int k = 0; k < NQ; k++)
+        put(t128 + k * 128, qv[k]);
+    } else {
+      pdl_wait(); // q is rotated in place by the previous kernel
+      for (int u = t128; u < 64 * UQ; u += 128) {
+        const int v = u / UQ, cu = u % UQ, vv = v0 + c * 64 + v;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (vv < nvec) {
+          const int r = vv / G, h = kvh * G + vv % G;
+          val = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
+                                                 ((size_t)(it.q_row + r) * F.q_heads + h) * D +
+                                                 cu * 8);
+        }
+        put(u, val);
+      }
     }
     fence_proxy_async();
     named_sync(1 + c, 128);
@@ -347,7 +307,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int vv = v0 + c * 64 + ra + ri * 8;
     rvalid[ri] = vv < vend;
     prow[ri] = it.start + min(vv, vend - 1) / G;
-    zrow[ri] = KV == ATTND_KV_INT4 ? reinterpret_cast<const float *>(smem + C::kC)[c * 64 + ra + ri * 8] : 0.f;
+    zrow[ri] = KV == ATTND_KV_INT4
+                   ? reinterpret_cast<const float *>(smem + C::kC)[c * 64 + ra + ri * 8]
+                   : 0.f;
   }
   // Row range of this warpgroup, for the per-tile mask decision.
   int wpmin = pmin, wpmax = pmax;
@@ -355,10 +317,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     wpmin = it.start + (v0 + c * 64) / G;
     wpmax = it.start + (min(v0 + c * 64 + 63, vend - 1)) / G;
   }
-  auto need_mask = [&](int t, int j0) -> bool {
-    if (kind == ATTND_MASK_INTERVALS)
-      return t >= C::kNF || (sFlags[t] & 2);
-    return tile_needs_mask(it, wpmin, wpmax, lo, hi, j0, BN, win);
+  // How tile t is masked: 0 not at all, 1 by per-row key ranges (causal,
+  // window, sliding, prefix, the visible range; and interval tiles whose
+  // intervals miss these rows: flag bit 2, unless sched bit 5 asks for the
+  // interval reads there too), 2 by the intervals, per element.
+  const bool iv_ranges = !(P.sched & 32);
+  auto mask_mode = [&](int t, int j0) -> int {
+    if (kind == ATTND_MASK_INTERVALS) {
+      if (t >= C::kNF)
+        return 2;
+      const int f = sFlags[t];
+      return !(f & 2) ? 0 : (iv_ranges && (f & 4)) ? 1 : 2;
+    }
+    return tile_needs_mask(it, wpmin, wpmax, lo, hi, j0, BN, win) ? 1 : 0;
   };
 
   const uint32_t sQa = smem_u32(smem + C::kQ), sQloa = smem_u32(smem + C::kQlo),
@@ -388,6 +359,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f}, lt_r[2] = {0.f, 0.f};
   float sig = 0.f, vinv = 1.f;
   const bool pp = P.sched & 1, serial = (P.sched & 2) != 0;
+  // FF (opt-in): scores to P' by one FFMA per score against the max of the
+  // raw scores (not the dynamic types, whose K scale multiplies each score
+  // first, nor soft-capped layers; sl2 > 0 so that -inf * sl2 stays -inf).
+  // It moves P's exponent by one rounding against the tiled kernel's, which
+  // flips P's bf16 rounding more often: measured 1.17e-4 over the 1e-4 A/B
+  // bound on one case (bench/RESULTS.md), so the default is the tiled
+  // kernel's FMUL then FADD, bit for bit.
+  const bool fused = FF && !C::kDyn && cap2 == 0.f && sl2 > 0.f;
   const int me = 3 + c, other = 3 + (c ^ 1);
 
   auto issue_qk = [&](int s) {
@@ -417,35 +396,38 @@ __global__ void __launch_bounds__(kThreads, 1)
       alpha[0] = alpha[1] = 1.f;
       return;
     }
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; nt++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) { // before the mask: -inf * 0 is NaN
-        const float x = __fmul_rn(sacc[nt * 4 + e], sl2);
-        sacc[nt * 4 + e] = C::kDyn ? __fmul_rn(x, sDs(s)[nt * 8 + (lane & 3) * 2 + (e & 1)]) : x;
-      }
-    if (cap2 > 0.f) { // soft-capping (softcap2): a branch per tile, uniform over the CTA
+    if (!fused) {
 #pragma unroll
       for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-          sacc[nt * 4 + e] = softcap2(sacc[nt * 4 + e], cap2, F.icap2, zrow[e >> 1]);
+        for (int e = 0; e < 4; e++) { // before the mask: -inf * 0 is NaN
+          const float x = __fmul_rn(sacc[nt * 4 + e], sl2);
+          sacc[nt * 4 + e] = C::kDyn ? __fmul_rn(x, sDs(s)[nt * 8 + (lane & 3) * 2 + (e & 1)]) : x;
+        }
+      if (cap2 > 0.f) { // soft-capping (softcap2): a branch per tile, uniform over the CTA
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+          for (int e = 0; e < 4; e++)
+            sacc[nt * 4 + e] = softcap2(sacc[nt * 4 + e], cap2, F.icap2, zrow[e >> 1]);
+      }
     }
-    if (need_mask(t, j0)) {
-      if (kind == ATTND_MASK_INTERVALS) {
+    const int mm = mask_mode(t, j0);
+    if (mm != 0) {
+      if (mm == 2) {
 #pragma unroll
         for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
           for (int cb = 0; cb < 2; cb++) {
             const int j = j0 + nt * 8 + (lane & 3) * 2 + cb;
             const bool in = j >= lo && j <= hi;
-            int a = 0, bb = 0, cc = 0, dd = 0;
-            if (in) {
-              a = iv[j];
-              bb = iv[kv_len + j];
-              cc = iv[2 * kv_len + j];
-              dd = iv[3 * kv_len + j];
-            }
+            // Read at a key clamped into [lo, hi] (0 <= lo <= hi < kv_len
+            // whenever a tile runs) rather than under a branch, so that the
+            // loads of all the thread's keys are in flight together; keys
+            // outside the range are masked by `in` whatever was read.
+            const int jc = min(max(j, lo), hi);
+            const int a = __ldg(iv + jc), bb = __ldg(iv + kv_len + jc),
+                      cc = __ldg(iv + 2 * kv_len + jc), dd = __ldg(iv + 3 * kv_len + jc);
 #pragma unroll
             for (int ri = 0; ri < 2; ri++) {
               const int p = prow[ri];
@@ -465,7 +447,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int p = prow[ri];
           wlo[ri] = win > 0 ? max(lo, p - win + 1) : lo;
           rlo[ri] = kind == ATTND_MASK_SLIDING ? max(wlo[ri], p - mp + 1) : wlo[ri];
-          rhi[ri] = kind == ATTND_MASK_FULL ? hi : min(hi, p);
+          rhi[ri] = kind == ATTND_MASK_FULL || (kind == ATTND_MASK_INTERVALS && !it.causal)
+                        ? hi
+                        : min(hi, p);
           phi[ri] = kind == ATTND_MASK_PREFIX_LM ? min(hi, mp - 1) : lo - 1;
         }
 #pragma unroll
@@ -505,25 +489,58 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int ri = 0; ri < 2; ri++) {
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 1));
       mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], 2));
+      if (fused) // the max of rn(s sl2) is rn(max s * sl2): rounding is monotonic, sl2 > 0
+        mx[ri] = __fmul_rn(mx[ri], sl2);
       float mnew;
       mref[ri] = softmax_ref(m_r[ri], mx[ri], mnew);
       alpha[ri] = ex2(m_r[ri] - mref[ri]);
       m_r[ri] = mnew;
     }
     float rs[2] = {0.f, 0.f};
+    // P' = 2^rn(s sl2 + (kPShift - m)): one FFMA per score (m an integer,
+    // kPShift - m exact), which differs from the form below (rn(s sl2)
+    // first) by at most half an ulp of s sl2 in the exponent: below 2^-16
+    // while |m| < 256 (a relative change of P under 1.1e-5), but at the
+    // magnitudes the kernels take (|q|, |k| up to 2^48) as much as 2^76, which
+    // would turn the largest P into 0 or inf. So the warp takes the FFMA only
+    // while every reference of its rows is that small; else the tiled
+    // kernel's FMUL then FADD of the scaled scores (scaled here: the max was
+    // taken on the raw ones; mref is the same value either way).
+    const bool ffma =
+        fused && __all_sync(0xffffffffu, fabsf(mref[0]) < 256.f && fabsf(mref[1]) < 256.f);
+    if (fused && !ffma) {
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; nt++)
+      for (int k = 0; k < BN / 2; k++)
+        sacc[k] = __fmul_rn(sacc[k], sl2);
+    }
+    if (ffma) {
+      const float nm[2] = {C::kPShift - mref[0], C::kPShift - mref[1]};
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        // P' = P 2^kPShift, the shift added after the difference (exact).
-        const float d = __fadd_rn(sacc[nt * 4 + e], -mref[e >> 1]);
-        const float p = ex2(C::kPShift != 0.f ? __fadd_rn(d, C::kPShift) : d);
-        sacc[nt * 4 + e] = p;
-        rs[e >> 1] += p;
-      }
+      for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-    for (int ri = 0; ri < 2; ri++)
-      l_r[ri] = l_r[ri] * alpha[ri] + rs[ri];
+        for (int e = 0; e < 4; e++)
+          sacc[nt * 4 + e] = ex2(fmaf(sacc[nt * 4 + e], sl2, nm[e >> 1]));
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          // P' = P 2^kPShift, the shift added after the difference (exact).
+          const float d = __fadd_rn(sacc[nt * 4 + e], -mref[e >> 1]);
+          const float p = ex2(C::kPShift != 0.f ? __fadd_rn(d, C::kPShift) : d);
+          sacc[nt * 4 + e] = p;
+          if constexpr (C::kDyn)
+            rs[e >> 1] += p;
+        }
+    }
+    // The sum of the unrounded P' is kept for the dynamic types only (their
+    // output is normalized by it); the others normalize by the rounded sum
+    // (lt_r, to_p), which is > 0 exactly when this one is.
+    if constexpr (C::kDyn) {
+#pragma unroll
+      for (int ri = 0; ri < 2; ri++)
+        l_r[ri] = l_r[ri] * alpha[ri] + rs[ri];
+    }
   };
   // P' -> the A fragments of P V, rounded to C::PDT (dynamic V scales, over
   // the reference, multiply P here); the rounded values' sum joins lt.
@@ -569,11 +586,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Tile i (stage s) is ready: the copy engine's barrier for 16-bit tiles that
   // need no fix-up, else the finishing warps' (used once per CTA for those).
+  // kvsplit: K only here (BAR(s), the tail tile's too), V in wait_v.
   auto wait_tile = [&](int t, int s, int i) {
-    if (C::kDirect && lastkey + 1 - (jfirst + t * BN) >= BN)
+    if (C::kDirect && (kvsplit || lastkey + 1 - (jfirst + t * BN) >= BN))
       mbar_wait(BAR(s), (i / kS) & 1);
     else
       mbar_wait(BAR(4 + s), C::kDirect ? 0 : (i / kS) & 1);
+  };
+  auto wait_v = [&](int t, int s, int i) {
+    if (!kvsplit)
+      return;
+    if (lastkey + 1 - (jfirst + t * BN) >= BN)
+      mbar_wait(BAR(13 + s), (i / kS) & 1);
+    else
+      mbar_wait(BAR(4 + s), 0); // the tail tile: the finishing warps zeroed V's rows past the keys
   };
   int t = next_tile(0);
   if (t < ntiles) {
@@ -590,12 +616,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       named_arrive(other, 256);
     wgmma_wait<0>();
     fence_regs(sacc);
+    if (kvsplit)
+      mbar_arrive(BAR(3)); // emptyK of stage 0
     softmax(t, 0, alpha, beta);
     to_p(0, alpha); // O is still 0: nothing to rescale
-    int sprev = 0, i = 1;
+    int sprev = 0, i = 1, tprev = t;
     for (t = next_tile(t + 1); t < ntiles; t = next_tile(t + 1), i++) {
       const int s = i % kS;
       wait_tile(t, s, i);
+      wait_v(tprev, sprev, i - 1);
       if (pp)
         named_sync(me, 256);
       wgmma_fence();
@@ -610,6 +639,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       else
         wgmma_wait<1>(); // Q K^T of this tile done; P V of the last may still run
       fence_regs(sacc);
+      if (kvsplit)
+        mbar_arrive(BAR(3 + 4 * s)); // the stage's K is read
       softmax(t, s, alpha, beta);
       wgmma_wait<0>();
       fence_regs(o);
@@ -620,7 +651,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       rescale(alpha, beta);
       to_p(s, alpha);
       sprev = s;
+      tprev = t;
     }
+    wait_v(tprev, sprev, i - 1);
     if (pp)
       named_sync(me, 256);
     wgmma_fence();
@@ -645,7 +678,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const float *sC = reinterpret_cast<const float *>(smem + C::kC);
   const float *sink =
-      F.sinks && (F.items[item].flags & ATTND_ITEM_SINK) && (F.nsplit <= 1 || split == 0) ? F.sinks : nullptr;
+      F.sinks && (F.items[item].flags & ATTND_ITEM_SINK) && (F.nsplit <= 1 || split == 0) ? F.sinks
+                                                                                          : nullptr;
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
     if (!rvalid[ri])
@@ -658,11 +692,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the unrounded sum, so that a client merging parts by lse weights each
     // output by the sum it was divided by (docs/numerics.md, merging). The
     // sums hold P 2^kPShift: the shift comes off their logs (exact), not off m.
-    const bool any = l_r[ri] > 0.f;
+    const bool any = (C::kDyn ? l_r[ri] : lt_r[ri]) > 0.f;
     const float ln = C::kDyn ? l_r[ri] : lt_r[ri];
     const float inv = any ? (C::kSigma ? sig : 1.f) / ln : 0.f;
     // (Capped int4 scores hold the zero-point term: softcap2.)
-    const float ref = m_r[ri] - (KV == ATTND_KV_INT4 && cap2 == 0.f ? sC[c * 64 + ra + ri * 8] : 0.f);
+    const float ref =
+        m_r[ri] - (KV == ATTND_KV_INT4 && cap2 == 0.f ? sC[c * 64 + ra + ri * 8] : 0.f);
     float lset = any ? (ref + (log2f(ln) - C::kPShift)) * 0.69314718055994531f : -INFINITY;
     float lse = lset;
     // The sink joins the row once: here when it is not split, else in part 0.
@@ -706,91 +741,5 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 } // namespace sm90
-
-namespace sm90 {
-// Sets the kernel's shared-memory limit (once) and launches it.
-template <int D, int DT, int KV, bool LO>
-cudaError_t launch_k(const Sm90Params &P, dim3 grid, bool pdl, cudaStream_t st) {
-  using C = Cfg<D, DT, KV>;
-  static bool attr_done = false; // per instantiation; benign race: both set the same value
-  if (!attr_done) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(prefill_sm90_kernel<D, DT, KV, LO>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes);
-    if (e != cudaSuccess)
-      return e;
-    attr_done = true;
-  }
-  return launch_ex(prefill_sm90_kernel<D, DT, KV, LO>, grid, dim3(kThreads), C::kBytes, pdl, st, P);
-}
-} // namespace sm90
-
-template <int D, int DT, int KV>
-int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st) {
-  using C = sm90::Cfg<D, DT, KV>;
-  Sm90Params P;
-  memset(&P, 0, sizeof P);
-  P.f = p;
-  P.sched = sched;
-  if constexpr (C::kDirect) {
-    TensorMapEncodeFn enc = tensor_map_encoder();
-    if (!enc)
-      return set_error(__FILE__, __LINE__, "cuTensorMapEncodeTiled entry point",
-                       cudaErrorNotSupported);
-    // The pool's size is not part of the batch; block ids come from the block
-    // tables, so the view only needs to be large enough for any of them.
-    const cuuint64_t nblk = (cuuint64_t)((1ull << 46) / p.block_bytes) < 0x7fffffffull
-                                ? (cuuint64_t)((1ull << 46) / p.block_bytes)
-                                : 0x7fffffffull;
-    const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)p.bs, (cuuint64_t)(2 * p.kv_heads),
-                                nblk};
-    const cuuint64_t strides[3] = {(cuuint64_t)D * 2, (cuuint64_t)p.bs * D * 2,
-                                   (cuuint64_t)p.block_bytes};
-    const cuuint32_t box[4] = {64, (cuuint32_t)(p.bs < C::BN ? p.bs : C::BN), 1, 1};
-    const cuuint32_t estr[4] = {1, 1, 1, 1};
-    const CUresult r =
-        enc(&P.tmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, (void *)p.cache, dims, strides, box, estr,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS)
-      return set_error(__FILE__, __LINE__, "cuTensorMapEncodeTiled", cudaErrorInvalidValue);
-  }
-  const long tiles = ((long)p.max_vec + sm90::kBMq - 1) / sm90::kBMq;
-  const long groups = (long)nitems * p.kv_heads;
-  if (tiles * groups > 0x7fffffffL)
-    return set_invalid(__FILE__, __LINE__, "too many query tiles for the grid");
-  // Enough groups per chunk to fill the GPU once (one CTA per SM), unless
-  // the launch options say how many (A/B timing of the launch order).
-  long chunk = gchunk > 0 ? gchunk : (num_sms() + tiles - 1) / tiles;
-  chunk = chunk < 1 ? 1 : chunk > groups ? groups : chunk;
-  P.qtiles = (int)tiles;
-  P.gchunk = (int)chunk;
-  P.ngroups_items = nitems;
-  dim3 grid((unsigned)(tiles * groups), 1u, (unsigned)p.nsplit);
-  // q's hi + lo split: per-channel static scales (int4 always).
-  cudaError_t e;
-  if constexpr (KV == ATTND_KV_INT8 || KV == ATTND_KV_FP8)
-    e = p.per_channel ? sm90::launch_k<D, DT, KV, true>(P, grid, p.pdl != 0, st)
-                      : sm90::launch_k<D, DT, KV, false>(P, grid, p.pdl != 0, st);
-  else
-    e = sm90::launch_k<D, DT, KV, KV == ATTND_KV_INT4>(P, grid, p.pdl != 0, st);
-  if (e != cudaSuccess)
-    return set_error(__FILE__, __LINE__, "prefill_sm90_kernel launch", e);
-  return 0;
-}
-
-#define ATTND_SM90_INST(KVT)                                                                       \
-  template int launch_sm90_t<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,           \
-                                                     cudaStream_t);                                \
-  template int launch_sm90_t<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,          \
-                                                      cudaStream_t);                               \
-  template int launch_sm90_t<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,          \
-                                                      cudaStream_t);                               \
-  template int launch_sm90_t<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,           \
-                                                     cudaStream_t);                                \
-  template int launch_sm90_t<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,          \
-                                                      cudaStream_t);                               \
-  template int launch_sm90_t<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,          \
-                                                      cudaStream_t);
 
 } // namespace attnd

@@ -1,0 +1,202 @@
+// prefill_sm90_copy.cuh: the copy side of the Hopper prefill kernel
+// (prefill_sm90_impl.cuh, which documents the pipeline): the producer
+// thread's copies of every live key tile into the stage ring and the
+// finishing warps' conversion of converted tiles into operand tiles (and the
+// zeroed V rows of a 16-bit cache's tail tile). Included only by
+// prefill_sm90_impl.cuh; both run inside its kernel.
+#pragma once
+
+#include "prefill_sm90.cuh"
+#include "prefill_sm90_cfg.cuh"
+#include "sm90_primitives.cuh"
+
+namespace attnd {
+namespace sm90 {
+
+// What the copy side and the consumers of one CTA share: the stage ring
+// (kS stages of Cfg's layout from smem, mbarrier i at bar0 + 8 i), the live
+// key tiles (ntiles of BN keys from jfirst, interval tiles whose flag bit 0 is
+// set skipped, the visible keys ending at lastkey) and the pipeline's choices.
+struct Ring {
+  uint8_t *smem;
+  const uint8_t *flags; // FlashMask interval tile flags (kind ATTND_MASK_INTERVALS)
+  const int32_t *bt;    // the item's block table
+  uint32_t bar0;
+  int kind, ntiles, jfirst, lastkey, kS, kvh;
+  bool raw_early, kvsplit;
+  __device__ __forceinline__ uint32_t bar(int i) const {
+    return bar0 + 8u * (uint32_t)i;
+  }
+  // First live tile index >= t, or ntiles (flags exist for the first NF tiles).
+  template <int NF> __device__ __forceinline__ int next_tile(int t) const {
+    if (kind == ATTND_MASK_INTERVALS)
+      while (t < ntiles && t < NF && (flags[t] & 1))
+        t++;
+    return t;
+  }
+};
+
+// The producer (warp 0, lane 0): every copy of every live tile, in order.
+template <int D, int DT, int KV>
+__device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g) {
+  using C = Cfg<D, DT, KV>;
+  constexpr int BN = C::BN, CH = C::CH, RB = C::RB;
+  constexpr uint32_t KT = C::KT;
+  const FlashParams &F = P.f;
+  uint8_t *const smem = g.smem;
+  const int32_t *const bt = g.bt;
+  const int ntiles = g.ntiles, jfirst = g.jfirst, lastkey = g.lastkey, kS = g.kS, kvh = g.kvh;
+  const bool raw_early = g.raw_early, kvsplit = g.kvsplit;
+  auto BAR = [&](int i) { return g.bar(i); };
+  auto next_tile = [&](int t) { return g.template next_tile<C::kNF>(t); };
+  const int R = min(F.bs, BN), nbox = BN / R; // rows per copy: one paged block or one tile
+  const int bs_shift = __ffs(F.bs) - 1, bs_mask = F.bs - 1;
+  const size_t v_region = (size_t)F.kv_heads * F.bs * RB;
+  if constexpr (C::kDirect)
+    tma_prefetch_desc(&P.tmap);
+  pdl_wait(); // the cache is written by the previous kernel
+  int i = 0;
+  for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
+    const int j0 = jfirst + t * BN;
+    const int nvalid = min(nbox, (lastkey - j0) / R + 1);
+    const int s = i % kS;
+    if (i >= kS && !kvsplit) // the stage's tile kS back is done with: raw_empty, else empty
+      mbar_wait_wd(raw_early ? BAR(13 + s) : BAR(8 + s), ((i / kS) - 1) & 1);
+    if (C::kDirect && kvsplit) {
+      const uint32_t bytes = (uint32_t)nvalid * (uint32_t)R * D * 2u;
+      const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
+      if (i >= kS) // the consumers' Q K^T of the tile kS back is done
+        mbar_wait_wd(BAR(3 + 4 * s), ((i / kS) - 1) & 1);
+      mbar_arrive_expect_tx(BAR(s), bytes);
+      for (int b = 0; b < nvalid; b++) {
+        const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
+#pragma unroll
+        for (int c = 0; c < CH; c++)
+          tma_load_4d(dK + (uint32_t)(c * BN * 128 + b * R * 128), &P.tmap, c * 64, ro, kvh, blk,
+                      BAR(s));
+      }
+      if (i >= kS) // and their P V
+        mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
+      const uint32_t vb = lastkey + 1 - j0 < BN ? BAR(12) : BAR(13 + s);
+      mbar_arrive_expect_tx(vb, bytes);
+      for (int b = 0; b < nvalid; b++) {
+        const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
+#pragma unroll
+        for (int c = 0; c < CH; c++)
+          tma_load_4d(dV + (uint32_t)(c * BN * 128 + b * R * 128), &P.tmap, c * 64, ro,
+                      F.kv_heads + kvh, blk, vb);
+      }
+    } else if constexpr (C::kDirect) {
+      const uint32_t bar = lastkey + 1 - j0 < BN ? BAR(12) : BAR(s);
+      mbar_arrive_expect_tx(bar, (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
+      const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
+      for (int b = 0; b < nvalid; b++) {
+        const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
+#pragma unroll
+        for (int c = 0; c < CH; c++) {
+          const uint32_t off = (uint32_t)(c * BN * 128 + b * R * 128);
+          tma_load_4d(dK + off, &P.tmap, c * 64, ro, kvh, blk, bar);
+          tma_load_4d(dV + off, &P.tmap, c * 64, ro, F.kv_heads + kvh, blk, bar);
+        }
+      }
+    } else {
+      const uint32_t per = 2u * R * RB + (C::kDyn ? 2u * R * 4u : 0u);
+      mbar_arrive_expect_tx(BAR(s), (uint32_t)nvalid * per);
+      const uint32_t dRaw = smem_u32(smem + C::kRaw + s * C::kRawStage), dS = dRaw + 2 * BN * RB;
+      for (int b = 0; b < nvalid; b++) {
+        const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
+        const uint8_t *src = F.cache + (size_t)blk * F.block_bytes + (size_t)(kvh * F.bs + ro) * RB;
+        bulk_load(dRaw + b * R * RB, src, R * RB, BAR(s));
+        bulk_load(dRaw + BN * RB + b * R * RB, src + v_region, R * RB, BAR(s));
+        if constexpr (C::kDyn) {
+          const uint8_t *ss =
+              F.cache + (size_t)blk * F.block_bytes + 2 * v_region + (size_t)(kvh * F.bs + ro) * 4;
+          bulk_load(dS + b * R * 4, ss, R * 4, BAR(s));
+          bulk_load(dS + BN * 4 + b * R * 4, ss + (size_t)F.kv_heads * F.bs * 4, R * 4, BAR(s));
+        }
+      }
+    }
+  }
+}
+
+// The finishing warps (producer warps 1-3, thread ct of kCvt): converted
+// tiles into operand tiles, and what lies past the visible keys zeroed.
+template <int D, int DT, int KV>
+__device__ __forceinline__ void ring_finish(const Ring &g, int ct) {
+  using C = Cfg<D, DT, KV>;
+  constexpr int BN = C::BN, CH = C::CH, RB = C::RB;
+  constexpr uint32_t KT = C::KT;
+  uint8_t *const smem = g.smem;
+  const int ntiles = g.ntiles, jfirst = g.jfirst, lastkey = g.lastkey, kS = g.kS;
+  const bool raw_early = g.raw_early;
+  auto BAR = [&](int i) { return g.bar(i); };
+  auto next_tile = [&](int t) { return g.template next_tile<C::kNF>(t); };
+  int i = 0;
+  for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
+    const int j0 = jfirst + t * BN;
+    const int lim = min(BN, lastkey + 1 - j0); // keys [lim, BN) of the tile are never visible
+    const int s = i % kS;
+    uint8_t *opK = smem + C::kOp + s * 2 * KT, *opV = opK + KT;
+    if constexpr (C::kDirect) {
+      // Only the CTA's last tile can reach past the visible keys; the
+      // consumers wait for the copy engine directly on every other tile.
+      if (lim < BN) {
+        mbar_wait_wd(BAR(12), 0);
+        const int rows = BN - lim, n16 = CH * rows * 8;
+        for (int u = ct; u < n16; u += kCvt) {
+          const int c = u / (rows * 8), r = lim + (u % (rows * 8)) / 8, q = u & 7;
+          *reinterpret_cast<uint4 *>(opV + c * BN * 128 + r * 128 + q * 16) =
+              make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async();
+        mbar_arrive(BAR(4 + s));
+      }
+    } else {
+      mbar_wait_wd(BAR(s), (i / kS) & 1);
+      if (raw_early && i >= kS) // the consumers are done with the operand tiles kS back
+        mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
+      constexpr int UPR = RB / 16; // raw 16-byte units per row
+      constexpr int EPU = KvT<KV>::kElemPerChunk;
+      const uint8_t *raw = smem + C::kRaw + s * C::kRawStage;
+      // Unit u of K and of V per round, both loads first (the chain is
+      // latency bound); K for Q K^T in the activation dtype, V for P V in
+      // C::PDT (as tiled_dequant). Zero raw bytes convert to zero operands.
+      for (int u = ct; u < BN * UPR; u += kCvt) {
+        const int key = u / UPR, cu = u % UPR;
+        uint4 rk = make_uint4(0, 0, 0, 0), rv = make_uint4(0, 0, 0, 0);
+        if (key < lim) {
+          rk = *reinterpret_cast<const uint4 *>(raw + key * RB + cu * 16);
+          rv = *reinterpret_cast<const uint4 *>(raw + BN * RB + key * RB + cu * 16);
+        }
+        const int e0 = cu * EPU, q0 = (e0 & 63) >> 3;
+        const uint32_t off = (e0 >> 6) * BN * 128 + key * 128;
+        uint32_t o[EPU / 2];
+        convert16<KV, DT>(rk, o);
+#pragma unroll
+        for (int q = 0; q < EPU / 8; q++)
+          *reinterpret_cast<uint4 *>(opK + off + (((q0 + q) ^ (key & 7)) << 4)) =
+              make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+        convert16<KV, C::PDT>(rv, o);
+#pragma unroll
+        for (int q = 0; q < EPU / 8; q++)
+          *reinterpret_cast<uint4 *>(opV + off + (((q0 + q) ^ (key & 7)) << 4)) =
+              make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+      }
+      if constexpr (C::kDyn) {
+        // Scales of keys past the visible range: 0 (masked keys; stale or
+        // poisoned bytes otherwise), as the tiled kernel's zero-filled copies.
+        float *rs = reinterpret_cast<float *>(smem + C::kRaw + s * C::kRawStage + 2 * BN * RB);
+        for (int k = ct; k < 2 * BN; k += kCvt)
+          if ((k % BN) >= lim)
+            rs[k] = 0.f;
+      }
+      if (raw_early)
+        mbar_arrive(BAR(13 + s)); // every read of the raw stage is done (its values are used)
+      fence_proxy_async();
+      mbar_arrive(BAR(4 + s));
+    }
+  }
+}
+
+} // namespace sm90
+} // namespace attnd
