@@ -252,7 +252,18 @@ static const attnd_backend_ops_t cu_ops = {
     .ipc_scan = attnd_cu_ipc_scan,
 };
 
+/* Kernel modules load when the CUDA runtime starts, not at a kernel's first
+ * launch: a lazy load while serving holds the driver lock every other CUDA
+ * call of the process needs, so the first step that uses a kernel variant
+ * would stall every session's steps behind it (docs/operations.md, "CUDA
+ * backend memory: all of it at start"). Must run before the first CUDA call;
+ * an operator's own CUDA_MODULE_LOADING wins. */
+static void eager_modules(void) {
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+}
+
 int attnd_backend_cuda_available(void) {
+  eager_modules();
   return attnd_cuda_device_count() > 0;
 }
 
@@ -457,6 +468,7 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
                               int layers, const attnd_backend_opts_t *o, char *err, size_t errlen) {
   cudaError_t e;
   int device = o->device, rc;
+  eager_modules();
   int ndev = attnd_cuda_device_count();
   if (ndev <= 0) {
     snprintf(err, errlen, "no usable CUDA device");
