@@ -160,7 +160,7 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
       pl->cluster = pl->nsplit;
   };
   // Choosing: where the per-item plan splits the items (few items for the GPU)
-  // over long contexts, it ran faster than the flat split on the H200,
+  // over long contexts or in batches that are not small (below), it ran faster than the flat split on the H200,
   // balanced or not (B8 ctx 32768: int8 181 vs 201 us); where it does not
   // (one CTA per item), the flat split keeps long items of an uneven batch
   // from running in one CTA each (2x for the 8-bit types) at ~4% on balanced
@@ -169,10 +169,15 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
   // the small-batch sequences at ctx 4096 ran 2-13% faster with it (16
   // chunks per CTA; B1 int8_dynamic 23.3 vs 25.9 us, B8 fp8 40.8 vs 46.6 us
   // as graphs; decode3).
+  // Only small batches, fewer (item, model kv head) pairs than SMs: at B64
+  // ctx 4096 (512 pairs) the flat split ran 5.8% slower than the per-item
+  // split for bf16 and fp16 (329 vs 311 us on the H200, bench/RESULTS.md).
+  // Model kv heads, never the held count: a head shard plans as its model.
   constexpr long kFlatSpan = 4096;
+  const bool small_batch = (long)b->nitems * attnd_kshape_model_kv_heads(s) <= (long)num_sms();
   if (o.split == 0) {
     pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys, cl_keys > 2 * kBN ? cl_keys : 2 * kBN);
-    if (pl->nsplit > 1 && span > kFlatSpan) {
+    if (pl->nsplit > 1 && (span > kFlatSpan || !small_batch)) {
       clustered();
       return 0;
     }
