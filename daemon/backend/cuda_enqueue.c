@@ -18,16 +18,6 @@
 
 #include "internal.h"
 
-/* Records a failed CUDA runtime call in r and leaves the enqueue. */
-#define RUN_CU(r, call)                                                                            \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      attnd_cu_run_fail_cuda((r), __FILE__, __LINE__, #call, e_);                                  \
-      goto enqueued;                                                                               \
-    }                                                                                              \
-  } while (0)
-
 void attnd_cu_run_fail_cuda(cu_run_t *r, const char *file, int line, const char *what,
                             cudaError_t e) {
   /* A non-sticky error stays in the runtime's last-error slot otherwise and

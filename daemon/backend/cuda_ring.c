@@ -43,15 +43,6 @@
 
 #include "internal_ring.h"
 
-#define RING_CU(r, call)                                                                           \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      attnd_cu_run_fail_cuda((r), __FILE__, __LINE__, #call, e_);                                  \
-      goto enqueued;                                                                               \
-    }                                                                                              \
-  } while (0)
-
 /* The chunk's items, the step's meta and the pieces' intervals into the
  * host slot (the slot is free: its last chunk completed). */
 static void write_head(const cu_chunk_t *ch, uint8_t *hp) {
@@ -266,14 +257,14 @@ static void enqueue_chunk(cu_backend_t *be, cu_run_t *r, int slot) {
   ch->direct_out = attend && job->outputs_pinned && !job->device_io;
   write_head(ch, hp);
   if (job->inputs_pinned || job->device_io) {
-    RING_CU(c, cudaMemcpyAsync(dp, hp, ch->off_q, cudaMemcpyHostToDevice, hs));
+    RUN_CU(c, cudaMemcpyAsync(dp, hp, ch->off_q, cudaMemcpyHostToDevice, hs));
     for (int t = 0; t < 3; t++)
-      RING_CU(c, row_copies(ch, dp, t, hs));
+      RUN_CU(c, row_copies(ch, dp, t, hs));
   } else {
-    RING_CU(c, cudaLaunchHostFunc(hs, stage_fn, ch));
-    RING_CU(c, cudaMemcpyAsync(dp, hp, ch->in_bytes, cudaMemcpyHostToDevice, hs));
+    RUN_CU(c, cudaLaunchHostFunc(hs, stage_fn, ch));
+    RUN_CU(c, cudaMemcpyAsync(dp, hp, ch->in_bytes, cudaMemcpyHostToDevice, hs));
   }
-  RING_CU(c, join(be, &ch->ev_in, hs, ks));
+  RUN_CU(c, join(be, &ch->ev_in, hs, ks));
   at = 1;
   db.items = (const attnd_kitem_t *)dp;
   db.nitems = ch->np;
@@ -300,23 +291,23 @@ static void enqueue_chunk(cu_backend_t *be, cu_run_t *r, int slot) {
       goto enqueued;
     }
   }
-  RING_CU(c, join(be, &ch->ev_k, ks, ds));
+  RUN_CU(c, join(be, &ch->ev_k, ks, ds));
   at = 2;
   if (attend && job->device_io) {
-    RING_CU(c, row_copies(ch, dp, 3, ds));
+    RUN_CU(c, row_copies(ch, dp, 3, ds));
     if (r->plan->lrow)
-      RING_CU(c, row_copies(ch, dp, 4, ds));
+      RUN_CU(c, row_copies(ch, dp, 4, ds));
   } else if (ch->direct_out) {
     /* The output's own buffer is pinned: DMA into it; lse, if asked, through
      * the slot (a few bytes a row: copied at the chunk's completion). */
-    RING_CU(c, row_copies(ch, dp, 3, ds));
+    RUN_CU(c, row_copies(ch, dp, 3, ds));
     if (r->plan->lrow)
-      RING_CU(c, cudaMemcpyAsync(hp + ch->off_lse, dp + ch->off_lse, ch->total - ch->off_lse,
+      RUN_CU(c, cudaMemcpyAsync(hp + ch->off_lse, dp + ch->off_lse, ch->total - ch->off_lse,
                                  cudaMemcpyDeviceToHost, ds));
   } else if (attend) {
-    RING_CU(c, cudaMemcpyAsync(hp + ch->off_out, dp + ch->off_out, ch->total - ch->off_out,
+    RUN_CU(c, cudaMemcpyAsync(hp + ch->off_out, dp + ch->off_out, ch->total - ch->off_out,
                                cudaMemcpyDeviceToHost, ds));
-    RING_CU(c, cudaLaunchHostFunc(ds, out_fn, ch));
+    RUN_CU(c, cudaLaunchHostFunc(ds, out_fn, ch));
   }
 enqueued:
   if (c->status) {

@@ -334,6 +334,18 @@ void attnd_cu_graphs_release(cu_backend_t *be);
 /* Records a failed CUDA runtime call in a run (first failure wins). */
 void attnd_cu_run_fail_cuda(cu_run_t *r, const char *file, int line, const char *what,
                             cudaError_t e);
+
+/* Records a failed CUDA runtime call in r and leaves the enqueue: jumps to
+ * the caller's `enqueued` label (cuda_enqueue.c, cuda_ring.c). */
+#define RUN_CU(r, call)                                                                            \
+  do {                                                                                             \
+    cudaError_t e_ = (call);                                                                       \
+    if (e_ != cudaSuccess) {                                                                       \
+      attnd_cu_run_fail_cuda((r), __FILE__, __LINE__, #call, e_);                                  \
+      goto enqueued;                                                                               \
+    }                                                                                              \
+  } while (0)
+
 /* Records a failed attnd_cuda_* call. */
 void attnd_cu_run_fail_kernel(cu_run_t *r, int rc);
 int attnd_cu_submit(attnd_backend_t *base, attnd_job_t *job);
