@@ -163,6 +163,10 @@ run() {
     grep -E "^split context:|differ|\[  PASSED|\[  FAILED" "$out/scaleout.log" 2>/dev/null | head -6
     echo "-- sanitizers"
     grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$out/memcheck.log" "$out/racecheck.log" 2>/dev/null
+    # A sanitizer run can fail in the test itself (0 hazards, rc 1): say why
+    # here, since the logs may not come back from the GPU machine.
+    grep -hE "^seed |\[  ERROR|\[   LINE|\[  FAILED  \] [a-z]|rel L2 .* > " "$out/memcheck.log" "$out/racecheck.log" \
+      2>/dev/null | head -8
     echo "-- bench_prefill (ms, TFLOP/s)"
     grep -E "^(causal|document|sliding|append|small)\S* +(pp|tiled) " "$out/prefill.log" 2>/dev/null
     echo "-- decode (bench_kernels, summarize.py)"
