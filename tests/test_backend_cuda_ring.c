@@ -167,6 +167,19 @@ static void spec_scenario(tjob_spec_t *sp) {
   spec_step(&sp[5], 0, &tail, 1, 0, 1);
 }
 
+/* Creates the CPU backend and the CUDA one with a 1 MiB ring (four 256 KiB
+ * slots), the bf16 shape, one layer. */
+static void ring_backends(uv_loop_t *loop, attnd_backend_t **cpu, attnd_backend_t **gpu) {
+  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  char err[256] = "";
+  g_opts.cuda_ring = 1u << 20;
+  assert_int_equal(attnd_backend_cpu_create(cpu, loop, &s, 1, opts(64ull << 20), err, sizeof(err)),
+                   0);
+  int rc = attnd_backend_cuda_create(gpu, loop, &s, 1, opts(64ull << 20), err, sizeof(err));
+  if (rc)
+    fail_msg("attnd_backend_cuda_create: %s (%s)", attnd_strerror(rc), err);
+}
+
 /* Every job's out and lse against the CPU backend's. */
 static void check_scenario(const tjob_spec_t *sp, const tjob_t *jg, const tjob_t *jc,
                            const char *what) {
@@ -181,17 +194,10 @@ static void check_scenario(const tjob_spec_t *sp, const tjob_t *jg, const tjob_t
 
 void test_ring_matches_cpu(void **state) {
   SKIP_WITHOUT_GPU();
-  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   uv_loop_t loop;
   assert_int_equal(uv_loop_init(&loop), 0);
-  char err[256] = "";
   attnd_backend_t *cpu = NULL, *gpu = NULL;
-  g_opts.cuda_ring = 1u << 20;
-  assert_int_equal(
-      attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
-  int rc = attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err));
-  if (rc)
-    fail_msg("attnd_backend_cuda_create: %s (%s)", attnd_strerror(rc), err);
+  ring_backends(&loop, &cpu, &gpu);
   attnd_backend_stats_t st0, st1;
   stats(gpu, &st0);
   assert_int_equal(st0.ring_bytes, 1u << 20);
@@ -296,16 +302,10 @@ void test_ring_no_alloc(void **state) {
  * counted), and still matches the CPU backend. */
 void test_ring_oneshot(void **state) {
   SKIP_WITHOUT_GPU();
-  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   uv_loop_t loop;
   assert_int_equal(uv_loop_init(&loop), 0);
-  char err[256] = "";
   attnd_backend_t *cpu = NULL, *gpu = NULL;
-  g_opts.cuda_ring = 1u << 20;
-  assert_int_equal(
-      attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
-  assert_int_equal(
-      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  ring_backends(&loop, &cpu, &gpu);
   titem_t it = {.start = 0, .n = 450, .has_q = 1, .mask = ATTND_MASK_FULL, .nb = 29};
   for (int b = 0; b < 29; b++)
     it.table[b] = 30 + b;
@@ -343,15 +343,11 @@ void test_ring_oneshot(void **state) {
 void test_ring_document(void **state) {
   SKIP_WITHOUT_GPU();
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
+  char err[256] = "";
   uv_loop_t loop;
   assert_int_equal(uv_loop_init(&loop), 0);
-  char err[256] = "";
   attnd_backend_t *cpu = NULL, *gpu = NULL;
-  g_opts.cuda_ring = 1u << 20;
-  assert_int_equal(
-      attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
-  assert_int_equal(
-      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  ring_backends(&loop, &cpu, &gpu);
   enum { N = 450, DOC = 200 };
   titem_t it = {.start = 0, .n = N, .has_q = 1, .mask = ATTND_MASK_INTERVALS, .nb = 29};
   for (int b = 0; b < 29; b++)
@@ -415,16 +411,10 @@ void test_ring_device_io(void **state) {
     print_message("client memory of this size needs a second process on a GPU: skipped\n");
     skip();
   }
-  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   uv_loop_t loop;
   assert_int_equal(uv_loop_init(&loop), 0);
-  char err[256] = "";
   attnd_backend_t *cpu = NULL, *gpu = NULL;
-  g_opts.cuda_ring = 1u << 20;
-  assert_int_equal(
-      attnd_backend_cpu_create(&cpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
-  assert_int_equal(
-      attnd_backend_cuda_create(&gpu, &loop, &s, 1, opts(64ull << 20), err, sizeof(err)), 0);
+  ring_backends(&loop, &cpu, &gpu);
   const int allocs0 = attnd_cuda_mock_allocs();
   /* Its staged part (items, meta, q) must pass the pooled 2 MiB buffers:
    * 1100 rows of q, beside a write-only item. */
@@ -541,16 +531,9 @@ void test_ring_fault(void **state) {
  * size are pinned while they fit (hostfn-min 0). */
 static void pinned_backends(uv_loop_t *loop, attnd_backend_t **cpu, attnd_backend_t **gpu,
                             uint64_t frame_pool) {
-  attnd_kshape_t s = make_shape(ATTND_KV_BF16);
-  char err[256] = "";
-  g_opts.cuda_ring = 1u << 20;
   g_opts.cuda_hostfn_min = 0;
   g_opts.cuda_frame_pool = frame_pool;
-  assert_int_equal(attnd_backend_cpu_create(cpu, loop, &s, 1, opts(64ull << 20), err, sizeof(err)),
-                   0);
-  int rc = attnd_backend_cuda_create(gpu, loop, &s, 1, opts(64ull << 20), err, sizeof(err));
-  if (rc)
-    fail_msg("attnd_backend_cuda_create: %s (%s)", attnd_strerror(rc), err);
+  ring_backends(loop, cpu, gpu);
 }
 
 static void scenario_free(attnd_backend_t *gpu, tjob_spec_t *sp, tjob_t *jc, tjob_t *jg,
