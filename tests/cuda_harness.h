@@ -61,7 +61,7 @@ extern double g_hit_worst;
 extern int g_hit_checks;
 /* The A/B of check_ab: batches compared, those whose outputs differed in some bit
  * (0 would mean both runs took the same kernel), worst rel L2 for items of >= 8
- * rows (bound 1e-4) and of fewer (bound 1e-3). */
+ * rows (ATTND_TOL_AB_ROWS) and of fewer (ATTND_TOL_AB_SHORT). */
 extern int g_ab_checks, g_ab_differ;
 extern double g_ab_worst, g_ab_worst_short;
 

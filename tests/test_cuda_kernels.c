@@ -454,8 +454,9 @@ static void test_report(void **state) {
                 g_hit_checks, g_hit_worst);
   assert_true(g_hit_checks > 0);
   print_message("Hopper path vs tiled kernel (A/B, fp32 out): %d batches, %d with differing bits, "
-                "worst rel L2 %.3e (items >= 8 rows, bound 1e-4), %.3e (shorter, bound 1e-3)\n",
-                g_ab_checks, g_ab_differ, g_ab_worst, g_ab_worst_short);
+                "worst rel L2 %.3e (items >= 8 rows, bound %.1e), %.3e (shorter, bound %.0e)\n",
+                g_ab_checks, g_ab_differ, g_ab_worst, ATTND_TOL_AB_ROWS, g_ab_worst_short,
+                ATTND_TOL_AB_SHORT);
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
     print_message("kv %-13s cases %3d  max rel L2 %.3e  (bound %.0e)\n", attnd_kv_type_name(kv),
                   g_cases[kv], g_max_err[kv], harness_bound(kv));
