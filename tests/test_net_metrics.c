@@ -55,6 +55,11 @@ static void test_metrics_scrape(void **state) {
   assert_non_null(strstr(body, "attnd_step_queue_seconds_count{kind=\"prefill\"} 0\n"));
   assert_non_null(strstr(body, "attnd_prefix_queries_total"));
   assert_non_null(strstr(body, "attnd_uptime_seconds"));
+  /* The backend's counters, 0 on the CPU backend. */
+  assert_non_null(strstr(body, "\nattnd_staged_bytes_total 0\n"));
+  assert_non_null(strstr(body, "\nattnd_cuda_graph_steps_total 0\n"));
+  assert_non_null(strstr(body, "\nattnd_cuda_graph_builds_total 0\n"));
+  assert_non_null(strstr(body, "\nattnd_cuda_loop_completions_total 0\n"));
   assert_non_null(strstr(body, "attnd_admission_queued 0\n")); /* idle: nothing behind a scan */
   assert_non_null(strstr(body, "attnd_build_info{version=\"" ATTND_VERSION "\""));
   /* Capacity apart from the states, which sum to it. */

@@ -277,6 +277,10 @@ void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st) {
     st->pinned_bytes = bs.pinned_bytes;
     st->ring_chunks = bs.ring_chunks;
     st->oneshot_steps = bs.oneshot_steps;
+    st->staged_bytes = bs.staged_bytes;
+    st->loop_done = bs.loop_done;
+    st->graph_steps = bs.graph_steps;
+    st->graph_builds = bs.graph_builds;
   }
 }
 

@@ -157,6 +157,10 @@ typedef struct {
   uint64_t pinned_bytes;  /* gauge: pinned host memory held */
   uint64_t ring_chunks;   /* chunks of large steps staged through the CUDA ring */
   uint64_t oneshot_steps; /* large steps staged whole (they allocate) */
+  uint64_t staged_bytes;  /* steps' q, k, v and out bytes copied on the host through staging */
+  uint64_t loop_done;     /* CUDA runs the loop thread's own polling completed */
+  uint64_t graph_steps;   /* CUDA small steps launched as one graph */
+  uint64_t graph_builds;  /* CUDA executable graphs made */
 } attnd_engine_stats_t;
 
 typedef struct {

@@ -284,6 +284,17 @@ int attnd_metrics_render(const attnd_metrics_src_t *src, char **out, size_t *len
   SIMPLE("attnd_oneshot_steps_total", "counter",
          "Large steps the CUDA ring could not cut, staged whole (they allocate).",
          es.oneshot_steps);
+  SIMPLE("attnd_staged_bytes_total", "counter",
+         "Bytes of steps' q, k, v and outputs the CUDA backend copied on the host through "
+         "pinned staging (0 while frames and outputs are its pinned memory).",
+         es.staged_bytes);
+  SIMPLE("attnd_cuda_loop_completions_total", "counter",
+         "CUDA runs completed by the loop thread's own polling (--cuda-completion loop).",
+         es.loop_done);
+  SIMPLE("attnd_cuda_graph_steps_total", "counter",
+         "Small steps launched as one CUDA graph (--cuda-graphs).", es.graph_steps);
+  SIMPLE("attnd_cuda_graph_builds_total", "counter",
+         "Executable CUDA graphs made (new step shapes, refused updates).", es.graph_builds);
 #undef SIMPLE
 
   head(&b, "attnd_step_latency_seconds", "histogram",
