@@ -381,11 +381,12 @@ void attnd_scan_bounds(const attnd_kshape_t *sh, attnd_scan_bound_t *q, attnd_sc
 /* A magnitude pattern of the activation dtype (bf16 or fp16) as a number. */
 double attnd_scan_value(attnd_dtype_t dt, uint32_t bits);
 
-/* The scan of a queued step, off the loop thread: attnd_scan_step, or for
- * a step over client device memory (req->device) attnd_scan_device. */
-void attnd_scan_any(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc);
-/* ipc.c: the device check of such a step (it blocks: a worker thread). */
-void attnd_scan_device(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc);
+/* ipc.c: the device check of a step over client device memory
+ * (req->device), as the CHECK job the queue submits for it (loop thread),
+ * and that job's result, once done, as the step's scan (its views the
+ * device pointers; err the job's status). */
+void attnd_ipc_check_job(attnd_engine_t *e, const attnd_step_req_t *req, attnd_job_t *job);
+void attnd_ipc_check_scan(const attnd_job_t *job, const attnd_step_req_t *req, attnd_scan_t *sc);
 
 static inline int attnd_scan_row_in(size_t row, uint32_t first, uint32_t n) {
   return row >= first && row - first < n;

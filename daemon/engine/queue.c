@@ -84,6 +84,7 @@ struct call_s {
   uint8_t *persist_buf;
   size_t persist_len;
   attnd_scan_t scan;
+  attnd_job_t *check;        /* a step over client device memory: its device check */
   struct scan_part_s *parts; /* a large step's scan in parts, nparts of them */
   int nparts, parts_left;
   attnd_engine_done_cb cb;
@@ -249,7 +250,7 @@ static void scan_work(uv_work_t *w) {
   call_t *c = (call_t *)w;
   if (attnd_queue_test_scan_hook)
     attnd_queue_test_scan_hook(&c->step);
-  attnd_scan_any(c->e, &c->step, &c->scan);
+  attnd_scan_step(&c->e->shape, &c->step, c->e->be->any_alignment, &c->scan);
 }
 
 static void scan_done(uv_work_t *w, int status) {
@@ -284,10 +285,44 @@ static void part_done(uv_work_t *w, int status) {
   queue_pump(c->e);
 }
 
+/* A device check done (loop thread, the backend's completion): the step
+ * may be admitted in its turn. */
+static void check_done(attnd_job_t *job) {
+  call_t *c = job->user;
+  attnd_ipc_check_scan(job, &c->step, &c->scan);
+  free(job);
+  c->check = NULL;
+  attnd_order_unhold(c->e, &c->q);
+  queue_pump(c->e);
+}
+
+/* A step over client device memory: its check is a backend job (one small
+ * kernel), submitted here and completed like a step, with no worker thread
+ * waiting for it; the call is held in the queue meanwhile. */
+static void check_start(attnd_engine_t *e, call_t *c) {
+  c->check = attnd_xcalloc(1, sizeof(*c->check));
+  attnd_ipc_check_job(e, &c->step, c->check);
+  c->check->done_cb = check_done;
+  c->check->user = c;
+  c->q.held = 1;
+  int rc = e->be->ops->submit(e->be, c->check);
+  if (rc) { /* the step fails with it at admission (step.c) */
+    c->check->status = rc;
+    attnd_ipc_check_scan(c->check, &c->step, &c->scan);
+    free(c->check);
+    c->check = NULL;
+    c->q.held = 0;
+  }
+}
+
 /* A large step's scan, in parts on the worker pool when it is large enough
  * for them to pay (a pass over memory per part: parts on free cores divide
- * its time); one worker for a check of device memory. */
+ * its time); the device check of a step over client memory. */
 static void scan_start(attnd_engine_t *e, call_t *c) {
+  if (c->step.device) {
+    check_start(e, c);
+    return;
+  }
   int n = attnd_scan_nparts(&c->step, e->scan_parts, e->scan_part_bytes);
   c->q.held = 1;
   if (n > 1) {
@@ -304,7 +339,7 @@ static void scan_start(attnd_engine_t *e, call_t *c) {
   }
   if (uv_queue_work(e->loop, &c->work, scan_work, scan_done) != 0) {
     /* Cannot happen with valid arguments; scan here rather than fail. */
-    attnd_scan_any(e, &c->step, &c->scan);
+    attnd_scan_step(&e->shape, &c->step, e->be->any_alignment, &c->scan);
     c->q.held = 0;
   }
 }
@@ -469,8 +504,8 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     return;
   }
   size_t bytes = tensor_bytes(&req->q) + tensor_bytes(&req->k) + tensor_bytes(&req->v);
-  /* Tensors in client device memory are checked on the device, and that
-   * check is awaited off the loop thread like a large step's scan. */
+  /* Tensors in client device memory are checked on the device (a backend
+   * job), and the call waits in the queue for it like a large step's scan. */
   int large = bytes > e->offload_bytes || req->device;
   attnd_qkeys_t ks;
   keys_conn(&ks, conn, 0, 0);
