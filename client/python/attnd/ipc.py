@@ -123,6 +123,11 @@ class IpcState:
         self.off = mode is False
         self._uuid: Optional[str] = None  # the daemon's device
         self._bufs: Dict[bytes, Tuple[int, int]] = {}  # handle -> (buffer id, size)
+        # data_ptr -> (tensor, buffer id, allocation base, bytes) of tensors kept
+        # (keep()): refs of them, or of views starting where they start, need no
+        # driver call. Holding the tensor keeps its memory, so the mapping holds.
+        self._kept: Dict[int, Tuple[Any, int, int, int]] = {}
+        self._uuids: Dict[Any, str] = {}  # torch device -> its UUID
         self._lock = threading.Lock()
 
     def _daemon_uuid(self) -> str:
@@ -135,9 +140,6 @@ class IpcState:
         if self.off or not self.client.local:
             return False
         ts = [t for t in tensors if t is not None]
-        if self.mode == "auto" and sum(t.numel() * t.element_size() for t in ts
-                                       if _is_cuda_tensor(t)) < self.AUTO_MIN_BYTES:
-            return False
         # Contiguous, and at the 256-byte offsets refs need (an allocation's start
         # is aligned further, so the address tells); anything else goes as bytes.
         if not ts or not all(_is_cuda_tensor(t) and t.is_contiguous() and t.data_ptr() % 256 == 0
@@ -151,9 +153,18 @@ class IpcState:
         dev = ts[0].device
         if any(t.device != dev for t in ts):
             return False
+        return self.would_use(dev, sum(t.numel() * t.element_size() for t in ts))
+
+    def would_use(self, dev: Any, nbytes: int) -> bool:
+        """Whether a step of nbytes of q, k and v on torch device dev would go by
+        reference (given tensors that allow it: see usable())."""
+        if self.off or not self.client.local:
+            return False
+        if self.mode == "auto" and nbytes < self.AUTO_MIN_BYTES:
+            return False
         theirs = self._daemon_uuid()
         try:
-            ours = device_uuid(dev)
+            ours = self._uuids.get(dev) or self._uuids.setdefault(dev, device_uuid(dev))
         except IpcUnavailable:
             if self.mode is True:
                 raise
@@ -170,12 +181,16 @@ class IpcState:
     def ref(self, t: Any, out: Any) -> None:
         """Fills the TensorRef out for the contiguous torch CUDA tensor t (registering
         its allocation on first use)."""
-        import torch
-
         if not t.is_contiguous():
             raise ValueError("zero-copy needs contiguous tensors")
         ptr = t.data_ptr()
         nbytes = t.numel() * t.element_size()
+        kept = self._kept.get(ptr)
+        if kept is not None and nbytes <= kept[3]:
+            out.buffer = kept[1]
+            out.offset = ptr - kept[2]
+            self._fill_meta(t, out)
+            return
         base, size, handle = _Driver.allocation(ptr)
         if ptr - base + nbytes > size:
             raise ValueError("tensor extends past its allocation")
@@ -188,6 +203,30 @@ class IpcState:
             have = (buf, size)
         out.buffer = have[0]
         out.offset = ptr - base
+        self._fill_meta(t, out)
+
+    def keep(self, t: Any) -> None:
+        """Registers the allocation of the contiguous torch CUDA tensor t now and
+        remembers where t lies in it, for as long as this connection lives: later refs
+        of t (or of a view starting at t's first element, e.g. t[:rows]) cost no
+        driver call. For staging tensors that are reused step after step."""
+        from . import client as _c
+
+        m = _c.pb.TensorRef()
+        self.ref(t, m)
+        with self._lock:
+            self._kept[t.data_ptr()] = (t, int(m.buffer), t.data_ptr() - int(m.offset),
+                                        t.numel() * t.element_size())
+
+    def unkeep(self, t: Any) -> None:
+        """Forgets a tensor keep() remembered (its allocation stays registered)."""
+        with self._lock:
+            self._kept.pop(t.data_ptr(), None)
+
+    @staticmethod
+    def _fill_meta(t: Any, out: Any) -> None:
+        import torch
+
         dts = {torch.bfloat16: _pb().DTYPE_BF16, torch.float16: _pb().DTYPE_FP16,
                torch.float32: _pb().DTYPE_FP32}
         if t.dtype not in dts:
@@ -200,6 +239,7 @@ class IpcState:
         with self._lock:
             bufs = [b for b, _ in self._bufs.values()]
             self._bufs.clear()
+            self._kept.clear()
         for b in bufs:
             try:
                 self.client.release_buffer(b)
