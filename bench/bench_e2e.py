@@ -155,8 +155,6 @@ def decode_loop(c, sh, sessions, lens, tokens, rng, ipc=False):
     n = len(sessions)
     q = bf16_bits(rng, (n, qh, d))
     kv = bf16_bits(rng, (n, kvh, d))
-    if ipc:
-        q, kv = to_cuda_bf16(q), to_cuda_bf16(kv)
     out = None
     if ipc:
         import torch

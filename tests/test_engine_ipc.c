@@ -12,7 +12,8 @@
  *   the same bytes as the same step sent as bytes;
  * - a NaN or a value past its bound in device memory fails the step naming
  *   the item and changes nothing; out_ref/lse_ref of the wrong shape, or
- *   lse_ref without want_lse, are INVALID_ARGUMENT. */
+ *   lse_ref without want_lse, are INVALID_ARGUMENT; a check the backend
+ *   cannot run fails the step with its status, changing nothing. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,9 +44,16 @@ static void t_ipc_close(attnd_backend_t *b, void *base) {
 /* The CPU backend runs CHECK jobs over host memory (backend.h); the
  * stand-in counts them on their way in. */
 static int (*g_submit)(attnd_backend_t *b, attnd_job_t *job);
+static int g_refuse_check; /* a negative ATTND_E*: the next CHECK job is refused with it */
 static int t_submit(attnd_backend_t *b, attnd_job_t *job) {
-  if (job->kind == ATTND_JOB_CHECK)
+  if (job->kind == ATTND_JOB_CHECK) {
     atomic_fetch_add(&g_scans, 1);
+    if (g_refuse_check) {
+      int rc = g_refuse_check;
+      g_refuse_check = 0;
+      return rc;
+    }
+  }
   return g_submit(b, job);
 }
 
@@ -208,6 +216,11 @@ static void test_device_step_refusals_change_nothing(void **state) {
   d.v[4 * KVH * HD] = 0x3f80;
   assert_int_equal(device_step(f, a->id, &d, tokens, 0, N - 1, msg), ATTND_EINVAL);
   assert_non_null(strstr(msg, "out_ref"));
+  /* A check the backend cannot run (a dead device): the step fails with its
+   * status, unchecked tensors never reach a kernel. */
+  g_refuse_check = ATTND_EDEVICE;
+  assert_int_equal(device_step(f, a->id, &d, tokens, 0, N, msg), ATTND_EDEVICE);
+  assert_non_null(strstr(msg, "device check of q, k and v could not run"));
   assert_int_equal(session_len(f, a->id), 0); /* nothing changed */
   assert_int_equal(device_step(f, a->id, &d, tokens, 0, N, msg), 0);
   assert_int_equal(session_len(f, a->id), N);
