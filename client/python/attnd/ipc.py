@@ -111,10 +111,11 @@ class IpcState:
     such step, and a refusal raises), False (never).
     """
 
-    # Below this, a step's bytes cost less to send than the daemon's device check of
-    # refs costs (an H200, 8B shape: a 1-session decode layer step took 376 us by
-    # reference and 152 us as bytes; 16 sessions, 131 KB of q, were even), so "auto"
-    # sends them; large steps (prefills) go by reference.
+    # Below this "auto" sends bytes, large steps (prefills) go by reference. Set
+    # when the daemon's device check of refs was a thread hop and a blocking sync
+    # (an H200, 8B shape: a 1-session decode layer step took 376 us by reference
+    # and 152 us as bytes; 16 sessions, 131 KB of q, were even); the check is now a
+    # device job completed like a step: lower it once bench_e2e's ipc rows say so.
     AUTO_MIN_BYTES = 1 << 20
 
     def __init__(self, client: Any, mode: Any) -> None:
