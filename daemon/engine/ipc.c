@@ -185,15 +185,24 @@ void attnd_engine_ipc_close(attnd_engine_t *e, void *ipc) {
 }
 
 /* The device check of a step over client memory: scan.c's rule and
- * bounds, as a CHECK job (backend.h) over the device pointers themselves. */
-void attnd_ipc_check_job(attnd_engine_t *e, const attnd_step_req_t *req, attnd_job_t *job) {
+ * bounds, as a CHECK job (backend.h) over the device pointers themselves,
+ * submitted from the loop thread and completed like a step (no thread waits
+ * for it). */
+typedef struct {
+  attnd_job_t job;
+  const attnd_step_req_t *req;
+  attnd_scan_t *sc;
+  void (*done)(void *arg);
+  void *arg;
+} ipc_check_t;
+
+static void fill_job(attnd_engine_t *e, const attnd_step_req_t *req, attnd_job_t *job) {
   const attnd_kshape_t *sh = &e->shape;
   attnd_scan_bound_t b[3];
   attnd_scan_bounds(sh, &b[0], &b[1], &b[2]);
   const attnd_tensor_t *t[3] = {&req->q, &req->k, &req->v};
   size_t row_elems[3] = {(size_t)sh->q_heads * sh->head_dim, (size_t)sh->kv_heads * sh->head_dim,
                          (size_t)sh->kv_heads * sh->head_dim};
-  memset(job, 0, sizeof(*job));
   job->kind = ATTND_JOB_CHECK;
   job->layer = (int)req->layer; /* its layer's stream: beside other layers' work */
   job->unordered = 1;           /* it reads client memory only */
@@ -210,9 +219,10 @@ void attnd_ipc_check_job(attnd_engine_t *e, const attnd_step_req_t *req, attnd_j
   }
 }
 
-void attnd_ipc_check_scan(const attnd_job_t *job, const attnd_step_req_t *req, attnd_scan_t *sc) {
+/* The job's result as the step's scan: the views are the device pointers
+ * themselves (nothing is copied); err the job's status. */
+static void fill_scan(const attnd_job_t *job, const attnd_step_req_t *req, attnd_scan_t *sc) {
   memset(sc, 0, sizeof(*sc));
-  /* The views are the device pointers themselves: nothing is copied. */
   sc->q = req->q.present ? req->q.data : NULL;
   sc->k = req->k.present ? req->k.data : NULL;
   sc->v = req->v.present ? req->v.data : NULL;
@@ -224,4 +234,31 @@ void attnd_ipc_check_scan(const attnd_job_t *job, const attnd_step_req_t *req, a
   sc->bits_k = job->check.bits[1];
   sc->bits_v = job->check.bits[2];
   sc->us = job->t_end_us > job->t_submit_us ? (uint32_t)(job->t_end_us - job->t_submit_us) : 0;
+}
+
+static void check_job_done(attnd_job_t *job) {
+  ipc_check_t *k = (ipc_check_t *)job;
+  fill_scan(job, k->req, k->sc);
+  void (*done)(void *) = k->done;
+  void *arg = k->arg;
+  free(k);
+  done(arg);
+}
+
+int attnd_ipc_check_start(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc,
+                          void (*done)(void *arg), void *arg) {
+  ipc_check_t *k = attnd_xcalloc(1, sizeof(*k));
+  k->req = req;
+  k->sc = sc;
+  k->done = done;
+  k->arg = arg;
+  fill_job(e, req, &k->job);
+  k->job.done_cb = check_job_done;
+  int rc = e->be->ops->submit(e->be, &k->job);
+  if (rc) {
+    k->job.status = rc;
+    fill_scan(&k->job, req, sc);
+    free(k);
+  }
+  return rc;
 }

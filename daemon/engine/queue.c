@@ -84,7 +84,6 @@ struct call_s {
   uint8_t *persist_buf;
   size_t persist_len;
   attnd_scan_t scan;
-  attnd_job_t *check;        /* a step over client device memory: its device check */
   struct scan_part_s *parts; /* a large step's scan in parts, nparts of them */
   int nparts, parts_left;
   attnd_engine_done_cb cb;
@@ -285,34 +284,11 @@ static void part_done(uv_work_t *w, int status) {
   queue_pump(c->e);
 }
 
-/* A device check done (loop thread, the backend's completion): the step
- * may be admitted in its turn. */
-static void check_done(attnd_job_t *job) {
-  call_t *c = job->user;
-  attnd_ipc_check_scan(job, &c->step, &c->scan);
-  free(job);
-  c->check = NULL;
+/* A device check done (loop thread): the step may be admitted in its turn. */
+static void check_done(void *arg) {
+  call_t *c = arg;
   attnd_order_unhold(c->e, &c->q);
   queue_pump(c->e);
-}
-
-/* A step over client device memory: its check is a backend job (one small
- * kernel), submitted here and completed like a step, with no worker thread
- * waiting for it; the call is held in the queue meanwhile. */
-static void check_start(attnd_engine_t *e, call_t *c) {
-  c->check = attnd_xcalloc(1, sizeof(*c->check));
-  attnd_ipc_check_job(e, &c->step, c->check);
-  c->check->done_cb = check_done;
-  c->check->user = c;
-  c->q.held = 1;
-  int rc = e->be->ops->submit(e->be, c->check);
-  if (rc) { /* the step fails with it at admission (step.c) */
-    c->check->status = rc;
-    attnd_ipc_check_scan(c->check, &c->step, &c->scan);
-    free(c->check);
-    c->check = NULL;
-    c->q.held = 0;
-  }
 }
 
 /* A large step's scan, in parts on the worker pool when it is large enough
@@ -320,7 +296,10 @@ static void check_start(attnd_engine_t *e, call_t *c) {
  * its time); the device check of a step over client memory. */
 static void scan_start(attnd_engine_t *e, call_t *c) {
   if (c->step.device) {
-    check_start(e, c);
+    /* Its check is a backend job (ipc.c): the call is held until it is done. */
+    c->q.held = 1;
+    if (attnd_ipc_check_start(e, &c->step, &c->scan, check_done, c) != 0)
+      c->q.held = 0; /* not submitted: the step fails with scan.err at admission */
     return;
   }
   int n = attnd_scan_nparts(&c->step, e->scan_parts, e->scan_part_bytes);

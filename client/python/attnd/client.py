@@ -388,8 +388,7 @@ class Client:
         # id -> (Response, cut): cut is (frame, spans) when _frames.cut_step took
         # a step's out/lse data out of the message (they are views of frame).
         self._pending: Dict[int, Tuple["Response", Any]] = {}
-        # id -> (out, lse): the torch tensors a step sent by reference has the
-        # daemon write (attnd.ipc), handed back by step_recv.
+        # id -> (out, lse) the daemon writes for a step sent by reference (attnd.ipc).
         self._ipc_out: Dict[int, Tuple[Any, Any]] = {}
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
@@ -708,24 +707,6 @@ class Client:
             return DTYPE_BF16, a.shape, np.ascontiguousarray(f32_to_bf16(a), dtype="<u2")
         raise ValueError(f"{what} has unsupported dtype {a.dtype}")
 
-    def _ipc_send(self, layer: int, q: Any, k: Any, v: Any, items: Optional[Sequence[Item]],
-                  plan: int, want_lse: bool, fp32_out: bool, out: Any, lse: Any) -> Optional[int]:
-        """The Step by reference when its torch tensors allow it (attnd.ipc); its
-        request id, or None: send bytes."""
-        if not any(x is not None and _is_torch(x) for x in (q, k, v)) or \
-                not self.ipc.usable(q, k, v):
-            return None
-        try:
-            rid, o, l = _ipc.step_send(self, layer, q, k, v, items, plan, want_lse, fp32_out,
-                                       out=out, lse=lse)
-        except (errors.FailedPrecondition, _ipc.IpcUnavailable):
-            if self.ipc.mode is True:
-                raise
-            self.ipc.off = True  # refused at registration: bytes from now on
-            return None
-        self._ipc_out[rid] = (o, l)
-        return rid
-
     def step_send(self, layer: int, q: Optional[npt.ArrayLike] = None,
                   k: Optional[npt.ArrayLike] = None, v: Optional[npt.ArrayLike] = None,
                   items: Optional[Sequence[Item]] = None, plan: int = 0, want_lse: bool = False,
@@ -736,12 +717,10 @@ class Client:
         order; float arrays are rounded to the daemon's activation dtype, uint16 is
         taken as bf16 bits, float16 as fp16. torch tensors (any device) are sent as
         they are when bf16/fp16, float32 rounded by torch; no numpy round trip. torch
-        CUDA tensors go by reference when the client's ipc mode allows (attnd.ipc):
-        then out and lse, when given, are the torch tensors the daemon writes
-        (preallocated, reused step after step: each allocation is registered once),
-        and step_recv returns those.
+        CUDA tensors go by reference when the ipc mode allows (attnd.ipc); the daemon
+        then writes out and lse into the tensors given (else new ones): step_recv's.
         """
-        rid = self._ipc_send(layer, q, k, v, items, plan, want_lse, fp32_out, out, lse)
+        rid = _ipc.try_step_send(self, layer, q, k, v, items, plan, want_lse, fp32_out, out, lse)
         if rid is not None:
             return rid
         return self._bytes_send(layer, q, k, v, items, plan, want_lse, fp32_out)
@@ -811,7 +790,7 @@ class Client:
         """One blocking Step; see step_send(). torch tensors in: torch tensors out,
         on the device of the first of q, k, v given (bf16 stays bf16)."""
         t = next((x for x in (q, k, v) if x is not None and _is_torch(x)), None)
-        rid = self._ipc_send(layer, q, k, v, items, plan, want_lse, fp32_out, out, lse)
+        rid = _ipc.try_step_send(self, layer, q, k, v, items, plan, want_lse, fp32_out, out, lse)
         if rid is not None:
             try:
                 return self.step_recv(rid)

@@ -295,3 +295,25 @@ def step_send(client: Any, layer: int, q: Any, k: Any, v: Any, items: Any, plan:
     # The daemon reads q, k and v as soon as the step arrives: they must be written.
     torch.cuda.current_stream(dev).synchronize()
     return client.send(req), out, lse
+
+
+def try_step_send(client: Any, layer: int, q: Any, k: Any, v: Any, items: Any, plan: int,
+                  want_lse: bool, fp32_out: bool, out: Any = None, lse: Any = None) -> Optional[int]:
+    """The Step by reference when its torch tensors and the client's ipc mode allow it
+    (step_send), its out and lse kept for step_recv; its request id, or None: the
+    caller sends bytes. A registration refused with FAILED_PRECONDITION (or a
+    process that cannot share memory) turns "auto" off for good; with ipc=True it
+    raises."""
+    if not any(x is not None and _is_cuda_tensor(x) for x in (q, k, v)) or \
+            not client.ipc.usable(q, k, v):
+        return None
+    try:
+        rid, o, l = step_send(client, layer, q, k, v, items, plan, want_lse, fp32_out,
+                              out=out, lse=lse)
+    except (errors.FailedPrecondition, IpcUnavailable):
+        if client.ipc.mode is True:
+            raise
+        client.ipc.off = True  # refused at registration: bytes from now on
+        return None
+    client._ipc_out[rid] = (o, l)
+    return rid
