@@ -355,9 +355,8 @@ int attnd_cuda_check_init(void *state, int n, void *stream) {
   return 0; /* the mock's check keeps no state */
 }
 
-int attnd_cuda_check_rows(const void *const p[3], const int64_t rows[3],
-                          const int32_t row_elems[3], const uint32_t bound_bits[3], void *state,
-                          uint64_t *host, void *stream) {
+int attnd_cuda_check_rows(const void *const p[3], const int64_t rows[3], const int32_t row_elems[3],
+                          const uint32_t bound_bits[3], void *state, uint64_t *host, void *stream) {
   op_t *o = op_new(OP_SCAN);
   for (int t = 0; t < 3; t++) {
     o->cp[t] = p[t];

@@ -28,9 +28,8 @@ int attnd_cuda_check_init(void *state, int n, void *stream);
  * does, bits being that row's largest pattern. state: the stream's
  * (attnd_cuda_check_init'ed once); checks sharing a state must be ordered
  * (one stream). */
-int attnd_cuda_check_rows(const void *const p[3], const int64_t rows[3],
-                          const int32_t row_elems[3], const uint32_t bound_bits[3], void *state,
-                          uint64_t *host, void *stream);
+int attnd_cuda_check_rows(const void *const p[3], const int64_t rows[3], const int32_t row_elems[3],
+                          const uint32_t bound_bits[3], void *state, uint64_t *host, void *stream);
 
 #ifdef __cplusplus
 }
