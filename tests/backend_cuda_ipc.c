@@ -1,5 +1,5 @@
 /* backend_cuda_ipc.c: the same-host zero-copy parts of tests/test_backend_cuda.c
- * (backend.h device_io, ipc_open, ipc_scan, ipc_close): client memory for a
+ * (backend.h device_io, ipc_open, ipc_close, CHECK jobs): client memory for a
  * step's tensors, and the zero-copy ops on their own. Run on a GPU and over
  * tests/cuda_mock.c, like the rest of the test. */
 #include <string.h>
@@ -36,10 +36,16 @@ void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d) {
   j->device_io = 1;
 }
 
-/* The zero-copy ops (backend.h ipc_open, ipc_scan, ipc_close): the
+static void check_done(attnd_job_t *j) {
+  ++*(int *)j->user;
+}
+
+/* The zero-copy ops (backend.h ipc_open, ipc_close, CHECK jobs): the
  * device's UUID is reported; the check (kernels/cuda/ipc.cu) finds the first
  * row past each bound with that row's largest magnitude (NaN above every
- * finite value), and nothing for a clean tensor. The tensor is pinned host
+ * finite value), and nothing for a clean tensor, twice on one stream (the
+ * second check finds its own rows: the first left the stream's state at
+ * rest), and a check with no tensors finds nothing. The tensor is pinned host
  * memory (addressable by kernels); ipc_open and ipc_close run over the mock
  * only (a handle is an address there; on a GPU a handle must come from
  * another process: tests/e2e/test_ipc.py). */
@@ -73,15 +79,44 @@ void test_ipc_ops(void **state) {
     assert_ptr_equal(base, x);
     assert_int_equal(size, xsize);
   }
-  const void *ptrs[3] = {base, base, base};
-  size_t rows[3] = {ROWS, ROWS, 2}, re[3] = {RE, RE, RE}, bad[3];
-  uint32_t bound[3] = {0x7f7f, 0x4000, 0x7f7f}, bits[3]; /* bf16 max, 2.0, bf16 max */
-  assert_int_equal(gpu->ops->ipc_scan(gpu, 3, ptrs, rows, re, bound, bad, bits), 0);
-  assert_int_equal(bad[0], 3);
-  assert_int_equal(bits[0], 0x7fc0);
-  assert_int_equal(bad[1], 2);
-  assert_int_equal(bits[1], 0x4040);
-  assert_true(bad[2] == SIZE_MAX); /* rows 0 and 1 are clean */
+  /* Two checks on layer 0's stream, then one of nothing at all. */
+  attnd_job_t j[3];
+  int ndone = 0;
+  memset(j, 0, sizeof(j));
+  for (int i = 0; i < 3; i++) {
+    j[i].kind = ATTND_JOB_CHECK;
+    j[i].unordered = 1;
+    j[i].done_cb = check_done;
+    j[i].user = &ndone;
+  }
+  const size_t rows[3] = {ROWS, ROWS, 2};
+  const uint32_t bound[3] = {0x7f7f, 0x4000, 0x7f7f}; /* bf16 max, 2.0, bf16 max */
+  for (int t = 0; t < 3; t++) {
+    j[0].check.p[t] = base;
+    j[0].check.rows[t] = rows[t];
+    j[0].check.row_elems[t] = RE;
+    j[0].check.bound[t] = bound[t];
+  }
+  j[1].check = j[0].check;
+  j[1].check.p[0] = (const uint16_t *)base + 4 * RE; /* rows 4.. : clean */
+  j[1].check.rows[0] = 1;
+  j[1].check.rows[1] = 3;       /* rows 0-2 (-3.0 in row 2, the NaN in row 3 left out) */
+  j[1].check.bound[1] = 0x4080; /* 4.0: clean */
+  for (int i = 0; i < 3; i++)
+    assert_int_equal(gpu->ops->submit(gpu, &j[i]), 0);
+  while (ndone < 3)
+    uv_run(&loop, UV_RUN_ONCE);
+  for (int i = 0; i < 3; i++)
+    assert_int_equal(j[i].status, 0);
+  assert_int_equal(j[0].check.bad[0], 3);
+  assert_int_equal(j[0].check.bits[0], 0x7fc0);
+  assert_int_equal(j[0].check.bad[1], 2);
+  assert_int_equal(j[0].check.bits[1], 0x4040);
+  assert_true(j[0].check.bad[2] == SIZE_MAX); /* rows 0 and 1 are clean */
+  for (int t = 0; t < 3; t++) {
+    assert_true(j[1].check.bad[t] == SIZE_MAX);
+    assert_true(j[2].check.bad[t] == SIZE_MAX);
+  }
   if (attnd_cuda_mock_hold)
     gpu->ops->ipc_close(gpu, base);
   gpu->ops->host_free(gpu, x);

@@ -35,6 +35,7 @@
 #include <time.h>
 
 #include "attnd_cuda.h"
+#include "attnd_cuda_ipc.h"
 #include "attnd_kernels.h"
 
 enum {
@@ -58,6 +59,10 @@ typedef struct op_s {
   int value;
   attnd_kshape_t s;
   attnd_kbatch_t b;
+  const void *cp[3]; /* OP_SCAN's tensors */
+  int64_t crows[3];
+  int32_t celems[3];
+  uint32_t cbound[3];
   cudaStreamCallback_t cb;
   cudaHostFn_t fn;
   void *arg;
@@ -185,17 +190,21 @@ static void run_op(struct CUstream_st *st, op_t *o) {
     while (atomic_load((_Atomic double *)o->dst) == 0.0 && !atomic_load(&g_sticky))
       nanosleep(&(struct timespec){0, 50000}, NULL);
     break;
-  case OP_SCAN: { /* attnd_cuda_scan_rows: src rows (n) x value elements, bound in o->b.window */
+  case OP_SCAN: { /* attnd_cuda_check_rows: the three tensors' first bad rows into dst */
     if (sticky)
       break;
-    uint64_t res = UINT64_MAX;
-    for (size_t r = 0; r < o->n && res == UINT64_MAX; r++) {
-      uint32_t m = attnd_cpu_max_abs_bits(
-          ATTND_DT_BF16, (const uint8_t *)o->src + r * 2 * (size_t)o->value, (size_t)o->value);
-      if (m > (uint32_t)o->b.window)
-        res = ((uint64_t)r << 32) | m;
+    uint64_t res[3];
+    for (int t = 0; t < 3; t++) {
+      res[t] = UINT64_MAX;
+      for (int64_t r = 0; r < o->crows[t] && res[t] == UINT64_MAX; r++) {
+        uint32_t m = attnd_cpu_max_abs_bits(
+            ATTND_DT_BF16, (const uint8_t *)o->cp[t] + (size_t)r * 2 * (size_t)o->celems[t],
+            (size_t)o->celems[t]);
+        if (m > o->cbound[t])
+          res[t] = ((uint64_t)r << 32) | m;
+      }
     }
-    memcpy(o->dst, &res, sizeof(res));
+    memcpy(o->dst, res, sizeof(res));
     break;
   }
   case OP_EVENT: { /* an event is a timestamp taken when the stream reaches it */
@@ -342,14 +351,20 @@ int attnd_cuda_ipc_close(int device, void *base) {
   return 0;
 }
 
-int attnd_cuda_scan_rows(const void *p, int64_t rows, int32_t row_elems, uint32_t bound_bits,
-                         uint64_t *result, void *stream) {
+int attnd_cuda_check_init(void *state, int n, void *stream) {
+  return 0; /* the mock's check keeps no state */
+}
+
+int attnd_cuda_check_rows(const void *const p[3], const int64_t rows[3], const int32_t row_elems[3],
+                          const uint32_t bound_bits[3], void *state, uint64_t *host, void *stream) {
   op_t *o = op_new(OP_SCAN);
-  o->src = p;
-  o->n = (size_t)rows;
-  o->value = row_elems;
-  o->b.window = (int32_t)bound_bits;
-  o->dst = result;
+  for (int t = 0; t < 3; t++) {
+    o->cp[t] = p[t];
+    o->crows[t] = p[t] ? rows[t] : 0;
+    o->celems[t] = row_elems[t];
+    o->cbound[t] = bound_bits[t];
+  }
+  o->dst = host;
   return push(stream, o) == cudaSuccess ? 0 : ATTND_CUDA_EDEVICE;
 }
 

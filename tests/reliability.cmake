@@ -15,6 +15,8 @@ if(NOT ATTND_FUZZ)
   add_executable(fuzz_replay ${ATTND_REL_DIR}/fuzz/fuzz_rpc.c ${ATTND_REL_DIR}/fuzz/replay_main.c)
   target_link_libraries(fuzz_replay PRIVATE attnd_net)
   target_link_options(fuzz_replay PRIVATE -Wl,--wrap=attnd_random_id)
+  # The engine's internal.h: the harness gives its backend stand-in zero-copy ops.
+  target_include_directories(fuzz_replay PRIVATE ${PROJECT_SOURCE_DIR}/daemon/engine)
   add_test(NAME fuzz_replay COMMAND fuzz_replay ${ATTND_REL_DIR}/fuzz/corpus
            ${ATTND_REL_DIR}/fuzz/regressions)
   set_tests_properties(fuzz_replay PROPERTIES TIMEOUT 120 LABELS reliability
@@ -38,6 +40,7 @@ if(ATTND_FUZZ)
     PROPERTIES COMPILE_OPTIONS "-include;${ATTND_REL_DIR}/fuzz/clang_compat.h")
   add_executable(fuzz_rpc ${ATTND_REL_DIR}/fuzz/fuzz_rpc.c)
   target_link_libraries(fuzz_rpc PRIVATE attnd_net)
+  target_include_directories(fuzz_rpc PRIVATE ${PROJECT_SOURCE_DIR}/daemon/engine)
   # Deterministic session and plan ids within one input (see fuzz_rpc.c).
   target_link_options(fuzz_rpc PRIVATE -fsanitize=fuzzer -Wl,--wrap=attnd_random_id)
 endif()

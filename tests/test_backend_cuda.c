@@ -718,10 +718,12 @@ int main(int argc, char **argv) {
       g_opts.cuda_trace = 1;
     else if (strncmp(argv[i], "--hostfn-min=", 13) == 0)
       g_opts.cuda_hostfn_min = strtoull(argv[i] + 13, NULL, 10);
+    else if (strncmp(argv[i], "--filter=", 9) == 0)
+      cmocka_set_test_filter(argv[i] + 9); /* tests whose names match (* wildcards) */
     else {
       fprintf(stderr,
               "usage: %s [--fault|--ring-fault|--ring-fault-pinned] [--callback|--loop]\n"
-              "          [--graphs] [--trace] [--hostfn-min=N]\n",
+              "          [--graphs] [--trace] [--hostfn-min=N] [--filter=PATTERN]\n",
               argv[0]);
       return 2;
     }

@@ -1,8 +1,8 @@
 /* test_engine_ipc: the engine's side of same-host zero-copy
  * (daemon/engine/ipc.c, the device-step paths of queue.c and step.c;
  * docs/protocol.md §5a), on the CPU backend given stand-in zero-copy ops:
- * its "device" memory is host memory, a handle is an address, the check is
- * the host's max-magnitude rule. So on every CI machine:
+ * its "device" memory is host memory, a handle is an address, the check (a
+ * CHECK job) is the host's max-magnitude rule. So on every CI machine:
  *
  * - RegisterBuffer's open: refused without the ops (the CPU backend as it
  *   is) and for another device; one handle opened twice shares one mapping,
@@ -12,7 +12,8 @@
  *   the same bytes as the same step sent as bytes;
  * - a NaN or a value past its bound in device memory fails the step naming
  *   the item and changes nothing; out_ref/lse_ref of the wrong shape, or
- *   lse_ref without want_lse, are INVALID_ARGUMENT. */
+ *   lse_ref without want_lse, are INVALID_ARGUMENT; a check the backend
+ *   cannot run fails the step with its status, changing nothing. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,22 +41,20 @@ static void t_ipc_close(attnd_backend_t *b, void *base) {
   atomic_fetch_add(&g_closes, 1);
 }
 
-static int t_ipc_scan(attnd_backend_t *b, int n, const void *const *p, const size_t *rows,
-                      const size_t *row_elems, const uint32_t *bound, size_t *bad, uint32_t *bits) {
-  atomic_fetch_add(&g_scans, 1);
-  for (int i = 0; i < n; i++) {
-    bad[i] = SIZE_MAX;
-    bits[i] = 0;
-    for (size_t r = 0; p[i] && r < rows[i] && bad[i] == SIZE_MAX; r++) {
-      uint32_t m = attnd_cpu_max_abs_bits(
-          ATTND_DT_BF16, (const uint8_t *)p[i] + r * row_elems[i] * 2, row_elems[i]);
-      if (m > bound[i]) {
-        bad[i] = r;
-        bits[i] = m;
-      }
+/* The CPU backend runs CHECK jobs over host memory (backend.h); the
+ * stand-in counts them on their way in. */
+static int (*g_submit)(attnd_backend_t *b, attnd_job_t *job);
+static int g_refuse_check; /* a negative ATTND_E*: the next CHECK job is refused with it */
+static int t_submit(attnd_backend_t *b, attnd_job_t *job) {
+  if (job->kind == ATTND_JOB_CHECK) {
+    atomic_fetch_add(&g_scans, 1);
+    if (g_refuse_check) {
+      int rc = g_refuse_check;
+      g_refuse_check = 0;
+      return rc;
     }
   }
-  return 0;
+  return g_submit(b, job);
 }
 
 static fx_t *fx_ipc(void) {
@@ -64,7 +63,8 @@ static fx_t *fx_ipc(void) {
   g_ops = *be->ops;
   g_ops.ipc_open = t_ipc_open;
   g_ops.ipc_close = t_ipc_close;
-  g_ops.ipc_scan = t_ipc_scan;
+  g_submit = be->ops->submit;
+  g_ops.submit = t_submit;
   be->ops = &g_ops;
   snprintf(be->device_uuid, sizeof(be->device_uuid), "GPU-0123abcd");
   atomic_store(&g_opens, 0);
@@ -216,6 +216,11 @@ static void test_device_step_refusals_change_nothing(void **state) {
   d.v[4 * KVH * HD] = 0x3f80;
   assert_int_equal(device_step(f, a->id, &d, tokens, 0, N - 1, msg), ATTND_EINVAL);
   assert_non_null(strstr(msg, "out_ref"));
+  /* A check the backend cannot run (a dead device): the step fails with its
+   * status, unchecked tensors never reach a kernel. */
+  g_refuse_check = ATTND_EDEVICE;
+  assert_int_equal(device_step(f, a->id, &d, tokens, 0, N, msg), ATTND_EDEVICE);
+  assert_non_null(strstr(msg, "device check of q, k and v could not run"));
   assert_int_equal(session_len(f, a->id), 0); /* nothing changed */
   assert_int_equal(device_step(f, a->id, &d, tokens, 0, N, msg), 0);
   assert_int_equal(session_len(f, a->id), N);

@@ -35,7 +35,7 @@ PUBLIC = {name: name + ".h" for name in LAYERS}
 TOP = len(LAYERS)  # main.c, directly in daemon/
 
 # Headers from outside daemon/ that any layer may name.
-EXTERNAL = {"attnd_kernels.h", "attnd_cuda.h", "cuda_sticky.h", "attnd.pb.h"}
+EXTERNAL = {"attnd_kernels.h", "attnd_cuda.h", "attnd_cuda_ipc.h", "cuda_sticky.h", "attnd.pb.h"}
 # Headers generated at build time into one layer's private include path.
 GENERATED = {"config": {"options_gen.h"}}
 # Each layer's internal_<concern>.h files (filled from the tracked files).

@@ -48,6 +48,7 @@ typedef enum {
   ATTND_JOB_COPY = 1,
   ATTND_JOB_SCALES = 2,
   ATTND_JOB_SINKS = 3,
+  ATTND_JOB_CHECK = 4,
 } attnd_job_kind_t;
 
 struct attnd_job_s {
@@ -86,6 +87,22 @@ struct attnd_job_s {
    * write phase rotates q in place, which the client's tensor must not see).
    * Only a backend with ipc_open gets such jobs. */
   int device_io;
+  /* CHECK (same-host zero-copy): the finiteness and magnitude check of a
+   * step's q, k and v in client DEVICE memory (engine/scan.c's rule, one
+   * small kernel on the layer's stream, completed like any job, so no thread
+   * waits for it): for each of the three tensors (p NULL: none) of rows x
+   * row_elems 16-bit values, bad becomes the first row whose largest
+   * magnitude pattern (sign cleared) exceeds bound, that pattern in bits, or
+   * SIZE_MAX. It reads client memory only and conflicts with nothing:
+   * always unordered. Only a backend with ipc_open gets one (the CPU backend
+   * runs it over host memory, for tests). */
+  struct {
+    const void *p[3];
+    size_t rows[3];
+    uint32_t row_elems[3], bound[3];
+    size_t bad[3];
+    uint32_t bits[3];
+  } check;
   /* Filled by the backend. */
   int status; /* 0 or a negative ATTND_E* */
   char message[128];
@@ -145,20 +162,15 @@ typedef struct {
   void (*host_free)(attnd_backend_t *b, void *p);
   /* Optional (NULL: the backend cannot use client device memory, and the
    * engine refuses RegisterBuffer with FAILED_PRECONDITION): same-host
-   * zero-copy (docs/protocol.md). All three BLOCK and run on a worker
-   * thread, never the loop's. ipc_open maps the 64-byte cudaIpcMemHandle_t
-   * at handle and gives the device address of its first byte and the
-   * allocation's size (0, or a negative ATTND_E* with a reason in err); ipc_close unmaps it (every
-   * job that read or wrote it is done). ipc_scan is the finiteness and magnitude check of device
-   * tensors (engine/scan.c's rule): for each of n tensors of rows[i] rows of row_elems[i] 16-bit
-   * values at p[i] (NULL: none), bad[i] becomes the first row holding a magnitude pattern past
-   * bound[i] (that row's largest in bits[i]), or SIZE_MAX; 0, or a negative
-   * ATTND_E* when the check could not run. */
+   * zero-copy (docs/protocol.md). Both BLOCK and run on a worker thread,
+   * never the loop's. ipc_open maps the 64-byte cudaIpcMemHandle_t at handle
+   * and gives the device address of its first byte and the allocation's size
+   * (0, or a negative ATTND_E* with a reason in err); ipc_close unmaps it
+   * (every job that read or wrote it is done). A backend with ipc_open runs
+   * CHECK jobs (the device check of a step's tensors). */
   int (*ipc_open)(attnd_backend_t *b, const uint8_t *handle, void **base, size_t *size, char *err,
                   size_t errlen);
   void (*ipc_close)(attnd_backend_t *b, void *base);
-  int (*ipc_scan)(attnd_backend_t *b, int n, const void *const *p, const size_t *rows,
-                  const size_t *row_elems, const uint32_t *bound, size_t *bad, uint32_t *bits);
 } attnd_backend_ops_t;
 
 struct attnd_backend_s {

@@ -39,7 +39,7 @@
 /* The test hook of backend.h. */
 int attnd_backend_cpu_fail_next = 0;
 
-enum { PH_WRITE = 0, PH_ATTEND = 1, PH_COPY = 2, PH_SCALES = 3 };
+enum { PH_WRITE = 0, PH_ATTEND = 1, PH_COPY = 2, PH_SCALES = 3, PH_CHECK = 4 };
 
 typedef struct run_s run_t;
 typedef struct cpu_backend_s cpu_backend_t;
@@ -144,6 +144,10 @@ static void task_work(uv_work_t *w) {
   }
   case PH_SCALES:
     apply_scales(r->be, job);
+    t->rc = 0;
+    break;
+  case PH_CHECK: /* host memory standing in for a device's (tests) */
+    attnd_backend_check_host(job);
     t->rc = 0;
     break;
   default: {
@@ -328,6 +332,11 @@ static void run_start(run_t *r) {
   cpu_backend_t *be = r->be;
   be->lq[job->layer].nrun++;
   job->t_start_us = attnd_backend_now_us();
+  if (job->kind == ATTND_JOB_CHECK) {
+    phase_begin(r, PH_CHECK, 1);
+    pump(be);
+    return;
+  }
   if (job->kind == ATTND_JOB_COPY || job->kind == ATTND_JOB_SCALES ||
       job->kind == ATTND_JOB_SINKS) {
     if (job->kind == ATTND_JOB_COPY && attnd_backend_cpu_fail_next == ATTND_CPU_FAIL_COPY) {

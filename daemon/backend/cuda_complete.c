@@ -281,6 +281,8 @@ static void finish_run(cu_backend_t *be, cu_run_t *r) {
     snprintf(r->msg, sizeof(r->msg), "cuda: layer %d: device work failed: %s", job->layer,
              cudaGetErrorString(r->async));
   }
+  if (job->kind == ATTND_JOB_CHECK)
+    attnd_cu_ipc_check_result(r); /* its pinned slot, read once the device is done */
   attnd_cu_stage_put(be, r->stage);
   job->status = r->status;
   if (r->status)

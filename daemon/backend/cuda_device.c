@@ -174,7 +174,6 @@ static void release(cu_backend_t *be) {
 
 void attnd_cu_free_struct(cu_backend_t *be) {
   uv_mutex_destroy(&be->mu);
-  uv_mutex_destroy(&be->ipc_mu);
   uv_mutex_destroy(&be->fmu);
   if (be->poll) {
     uv_cond_destroy(&be->pcv);
@@ -249,7 +248,6 @@ static const attnd_backend_ops_t cu_ops = {
     .host_free = attnd_cu_frame_free,
     .ipc_open = attnd_cu_ipc_open,
     .ipc_close = attnd_cu_ipc_close,
-    .ipc_scan = attnd_cu_ipc_scan,
 };
 
 /* Kernel modules load when the CUDA runtime starts, not at a kernel's first
@@ -505,18 +503,14 @@ int attnd_backend_cuda_create(attnd_backend_t **out, uv_loop_t *loop, const attn
   be->cc = major * 10 + minor;
   if (attnd_cuda_device_uuid(device, be->base.device_uuid, sizeof(be->base.device_uuid)) != 0)
     be->base.device_uuid[0] = 0; /* zero-copy then refuses every handle */
-  if (uv_mutex_init(&be->ipc_mu) != 0) {
+  if (uv_mutex_init(&be->fmu) != 0) {
     snprintf(err, errlen, "uv_mutex_init failed");
     rc = ATTND_EINTERNAL;
     goto fail_dev;
   }
-  if (uv_mutex_init(&be->fmu) != 0) {
-    snprintf(err, errlen, "uv_mutex_init failed");
-    rc = ATTND_EINTERNAL;
-    goto fail_ipc;
-  }
   /* Scales first (tiny), then the pool takes what the budget allows. */
   if ((rc = create_streams(be, layers, err, errlen)) != 0 ||
+      (rc = attnd_cu_ipc_setup(be, err, errlen)) != 0 ||
       (rc = create_pool(be, layers, o->kv_memory, err, errlen)) != 0 ||
       (rc = warm_up(be, err, errlen)) != 0 || (rc = start_completion(be, loop, err, errlen)) != 0)
     goto fail_mem;
@@ -531,8 +525,6 @@ fail_mem:
   cudaGetLastError();
   release(be);
   uv_mutex_destroy(&be->fmu);
-fail_ipc:
-  uv_mutex_destroy(&be->ipc_mu);
 fail_dev:
   cudaGetLastError();
   free(be->trace);

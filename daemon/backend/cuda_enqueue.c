@@ -421,6 +421,9 @@ static int start_run(cu_backend_t *be, cu_run_t *r) {
   } else if (job->kind == ATTND_JOB_SINKS) {
     if (enqueue_sinks(be, r))
       return 1;
+  } else if (job->kind == ATTND_JOB_CHECK) {
+    if (attnd_cu_ipc_enqueue_check(be, r))
+      return 1;
   } else if (enqueue_step(be, r)) {
     return 1;
   }

@@ -38,6 +38,10 @@ static inline uint64_t attnd_backend_now_us(void) {
  * bound), or more than ATTND_BACKEND_WRITE_ROWS new tokens. Host batch. */
 int attnd_backend_job_large(const attnd_job_t *job, uint64_t chunk_keys);
 
+/* A CHECK job (backend.h) over HOST memory: the CPU backend's, for tests of
+ * the engine's device-step path. Any thread. */
+void attnd_backend_check_host(attnd_job_t *job);
+
 #ifdef ATTND_HAVE_CUDA
 
 #include <cuda_runtime_api.h>
@@ -56,6 +60,8 @@ _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE
  * per-stream buffers stay small. As many again of high priority take the
  * small unordered jobs (backend.h). */
 #define CU_MAX_STREAMS 8 /* 2x at most 64: the poller keeps a bit per stream */
+/* CHECK runs in flight at most (cuda_ipc.c); more wait for a slot. */
+#define CU_CHECK_SLOTS 256
 /* Pinned staging buffers are allocated in power-of-two sizes from this up. */
 #define CU_STAGE_MIN ((size_t)2 << 20)
 /* Device staging grows to at least this. */
@@ -117,7 +123,7 @@ typedef struct cu_run_s {
    * slot held) whose completion gives the slot back. */
   cu_ring_plan_t *plan;
   struct cu_run_s *parent;
-  int slot;               /* a chunk's ring slot */
+  int slot;               /* a chunk's ring slot; a CHECK run's result slot + 1 (cuda_ipc.c) */
   int path;               /* 0 undecided, 1 fast (pooled stage), 2 ring, 3 one-shot */
   uint64_t t_first;       /* a ring run: when its first chunk began (under mu) */
   struct cu_run_s *pnext; /* pending list of the poller (under pmu) */
@@ -242,11 +248,15 @@ struct cu_backend_s {
   uint64_t graph_tick, graph_steps, graph_builds, graph_update_fails, graph_capture_fails;
   cudaEvent_t *evfree; /* recycled done events (loop thread) */
   int nevfree, evcap;
-  /* Same-host zero-copy (cuda_ipc.c): the device check of client tensors,
-   * one at a time, on its own stream, made at the first check. */
-  uv_mutex_t ipc_mu;
-  cudaStream_t ipc_st;
-  uint64_t *ipc_hres, *ipc_dres; /* pinned and device result slots */
+  /* Same-host zero-copy (cuda_ipc.c): the CHECK jobs' device state, one
+   * ATTND_CUDA_CHECK_STATE_BYTES slot per stream (a stream's checks run in
+   * its order, each leaving the slot as it found it), made at start. */
+  uint8_t *ipc_dstate;
+  /* Their pinned results, CU_CHECK_SLOTS of 4 words, and the free slots
+   * (loop thread): a CHECK run holds one from its enqueue to its finish. */
+  uint64_t *ipc_hres;
+  int *ipc_free;
+  int ipc_nfree;
 };
 
 static inline uint64_t attnd_cu_now_us(void) {
@@ -371,15 +381,21 @@ void attnd_cu_poller_stop(cu_backend_t *be);
 cudaEvent_t attnd_cu_ev_get(cu_backend_t *be);
 void attnd_cu_ev_put(cu_backend_t *be, cudaEvent_t ev);
 
-/* ---- cuda_ipc.c: same-host zero-copy (worker threads; backend.h) ---- */
+/* ---- cuda_ipc.c: same-host zero-copy (backend.h) ---- */
 
+/* Worker threads (they block). */
 int attnd_cu_ipc_open(attnd_backend_t *base, const uint8_t *handle, void **dev, size_t *size,
                       char *err, size_t errlen);
 void attnd_cu_ipc_close(attnd_backend_t *base, void *dev);
-int attnd_cu_ipc_scan(attnd_backend_t *base, int n, const void *const *p, const size_t *rows,
-                      const size_t *row_elems, const uint32_t *bound, size_t *bad, uint32_t *bits);
-/* Frees the check's stream and slots (teardown). */
+/* The CHECK jobs' device state (start; 0 or a negative ATTND_E*), and its
+ * release (teardown). */
+int attnd_cu_ipc_setup(cu_backend_t *be, char *err, size_t errlen);
 void attnd_cu_ipc_release(cu_backend_t *be);
+/* A CHECK run's kernel on its stream (loop thread, start_run): 1 when it
+ * must wait for a pinned buffer (nothing enqueued). Its result, once the
+ * run finished (finish_run, loop thread), into the job. */
+int attnd_cu_ipc_enqueue_check(cu_backend_t *be, cu_run_t *r);
+void attnd_cu_ipc_check_result(cu_run_t *r);
 
 /* ---- cuda_trace.c ---- */
 

@@ -381,11 +381,14 @@ void attnd_scan_bounds(const attnd_kshape_t *sh, attnd_scan_bound_t *q, attnd_sc
 /* A magnitude pattern of the activation dtype (bf16 or fp16) as a number. */
 double attnd_scan_value(attnd_dtype_t dt, uint32_t bits);
 
-/* The scan of a queued step, off the loop thread: attnd_scan_step, or for
- * a step over client device memory (req->device) attnd_scan_device. */
-void attnd_scan_any(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc);
-/* ipc.c: the device check of such a step (it blocks: a worker thread). */
-void attnd_scan_device(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc);
+/* ipc.c: the device check of a step over client device memory
+ * (req->device), a CHECK job submitted here (loop thread): once it is done,
+ * *sc holds its result as the step's scan (its views the device pointers,
+ * err the job's status) and done(arg) is called on the loop thread. A job
+ * the backend refuses: *sc holds the error at once, done is never called,
+ * and the ATTND_E* is returned. req and sc stay valid until then. */
+int attnd_ipc_check_start(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc,
+                          void (*done)(void *arg), void *arg);
 
 static inline int attnd_scan_row_in(size_t row, uint32_t first, uint32_t n) {
   return row >= first && row - first < n;

@@ -9,8 +9,10 @@
  * tensors, so mappings are kept here by handle bytes and counted: a second
  * registration of the same handle shares the first's mapping, and one that
  * arrives while the first is still opening waits for it. The last
- * reference unmaps it (ipc_close, worker thread again). Everything here but
- * the two work functions runs on the loop thread. */
+ * reference unmaps it (ipc_close, worker thread again). The device check of
+ * a step's tensors is a backend job (CHECK) that the admission queue waits
+ * for (queue.c). Everything here but the two work functions runs on the
+ * loop thread. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -182,43 +184,81 @@ void attnd_engine_ipc_close(attnd_engine_t *e, void *ipc) {
   }
 }
 
-/* The device check of a step over client memory (scan.c's rule and bounds,
- * on the device through the backend's ipc_scan). Worker thread: it blocks
- * until the check's kernel is done. Fills sc as attnd_scan_step would, the
- * views being the device pointers themselves (no copies). */
-void attnd_scan_device(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc) {
+/* The device check of a step over client memory: scan.c's rule and
+ * bounds, as a CHECK job (backend.h) over the device pointers themselves,
+ * submitted from the loop thread and completed like a step (no thread waits
+ * for it). */
+typedef struct {
+  attnd_job_t job;
+  const attnd_step_req_t *req;
+  attnd_scan_t *sc;
+  void (*done)(void *arg);
+  void *arg;
+} ipc_check_t;
+
+static void fill_job(attnd_engine_t *e, const attnd_step_req_t *req, attnd_job_t *job) {
   const attnd_kshape_t *sh = &e->shape;
   attnd_scan_bound_t b[3];
   attnd_scan_bounds(sh, &b[0], &b[1], &b[2]);
   const attnd_tensor_t *t[3] = {&req->q, &req->k, &req->v};
   size_t row_elems[3] = {(size_t)sh->q_heads * sh->head_dim, (size_t)sh->kv_heads * sh->head_dim,
                          (size_t)sh->kv_heads * sh->head_dim};
-  const void *p[3];
-  size_t rows[3], bad[3] = {SIZE_MAX, SIZE_MAX, SIZE_MAX};
-  uint32_t bound[3], bits[3] = {0, 0, 0};
-  const uint64_t t0 = attnd_engine_now_us();
+  job->kind = ATTND_JOB_CHECK;
+  job->layer = (int)req->layer; /* its layer's stream: beside other layers' work */
+  job->unordered = 1;           /* it reads client memory only */
   for (int i = 0; i < 3; i++) {
     /* A tensor that is absent or of another dtype or shape is left
      * unchecked: the step fails on its shape first. */
     size_t rb = row_elems[i] * 2;
     int ok = t[i]->present && t[i]->data && t[i]->nbytes && t[i]->dtype == sh->dtype &&
              t[i]->nbytes % rb == 0;
-    p[i] = ok ? t[i]->data : NULL;
-    rows[i] = ok ? t[i]->nbytes / rb : 0;
-    bound[i] = b[i].bits;
+    job->check.p[i] = ok ? t[i]->data : NULL;
+    job->check.rows[i] = ok ? t[i]->nbytes / rb : 0;
+    job->check.row_elems[i] = (uint32_t)row_elems[i];
+    job->check.bound[i] = b[i].bits;
   }
-  sc->q = p[0];
-  sc->k = p[1];
-  sc->v = p[2];
-  sc->qbuf = sc->kbuf = sc->vbuf = NULL;
-  sc->err = e->be->ops->ipc_scan
-                ? e->be->ops->ipc_scan(e->be, 3, p, rows, row_elems, bound, bad, bits)
-                : ATTND_EPRECOND;
-  sc->bad_q = bad[0];
-  sc->bad_k = bad[1];
-  sc->bad_v = bad[2];
-  sc->bits_q = bits[0];
-  sc->bits_k = bits[1];
-  sc->bits_v = bits[2];
-  sc->us = (uint32_t)(attnd_engine_now_us() - t0);
+}
+
+/* The job's result as the step's scan: the views are the device pointers
+ * themselves (nothing is copied); err the job's status. */
+static void fill_scan(const attnd_job_t *job, const attnd_step_req_t *req, attnd_scan_t *sc) {
+  memset(sc, 0, sizeof(*sc));
+  sc->q = req->q.present ? req->q.data : NULL;
+  sc->k = req->k.present ? req->k.data : NULL;
+  sc->v = req->v.present ? req->v.data : NULL;
+  sc->err = job->status;
+  sc->bad_q = job->status ? SIZE_MAX : job->check.bad[0];
+  sc->bad_k = job->status ? SIZE_MAX : job->check.bad[1];
+  sc->bad_v = job->status ? SIZE_MAX : job->check.bad[2];
+  sc->bits_q = job->check.bits[0];
+  sc->bits_k = job->check.bits[1];
+  sc->bits_v = job->check.bits[2];
+  sc->us = job->t_end_us > job->t_submit_us ? (uint32_t)(job->t_end_us - job->t_submit_us) : 0;
+}
+
+static void check_job_done(attnd_job_t *job) {
+  ipc_check_t *k = (ipc_check_t *)job;
+  fill_scan(job, k->req, k->sc);
+  void (*done)(void *) = k->done;
+  void *arg = k->arg;
+  free(k);
+  done(arg);
+}
+
+int attnd_ipc_check_start(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc,
+                          void (*done)(void *arg), void *arg) {
+  ipc_check_t *k = attnd_xcalloc(1, sizeof(*k));
+  k->req = req;
+  k->sc = sc;
+  k->done = done;
+  k->arg = arg;
+  fill_job(e, req, &k->job);
+  k->job.done_cb = check_job_done;
+  int rc = e->be->ops->submit(e->be, &k->job);
+  if (rc) {
+    k->job.status = rc;
+    fill_scan(&k->job, req, sc);
+    free(k);
+  }
+  return rc;
 }

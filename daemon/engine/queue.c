@@ -249,7 +249,7 @@ static void scan_work(uv_work_t *w) {
   call_t *c = (call_t *)w;
   if (attnd_queue_test_scan_hook)
     attnd_queue_test_scan_hook(&c->step);
-  attnd_scan_any(c->e, &c->step, &c->scan);
+  attnd_scan_step(&c->e->shape, &c->step, c->e->be->any_alignment, &c->scan);
 }
 
 static void scan_done(uv_work_t *w, int status) {
@@ -284,10 +284,24 @@ static void part_done(uv_work_t *w, int status) {
   queue_pump(c->e);
 }
 
+/* A device check done (loop thread): the step may be admitted in its turn. */
+static void check_done(void *arg) {
+  call_t *c = arg;
+  attnd_order_unhold(c->e, &c->q);
+  queue_pump(c->e);
+}
+
 /* A large step's scan, in parts on the worker pool when it is large enough
  * for them to pay (a pass over memory per part: parts on free cores divide
- * its time); one worker for a check of device memory. */
+ * its time); the device check of a step over client memory. */
 static void scan_start(attnd_engine_t *e, call_t *c) {
+  if (c->step.device) {
+    /* Its check is a backend job (ipc.c): the call is held until it is done. */
+    c->q.held = 1;
+    if (attnd_ipc_check_start(e, &c->step, &c->scan, check_done, c) != 0)
+      c->q.held = 0; /* not submitted: the step fails with scan.err at admission */
+    return;
+  }
   int n = attnd_scan_nparts(&c->step, e->scan_parts, e->scan_part_bytes);
   c->q.held = 1;
   if (n > 1) {
@@ -304,7 +318,7 @@ static void scan_start(attnd_engine_t *e, call_t *c) {
   }
   if (uv_queue_work(e->loop, &c->work, scan_work, scan_done) != 0) {
     /* Cannot happen with valid arguments; scan here rather than fail. */
-    attnd_scan_any(e, &c->step, &c->scan);
+    attnd_scan_step(&e->shape, &c->step, e->be->any_alignment, &c->scan);
     c->q.held = 0;
   }
 }
@@ -469,8 +483,8 @@ void attnd_engine_step(attnd_engine_t *e, uint64_t identity, uint64_t conn,
     return;
   }
   size_t bytes = tensor_bytes(&req->q) + tensor_bytes(&req->k) + tensor_bytes(&req->v);
-  /* Tensors in client device memory are checked on the device, and that
-   * check is awaited off the loop thread like a large step's scan. */
+  /* Tensors in client device memory are checked on the device (a backend
+   * job), and the call waits in the queue for it like a large step's scan. */
   int large = bytes > e->offload_bytes || req->device;
   attnd_qkeys_t ks;
   keys_conn(&ks, conn, 0, 0);

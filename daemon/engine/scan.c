@@ -250,10 +250,3 @@ void attnd_scan_step(const attnd_kshape_t *sh, const attnd_step_req_t *req, int 
   attnd_scan_part(sh, req, sc, 0, 1, &part);
   attnd_scan_end(sc, &part, 1);
 }
-
-void attnd_scan_any(attnd_engine_t *e, const attnd_step_req_t *req, attnd_scan_t *sc) {
-  if (req->device)
-    attnd_scan_device(e, req, sc);
-  else
-    attnd_scan_step(&e->shape, req, e->be->any_alignment, sc);
-}

@@ -114,14 +114,7 @@ int attnd_cuda_ipc_open(int device, const void *handle, void **base, size_t *siz
 /* Unmaps what attnd_cuda_ipc_open mapped, once no queued work reads it. */
 int attnd_cuda_ipc_close(int device, void *base);
 
-/* The finiteness and magnitude check of rows x row_elems 16-bit values
- * (bf16 or fp16, DEVICE memory at p, 2-byte aligned): *result (DEVICE, 8
- * bytes, 8-byte aligned) becomes UINT64_MAX when no row's largest magnitude
- * pattern (sign cleared) exceeds bound_bits, else (row << 32) | bits of the
- * first row that does, bits being that row's largest pattern. Enqueued on
- * stream (a memset and one kernel). */
-int attnd_cuda_scan_rows(const void *p, int64_t rows, int32_t row_elems, uint32_t bound_bits,
-                         uint64_t *result, void *stream);
+/* The device check of tensors in client memory: attnd_cuda_ipc.h. */
 
 #ifdef __cplusplus
 }

@@ -27,15 +27,18 @@
 #      transport, PyTorch's in-process attention beside it, and on the Unix
 #      socket each decode case again over same-host zero-copy (ipc: torch
 #      tensors on the GPU by reference); --step-trace only
-#      (no CUDA events: the latencies as served). Filling 64 sessions to 4,096
-#      moves 34 GB of k+v through the daemon (~60 s at today's ~0.55 GB/s);
-#      cases run small first, so a timeout keeps the first ones;
+#      (no CUDA events: the latencies as served). With ipc the contexts are
+#      filled by reference (64 sessions to 4,096 is 34 GB of k+v, minutes over
+#      the socket); cases run small first, so a timeout keeps the first ones;
 #   3b. with GPU_STEP_BASELINE=<an older attnd>, bench_e2e.py against it too
 #      (1 and 16 sessions, Unix socket, no --step-trace): before/after in one run;
 #   4. the same, 16 sessions, Unix socket only, with --cuda-trace: the device
 #      phases (h2d, kwrite, attend, d2h) of decode and prefill steps;
 #   4b. tests/e2e/test_torch_client.py (torch tensors in and out, bf16 stays
 #      bf16) against the CUDA daemon;
+#   4c. bench/bench_generate.py: generate() tokens/s of a random 8-layer Llama
+#      (32/8 heads, d 128) with sdpa, attnd over the socket and attnd by
+#      reference, batch 1 and 16, in one process (needs transformers);
 #   5. attnctl bench (1 session at 4,096 and 16 at 512, depth 1
 #      and 32) against one daemon.
 # It always ends with a table of the key numbers, then one line:
@@ -273,6 +276,19 @@ if [ "$t" -gt 0 ]; then
   record torch_client $rc
 else
   record torch_client 77
+fi
+
+# ---- 4c. generate() tokens/s: attnd (socket, zero-copy) beside sdpa --------------------
+t=$(tmo 90)
+if [ "$t" -gt 0 ] && [ "$backend" = cuda ]; then
+  timeout "$t" $py "$here/bench/bench_generate.py" --attnd "$attnd_bin" --budget $((t - 25)) \
+    --json "$out/generate.json" >"$out/generate.txt" 2>&1
+  rc=$?
+  tail -12 "$out/generate.txt"
+  record bench_generate $rc
+  while IFS= read -r l; do keys+=("$l"); done < <(sed -n 's/^| \(sdpa\|socket\|ipc\) | \([0-9]*\) | \([0-9.]*\) | \([0-9.]*\) |.*/generate \1 batch \2=\3 tok\/s (decode \4 tok\/s)/p' "$out/generate.txt")
+else
+  record bench_generate 77
 fi
 
 # ---- 5. attnctl bench (round trips per layer and per token) --------------------------------------------

@@ -13,7 +13,9 @@ steps over the IPC path and the bytes path give bit-equal outputs (same kernels)
 both within the bf16 bound of the float64 reference; outputs appear in the
 client's own tensors (poisoned with NaN first); a bad offset, a misaligned one,
 a released buffer, another connection's buffer and a NaN in q are refused and
-change nothing, and so is a registration larger than its allocation."""
+change nothing, and so is a registration larger than its allocation; every
+layer's step pipelined by reference into staging tensors registered once gives
+the bytes path's outputs, and a NaN in a later item's k names that item."""
 import os
 import unittest
 
@@ -198,6 +200,56 @@ class GpuIpcTest(DaemonTestCase):
             self.assertIs(o, out)
             self.assertFalse(torch.isnan(out).any().item())
             self.assertFalse(torch.isnan(lse).any().item())
+
+    def test_pipelined_steps_by_reference_into_kept_staging(self):
+        # Every layer's step sent before any answer is read (step_send/step_recv),
+        # by reference into per-layer staging tensors registered once (keep()),
+        # two sessions per step: the same bytes as the bytes path. Then a NaN in
+        # the second item's k row fails that step naming item 1 and k (the check's
+        # one kernel maps rows of q, k and v back to their tensor), changing nothing.
+        with self.daemon.client(ipc=True) as ci, self.daemon.client(ipc=False) as cb:
+            m = ci.model
+            g = torch.Generator().manual_seed(5)
+            sa = [ci.open_session()[0] for _ in range(2)]
+            sb = [cb.open_session()[0] for _ in range(2)]
+            n = 3
+            stage = {}
+            for layer in range(m.layers):
+                stage[layer] = (torch.empty(2 * n, m.q_heads, m.head_dim, dtype=torch.bfloat16,
+                                            device=self.dev),
+                                torch.empty(2 * n, m.kv_heads, m.head_dim, dtype=torch.bfloat16,
+                                            device=self.dev),
+                                torch.empty(2 * n, m.q_heads, m.head_dim, dtype=torch.bfloat16,
+                                            device=self.dev))
+                for t in stage[layer]:
+                    ci.ipc.keep(t)
+            for start in (0, n):
+                toks = list(range(start, start + n))
+                ia = [attnd.Item(s, start, n, tokens=toks) for s in sa]
+                ib = [attnd.Item(s, start, n, tokens=toks) for s in sb]
+                ids_i, ids_b = [], []
+                for layer in range(m.layers):
+                    q, kv, out = stage[layer]
+                    q.copy_(self.rand(g, 2 * n, m.q_heads, m.head_dim))
+                    kv.copy_(self.rand(g, 2 * n, m.kv_heads, m.head_dim))
+                    ids_i.append(ci.step_send(layer, q, kv, kv, items=ia, out=out))
+                    ids_b.append(cb.step_send(layer, q, kv, kv, items=ib))
+                for layer in range(m.layers):
+                    ri = ci.step_recv(ids_i[layer])
+                    rb = cb.step_recv(ids_b[layer], as_torch=True)
+                    self.assertIs(ri.out, stage[layer][2])
+                    self.assertTrue(torch.equal(ri.out.cpu().view(torch.int16),
+                                                rb.out.cpu().view(torch.int16)))
+            q, kv, out = stage[0]
+            kv[n + 1, 0, 3] = float("nan")  # item 1's second row
+            torch.cuda.synchronize()
+            toks = list(range(2 * n, 3 * n))
+            with self.assertRaises(attnd.InvalidArgument) as e:
+                ci.step(0, q, kv, kv, items=[attnd.Item(s, 2 * n, n, tokens=toks) for s in sa],
+                        out=out)
+            self.assertIn("item 1: k", e.exception.message)
+            self.assertEqual(sorted(x.len for x in ci.list_sessions() if x.session in sa),
+                             [2 * n, 2 * n])
 
     def test_bad_refs_are_refused_and_change_nothing(self):
         with self.daemon.client(ipc=True) as c, self.daemon.client(ipc=True) as other:

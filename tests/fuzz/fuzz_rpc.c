@@ -29,7 +29,8 @@
  * identity in turn (even frames to the first), so calls of one connection
  * pass another's queued ones (docs/sessions.md §5). Steps of more than
  * OFFLOAD bytes are scanned on the worker pool and queued, as 1 MiB ones are
- * in the daemon. */
+ * in the daemon. The CPU backend has stand-in zero-copy ops over an arena
+ * (give_ipc_ops), so steps by reference run too. */
 #include <pb_decode.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -42,6 +43,7 @@
 #include "config.h"
 #include "engine.h"
 #include "base.h"
+#include "internal.h" /* daemon/engine: its backend, given stand-in zero-copy ops */
 #include "net.h"
 #include "rpc.h"
 
@@ -56,6 +58,41 @@ uint64_t __real_attnd_random_id(void);
 uint64_t __wrap_attnd_random_id(void);
 uint64_t __wrap_attnd_random_id(void) {
   return ++next_id;
+}
+
+/* ---- stand-in zero-copy ---------------------------------------------------- */
+
+/* The CPU backend given zero-copy ops, as in test_engine_ipc: every handle
+ * (but one whose first byte is 0xff: "the driver cannot open it") maps this
+ * arena, so RegisterBuffer, refs, their bounds, the device check (a CHECK
+ * job, run by the CPU backend over host memory) and steps that read and
+ * write client memory are fuzzed too; a region past the registration would
+ * be an ASan report, not a silent read. The backend's device UUID is the
+ * seeds' (gen_corpus.py). */
+enum { ARENA_BYTES = 1 << 20 };
+static _Alignas(256) uint8_t arena[ARENA_BYTES];
+static attnd_backend_ops_t ipc_ops;
+
+static int f_ipc_open(attnd_backend_t *b, const uint8_t *handle, void **base, size_t *size,
+                      char *err, size_t errlen) {
+  if (handle[0] == 0xff) {
+    snprintf(err, errlen, "stand-in: no such handle");
+    return ATTND_EPRECOND;
+  }
+  *base = arena;
+  *size = ARENA_BYTES;
+  return 0;
+}
+
+static void f_ipc_close(attnd_backend_t *b, void *base) {}
+
+static void give_ipc_ops(attnd_engine_t *e) {
+  ipc_ops = *e->be->ops;
+  ipc_ops.ipc_open = f_ipc_open;
+  ipc_ops.ipc_close = f_ipc_close;
+  e->be->ops = &ipc_ops;
+  snprintf(e->be->device_uuid, sizeof(e->be->device_uuid),
+           "GPU-00000000-0000-0000-0000-000000000000");
 }
 
 /* ---- one fake transport --------------------------------------------------- */
@@ -214,6 +251,7 @@ static void setup(void) {
   attnd_log_set_level(ATTND_LOG_ERROR);
   if (attnd_engine_init(&F.engine, &F.loop, &F.cfg, err, sizeof(err)) != 0)
     die("engine init", err);
+  give_ipc_ops(F.engine);
   if (attnd_rpc_init(&F.rpc, &F.loop, F.engine, &F.cfg, err, sizeof(err)) != 0)
     die("rpc init", err);
   attnd_engine_set_offload_bytes(F.engine, OFFLOAD);

@@ -398,6 +398,58 @@ def seeds():
         s.add(r)
     step(s, 0, [(1, 0, 2, [1, 2], False, None)])
     out["zero_copy"] = s
+
+    # Steps by reference that run: the harness gives the CPU backend stand-in
+    # zero-copy ops over an arena (fuzz_rpc.c), so RegisterBuffer opens (buffer
+    # 3, after sessions 1 and 2). Seven small steps of session 2 follow it: the
+    # harness drains at eight calls in flight, so the registration is done
+    # before a step names it (a client waits for its answer). Then a prefill
+    # and a decode by reference of session 1 on both layers (the device check
+    # a CHECK job), an fp32 output, a region past the registration, a handle
+    # "the driver" cannot open, a release, and a step naming the released buffer.
+    s = Seed()
+    open_(s)
+    open_(s)
+    r = s.req()
+    r.register_buffer.cuda_ipc_handle = bytes(range(64))
+    r.register_buffer.size = 1 << 20
+    r.register_buffer.device_uuid = "GPU-00000000-0000-0000-0000-000000000000"
+    s.add(r)
+    for pos in range(7):
+        step(s, 0, [(2, pos, 1, [pos], True, None)])
+
+    def ref2(t, off, shape, dtype=pb.DTYPE_BF16):
+        t.buffer, t.offset, t.dtype = 3, off, dtype
+        t.shape.extend(shape)
+
+    def ref_step(layer, start, n, q_off=0, fp32=False, lse=False):
+        r = s.req()
+        st = r.step
+        st.layer = layer
+        item(st.items.add(), 1, start, n, list(range(start + 1, start + n + 1)))
+        ref2(st.q_ref, q_off, [n, QH, D])
+        ref2(st.k_ref, 65536, [n, KVH, D])
+        ref2(st.v_ref, 131072, [n, KVH, D])
+        ref2(st.out_ref, 196608, [n, QH, D], pb.DTYPE_FP32 if fp32 else pb.DTYPE_BF16)
+        if lse:
+            ref2(st.lse_ref, 262144, [n, QH], pb.DTYPE_FP32)
+        st.want_lse = lse
+        st.fp32_out = fp32
+        s.add(r)
+
+    for layer in (0, 1):
+        ref_step(layer, 0, 4, lse=True)
+    for layer in (0, 1):
+        ref_step(layer, 4, 1, fp32=layer == 1)
+    ref_step(0, 5, 1, q_off=(1 << 20) - 256)  # past the registration
+    r = s.req()
+    r.register_buffer.cuda_ipc_handle = b"\xff" + bytes(63)
+    r.register_buffer.size = 4096
+    r.register_buffer.device_uuid = "gpu-00000000-0000-0000-0000-000000000000"
+    s.add(r)
+    simple(s, "release_buffer", buffer=3)
+    ref_step(0, 5, 1)
+    out["zero_copy_device"] = s
     return out
 
 

@@ -388,6 +388,8 @@ class Client:
         # id -> (Response, cut): cut is (frame, spans) when _frames.cut_step took
         # a step's out/lse data out of the message (they are views of frame).
         self._pending: Dict[int, Tuple["Response", Any]] = {}
+        # id -> (out, lse) the daemon writes for a step sent by reference (attnd.ipc).
+        self._ipc_out: Dict[int, Tuple[Any, Any]] = {}
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         # Bytes read ahead of the frame being read: a small answer's header and
@@ -708,14 +710,23 @@ class Client:
     def step_send(self, layer: int, q: Optional[npt.ArrayLike] = None,
                   k: Optional[npt.ArrayLike] = None, v: Optional[npt.ArrayLike] = None,
                   items: Optional[Sequence[Item]] = None, plan: int = 0, want_lse: bool = False,
-                  fp32_out: bool = False) -> int:
+                  fp32_out: bool = False, out: Any = None, lse: Any = None) -> int:
         """Sends one Step (a plan id, or inline items); returns its request id.
 
         q: [Tq, q_heads, head_dim], k and v: [T, kv_heads, head_dim], packed in item
         order; float arrays are rounded to the daemon's activation dtype, uint16 is
         taken as bf16 bits, float16 as fp16. torch tensors (any device) are sent as
-        they are when bf16/fp16, float32 rounded by torch; no numpy round trip.
+        they are when bf16/fp16, float32 rounded by torch; no numpy round trip. torch
+        CUDA tensors go by reference when the ipc mode allows (attnd.ipc); the daemon
+        then writes out and lse into the tensors given (else new ones): step_recv's.
         """
+        rid = _ipc.try_step_send(self, layer, q, k, v, items, plan, want_lse, fp32_out, out, lse)
+        if rid is not None:
+            return rid
+        return self._bytes_send(layer, q, k, v, items, plan, want_lse, fp32_out)
+
+    def _bytes_send(self, layer: int, q: Any, k: Any, v: Any, items: Optional[Sequence[Item]],
+                    plan: int, want_lse: bool, fp32_out: bool) -> int:
         req = pb.Request()
         st = req.step
         st.layer = int(layer)
@@ -751,7 +762,12 @@ class Client:
 
     def step_recv(self, id: int, torch_device: Any = None, as_torch: bool = False) -> StepResult:
         """Receives a Step's answer by request id. as_torch (or a torch_device):
-        out and lse as torch tensors (bf16 stays bf16), on torch_device if given."""
+        out and lse as torch tensors (bf16 stays bf16), on torch_device if given. A step
+        sent by reference: the tensors the daemon wrote."""
+        if id in self._ipc_out:
+            resp = self.recv(id)
+            out, lse = self._ipc_out.pop(id)
+            return StepResult(out=out, lse=lse, timing=resp.timing, id=resp.id)
         resp, cut = self._recv_cut(id, True)
         sr = resp.step
         frame, spans = cut if cut is not None else (None, {})
@@ -770,20 +786,15 @@ class Client:
     def step(self, layer: int, q: Optional[npt.ArrayLike] = None,
              k: Optional[npt.ArrayLike] = None, v: Optional[npt.ArrayLike] = None,
              items: Optional[Sequence[Item]] = None, plan: int = 0, want_lse: bool = False,
-             fp32_out: bool = False) -> StepResult:
+             fp32_out: bool = False, out: Any = None, lse: Any = None) -> StepResult:
         """One blocking Step; see step_send(). torch tensors in: torch tensors out,
         on the device of the first of q, k, v given (bf16 stays bf16)."""
         t = next((x for x in (q, k, v) if x is not None and _is_torch(x)), None)
-        if t is not None and self.ipc.usable(q, k, v):
+        rid = _ipc.try_step_send(self, layer, q, k, v, items, plan, want_lse, fp32_out, out, lse)
+        if rid is not None:
             try:
-                rid, out, lse = _ipc.step_send(self, layer, q, k, v, items, plan, want_lse,
-                                               fp32_out)
-            except (errors.FailedPrecondition, _ipc.IpcUnavailable):
-                if self.ipc.mode is True:
-                    raise
-                self.ipc.off = True  # refused at registration: bytes from now on
-            else:
-                resp = self.recv(rid)
-                return StepResult(out=out, lse=lse, timing=resp.timing, id=resp.id)
-        rid = self.step_send(layer, q, k, v, items, plan, want_lse, fp32_out)
+                return self.step_recv(rid)
+            finally:
+                self._ipc_out.pop(rid, None)
+        rid = self._bytes_send(layer, q, k, v, items, plan, want_lse, fp32_out)
         return self.step_recv(rid, torch_device=t.device if t is not None else None)

@@ -36,7 +36,14 @@ reads them from the model's ``input_ids`` through a forward pre-hook, or sends z
 when the model is driven with ``inputs_embeds``.
 
 This module imports torch and transformers only when the adapter is used. The
-sessions-and-steps core (AttndRunner) is plain numpy, so it is tested without them.
+sessions-and-steps core (AttndRunner) takes numpy or torch tensors, so it is tested
+without them. The adapter hands the client torch tensors in the daemon's activation
+dtype (bf16 stays bf16, no numpy round trip, nothing walked in Python); with the
+model on the daemon's GPU and a client whose ipc mode allows it (``attnd.Client(...,
+ipc=True)``; "auto" does for large steps), each layer's q, k and v are copied into
+staging tensors of that layer, registered once (RegisterBuffer), and the daemon
+reads them and writes the output in place (same-host zero-copy): no tensor bytes
+on the socket.
 """
 
 import math
@@ -174,11 +181,13 @@ class AttndRunner:
     def sequences(self, prefix: bool = False, salt: bytes = b"") -> "_Sequences":
         return _Sequences(self, prefix, salt)
 
-    def step(self, seqs: "_Sequences", layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+    def step(self, seqs: "_Sequences", layer: int, q: Any, k: Any, v: Any,
              start: int, tokens: Sequence[Sequence[int]], mask: Optional["_client.Mask"] = None,
-             fp32_out: bool = False) -> np.ndarray:
-        """q [rows*n, q_heads, D], k and v [rows*n, kv_heads, D] (numpy, rows in order),
-        tokens: rows lists of n ids. Returns out [rows*n, q_heads, D] (numpy).
+             fp32_out: bool = False, out: Any = None) -> Any:
+        """q [rows*n, q_heads, D], k and v [rows*n, kv_heads, D] (numpy or torch, rows in
+        order), tokens: rows lists of n ids. Returns out [rows*n, q_heads, D] (numpy, or
+        torch for torch inputs). out: for torch CUDA inputs sent by reference, the tensor
+        the daemon writes (a reused staging tensor).
 
         Rows whose leading positions attnd already holds (a prefix-cache hit of a
         sequences(prefix=True)) send only the rest; their held rows' outputs are zeros,
@@ -190,9 +199,13 @@ class AttndRunner:
         end = start + n
         firsts = [seqs.held(r, start, tokens[r]) if mask is None else start for r in range(rows)]
         sel = None
+        is_torch = _client._is_torch(q)
         if any(f > start for f in firsts):
             sel = np.concatenate([np.arange(r * n + f - start, (r + 1) * n) for r, f in enumerate(firsts)])
+            if is_torch:
+                sel = _torch().as_tensor(sel, device=q.device)
             q, k, v = q[sel], k[sel], v[sel]
+            out = None  # fewer rows than the staging tensor's: the client allocates
         mask_key = None if mask is None else (mask.kind, mask.window, mask.prefix_len)
         key = (start, n, tuple(firsts), mask_key, tuple(tuple(t) for t in tokens))
         items = [_client.Item(sid, f, end - f, tokens=list(t[f - start:]), mask=mask)
@@ -202,7 +215,8 @@ class AttndRunner:
                 seqs.plan = (self.client.plan(items), key)
                 self.plans += 1
             try:
-                res = self.client.step(layer, q, k, v, plan=seqs.plan[0], fp32_out=fp32_out)
+                res = self.client.step(layer, q, k, v, plan=seqs.plan[0], fp32_out=fp32_out,
+                                       out=out)
                 break
             except errors.FailedPrecondition:
                 # The plan ended (too many live plans on this connection, or a
@@ -217,8 +231,13 @@ class AttndRunner:
         self.steps += 1
         out = res.out
         if sel is not None:
-            full = np.zeros((rows * n,) + out.shape[1:], dtype=out.dtype)
-            full[sel] = out
+            if is_torch:
+                full = _torch().zeros((rows * n,) + tuple(out.shape[1:]), dtype=out.dtype,
+                                      device=out.device)
+                full[sel.to(out.device)] = out
+            else:
+                full = np.zeros((rows * n,) + out.shape[1:], dtype=out.dtype)
+                full[sel] = out
             out = full
         return out
 
@@ -233,19 +252,19 @@ def _torch():
     return torch
 
 
-def _to_wire(t, dtype):
-    """A torch tensor -> numpy in the daemon's activation dtype (bf16 as uint16 bits)."""
+def _act(t, dtype):
+    """A torch tensor in the daemon's activation dtype, contiguous, on its device: the
+    client sends it as it is (or by reference), with no numpy round trip."""
     torch = _torch()
-    t = t.detach()
-    if dtype == "fp16":
-        return t.to(torch.float16).contiguous().cpu().numpy()
-    # torch rounds to nearest even, as attnd's own f32_to_bf16 does.
-    return t.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.detach().to(torch.float16 if dtype == "fp16" else torch.bfloat16).contiguous()
 
 
 def _from_wire(a, like):
-    """A step output (numpy: bf16 bits / ml_dtypes bf16, fp16 or fp32) -> torch, like `like`."""
+    """A step output (torch, or numpy: bf16 bits / ml_dtypes bf16, fp16 or fp32) -> torch,
+    like `like`."""
     torch = _torch()
+    if _client._is_torch(a):
+        return a.to(device=like.device, dtype=like.dtype)
     # A large output is a writable view of the received frame (the client's
     # _frames.py): used as it is. A small one views protobuf's read-only bytes,
     # and torch wants a writable array: copied.
@@ -323,6 +342,9 @@ class AttndAdapter:
         self._prev = {}
         self._scale_ok = set()
         self._sinks = {}  # layer -> (data_ptr, version) of the sinks last uploaded
+        # layer -> (q, k, v, out) staging tensors on the daemon's device, for steps by
+        # reference (same-host zero-copy): registered once, reused every forward.
+        self._staging = {}
         register(name)
 
     # -- models --
@@ -550,11 +572,52 @@ class AttndAdapter:
             mask = _client.Mask.sliding_window(int(sliding_window))
         tokens = self._row_tokens(b, n)
         dt = self.shape.dtype
-        q = _to_wire(query.transpose(1, 2).reshape(b * n, hq, d), dt)
-        k = _to_wire(key.transpose(1, 2).reshape(b * n, hkv, d), dt)
-        v = _to_wire(value.transpose(1, 2).reshape(b * n, hkv, d), dt)
         fp32 = self.fp32_out if self.fp32_out is not None else query.dtype == _torch().float32
-        return self.runner.step(seqs, layer, q, k, v, start, tokens, mask, fp32_out=fp32)
+        staged = self._stage(layer, query, key, value, fp32) if query.is_cuda else None
+        if staged is not None:
+            q, k, v, out = staged
+        else:
+            q = _act(query.transpose(1, 2).reshape(b * n, hq, d), dt)
+            k = _act(key.transpose(1, 2).reshape(b * n, hkv, d), dt)
+            v = _act(value.transpose(1, 2).reshape(b * n, hkv, d), dt)
+            out = None
+        return self.runner.step(seqs, layer, q, k, v, start, tokens, mask, fp32_out=fp32, out=out)
+
+    def _stage(self, layer, query, key, value, fp32):
+        """Same-host zero-copy: the layer's q, k and v copied (one kernel each, the
+        transpose and the cast included) into its staging tensors, and the staging
+        output the daemon writes, as (q, k, v, out) views of rows*n rows; None when
+        the client sends this step as bytes."""
+        torch = _torch()
+        c = self.client
+        b, hq, n, d = query.shape
+        hkv = key.shape[1]
+        rows = b * n
+        act = torch.float16 if self.shape.dtype == "fp16" else torch.bfloat16
+        odt = torch.float32 if fp32 else act
+        if not c.ipc.would_use(query.device, 2 * rows * (hq + 2 * hkv) * d):
+            return None
+        st = self._staging.get(layer)
+        if st is None or st[0].shape[0] < rows or st[0].device != query.device or st[3].dtype != odt:
+            dev = query.device
+            new = (torch.empty((rows, hq, d), dtype=act, device=dev),
+                   torch.empty((rows, hkv, d), dtype=act, device=dev),
+                   torch.empty((rows, hkv, d), dtype=act, device=dev),
+                   torch.empty((rows, hq, d), dtype=odt, device=dev))
+            if not c.ipc.usable(*new[:3]):
+                return None
+            for t in st or ():
+                c.ipc.unkeep(t)
+            for t in new:
+                c.ipc.keep(t)
+            self._staging[layer] = st = new
+        elif not c.ipc.usable(st[0][:rows], st[1][:rows], st[2][:rows]):
+            return None
+        q, k, v, out = (t[:rows] for t in st)
+        q.view(b, n, hq, d).copy_(query.transpose(1, 2))
+        k.view(b, n, hkv, d).copy_(key.transpose(1, 2))
+        v.view(b, n, hkv, d).copy_(value.transpose(1, 2))
+        return q, k, v, out
 
 
 # ---- transformers' Cache, holding nothing but counts ----

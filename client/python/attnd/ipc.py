@@ -111,10 +111,11 @@ class IpcState:
     such step, and a refusal raises), False (never).
     """
 
-    # Below this, a step's bytes cost less to send than the daemon's device check of
-    # refs costs (an H200, 8B shape: a 1-session decode layer step took 376 us by
-    # reference and 152 us as bytes; 16 sessions, 131 KB of q, were even), so "auto"
-    # sends them; large steps (prefills) go by reference.
+    # Below this "auto" sends bytes, large steps (prefills) go by reference. Set
+    # when the daemon's device check of refs was a thread hop and a blocking sync
+    # (an H200, 8B shape: a 1-session decode layer step took 376 us by reference
+    # and 152 us as bytes; 16 sessions, 131 KB of q, were even); the check is now a
+    # device job completed like a step: lower it once bench_e2e's ipc rows say so.
     AUTO_MIN_BYTES = 1 << 20
 
     def __init__(self, client: Any, mode: Any) -> None:
@@ -123,6 +124,11 @@ class IpcState:
         self.off = mode is False
         self._uuid: Optional[str] = None  # the daemon's device
         self._bufs: Dict[bytes, Tuple[int, int]] = {}  # handle -> (buffer id, size)
+        # data_ptr -> (tensor, buffer id, allocation base, bytes) of tensors kept
+        # (keep()): refs of them, or of views starting where they start, need no
+        # driver call. Holding the tensor keeps its memory, so the mapping holds.
+        self._kept: Dict[int, Tuple[Any, int, int, int]] = {}
+        self._uuids: Dict[Any, str] = {}  # torch device -> its UUID
         self._lock = threading.Lock()
 
     def _daemon_uuid(self) -> str:
@@ -135,9 +141,6 @@ class IpcState:
         if self.off or not self.client.local:
             return False
         ts = [t for t in tensors if t is not None]
-        if self.mode == "auto" and sum(t.numel() * t.element_size() for t in ts
-                                       if _is_cuda_tensor(t)) < self.AUTO_MIN_BYTES:
-            return False
         # Contiguous, and at the 256-byte offsets refs need (an allocation's start
         # is aligned further, so the address tells); anything else goes as bytes.
         if not ts or not all(_is_cuda_tensor(t) and t.is_contiguous() and t.data_ptr() % 256 == 0
@@ -151,9 +154,18 @@ class IpcState:
         dev = ts[0].device
         if any(t.device != dev for t in ts):
             return False
+        return self.would_use(dev, sum(t.numel() * t.element_size() for t in ts))
+
+    def would_use(self, dev: Any, nbytes: int) -> bool:
+        """Whether a step of nbytes of q, k and v on torch device dev would go by
+        reference (given tensors that allow it: see usable())."""
+        if self.off or not self.client.local:
+            return False
+        if self.mode == "auto" and nbytes < self.AUTO_MIN_BYTES:
+            return False
         theirs = self._daemon_uuid()
         try:
-            ours = device_uuid(dev)
+            ours = self._uuids.get(dev) or self._uuids.setdefault(dev, device_uuid(dev))
         except IpcUnavailable:
             if self.mode is True:
                 raise
@@ -170,12 +182,16 @@ class IpcState:
     def ref(self, t: Any, out: Any) -> None:
         """Fills the TensorRef out for the contiguous torch CUDA tensor t (registering
         its allocation on first use)."""
-        import torch
-
         if not t.is_contiguous():
             raise ValueError("zero-copy needs contiguous tensors")
         ptr = t.data_ptr()
         nbytes = t.numel() * t.element_size()
+        kept = self._kept.get(ptr)
+        if kept is not None and nbytes <= kept[3]:
+            out.buffer = kept[1]
+            out.offset = ptr - kept[2]
+            self._fill_meta(t, out)
+            return
         base, size, handle = _Driver.allocation(ptr)
         if ptr - base + nbytes > size:
             raise ValueError("tensor extends past its allocation")
@@ -188,6 +204,30 @@ class IpcState:
             have = (buf, size)
         out.buffer = have[0]
         out.offset = ptr - base
+        self._fill_meta(t, out)
+
+    def keep(self, t: Any) -> None:
+        """Registers the allocation of the contiguous torch CUDA tensor t now and
+        remembers where t lies in it, for as long as this connection lives: later refs
+        of t (or of a view starting at t's first element, e.g. t[:rows]) cost no
+        driver call. For staging tensors that are reused step after step."""
+        from . import client as _c
+
+        m = _c.pb.TensorRef()
+        self.ref(t, m)
+        with self._lock:
+            self._kept[t.data_ptr()] = (t, int(m.buffer), t.data_ptr() - int(m.offset),
+                                        t.numel() * t.element_size())
+
+    def unkeep(self, t: Any) -> None:
+        """Forgets a tensor keep() remembered (its allocation stays registered)."""
+        with self._lock:
+            self._kept.pop(t.data_ptr(), None)
+
+    @staticmethod
+    def _fill_meta(t: Any, out: Any) -> None:
+        import torch
+
         dts = {torch.bfloat16: _pb().DTYPE_BF16, torch.float16: _pb().DTYPE_FP16,
                torch.float32: _pb().DTYPE_FP32}
         if t.dtype not in dts:
@@ -200,6 +240,7 @@ class IpcState:
         with self._lock:
             bufs = [b for b, _ in self._bufs.values()]
             self._bufs.clear()
+            self._kept.clear()
         for b in bufs:
             try:
                 self.client.release_buffer(b)
@@ -254,3 +295,25 @@ def step_send(client: Any, layer: int, q: Any, k: Any, v: Any, items: Any, plan:
     # The daemon reads q, k and v as soon as the step arrives: they must be written.
     torch.cuda.current_stream(dev).synchronize()
     return client.send(req), out, lse
+
+
+def try_step_send(client: Any, layer: int, q: Any, k: Any, v: Any, items: Any, plan: int,
+                  want_lse: bool, fp32_out: bool, out: Any = None, lse: Any = None) -> Optional[int]:
+    """The Step by reference when its torch tensors and the client's ipc mode allow it
+    (step_send), its out and lse kept for step_recv; its request id, or None: the
+    caller sends bytes. A registration refused with FAILED_PRECONDITION (or a
+    process that cannot share memory) turns "auto" off for good; with ipc=True it
+    raises."""
+    if not any(x is not None and _is_cuda_tensor(x) for x in (q, k, v)) or \
+            not client.ipc.usable(q, k, v):
+        return None
+    try:
+        rid, o, l = step_send(client, layer, q, k, v, items, plan, want_lse, fp32_out,
+                              out=out, lse=lse)
+    except (errors.FailedPrecondition, IpcUnavailable):
+        if client.ipc.mode is True:
+            raise
+        client.ipc.off = True  # refused at registration: bytes from now on
+        return None
+    client._ipc_out[rid] = (o, l)
+    return rid
