@@ -22,6 +22,8 @@
 //   bulkrows  the same, every lane one bulk copy of one row (16 K + 16 V
 //             rows) into rows padded by 64 bytes (what a bank-conflict-free
 //             layout would cost the copy engine);
+//   cpa_rot   cpasync with each CTA's chunks from a CTA-dependent start,
+//             wrapping (the decode kernel's launch option debug 1024);
 //   ring16 / ring64  a producer warp (one lane) fills a CTA-wide ring of NS
 //             stages (mbarrier full / empty) with 16 or 64 keys of one
 //             (item, kv head) per stage (K and V, two bulk copies; 64 keys
@@ -34,10 +36,15 @@
 // 64 (int4 d128); B64 ctx4096, 8 kv heads, block 64. The read roof is measured
 // in the same run (a flat 4 GiB read, best of a few launch shapes).
 //
+// Block tables: random (the whole matrix), then bench_common.cu's strided
+// permutation and contiguous blocks per item (the decode kernel's
+// configurations only).
+//
 // Output: one line per configuration (mode, RB, CTAs/SM, stages, us, GB/s,
-// % of the read roof, check), then the best per (mode, RB); JSON lines to
-// argv[1] if given.
+// % of the read roof, check, table), then the best per (mode, RB) on the
+// random table; JSON lines to argv[1] if given.
 #include <algorithm>
+#include <numeric>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -131,7 +138,7 @@ __device__ __forceinline__ void finish(const Lay &L, uint32_t acc) {
 }
 
 // ---- per-warp private stages: cp.async (mode 0, 1) or bulk copies (2, 3) -------
-// mode 0 cpasync, 1 cpa_touch, 2 bulkwarp, 3 bulkrows.
+// mode 0 cpasync, 1 cpa_touch, 2 bulkwarp, 3 bulkrows, 4 cpa_rot.
 template <int NS>
 __global__ void __launch_bounds__(128) k_warp(Lay L, int mode) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -144,16 +151,24 @@ __global__ void __launch_bounds__(128) k_warp(Lay L, int mode) {
   const uint32_t sm = smem_u32(my);
   const int C = gridDim.x, u0 = (int)((long long)blockIdx.x * L.W / C), u1 = (int)((long long)(blockIdx.x + 1) * L.W / C);
   const int cnt = u1 - u0 > warp ? (u1 - u0 - 1 - warp) / kWarps + 1 : 0;
-  const bool bulk = mode >= 2;
+  const bool bulk = mode == 2 || mode == 3;
   if (bulk && lane < NS)
     mbar_init(smem_u32(&bars[warp][lane]), 1);
   if (bulk)
     mbar_init_fence();
   __syncwarp();
+  // mode 4: cpasync with the CTA's chunks from a CTA-dependent start, wrapping
+  // (the decode kernel's launch option debug 1024).
+  const int span = u1 - u0;
+  const int rot = mode == 4 && span > 1 ? (int)(((blockIdx.x * 0x9E3779B1u) >> 8) % (unsigned)span) : 0;
+  auto chunk_of = [&](int n) {
+    int c = warp + kWarps * n + rot;
+    return u0 + (c >= span ? c - span : c);
+  };
   auto issue = [&](int n, int s) {
-    const uint8_t *k = chunk_src(L, u0 + warp + kWarps * n, kKeys);
+    const uint8_t *k = chunk_src(L, chunk_of(n), kKeys);
     const uint32_t dst = sm + s * stage_bytes;
-    if (mode <= 1) {
+    if (mode <= 1 || mode == 4) {
       for (int o = lane * 16; o < CB; o += 512) {
         cp16(dst + o, k + o);
         cp16(dst + CB + o, k + L.vreg + o);
@@ -346,7 +361,7 @@ template <class F> float median_us(F fn, int warm, int iters) {
   return ts[ts.size() / 2];
 }
 
-const char *kModes[] = {"cpasync", "cpa_touch", "bulkwarp", "bulkrows", "ring16", "ring64", "ldg"};
+const char *kModes[] = {"cpasync", "cpa_touch", "bulkwarp", "bulkrows", "cpa_rot", "ring16", "ring64", "ldg"};
 
 struct Res {
   std::string mode;
@@ -391,6 +406,12 @@ int main(int argc, char **argv) {
     fprintf(js, "{\"row\": \"roof\", \"GBps\": %.1f}\n", roof);
   const int B = 64, ctx = 4096, KVH = 8, BS = 64;
   std::vector<Res> all;
+  // Block tables: 0 a random permutation of the pool, 1 bench_common.cu's
+  // strided permutation (logical block l -> l * 7919 mod blocks: the blocks
+  // that the items read at one moment are congruent mod 64), 2 contiguous
+  // per item. The whole matrix on 0, the decode kernel's configurations on 1, 2.
+  const char *tname[] = {"random", "strided", "contig"};
+  for (int table = 0; table < 3; table++)
   for (int rb : {256, 128, 64}) {
     const int nb = ctx / BS, nblk = B * nb;
     const size_t vreg = (size_t)KVH * BS * rb, bbytes = 2 * vreg, bytes = bbytes * nblk;
@@ -403,8 +424,16 @@ int main(int argc, char **argv) {
     for (int i = 0; i < nblk; i++)
       h[i] = i;
     srand(rb);
-    for (int i = nblk - 1; i > 0; i--)
-      std::swap(h[i], h[rand() % (i + 1)]);
+    if (table == 0)
+      for (int i = nblk - 1; i > 0; i--)
+        std::swap(h[i], h[rand() % (i + 1)]);
+    if (table == 1) {
+      size_t st = 7919;
+      while (std::gcd(st, (size_t)nblk) != 1)
+        st++;
+      for (int i = 0; i < nblk; i++)
+        h[i] = (int32_t)((i * st) % nblk);
+    }
     CK(cudaMemcpy(bt, h.data(), nblk * 4, cudaMemcpyHostToDevice));
     CK(cudaMemset(xr, 0, 4));
     xor_all<1><<<sms * 8, 256>>>((const uint4 *)cache, bytes / 16, xr);
@@ -420,22 +449,28 @@ int main(int argc, char **argv) {
       const bool ok = strcmp(mode, "cpa_touch") == 0 || got == want;
       const float us = median_us(launch, 2, 7);
       const double gbps = bytes / (us * 1e-6) / 1e9;
-      printf("%-9s RB %3d  %d CTA/SM  %d stages/inflight  %8.1f us  %6.0f GB/s  %5.1f%%  %s\n", mode, rb, per_sm,
-             ns, us, gbps, 100 * gbps / roof, ok ? "ok" : "MISMATCH");
+      printf("%-9s RB %3d  %d CTA/SM  %d stages/inflight  %8.1f us  %6.0f GB/s  %5.1f%%  %s  %s\n", mode, rb, per_sm,
+             ns, us, gbps, 100 * gbps / roof, ok ? "ok" : "MISMATCH", tname[table]);
       if (js)
         fprintf(js,
                 "{\"row\": \"load\", \"mode\": \"%s\", \"rb\": %d, \"per_sm\": %d, \"ns\": %d, \"us\": %.2f, "
-                "\"GBps\": %.1f, \"pct\": %.2f, \"ok\": %d}\n",
-                mode, rb, per_sm, ns, us, gbps, 100 * gbps / roof, ok);
-      if (ok)
+                "\"GBps\": %.1f, \"pct\": %.2f, \"ok\": %d, \"table\": \"%s\"}\n",
+                mode, rb, per_sm, ns, us, gbps, 100 * gbps / roof, ok, tname[table]);
+      if (ok && table == 0)
         all.push_back({mode, rb, per_sm, ns, us, gbps});
     };
     for (int per_sm = 1; per_sm <= 4; per_sm++) {
+      if (table > 0 && per_sm != (rb == 256 ? 2 : 4))
+        continue; // the decode kernel's CTAs per SM for these row sizes
       const size_t avail = 233472 / per_sm - 1024 - 1024; // static mbarriers and slack
       const dim3 grid(sms * per_sm);
       // Per-warp private stages.
-      for (int mode = 0; mode < 4; mode++)
+      for (int mode = 0; mode < 5; mode++)
         for (int ns : {2, 3, 4, 6, 8}) {
+          if (table > 0 && ((mode > 1 && mode != 4) || ns > 3))
+            continue;
+          if (table == 0 && mode == 4 && ns > 3)
+            continue;
           const int pitch = mode == 3 ? rb + 64 : rb;
           const size_t need = (size_t)kWarps * ns * 2 * kKeys * pitch;
           auto go = [&](auto kern) {
@@ -454,6 +489,8 @@ int main(int argc, char **argv) {
       // CTA ring: 16 or 64 keys per stage.
       for (int sk : {16, 64})
         for (int ns : {2, 3, 4, 6, 8}) {
+          if (table > 0 && (sk == 16 || ns != 3))
+            continue;
           const size_t need = (size_t)ns * 2 * sk * rb;
           auto go = [&](auto kern) {
             if (need > avail || !fits(kern, 160, avail, per_sm))
@@ -470,6 +507,8 @@ int main(int argc, char **argv) {
         }
       // Registers.
       // (ns column: 16-byte loads in flight per lane.)
+      if (table > 0)
+        continue;
       auto go = [&](auto kern, int inflight) {
         if (fits(kern, 128, avail, per_sm))
           run("ldg", per_sm, inflight, [&] { kern<<<grid, 128, avail>>>(L); });
