@@ -99,7 +99,9 @@ __device__ __forceinline__ const uint8_t *chunk_src(const Lay &L, int u, int key
 __device__ __forceinline__ void cp16(uint32_t dst, const void *src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
 template <int N> __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
@@ -110,7 +112,9 @@ __device__ __forceinline__ uint4 ldg_nc(const void *p) {
                : "l"(p));
   return v;
 }
-__device__ __forceinline__ uint32_t x4(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
+__device__ __forceinline__ uint32_t x4(uint4 v) {
+  return v.x ^ v.y ^ v.z ^ v.w;
+}
 
 // XOR of n bytes of shared memory at s, lane-strided 16-byte reads.
 __device__ __forceinline__ uint32_t xor_smem(const uint8_t *s, int n, int lane) {
@@ -139,17 +143,17 @@ __device__ __forceinline__ void finish(const Lay &L, uint32_t acc) {
 
 // ---- per-warp private stages: cp.async (mode 0, 1) or bulk copies (2, 3) -------
 // mode 0 cpasync, 1 cpa_touch, 2 bulkwarp, 3 bulkrows, 4 cpa_rot.
-template <int NS>
-__global__ void __launch_bounds__(128) k_warp(Lay L, int mode) {
+template <int NS> __global__ void __launch_bounds__(128) k_warp(Lay L, int mode) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ __align__(8) uint64_t bars[kWarps][NS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int RB = L.rb, CB = kKeys * RB;                 // chunk bytes, K or V
-  const int pitch = mode == 3 ? RB + 64 : RB;           // padded rows for bulkrows
+  const int RB = L.rb, CB = kKeys * RB;       // chunk bytes, K or V
+  const int pitch = mode == 3 ? RB + 64 : RB; // padded rows for bulkrows
   const int stage_bytes = 2 * kKeys * pitch;
   uint8_t *my = smem + (size_t)warp * NS * stage_bytes;
   const uint32_t sm = smem_u32(my);
-  const int C = gridDim.x, u0 = (int)((long long)blockIdx.x * L.W / C), u1 = (int)((long long)(blockIdx.x + 1) * L.W / C);
+  const int C = gridDim.x, u0 = (int)((long long)blockIdx.x * L.W / C),
+            u1 = (int)((long long)(blockIdx.x + 1) * L.W / C);
   const int cnt = u1 - u0 > warp ? (u1 - u0 - 1 - warp) / kWarps + 1 : 0;
   const bool bulk = mode == 2 || mode == 3;
   if (bulk && lane < NS)
@@ -160,7 +164,8 @@ __global__ void __launch_bounds__(128) k_warp(Lay L, int mode) {
   // mode 4: cpasync with the CTA's chunks from a CTA-dependent start, wrapping
   // (the decode kernel's launch option debug 1024).
   const int span = u1 - u0;
-  const int rot = mode == 4 && span > 1 ? (int)(((blockIdx.x * 0x9E3779B1u) >> 8) % (unsigned)span) : 0;
+  const int rot =
+      mode == 4 && span > 1 ? (int)(((blockIdx.x * 0x9E3779B1u) >> 8) % (unsigned)span) : 0;
   auto chunk_of = [&](int n) {
     int c = warp + kWarps * n + rot;
     return u0 + (c >= span ? c - span : c);
@@ -231,8 +236,7 @@ __global__ void __launch_bounds__(128) k_warp(Lay L, int mode) {
 
 // ---- CTA ring: a producer warp, 4 consumer warps (modes 4, 5, 6) ---------------
 // A stage holds SK keys of one (item, kv head): K rows, then V rows.
-template <int NS>
-__global__ void __launch_bounds__(160) k_ring(Lay L, int sk) {
+template <int NS> __global__ void __launch_bounds__(160) k_ring(Lay L, int sk) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ __align__(8) uint64_t full[NS], empty[NS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -281,11 +285,11 @@ __global__ void __launch_bounds__(160) k_ring(Lay L, int sk) {
 }
 
 // ---- registers: ld.global.nc.v4, U chunks (U RB / 16 loads) in flight per lane -
-template <int RB, int U>
-__global__ void __launch_bounds__(128) k_ldg(Lay L) {
+template <int RB, int U> __global__ void __launch_bounds__(128) k_ldg(Lay L) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr int PER = RB / 16, HALF = PER / 2; // 16-byte loads per lane per chunk (K, then V)
-  const int C = gridDim.x, u0 = (int)((long long)blockIdx.x * L.W / C), u1 = (int)((long long)(blockIdx.x + 1) * L.W / C);
+  const int C = gridDim.x, u0 = (int)((long long)blockIdx.x * L.W / C),
+            u1 = (int)((long long)(blockIdx.x + 1) * L.W / C);
   const int cnt = u1 - u0 > warp ? (u1 - u0 - 1 - warp) / kWarps + 1 : 0;
   uint32_t acc = 0;
   for (int n = 0; n < cnt; n += U) {
@@ -296,7 +300,8 @@ __global__ void __launch_bounds__(128) k_ldg(Lay L) {
       const uint8_t *src = chunk_src(L, u0 + warp + kWarps * (ok ? n + k : n), kKeys) + lane * 16;
 #pragma unroll
       for (int p = 0; p < PER; p++)
-        v[k][p] = ok ? ldg_nc(src + (p < HALF ? 0 : L.vreg) + (p % HALF) * 512) : make_uint4(0, 0, 0, 0);
+        v[k][p] =
+            ok ? ldg_nc(src + (p < HALF ? 0 : L.vreg) + (p % HALF) * 512) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int k = 0; k < U; k++)
@@ -308,7 +313,8 @@ __global__ void __launch_bounds__(128) k_ldg(Lay L) {
 }
 
 __global__ void fill(uint32_t *p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
     uint32_t x = (uint32_t)i * 2654435761u ^ seed;
     x ^= x >> 15;
     x *= 2246822519u;
@@ -361,7 +367,8 @@ template <class F> float median_us(F fn, int warm, int iters) {
   return ts[ts.size() / 2];
 }
 
-const char *kModes[] = {"cpasync", "cpa_touch", "bulkwarp", "bulkrows", "cpa_rot", "ring16", "ring64", "ldg"};
+const char *kModes[] = {"cpasync", "cpa_touch", "bulkwarp", "bulkrows",
+                        "cpa_rot", "ring16",    "ring64",   "ldg"};
 
 struct Res {
   std::string mode;
@@ -395,8 +402,10 @@ int main(int argc, char **argv) {
     CK(cudaMalloc(&buf, n));
     fill<<<sms * 8, 256>>>((uint32_t *)buf, n / 4, 7);
     for (int per : {4, 8}) {
-      const float a = median_us([&] { xor_all<4><<<sms * per, 256>>>((const uint4 *)buf, n / 16, xr); }, 2, 10);
-      const float b = median_us([&] { xor_all<8><<<sms * per, 256>>>((const uint4 *)buf, n / 16, xr); }, 2, 10);
+      const float a =
+          median_us([&] { xor_all<4><<<sms * per, 256>>>((const uint4 *)buf, n / 16, xr); }, 2, 10);
+      const float b =
+          median_us([&] { xor_all<8><<<sms * per, 256>>>((const uint4 *)buf, n / 16, xr); }, 2, 10);
       roof = std::max(roof, n / (std::min(a, b) * 1e-6) / 1e9);
     }
     CK(cudaFree(buf));
@@ -412,123 +421,149 @@ int main(int argc, char **argv) {
   // per item. The whole matrix on 0, the decode kernel's configurations on 1, 2.
   const char *tname[] = {"random", "strided", "contig"};
   for (int table = 0; table < 3; table++)
-  for (int rb : {256, 128, 64}) {
-    const int nb = ctx / BS, nblk = B * nb;
-    const size_t vreg = (size_t)KVH * BS * rb, bbytes = 2 * vreg, bytes = bbytes * nblk;
-    uint8_t *cache;
-    int32_t *bt;
-    CK(cudaMalloc(&cache, bytes));
-    CK(cudaMalloc(&bt, nblk * 4));
-    fill<<<sms * 8, 256>>>((uint32_t *)cache, bytes / 4, 1234 + rb);
-    std::vector<int32_t> h(nblk);
-    for (int i = 0; i < nblk; i++)
-      h[i] = i;
-    srand(rb);
-    if (table == 0)
-      for (int i = nblk - 1; i > 0; i--)
-        std::swap(h[i], h[rand() % (i + 1)]);
-    if (table == 1) {
-      size_t st = 7919;
-      while (std::gcd(st, (size_t)nblk) != 1)
-        st++;
+    for (int rb : {256, 128, 64}) {
+      const int nb = ctx / BS, nblk = B * nb;
+      const size_t vreg = (size_t)KVH * BS * rb, bbytes = 2 * vreg, bytes = bbytes * nblk;
+      uint8_t *cache;
+      int32_t *bt;
+      CK(cudaMalloc(&cache, bytes));
+      CK(cudaMalloc(&bt, nblk * 4));
+      fill<<<sms * 8, 256>>>((uint32_t *)cache, bytes / 4, 1234 + rb);
+      std::vector<int32_t> h(nblk);
       for (int i = 0; i < nblk; i++)
-        h[i] = (int32_t)((i * st) % nblk);
-    }
-    CK(cudaMemcpy(bt, h.data(), nblk * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemset(xr, 0, 4));
-    xor_all<1><<<sms * 8, 256>>>((const uint4 *)cache, bytes / 16, xr);
-    unsigned want;
-    CK(cudaMemcpy(&want, xr, 4, cudaMemcpyDeviceToHost));
-    Lay L{cache, bt, B, nb, KVH, BS, 6, rb, vreg, bbytes, (long long)B * KVH * (ctx / kKeys), ctx / kKeys, xr};
-    auto run = [&](const char *mode, int per_sm, int ns, auto launch) {
-      CK(cudaMemset(xr, 0, 4));
-      launch();
-      CK(cudaGetLastError());
-      unsigned got;
-      CK(cudaMemcpy(&got, xr, 4, cudaMemcpyDeviceToHost));
-      const bool ok = strcmp(mode, "cpa_touch") == 0 || got == want;
-      const float us = median_us(launch, 2, 7);
-      const double gbps = bytes / (us * 1e-6) / 1e9;
-      printf("%-9s RB %3d  %d CTA/SM  %d stages/inflight  %8.1f us  %6.0f GB/s  %5.1f%%  %s  %s\n", mode, rb, per_sm,
-             ns, us, gbps, 100 * gbps / roof, ok ? "ok" : "MISMATCH", tname[table]);
-      if (js)
-        fprintf(js,
-                "{\"row\": \"load\", \"mode\": \"%s\", \"rb\": %d, \"per_sm\": %d, \"ns\": %d, \"us\": %.2f, "
-                "\"GBps\": %.1f, \"pct\": %.2f, \"ok\": %d, \"table\": \"%s\"}\n",
-                mode, rb, per_sm, ns, us, gbps, 100 * gbps / roof, ok, tname[table]);
-      if (ok && table == 0)
-        all.push_back({mode, rb, per_sm, ns, us, gbps});
-    };
-    for (int per_sm = 1; per_sm <= 4; per_sm++) {
-      if (table > 0 && per_sm != (rb == 256 ? 2 : 4))
-        continue; // the decode kernel's CTAs per SM for these row sizes
-      const size_t avail = 233472 / per_sm - 1024 - 1024; // static mbarriers and slack
-      const dim3 grid(sms * per_sm);
-      // Per-warp private stages.
-      for (int mode = 0; mode < 5; mode++)
-        for (int ns : {2, 3, 4, 6, 8}) {
-          if (table > 0 && ((mode > 1 && mode != 4) || ns > 3))
-            continue;
-          if (table == 0 && mode == 4 && ns > 3)
-            continue;
-          const int pitch = mode == 3 ? rb + 64 : rb;
-          const size_t need = (size_t)kWarps * ns * 2 * kKeys * pitch;
-          auto go = [&](auto kern) {
-            if (need > avail || !fits(kern, 128, avail, per_sm))
-              return;
-            run(kModes[mode], per_sm, ns, [&] { kern<<<grid, 128, avail>>>(L, mode); });
-          };
-          switch (ns) {
-          case 2: go(k_warp<2>); break;
-          case 3: go(k_warp<3>); break;
-          case 4: go(k_warp<4>); break;
-          case 6: go(k_warp<6>); break;
-          default: go(k_warp<8>); break;
-          }
-        }
-      // CTA ring: 16 or 64 keys per stage.
-      for (int sk : {16, 64})
-        for (int ns : {2, 3, 4, 6, 8}) {
-          if (table > 0 && (sk == 16 || ns != 3))
-            continue;
-          const size_t need = (size_t)ns * 2 * sk * rb;
-          auto go = [&](auto kern) {
-            if (need > avail || !fits(kern, 160, avail, per_sm))
-              return;
-            run(sk == 16 ? "ring16" : "ring64", per_sm, ns, [&] { kern<<<grid, 160, avail>>>(L, sk); });
-          };
-          switch (ns) {
-          case 2: go(k_ring<2>); break;
-          case 3: go(k_ring<3>); break;
-          case 4: go(k_ring<4>); break;
-          case 6: go(k_ring<6>); break;
-          default: go(k_ring<8>); break;
-          }
-        }
-      // Registers.
-      // (ns column: 16-byte loads in flight per lane.)
-      if (table > 0)
-        continue;
-      auto go = [&](auto kern, int inflight) {
-        if (fits(kern, 128, avail, per_sm))
-          run("ldg", per_sm, inflight, [&] { kern<<<grid, 128, avail>>>(L); });
-      };
-      if (rb == 256) {
-        go(k_ldg<256, 1>, 16);
-        go(k_ldg<256, 2>, 32);
-      } else if (rb == 128) {
-        go(k_ldg<128, 1>, 8);
-        go(k_ldg<128, 2>, 16);
-        go(k_ldg<128, 4>, 32);
-      } else {
-        go(k_ldg<64, 1>, 4);
-        go(k_ldg<64, 2>, 8);
-        go(k_ldg<64, 4>, 16);
+        h[i] = i;
+      srand(rb);
+      if (table == 0)
+        for (int i = nblk - 1; i > 0; i--)
+          std::swap(h[i], h[rand() % (i + 1)]);
+      if (table == 1) {
+        size_t st = 7919;
+        while (std::gcd(st, (size_t)nblk) != 1)
+          st++;
+        for (int i = 0; i < nblk; i++)
+          h[i] = (int32_t)((i * st) % nblk);
       }
+      CK(cudaMemcpy(bt, h.data(), nblk * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemset(xr, 0, 4));
+      xor_all<1><<<sms * 8, 256>>>((const uint4 *)cache, bytes / 16, xr);
+      unsigned want;
+      CK(cudaMemcpy(&want, xr, 4, cudaMemcpyDeviceToHost));
+      Lay L{
+          cache,       bt, B, nb, KVH, BS, 6, rb, vreg, bbytes, (long long)B * KVH * (ctx / kKeys),
+          ctx / kKeys, xr};
+      auto run = [&](const char *mode, int per_sm, int ns, auto launch) {
+        CK(cudaMemset(xr, 0, 4));
+        launch();
+        CK(cudaGetLastError());
+        unsigned got;
+        CK(cudaMemcpy(&got, xr, 4, cudaMemcpyDeviceToHost));
+        const bool ok = strcmp(mode, "cpa_touch") == 0 || got == want;
+        const float us = median_us(launch, 2, 7);
+        const double gbps = bytes / (us * 1e-6) / 1e9;
+        printf(
+            "%-9s RB %3d  %d CTA/SM  %d stages/inflight  %8.1f us  %6.0f GB/s  %5.1f%%  %s  %s\n",
+            mode, rb, per_sm, ns, us, gbps, 100 * gbps / roof, ok ? "ok" : "MISMATCH",
+            tname[table]);
+        if (js)
+          fprintf(js,
+                  "{\"row\": \"load\", \"mode\": \"%s\", \"rb\": %d, \"per_sm\": %d, \"ns\": %d, "
+                  "\"us\": %.2f, "
+                  "\"GBps\": %.1f, \"pct\": %.2f, \"ok\": %d, \"table\": \"%s\"}\n",
+                  mode, rb, per_sm, ns, us, gbps, 100 * gbps / roof, ok, tname[table]);
+        if (ok && table == 0)
+          all.push_back({mode, rb, per_sm, ns, us, gbps});
+      };
+      for (int per_sm = 1; per_sm <= 4; per_sm++) {
+        if (table > 0 && per_sm != (rb == 256 ? 2 : 4))
+          continue; // the decode kernel's CTAs per SM for these row sizes
+        const size_t avail = 233472 / per_sm - 1024 - 1024; // static mbarriers and slack
+        const dim3 grid(sms * per_sm);
+        // Per-warp private stages.
+        for (int mode = 0; mode < 5; mode++)
+          for (int ns : {2, 3, 4, 6, 8}) {
+            if (table > 0 && ((mode > 1 && mode != 4) || ns > 3))
+              continue;
+            if (table == 0 && mode == 4 && ns > 3)
+              continue;
+            const int pitch = mode == 3 ? rb + 64 : rb;
+            const size_t need = (size_t)kWarps * ns * 2 * kKeys * pitch;
+            auto go = [&](auto kern) {
+              if (need > avail || !fits(kern, 128, avail, per_sm))
+                return;
+              run(kModes[mode], per_sm, ns, [&] { kern<<<grid, 128, avail>>>(L, mode); });
+            };
+            switch (ns) {
+            case 2:
+              go(k_warp<2>);
+              break;
+            case 3:
+              go(k_warp<3>);
+              break;
+            case 4:
+              go(k_warp<4>);
+              break;
+            case 6:
+              go(k_warp<6>);
+              break;
+            default:
+              go(k_warp<8>);
+              break;
+            }
+          }
+        // CTA ring: 16 or 64 keys per stage.
+        for (int sk : {16, 64})
+          for (int ns : {2, 3, 4, 6, 8}) {
+            if (table > 0 && (sk == 16 || ns != 3))
+              continue;
+            const size_t need = (size_t)ns * 2 * sk * rb;
+            auto go = [&](auto kern) {
+              if (need > avail || !fits(kern, 160, avail, per_sm))
+                return;
+              run(sk == 16 ? "ring16" : "ring64", per_sm, ns,
+                  [&] { kern<<<grid, 160, avail>>>(L, sk); });
+            };
+            switch (ns) {
+            case 2:
+              go(k_ring<2>);
+              break;
+            case 3:
+              go(k_ring<3>);
+              break;
+            case 4:
+              go(k_ring<4>);
+              break;
+            case 6:
+              go(k_ring<6>);
+              break;
+            default:
+              go(k_ring<8>);
+              break;
+            }
+          }
+        // Registers.
+        // (ns column: 16-byte loads in flight per lane.)
+        if (table > 0)
+          continue;
+        auto go = [&](auto kern, int inflight) {
+          if (fits(kern, 128, avail, per_sm))
+            run("ldg", per_sm, inflight, [&] { kern<<<grid, 128, avail>>>(L); });
+        };
+        if (rb == 256) {
+          go(k_ldg<256, 1>, 16);
+          go(k_ldg<256, 2>, 32);
+        } else if (rb == 128) {
+          go(k_ldg<128, 1>, 8);
+          go(k_ldg<128, 2>, 16);
+          go(k_ldg<128, 4>, 32);
+        } else {
+          go(k_ldg<64, 1>, 4);
+          go(k_ldg<64, 2>, 8);
+          go(k_ldg<64, 4>, 16);
+        }
+      }
+      CK(cudaFree(cache));
+      CK(cudaFree(bt));
     }
-    CK(cudaFree(cache));
-    CK(cudaFree(bt));
-  }
   printf("\nbest per mechanism and row size (%% of the read roof %.0f GB/s):\n", roof);
   for (const char *m : kModes)
     for (int rb : {256, 128, 64}) {
@@ -537,8 +572,8 @@ int main(int argc, char **argv) {
         if (r.mode == m && r.rb == rb && (!b || r.gbps > b->gbps))
           b = &r;
       if (b)
-        printf("  %-9s RB %3d: %5.1f%% (%d CTA/SM, %d stages/inflight, %.1f us)\n", m, rb, 100 * b->gbps / roof,
-               b->per_sm, b->ns, b->us);
+        printf("  %-9s RB %3d: %5.1f%% (%d CTA/SM, %d stages/inflight, %.1f us)\n", m, rb,
+               100 * b->gbps / roof, b->per_sm, b->ns, b->us);
     }
   if (js)
     fclose(js);
