@@ -17,13 +17,12 @@
 #         3. bench_kernels' decode rows, B64 ctx4096 and B8 ctx32768, every
 #            type, with the launch-option columns in the same rows (per-item
 #            split, alt copy, alt lookahead, pfown, cluster, rot) ~40 s; the
-#            same rows over a random block table (ATTND_BENCH_TABLE)    ~35 s
+#            B64 rows over a random block table (ATTND_BENCH_TABLE)     ~25 s
 #         4. bench/torch_reference.py: copy, read, decode, b1        ~30 s
-#         5. ncu: DRAM throughput of the B64 int8 decode, default, rot
-#            and over the random table; the B1 bf16 write kernel's warp
-#            states                                                  ~30 s
-#         6. bench_kernels' small-batch rows (B1 / B8 at ctx 4096)    ~15 s
-#            and uneven rows                                          ~15 s
+#         5. bench_kernels' small-batch rows (B1 / B8 at ctx 4096)    ~20 s
+#         6. ncu: DRAM throughput of the B64 int8 decode; the B1 bf16
+#            write kernel's warp states and source counters          ~20 s
+#         7. bench_kernels' uneven rows, with what is left            ~15 s
 #       and prints a summary last; logs and JSON go to $OUT/logs.tar.xz.
 set -u
 
@@ -87,17 +86,17 @@ run() {
   # test_report's count of them: read the matrices' own results).
   local t pids=() names=()
   for t in test_decode_matrix test_matrix test_prefill_matrix test_long_history test_variants_matrix; do
-    ATTND_GPU_TEST_ONLY=$t timeout -k 5 "$(lim 130)" ./test_cuda_kernels >"$out/test_$t.log" 2>&1 &
+    ATTND_GPU_TEST_ONLY=$t timeout -k 5 "$(lim 80)" ./test_cuda_kernels >"$out/test_$t.log" 2>&1 &
     pids+=($!)
     names+=("$t")
   done
-  timeout -k 5 "$(lim 130)" ./test_cuda_numerics >"$out/numerics.log" 2>&1 &
+  timeout -k 5 "$(lim 80)" ./test_cuda_numerics >"$out/numerics.log" 2>&1 &
   pids+=($!)
   names+=(numerics)
-  timeout -k 5 "$(lim 130)" ./test_cuda_scaleout >"$out/scaleout.log" 2>&1 &
+  timeout -k 5 "$(lim 80)" ./test_cuda_scaleout >"$out/scaleout.log" 2>&1 &
   pids+=($!)
   names+=(scaleout)
-  ATTND_GPU_TEST_PAIRWISE=1 ATTND_GPU_TEST_ONLY=test_decode_matrix timeout -k 5 "$(lim 130)" \
+  ATTND_GPU_TEST_PAIRWISE=1 ATTND_GPU_TEST_ONLY=test_decode_matrix timeout -k 5 "$(lim 80)" \
     compute-sanitizer --tool memcheck --error-exitcode 3 ./test_cuda_kernels >"$out/memcheck.log" 2>&1 &
   pids+=($!)
   names+=(memcheck)
@@ -118,13 +117,16 @@ run() {
     timeout -k 5 "$(lim 70)" ./bench_kernels >"$out/bench_main.log" 2>&1
   local rb1=$? tb1=$(($(date +%s) - s))
   s=$(date +%s)
-  OUT=$out/random ATTND_BENCH_TABLE=random ATTND_BENCH_FILTER=decode_B64_ctx4096_,decode_B8_ctx32768_ \
-    timeout -k 5 "$(lim 60)" ./bench_kernels >"$out/bench_random.log" 2>&1
+  OUT=$out/random ATTND_BENCH_TABLE=random ATTND_BENCH_FILTER=decode_B64_ctx4096_ \
+    timeout -k 5 "$(lim 35)" ./bench_kernels >"$out/bench_random.log" 2>&1
   local tb0=$(($(date +%s) - s))
   s=$(date +%s)
   OUT=$out PYTHONUNBUFFERED=1 ATTND_REF_SECTIONS=copy,read,decode,b1 \
     timeout -k 5 "$(lim 45)" python3 torch_reference.py >"$out/reference.log" 2>&1
   local rr=$? tr=$(($(date +%s) - s))
+  s=$(date +%s)
+  OUT=$out/small ATTND_BENCH_FILTER=small_ timeout -k 5 "$(lim 30)" ./bench_kernels >"$out/bench_small.log" 2>&1
+  local rb2=$? tb2=$(($(date +%s) - s))
   s=$(date +%s)
   local m=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
   m=$m,lts__t_sector_hit_rate.pct,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active
@@ -132,21 +134,12 @@ run() {
     echo "== B64 int8 decode, default"
     ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
-    echo "== B64 int8 decode, rot (debug 1024)"
-    ATTND_BENCH_DEC_DEBUG=1024 ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
-      ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
-    echo "== B64 int8 decode, default, random block table"
-    ATTND_BENCH_TABLE=random ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
-      ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
     echo "== B1 bf16 sequence: write kernel (warp states, source counters)"
     ATTND_BENCH_FILTER=small_B1_ctx4096_bf16 ATTND_BENCH_SMALL_ALONE=1 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m" --section WarpStateStats --section LaunchStats \
       --section SourceCounters -k 'regex:write_kernel' --launch-skip 60 --launch-count 1 ./bench_kernels
   } >"$out/ncu.log" 2>&1
   local tn=$(($(date +%s) - s))
-  s=$(date +%s)
-  OUT=$out/small ATTND_BENCH_FILTER=small_ timeout -k 5 "$(lim 40)" ./bench_kernels >"$out/bench_small.log" 2>&1
-  local rb2=$? tb2=$(($(date +%s) - s))
   s=$(date +%s)
   OUT=$out/uneven ATTND_BENCH_FILTER=uneven_ timeout -k 5 "$(lim 30)" ./bench_kernels >"$out/bench_uneven.log" 2>&1
   local rb3=$? tb3=$(($(date +%s) - s))
