@@ -93,10 +93,6 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   const Timed po = time_attend(S, &pfo), pi = time_attend(S, &pfi);
   const attnd_cuda_opts_t clo = {256, 0, 0, 0}; // a per-item split merged in clusters (debug 256)
   const Timed cl = time_attend(S, &clo);
-  // rot (debug 1024): each piece's chunks from a CTA-dependent start, so the
-  // CTAs reading at one moment sit at different offsets of their block tables.
-  const attnd_cuda_opts_t roto = {1024, 0, 0, 0};
-  const Timed ro = time_attend(S, &roto);
   const float wus = 1e3f * median_ms([&] { CKA(attnd_cuda_write(&S.s, &S.b, nullptr)); }, 3, 20);
   const double gbps = S.cache_bytes / (a.us * 1e-6) / 1e9;
   // ATTND_BENCH_DEC_L2PF set: also debug 16 (whole blocks prefetched into L2),
@@ -107,27 +103,23 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
     snprintf(l2pf, sizeof l2pf, " | l2pf %7.1f", time_attend(S, &pf).us);
   }
   printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | alt-copy %7.1f "
-         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f | rot %7.1f %5.1f%%%s\n",
+         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f%s\n",
          nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us,
-         pct(S.cache_bytes / (po.us * 1e-6) / 1e9, read), pi.us, cl.us, ro.us,
-         pct(S.cache_bytes / (ro.us * 1e-6) / 1e9, read), l2pf);
+         pct(S.cache_bytes / (po.us * 1e-6) / 1e9, read), pi.us, cl.us, l2pf);
   char extra[256] = "";
   if (diag) {
-    const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0}, nmr = {2 | 1024, 0, 0, 0}, nmi = {2, 2, 0, 0};
-    const Timed x = time_attend(S, &nl), y = time_attend(S, &nm2), z = time_attend(S, &nmr);
-    const Timed w = time_attend(S, &nmi);
-    printf("%-34s   no-load %7.1f us, no-math %7.1f us, no-math rot %7.1f us, no-math per-item %7.1f us\n", "", x.us,
-           y.us, z.us, w.us);
-    snprintf(extra, sizeof extra,
-             ", \"us_no_load\": %.1f, \"us_no_math\": %.1f, \"us_no_math_rot\": %.1f, \"us_no_math_per_item\": %.1f",
-             x.us, y.us, z.us, w.us);
+    const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0}, nmi = {2, 2, 0, 0};
+    const Timed x = time_attend(S, &nl), y = time_attend(S, &nm2), w = time_attend(S, &nmi);
+    printf("%-34s   no-load %7.1f us, no-math %7.1f us, no-math per-item %7.1f us\n", "", x.us, y.us, w.us);
+    snprintf(extra, sizeof extra, ", \"us_no_load\": %.1f, \"us_no_math\": %.1f, \"us_no_math_per_item\": %.1f",
+             x.us, y.us, w.us);
   }
   jrow(nm,
        "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "
        "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"us_ref_copy\": %.1f, \"us_alt_ahead\": %.1f, "
-       "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"us_rot\": %.1f, \"bytes\": %.0f%s",
+       "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"bytes\": %.0f%s",
        a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us, pi.us,
-       cl.us, ro.us, S.cache_bytes, extra);
+       cl.us, S.cache_bytes, extra);
   return pct(gbps, read);
 }
 
@@ -204,18 +196,14 @@ void rows_uneven(double copy, double read) {
     Setup S;
     setup_ex(S, sh, ctx, 1, ATTND_MASK_CAUSAL, 0, nullptr);
     const attnd_cuda_opts_t dflt = {}, item = {0, 2, 0, 0}, pfo = {64, 0, 0, 0};
-    const attnd_cuda_opts_t roto = {1024, 0, 0, 0};
     const Timed a = time_attend(S, &dflt), b = time_attend(S, &item), c = time_attend(S, &pfo);
-    const Timed d = time_attend(S, &roto);
     const double gbps = S.cache_bytes / (a.us * 1e-6) / 1e9, gb2 = S.cache_bytes / (b.us * 1e-6) / 1e9;
-    const double gb3 = S.cache_bytes / (c.us * 1e-6) / 1e9, gb4 = S.cache_bytes / (d.us * 1e-6) / 1e9;
-    printf("%-34s %8.1f %7.0f %6.1f%% | %7.1f us %6.1f%% | pfown %7.1f us %6.1f%% | rot %7.1f us %6.1f%%\n", nm, a.us,
-           gbps, pct(gbps, read), b.us, pct(gb2, read), c.us, pct(gb3, read), d.us, pct(gb4, read));
+    const double gb3 = S.cache_bytes / (c.us * 1e-6) / 1e9;
+    printf("%-34s %8.1f %7.0f %6.1f%% | %7.1f us %6.1f%% | pfown %7.1f us %6.1f%%\n", nm, a.us, gbps, pct(gbps, read),
+           b.us, pct(gb2, read), c.us, pct(gb3, read));
     jrow(nm, "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "
-             "\"pct_read_per_item\": %.1f, \"us_pfown\": %.1f, \"pct_read_pfown\": %.1f, \"us_rot\": %.1f, "
-             "\"pct_read_rot\": %.1f",
-         a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, pct(gb2, read), c.us, pct(gb3, read), d.us,
-         pct(gb4, read));
+             "\"pct_read_per_item\": %.1f, \"us_pfown\": %.1f, \"pct_read_pfown\": %.1f",
+         a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, pct(gb2, read), c.us, pct(gb3, read));
     teardown(S);
   }
 }

@@ -30,7 +30,12 @@
 //             is a whole (block, kv head) region, 2 x 4-16 KB); the 4
 //             consumer warps take a quarter of each stage and release it;
 //   ldg       plain ld.global.nc.v4 into registers, 1-4 chunks (4-32 16-byte
-//             loads) in flight per lane, each warp its fourth of the chunks.
+//             loads) in flight per lane, each warp its fourth of the chunks;
+//   kcopy_*   the decode kernel's own copy functions (decode_layout.cuh:
+//             dec_issue, dec_issue_ref) or a linear copy, in the kernel's own
+//             configuration (Dec<>: CTAs per SM, stages, shared memory), cut
+//             (one CTA per (item, kv head)) and no-math loop (dec_piece), 1 or
+//             NS - 1 chunks ahead, on the random and strided tables.
 // Each at 1-4 CTAs per SM (shared memory requested so that exactly that many
 // fit) and 2-8 stages, row sizes RB 256 (16-bit d128), 128 (8-bit d128) and
 // 64 (int4 d128); B64 ctx4096, 8 kv heads, block 64. The read roof is measured
@@ -54,6 +59,7 @@
 
 #include <cuda_runtime.h>
 
+#include "decode_layout.cuh"
 #include "sm90_primitives.cuh"
 
 #define CK(x)                                                                                      \
@@ -312,6 +318,100 @@ template <int RB, int U> __global__ void __launch_bounds__(128) k_ldg(Lay L) {
   finish(L, acc);
 }
 
+// ---- the decode kernel's own copy path (decode_layout.cuh), its own cut ------
+// One CTA per (item, kv head), as the per-item split launches B64: Dec<C>'s
+// CTAs per SM, stages, shared memory, and the no-math loop of dec_piece
+// (refill the stage a chunk ahead, wait, nothing read back). mode 0: dec_issue
+// with the block-table entry read a refill ahead (the 16-bit types' default),
+// 1: dec_issue_ref (the 1-byte types' default), 2: this file's linear cp16
+// copy (no swizzle, the entry read at the refill). la: chunks issued ahead.
+template <class C>
+__global__ void __launch_bounds__(C::NTH, C::MINB) k_kcopy(Lay L, attnd::DecodeParams P, int mode, int la) {
+  using namespace attnd;
+  extern __shared__ __align__(128) uint8_t smem[];
+  constexpr int NS = C::NS, KS = C::KS, NW = C::NW;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int item = blockIdx.x / L.kvh, kvh = blockIdx.x % L.kvh;
+  const int32_t *bt = L.bt + item * L.nb;
+  uint8_t *myStages = smem + C::kStages + (size_t)warp * NS * C::kStage;
+  const uint32_t sStages = (uint32_t)__cvta_generic_to_shared(myStages);
+  const int khi = L.nch * KS - 1, nchunks = L.nch;
+  const int cnt = nchunks > warp ? (nchunks - 1 - warp) / NW + 1 : 0;
+  DecCopy<C> cpy;
+  dec_copy_init<C>(P, kvh, lane, cpy);
+  auto chunk_key = [&](int n) { return (warp + NW * n) * KS; };
+  auto issue = [&](int n, int st, int32_t blk) {
+    const int j0 = chunk_key(n);
+    if (mode == 0) {
+      dec_issue<C>(P, cpy, blk, j0, khi, sStages + st * C::kStage, lane);
+    } else if (mode == 1) {
+      dec_issue_ref<C>(P, bt, kvh, j0, khi, myStages + st * C::kStage, lane);
+    } else {
+      const uint8_t *k =
+          P.cache + (size_t)bt[j0 >> cpy.lbs] * P.block_bytes + (size_t)(kvh * P.bs + (j0 & (P.bs - 1))) * C::RB;
+      const uint32_t dst = sStages + st * C::kStage;
+      for (int o = lane * 16; o < KS * C::RB; o += 512) {
+        cp16(dst + o, k + o);
+        cp16(dst + KS * C::RB + o, k + cpy.vreg + o);
+      }
+    }
+  };
+#pragma unroll
+  for (int n = 0; n < NS - 1; n++) {
+    if (n < cnt && n < la)
+      issue(n, n, bt[chunk_key(n) >> cpy.lbs]);
+    cp_commit();
+  }
+  int32_t nblk = la < cnt ? bt[chunk_key(la) >> cpy.lbs] : 0;
+  uint32_t acc = 0;
+  int stage = 0;
+  for (int n = 0; n < cnt; n++) {
+    if (n + la < cnt) {
+      const int refill = stage + la >= NS ? stage + la - NS : stage + la;
+      issue(n + la, refill, nblk);
+      if (n + la + 1 < cnt)
+        nblk = bt[chunk_key(n + la + 1) >> cpy.lbs];
+    }
+    cp_commit();
+    if (la == NS - 1)
+      cp_wait<NS - 1>();
+    else
+      cp_wait<1>();
+    __syncwarp();
+    acc ^= *reinterpret_cast<const uint32_t *>(myStages + stage * C::kStage + lane * 4);
+    stage = stage == NS - 1 ? 0 : stage + 1;
+  }
+  cp_wait<0>();
+  if (acc == 0x9e3779b9u)
+    atomicXor(L.xr + 1, acc);
+}
+
+template <class C> void run_kcopy(const Lay &L, double roof, size_t bytes, FILE *js, const char *table) {
+  auto kern = k_kcopy<C>;
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes));
+  int occ = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, C::NTH, C::kBytes));
+  attnd::DecodeParams P = {};
+  P.cache = L.cache;
+  P.block_bytes = L.block_bytes;
+  P.bs = L.bs;
+  P.kv_heads = L.kvh;
+  const char *names[] = {"kcopy_issue", "kcopy_ref", "kcopy_lin"};
+  for (int mode = 0; mode < 3; mode++)
+    for (int la : {1, C::NS - 1}) {
+      const float us = median_us([&] { kern<<<L.items * L.kvh, C::NTH, C::kBytes>>>(L, P, mode, la); }, 2, 7);
+      CK(cudaGetLastError());
+      const double gbps = bytes / (us * 1e-6) / 1e9;
+      printf("%-11s RB %3d  %d CTA/SM  %d stages, %d ahead  %8.1f us  %6.0f GB/s  %5.1f%%  %s\n", names[mode], C::RB,
+             occ, C::NS, la, us, gbps, 100 * gbps / roof, table);
+      if (js)
+        fprintf(js,
+                "{\"row\": \"kcopy\", \"mode\": \"%s\", \"rb\": %d, \"per_sm\": %d, \"ns\": %d, \"ahead\": %d, "
+                "\"us\": %.2f, \"GBps\": %.1f, \"pct\": %.2f, \"table\": \"%s\"}\n",
+                names[mode], C::RB, occ, C::NS, la, us, gbps, 100 * gbps / roof, table);
+    }
+}
+
 __global__ void fill(uint32_t *p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
@@ -393,7 +493,7 @@ int main(int argc, char **argv) {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   unsigned *xr;
-  CK(cudaMalloc(&xr, 4));
+  CK(cudaMalloc(&xr, 8));
   // The read roof: a flat read of 4 GiB.
   double roof = 0;
   {
@@ -560,6 +660,16 @@ int main(int argc, char **argv) {
           go(k_ldg<64, 2>, 8);
           go(k_ldg<64, 4>, 16);
         }
+      }
+      // The decode kernel's copy path in its own configuration (d128, bf16
+      // activations, transposed form: the B64 decode rows' instantiations).
+      if (table < 2) {
+        if (rb == 256)
+          run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_BF16, true>>(L, roof, bytes, js, tname[table]);
+        else if (rb == 128)
+          run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_INT8, true>>(L, roof, bytes, js, tname[table]);
+        else
+          run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_INT4, true>>(L, roof, bytes, js, tname[table]);
       }
       CK(cudaFree(cache));
       CK(cudaFree(bt));

@@ -4,5 +4,6 @@
 if(ATTND_HAVE_CUDA AND CMAKE_CUDA_ARCHITECTURES MATCHES "90a")
   add_executable(bench_loads ${CMAKE_CURRENT_SOURCE_DIR}/bench_loads.cu)
   target_include_directories(bench_loads PRIVATE ${PROJECT_SOURCE_DIR}/kernels/cuda ${PROJECT_SOURCE_DIR}/kernels)
+  target_compile_options(bench_loads PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr>)
   set_target_properties(bench_loads PROPERTIES CUDA_RUNTIME_LIBRARY Static)
 endif()

@@ -44,11 +44,9 @@ static int g_cases[ATTND_KV_COUNT_];
  * CTAs spanning several items), the per-item split (and parts of at least 4
  * chunks), with and without programmatic dependent launch, the decode
  * kernel's L2 prefetch of its own rows (debug 64, 128: results exact), the
- * per-item split merged inside thread-block clusters (debug 256), the
- * converted types' chunks all in flight (debug 512, their former default) and
- * each piece's chunks from a CTA-dependent start (debug 1024), with either
- * split. */
-#define N_OPTS 11
+ * per-item split merged inside thread-block clusters (debug 256) and the
+ * converted types' chunks all in flight (debug 512, their former default). */
+#define N_OPTS 9
 static const attnd_cuda_opts_t k_opts[N_OPTS] = {{.split = 0},
                                                  {.split = 2},
                                                  {.split = 1, .min_chunks = 2},
@@ -57,9 +55,7 @@ static const attnd_cuda_opts_t k_opts[N_OPTS] = {{.split = 0},
                                                  {.split = 2, .min_chunks = 4, .debug = 64},
                                                  {.split = 1, .min_chunks = 2, .debug = 64 | 128},
                                                  {.split = 2, .debug = 256},
-                                                 {.split = 0, .debug = 256 | 64},
-                                                 {.split = 1, .min_chunks = 3, .debug = 1024},
-                                                 {.split = 2, .debug = 1024 | 512}};
+                                                 {.split = 0, .debug = 256 | 64}};
 
 static double case_run(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,
                        int out_fp32, int use_ws, int per_channel) {

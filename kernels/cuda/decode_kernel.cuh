@@ -217,28 +217,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   DecCopy<C> cpy;
   dec_copy_init<C>(P, kvh, lane, cpy);
   const uint32_t sStages = (uint32_t)__cvta_generic_to_shared(myStages);
-  // Launch option debug 1024 (exact to fp32 summation order): the piece's
-  // chunks start at a CTA-dependent chunk and wrap around, so that the CTAs
-  // reading at one moment sit at different offsets of their block tables.
-  // Without it every CTA of a balanced batch reads logical block p of its
-  // item at about the same time, and a table that maps the items' block p to
-  // pool blocks congruent modulo the item count (contiguous per item, or
-  // bench_common.cu's strided permutation) sends them all to the same
-  // address bits below those (bench/bench_loads.cu times both).
-  int jrot = 0;
-  if ((P.debug & 1024) && nchunks > 1) {
-    const unsigned hsh = (blockIdx.x * 0x9E3779B1u) ^ (blockIdx.z * 0x85EBCA77u);
-    jrot = (int)((hsh >> 8) % (unsigned)nchunks) * KS;
-  }
-  // (jlo and jspan live through the key loop where the plain order kept
-  // jfirst. ptxas -warn-spills: the fp16-activation int8 d128 transposed
-  // instantiation spills 60 bytes instead of 32, the others as before; the
-  // rotation kept in shared memory instead spilled the same.)
-  const int jspan = nchunks * KS, jlo = jfirst + jrot;
-  auto chunk_key = [&](int n) {
-    const int j = jlo + (warp + NW * n) * KS;
-    return j > khi ? j - jspan : j;
-  };
+  auto chunk_key = [&](int n) { return jfirst + (warp + NW * n) * KS; };
   // Timing A/B only (launch option debug, results exact): bit 4 the copy as
   // main had it (dec_issue_ref), bit 8 one chunk in flight ahead of the one
   // being computed instead of NS - 1, bit 16 whole blocks into L2, the next
@@ -453,7 +432,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     stage = stage == NS - 1 ? 0 : stage + 1;
     if (no_math)
       continue;
-    const int j0 = chunk_key(n);
+    const int j0 = jfirst + (warp + NW * n) * KS;
     const bool need_mask = tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS, P.window);
     if constexpr (C::TR) {
       if (need_mask)
