@@ -16,12 +16,12 @@
 #         2. bench_loads: the load mechanisms on the paged layout        ~5 s
 #         3. bench_kernels' decode rows, B64 ctx4096 and B8 ctx32768, every
 #            type, with the launch-option columns in the same rows (per-item
-#            split, alt copy, alt lookahead, pfown, cluster, rot) ~40 s; the
-#            B64 rows over a random block table (ATTND_BENCH_TABLE)     ~25 s
+#            split, alt copy, alt lookahead, pfown, cluster)          ~40 s
 #         4. bench/torch_reference.py: copy, read, decode, b1        ~30 s
 #         5. bench_kernels' small-batch rows (B1 / B8 at ctx 4096)    ~20 s
-#         6. ncu: DRAM throughput of the B64 int8 decode; the B1 bf16
-#            write kernel's warp states and source counters          ~20 s
+#         6. ncu: DRAM throughput of the B64 int8 decode; its no-math
+#            launch beside bench_loads' kcopy (warp states); the B1 bf16
+#            write kernel's warp states and source counters          ~35 s
 #         7. bench_kernels' uneven rows, with what is left            ~15 s
 #       and prints a summary last; logs and JSON go to $OUT/logs.tar.xz.
 set -u
@@ -108,7 +108,7 @@ run() {
   cat "$out"/test_test_*.log >"$out/test.log"
   local ts=$(($(date +%s) - s))
   # Benchmarks, one process each (a step that runs out of time loses only itself).
-  mkdir -p "$out/main" "$out/random" "$out/small" "$out/uneven"
+  mkdir -p "$out/main" "$out/small" "$out/uneven"
   s=$(date +%s)
   timeout -k 5 "$(lim 30)" ./bench_loads "$out/loads.json" >"$out/loads.log" 2>&1
   local rl=$? tl=$(($(date +%s) - s))
@@ -116,10 +116,6 @@ run() {
   OUT=$out/main ATTND_BENCH_FILTER=decode_B64_ctx4096_,decode_B8_ctx32768_ \
     timeout -k 5 "$(lim 70)" ./bench_kernels >"$out/bench_main.log" 2>&1
   local rb1=$? tb1=$(($(date +%s) - s))
-  s=$(date +%s)
-  OUT=$out/random ATTND_BENCH_TABLE=random ATTND_BENCH_FILTER=decode_B64_ctx4096_ \
-    timeout -k 5 "$(lim 35)" ./bench_kernels >"$out/bench_random.log" 2>&1
-  local tb0=$(($(date +%s) - s))
   s=$(date +%s)
   OUT=$out PYTHONUNBUFFERED=1 ATTND_REF_SECTIONS=copy,read,decode,b1 \
     timeout -k 5 "$(lim 45)" python3 torch_reference.py >"$out/reference.log" 2>&1
@@ -134,6 +130,17 @@ run() {
     echo "== B64 int8 decode, default"
     ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
+    # The load path alone, inside the kernel and outside it: the decode
+    # kernel's no-math launch (debug 2) against bench_loads' kcopy_issue
+    # (its own copy functions, configuration and cut; the first RB 128 launch
+    # after the 54 of RB 256), warp states side by side.
+    echo "== B64 int8 decode, no-math (debug 2), warp states"
+    ATTND_BENCH_DEC_DEBUG=2 ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
+      ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" --section WarpStateStats \
+      -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
+    echo "== bench_loads kcopy_issue RB 128, warp states"
+    timeout -k 5 "$(lim 20)" ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" \
+      --section WarpStateStats -k 'regex:k_kcopy' --launch-skip 54 --launch-count 1 ./bench_loads
     echo "== B1 bf16 sequence: write kernel (warp states, source counters)"
     ATTND_BENCH_FILTER=small_B1_ctx4096_bf16 ATTND_BENCH_SMALL_ALONE=1 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m" --section WarpStateStats --section LaunchStats \
@@ -148,24 +155,20 @@ run() {
   {
     echo "DECODE ROUND ($(date -u +%FT%TZ), $(tail -1 "$out/gpu.txt"), used $(($(date +%s) - t0)) s of $budget)"
     echo "tests ${ts} s:$rcs; loads rc=$rl ${tl} s, bench main rc=$rb1 ${tb1} s," \
-      "random ${tb0} s, small rc=$rb2 ${tb2} s, torch rc=$rr ${tr} s, uneven rc=$rb3 ${tb3} s, ncu ${tn} s"
+      "small rc=$rb2 ${tb2} s, torch rc=$rr ${tr} s, uneven rc=$rb3 ${tb3} s, ncu ${tn} s"
     grep -E "\[  PASSED|\[  FAILED|FAIL|prefix hit .* vs full|worst ratio per|^split context:|> 1e-|rel L2 .* >" \
       "$out"/test_test_*.log "$out/numerics.log" "$out/scaleout.log" 2>/dev/null | sed "s#$out/##" | head -40
     grep -E "ERROR SUMMARY" "$out/memcheck.log"
     sed -n '/^read roof/p;/^best per/,$p' "$out/loads.log"
-    grep -E "(strided|contig)$" "$out/loads.log"
     grep -c MISMATCH "$out/loads.log"
     grep -E "^read_bw [0-9]+ GB/s" "$out/bench_main.log"
     grep -E "^decode_B" "$out/bench_main.log" | grep -v _w | sed -E 's/ +/ /g' | cut -c1-400
     grep -E "no-load" "$out/bench_main.log"
-    echo "-- random block table"
-    grep -E "^read_bw [0-9]+ GB/s" "$out/bench_random.log"
-    grep -E "^decode_B" "$out/bench_random.log" | grep -v _w | sed -E 's/ +/ /g' | cut -c1-400
-    grep -E "no-load" "$out/bench_random.log"
+    grep -E "^kcopy" "$out/loads.log"
     grep -E "^small_" "$out/bench_small.log" | awk '{printf "%s %s %s %s\n", $1, $2, $3, $4}' | head -60
     grep -E "^uneven_" "$out/bench_uneven.log"
     grep -E "decode_bf16_cudnn|b1|read_bw|copy_bw" "$out/reference.log" | head -8
-    grep -E "^== |write_kernel|decode_kernel|gpu__time_duration|dram__throughput|lts__t_sector_hit|dram__bytes_read|sm__warps_active|Stall|Warp Cycles|Achieved|Registers" \
+    grep -E "^== |write_kernel|decode_kernel|k_kcopy|gpu__time_duration|dram__throughput|lts__t_sector_hit|dram__bytes_read|sm__warps_active|inst_executed|Stall|Warp Cycles|Achieved|Registers" \
       "$out/ncu.log" | head -60
   } | tee "$out/summary.txt"
   cp "$out/summary.txt" "$dst/"
