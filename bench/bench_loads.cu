@@ -326,7 +326,8 @@ template <int RB, int U> __global__ void __launch_bounds__(128) k_ldg(Lay L) {
 // 1: dec_issue_ref (the 1-byte types' default), 2: this file's linear cp16
 // copy (no swizzle, the entry read at the refill). la: chunks issued ahead.
 template <class C>
-__global__ void __launch_bounds__(C::NTH, C::MINB) k_kcopy(Lay L, attnd::DecodeParams P, int mode, int la) {
+__global__ void __launch_bounds__(C::NTH, C::MINB)
+    k_kcopy(Lay L, attnd::DecodeParams P, int mode, int la) {
   using namespace attnd;
   extern __shared__ __align__(128) uint8_t smem[];
   constexpr int NS = C::NS, KS = C::KS, NW = C::NW;
@@ -347,8 +348,8 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) k_kcopy(Lay L, attnd::DecodeP
     } else if (mode == 1) {
       dec_issue_ref<C>(P, bt, kvh, j0, khi, myStages + st * C::kStage, lane);
     } else {
-      const uint8_t *k =
-          P.cache + (size_t)bt[j0 >> cpy.lbs] * P.block_bytes + (size_t)(kvh * P.bs + (j0 & (P.bs - 1))) * C::RB;
+      const uint8_t *k = P.cache + (size_t)bt[j0 >> cpy.lbs] * P.block_bytes +
+                         (size_t)(kvh * P.bs + (j0 & (P.bs - 1))) * C::RB;
       const uint32_t dst = sStages + st * C::kStage;
       for (int o = lane * 16; o < KS * C::RB; o += 512) {
         cp16(dst + o, k + o);
@@ -386,7 +387,8 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) k_kcopy(Lay L, attnd::DecodeP
     atomicXor(L.xr + 1, acc);
 }
 
-template <class C> void run_kcopy(const Lay &L, double roof, size_t bytes, FILE *js, const char *table) {
+template <class C>
+void run_kcopy(const Lay &L, double roof, size_t bytes, FILE *js, const char *table) {
   auto kern = k_kcopy<C>;
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes));
   int occ = 0;
@@ -399,14 +401,16 @@ template <class C> void run_kcopy(const Lay &L, double roof, size_t bytes, FILE 
   const char *names[] = {"kcopy_issue", "kcopy_ref", "kcopy_lin"};
   for (int mode = 0; mode < 3; mode++)
     for (int la : {1, C::NS - 1}) {
-      const float us = median_us([&] { kern<<<L.items * L.kvh, C::NTH, C::kBytes>>>(L, P, mode, la); }, 2, 7);
+      const float us =
+          median_us([&] { kern<<<L.items * L.kvh, C::NTH, C::kBytes>>>(L, P, mode, la); }, 2, 7);
       CK(cudaGetLastError());
       const double gbps = bytes / (us * 1e-6) / 1e9;
-      printf("%-11s RB %3d  %d CTA/SM  %d stages, %d ahead  %8.1f us  %6.0f GB/s  %5.1f%%  %s\n", names[mode], C::RB,
-             occ, C::NS, la, us, gbps, 100 * gbps / roof, table);
+      printf("%-11s RB %3d  %d CTA/SM  %d stages, %d ahead  %8.1f us  %6.0f GB/s  %5.1f%%  %s\n",
+             names[mode], C::RB, occ, C::NS, la, us, gbps, 100 * gbps / roof, table);
       if (js)
         fprintf(js,
-                "{\"row\": \"kcopy\", \"mode\": \"%s\", \"rb\": %d, \"per_sm\": %d, \"ns\": %d, \"ahead\": %d, "
+                "{\"row\": \"kcopy\", \"mode\": \"%s\", \"rb\": %d, \"per_sm\": %d, \"ns\": %d, "
+                "\"ahead\": %d, "
                 "\"us\": %.2f, \"GBps\": %.1f, \"pct\": %.2f, \"table\": \"%s\"}\n",
                 names[mode], C::RB, occ, C::NS, la, us, gbps, 100 * gbps / roof, table);
     }
@@ -665,11 +669,14 @@ int main(int argc, char **argv) {
       // activations, transposed form: the B64 decode rows' instantiations).
       if (table < 2) {
         if (rb == 256)
-          run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_BF16, true>>(L, roof, bytes, js, tname[table]);
+          run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_BF16, true>>(L, roof, bytes, js,
+                                                                         tname[table]);
         else if (rb == 128)
-          run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_INT8, true>>(L, roof, bytes, js, tname[table]);
+          run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_INT8, true>>(L, roof, bytes, js,
+                                                                         tname[table]);
         else
-          run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_INT4, true>>(L, roof, bytes, js, tname[table]);
+          run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_INT4, true>>(L, roof, bytes, js,
+                                                                         tname[table]);
       }
       CK(cudaFree(cache));
       CK(cudaFree(bt));
