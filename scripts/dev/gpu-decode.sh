@@ -131,16 +131,17 @@ run() {
     ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
     # The load path alone, inside the kernel and outside it: the decode
-    # kernel's no-math launch (debug 2) against bench_loads' kcopy_issue
-    # (its own copy functions, configuration and cut; the first RB 128 launch
-    # after the 54 of RB 256), warp states side by side.
+    # kernel's no-math launch (debug 2) against bench_loads' kcopy_ref one
+    # chunk ahead (dec_issue_ref, the 1-byte types' default copy, in the
+    # kernel's configuration and cut: the RB 128 launch after the 54 of RB 256
+    # and the 18 of RB 128's kcopy_issue), warp states side by side.
     echo "== B64 int8 decode, no-math (debug 2), warp states"
     ATTND_BENCH_DEC_DEBUG=2 ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" --section WarpStateStats \
       -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
-    echo "== bench_loads kcopy_issue RB 128, warp states"
+    echo "== bench_loads kcopy_ref RB 128, one chunk ahead, warp states"
     timeout -k 5 "$(lim 20)" ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" \
-      --section WarpStateStats -k 'regex:k_kcopy' --launch-skip 54 --launch-count 1 ./bench_loads
+      --section WarpStateStats -k 'regex:k_kcopy' --launch-skip 72 --launch-count 1 ./bench_loads
     echo "== B1 bf16 sequence: write kernel (warp states, source counters)"
     ATTND_BENCH_FILTER=small_B1_ctx4096_bf16 ATTND_BENCH_SMALL_ALONE=1 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m" --section WarpStateStats --section LaunchStats \
