@@ -16,7 +16,8 @@
 #         2. bench_loads: the load mechanisms on the paged layout        ~5 s
 #         3. bench_kernels' decode rows, B64 ctx4096 and B8 ctx32768, every
 #            type, with the launch-option columns in the same rows (per-item
-#            split, alt copy, alt lookahead, pfown, cluster)          ~40 s
+#            split, alt copy, alt lookahead, pfown, cluster)          ~40 s;
+#            DECODE_BASE_BENCH's build (if packed): its B64 rows      ~12 s
 #         4. bench/torch_reference.py: copy, read, decode, b1        ~30 s
 #         5. bench_kernels' small-batch rows (B1 / B8 at ctx 4096)    ~20 s
 #         6. ncu: DRAM throughput of the B64 int8 decode; its no-math
@@ -117,6 +118,13 @@ run() {
     timeout -k 5 "$(lim 70)" ./bench_kernels >"$out/bench_main.log" 2>&1
   local rb1=$? tb1=$(($(date +%s) - s))
   s=$(date +%s)
+  if [ -x bench_kernels_base ]; then
+    mkdir -p "$out/base"
+    OUT=$out/base ATTND_BENCH_FILTER=decode_B64_ctx4096_ timeout -k 5 "$(lim 25)" ./bench_kernels_base \
+      >"$out/bench_base.log" 2>&1
+  fi
+  local tb0=$(($(date +%s) - s))
+  s=$(date +%s)
   OUT=$out PYTHONUNBUFFERED=1 ATTND_REF_SECTIONS=copy,read,decode,b1 \
     timeout -k 5 "$(lim 45)" python3 torch_reference.py >"$out/reference.log" 2>&1
   local rr=$? tr=$(($(date +%s) - s))
@@ -156,7 +164,7 @@ run() {
   {
     echo "DECODE ROUND ($(date -u +%FT%TZ), $(tail -1 "$out/gpu.txt"), used $(($(date +%s) - t0)) s of $budget)"
     echo "tests ${ts} s:$rcs; loads rc=$rl ${tl} s, bench main rc=$rb1 ${tb1} s," \
-      "small rc=$rb2 ${tb2} s, torch rc=$rr ${tr} s, uneven rc=$rb3 ${tb3} s, ncu ${tn} s"
+      "base ${tb0} s, small rc=$rb2 ${tb2} s, torch rc=$rr ${tr} s, uneven rc=$rb3 ${tb3} s, ncu ${tn} s"
     grep -E "\[  PASSED|\[  FAILED|FAIL|prefix hit .* vs full|worst ratio per|^split context:|> 1e-|rel L2 .* >" \
       "$out"/test_test_*.log "$out/numerics.log" "$out/scaleout.log" 2>/dev/null | sed "s#$out/##" | head -40
     grep -E "ERROR SUMMARY" "$out/memcheck.log"
@@ -165,6 +173,7 @@ run() {
     grep -E "^read_bw [0-9]+ GB/s" "$out/bench_main.log"
     grep -E "^decode_B" "$out/bench_main.log" | grep -v _w | sed -E 's/ +/ /g' | cut -c1-400
     grep -E "no-load" "$out/bench_main.log"
+    grep -E "^decode_B" "$out/bench_base.log" 2>/dev/null | awk '{printf "base %s %s %s | item %s\n", $1, $2, $4, $9}'
     grep -E "^kcopy" "$out/loads.log"
     grep -E "^small_" "$out/bench_small.log" | awk '{printf "%s %s %s %s\n", $1, $2, $3, $4}' | head -60
     grep -E "^uneven_" "$out/bench_uneven.log"
