@@ -74,13 +74,26 @@ void setup_ex(Setup &S, const BenchShape &sh, const std::vector<int> &ctx, int n
   uint8_t *cache;
   CK(cudaMalloc(&cache, bb * nblocks));
   S.frees.push_back(cache);
-  // Block tables: a strided permutation of the pool (not contiguous per session).
+  // Block tables: a strided permutation of the pool (not contiguous per
+  // session). ATTND_BENCH_TABLE=random: a random permutation (seeded, the same
+  // every run); =contig: each session's blocks in order. The strided one makes
+  // the blocks the sessions read at one moment congruent modulo their count
+  // (B64 x 64 blocks: 64 blocks 16 MB apart at bf16), which bench_loads.cu
+  // times against the other two.
   std::vector<int32_t> meta(nblocks);
+  const char *tk = getenv("ATTND_BENCH_TABLE");
   size_t stride = 7919;
   while (nblocks > 1 && std::gcd(stride, nblocks) != 1)
     stride++;
   for (size_t l = 0; l < nblocks; l++)
-    meta[l] = (int32_t)((l * stride) % nblocks);
+    meta[l] = (int32_t)(tk && !strcmp(tk, "contig") ? l : (l * stride) % nblocks);
+  if (tk && !strcmp(tk, "random")) {
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (size_t l = nblocks - 1; l > 0; l--) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      std::swap(meta[l], meta[(x >> 33) % (l + 1)]);
+    }
+  }
   const size_t iv_off = meta.size();
   if (mask == ATTND_MASK_INTERVALS) {
     // Documents: keys of a document are masked for rows after its end.

@@ -108,10 +108,11 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
          pct(S.cache_bytes / (po.us * 1e-6) / 1e9, read), pi.us, cl.us, l2pf);
   char extra[256] = "";
   if (diag) {
-    const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0};
-    const Timed x = time_attend(S, &nl), y = time_attend(S, &nm2);
-    printf("%-34s   no-load %7.1f us, no-math %7.1f us\n", "", x.us, y.us);
-    snprintf(extra, sizeof extra, ", \"us_no_load\": %.1f, \"us_no_math\": %.1f", x.us, y.us);
+    const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0}, nmi = {2, 2, 0, 0};
+    const Timed x = time_attend(S, &nl), y = time_attend(S, &nm2), w = time_attend(S, &nmi);
+    printf("%-34s   no-load %7.1f us, no-math %7.1f us, no-math per-item %7.1f us\n", "", x.us, y.us, w.us);
+    snprintf(extra, sizeof extra, ", \"us_no_load\": %.1f, \"us_no_math\": %.1f, \"us_no_math_per_item\": %.1f",
+             x.us, y.us, w.us);
   }
   jrow(nm,
        "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "

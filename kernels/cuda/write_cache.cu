@@ -19,6 +19,13 @@ namespace attnd {
 namespace {
 
 constexpr int kWarps = 8;
+// Channels per lane at the largest head dim (256 / 32). The per-channel loops
+// run to it, unrolled, under the runtime count, so that a lane's x[] stays in
+// registers: with a runtime bound it lived in local memory (1 KB stack, each
+// element stored and reloaded between the load, RoPE, rounding and
+// quantization passes; ncu put one token's write at 5.8 us of device time,
+// latency-bound at 12 cycles per issued instruction, bench/RESULTS.md decode4).
+constexpr int kMaxEpl = 8;
 
 struct WriteParams {
   attnd_kbatch_t b;
@@ -92,14 +99,17 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
       base = ((size_t)t * P.kv_heads + h) * d;
     }
     float x[8];
-    for (int e = 0; e < epl; e++)
+    #pragma unroll
+    for (int e = 0; e < kMaxEpl && e < epl; e++)
       x[e] = load_dt(P.dt, src, base + c0 + e);
     if (kind != 2 && P.rope != ATTND_ROPE_NONE) {
-      for (int e = 0; e < epl; e++)
+      #pragma unroll
+      for (int e = 0; e < kMaxEpl && e < epl; e++)
         buf[warp][c0 + e] = x[e];
       __syncwarp();
       const int half = P.rd / 2;
-      for (int e = 0; e < epl; e++) {
+      #pragma unroll
+      for (int e = 0; e < kMaxEpl && e < epl; e++) {
         const int i = c0 + e;
         if (i >= P.rd)
           continue;
@@ -123,11 +133,13 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
       }
       __syncwarp();
     }
-    for (int e = 0; e < epl; e++)
+    #pragma unroll
+    for (int e = 0; e < kMaxEpl && e < epl; e++)
       x[e] = round_dt(P.dt, x[e]);
     pdl_wait();
     if (kind == 0) {
-      for (int e = 0; e < epl; e++)
+      #pragma unroll
+      for (int e = 0; e < kMaxEpl && e < epl; e++)
         store_dt(P.dt, b.q, base + c0 + e, x[e]);
       return;
     }
@@ -136,16 +148,19 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
     const float *sc = isv ? b.v_scale : b.k_scale;
     switch (P.kv) {
     case ATTND_KV_BF16:
-      for (int e = 0; e < epl; e++)
+      #pragma unroll
+      for (int e = 0; e < kMaxEpl && e < epl; e++)
         reinterpret_cast<__nv_bfloat16 *>(row)[c0 + e] = __float2bfloat16_rn(x[e]);
       break;
     case ATTND_KV_FP16:
-      for (int e = 0; e < epl; e++)
+      #pragma unroll
+      for (int e = 0; e < kMaxEpl && e < epl; e++)
         reinterpret_cast<__half *>(row)[c0 + e] = __float2half_rn(x[e]);
       break;
     case ATTND_KV_INT8:
     case ATTND_KV_FP8:
-      for (int e = 0; e < epl; e++) {
+      #pragma unroll
+      for (int e = 0; e < kMaxEpl && e < epl; e++) {
         const float s = b.scale_per_channel ? sc[h * d + c0 + e] : sc[h];
         const float y = __fdiv_rn(x[e], s);
         if (P.kv == ATTND_KV_INT8)
@@ -157,13 +172,15 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
     case ATTND_KV_INT8_DYNAMIC:
     case ATTND_KV_FP8_DYNAMIC: {
       float m = 0.f;
-      for (int e = 0; e < epl; e++)
+      #pragma unroll
+      for (int e = 0; e < kMaxEpl && e < epl; e++)
         m = fmaxf(m, fabsf(x[e]));
       for (int o = 16; o; o >>= 1)
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       const bool i8 = P.kv == ATTND_KV_INT8_DYNAMIC;
       const float s = __fdiv_rn(m, i8 ? 127.f : 448.f);
-      for (int e = 0; e < epl; e++) {
+      #pragma unroll
+      for (int e = 0; e < kMaxEpl && e < epl; e++) {
         uint8_t qv = 0;
         if (s > 0.f) {
           const float y = __fdiv_rn(x[e], s);
@@ -179,7 +196,8 @@ __global__ void __launch_bounds__(kWarps * 32) write_kernel(const __grid_constan
     }
     case ATTND_KV_INT4: {
       const float *zp = isv ? b.v_zero : b.k_zero;
-      for (int e = 0; e < epl; e += 2) {
+      #pragma unroll
+      for (int e = 0; e < kMaxEpl && e < epl; e += 2) {
         int u2[2];
         for (int j = 0; j < 2; j++) {
           const int c = h * d + c0 + e + j;

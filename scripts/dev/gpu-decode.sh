@@ -3,24 +3,27 @@
 # planning, small batches), in two halves like gpu-round.sh.
 #
 #   scripts/dev/gpu-decode.sh build DIR   (build machine, with nvcc)
-#       builds test_cuda_kernels, test_cuda_numerics, test_cuda_scaleout and
-#       bench_kernels in build-gpu/ (sm_90a, static CUDA runtime: gpu-round.sh
-#       build's recipe) and packs them with libcmocka, bench/torch_reference.py,
-#       bench/summarize.py and this script into DIR (round.tar.xz + run.sh).
+#       builds test_cuda_kernels, test_cuda_numerics, test_cuda_scaleout,
+#       bench_kernels and bench_loads in build-gpu/ (sm_90a, static CUDA
+#       runtime: gpu-round.sh build's recipe) and packs them with libcmocka,
+#       bench/torch_reference.py, bench/summarize.py and this script into DIR
+#       (round.tar.xz + run.sh).
 #   DIR/run.sh                           (GPU machine) runs, each step under a
 #       timeout of at most what is left of DECODE_SECONDS (default 225):
 #         1. test_cuda_kernels (one process per matrix), test_cuda_numerics
-#            and test_cuda_scaleout side by side (correctness only; ~60 s)
-#         2. bench_kernels' decode rows, B64 ctx4096 and B8 ctx32768, every
+#            and test_cuda_scaleout side by side, with compute-sanitizer
+#            memcheck over the pairwise decode matrix (correctness only; ~60 s)
+#         2. bench_loads: the load mechanisms on the paged layout        ~5 s
+#         3. bench_kernels' decode rows, B64 ctx4096 and B8 ctx32768, every
 #            type, with the launch-option columns in the same rows (per-item
-#            split, alt copy, alt lookahead, l2pf, pfown, cluster) ~40 s
-#         3. DECODE_BASE_BENCH's build (if packed): its B64 rows         ~12 s
-#            bench_kernels' small-batch rows (B1 / B8 at ctx 4096)    ~15 s
+#            split, alt copy, alt lookahead, pfown, cluster)          ~40 s;
+#            DECODE_BASE_BENCH's build (if packed): its B64 rows      ~12 s
 #         4. bench/torch_reference.py: copy, read, decode, b1        ~30 s
-#         5. bench_kernels' uneven rows                             ~15 s
-#         6. ncu: per-kernel device time of the B1 bf16 sequence; DRAM
-#            throughput and L2 hit rate of the B64 int8 decode, default and
-#            pfown                                                  ~30 s
+#         5. bench_kernels' small-batch rows (B1 / B8 at ctx 4096)    ~20 s
+#         6. ncu: DRAM throughput of the B64 int8 decode; its no-math
+#            launch beside bench_loads' kcopy (warp states); the B1 bf16
+#            write kernel's warp states and source counters          ~35 s
+#         7. bench_kernels' uneven rows, with what is left            ~15 s
 #       and prints a summary last; logs and JSON go to $OUT/logs.tar.xz.
 set -u
 
@@ -32,11 +35,12 @@ build() {
   cmake -S "$here" -B "$here/build-gpu" -DPython3_EXECUTABLE=/usr/bin/python3 \
     -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build "$here/build-gpu" -j2 --target test_cuda_kernels test_cuda_numerics test_cuda_scaleout \
-    bench_kernels
+    bench_kernels bench_loads
   local tmp
   tmp=$(mktemp -d)
   local f
-  for f in tests/test_cuda_kernels tests/test_cuda_numerics tests/test_cuda_scaleout bench/bench_kernels; do
+  for f in tests/test_cuda_kernels tests/test_cuda_numerics tests/test_cuda_scaleout bench/bench_kernels \
+    bench/bench_loads; do
     cp "$here/build-gpu/$f" "$tmp/" && strip --strip-debug "$tmp/$(basename "$f")"
   done
   # DECODE_BASE_BENCH: another build's bench_kernels (e.g. main's), timed in the
@@ -83,16 +87,20 @@ run() {
   # test_report's count of them: read the matrices' own results).
   local t pids=() names=()
   for t in test_decode_matrix test_matrix test_prefill_matrix test_long_history test_variants_matrix; do
-    ATTND_GPU_TEST_ONLY=$t timeout -k 5 "$(lim 130)" ./test_cuda_kernels >"$out/test_$t.log" 2>&1 &
+    ATTND_GPU_TEST_ONLY=$t timeout -k 5 "$(lim 80)" ./test_cuda_kernels >"$out/test_$t.log" 2>&1 &
     pids+=($!)
     names+=("$t")
   done
-  timeout -k 5 "$(lim 130)" ./test_cuda_numerics >"$out/numerics.log" 2>&1 &
+  timeout -k 5 "$(lim 80)" ./test_cuda_numerics >"$out/numerics.log" 2>&1 &
   pids+=($!)
   names+=(numerics)
-  timeout -k 5 "$(lim 130)" ./test_cuda_scaleout >"$out/scaleout.log" 2>&1 &
+  timeout -k 5 "$(lim 80)" ./test_cuda_scaleout >"$out/scaleout.log" 2>&1 &
   pids+=($!)
   names+=(scaleout)
+  ATTND_GPU_TEST_PAIRWISE=1 ATTND_GPU_TEST_ONLY=test_decode_matrix timeout -k 5 "$(lim 80)" \
+    compute-sanitizer --tool memcheck --error-exitcode 3 ./test_cuda_kernels >"$out/memcheck.log" 2>&1 &
+  pids+=($!)
+  names+=(memcheck)
   local i rcs=""
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}"
@@ -103,7 +111,10 @@ run() {
   # Benchmarks, one process each (a step that runs out of time loses only itself).
   mkdir -p "$out/main" "$out/small" "$out/uneven"
   s=$(date +%s)
-  OUT=$out/main ATTND_BENCH_DEC_L2PF=1 ATTND_BENCH_FILTER=decode_B64_ctx4096_,decode_B8_ctx32768_ \
+  timeout -k 5 "$(lim 30)" ./bench_loads "$out/loads.json" >"$out/loads.log" 2>&1
+  local rl=$? tl=$(($(date +%s) - s))
+  s=$(date +%s)
+  OUT=$out/main ATTND_BENCH_FILTER=decode_B64_ctx4096_,decode_B8_ctx32768_ \
     timeout -k 5 "$(lim 70)" ./bench_kernels >"$out/bench_main.log" 2>&1
   local rb1=$? tb1=$(($(date +%s) - s))
   s=$(date +%s)
@@ -114,50 +125,60 @@ run() {
   fi
   local tb0=$(($(date +%s) - s))
   s=$(date +%s)
-  OUT=$out/small ATTND_BENCH_FILTER=small_ timeout -k 5 "$(lim 40)" ./bench_kernels >"$out/bench_small.log" 2>&1
-  local rb2=$? tb2=$(($(date +%s) - s))
-  s=$(date +%s)
   OUT=$out PYTHONUNBUFFERED=1 ATTND_REF_SECTIONS=copy,read,decode,b1 \
     timeout -k 5 "$(lim 45)" python3 torch_reference.py >"$out/reference.log" 2>&1
   local rr=$? tr=$(($(date +%s) - s))
   s=$(date +%s)
-  OUT=$out/uneven ATTND_BENCH_FILTER=uneven_ timeout -k 5 "$(lim 30)" ./bench_kernels >"$out/bench_uneven.log" 2>&1
-  local rb3=$? tb3=$(($(date +%s) - s))
+  OUT=$out/small ATTND_BENCH_FILTER=small_ timeout -k 5 "$(lim 30)" ./bench_kernels >"$out/bench_small.log" 2>&1
+  local rb2=$? tb2=$(($(date +%s) - s))
   s=$(date +%s)
   local m=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
-  m=$m,lts__t_sector_hit_rate.pct,launch__grid_size
+  m=$m,lts__t_sector_hit_rate.pct,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active
   {
-    # The B1 bf16 step's kernels, each alone: a write of the row's timing loop
-    # (the setups' history writes come first), the first decode and merge.
-    echo "== B1 bf16 sequence parts: write (with its warp states), decode, merge"
-    ATTND_BENCH_FILTER=small_B1_ctx4096_bf16 ATTND_BENCH_SMALL_ALONE=1 timeout -k 5 "$(lim 25)" \
-      ncu --clock-control none --metrics "$m" --section WarpStateStats --section LaunchStats \
-      -k 'regex:write_kernel' --launch-skip 60 --launch-count 1 ./bench_kernels
-    ATTND_BENCH_FILTER=small_B1_ctx4096_bf16 ATTND_BENCH_SMALL_ALONE=1 timeout -k 5 "$(lim 25)" \
-      ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel|merge' --launch-count 2 ./bench_kernels
     echo "== B64 int8 decode, default"
-    ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 25)" \
+    ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
-    echo "== B64 int8 decode, pfown (debug 64)"
-    ATTND_BENCH_DEC_DEBUG=64 ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 25)" \
-      ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
+    # The load path alone, inside the kernel and outside it: the decode
+    # kernel's no-math launch (debug 2) against bench_loads' kcopy_ref one
+    # chunk ahead (dec_issue_ref, the 1-byte types' default copy, in the
+    # kernel's configuration and cut: the RB 128 launch after the 54 of RB 256
+    # and the 18 of RB 128's kcopy_issue), warp states side by side.
+    echo "== B64 int8 decode, no-math (debug 2), warp states"
+    ATTND_BENCH_DEC_DEBUG=2 ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
+      ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" --section WarpStateStats \
+      -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
+    echo "== bench_loads kcopy_ref RB 128, one chunk ahead, warp states"
+    timeout -k 5 "$(lim 20)" ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" \
+      --section WarpStateStats -k 'regex:k_kcopy' --launch-skip 72 --launch-count 1 ./bench_loads
+    echo "== B1 bf16 sequence: write kernel (warp states, source counters)"
+    ATTND_BENCH_FILTER=small_B1_ctx4096_bf16 ATTND_BENCH_SMALL_ALONE=1 timeout -k 5 "$(lim 20)" \
+      ncu --clock-control none --metrics "$m" --section WarpStateStats --section LaunchStats \
+      --section SourceCounters -k 'regex:write_kernel' --launch-skip 60 --launch-count 1 ./bench_kernels
   } >"$out/ncu.log" 2>&1
   local tn=$(($(date +%s) - s))
+  s=$(date +%s)
+  OUT=$out/uneven ATTND_BENCH_FILTER=uneven_ timeout -k 5 "$(lim 30)" ./bench_kernels >"$out/bench_uneven.log" 2>&1
+  local rb3=$? tb3=$(($(date +%s) - s))
   [ -f "$out/main/bench.json" ] && python3 summarize.py "$out/main/bench.json" \
     $([ -f "$out/reference.json" ] && echo "$out/reference.json") >"$out/decode-summary.txt" 2>&1
   {
     echo "DECODE ROUND ($(date -u +%FT%TZ), $(tail -1 "$out/gpu.txt"), used $(($(date +%s) - t0)) s of $budget)"
-    echo "tests ${ts} s:$rcs; bench main rc=$rb1 ${tb1} s," \
+    echo "tests ${ts} s:$rcs; loads rc=$rl ${tl} s, bench main rc=$rb1 ${tb1} s," \
       "base ${tb0} s, small rc=$rb2 ${tb2} s, torch rc=$rr ${tr} s, uneven rc=$rb3 ${tb3} s, ncu ${tn} s"
     grep -E "\[  PASSED|\[  FAILED|FAIL|prefix hit .* vs full|worst ratio per|^split context:|> 1e-|rel L2 .* >" \
       "$out"/test_test_*.log "$out/numerics.log" "$out/scaleout.log" 2>/dev/null | sed "s#$out/##" | head -40
+    grep -E "ERROR SUMMARY" "$out/memcheck.log"
+    sed -n '/^read roof/p;/^best per/,$p' "$out/loads.log"
+    grep -c MISMATCH "$out/loads.log"
     grep -E "^read_bw [0-9]+ GB/s" "$out/bench_main.log"
-    grep -E "^decode_B" "$out/bench_main.log" | grep -v _w | awk '{printf "%s %s %s | item %s | alt %s | alt-ahead %s | pfown %s %s | pfi %s | cl %s | l2pf %s\n", $1, $2, $4, $9, $19, $22, $25, $26, $30, $33, $36}'
+    grep -E "^decode_B" "$out/bench_main.log" | grep -v _w | sed -E 's/ +/ /g' | cut -c1-400
+    grep -E "no-load" "$out/bench_main.log"
     grep -E "^decode_B" "$out/bench_base.log" 2>/dev/null | awk '{printf "base %s %s %s | item %s\n", $1, $2, $4, $9}'
-    grep -E "^small_" "$out/bench_small.log" | awk '{printf "%s %s %s %s\n", $1, $2, $3, $4}' | head -120
+    grep -E "^kcopy" "$out/loads.log"
+    grep -E "^small_" "$out/bench_small.log" | awk '{printf "%s %s %s %s\n", $1, $2, $3, $4}' | head -60
     grep -E "^uneven_" "$out/bench_uneven.log"
     grep -E "decode_bf16_cudnn|b1|read_bw|copy_bw" "$out/reference.log" | head -8
-    grep -E "^== |write_kernel|decode_kernel|merge_|gpu__time_duration|dram__throughput|lts__t_sector_hit|dram__bytes_read|Stall|Warp Cycles|Achieved|Registers" \
+    grep -E "^== |write_kernel|decode_kernel|k_kcopy|gpu__time_duration|dram__throughput|lts__t_sector_hit|dram__bytes_read|sm__warps_active|inst_executed|Stall|Warp Cycles|Achieved|Registers" \
       "$out/ncu.log" | head -60
   } | tee "$out/summary.txt"
   cp "$out/summary.txt" "$dst/"
