@@ -50,8 +50,11 @@ namespace attnd {
 // the activation dtype: K and V of a stage awaited and released apart (K's
 // copy waits only for Q K^T of the tile a ring back, the consumers wait for V
 // only before its P V) at D <= 128 (bit 7; the default at D 256) / not at D
-// 256 (bit 8). This is attnd_cuda_opts_t.sm90_sched with bit 0 inverted
-// (0 there is the default).
+// 256 (bit 8); bit 9 = converted cache types: the earlier conversion
+// instructions (convert16 instead of convert16_fast, prefill_sm90_cfg.cuh:
+// the same values); bit 10 = converted types: no conversion at all (timing
+// only: the output is wrong). This is attnd_cuda_opts_t.sm90_sched with bit
+// 0 inverted (0 there is the default).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).
 struct Sm90Params { // 64-byte aligned through CUtensorMap
