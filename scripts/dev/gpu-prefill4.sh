@@ -58,16 +58,15 @@ build() {
   (cd "$b/bench" &&
     g++ $(cat CMakeFiles/bench_prefill.dir/objects1) -o "$tmp/bench_prefill" $libs \
       ../kernels/libattnd_kernels_cpu.a -lm -ldl -lrt -lpthread)
-  for f in libattnd_p4.so test_cuda_kernels test_cuda_numerics bench_prefill; do
-    strip --strip-debug "$tmp/$f"
-  done
+  strip --strip-unneeded "$tmp/libattnd_p4.so"
+  strip --strip-all "$tmp/test_cuda_kernels" "$tmp/test_cuda_numerics" "$tmp/bench_prefill"
   if [ -n "$base" ]; then
-    cp "$base" "$tmp/bench_prefill_base" && strip --strip-debug "$tmp/bench_prefill_base"
+    cp "$base" "$tmp/bench_prefill_base" && strip --strip-all "$tmp/bench_prefill_base"
   fi
   cp -a /usr/lib/x86_64-linux-gnu/libcmocka.so.0* "$tmp/"
   cp "$root/bench/torch_reference.py" "$tmp/"
   mkdir -p "$dir"
-  tar -C "$tmp" -cf - . | xz -6 -T2 >"$dir/p4.tar.xz"
+  tar -C "$tmp" -cf - . | xz -9e -T2 >"$dir/p4.tar.xz" # with the work tree: under 64 MiB
   rm -rf "$tmp"
   cp "$0" "$dir/run.sh"
   echo "staged $dir/p4.tar.xz: $(($(stat -c %s "$dir/p4.tar.xz") / 1048576)) MiB"
