@@ -41,8 +41,9 @@ struct Variant {
 // score; kvsplit: K and V apart at D <= 128), its schedules (nopp: no
 // pingpong; pp_serial: no intra-warpgroup overlap; no softmax: a timing
 // experiment with wrong output), on the converted cache types the earlier
-// conversion instructions (old_cvt: the same values) and none at all (nocvt:
-// timing only, wrong output), then the tiled kernel. A row runs the
+// conversion instructions (old_cvt: the same values), none at all (nocvt:
+// timing only, wrong output) and the opt-in bank-conflict-free unit order
+// (cvt_swz), then the tiled kernel. A row runs the
 // variants its flags ask for (Row.all_variants bits, below).
 static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   attnd_cuda_opts_t o = {};
@@ -69,6 +70,7 @@ static const VariantSel kVariants[] = {{{"pp", variant_opts(0, 0, 0)}, V_BASE},
                                        {{"pp_nosoftmax", variant_opts(0, 4, 0)}, V_SCHED},
                                        {{"old_cvt", variant_opts(0, 512, 0)}, V_CVT},
                                        {{"nocvt", variant_opts(0, 1024, 0)}, V_CVT},
+                                       {{"cvt_swz", variant_opts(0, 2048, 0)}, V_CVT},
                                        {{"tiled", variant_opts(1, 0, 0)}, V_BASE}};
 
 // Whether the comma-separated list holds name exactly.

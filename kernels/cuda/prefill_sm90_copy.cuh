@@ -30,6 +30,7 @@ struct Ring {
   // 9, the earlier instructions, the same values), 2 no conversion at all
   // (bit 10, timing only: the operand tiles keep whatever they held).
   int cvt;
+  bool swz; // converted 8-bit types: the bank-conflict-free unit order (sched bit 11)
   __device__ __forceinline__ uint32_t bar(int i) const {
     return bar0 + 8u * (uint32_t)i;
   }
@@ -171,9 +172,25 @@ __device__ __forceinline__ void ring_finish(const Ring &g, int ct) {
       // inside the loop). (A thread keeping one unit column and stepping over
       // the keys, with no unit index divided per round, spilled registers of
       // the 40 the finishing warps have: D 256 int4 and int8.)
-      auto convert_tile = [&](auto fast) {
+      // swz (sched bit 11, opt-in; 8-bit types with 8 or 16 units a row):
+      // the units of two keys k, k + 1 (k even) per 2 UPR lanes, so that each
+      // quarter warp stores to 8 distinct 16-byte slots of the swizzled rows
+      // and loads from 8 distinct slots of the raw rows: key k takes 4 units
+      // of one half of an 8-unit column block, key k + 1 the other half, the
+      // next quarter the opposite (the default mapping gives a quarter warp one
+      // key: its 8 units fall on 4 slots, two operand chunks apart; ncu:
+      // 10.6 wavefronts per shared store request where 4 is the floor).
+      auto convert_tile = [&](auto fast, auto swz) {
         for (int u = ct; u < BN * UPR; u += kCvt) {
-          const int key = u / UPR, cu = u % UPR;
+          int key, cu;
+          if constexpr (decltype(swz)::value) {
+            const int b = u % (2 * UPR), qi = b >> 3, lq = b & 7;
+            cu = ((qi >> 1) << 3) | lq;
+            key = 2 * (u / (2 * UPR)) + ((lq >> 2) ^ (qi & 1));
+          } else {
+            key = u / UPR;
+            cu = u % UPR;
+          }
           uint4 rk = make_uint4(0, 0, 0, 0), rv = make_uint4(0, 0, 0, 0);
           if (key < lim) {
             rk = *reinterpret_cast<const uint4 *>(raw + key * RB + cu * 16);
@@ -204,11 +221,22 @@ __device__ __forceinline__ void ring_finish(const Ring &g, int ct) {
       // loops; the others one.
       constexpr bool kFastForm = (KvT<KV>::kInt8 && (DT == ATTND_DT_BF16 || C::PDT == ATTND_DT_BF16)) ||
                                  KvT<KV>::kI4;
-      if (g.cvt == 0 || !kFastForm) {
+      constexpr bool kSwzForm = (KvT<KV>::kInt8 || KvT<KV>::kFp8) && UPR % 8 == 0;
+      using F0 = std::integral_constant<bool, false>;
+      using FF = std::integral_constant<bool, kFastForm>;
+      bool done = false;
+      if constexpr (kSwzForm) {
+        if (g.swz && g.cvt == 0) {
+          convert_tile(FF{}, std::integral_constant<bool, true>{});
+          done = true;
+        }
+      }
+      if (done) {
+      } else if (g.cvt == 0 || !kFastForm) {
         if (g.cvt != 2)
-          convert_tile(std::integral_constant<bool, kFastForm>{});
+          convert_tile(FF{}, F0{});
       } else if (g.cvt == 1) {
-        convert_tile(std::integral_constant<bool, false>{});
+        convert_tile(F0{}, F0{});
       }
       if constexpr (C::kDyn) {
         // The stage's scales, where the consumers read them; keys past the

@@ -15,13 +15,16 @@
 #         1. test_cuda_kernels (every matrix), test_cuda_numerics (the
 #            pairwise cover) and compute-sanitizer racecheck over the prefill
 #            matrix's pairwise cover side by side (correctness only)      ~90 s
-#         2. bench_prefill, every row: pp (the defaults), old_cvt (the earlier
-#            conversion instructions), nocvt (no conversion: timing only) ~35 s
-#         3. bench_prefill_base, every row, its defaults (pp)               ~20 s
-#         4. bench/torch_reference.py (prefill, flex, shapes, append)        ~70 s
-#         5. ncu, one launch of the append over int8_dynamic (--clock-control
+#         2. the opt-in unit order (sched bit 11) through the prefill matrix ~15 s
+#         3. bench_prefill_base, every row, its defaults (pp)               ~10 s
+#         4. bench_prefill, every row: pp (the defaults), old_cvt (the earlier
+#            conversion instructions), nocvt (no conversion: timing only),
+#            cvt_swz (the opt-in unit order)                                ~15 s
+#         5. bench/torch_reference.py (prefill, flex, shapes, append)        ~35 s
+#         6. ncu, one launch of the append over int8_dynamic (--clock-control
 #            none): speed of light, warp states, scheduler, shared memory   ~30 s
-#       and prints a summary last (also $OUT/summary.txt).
+#       and prints a summary last (also $OUT/summary.txt). 117 s on 2026-12-01
+#       (before steps 2 and cvt_swz).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 
@@ -128,13 +131,18 @@ run() {
     [ -f "$out/$f.log" ] || continue
     summary+=("$(printf '%-20s %-8s %5s  %s' "$f" "$(grep -q PASSED "$out/$f.log" && ! grep -q FAILED "$out/$f.log" && echo ok || echo check)" - "$f.log")")
   done
-  # bench_prefill writes $OUT/prefill.json when OUT is set: unset (8 files come back)
-  step bench_new 45 prefill-new.log env -u OUT ATTND_BENCH_PREFILL=all \
-    ATTND_BENCH_VARIANTS=pp,old_cvt,nocvt ./bench_prefill
+  # The opt-in unit order (sched bit 11) through the prefill matrix's pairwise cover.
+  step test_optin 40 test-optin.log env ATTND_GPU_TEST_SM90_SCHED=2048 ATTND_GPU_TEST_PAIRWISE=1 \
+    ATTND_GPU_TEST_ONLY=test_prefill_matrix ./test_cuda_kernels
+  # bench_prefill writes $OUT/prefill.json when OUT is set: unset (8 files come
+  # back). The base build first, then the new one (in the 22:00 run the new
+  # one ran first and its d256 row, whose SASS is the base's, was 11% slower).
   if [ -x ./bench_prefill_base ]; then
     step bench_base 30 prefill-base.log env -u OUT ATTND_BENCH_PREFILL=all ATTND_BENCH_VARIANTS=pp \
       ./bench_prefill_base
   fi
+  step bench_new 50 prefill-new.log env -u OUT ATTND_BENCH_PREFILL=all \
+    ATTND_BENCH_VARIANTS=pp,old_cvt,nocvt,cvt_swz ./bench_prefill
   step torch_reference 80 reference.log env OUT="$out" PYTHONUNBUFFERED=1 \
     ATTND_REF_SECTIONS=prefill,flex,shapes,append python3 torch_reference.py
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
@@ -149,6 +157,8 @@ run() {
     grep -E "FAIL|PASSED|rel L2 .* >|Hopper path vs|prefix hit|^kv |seed" "$out/test.log" | head -16
     grep -E "FAIL|PASSED|over 2x|A/B|worst ratio|seed" "$out/numerics.log" | head -8
     grep -E "RACECHECK SUMMARY|hazard|FAIL" "$out/racecheck.log" 2>/dev/null | head -4
+    grep -E "FAIL|PASSED|Hopper path vs|prefix hit|rel L2 .* >" "$out/test-optin.log" 2>/dev/null |
+      sed 's/^/opt-in: /' | head -4
     echo "new:"
     grep -E "^(causal|document|sliding|append|small)" "$out/prefill-new.log" |
       awk '{printf "%s/%s %s ms %s TF; ", $1, $2, $3, $4} END {print ""}'
@@ -162,7 +172,7 @@ run() {
     printf '%s\n' "${summary[@]}"
   } >"$out/summary.txt"
   cat "$out/summary.txt"
-  rm -f "$out/reference.log"
+  rm -f "$out/reference.log" "$out/test-optin.log"
   rm -rf "$w"
 }
 
