@@ -61,14 +61,13 @@ template <int D, int DT, int KV> struct Cfg {
   // tile flag and the alignment slack: every converted type at D <= 128, the
   // dynamic ones at D 256), else two.
   static constexpr int kStages =
-      kDirect
-          ? (D <= 128 ? 3 : 2)
-          : (kOp + 3 * (2 * KT + kRawStage + kSclStage) + kMaxFlags + kTail + 16 * 8 + 1024 <=
-                     232448
-                 ? 3
-                 : 2);
+      kDirect ? (D <= 128 ? 3 : 2)
+              : (kOp + 3 * (2 * KT + kRawStage + kSclStage) + kMaxFlags + kTail + 16 * 8 + 1024 <=
+                         232448
+                     ? 3
+                     : 2);
   static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
-  static constexpr uint32_t kScl = kRaw + kStages * kRawStage;    // [kStages][2][BN] fp32
+  static constexpr uint32_t kScl = kRaw + kStages * kRawStage;   // [kStages][2][BN] fp32
   static constexpr uint32_t kFlags = kScl + kStages * kSclStage; // [kNF] u8 interval tile flags
   // Flags for the first kNF key tiles (later tiles are masked per element, never skipped).
   static constexpr int kNF = kFlags + kMaxFlags + kTail <= 232448 ? kMaxFlags : 512;

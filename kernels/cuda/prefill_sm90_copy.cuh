@@ -219,8 +219,8 @@ __device__ __forceinline__ void ring_finish(const Ring &g, int ct) {
       };
       // The types convert16_fast changes (int8 into bf16, int4) get both
       // loops; the others one.
-      constexpr bool kFastForm = (KvT<KV>::kInt8 && (DT == ATTND_DT_BF16 || C::PDT == ATTND_DT_BF16)) ||
-                                 KvT<KV>::kI4;
+      constexpr bool kFastForm =
+          (KvT<KV>::kInt8 && (DT == ATTND_DT_BF16 || C::PDT == ATTND_DT_BF16)) || KvT<KV>::kI4;
       constexpr bool kSwzForm = (KvT<KV>::kInt8 || KvT<KV>::kFp8) && UPR % 8 == 0;
       using F0 = std::integral_constant<bool, false>;
       using FF = std::integral_constant<bool, kFastForm>;

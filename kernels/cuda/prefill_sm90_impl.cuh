@@ -184,12 +184,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                             kThreads / 32, sFlags);
   __syncthreads();
 
-  const int lastkey = hi; // hi <= kv_len - 1
-  const Ring g{smem,    sFlags,    bt,      bar0,
-               kind,    ntiles,    jfirst,  lastkey,
-               kS,      kvh,       raw_early, kvsplit,
-               (P.sched & 1024) ? 2 : (P.sched & 512) ? 1 : 0,
-               (P.sched & 2048) != 0};
+  const int lastkey = hi;                                         // hi <= kv_len - 1
+  const int cvt = (P.sched & 1024) ? 2 : (P.sched & 512) ? 1 : 0; // Ring::cvt
+  const Ring g{smem,    sFlags, bt,  bar0,      kind,    ntiles, jfirst,
+               lastkey, kS,     kvh, raw_early, kvsplit, cvt,    (P.sched & 2048) != 0};
   auto next_tile = [&](int t) -> int { return g.template next_tile<C::kNF>(t); };
 
   const int wg = tid >> 7;
