@@ -40,7 +40,10 @@ struct Variant {
 // and V awaited together at D 256), the opt-in forms (ffma: one FFMA per
 // score; kvsplit: K and V apart at D <= 128), its schedules (nopp: no
 // pingpong; pp_serial: no intra-warpgroup overlap; no softmax: a timing
-// experiment with wrong output), then the tiled kernel. A row runs the
+// experiment with wrong output), on the converted cache types the earlier
+// conversion instructions (old_cvt: the same values), none at all (nocvt:
+// timing only, wrong output) and the opt-in bank-conflict-free unit order
+// (cvt_swz), then the tiled kernel. A row runs the
 // variants its flags ask for (Row.all_variants bits, below).
 static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   attnd_cuda_opts_t o = {};
@@ -49,7 +52,7 @@ static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   o.sm90_gchunk = gchunk;
   return o;
 }
-enum { V_BASE = 1, V_SCHED = 2, V_IV = 4, V_RAW = 8 };
+enum { V_BASE = 1, V_SCHED = 2, V_IV = 4, V_RAW = 8, V_CVT = 16 };
 struct VariantSel {
   Variant v;
   int when; // the row's all_variants bits that run it (V_BASE: every row)
@@ -65,6 +68,9 @@ static const VariantSel kVariants[] = {{{"pp", variant_opts(0, 0, 0)}, V_BASE},
                                        {{"nopp", variant_opts(0, 1, 0)}, V_SCHED},
                                        {{"pp_serial", variant_opts(0, 2, 0)}, V_SCHED},
                                        {{"pp_nosoftmax", variant_opts(0, 4, 0)}, V_SCHED},
+                                       {{"old_cvt", variant_opts(0, 512, 0)}, V_CVT},
+                                       {{"nocvt", variant_opts(0, 1024, 0)}, V_CVT},
+                                       {{"cvt_swz", variant_opts(0, 2048, 0)}, V_CVT},
                                        {{"tiled", variant_opts(1, 0, 0)}, V_BASE}};
 
 // Whether the comma-separated list holds name exactly.
@@ -115,7 +121,7 @@ int main() {
       tot += l;
     }
   }
-  // all_variants: which variants beyond pp, old and tiled (V_SCHED, V_IV, V_RAW).
+  // all_variants: which variants beyond pp, old and tiled (V_SCHED, V_IV, V_RAW, V_CVT).
   const Row rows[] = {
       {"causal_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
       {"causal_d64_bf16", ATTND_KV_BF16, 64, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
@@ -124,20 +130,23 @@ int main() {
        1},
       {"sliding1024_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_SLIDING, 1024, V_SCHED,
        1},
-      {"causal_d128_int8", ATTND_KV_INT8, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_RAW, 0},
-      {"causal_d128_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, 0, 0},
+      {"causal_d128_int8", ATTND_KV_INT8, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_RAW | V_CVT, 0},
+      {"causal_d128_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_CVT,
+       0},
       {"append2048_over6144_bf16", ATTND_KV_BF16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_SCHED,
        1},
-      {"append2048_over6144_fp16", ATTND_KV_FP16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"append2048_over6144_int8", ATTND_KV_INT8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_RAW,
+      {"append2048_over6144_fp16", ATTND_KV_FP16, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_CVT,
        0},
-      {"append2048_over6144_fp8", ATTND_KV_FP8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_RAW, 0},
+      {"append2048_over6144_int8", ATTND_KV_INT8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0,
+       V_RAW | V_CVT, 0},
+      {"append2048_over6144_fp8", ATTND_KV_FP8, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0,
+       V_RAW | V_CVT, 0},
       {"append2048_over6144_int8_dynamic", ATTND_KV_INT8_DYNAMIC, 128, 4, 8192, 2048,
-       ATTND_MASK_CAUSAL, 0, 0, 1},
+       ATTND_MASK_CAUSAL, 0, V_CVT, 1},
       {"append2048_over6144_fp8_dynamic", ATTND_KV_FP8_DYNAMIC, 128, 4, 8192, 2048,
-       ATTND_MASK_CAUSAL, 0, 0, 0},
-      {"append2048_over6144_int4", ATTND_KV_INT4, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0, V_RAW,
-       0},
+       ATTND_MASK_CAUSAL, 0, V_CVT, 0},
+      {"append2048_over6144_int4", ATTND_KV_INT4, 128, 4, 8192, 2048, ATTND_MASK_CAUSAL, 0,
+       V_RAW | V_CVT, 0},
       {"small_1x512_over0", ATTND_KV_BF16, 128, 1, 512, 512, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
       {"small_1x512_over8192", ATTND_KV_BF16, 128, 1, 8704, 512, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
       {"small_64x64_over2048", ATTND_KV_BF16, 128, 64, 2112, 64, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},

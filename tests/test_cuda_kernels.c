@@ -45,17 +45,21 @@ static int g_cases[ATTND_KV_COUNT_];
  * chunks), with and without programmatic dependent launch, the decode
  * kernel's L2 prefetch of its own rows (debug 64, 128: results exact), the
  * per-item split merged inside thread-block clusters (debug 256) and the
- * converted types' chunks all in flight (debug 512, their former default). */
+ * converted types' chunks all in flight (debug 512, their former default);
+ * on the Hopper prefill path, the converted types' earlier conversion
+ * instructions (sm90_sched 512) and the opt-in unit order of the finishing
+ * warps (sm90_sched 2048, prefill_sm90.cuh). */
 #define N_OPTS 9
-static const attnd_cuda_opts_t k_opts[N_OPTS] = {{.split = 0},
-                                                 {.split = 2},
-                                                 {.split = 1, .min_chunks = 2},
-                                                 {.split = 0, .no_pdl = 1, .debug = 512},
-                                                 {.split = 1, .min_chunks = 150},
-                                                 {.split = 2, .min_chunks = 4, .debug = 64},
-                                                 {.split = 1, .min_chunks = 2, .debug = 64 | 128},
-                                                 {.split = 2, .debug = 256},
-                                                 {.split = 0, .debug = 256 | 64}};
+static const attnd_cuda_opts_t k_opts[N_OPTS] = {
+    {.split = 0},
+    {.split = 2},
+    {.split = 1, .min_chunks = 2},
+    {.split = 0, .no_pdl = 1, .debug = 512},
+    {.split = 1, .min_chunks = 150, .sm90_sched = 2048},
+    {.split = 2, .min_chunks = 4, .debug = 64},
+    {.split = 1, .min_chunks = 2, .debug = 64 | 128},
+    {.split = 2, .debug = 256, .sm90_sched = 512},
+    {.split = 0, .debug = 256 | 64}};
 
 static double case_run(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,
                        int out_fp32, int use_ws, int per_channel) {

@@ -50,8 +50,13 @@ namespace attnd {
 // the activation dtype: K and V of a stage awaited and released apart (K's
 // copy waits only for Q K^T of the tile a ring back, the consumers wait for V
 // only before its P V) at D <= 128 (bit 7; the default at D 256) / not at D
-// 256 (bit 8). This is attnd_cuda_opts_t.sm90_sched with bit 0 inverted
-// (0 there is the default).
+// 256 (bit 8); bit 9 = converted cache types: the earlier conversion
+// instructions (convert16 instead of convert16_fast, prefill_sm90_cfg.cuh:
+// the same values); bit 10 = converted types: no conversion at all (timing
+// only: the output is wrong); bit 11 = opt-in, int8/fp8 caches with 8 or 16
+// raw units a row (D 128, 256): the finishing warps take the units in a
+// bank-conflict-free order (prefill_sm90_copy.cuh; the same values). This is
+// attnd_cuda_opts_t.sm90_sched with bit 0 inverted (0 there is the default).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).
 struct Sm90Params { // 64-byte aligned through CUtensorMap

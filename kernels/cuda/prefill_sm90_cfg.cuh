@@ -33,12 +33,13 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr bool kSigma = kDyn && PDT == ATTND_DT_FP16;
   static constexpr int RB = K::k16 ? 2 * D : K::kI4 ? D / 2 : D;
   // Keys per tile: shared memory bound (Q, and for static types q's lo half,
-  // the operand stages, the raw stages). Static int8/fp8 at D 128 take 64:
-  // 128 would leave no room for the lo half.
-  static constexpr int BN = kDirect    ? (D == 256 ? 64 : 128)
-                            : D == 64  ? 128
-                            : D == 128 ? (RB <= 128 && !(kStatic && !K::kI4) ? 128 : 64)
-                                       : 32;
+  // the operand stages, the raw stages). Every converted type at D 128 takes
+  // 64, so that three operand and raw stages fit: with tiles of 128 only two
+  // fit (dynamic types, int4; static int8/fp8 not even that beside the lo
+  // half), and the conversion of a tile then has half a tile's products to
+  // hide behind instead of one and a half (bench/RESULTS.md, prefill4: the
+  // dynamic types at 2.4x the bf16 time with two stages of 128).
+  static constexpr int BN = kDirect ? (D == 256 ? 64 : 128) : D == 64 ? 128 : D == 128 ? 64 : 32;
   static constexpr int CH = D / 64;          // 64-element (128-byte) column chunks
   static constexpr uint32_t KT = BN * D * 2; // one operand tile (K or V)
   static constexpr uint32_t kQ = 0;          // [CH][kBMq][128 B]
@@ -49,17 +50,25 @@ template <int D, int DT, int KV> struct Cfg {
   // Converting types: a raw stage per stage, each K [BN][RB], V [BN][RB], then
   // (dynamic types) the K and V scales [2][BN] fp32, read there by the consumers.
   static constexpr uint32_t kRawStage = kDirect ? 0 : 2 * BN * RB + (kDyn ? 2 * BN * 4 : 0);
+  // Dynamic types: the K and V scales of each operand stage [2][BN] fp32, put
+  // there by the finishing warps (from the raw stage, zero past the visible
+  // keys) and read there by the consumers, so that the raw stage is free once
+  // converted (raw_empty, as the other converted types).
+  static constexpr uint32_t kSclStage = kDyn ? 2 * BN * 4 : 0;
   static constexpr uint32_t kTail = 16 * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
   // Pipeline stages: three where shared memory allows (16-bit caches at D <=
   // 128; converted types where three operand and raw stages fit beside every
-  // tile flag and the alignment slack: static int8/fp8 at D <= 128, the
-  // others at D 64), else two.
+  // tile flag and the alignment slack: every converted type at D <= 128, the
+  // dynamic ones at D 256), else two.
   static constexpr int kStages =
-      kDirect
-          ? (D <= 128 ? 3 : 2)
-          : (kOp + 3 * (2 * KT + kRawStage) + kMaxFlags + kTail + 16 * 8 + 1024 <= 232448 ? 3 : 2);
+      kDirect ? (D <= 128 ? 3 : 2)
+              : (kOp + 3 * (2 * KT + kRawStage + kSclStage) + kMaxFlags + kTail + 16 * 8 + 1024 <=
+                         232448
+                     ? 3
+                     : 2);
   static constexpr uint32_t kRaw = kOp + kStages * 2 * KT;
-  static constexpr uint32_t kFlags = kRaw + kStages * kRawStage; // [kNF] u8 interval tile flags
+  static constexpr uint32_t kScl = kRaw + kStages * kRawStage;   // [kStages][2][BN] fp32
+  static constexpr uint32_t kFlags = kScl + kStages * kSclStage; // [kNF] u8 interval tile flags
   // Flags for the first kNF key tiles (later tiles are masked per element, never skipped).
   static constexpr int kNF = kFlags + kMaxFlags + kTail <= 232448 ? kMaxFlags : 512;
   static constexpr uint32_t kC = kFlags + kNF; // int4: [kBMq] fp32 q'.z_k
@@ -91,6 +100,66 @@ __device__ __forceinline__ void convert16(const uint4 &rv, uint32_t *out) {
       out[e / 2] = word16<KV, ODT>(w[e >> 1]);
     else
       out[e / 2] = Act<ODT>::pack2(chunk_elem<KV>(rv, e), chunk_elem<KV>(rv, e + 1));
+  }
+}
+
+// The same conversion with fewer instructions (the default; sched bit 9
+// restores convert16), bit for bit the same values: int8 -> bf16 pairs by
+// bf16 arithmetic on two lanes at once instead of two fp32 magic-number
+// subtractions and a pack (int8 s = l - 128 b with l its low 7 bits and b its
+// sign bit: (128 + l) - (128 + 128 b), both bf16 operands and the difference
+// exact, 4 instructions per pair instead of 5); int4 nibble pairs (channels
+// 2c, 2c + 1: low and high nibble of one byte) moved into the two lanes by one
+// byte permute of the word and the word shifted by a nibble, then into the
+// low mantissa bits of a magic number as pair4 does (3 instructions per pair
+// instead of 9). int8 into
+// fp16 and e4m3 are convert16's (already two values per instruction).
+// (a & m) | c in one LOP3 (written as C, the compiler splits it into two
+// instructions with an immediate each).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t m, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(m), "r"(c));
+  return d;
+}
+// h - c on two lanes of dtype DT (exact here: integers the dtype holds).
+template <int DT> __device__ __forceinline__ uint32_t sub2(uint32_t h, uint32_t c) {
+  if constexpr (DT == ATTND_DT_FP16) {
+    const __half2 r =
+        __hsub2(*reinterpret_cast<const __half2 *>(&h), *reinterpret_cast<const __half2 *>(&c));
+    return *reinterpret_cast<const uint32_t *>(&r);
+  } else {
+    const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162 *>(&h),
+                                     *reinterpret_cast<const __nv_bfloat162 *>(&c));
+    return *reinterpret_cast<const uint32_t *>(&r);
+  }
+}
+template <int KV, int ODT>
+__device__ __forceinline__ void convert16_fast(const uint4 &rv, uint32_t *out) {
+  using K = KvT<KV>;
+  const uint32_t *w = &rv.x;
+  if constexpr (K::kInt8 && ODT == ATTND_DT_BF16) {
+#pragma unroll
+    for (int e = 0; e < 16; e += 2) {
+      // bytes e & 3 and (e & 3) + 1 of the word into the lanes' low bytes
+      const uint32_t p =
+          __byte_perm(w[e >> 2], 0u, (unsigned)(e & 3) | ((unsigned)((e & 3) + 1) << 8));
+      out[e / 2] = sub2<ATTND_DT_BF16>(and_or(p, 0x007f007fu, 0x43004300u),
+                                       and_or(p, 0x00800080u, 0x43004300u));
+    }
+  } else if constexpr (K::kI4) {
+    // u + 1024 (fp16) or u + 128 (bf16), then the magic number subtracted.
+    constexpr uint32_t kMagic = ODT == ATTND_DT_FP16 ? 0x64006400u : 0x43004300u;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const uint32_t x = w[q], x4 = x >> 4;
+#pragma unroll
+      for (int b = 0; b < 4; b++) // byte b: elements 8 q + 2 b (low nibble), 8 q + 2 b + 1
+        out[q * 4 + b] = sub2<ODT>(
+            and_or(__byte_perm(x, x4, (unsigned)b | ((unsigned)(b + 4) << 8)), 0x000f000fu, kMagic),
+            kMagic);
+    }
+  } else {
+    convert16<KV, ODT>(rv, out);
   }
 }
 

@@ -6,6 +6,8 @@
 // prefill_sm90_impl.cuh; both run inside its kernel.
 #pragma once
 
+#include <type_traits>
+
 #include "prefill_sm90.cuh"
 #include "prefill_sm90_cfg.cuh"
 #include "sm90_primitives.cuh"
@@ -24,6 +26,11 @@ struct Ring {
   uint32_t bar0;
   int kind, ntiles, jfirst, lastkey, kS, kvh;
   bool raw_early, kvsplit;
+  // Converted types: 0 convert16_fast (the default), 1 convert16 (sched bit
+  // 9, the earlier instructions, the same values), 2 no conversion at all
+  // (bit 10, timing only: the operand tiles keep whatever they held).
+  int cvt;
+  bool swz; // converted 8-bit types: the bank-conflict-free unit order (sched bit 11)
   __device__ __forceinline__ uint32_t bar(int i) const {
     return bar0 + 8u * (uint32_t)i;
   }
@@ -161,34 +168,84 @@ __device__ __forceinline__ void ring_finish(const Ring &g, int ct) {
       // Unit u of K and of V per round, both loads first (the chain is
       // latency bound); K for Q K^T in the activation dtype, V for P V in
       // C::PDT (as tiled_dequant). Zero raw bytes convert to zero operands.
-      for (int u = ct; u < BN * UPR; u += kCvt) {
-        const int key = u / UPR, cu = u % UPR;
-        uint4 rk = make_uint4(0, 0, 0, 0), rv = make_uint4(0, 0, 0, 0);
-        if (key < lim) {
-          rk = *reinterpret_cast<const uint4 *>(raw + key * RB + cu * 16);
-          rv = *reinterpret_cast<const uint4 *>(raw + BN * RB + key * RB + cu * 16);
+      // fast: convert16_fast, else convert16 (a template argument: no branch
+      // inside the loop). (A thread keeping one unit column and stepping over
+      // the keys, with no unit index divided per round, spilled registers of
+      // the 40 the finishing warps have: D 256 int4 and int8.)
+      // swz (sched bit 11, opt-in; 8-bit types with 8 or 16 units a row):
+      // the units of two keys k, k + 1 (k even) per 2 UPR lanes, so that each
+      // quarter warp stores to 8 distinct 16-byte slots of the swizzled rows
+      // and loads from 8 distinct slots of the raw rows: key k takes 4 units
+      // of one half of an 8-unit column block, key k + 1 the other half, the
+      // next quarter the opposite (the default mapping gives a quarter warp one
+      // key: its 8 units fall on 4 slots, two operand chunks apart; ncu:
+      // 10.6 wavefronts per shared store request where 4 is the floor).
+      auto convert_tile = [&](auto fast, auto swz) {
+        for (int u = ct; u < BN * UPR; u += kCvt) {
+          int key, cu;
+          if constexpr (decltype(swz)::value) {
+            const int b = u % (2 * UPR), qi = b >> 3, lq = b & 7;
+            cu = ((qi >> 1) << 3) | lq;
+            key = 2 * (u / (2 * UPR)) + ((lq >> 2) ^ (qi & 1));
+          } else {
+            key = u / UPR;
+            cu = u % UPR;
+          }
+          uint4 rk = make_uint4(0, 0, 0, 0), rv = make_uint4(0, 0, 0, 0);
+          if (key < lim) {
+            rk = *reinterpret_cast<const uint4 *>(raw + key * RB + cu * 16);
+            rv = *reinterpret_cast<const uint4 *>(raw + BN * RB + key * RB + cu * 16);
+          }
+          const int e0 = cu * EPU, q0 = (e0 & 63) >> 3;
+          const uint32_t off = (e0 >> 6) * BN * 128 + key * 128;
+          uint32_t o[EPU / 2];
+          if constexpr (decltype(fast)::value)
+            convert16_fast<KV, DT>(rk, o);
+          else
+            convert16<KV, DT>(rk, o);
+#pragma unroll
+          for (int q = 0; q < EPU / 8; q++)
+            *reinterpret_cast<uint4 *>(opK + off + (((q0 + q) ^ (key & 7)) << 4)) =
+                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+          if constexpr (decltype(fast)::value)
+            convert16_fast<KV, C::PDT>(rv, o);
+          else
+            convert16<KV, C::PDT>(rv, o);
+#pragma unroll
+          for (int q = 0; q < EPU / 8; q++)
+            *reinterpret_cast<uint4 *>(opV + off + (((q0 + q) ^ (key & 7)) << 4)) =
+                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
         }
-        const int e0 = cu * EPU, q0 = (e0 & 63) >> 3;
-        const uint32_t off = (e0 >> 6) * BN * 128 + key * 128;
-        uint32_t o[EPU / 2];
-        convert16<KV, DT>(rk, o);
-#pragma unroll
-        for (int q = 0; q < EPU / 8; q++)
-          *reinterpret_cast<uint4 *>(opK + off + (((q0 + q) ^ (key & 7)) << 4)) =
-              make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-        convert16<KV, C::PDT>(rv, o);
-#pragma unroll
-        for (int q = 0; q < EPU / 8; q++)
-          *reinterpret_cast<uint4 *>(opV + off + (((q0 + q) ^ (key & 7)) << 4)) =
-              make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+      };
+      // The types convert16_fast changes (int8 into bf16, int4) get both
+      // loops; the others one.
+      constexpr bool kFastForm =
+          (KvT<KV>::kInt8 && (DT == ATTND_DT_BF16 || C::PDT == ATTND_DT_BF16)) || KvT<KV>::kI4;
+      constexpr bool kSwzForm = (KvT<KV>::kInt8 || KvT<KV>::kFp8) && UPR % 8 == 0;
+      using F0 = std::integral_constant<bool, false>;
+      using FF = std::integral_constant<bool, kFastForm>;
+      bool done = false;
+      if constexpr (kSwzForm) {
+        if (g.swz && g.cvt == 0) {
+          convert_tile(FF{}, std::integral_constant<bool, true>{});
+          done = true;
+        }
+      }
+      if (done) {
+      } else if (g.cvt == 0 || !kFastForm) {
+        if (g.cvt != 2)
+          convert_tile(FF{}, F0{});
+      } else if (g.cvt == 1) {
+        convert_tile(F0{}, F0{});
       }
       if constexpr (C::kDyn) {
-        // Scales of keys past the visible range: 0 (masked keys; stale or
-        // poisoned bytes otherwise), as the tiled kernel's zero-filled copies.
-        float *rs = reinterpret_cast<float *>(smem + C::kRaw + s * C::kRawStage + 2 * BN * RB);
+        // The stage's scales, where the consumers read them; keys past the
+        // visible range 0 (masked keys; stale or poisoned bytes otherwise),
+        // as the tiled kernel's zero-filled copies.
+        const float *rs = reinterpret_cast<const float *>(raw + 2 * BN * RB);
+        float *ss = reinterpret_cast<float *>(smem + C::kScl + s * C::kSclStage);
         for (int k = ct; k < 2 * BN; k += kCvt)
-          if ((k % BN) >= lim)
-            rs[k] = 0.f;
+          ss[k] = (k % BN) < lim ? rs[k] : 0.f;
       }
       if (raw_early)
         mbar_arrive(BAR(13 + s)); // every read of the raw stage is done (its values are used)

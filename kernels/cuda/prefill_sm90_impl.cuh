@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using A = Act<DT>;
   using PA = Act<C::PDT>; // P's dtype
   using T = typename A::T;
-  constexpr int BN = C::BN, RB = C::RB;
+  constexpr int BN = C::BN;
   constexpr uint32_t KT = C::KT;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -122,14 +122,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // pipeline, for the A/B).
   const int kS = C::kDirect || C::kStages < 3 || !(P.sched & 64) ? C::kStages : 2;
   auto BAR = [&](int i) -> uint32_t { return bar0 + 8u * (uint32_t)i; };
-  // Converted types without dynamic scales (the consumers read those from
-  // the raw stage): BAR(13 + s) raw_empty, the finishing warps done reading
-  // raw stage s, so that the copy of a tile kS ahead is issued as soon as the
-  // tile kS back is converted, not when the consumers are done with it; the
-  // finishing warps then wait for empty before writing the operand tiles.
-  // Copy latency then overlaps the products instead of adding to each
-  // conversion (sched bit 6: the producer waits for empty, as before).
-  const bool raw_early = !C::kDirect && !C::kDyn && !(P.sched & 64);
+  // Converted types (the dynamic ones too: their scales move to the operand
+  // stage's, Cfg::kScl): BAR(13 + s) raw_empty, the finishing warps done
+  // reading raw stage s, so that the copy of a tile kS ahead is issued as
+  // soon as the tile kS back is converted, not when the consumers are done
+  // with it; the finishing warps then wait for empty before writing the
+  // operand tiles. Copy latency then overlaps the products instead of adding
+  // to each conversion (sched bit 6: the producer waits for empty, as before).
+  const bool raw_early = !C::kDirect && !(P.sched & 64);
   // 16-bit caches in the activation dtype at D 256 (two stages; 8.0 vs 10.6
   // ms on the H200, causal B4 S8192; sched bit 8 turns it off) and, opt-in,
   // at D <= 128 (sched bit 7; 4-5% slower there): K and V of a stage on
@@ -184,8 +184,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                             kThreads / 32, sFlags);
   __syncthreads();
 
-  const int lastkey = hi; // hi <= kv_len - 1
-  const Ring g{smem, sFlags, bt, bar0, kind, ntiles, jfirst, lastkey, kS, kvh, raw_early, kvsplit};
+  const int lastkey = hi;                                         // hi <= kv_len - 1
+  const int cvt = (P.sched & 1024) ? 2 : (P.sched & 512) ? 1 : 0; // Ring::cvt
+  const Ring g{smem,    sFlags, bt,  bar0,      kind,    ntiles, jfirst,
+               lastkey, kS,     kvh, raw_early, kvsplit, cvt,    (P.sched & 2048) != 0};
   auto next_tile = [&](int t) -> int { return g.template next_tile<C::kNF>(t); };
 
   const int wg = tid >> 7;
@@ -336,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                  sOp = smem_u32(smem + C::kOp);
   // Dynamic types: stage s's K scales at sDs(s)[0..BN), V scales at [BN, 2 BN).
   auto sDs = [&](int s) {
-    return reinterpret_cast<const float *>(smem + C::kRaw + s * C::kRawStage + 2 * BN * RB);
+    return reinterpret_cast<const float *>(smem + C::kScl + s * C::kSclStage);
   };
   auto dQ = [&](uint32_t base, int kd) {
     return desc_sw128(base + (kd >> 2) * kBMq * 128 + c * 64 * 128 + (kd & 3) * 32, 16, 1024);
