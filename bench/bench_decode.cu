@@ -93,6 +93,15 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   const Timed po = time_attend(S, &pfo), pi = time_attend(S, &pfi);
   const attnd_cuda_opts_t clo = {256, 0, 0, 0}; // a per-item split merged in clusters (debug 256)
   const Timed cl = time_attend(S, &clo);
+  // hm (debug 4096 with the per-item split): its CTAs head-major, so that
+  // co-resident CTAs read different items' blocks (decode_kernel.cuh); flat:
+  // the flat split forced (split 1), the cut of bench_loads' probe; al (debug
+  // 8192): the default plan with the stages on a 128-byte boundary
+  // (decode_layout.cuh kStagePad); al hm: both, per-item split.
+  const attnd_cuda_opts_t hmo = {4096, 2, 0, 0}, flo = {0, 1, 0, 0}, alo = {8192, 0, 0, 0},
+                          ahm = {8192 | 4096, 2, 0, 0};
+  const Timed hmt = time_attend(S, &hmo), flt = time_attend(S, &flo), alt = time_attend(S, &alo),
+              aht = time_attend(S, &ahm);
   const float wus = 1e3f * median_ms([&] { CKA(attnd_cuda_write(&S.s, &S.b, nullptr)); }, 3, 20);
   const double gbps = S.cache_bytes / (a.us * 1e-6) / 1e9;
   // ATTND_BENCH_DEC_L2PF set: also debug 16 (whole blocks prefetched into L2),
@@ -103,23 +112,31 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
     snprintf(l2pf, sizeof l2pf, " | l2pf %7.1f", time_attend(S, &pf).us);
   }
   printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | alt-copy %7.1f "
-         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f%s\n",
+         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f | hm %7.1f | flat %7.1f | al %7.1f %5.1f%% | al hm %7.1f%s\n",
          nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us,
-         pct(S.cache_bytes / (po.us * 1e-6) / 1e9, read), pi.us, cl.us, l2pf);
+         pct(S.cache_bytes / (po.us * 1e-6) / 1e9, read), pi.us, cl.us, hmt.us, flt.us, alt.us,
+         pct(S.cache_bytes / (alt.us * 1e-6) / 1e9, read), aht.us, l2pf);
   char extra[256] = "";
   if (diag) {
-    const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0}, nmi = {2, 2, 0, 0};
-    const Timed x = time_attend(S, &nl), y = time_attend(S, &nm2), w = time_attend(S, &nmi);
-    printf("%-34s   no-load %7.1f us, no-math %7.1f us, no-math per-item %7.1f us\n", "", x.us, y.us, w.us);
-    snprintf(extra, sizeof extra, ", \"us_no_load\": %.1f, \"us_no_math\": %.1f, \"us_no_math_per_item\": %.1f",
-             x.us, y.us, w.us);
+    const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0}, nmi = {2, 2, 0, 0}, nmh = {2 | 4096, 2, 0, 0},
+                            nma = {2 | 8192, 0, 0, 0};
+    const Timed x = time_attend(S, &nl), y = time_attend(S, &nm2), w = time_attend(S, &nmi), h = time_attend(S, &nmh),
+                z = time_attend(S, &nma);
+    printf("%-34s   no-load %7.1f us, no-math %7.1f us, no-math per-item %7.1f us, no-math hm %7.1f us, no-math al "
+           "%7.1f us\n",
+           "", x.us, y.us, w.us, h.us, z.us);
+    snprintf(extra, sizeof extra,
+             ", \"us_no_load\": %.1f, \"us_no_math\": %.1f, \"us_no_math_per_item\": %.1f, \"us_no_math_hm\": %.1f"
+             ", \"us_no_math_al\": %.1f",
+             x.us, y.us, w.us, h.us, z.us);
   }
   jrow(nm,
        "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "
        "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"us_ref_copy\": %.1f, \"us_alt_ahead\": %.1f, "
-       "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"bytes\": %.0f%s",
+       "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"us_hm\": %.1f, \"us_flat\": %.1f, \"us_al\": %.1f, \"us_al_hm\": %.1f, "
+       "\"bytes\": %.0f%s",
        a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us, pi.us,
-       cl.us, S.cache_bytes, extra);
+       cl.us, hmt.us, flt.us, alt.us, aht.us, S.cache_bytes, extra);
   return pct(gbps, read);
 }
 

@@ -24,6 +24,10 @@
 //             layout would cost the copy engine);
 //   cpa_rot   cpasync with each CTA's chunks from a CTA-dependent start,
 //             wrapping (the decode kernel's launch option debug 1024);
+//   cpa_kc / cpa_hm  cpasync in the decode kernel's per-item cut: one CTA per
+//             (item, kv head), items x kv heads CTAs (two waves at 2 CTA/SM),
+//             item-major (the kv heads of one item on neighbouring CTAs, as
+//             the decode kernel launches them) or head-major;
 //   ring16 / ring64  a producer warp (one lane) fills a CTA-wide ring of NS
 //             stages (mbarrier full / empty) with 16 or 64 keys of one
 //             (item, kv head) per stage (K and V, two bulk copies; 64 keys
@@ -33,9 +37,11 @@
 //             loads) in flight per lane, each warp its fourth of the chunks;
 //   kcopy_*   the decode kernel's own copy functions (decode_layout.cuh:
 //             dec_issue, dec_issue_ref) or a linear copy, in the kernel's own
-//             configuration (Dec<>: CTAs per SM, stages, shared memory), cut
-//             (one CTA per (item, kv head)) and no-math loop (dec_piece), 1 or
-//             NS - 1 chunks ahead, on the random and strided tables.
+//             configuration (Dec<>: CTAs per SM, stages, shared memory) and
+//             no-math loop (dec_piece), 1 or NS - 1 chunks ahead, on the
+//             random and strided tables, in three cuts (kc: one CTA per (item,
+//             kv head) as the kernel, hm: the same head-major, flat: this
+//             file's).
 // Each at 1-4 CTAs per SM (shared memory requested so that exactly that many
 // fit) and 2-8 stages, row sizes RB 256 (16-bit d128), 128 (8-bit d128) and
 // 64 (int4 d128); B64 ctx4096, 8 kv heads, block 64. The read roof is measured
@@ -148,7 +154,13 @@ __device__ __forceinline__ void finish(const Lay &L, uint32_t acc) {
 }
 
 // ---- per-warp private stages: cp.async (mode 0, 1) or bulk copies (2, 3) -------
-// mode 0 cpasync, 1 cpa_touch, 2 bulkwarp, 3 bulkrows, 4 cpa_rot.
+// mode 0 cpasync, 1 cpa_touch, 2 bulkwarp, 3 bulkrows, 4 cpa_rot; 5 cpa_kc and
+// 6 cpa_hm: cpasync in the decode kernel's per-item cut (one CTA per (item,
+// kv head), launched with items x kv heads CTAs), item-major (5: CTA b the
+// pair of item b / kvh, kv head b % kvh) or head-major (6: pair b of the
+// head-major sequence, i.e. the flat cut over that many CTAs); 7 cpa_mis:
+// cpasync with the stages 64 bytes past a 128-byte boundary, where the
+// decode kernel's are (Dec<>::kStages).
 template <int NS> __global__ void __launch_bounds__(128) k_warp(Lay L, int mode) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ __align__(8) uint64_t bars[kWarps][NS];
@@ -156,10 +168,16 @@ template <int NS> __global__ void __launch_bounds__(128) k_warp(Lay L, int mode)
   const int RB = L.rb, CB = kKeys * RB;       // chunk bytes, K or V
   const int pitch = mode == 3 ? RB + 64 : RB; // padded rows for bulkrows
   const int stage_bytes = 2 * kKeys * pitch;
-  uint8_t *my = smem + (size_t)warp * NS * stage_bytes;
+  uint8_t *my = smem + (mode == 7 ? 64 : 0) + (size_t)warp * NS * stage_bytes;
   const uint32_t sm = smem_u32(my);
-  const int C = gridDim.x, u0 = (int)((long long)blockIdx.x * L.W / C),
-            u1 = (int)((long long)(blockIdx.x + 1) * L.W / C);
+  const int C = gridDim.x;
+  int u0 = (int)((long long)blockIdx.x * L.W / C),
+      u1 = (int)((long long)(blockIdx.x + 1) * L.W / C);
+  if (mode == 5) {
+    const int item = blockIdx.x / L.kvh, kvh = blockIdx.x % L.kvh;
+    u0 = (kvh * L.items + item) * L.nch;
+    u1 = u0 + L.nch;
+  }
   const int cnt = u1 - u0 > warp ? (u1 - u0 - 1 - warp) / kWarps + 1 : 0;
   const bool bulk = mode == 2 || mode == 3;
   if (bulk && lane < NS)
@@ -179,7 +197,7 @@ template <int NS> __global__ void __launch_bounds__(128) k_warp(Lay L, int mode)
   auto issue = [&](int n, int s) {
     const uint8_t *k = chunk_src(L, chunk_of(n), kKeys);
     const uint32_t dst = sm + s * stage_bytes;
-    if (mode <= 1 || mode == 4) {
+    if (mode <= 1 || mode >= 4) {
       for (int o = lane * 16; o < CB; o += 512) {
         cp16(dst + o, k + o);
         cp16(dst + CB + o, k + L.vreg + o);
@@ -319,37 +337,70 @@ template <int RB, int U> __global__ void __launch_bounds__(128) k_ldg(Lay L) {
 }
 
 // ---- the decode kernel's own copy path (decode_layout.cuh), its own cut ------
-// One CTA per (item, kv head), as the per-item split launches B64: Dec<C>'s
-// CTAs per SM, stages, shared memory, and the no-math loop of dec_piece
-// (refill the stage a chunk ahead, wait, nothing read back). mode 0: dec_issue
-// with the block-table entry read a refill ahead (the 16-bit types' default),
-// 1: dec_issue_ref (the 1-byte types' default), 2: this file's linear cp16
-// copy (no swizzle, the entry read at the refill). la: chunks issued ahead.
+// Dec<C>'s CTAs per SM, stages, shared memory, and the no-math loop of
+// dec_piece (refill the stage a chunk ahead, wait, nothing read back). mode 0:
+// dec_issue with the block-table entry read a refill ahead (the 16-bit types'
+// default), 1: dec_issue_ref (the 1-byte types' default), 2: this file's
+// linear cp16 copy (no swizzle). la: chunks issued ahead. cut: which CTA
+// takes which chunks:
+//   0 (kc)   one CTA per (item, kv head), item-major (CTA b: item b / kvh,
+//            kv head b % kvh): the per-item split as the decode kernel
+//            launches B64, the kv heads of one item on neighbouring CTAs;
+//   1 (hm)   one CTA per (item, kv head), head-major (kv head b / items, item
+//            b % items): the same pieces, the probe's order of them;
+//   2 (flat) the probe's cut: one wave of CTAs, CTA c the head-major chunks
+//            [c W / C, (c + 1) W / C) (crossing (item, kv head) pieces).
+// Every warp takes every NW-th chunk of its CTA's range.
 template <class C>
 __global__ void __launch_bounds__(C::NTH, C::MINB)
-    k_kcopy(Lay L, attnd::DecodeParams P, int mode, int la) {
+    k_kcopy(Lay L, attnd::DecodeParams P, int mode, int la, int cut, int al) {
   using namespace attnd;
   extern __shared__ __align__(128) uint8_t smem[];
   constexpr int NS = C::NS, KS = C::KS, NW = C::NW;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int item = blockIdx.x / L.kvh, kvh = blockIdx.x % L.kvh;
-  const int32_t *bt = L.bt + item * L.nb;
-  uint8_t *myStages = smem + C::kStages + (size_t)warp * NS * C::kStage;
+  // [u0, u1): this CTA's chunks in the head-major sequence of all W.
+  long long u0, u1;
+  if (cut == 2) {
+    u0 = (long long)blockIdx.x * L.W / gridDim.x;
+    u1 = (long long)(blockIdx.x + 1) * L.W / gridDim.x;
+  } else {
+    const int item = cut == 0 ? blockIdx.x / L.kvh : blockIdx.x % L.items;
+    const int kvh = cut == 0 ? blockIdx.x % L.kvh : blockIdx.x / L.items;
+    u0 = ((long long)kvh * L.items + item) * L.nch;
+    u1 = u0 + L.nch;
+  }
+  uint8_t *myStages = smem + C::kStages + (al ? C::kStagePad : 0) + (size_t)warp * NS * C::kStage;
   const uint32_t sStages = (uint32_t)__cvta_generic_to_shared(myStages);
-  const int khi = L.nch * KS - 1, nchunks = L.nch;
-  const int cnt = nchunks > warp ? (nchunks - 1 - warp) / NW + 1 : 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    L.xr[2] = sStages; // where warp 0's stages start (the row prints it mod 128)
+  const int khi = L.nch * KS - 1;
+  const int span = (int)(u1 - u0);
+  const int cnt = span > warp ? (span - 1 - warp) / NW + 1 : 0;
   DecCopy<C> cpy;
-  dec_copy_init<C>(P, kvh, lane, cpy);
-  auto chunk_key = [&](int n) { return (warp + NW * n) * KS; };
+  const int kvh0 = (int)(u0 / ((long long)L.items * L.nch));
+  dec_copy_init<C>(P, kvh0, lane, cpy);
+  // Chunk n of this warp: its kv head, item and first key.
+  struct Where {
+    int kvh, item, j0;
+  };
+  auto where = [&](int n) {
+    const long long u = u0 + warp + (long long)NW * n;
+    const int per = L.items * L.nch;
+    const int kvh = (int)(u / per), r = (int)(u - (long long)kvh * per);
+    const int item = r / L.nch;
+    return Where{kvh, item, (r - item * L.nch) * KS};
+  };
+  auto entry = [&](const Where &w) { return L.bt[w.item * L.nb + (w.j0 >> cpy.lbs)]; };
   auto issue = [&](int n, int st, int32_t blk) {
-    const int j0 = chunk_key(n);
+    const Where w = where(n);
     if (mode == 0) {
-      dec_issue<C>(P, cpy, blk, j0, khi, sStages + st * C::kStage, lane);
+      cpy.rowbase = w.kvh * P.bs;
+      dec_issue<C>(P, cpy, blk, w.j0, khi, sStages + st * C::kStage, lane);
     } else if (mode == 1) {
-      dec_issue_ref<C>(P, bt, kvh, j0, khi, myStages + st * C::kStage, lane);
+      dec_issue_ref<C>(P, L.bt + w.item * L.nb, w.kvh, w.j0, khi, myStages + st * C::kStage, lane);
     } else {
-      const uint8_t *k = P.cache + (size_t)bt[j0 >> cpy.lbs] * P.block_bytes +
-                         (size_t)(kvh * P.bs + (j0 & (P.bs - 1))) * C::RB;
+      const uint8_t *k = P.cache + (size_t)blk * P.block_bytes +
+                         (size_t)(w.kvh * P.bs + (w.j0 & (P.bs - 1))) * C::RB;
       const uint32_t dst = sStages + st * C::kStage;
       for (int o = lane * 16; o < KS * C::RB; o += 512) {
         cp16(dst + o, k + o);
@@ -360,10 +411,10 @@ __global__ void __launch_bounds__(C::NTH, C::MINB)
 #pragma unroll
   for (int n = 0; n < NS - 1; n++) {
     if (n < cnt && n < la)
-      issue(n, n, bt[chunk_key(n) >> cpy.lbs]);
+      issue(n, n, entry(where(n)));
     cp_commit();
   }
-  int32_t nblk = la < cnt ? bt[chunk_key(la) >> cpy.lbs] : 0;
+  int32_t nblk = la < cnt ? entry(where(la)) : 0;
   uint32_t acc = 0;
   int stage = 0;
   for (int n = 0; n < cnt; n++) {
@@ -371,7 +422,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB)
       const int refill = stage + la >= NS ? stage + la - NS : stage + la;
       issue(n + la, refill, nblk);
       if (n + la + 1 < cnt)
-        nblk = bt[chunk_key(n + la + 1) >> cpy.lbs];
+        nblk = entry(where(n + la + 1));
     }
     cp_commit();
     if (la == NS - 1)
@@ -388,7 +439,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB)
 }
 
 template <class C>
-void run_kcopy(const Lay &L, double roof, size_t bytes, FILE *js, const char *table) {
+void run_kcopy(const Lay &L, double roof, size_t bytes, FILE *js, const char *table, int sms) {
   auto kern = k_kcopy<C>;
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes));
   int occ = 0;
@@ -399,21 +450,34 @@ void run_kcopy(const Lay &L, double roof, size_t bytes, FILE *js, const char *ta
   P.bs = L.bs;
   P.kv_heads = L.kvh;
   const char *names[] = {"kcopy_issue", "kcopy_ref", "kcopy_lin"};
-  for (int mode = 0; mode < 3; mode++)
-    for (int la : {1, C::NS - 1}) {
-      const float us =
-          median_us([&] { kern<<<L.items * L.kvh, C::NTH, C::kBytes>>>(L, P, mode, la); }, 2, 7);
-      CK(cudaGetLastError());
-      const double gbps = bytes / (us * 1e-6) / 1e9;
-      printf("%-11s RB %3d  %d CTA/SM  %d stages, %d ahead  %8.1f us  %6.0f GB/s  %5.1f%%  %s\n",
-             names[mode], C::RB, occ, C::NS, la, us, gbps, 100 * gbps / roof, table);
-      if (js)
-        fprintf(js,
+  const char *cuts[] = {"kc", "hm", "flat"};
+  // al 0: the stages where the decode kernel has them (Dec<>::kStages), al 1:
+  // kStagePad later, on a 128-byte boundary (launch option debug 8192).
+  for (int al = 0; al < 2; al++)
+    for (int cut = 0; cut < 3; cut++)
+      for (int mode = 0; mode < 3; mode++)
+        for (int la : {1, C::NS - 1}) {
+          const unsigned grid = cut == 2 ? (unsigned)(occ * sms) : (unsigned)(L.items * L.kvh);
+          const float us =
+              median_us([&] { kern<<<grid, C::NTH, C::kBytes>>>(L, P, mode, la, cut, al); }, 2, 7);
+          CK(cudaGetLastError());
+          unsigned sst = 0;
+          CK(cudaMemcpy(&sst, L.xr + 2, 4, cudaMemcpyDeviceToHost));
+          const double gbps = bytes / (us * 1e-6) / 1e9;
+          printf(
+              "%-11s RB %3d  %d CTA/SM  %d stages, %d ahead  cut %-4s  stages %%128 %3u  %8.1f us  "
+              "%6.0f GB/s  %5.1f%%  %s\n",
+              names[mode], C::RB, occ, C::NS, la, cuts[cut], sst % 128, us, gbps, 100 * gbps / roof,
+              table);
+          if (js)
+            fprintf(
+                js,
                 "{\"row\": \"kcopy\", \"mode\": \"%s\", \"rb\": %d, \"per_sm\": %d, \"ns\": %d, "
-                "\"ahead\": %d, "
+                "\"ahead\": %d, \"cut\": \"%s\", \"stage_mod128\": %u, "
                 "\"us\": %.2f, \"GBps\": %.1f, \"pct\": %.2f, \"table\": \"%s\"}\n",
-                names[mode], C::RB, occ, C::NS, la, us, gbps, 100 * gbps / roof, table);
-    }
+                names[mode], C::RB, occ, C::NS, la, cuts[cut], sst % 128, us, gbps,
+                100 * gbps / roof, table);
+        }
 }
 
 __global__ void fill(uint32_t *p, size_t n, uint32_t seed) {
@@ -471,8 +535,8 @@ template <class F> float median_us(F fn, int warm, int iters) {
   return ts[ts.size() / 2];
 }
 
-const char *kModes[] = {"cpasync", "cpa_touch", "bulkwarp", "bulkrows",
-                        "cpa_rot", "ring16",    "ring64",   "ldg"};
+const char *kModes[] = {"cpasync", "cpa_touch", "bulkwarp", "bulkrows", "cpa_rot", "cpa_kc",
+                        "cpa_hm",  "cpa_mis",   "ring16",   "ring64",   "ldg"};
 
 struct Res {
   std::string mode;
@@ -497,7 +561,7 @@ int main(int argc, char **argv) {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   unsigned *xr;
-  CK(cudaMalloc(&xr, 8));
+  CK(cudaMalloc(&xr, 16));
   // The read roof: a flat read of 4 GiB.
   double roof = 0;
   {
@@ -583,18 +647,22 @@ int main(int argc, char **argv) {
         const size_t avail = 233472 / per_sm - 1024 - 1024; // static mbarriers and slack
         const dim3 grid(sms * per_sm);
         // Per-warp private stages.
-        for (int mode = 0; mode < 5; mode++)
+        for (int mode = 0; mode < 8; mode++)
           for (int ns : {2, 3, 4, 6, 8}) {
-            if (table > 0 && ((mode > 1 && mode != 4) || ns > 3))
+            if (table > 0 && (mode == 2 || mode == 3 || ns > 3))
               continue;
             if (table == 0 && mode == 4 && ns > 3)
               continue;
+            // The per-item cuts: the decode kernel's CTAs per SM only.
+            if (mode >= 5 && (per_sm != (rb == 256 ? 2 : 4) || ns > 3))
+              continue;
+            const dim3 g = mode == 5 || mode == 6 ? dim3(L.items * L.kvh) : grid;
             const int pitch = mode == 3 ? rb + 64 : rb;
-            const size_t need = (size_t)kWarps * ns * 2 * kKeys * pitch;
+            const size_t need = (size_t)kWarps * ns * 2 * kKeys * pitch + (mode == 7 ? 64 : 0);
             auto go = [&](auto kern) {
               if (need > avail || !fits(kern, 128, avail, per_sm))
                 return;
-              run(kModes[mode], per_sm, ns, [&] { kern<<<grid, 128, avail>>>(L, mode); });
+              run(kModes[mode], per_sm, ns, [&] { kern<<<g, 128, avail>>>(L, mode); });
             };
             switch (ns) {
             case 2:
@@ -670,13 +738,13 @@ int main(int argc, char **argv) {
       if (table < 2) {
         if (rb == 256)
           run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_BF16, true>>(L, roof, bytes, js,
-                                                                         tname[table]);
+                                                                         tname[table], sms);
         else if (rb == 128)
           run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_INT8, true>>(L, roof, bytes, js,
-                                                                         tname[table]);
+                                                                         tname[table], sms);
         else
           run_kcopy<attnd::Dec<128, ATTND_DT_BF16, ATTND_KV_INT4, true>>(L, roof, bytes, js,
-                                                                         tname[table]);
+                                                                         tname[table], sms);
       }
       CK(cudaFree(cache));
       CK(cudaFree(bt));

@@ -44,7 +44,9 @@ static int g_cases[ATTND_KV_COUNT_];
  * CTAs spanning several items), the per-item split (and parts of at least 4
  * chunks), with and without programmatic dependent launch, the decode
  * kernel's L2 prefetch of its own rows (debug 64, 128: results exact), the
- * per-item split merged inside thread-block clusters (debug 256) and the
+ * per-item split merged inside thread-block clusters (debug 256), its CTAs
+ * head-major (debug 4096: the same pieces in another order), the decode
+ * stages on a 128-byte boundary (debug 8192) and the
  * converted types' chunks all in flight (debug 512, their former default);
  * on the Hopper prefill path, the converted types' earlier conversion
  * instructions (sm90_sched 512) and the opt-in unit order of the finishing
@@ -54,11 +56,11 @@ static const attnd_cuda_opts_t k_opts[N_OPTS] = {
     {.split = 0},
     {.split = 2},
     {.split = 1, .min_chunks = 2},
-    {.split = 0, .no_pdl = 1, .debug = 512},
+    {.split = 0, .no_pdl = 1, .debug = 512 | 8192},
     {.split = 1, .min_chunks = 150, .sm90_sched = 2048},
-    {.split = 2, .min_chunks = 4, .debug = 64},
-    {.split = 1, .min_chunks = 2, .debug = 64 | 128},
-    {.split = 2, .debug = 256, .sm90_sched = 512},
+    {.split = 2, .min_chunks = 4, .debug = 64 | 4096 | 8192},
+    {.split = 1, .min_chunks = 2, .debug = 64 | 128 | 8192},
+    {.split = 2, .debug = 256 | 4096, .sm90_sched = 512},
     {.split = 0, .debug = 256 | 64}};
 
 static double case_run(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,

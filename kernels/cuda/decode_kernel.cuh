@@ -206,7 +206,8 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   float *sMisc = reinterpret_cast<float *>(smem + C::kMisc);
   float *sC = sMisc, *scratch = sMisc + 64;
   auto *sP = reinterpret_cast<typename Act<C::PDT>::T *>(smem + C::kP) + warp * 8 * KS;
-  uint8_t *myStages = smem + C::kStages + (size_t)warp * NS * C::kStage;
+  // Launch option debug 8192: the stages on a 128-byte boundary (kStagePad).
+  uint8_t *myStages = smem + C::kStages + ((P.debug & 8192) ? C::kStagePad : 0) + (size_t)warp * NS * C::kStage;
   const int32_t *bt = P.meta + it.block_table;
   const bool no_load = P.debug & 1, no_math = P.debug & 2; // timing experiments only
 
@@ -533,7 +534,13 @@ __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
   extern __shared__ __align__(16) uint8_t smem[];
   pdl_trigger(); // the merge may launch now; it waits for this grid's end
   if (!P.flat) {
-    const int item = blockIdx.x / P.kv_heads, kvh = blockIdx.x % P.kv_heads, split = blockIdx.z;
+    // Launch option debug 4096 (timing A/B, results exact: the same pieces):
+    // the CTAs head-major, kv head blockIdx.x / nitems, so that neighbouring
+    // (co-resident) CTAs read different items' blocks, as the flat split and
+    // bench_loads' probe order them, instead of all kv heads of one block.
+    const bool hm = (P.debug & 4096) != 0;
+    const int item = hm ? blockIdx.x % P.nitems : blockIdx.x / P.kv_heads;
+    const int kvh = hm ? blockIdx.x / P.nitems : blockIdx.x % P.kv_heads, split = blockIdx.z;
     const attnd_kitem_t it = P.items[item];
     if (it.q_row < 0)
       return;

@@ -25,6 +25,12 @@
 #            write kernel's warp states and source counters          ~35 s
 #         7. bench_kernels' uneven rows, with what is left            ~15 s
 #       and prints a summary last; logs and JSON go to $OUT/logs.tar.xz.
+#   DIR/run.sh quick                     (GPU machine) the load-path A/B alone,
+#       within DECODE_SECONDS (default 90): test_cuda_kernels' decode matrix
+#       beside compute-sanitizer memcheck over its pairwise form (~50 s),
+#       bench_loads (every mechanism, the kcopy rows in three cuts) (~5 s),
+#       bench_kernels' B64 ctx4096 / B8 ctx32768 decode rows (~5 s); a
+#       summary last, logs in $OUT/logs.tar.xz.
 set -u
 
 build() {
@@ -141,15 +147,15 @@ run() {
     # The load path alone, inside the kernel and outside it: the decode
     # kernel's no-math launch (debug 2) against bench_loads' kcopy_ref one
     # chunk ahead (dec_issue_ref, the 1-byte types' default copy, in the
-    # kernel's configuration and cut: the RB 128 launch after the 54 of RB 256
-    # and the 18 of RB 128's kcopy_issue), warp states side by side.
+    # kernel's configuration and cut: the RB 128 launch after the 324 of RB 256
+    # (three cuts, two stage offsets) and the 18 of RB 128's kcopy_issue), warp states side by side.
     echo "== B64 int8 decode, no-math (debug 2), warp states"
     ATTND_BENCH_DEC_DEBUG=2 ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" --section WarpStateStats \
       -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
     echo "== bench_loads kcopy_ref RB 128, one chunk ahead, warp states"
     timeout -k 5 "$(lim 20)" ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" \
-      --section WarpStateStats -k 'regex:k_kcopy' --launch-skip 72 --launch-count 1 ./bench_loads
+      --section WarpStateStats -k 'regex:k_kcopy' --launch-skip 342 --launch-count 1 ./bench_loads
     echo "== B1 bf16 sequence: write kernel (warp states, source counters)"
     ATTND_BENCH_FILTER=small_B1_ctx4096_bf16 ATTND_BENCH_SMALL_ALONE=1 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m" --section WarpStateStats --section LaunchStats \
@@ -185,11 +191,64 @@ run() {
   tar -C "$out" -cJf "$dst/logs.tar.xz" .
 }
 
+quick() {
+  local here
+  here=$(cd "$(dirname "$0")" && pwd)
+  local dst=${OUT:-$here/out} out=$here/work
+  mkdir -p "$out" "$dst"
+  local budget=${DECODE_SECONDS:-90} t0
+  t0=$(date +%s)
+  lim() {
+    local l=$((budget - ($(date +%s) - t0)))
+    [ "$l" -gt "$1" ] && l=$1
+    [ "$l" -lt 1 ] && l=1
+    echo "$l"
+  }
+  cd "$here" || exit 1
+  tar xJf round.tar.xz
+  export LD_LIBRARY_PATH=$here${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$out/gpu.txt" 2>&1
+  local s
+  s=$(date +%s)
+  ATTND_GPU_TEST_ONLY=test_decode_matrix timeout -k 5 "$(lim 55)" ./test_cuda_kernels \
+    >"$out/test_test_decode_matrix.log" 2>&1 &
+  local p1=$!
+  ATTND_GPU_TEST_PAIRWISE=1 ATTND_GPU_TEST_ONLY=test_decode_matrix timeout -k 5 "$(lim 55)" \
+    compute-sanitizer --tool memcheck --error-exitcode 3 ./test_cuda_kernels >"$out/memcheck.log" 2>&1 &
+  local p2=$!
+  wait $p1
+  local rt=$?
+  wait $p2
+  local rm=$? ts=$(($(date +%s) - s))
+  mkdir -p "$out/main"
+  s=$(date +%s)
+  timeout -k 5 "$(lim 20)" ./bench_loads "$out/loads.json" >"$out/loads.log" 2>&1
+  local rl=$? tl=$(($(date +%s) - s))
+  s=$(date +%s)
+  OUT=$out/main ATTND_BENCH_FILTER=decode_B64_ctx4096_,decode_B8_ctx32768_ \
+    timeout -k 5 "$(lim 30)" ./bench_kernels >"$out/bench_main.log" 2>&1
+  local rb=$? tb=$(($(date +%s) - s))
+  {
+    echo "DECODE QUICK ($(date -u +%FT%TZ), $(tail -1 "$out/gpu.txt"), used $(($(date +%s) - t0)) s of $budget)"
+    echo "tests ${ts} s: test_decode_matrix=$rt memcheck=$rm; loads rc=$rl ${tl} s, bench main rc=$rb ${tb} s"
+    grep -E "\[  PASSED|\[  FAILED|FAIL|> 1e-|rel L2 .* >" "$out/test_test_decode_matrix.log" | head -20
+    grep -E "ERROR SUMMARY" "$out/memcheck.log"
+    sed -n '/^read roof/p;/^best per/,$p' "$out/loads.log"
+    grep -c MISMATCH "$out/loads.log"
+    grep -E "^kcopy" "$out/loads.log"
+    grep -E "^read_bw [0-9]+ GB/s" "$out/bench_main.log"
+    grep -E "^decode_B|no-load" "$out/bench_main.log" | grep -v _w | sed -E 's/ +/ /g' | cut -c1-420
+  } | tee "$out/summary.txt"
+  cp "$out/summary.txt" "$dst/"
+  tar -C "$out" -cJf "$dst/logs.tar.xz" .
+}
+
 case "${1:-run}" in
 build) build "${2:-}" ;;
 run) run ;;
+quick) quick ;;
 *)
-  echo "usage: $0 build DIR | run" >&2
+  echo "usage: $0 build DIR | run | quick" >&2
   exit 2
   ;;
 esac
