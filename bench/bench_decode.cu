@@ -95,9 +95,9 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   const Timed cl = time_attend(S, &clo);
   // hm (debug 4096 with the per-item split): its CTAs head-major, so that
   // co-resident CTAs read different items' blocks (decode_kernel.cuh); flat:
-  // the flat split forced (split 1), the cut of bench_loads' probe; al (debug
-  // 8192): the default plan with the stages on a 128-byte boundary
-  // (decode_layout.cuh kStagePad); al hm: both, per-item split.
+  // the flat split forced (split 1), the cut of bench_loads' probe; mis (debug
+  // 8192): the default plan with the stages at their old offset, 64 bytes past
+  // a 128-byte boundary (decode_layout.cuh kStagePad); mis hm: both, per-item split.
   const attnd_cuda_opts_t hmo = {4096, 2, 0, 0}, flo = {0, 1, 0, 0}, alo = {8192, 0, 0, 0},
                           ahm = {8192 | 4096, 2, 0, 0};
   const Timed hmt = time_attend(S, &hmo), flt = time_attend(S, &flo), alt = time_attend(S, &alo),
@@ -112,7 +112,7 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
     snprintf(l2pf, sizeof l2pf, " | l2pf %7.1f", time_attend(S, &pf).us);
   }
   printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | alt-copy %7.1f "
-         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f | hm %7.1f | flat %7.1f | al %7.1f %5.1f%% | al hm %7.1f%s\n",
+         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f | hm %7.1f | flat %7.1f | mis %7.1f %5.1f%% | mis hm %7.1f%s\n",
          nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us,
          pct(S.cache_bytes / (po.us * 1e-6) / 1e9, read), pi.us, cl.us, hmt.us, flt.us, alt.us,
          pct(S.cache_bytes / (alt.us * 1e-6) / 1e9, read), aht.us, l2pf);
@@ -122,18 +122,18 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
                             nma = {2 | 8192, 0, 0, 0};
     const Timed x = time_attend(S, &nl), y = time_attend(S, &nm2), w = time_attend(S, &nmi), h = time_attend(S, &nmh),
                 z = time_attend(S, &nma);
-    printf("%-34s   no-load %7.1f us, no-math %7.1f us, no-math per-item %7.1f us, no-math hm %7.1f us, no-math al "
+    printf("%-34s   no-load %7.1f us, no-math %7.1f us, no-math per-item %7.1f us, no-math hm %7.1f us, no-math mis "
            "%7.1f us\n",
            "", x.us, y.us, w.us, h.us, z.us);
     snprintf(extra, sizeof extra,
              ", \"us_no_load\": %.1f, \"us_no_math\": %.1f, \"us_no_math_per_item\": %.1f, \"us_no_math_hm\": %.1f"
-             ", \"us_no_math_al\": %.1f",
+             ", \"us_no_math_mis\": %.1f",
              x.us, y.us, w.us, h.us, z.us);
   }
   jrow(nm,
        "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "
        "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"us_ref_copy\": %.1f, \"us_alt_ahead\": %.1f, "
-       "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"us_hm\": %.1f, \"us_flat\": %.1f, \"us_al\": %.1f, \"us_al_hm\": %.1f, "
+       "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"us_hm\": %.1f, \"us_flat\": %.1f, \"us_mis\": %.1f, \"us_mis_hm\": %.1f, "
        "\"bytes\": %.0f%s",
        a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us, pi.us,
        cl.us, hmt.us, flt.us, alt.us, aht.us, S.cache_bytes, extra);

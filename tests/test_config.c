@@ -333,7 +333,7 @@ static void test_tuning(void **state) {
   assert_int_equal(parse(&c, none), 0);
   assert_int_equal(c.engine_offload_bytes, 1u << 20);
   assert_int_equal(c.rpc_ref_min, 64u << 10);
-  assert_int_equal(c.cuda_hostfn_min, 1u << 20);
+  assert_int_equal(c.cuda_hostfn_min, 64u << 10);
   assert_int_equal(c.cuda_pinned_max, 0);
   assert_int_equal(c.cuda_completion, ATTND_COMPLETION_POLL);
   assert_int_equal(c.cuda_trace, 0);

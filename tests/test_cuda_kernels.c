@@ -46,7 +46,7 @@ static int g_cases[ATTND_KV_COUNT_];
  * kernel's L2 prefetch of its own rows (debug 64, 128: results exact), the
  * per-item split merged inside thread-block clusters (debug 256), its CTAs
  * head-major (debug 4096: the same pieces in another order), the decode
- * stages on a 128-byte boundary (debug 8192) and the
+ * stages at their old offset, off a 128-byte boundary (debug 8192) and the
  * converted types' chunks all in flight (debug 512, their former default);
  * on the Hopper prefill path, the converted types' earlier conversion
  * instructions (sm90_sched 512) and the opt-in unit order of the finishing

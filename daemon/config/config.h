@@ -23,7 +23,7 @@
 #define ATTND_DEFAULT_ENGINE_OFFLOAD_BYTES ((uint64_t)1 << 20)
 #define ATTND_DEFAULT_ENGINE_CHUNK_KEYS ((uint64_t)1 << 14)
 #define ATTND_DEFAULT_RPC_REF_MIN ((uint64_t)64 << 10)
-#define ATTND_DEFAULT_CUDA_HOSTFN_MIN ((uint64_t)1 << 20)
+#define ATTND_DEFAULT_CUDA_HOSTFN_MIN ((uint64_t)64 << 10)
 
 /* Where an option's value came from (attnd_config_t.origin), in rising precedence. */
 typedef enum {

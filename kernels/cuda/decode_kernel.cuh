@@ -206,8 +206,12 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   float *sMisc = reinterpret_cast<float *>(smem + C::kMisc);
   float *sC = sMisc, *scratch = sMisc + 64;
   auto *sP = reinterpret_cast<typename Act<C::PDT>::T *>(smem + C::kP) + warp * 8 * KS;
-  // Launch option debug 8192: the stages on a 128-byte boundary (kStagePad).
-  uint8_t *myStages = smem + C::kStages + ((P.debug & 8192) ? C::kStagePad : 0) + (size_t)warp * NS * C::kStage;
+  // The stages start on a 128-byte boundary (kStagePad): 64 bytes off it,
+  // every warp's 16-byte cp.async rows straddled one more shared-memory line
+  // and the loads ran at 74% of the read roof instead of 89-92% (bf16;
+  // bench/RESULTS.md, decode5). Launch option debug 8192 restores the old
+  // offset (timing A/B only, results exact).
+  uint8_t *myStages = smem + C::kStages + ((P.debug & 8192) ? 0 : C::kStagePad) + (size_t)warp * NS * C::kStage;
   const int32_t *bt = P.meta + it.block_table;
   const bool no_load = P.debug & 1, no_math = P.debug & 2; // timing experiments only
 

@@ -79,9 +79,9 @@ template <int D_, int DT_, int KV_, bool TR_> struct Dec {
   static constexpr size_t kMerge = ((size_t)3 * NW * 16 + (size_t)NW * MV * D) * 4;
   static constexpr size_t kStageArea = dec_max((size_t)NW * NS * kStage, kMerge);
   // kStages is 64 past a 128-byte boundary in every instantiation (the 320
-  // bytes of kMisc); launch option debug 8192 starts the stages kStagePad
-  // later, on the boundary, as bench_loads' probe has them (timing A/B,
-  // results exact). Room for it in every launch; NS and the CTAs per SM stay.
+  // bytes of kMisc); the stages start kStagePad later, on the boundary, as
+  // bench_loads' probe has them (launch option debug 8192: the old offset,
+  // timing A/B, results exact). NS and the CTAs per SM stay.
   static constexpr size_t kStagePad = (128 - kStages % 128) % 128;
   static constexpr size_t kBytes = kStages + kStagePad + kStageArea;
   static_assert(CPR >= 2 && (KS * CPR) % 32 == 0, "a chunk is whole 16-byte copies per lane");

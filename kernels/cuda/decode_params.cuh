@@ -58,8 +58,8 @@ struct DecodeParams {
   int cluster;         // per-item split: > 1 the parts of a (item, kv head) are one cluster, merged in it
   int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math; 4, 8, 16, 64, 128 load-path variants;
                        // 256 the cluster merge (decode_cluster.cuh); 4096 the per-item split's CTAs
-                       // head-major (decode_kernel), 8192 the stages 128-byte aligned
-                       // (Dec<>::kStagePad); host only: 32 and 512 the other
+                       // head-major (decode_kernel), 8192 the stages at the old offset,
+                       // 64 bytes past a 128-byte boundary (Dec<>::kStagePad); host only: 32 and 512 the other
                        // copy / lookahead than the type's default (split_plan.cu, launch_decode)
 };
 
