@@ -65,17 +65,9 @@
 
 #include <cuda_runtime.h>
 
+#include "bench_common.cuh" /* CK */
 #include "decode_layout.cuh"
 #include "sm90_primitives.cuh"
-
-#define CK(x)                                                                                      \
-  do {                                                                                             \
-    cudaError_t e_ = (x);                                                                          \
-    if (e_ != cudaSuccess) {                                                                       \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));           \
-      exit(1);                                                                                     \
-    }                                                                                              \
-  } while (0)
 
 using namespace attnd::sm90;
 
