@@ -26,6 +26,7 @@
 uint64_t g_rng;
 double g_hit_worst;
 int g_hit_checks;
+int g_hit_asked; /* cases run with out_fp32 and check_hit */
 
 int harness_rnd(int n) {
   return (int)(oracle_rng_next(&g_rng) % (uint64_t)n);
@@ -703,9 +704,11 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
   if (o->check_ab)
     check_ab(s, ncase, b, ti, items, nitems, d_ws, ws_bytes, o);
 #endif
-  if (o->out_fp32 && o->check_hit)
+  if (o->out_fp32 && o->check_hit) {
+    g_hit_asked++;
     check_hit(s, ncase, ti, items, nitems, d_meta, d_cache, bb, d_sc, per_channel, q, k, v,
               (const float *)out, d_sinks, o);
+  }
 
   const double floor = harness_ratio_floor(s->dtype, s->kv, o->style);
   for (int i = 0; i < nitems; i++) {

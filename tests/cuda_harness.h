@@ -59,6 +59,7 @@ typedef struct {
 extern uint64_t g_rng;
 extern double g_hit_worst;
 extern int g_hit_checks;
+extern int g_hit_asked; /* cases that asked for the prefix-hit check (out_fp32, check_hit) */
 /* The A/B of check_ab: batches compared, those whose outputs differed in some bit
  * (0 would mean both runs took the same kernel), worst rel L2 for items of >= 8
  * rows (ATTND_TOL_AB_ROWS) and of fewer (ATTND_TOL_AB_SHORT). */

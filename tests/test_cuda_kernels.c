@@ -458,7 +458,10 @@ static void test_report(void **state) {
   print_message("prefix hit (last 8 rows alone) vs full step, fp32 out: %d checks, worst rel L2 "
                 "%.3e (bound 1e-4)\n",
                 g_hit_checks, g_hit_worst);
-  assert_true(g_hit_checks > 0);
+  /* A matrix that asked for prefix-hit checks must have made some (one
+   * matrix alone, e.g. long histories with bf16 outputs, may ask for none). */
+  if (g_hit_asked > 0)
+    assert_true(g_hit_checks > 0);
   print_message("Hopper path vs tiled kernel (A/B, fp32 out): %d batches, %d with differing bits, "
                 "worst rel L2 %.3e (items >= 8 rows, bound %.1e), %.3e (shorter, bound %.0e)\n",
                 g_ab_checks, g_ab_differ, g_ab_worst, ATTND_TOL_AB_ROWS, g_ab_worst_short,
