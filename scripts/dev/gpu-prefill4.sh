@@ -72,36 +72,13 @@ build() {
   tar -C "$tmp" -cf - . | xz -9e -T2 >"$dir/p4.tar.xz" # with the work tree: under 64 MiB
   rm -rf "$tmp"
   cp "$0" "$dir/run.sh"
+  cp "$here/round-step.sh" "$dir/"
   echo "staged $dir/p4.tar.xz: $(($(stat -c %s "$dir/p4.tar.xz") / 1048576)) MiB"
 }
 
-t0=$(date +%s)
 budget=${P4_SECONDS:-285}
-summary=()
-left() { echo $((budget - ($(date +%s) - t0))); }
-
-# step NAME CAP LOG CMD...: CMD under min(CAP, what is left), line-buffered.
-step() {
-  local name=$1 cap=$2 log=$3
-  shift 3
-  local l lim s rc took res
-  l=$(left)
-  if [ "$l" -lt 8 ]; then
-    summary+=("$(printf '%-20s %-8s %5s  %s' "$name" skipped - "no time left")")
-    return 0
-  fi
-  lim=$cap
-  [ "$lim" -gt "$l" ] && lim=$l
-  echo "== $name (limit ${lim} s)"
-  s=$(date +%s)
-  timeout -k 3 "$lim" stdbuf -oL -eL "$@" >"$out/$log" 2>&1
-  rc=$?
-  took=$(($(date +%s) - s))
-  res=ok
-  [ "$rc" -ne 0 ] && res="rc=$rc"
-  { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && res=timeout
-  summary+=("$(printf '%-20s %-8s %5s  %s' "$name" "$res" "$took" "$log")")
-}
+# shellcheck source=round-step.sh
+. "$here/round-step.sh"
 
 run() {
   out=${OUT:-$PWD/gpu-out}
