@@ -105,6 +105,8 @@ void *output_in_host_memory(attnd_backend_t *gpu, attnd_job_t *j);
  * the job is freed. */
 typedef struct {
   void *block, *out, *lse;
+  uint64_t *done;      /* the done signal's word in block (backend.h job->done), 0 before */
+  uint64_t done_value; /* what the step raises it to */
 } devio_t;
 void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d);
 void test_ipc_ops(void **state);

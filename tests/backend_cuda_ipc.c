@@ -10,11 +10,13 @@
  * marks the job device_io: pinned host memory is device memory to a kernel
  * (unified addressing), so on a GPU the backend's client-memory path reads
  * and writes it as it would a client's allocation; over the mock it is host
- * memory anyway. out and lse are poisoned (NaN). */
+ * memory anyway. out and lse are poisoned (NaN); the step raises a done
+ * signal's word there too. */
 void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d) {
-  size_t off[5], len[5] = {j->q_bytes, j->kv_bytes, j->kv_bytes, j->out_bytes, j->lse_bytes};
+  static uint64_t seq; /* done values, distinct per step */
+  size_t off[6], len[6] = {j->q_bytes, j->kv_bytes, j->kv_bytes, j->out_bytes, j->lse_bytes, 8};
   size_t n = 0;
-  for (int i = 0; i < 5; i++) {
+  for (int i = 0; i < 6; i++) {
     off[i] = n;
     n += (len[i] + 255) & ~(size_t)255;
   }
@@ -34,6 +36,12 @@ void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d) {
   j->batch.out = j->out_bytes ? b + off[3] : NULL;
   j->batch.lse = j->lse_bytes && d->lse ? (float *)(b + off[4]) : NULL;
   j->device_io = 1;
+  /* The done signal: raised from 0 to a fresh value after the kernels. */
+  d->done = (uint64_t *)(b + off[5]);
+  *d->done = 0;
+  d->done_value = ++seq << 8 | 0x5a;
+  j->done = d->done;
+  j->done_value = d->done_value;
 }
 
 static void check_done(attnd_job_t *j) {

@@ -48,7 +48,8 @@ enum {
   OP_FREE,
   OP_EVENT,
   OP_WAIT,
-  OP_SCAN
+  OP_SCAN,
+  OP_SIGNAL
 };
 
 typedef struct op_s {
@@ -63,6 +64,7 @@ typedef struct op_s {
   int64_t crows[3];
   int32_t celems[3];
   uint32_t cbound[3];
+  uint64_t svalue; /* OP_SIGNAL's */
   cudaStreamCallback_t cb;
   cudaHostFn_t fn;
   void *arg;
@@ -207,6 +209,14 @@ static void run_op(struct CUstream_st *st, op_t *o) {
     memcpy(o->dst, res, sizeof(res));
     break;
   }
+  case OP_SIGNAL: /* attnd_cuda_signal: word = max(word, value) */
+    if (!sticky) {
+      _Atomic uint64_t *w = o->dst;
+      uint64_t cur = atomic_load(w);
+      while (cur < o->svalue && !atomic_compare_exchange_weak(w, &cur, o->svalue)) {
+      }
+    }
+    break;
   case OP_EVENT: { /* an event is a timestamp taken when the stream reaches it */
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -365,6 +375,15 @@ int attnd_cuda_check_rows(const void *const p[3], const int64_t rows[3], const i
     o->cbound[t] = bound_bits[t];
   }
   o->dst = host;
+  return push(stream, o) == cudaSuccess ? 0 : ATTND_CUDA_EDEVICE;
+}
+
+int attnd_cuda_signal(void *word, uint64_t value, void *stream) {
+  if (!word || ((uintptr_t)word & 7))
+    return ATTND_CUDA_EINVAL;
+  op_t *o = op_new(OP_SIGNAL);
+  o->dst = word;
+  o->svalue = value;
   return push(stream, o) == cudaSuccess ? 0 : ATTND_CUDA_EDEVICE;
 }
 

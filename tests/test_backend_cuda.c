@@ -137,7 +137,7 @@ static void compare_backends(attnd_kv_type_t kv) {
   int n = build_scenario(sp);
   tjob_t jc[16], jg[16];
   void *frames[16] = {NULL}, *outs[16] = {NULL};
-  devio_t dio[16] = {{NULL, NULL, NULL}};
+  devio_t dio[16] = {{NULL, NULL, NULL, NULL, 0}};
   int dummy = 0;
   for (int i = 0; i < n; i++) {
     job_from_spec(&jc[i], &sp[i], &dummy);
@@ -161,6 +161,8 @@ static void compare_backends(attnd_kv_type_t kv) {
       fail_msg("cuda job %d: %s (%s)", i, jg[i].job.message, attnd_strerror(jg[i].job.status));
     if (g_devio && sp[i].kind == ATTND_JOB_STEP && jg[i].job.q_bytes) /* the client's q as sent */
       assert_memory_equal(jg[i].job.batch.q, sp[i].q, jg[i].job.q_bytes);
+    if (g_devio && sp[i].kind == ATTND_JOB_STEP) /* the done signal, raised after the kernels */
+      assert_true(*dio[i].done == dio[i].done_value);
     assert_true(jg[i].job.t_end_us >= jg[i].job.t_start_us);
     assert_true(jg[i].job.t_start_us >= jg[i].job.t_submit_us);
     if (sp[i].kind == ATTND_JOB_STEP) {

@@ -436,11 +436,16 @@ void test_ring_device_io(void **state) {
     job_from_spec(&jg[i], &sp[i], &dummy);
     jg[i].job.device_io = 1; /* the mock's device memory is host memory */
   }
+  /* The done signal, after the last chunk's copy out: raised from 5 to 77. */
+  static uint64_t done = 5;
+  jg[1].job.done = &done;
+  jg[1].job.done_value = 77;
   run_all(&loop, cpu, jc, 2);
   run_all(&loop, gpu, jg, 2);
   for (int i = 0; i < 2; i++)
     if (jg[i].job.status)
       fail_msg("cuda job %d: %s", i, jg[i].job.message);
+  assert_true(done == 77);
   attnd_backend_stats_t st;
   stats(gpu, &st);
   print_message("device_io: %llu ring chunks, %d allocation calls after start\n",

@@ -115,6 +115,8 @@ static void test_open_refusals_and_sharing(void **state) {
 enum { N = 5 };
 
 typedef struct {
+  uint64_t done; /* the done signal's word (engine.h req->done) */
+  uint64_t want; /* the value a step raises it to; 0: no done signal */
   uint16_t q[N * QH * HD], k[N * KVH * HD], v[N * KVH * HD];
   uint16_t out[N * QH * HD];
   float lse[N * QH];
@@ -124,6 +126,10 @@ static int device_step(fx_t *f, uint64_t session, devbuf_t *d, uint32_t *tokens,
                        int out_rows, char *msg) {
   attnd_item_t it = {.session = session, .start = 0, .n = N, .tokens = tokens, .ntokens = N};
   attnd_step_req_t req = {.layer = 0, .items = &it, .nitems = 1, .want_lse = want_lse, .device = 1};
+  if (d->want) {
+    req.done = &d->done;
+    req.done_value = d->want;
+  }
   attnd_tensor_t *ts[5] = {&req.q, &req.k, &req.v, &req.out, &req.lse};
   void *ps[5] = {d->q, d->k, d->v, d->out, d->lse};
   uint32_t heads[5] = {QH, KVH, KVH, QH, QH};
@@ -165,7 +171,10 @@ static void test_device_step_matches_bytes(void **state) {
   memcpy(q2, d.q, sizeof(q2)); /* the bytes path's own q (the CPU backend rotates in place) */
   uint32_t tokens[N] = {3, 1, 4, 1, 5};
   char msg[256];
+  d.done = 3;
+  d.want = 7;
   assert_int_equal(device_step(f, a->id, &d, tokens, 1, N, msg), 0);
+  assert_int_equal(d.done, 7);             /* raised once the outputs were written */
   assert_true(atomic_load(&g_scans) >= 1); /* checked on the "device" */
   assert_int_equal(session_len(f, a->id), N);
   /* The same step as bytes on session b. */
@@ -205,6 +214,7 @@ static void test_device_step_refusals_change_nothing(void **state) {
   rand_bf16(f, d.v, sizeof(d.v) / 2, 1.0);
   uint32_t tokens[N] = {1, 2, 3, 4, 5};
   char msg[256];
+  d.want = 9;                     /* every refused step leaves the done signal's word alone */
   d.k[2 * KVH * HD + 3] = 0x7fc0; /* NaN in row 2 of k */
   assert_int_equal(device_step(f, a->id, &d, tokens, 0, N, msg), ATTND_EINVAL);
   assert_non_null(strstr(msg, "item 0: k holds a non-finite value (NaN)"));
@@ -222,8 +232,15 @@ static void test_device_step_refusals_change_nothing(void **state) {
   assert_int_equal(device_step(f, a->id, &d, tokens, 0, N, msg), ATTND_EDEVICE);
   assert_non_null(strstr(msg, "device check of q, k and v could not run"));
   assert_int_equal(session_len(f, a->id), 0); /* nothing changed */
+  assert_int_equal(d.done, 0);
   assert_int_equal(device_step(f, a->id, &d, tokens, 0, N, msg), 0);
   assert_int_equal(session_len(f, a->id), N);
+  assert_int_equal(d.done, 9);
+  /* A lower value leaves a higher word as it is (word = max(word, value)). */
+  d.want = 4;
+  assert_int_equal(device_step(f, a->id, &d, tokens, 0, N, msg), 0); /* a rewrite of the N */
+  assert_int_equal(d.done, 9);
+
   check_engine(f);
   sim_free(a);
   fx_free(f);

@@ -87,6 +87,14 @@ struct attnd_job_s {
    * write phase rotates q in place, which the client's tensor must not see).
    * Only a backend with ipc_open gets such jobs. */
   int device_io;
+  /* STEP with device_io: NULL, or an 8-byte aligned DEVICE word of client
+   * memory raised to done_value (word = max(word, done_value), one atomic)
+   * after the step's last kernel, on the same stream, so that the client's
+   * own stream can wait for the outputs (docs/protocol.md, the done
+   * signal). Enqueued only when everything before it was; a step that fails
+   * may leave the word as it was, never raises it early. */
+  void *done;
+  uint64_t done_value;
   /* CHECK (same-host zero-copy): the finiteness and magnitude check of a
    * step's q, k and v in client DEVICE memory (engine/scan.c's rule, one
    * small kernel on the layer's stream, completed like any job, so no thread

@@ -161,6 +161,15 @@ static void task_work(uv_work_t *w) {
   }
 }
 
+/* The done signal (backend.h) over host memory, for the engine's tests of
+ * steps by reference: word = max(word, value), as the CUDA kernel does it. */
+static void raise_done(void *word, uint64_t value) {
+  uint64_t *w = word, cur = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+  while (cur < value &&
+         !__atomic_compare_exchange_n(w, &cur, value, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+  }
+}
+
 static void run_finish(run_t *r) {
   cpu_backend_t *be = r->be;
   attnd_job_t *job = r->job;
@@ -174,6 +183,8 @@ static void run_finish(run_t *r) {
   job->status = r->rc;
   if (r->rc)
     snprintf(job->message, sizeof(job->message), "cpu backend: %s", attnd_strerror(r->rc));
+  else if (job->kind == ATTND_JOB_STEP && job->device_io && job->done)
+    raise_done(job->done, job->done_value);
   be->inflight--;
   q->nrun--;
   free(r->bounds);

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "attnd_cuda_ipc.h" /* the done signal */
 
 void attnd_cu_run_fail_cuda(cu_run_t *r, const char *file, int line, const char *what,
                             cudaError_t e) {
@@ -426,6 +427,12 @@ static int start_run(cu_backend_t *be, cu_run_t *r) {
       return 1;
   } else if (enqueue_step(be, r)) {
     return 1;
+  } else if (job->done && job->device_io && !r->status) {
+    /* The done signal (backend.h): behind the step's last kernel and, for a
+     * ring run, its last chunk's copy out (joined back into this stream). */
+    int krc = attnd_cuda_signal(job->done, job->done_value, be->streams[r->stream].st);
+    if (krc)
+      attnd_cu_run_fail_kernel(r, krc);
   }
   /* Even a failed job gets its completion behind what it enqueued, so its
    * pinned buffer returns to the pool only once no copy reads it, and its

@@ -78,6 +78,12 @@ typedef struct {
    * the result then does not carry. Only a backend with ipc_open sees them. */
   int device;
   attnd_tensor_t out, lse;
+  /* With device: NULL, or an 8-byte aligned DEVICE word of a registered
+   * buffer that the backend raises to done_value (max(word, done_value))
+   * after the step's kernels, for a step that completes without error
+   * (docs/protocol.md, the done signal). */
+  void *done;
+  uint64_t done_value;
 } attnd_step_req_t;
 
 typedef struct {

@@ -468,6 +468,8 @@ static void step_build_batch(admit_t *a) {
     b->out = p->Tq ? req->out.data : NULL;
     b->lse = req->want_lse && p->Tq ? (float *)req->lse.data : NULL;
     j->job.lse_bytes = b->lse ? a->lse_bytes : 0;
+    j->job.done = req->done;
+    j->job.done_value = req->done_value;
   }
 }
 

@@ -228,9 +228,37 @@ static int resolve(attnd_rpc_req_t *q, const attnd_v1_TensorRef *ref, const char
   return 0;
 }
 
+/* The done signal's word (attnd.proto DoneSignal): 8 bytes at a multiple
+ * of 8 inside a registered buffer of the connection's. */
+static int resolve_done(attnd_rpc_req_t *q, const attnd_v1_DoneSignal *d, attnd_step_req_t *st) {
+  rpc_buf_t *b;
+  int rc = lookup(q, d->buffer, "done", &b);
+  if (rc)
+    return rc;
+  if (d->offset % 8 != 0 || b->size < 8 || d->offset > b->size - 8) {
+    snprintf(q->msg, sizeof(q->msg),
+             "done: the 8-byte word at offset %llu does not fit buffer %016llx of %llu bytes "
+             "(offsets are multiples of 8)",
+             (unsigned long long)d->offset, (unsigned long long)b->id, (unsigned long long)b->size);
+    return ATTND_EINVAL;
+  }
+  st->done = b->base + d->offset;
+  st->done_value = d->value;
+  b->refs++;
+  q->bufs[q->nbufs++] = b;
+  return 0;
+}
+
 int attnd_rpc_step_refs(attnd_rpc_req_t *q, const attnd_v1_StepRequest *m, attnd_step_req_t *st) {
-  if (!m->has_q_ref && !m->has_k_ref && !m->has_v_ref && !m->has_out_ref && !m->has_lse_ref)
+  if (!m->has_q_ref && !m->has_k_ref && !m->has_v_ref && !m->has_out_ref && !m->has_lse_ref) {
+    if (m->has_done) {
+      snprintf(q->msg, sizeof(q->msg),
+               "step: done is for steps by reference (q, k, v, out and lse as tensor refs); "
+               "a step with bytes is complete when its response arrives");
+      return ATTND_EINVAL;
+    }
     return 0;
+  }
   if (m->has_q || m->has_k || m->has_v) {
     snprintf(q->msg, sizeof(q->msg),
              "step: a step is all bytes or all refs: q, k and v as bytes beside tensor refs");
@@ -241,7 +269,8 @@ int attnd_rpc_step_refs(attnd_rpc_req_t *q, const attnd_v1_StepRequest *m, attnd
       (m->has_k_ref && (rc = resolve(q, &m->k_ref, "k", &st->k))) ||
       (m->has_v_ref && (rc = resolve(q, &m->v_ref, "v", &st->v))) ||
       (m->has_out_ref && (rc = resolve(q, &m->out_ref, "out", &st->out))) ||
-      (m->has_lse_ref && (rc = resolve(q, &m->lse_ref, "lse", &st->lse))))
+      (m->has_lse_ref && (rc = resolve(q, &m->lse_ref, "lse", &st->lse))) ||
+      (m->has_done && (rc = resolve_done(q, &m->done, st))))
     return rc;
   st->device = 1;
   st->pinned = 0;

@@ -88,7 +88,7 @@ struct attnd_rpc_req_s {
   uint64_t mask_bytes;        /* bytes of the items' masks in the kernels' form */
   /* Same-host zero-copy (buffers.c): the buffers a Step's refs name, held
    * until the request is freed; RegisterBuffer's new id. */
-  struct attnd_rpc_buf_s *bufs[5];
+  struct attnd_rpc_buf_s *bufs[6]; /* q, k, v, out, lse and the done signal's */
   int nbufs;
   uint64_t buffer_id;
   char msg[200];

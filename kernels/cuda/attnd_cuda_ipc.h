@@ -1,6 +1,7 @@
-/* attnd_cuda_ipc.h: the device check of tensors in client memory (ipc.cu;
- * same-host zero-copy, docs/protocol.md §5a; the rule of docs/numerics.md
- * §6, as engine/scan.c applies it on the host). */
+/* attnd_cuda_ipc.h: the device check of tensors in client memory and the
+ * done signal (ipc.cu; same-host zero-copy, docs/protocol.md §5a; the
+ * check's rule is docs/numerics.md §6, as engine/scan.c applies it on the
+ * host). */
 #ifndef ATTND_CUDA_IPC_H
 #define ATTND_CUDA_IPC_H
 
@@ -30,6 +31,12 @@ int attnd_cuda_check_init(void *state, int n, void *stream);
  * (one stream). */
 int attnd_cuda_check_rows(const void *const p[3], const int64_t rows[3], const int32_t row_elems[3],
                           const uint32_t bound_bits[3], void *state, uint64_t *host, void *stream);
+
+/* The done signal of a step over client memory (docs/protocol.md): raises
+ * the 8-byte aligned DEVICE word to value (word = max(word, value), one
+ * atomic, made visible to the whole system) once everything enqueued on
+ * stream before it has run. */
+int attnd_cuda_signal(void *word, uint64_t value, void *stream);
 
 #ifdef __cplusplus
 }

@@ -1,8 +1,8 @@
 // ipc.cu: same-host zero-copy (docs/protocol.md): mapping memory another
 // process shared with cudaIpcGetMemHandle, the device's UUID that clients
-// compare with theirs, and the finiteness and magnitude check of tensors
-// that live in such memory (attnd_cuda_ipc.h; docs/numerics.md section 6:
-// the host scan's rule, on the device).
+// compare with theirs, the finiteness and magnitude check of tensors that
+// live in such memory (docs/numerics.md section 6: the host scan's rule, on
+// the device), and the done signal a step raises in it (attnd_cuda_ipc.h).
 #include <stdio.h>
 #include <string.h>
 
@@ -97,7 +97,22 @@ __global__ void check_init_kernel(unsigned long long *state, int n) {
     state[i] = (i & 7) < 3 ? ~0ULL : 0ULL;
 }
 
+// The done signal (attnd_cuda_ipc.h): one thread, one atomic, so that two
+// steps raising the same word in either order leave the larger value.
+__global__ void signal_kernel(unsigned long long *word, unsigned long long value) {
+  atomicMax(word, value);
+  __threadfence_system();
+}
 } // namespace attnd
+
+extern "C" int attnd_cuda_signal(void *word, uint64_t value, void *stream) {
+  if (!word || ((uintptr_t)word & 7))
+    return ::attnd::set_invalid(__FILE__, __LINE__, "signal: the word is not 8-byte aligned");
+  ::attnd::signal_kernel<<<1, 1, 0, (cudaStream_t)stream>>>((unsigned long long *)word,
+                                                             (unsigned long long)value);
+  ATTND_CU_LAUNCH("signal_kernel");
+  return 0;
+}
 
 extern "C" int attnd_cuda_device_uuid(int device, char *out, size_t len) {
   cudaDeviceProp p;

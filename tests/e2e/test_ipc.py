@@ -4,7 +4,8 @@ whose tensors are (buffer, offset) refs instead of bytes.
 Everywhere (CI has no GPU): the refusals that need no device. The CPU backend
 answers RegisterBuffer with FAILED_PRECONDITION, so does --ipc false; a handle
 that is not 64 bytes, a step naming a buffer nobody registered, a step mixing
-bytes and refs, a release of an unknown buffer are INVALID_ARGUMENT, and a
+bytes and refs, a done signal on a step with bytes, a release of an unknown
+buffer are INVALID_ARGUMENT, and a
 refused step changes nothing (the session still steps from 0).
 
 On the CUDA backend with torch on the daemon's GPU (the lead's GPU round:
@@ -15,7 +16,9 @@ client's own tensors (poisoned with NaN first); a bad offset, a misaligned one,
 a released buffer, another connection's buffer and a NaN in q are refused and
 change nothing, and so is a registration larger than its allocation; every
 layer's step pipelined by reference into staging tensors registered once gives
-the bytes path's outputs, and a NaN in a later item's k names that item."""
+the bytes path's outputs, and a NaN in a later item's k names that item; a stream
+that waits for a step's done signal reads its outputs before the response is read,
+and a refused step's signal is raised by the client when the error arrives."""
 import os
 import unittest
 
@@ -123,6 +126,19 @@ class RefusalTest(DaemonTestCase):
             with self.assertRaises(attnd.InvalidArgument) as e:
                 c.call(req)
             self.assertIn("all bytes or all refs", e.exception.message)
+            # A done signal on a step with bytes: refused, naming it.
+            req = pb.Request()
+            req.step.CopyFrom(ref_step(0, it).step)
+            for name, a in (("q", q), ("k", kv), ("v", kv)):
+                dt, shape, data = c._wire(a, name)
+                t = getattr(req.step, name)
+                t.dtype = dt
+                t.shape.extend(shape)
+                t.data = bytes(memoryview(data))
+            req.step.done.buffer, req.step.done.offset, req.step.done.value = 77, 0, 1
+            with self.assertRaises(attnd.InvalidArgument) as e:
+                c.call(req)
+            self.assertIn("done is for steps by reference", e.exception.message)
             # Nothing changed: the session steps from position 0.
             out = c.step(0, q, kv, kv, items=it).out
             self.assertEqual(out.shape, (n, m.q_heads, m.head_dim))
@@ -200,6 +216,58 @@ class GpuIpcTest(DaemonTestCase):
             self.assertIs(o, out)
             self.assertFalse(torch.isnan(out).any().item())
             self.assertFalse(torch.isnan(lse).any().item())
+
+    def test_the_done_signal_orders_the_clients_stream(self):
+        # The client's stream waits for the done signal right after the send and
+        # copies out behind the wait, before the response is read: the copy holds
+        # the step's outputs (out was NaN before), and the word holds the value.
+        # Then a step refused for a NaN in k: the error's arrival raises the
+        # signal on the client's side, so the waiting stream goes on.
+        with self.daemon.client(ipc=True) as c:
+            m = c.model
+            g = torch.Generator().manual_seed(7)
+            sig = attnd_ipc.DoneSignal(c, self.dev)
+            s, _ = c.open_session()
+            n = 64
+            for start in (0, n):
+                q = self.rand(g, n, m.q_heads, m.head_dim)
+                kv = self.rand(g, n, m.kv_heads, m.head_dim)
+                out = torch.full((n, m.q_heads, m.head_dim), float("nan"), dtype=torch.bfloat16,
+                                 device=self.dev)
+                rid = c.step_send(0, q, kv, kv, items=[attnd.Item(s, start, n, tokens=[3] * n)],
+                                  out=out, done=sig)
+                sig.wait()
+                early = out.clone()  # enqueued behind the wait, before any answer
+                r = c.step_recv(rid)
+                torch.cuda.synchronize()
+                self.assertIs(r.out, out)
+                self.assertFalse(torch.isnan(early).any().item())
+                self.assertTrue(torch.equal(early.view(torch.int16), out.view(torch.int16)))
+                self.assertEqual(sig.reached(), sig.value)
+            kv[1, 0, 0] = float("nan")
+            torch.cuda.synchronize()
+            rid = c.step_send(0, q, kv, kv, items=[attnd.Item(s, 2 * n, n, tokens=[3] * n)],
+                              out=out, done=sig)
+            sig.wait()
+            with self.assertRaises(attnd.InvalidArgument):
+                c.step_recv(rid)
+            torch.cuda.synchronize()  # released by the client: no hang
+            self.assertEqual(sig.reached(), sig.value)
+            self.assertEqual([x.len for x in c.list_sessions() if x.session == s], [2 * n])
+            # Misaligned or outside its buffer: refused, changing nothing.
+            for off in (sig.offset + 4, 1 << 40):
+                req = ref_step(0, [attnd.Item(s, 2 * n, 1, tokens=[3])])
+                qq, kk = q[:1].contiguous(), kv[2:3].contiguous()
+                oo = out[:1].contiguous()
+                for name, t in (("q", qq), ("k", kk), ("v", kk), ("out", oo)):
+                    c.ipc.ref(t, getattr(req.step, name + "_ref"))
+                req.step.done.buffer, req.step.done.offset, req.step.done.value = \
+                    sig.buffer, off, sig.value + 1
+                torch.cuda.synchronize()
+                with self.assertRaises(attnd.InvalidArgument) as e:
+                    c.call(req)
+                self.assertIn("done", e.exception.message)
+            self.assertEqual([x.len for x in c.list_sessions() if x.session == s], [2 * n])
 
     def test_pipelined_steps_by_reference_into_kept_staging(self):
         # Every layer's step sent before any answer is read (step_send/step_recv),

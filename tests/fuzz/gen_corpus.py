@@ -405,7 +405,8 @@ def seeds():
     # harness drains at eight calls in flight, so the registration is done
     # before a step names it (a client waits for its answer). Then a prefill
     # and a decode by reference of session 1 on both layers (the device check
-    # a CHECK job), an fp32 output, a region past the registration, a handle
+    # a CHECK job) with done signals, an fp32 output, a misaligned done word, a
+    # region past the registration, a handle
     # "the driver" cannot open, a release, and a step naming the released buffer.
     s = Seed()
     open_(s)
@@ -422,7 +423,7 @@ def seeds():
         t.buffer, t.offset, t.dtype = 3, off, dtype
         t.shape.extend(shape)
 
-    def ref_step(layer, start, n, q_off=0, fp32=False, lse=False):
+    def ref_step(layer, start, n, q_off=0, fp32=False, lse=False, done=None):
         r = s.req()
         st = r.step
         st.layer = layer
@@ -435,12 +436,15 @@ def seeds():
             ref2(st.lse_ref, 262144, [n, QH], pb.DTYPE_FP32)
         st.want_lse = lse
         st.fp32_out = fp32
+        if done is not None:  # the done signal's word: (offset, value)
+            st.done.buffer, st.done.offset, st.done.value = 3, done[0], done[1]
         s.add(r)
 
     for layer in (0, 1):
-        ref_step(layer, 0, 4, lse=True)
+        ref_step(layer, 0, 4, lse=True, done=(327680 + 8 * layer, 1))
     for layer in (0, 1):
-        ref_step(layer, 4, 1, fp32=layer == 1)
+        ref_step(layer, 4, 1, fp32=layer == 1, done=(327680 + 8 * layer, 2))
+    ref_step(0, 4, 1, done=(327684, 3))  # a misaligned word: refused
     ref_step(0, 5, 1, q_off=(1 << 20) - 256)  # past the registration
     r = s.req()
     r.register_buffer.cuda_ipc_handle = b"\xff" + bytes(63)

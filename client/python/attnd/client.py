@@ -710,7 +710,8 @@ class Client:
     def step_send(self, layer: int, q: Optional[npt.ArrayLike] = None,
                   k: Optional[npt.ArrayLike] = None, v: Optional[npt.ArrayLike] = None,
                   items: Optional[Sequence[Item]] = None, plan: int = 0, want_lse: bool = False,
-                  fp32_out: bool = False, out: Any = None, lse: Any = None) -> int:
+                  fp32_out: bool = False, out: Any = None, lse: Any = None,
+                  done: Any = None) -> int:
         """Sends one Step (a plan id, or inline items); returns its request id.
 
         q: [Tq, q_heads, head_dim], k and v: [T, kv_heads, head_dim], packed in item
@@ -719,8 +720,11 @@ class Client:
         they are when bf16/fp16, float32 rounded by torch; no numpy round trip. torch
         CUDA tensors go by reference when the ipc mode allows (attnd.ipc); the daemon
         then writes out and lse into the tensors given (else new ones): step_recv's.
+        done: an attnd.ipc.DoneSignal the daemon raises on the device once out and lse
+        are written (the step must go by reference), for done.wait().
         """
-        rid = _ipc.try_step_send(self, layer, q, k, v, items, plan, want_lse, fp32_out, out, lse)
+        rid = _ipc.try_step_send(self, layer, q, k, v, items, plan, want_lse, fp32_out, out, lse,
+                                 done=done)
         if rid is not None:
             return rid
         return self._bytes_send(layer, q, k, v, items, plan, want_lse, fp32_out)
@@ -765,7 +769,12 @@ class Client:
         out and lse as torch tensors (bf16 stays bf16), on torch_device if given. A step
         sent by reference: the tensors the daemon wrote."""
         if id in self._ipc_out:
-            resp = self.recv(id)
+            try:
+                resp = self.recv(id)
+            except errors.AttndError:
+                self.ipc.answered(id, False)  # a done signal the daemon will not raise
+                raise
+            self.ipc.answered(id, True)
             out, lse = self._ipc_out.pop(id)
             return StepResult(out=out, lse=lse, timing=resp.timing, id=resp.id)
         resp, cut = self._recv_cut(id, True)

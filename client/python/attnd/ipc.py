@@ -56,6 +56,19 @@ class _Driver:
                 for f in ("cuMemGetAddressRange_v2", "cuIpcGetMemHandle", "cuDeviceGet",
                           "cuDeviceGetUuid_v2"):
                     getattr(lib, f).restype = ctypes.c_int
+                # The done signal (DoneSignal): stream memory operations.
+                for f, args in (("cuStreamWaitValue64", [vp, u64, u64, ctypes.c_uint]),
+                                ("cuStreamWriteValue64", [vp, u64, u64, ctypes.c_uint]),
+                                ("cuStreamCreate", [vp, ctypes.c_uint]),
+                                ("cuStreamSynchronize", [vp]),
+                                ("cuMemcpyDtoHAsync_v2", [vp, u64, ctypes.c_size_t, vp])):
+                    for name in (f + "_v2", f):
+                        fn = getattr(lib, name, None)
+                        if fn is not None:
+                            fn.argtypes = args
+                            fn.restype = ctypes.c_int
+                            setattr(lib, "_" + f, fn)
+                            break
                 cls._lib = lib
             return cls._lib
 
@@ -84,6 +97,81 @@ class _Driver:
             raise IpcUnavailable(f"cannot read the UUID of CUDA device {ordinal}")
         h = u.raw.hex()
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+_CU_STREAM_NON_BLOCKING = 1
+_CU_STREAM_WAIT_VALUE_GEQ = 0
+
+
+def _driver_call(name: str, *args: Any) -> None:
+    fn = getattr(_Driver.lib(), "_" + name, None)
+    if fn is None:
+        raise IpcUnavailable(f"the CUDA driver has no {name}")
+    rc = fn(*args)
+    if rc != 0:
+        raise IpcUnavailable(f"{name} failed (CUresult {rc})")
+
+
+class DoneSignal:
+    """A 64-bit word in this process's device memory that steps by reference raise
+    on the device once their outputs are written (docs/protocol.md, the done
+    signal), so that a torch stream can wait for a step's outputs without waiting
+    for its response: step_send(..., done=sig), then sig.wait() makes the current
+    stream wait on the device, and work enqueued behind it reads out and lse.
+
+    Give every step in flight its own signal (one per layer of a decode loop
+    does): each step arms the next value of its signal, and a signal is armed
+    again only after the step before has been answered. The response still
+    comes and still says whether the step succeeded: a failed step's signal is
+    raised by the client when its answer arrives (step_recv), so a waiting stream
+    goes on, over outputs that are not the step's result."""
+
+    def __init__(self, client: Any, device: Any = None) -> None:
+        import torch
+
+        self.client = client
+        self.tensor = torch.zeros(1, dtype=torch.int64, device=device or "cuda")
+        self.buffer, self.offset = client.ipc.locate(self.tensor)
+        self.value = 0  # the last value armed
+        self._stream = None  # a non-blocking driver stream of our own (release, read)
+
+    def arm(self) -> int:
+        self.value += 1
+        return self.value
+
+    def fill(self, m: Any, value: int) -> None:
+        m.buffer, m.offset, m.value = self.buffer, self.offset, int(value)
+
+    def wait(self, stream: Any = None, value: Optional[int] = None) -> None:
+        """The torch stream (default: the current one) waits on the device until the
+        word reaches value (default: the last value armed)."""
+        import torch
+
+        st = stream if stream is not None else torch.cuda.current_stream(self.tensor.device)
+        _driver_call("cuStreamWaitValue64", ctypes.c_void_p(st.cuda_stream), self.tensor.data_ptr(),
+                     self.value if value is None else int(value), _CU_STREAM_WAIT_VALUE_GEQ)
+
+    def _own_stream(self) -> Any:
+        if self._stream is None:
+            s = ctypes.c_void_p(0)
+            _driver_call("cuStreamCreate", ctypes.byref(s), _CU_STREAM_NON_BLOCKING)
+            self._stream = s
+        return self._stream
+
+    def release(self, value: int) -> None:
+        """Sets the word to value from a stream of its own (one that no waiting
+        stream blocks), for a step the daemon answered with an error."""
+        st = self._own_stream()
+        _driver_call("cuStreamWriteValue64", st, self.tensor.data_ptr(), int(value), 0)
+        _driver_call("cuStreamSynchronize", st)
+
+    def reached(self) -> int:
+        """The word's value now (read on a stream of its own)."""
+        st = self._own_stream()
+        v = ctypes.c_uint64(0)
+        _driver_call("cuMemcpyDtoHAsync", ctypes.byref(v), self.tensor.data_ptr(), 8, st)
+        _driver_call("cuStreamSynchronize", st)
+        return int(v.value)
 
 
 def device_uuid(device: Any) -> str:
@@ -130,14 +218,26 @@ class IpcState:
         self._kept: Dict[int, Tuple[Any, int, int, int]] = {}
         self._uuids: Dict[Any, str] = {}  # torch device -> its UUID
         self._lock = threading.Lock()
+        # request id -> (DoneSignal, value) of steps sent with one, until answered
+        self._done: Dict[int, Tuple["DoneSignal", int]] = {}
+
+    def answered(self, rid: int, ok: bool) -> None:
+        """A step by reference was answered: a done signal it carried that the
+        daemon will not raise (the step failed) is raised here instead, so that a
+        stream waiting for it goes on (its out and lse are not the step's result)."""
+        with self._lock:
+            d = self._done.pop(rid, None)
+        if d is not None and not ok:
+            d[0].release(d[1])
 
     def _daemon_uuid(self) -> str:
         if self._uuid is None:
             self._uuid = self.client.health().device_uuid
         return self._uuid
 
-    def usable(self, *tensors: Any) -> bool:
-        """Whether a step over these torch tensors goes by reference."""
+    def usable(self, *tensors: Any, small: bool = False) -> bool:
+        """Whether a step over these torch tensors goes by reference (small: also
+        below "auto"'s size threshold)."""
         if self.off or not self.client.local:
             return False
         ts = [t for t in tensors if t is not None]
@@ -154,14 +254,14 @@ class IpcState:
         dev = ts[0].device
         if any(t.device != dev for t in ts):
             return False
-        return self.would_use(dev, sum(t.numel() * t.element_size() for t in ts))
+        return self.would_use(dev, sum(t.numel() * t.element_size() for t in ts), small=small)
 
-    def would_use(self, dev: Any, nbytes: int) -> bool:
+    def would_use(self, dev: Any, nbytes: int, small: bool = False) -> bool:
         """Whether a step of nbytes of q, k and v on torch device dev would go by
         reference (given tensors that allow it: see usable())."""
         if self.off or not self.client.local:
             return False
-        if self.mode == "auto" and nbytes < self.AUTO_MIN_BYTES:
+        if self.mode == "auto" and nbytes < self.AUTO_MIN_BYTES and not small:
             return False
         theirs = self._daemon_uuid()
         try:
@@ -182,16 +282,19 @@ class IpcState:
     def ref(self, t: Any, out: Any) -> None:
         """Fills the TensorRef out for the contiguous torch CUDA tensor t (registering
         its allocation on first use)."""
+        out.buffer, out.offset = self.locate(t)
+        self._fill_meta(t, out)
+
+    def locate(self, t: Any) -> Tuple[int, int]:
+        """(buffer id, offset) of the contiguous torch CUDA tensor t, its allocation
+        registered on first use."""
         if not t.is_contiguous():
             raise ValueError("zero-copy needs contiguous tensors")
         ptr = t.data_ptr()
         nbytes = t.numel() * t.element_size()
         kept = self._kept.get(ptr)
         if kept is not None and nbytes <= kept[3]:
-            out.buffer = kept[1]
-            out.offset = ptr - kept[2]
-            self._fill_meta(t, out)
-            return
+            return kept[1], ptr - kept[2]
         base, size, handle = _Driver.allocation(ptr)
         if ptr - base + nbytes > size:
             raise ValueError("tensor extends past its allocation")
@@ -202,9 +305,7 @@ class IpcState:
             with self._lock:
                 self._bufs[handle] = (buf, size)
             have = (buf, size)
-        out.buffer = have[0]
-        out.offset = ptr - base
-        self._fill_meta(t, out)
+        return have[0], ptr - base
 
     def keep(self, t: Any) -> None:
         """Registers the allocation of the contiguous torch CUDA tensor t now and
@@ -259,9 +360,12 @@ def _pb() -> Any:
 
 
 def step_send(client: Any, layer: int, q: Any, k: Any, v: Any, items: Any, plan: int,
-              want_lse: bool, fp32_out: bool, out: Any = None, lse: Any = None) -> Tuple[int, Any, Any]:
+              want_lse: bool, fp32_out: bool, out: Any = None, lse: Any = None,
+              done: Optional[DoneSignal] = None) -> Tuple[int, Any, Any]:
     """Sends one Step over torch CUDA tensors by reference; returns (request id, out,
-    lse): the tensors the daemon writes (allocated here when not given)."""
+    lse): the tensors the daemon writes (allocated here when not given). done: a
+    DoneSignal the step arms and raises (then done.wait() orders a stream after it);
+    answer the step with client.step_recv, which also releases a failed step's."""
     import torch
 
     st_ipc: IpcState = client.ipc
@@ -292,26 +396,37 @@ def step_send(client: Any, layer: int, q: Any, k: Any, v: Any, items: Any, plan:
         st_ipc.ref(lse, st.lse_ref)
     st.want_lse = bool(want_lse)
     st.fp32_out = bool(fp32_out)
+    value = done.arm() if done is not None else 0
+    if done is not None:
+        done.fill(st.done, value)
     # The daemon reads q, k and v as soon as the step arrives: they must be written.
     torch.cuda.current_stream(dev).synchronize()
-    return client.send(req), out, lse
+    rid = client.send(req)
+    if done is not None:
+        with st_ipc._lock:
+            st_ipc._done[rid] = (done, value)
+    return rid, out, lse
 
 
 def try_step_send(client: Any, layer: int, q: Any, k: Any, v: Any, items: Any, plan: int,
-                  want_lse: bool, fp32_out: bool, out: Any = None, lse: Any = None) -> Optional[int]:
+                  want_lse: bool, fp32_out: bool, out: Any = None, lse: Any = None,
+                  done: Optional[DoneSignal] = None) -> Optional[int]:
     """The Step by reference when its torch tensors and the client's ipc mode allow it
     (step_send), its out and lse kept for step_recv; its request id, or None: the
     caller sends bytes. A registration refused with FAILED_PRECONDITION (or a
     process that cannot share memory) turns "auto" off for good; with ipc=True it
     raises."""
     if not any(x is not None and _is_cuda_tensor(x) for x in (q, k, v)) or \
-            not client.ipc.usable(q, k, v):
+            not client.ipc.usable(q, k, v, small=done is not None):
+        if done is not None:
+            raise ValueError("a done signal needs a step by reference: torch CUDA tensors of "
+                             "the activation dtype on the daemon's device, and ipc not off")
         return None
     try:
         rid, o, l = step_send(client, layer, q, k, v, items, plan, want_lse, fp32_out,
-                              out=out, lse=lse)
+                              out=out, lse=lse, done=done)
     except (errors.FailedPrecondition, IpcUnavailable):
-        if client.ipc.mode is True:
+        if client.ipc.mode is True or done is not None:
             raise
         client.ipc.off = True  # refused at registration: bytes from now on
         return None
