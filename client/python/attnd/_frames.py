@@ -68,6 +68,17 @@ def _tensor_head(dtype: int, shape: Tuple[int, ...]) -> bytes:
     return out + (_ld_head(_SHAPE, len(dims)) + dims if dims else b"")
 
 
+@functools.lru_cache(maxsize=512)
+def _tensor_field(name: str, dtype: int, shape: Tuple[int, ...], nbytes: int) -> bytes:
+    """Everything of a q, k or v Tensor field but its data bytes: the field's tag
+    and length, dtype, shape and the data field's tag and length. A decode loop
+    sends the same few shapes step after step: built once each."""
+    hdr = _tensor_head(dtype, shape)
+    # An empty data field is left out, as protobuf itself would.
+    dhead = _ld_head(_DATA, nbytes) if nbytes else b""
+    return _ld_head(_STEP_IN[name], len(hdr) + len(dhead) + nbytes) + hdr + dhead
+
+
 def step_frame(req: Any, tensors: Sequence[Tuple[str, int, Tuple[int, ...], Any]]) -> List[Any]:
     """The frame of a Step request as pieces for sendmsg: req (a pb.Request whose
     step holds no q, k or v) and tensors [(name, dtype, shape, buffer)], each buffer
@@ -80,19 +91,16 @@ def step_frame(req: Any, tensors: Sequence[Tuple[str, int, Tuple[int, ...], Any]
         h.CopyFrom(req)
         h.ClearField("step")
         first = h.SerializeToString()
-    pieces: List[Any] = []
+    pieces: List[Any] = [b""]
     body = 0
     for name, dtype, shape, buf in tensors:
         mv = _bytes_view(buf)
-        hdr = _tensor_head(int(dtype), tuple(int(s) for s in shape))
-        # An empty data field is left out, as protobuf itself would.
-        dhead = _ld_head(_DATA, mv.nbytes) if mv.nbytes else b""
-        thead = _ld_head(_STEP_IN[name], len(hdr) + len(dhead) + mv.nbytes) + hdr + dhead
+        thead = _tensor_field(name, int(dtype), tuple(shape), mv.nbytes)
         pieces += [thead, mv]
         body += len(thead) + mv.nbytes
     first += _ld_head(_REQ_STEP, len(step) + body) + step
-    n = len(first) + body
-    return [n.to_bytes(4, "big") + first] + pieces
+    pieces[0] = (len(first) + body).to_bytes(4, "big") + first
+    return pieces
 
 
 def _fields(buf: Any, pos: int, end: int):

@@ -224,12 +224,16 @@ class IpcState:
         with self._lock:
             self._kept.pop(t.data_ptr(), None)
 
-    @staticmethod
-    def _fill_meta(t: Any, out: Any) -> None:
-        import torch
+    _dts: Optional[Dict[Any, int]] = None  # torch dtype -> wire dtype, made once
 
-        dts = {torch.bfloat16: _pb().DTYPE_BF16, torch.float16: _pb().DTYPE_FP16,
-               torch.float32: _pb().DTYPE_FP32}
+    @classmethod
+    def _fill_meta(cls, t: Any, out: Any) -> None:
+        dts = cls._dts
+        if dts is None:
+            import torch
+
+            dts = cls._dts = {torch.bfloat16: _pb().DTYPE_BF16, torch.float16: _pb().DTYPE_FP16,
+                              torch.float32: _pb().DTYPE_FP32}
         if t.dtype not in dts:
             raise ValueError(f"zero-copy: unsupported dtype {t.dtype}")
         out.dtype = dts[t.dtype]
