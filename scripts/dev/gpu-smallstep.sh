@@ -43,7 +43,7 @@ stage)
   for lib in libuv.so.1 libcmocka.so.0 libinih.so.1 libxxhash.so.0 libhttp_parser.so.2.9 libjansson.so.4; do
     cp -L "/usr/lib/x86_64-linux-gnu/$lib" "$tmp/bin/$lib"
   done
-  (cd "$here" && tar -cf - client/python/attnd bench/bench_e2e.py tests/e2e) | tar -C "$tmp/src" -xf -
+  (cd "$here" && tar -cf - client/python/attnd bench/bench_e2e.py tests/e2e tests/tolerance.h) | tar -C "$tmp/src" -xf -
   (cd "$here" && git archive "${GPU_SMALL_OLD:-main}" client/python/attnd) | tar -C "$tmp/old" -xf -
   (cd "$here" && git rev-parse --short HEAD) >"$tmp/COMMIT"
   find "$tmp" -name __pycache__ -prune -exec rm -rf {} +
@@ -142,7 +142,9 @@ ctl() {
   grep -E "step_trace|cuda_trace" "$out/attnd-attnctl.log" | tail -8
   rm -rf "$d"
 }
-step attnctl 70 ctl
+export -f ctl
+export B out
+step attnctl 70 bash -c ctl
 grep -E "^## |^(decode layer|  in daemon|  client)" "$out/attnctl.log" | head -30
 
 echo "SMALLSTEP SUMMARY:$summary (total $(($(date +%s) - t0))s)"
