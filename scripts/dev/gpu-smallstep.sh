@@ -11,7 +11,7 @@
 #       before/after), and copies this script next to it as DIR/run.sh.
 #   bash DIR/run.sh                           (GPU machine, DIR carried there)
 #
-# Steps, each under what is left of GPU_SMALL_BUDGET (default 225 s), logs and
+# Steps, each under what is left of GPU_SMALL_BUDGET (default 228 s), logs and
 # JSON in $OUT:
 #   1. tests/e2e/test_ipc.py on the CUDA daemon (zero-copy against bytes and
 #      the float64 reference, refusals);
@@ -71,7 +71,7 @@ export LD_LIBRARY_PATH=$B${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export ATTND_PB2_DIR=$B PYTHONPATH=$B:$S/client/python PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 t0=$(date +%s)
-budget=${GPU_SMALL_BUDGET:-225}
+budget=${GPU_SMALL_BUDGET:-228}
 summary=""
 
 # step NAME CAP CMD...: CMD under min(CAP, what is left), output to $out/NAME.log.
@@ -97,7 +97,7 @@ $py -c "import torch, google.protobuf as p; print('torch', torch.__version__, 'p
 ldd "$B/attnd" | grep "not found" | tee -a "$out/gpu.txt"
 
 # 1. zero-copy end to end on the CUDA daemon.
-step test_ipc 60 bash -c "cd '$S/tests/e2e' && ATTND_E2E_BACKEND=cuda ATTND_BIN='$B/attnd' ATTND_BUILD_DIR='$B' $py run.py test_ipc"
+step test_ipc 45 bash -c "cd '$S/tests/e2e' && ATTND_E2E_BACKEND=cuda ATTND_BIN='$B/attnd' ATTND_BUILD_DIR='$B' $py run.py test_ipc"
 grep -E "^(Ran|OK|FAILED)|SKIPPED|Error|error:" "$out/test_ipc.log" | head -12
 
 e2e=("$py" "$S/bench/bench_e2e.py" --attnd "$B/attnd" --backend cuda --context 4096 --prefill 0
@@ -105,21 +105,21 @@ e2e=("$py" "$S/bench/bench_e2e.py" --attnd "$B/attnd" --backend cuda --context 4
 brk() { grep -E "^\| (breakdown|unix|ipc) " "$out/$1.log" | grep -v "^| step_trace" | head -16; }
 
 # 2. the breakdown, defaults (+ --cuda-trace), PyTorch column first.
-step e2e_breakdown 60 "${e2e[@]}" --sessions 1,16,64 --tokens 8 --breakdown --json "$out/e2e_breakdown.json"
+step e2e_breakdown 55 "${e2e[@]}" --sessions 1,16,64 --tokens 8 --breakdown --json "$out/e2e_breakdown.json"
 brk e2e_breakdown
 # 3. as served.
-step e2e_plain 35 "${e2e[@]}" --sessions 1,16,64 --tokens 16 --no-cuda-trace --no-torch --json "$out/e2e_plain.json"
+step e2e_plain 30 "${e2e[@]}" --sessions 1,16,64 --tokens 16 --no-cuda-trace --no-torch --json "$out/e2e_plain.json"
 brk e2e_plain
 # 4. the older client.
-step e2e_oldclient 25 env ATTND_CLIENT_DIR="$W/old/client/python" "${e2e[@]}" --sessions 1,16 --tokens 16 \
+step e2e_oldclient 20 env ATTND_CLIENT_DIR="$W/old/client/python" "${e2e[@]}" --sessions 1,16 --tokens 16 \
   --no-cuda-trace --no-torch --json "$out/e2e_oldclient.json"
 brk e2e_oldclient
 # 5. loop completion and graphs.
-step e2e_loop_graphs 35 "${e2e[@]}" --sessions 1,16,64 --tokens 8 --breakdown --no-torch \
+step e2e_loop_graphs 30 "${e2e[@]}" --sessions 1,16,64 --tokens 8 --breakdown --no-torch \
   --daemon-arg=--cuda-completion --daemon-arg=loop --daemon-arg=--cuda-graphs --json "$out/e2e_loop_graphs.json"
 brk e2e_loop_graphs
 # 6. busy poll on both sides.
-step e2e_busy 25 "${e2e[@]}" --sessions 1 --tokens 16 --no-cuda-trace --no-torch --spin 300 \
+step e2e_busy 20 "${e2e[@]}" --sessions 1 --tokens 16 --no-cuda-trace --no-torch --spin 300 \
   --daemon-arg=--busy-poll-us --daemon-arg=300 --daemon-arg=--cuda-completion --daemon-arg=loop \
   --daemon-arg=--cuda-graphs --json "$out/e2e_busy.json"
 brk e2e_busy
@@ -135,7 +135,7 @@ ctl() {
   for a in "--sessions 1 --prompt 4096" "--sessions 16 --prompt 512" "--sessions 64 --prompt 512"; do
     echo "## attnctl bench $a --steps 64"
     # shellcheck disable=SC2086
-    timeout 25 "$B/attnctl" --socket "$d/s" bench $a --steps 64
+    timeout 14 "$B/attnctl" --socket "$d/s" bench $a --steps 64
   done
   kill -TERM $pid
   wait $pid
@@ -144,7 +144,7 @@ ctl() {
 }
 export -f ctl
 export B out
-step attnctl 70 bash -c ctl
+step attnctl 45 bash -c ctl
 grep -E "^## |^(decode layer|  in daemon|  client)" "$out/attnctl.log" | head -30
 
 echo "SMALLSTEP SUMMARY:$summary (total $(($(date +%s) - t0))s)"
