@@ -61,9 +61,13 @@ run) ;;
 esac
 
 here=$(cd "$(dirname "$0")" && pwd)
-out=${OUT:-$here/out}
-mkdir -p "$out"
+# Logs and JSON go to a work folder, packed into $OUT/smallstep-logs.tar.xz at
+# the end (a round brings back only a few files), the key ones copied beside it.
+final=${OUT:-$here/out}
+mkdir -p "$final"
 W=$(mktemp -d)
+out=$W/logs
+mkdir -p "$out"
 xz -dc "$here/smallstep.tar.xz" | tar -C "$W" -xf -
 B=$W/bin
 S=$W/src
@@ -147,4 +151,6 @@ export B out
 step attnctl 45 bash -c ctl
 grep -E "^## |^(decode layer|  in daemon|  client)" "$out/attnctl.log" | head -30
 
+tar -C "$W" -cJf "$final/smallstep-logs.tar.xz" logs
+cp "$out/e2e_breakdown.log" "$out/attnctl.log" "$final/" 2>/dev/null
 echo "SMALLSTEP SUMMARY:$summary (total $(($(date +%s) - t0))s)"
