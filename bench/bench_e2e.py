@@ -287,13 +287,15 @@ def _torch_reference(torch, F, sh, nsess, context, tokens, device):
     dt = torch.bfloat16
     cap = context + tokens + 1
     # One contiguous cache per layer, sized to the run, [sessions, kv heads,
-    # positions, d]; SDPA attends the q heads to their kv head itself
-    # (enable_gqa: no repeat_interleave copy of the cache per step).
+    # positions, d]. A decode step's q heads of one kv head are that head's
+    # query rows: q as [sessions, kv heads, q/kv heads, d] against the cache
+    # is GQA decode as plain SDPA, which its fused kernels take (SDPA with
+    # enable_gqa over the sliced cache fell back to the math kernel on the H200:
+    # ~60 ms per 32-layer token; repeat_interleave copied the cache per step).
     kc = [torch.randn(nsess, kvh, cap, d, dtype=dt, device=device) for _ in range(L)]
     vc = [torch.randn(nsess, kvh, cap, d, dtype=dt, device=device) for _ in range(L)]
-    q = torch.randn(nsess, qh, 1, d, dtype=dt, device=device)
+    q = torch.randn(nsess, kvh, qh // kvh, d, dtype=dt, device=device)
     knew = torch.randn(nsess, kvh, 1, d, dtype=dt, device=device)
-    gqa = qh != kvh
 
     def sync():
         if device == "cuda":
@@ -303,8 +305,7 @@ def _torch_reference(torch, F, sh, nsess, context, tokens, device):
         for l in range(L):
             kc[l][:, :, pos:pos + 1] = knew
             vc[l][:, :, pos:pos + 1] = knew
-            F.scaled_dot_product_attention(q, kc[l][:, :, :pos + 1], vc[l][:, :, :pos + 1],
-                                           enable_gqa=gqa)
+            F.scaled_dot_product_attention(q, kc[l][:, :, :pos + 1], vc[l][:, :, :pos + 1])
         sync()
 
     one(context)  # warm-up

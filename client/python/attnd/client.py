@@ -796,6 +796,25 @@ class Client:
 
     def _bytes_send(self, layer: int, q: Any, k: Any, v: Any, items: Optional[Sequence[Item]],
                     plan: int, want_lse: bool, fp32_out: bool) -> int:
+        if not items and _frames._FAST:
+            # A step of a plan: framed without a protobuf message (_frames.step_frame_plan).
+            tensors = []
+            for name, arr in (("q", q), ("k", k), ("v", v)):
+                if arr is not None:
+                    dt, shape, data = self._wire(arr, name)
+                    tensors.append((name, dt, shape, data))
+            with self._send_lock:
+                rid = self._next_id
+                self._next_id += 1
+                pieces, n = _frames.step_frame_plan(rid, int(layer), int(plan), bool(want_lse),
+                                                    bool(fp32_out), tensors)
+                if not 0 < n - 4 <= _MAX_FRAME:
+                    raise errors.InvalidArgument(f"request of {n - 4} bytes does not fit a frame")
+                try:
+                    _frames.sendmsg_all(self._conn(), pieces, n)
+                except OSError as e:
+                    raise _io_error("write to", self.address, e) from None
+                return rid
         req = pb.Request()
         st = req.step
         st.layer = int(layer)
@@ -824,7 +843,7 @@ class Client:
             if not 0 < n <= _MAX_FRAME:
                 raise errors.InvalidArgument(f"request of {n} bytes does not fit a frame")
             try:
-                _frames.sendmsg_all(self._conn(), pieces)
+                _frames.sendmsg_all(self._conn(), pieces, n + 4)
             except OSError as e:
                 raise _io_error("write to", self.address, e) from None
             return int(req.id)
