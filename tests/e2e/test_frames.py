@@ -74,6 +74,28 @@ class FramesTest(unittest.TestCase):
             # Field for field what protobuf writes (its order aside).
             self.assertEqual(sorted(frame[4:]), sorted(want.SerializeToString()))
 
+    def test_ref_step_frame_is_protobufs_message(self):
+        """step_frame_refs (a Step by reference, no protobuf message) frames the
+        same Request protobuf builds from the same TensorRefs."""
+        refs = {}
+        for i, name in enumerate(("q_ref", "k_ref", "v_ref", "out_ref", "lse_ref")):
+            m = pb.TensorRef(buffer=3 + i, offset=256 * i * 1000, dtype=pb.DTYPE_BF16)
+            m.shape.extend([5, 2 + i, 64])
+            refs[name] = m
+        for rid, layer, plan, lse in [(1, 0, 7, False), (1 << 33, 31, (1 << 64) - 1, True)]:
+            names = ["q_ref", "k_ref", "v_ref", "out_ref"] + (["lse_ref"] if lse else [])
+            frame = _frames.step_frame_refs(rid, layer, plan, lse, False,
+                                            [(n, refs[n].SerializeToString()) for n in names])
+            self.assertEqual(int.from_bytes(frame[:4], "big"), len(frame) - 4)
+            got = pb.Request()
+            got.ParseFromString(frame[4:])
+            want = pb.Request(id=rid)
+            want.step.layer, want.step.plan, want.step.want_lse = layer, plan, lse
+            for n in names:
+                getattr(want.step, n).CopyFrom(refs[n])
+            self.assertEqual(got, want)
+            self.assertEqual(len(frame) - 4, len(want.SerializeToString()))
+
     def test_cut_step_answer(self):
         rng = np.random.default_rng(4)
         out = rng.integers(0, 1 << 16, (1000, 4, 64), dtype=np.uint16)  # 512 KB

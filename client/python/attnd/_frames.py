@@ -128,13 +128,9 @@ _T_FP32 = _varint(_SF["fp32_out"] << 3) + b"\x01"
 _T_ID = _varint(_ID << 3)
 
 
-def step_frame_plan(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: bool,
-                    tensors: Sequence[Tuple[str, int, Tuple[int, ...], Any]]) -> Tuple[List[Any], int]:
-    """step_frame for a Step of a plan (no inline items) without a protobuf message:
-    its few scalar fields written here (a decode step's layer loop sends thousands
-    a second; building and serializing a Request cost ~10 us of Python each).
-    Returns (pieces, frame bytes). Callers use it only while _FAST holds (else
-    they build the message)."""
+def _step_scalars(layer: int, plan: int, want_lse: bool, fp32_out: bool) -> bytes:
+    """A StepRequest's layer, plan, want_lse and fp32_out as protobuf writes them
+    (proto3: zero and false left out)."""
     step = b""
     if layer:
         step += _T_LAYER + _varint(layer)
@@ -144,7 +140,33 @@ def step_frame_plan(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: b
         step += _T_LSE
     if fp32_out:
         step += _T_FP32
-    return _frame(_T_ID + _varint(rid) if rid else b"", step, tensors)
+    return step
+
+
+def step_frame_plan(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: bool,
+                    tensors: Sequence[Tuple[str, int, Tuple[int, ...], Any]]) -> Tuple[List[Any], int]:
+    """step_frame for a Step of a plan (no inline items) without a protobuf message:
+    its few scalar fields written here (a decode step's layer loop sends thousands
+    a second; building and serializing a Request cost ~10 us of Python each).
+    Returns (pieces, frame bytes). Callers use it only while _FAST holds (else
+    they build the message)."""
+    return _frame(_T_ID + _varint(rid) if rid else b"", _step_scalars(layer, plan, want_lse, fp32_out),
+                  tensors)
+
+
+_REF = {n: pb.StepRequest.DESCRIPTOR.fields_by_name[n].number
+        for n in ("q_ref", "k_ref", "v_ref", "out_ref", "lse_ref")}
+
+
+def step_frame_refs(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: bool,
+                    refs: Sequence[Tuple[str, bytes]]) -> bytes:
+    """The whole frame of a Step of a plan by reference (docs/protocol.md §5a):
+    refs [(field name, a serialized TensorRef)], as protobuf would write the
+    Request (the same _FAST condition as step_frame_plan)."""
+    step = _step_scalars(layer, plan, want_lse, fp32_out)
+    step += b"".join(_ld_head(_REF[name], len(b)) + b for name, b in refs)
+    body = (_T_ID + _varint(rid) if rid else b"") + _ld_head(_REQ_STEP, len(step)) + step
+    return len(body).to_bytes(4, "big") + body
 
 
 def _fields(buf: Any, pos: int, end: int):

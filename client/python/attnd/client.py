@@ -551,6 +551,20 @@ class Client:
                 raise _io_error("write to", self.address, e) from None
             return int(req.id)
 
+    def _send_built(self, build: Callable[[int], bytes]) -> int:
+        """Sends the frame build(id) makes for the next request id; returns the id."""
+        with self._send_lock:
+            rid = self._next_id
+            self._next_id += 1
+            frame = build(rid)
+            if not 4 < len(frame) <= _MAX_FRAME + 4:
+                raise errors.InvalidArgument(f"request of {len(frame) - 4} bytes does not fit a frame")
+            try:
+                self._conn().sendall(frame)
+            except OSError as e:
+                raise _io_error("write to", self.address, e) from None
+            return rid
+
     def _read_response(self) -> Tuple["Response", Any]:
         """The next Response, and (frame, spans) when a step's large out/lse data
         were cut out of it (_frames.cut_step), else None."""
