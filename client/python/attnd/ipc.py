@@ -130,6 +130,7 @@ class IpcState:
         # driver call. Holding the tensor keeps its memory, so the mapping holds.
         self._kept: Dict[int, Tuple[Any, int, int, int]] = {}
         self._uuids: Dict[Any, str] = {}  # torch device -> its UUID
+        self._same: Dict[Any, bool] = {}  # torch device -> it is the daemon's
         # (data_ptr, dtype, shape, strides) of a kept tensor -> its TensorRef,
         # serialized (ref_bytes): a decode loop names the same few tensors every step.
         self._ref_bytes: Dict[Tuple[Any, ...], bytes] = {}
@@ -167,6 +168,8 @@ class IpcState:
             return False
         if self.mode == "auto" and nbytes < self.AUTO_MIN_BYTES:
             return False
+        if self._same.get(dev):  # checked before: the daemon's device (its answer is kept)
+            return True
         theirs = self._daemon_uuid()
         try:
             ours = self._uuids.get(dev) or self._uuids.setdefault(dev, device_uuid(dev))
@@ -181,6 +184,7 @@ class IpcState:
                     f"zero-copy: the tensors are on {ours}, the daemon runs on "
                     f"{theirs or 'no CUDA device'}")
             return False
+        self._same[dev] = True
         return True
 
     def ref(self, t: Any, out: Any) -> None:
