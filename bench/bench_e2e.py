@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import select
 import signal
 import socket
 import statistics
@@ -47,7 +48,9 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "client", "python"))
+# ATTND_CLIENT_DIR: another copy of the Python client (an older one: before/after
+# of the client in one run).
+sys.path.insert(0, os.environ.get("ATTND_CLIENT_DIR") or os.path.join(HERE, "..", "client", "python"))
 for cand in (os.path.join(HERE, "..", "build", "python"), os.environ.get("ATTND_PB2_DIR", "")):
     if cand and os.path.isdir(cand):
         sys.path.insert(0, cand)
@@ -147,7 +150,55 @@ def to_cuda_bf16(bits):
     return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to("cuda:0")
 
 
-def decode_loop(c, sh, sessions, lens, tokens, rng, ipc=False):
+class PhaseSock:
+    """The client's socket with the client's phases of one call timed
+    (--breakdown): the first write's start and the last one's end, when the
+    answer was there to read (a select() before the first read, so the wait and
+    the read's system calls are told apart; a spinning client's non-blocking
+    reads count as waiting) and the last read's end. Everything else is
+    passed to the socket."""
+
+    def __init__(self, sock):
+        self.s = sock
+        self.reset()
+
+    def reset(self):
+        self.t_send0 = self.t_send1 = self.t_ready = self.t_read1 = 0
+
+    def _sent(self, t0):
+        self.t_send0 = self.t_send0 or t0
+        self.t_send1 = time.perf_counter_ns()
+
+    def sendmsg(self, *a):
+        t0 = time.perf_counter_ns()
+        r = self.s.sendmsg(*a)
+        self._sent(t0)
+        return r
+
+    def sendall(self, *a):
+        t0 = time.perf_counter_ns()
+        r = self.s.sendall(*a)
+        self._sent(t0)
+        return r
+
+    def recv_into(self, buf, n=0, flags=0):
+        if not self.t_ready and not flags & socket.MSG_DONTWAIT:
+            select.select([self.s], [], [])
+            self.t_ready = time.perf_counter_ns()
+        r = self.s.recv_into(buf, n, flags)
+        self.t_ready = self.t_ready or time.perf_counter_ns()
+        self.t_read1 = time.perf_counter_ns()
+        return r
+
+    def __getattr__(self, k):
+        return getattr(self.s, k)
+
+
+# The client's phases of one layer step (--breakdown), in order.
+CLIENT_PHASES = ["encode", "send", "wait", "read", "parse"]
+
+
+def decode_loop(c, sh, sessions, lens, tokens, rng, ipc=False, breakdown=False):
     """tokens tokens through every layer (lens: each session's length, moved on);
     returns per-token and per-layer times and the daemon's total/computing (us).
     ipc: q, k and v are torch tensors on the GPU, sent by reference."""
@@ -164,19 +215,35 @@ def decode_loop(c, sh, sessions, lens, tokens, rng, ipc=False):
         for t in (q, kv, out):  # registered once: every step's refs cost no driver call
             c.ipc.keep(t)
     per_token, per_layer, total, computing = [], [], [], []
-    for t in range(tokens):
-        plan = c.plan([ac.Item(s, lens[s], 1, tokens=[lens[s]]) for s in sessions])
-        for s in sessions:
-            lens[s] += 1
-        t0 = time.perf_counter()
-        for l in range(L):
-            tl = time.perf_counter()
-            r = c.step(l, q, kv, kv, plan=plan, out=out)
-            per_layer.append((time.perf_counter() - tl) * 1e6)
-            total.append(r.timing.total_us)
-            computing.append(r.timing.computing_us)
-        per_token.append((time.perf_counter() - t0) * 1e6)
-    return per_token, per_layer, total, computing
+    phases = {k: [] for k in CLIENT_PHASES} if breakdown else None
+    ps = None
+    if breakdown:
+        ps = c._sock = PhaseSock(c._sock)
+    try:
+        for t in range(tokens):
+            plan = c.plan([ac.Item(s, lens[s], 1, tokens=[lens[s]]) for s in sessions])
+            for s in sessions:
+                lens[s] += 1
+            t0 = time.perf_counter()
+            for l in range(L):
+                if ps is not None:
+                    ps.reset()
+                tl = time.perf_counter_ns()
+                r = c.step(l, q, kv, kv, plan=plan, out=out)
+                te = time.perf_counter_ns()
+                per_layer.append((te - tl) / 1e3)
+                total.append(r.timing.total_us)
+                computing.append(r.timing.computing_us)
+                if ps is not None and ps.t_send0 and ps.t_read1:
+                    for k, v in zip(CLIENT_PHASES, (ps.t_send0 - tl, ps.t_send1 - ps.t_send0,
+                                                    ps.t_ready - ps.t_send1, ps.t_read1 - ps.t_ready,
+                                                    te - ps.t_read1)):
+                        phases[k].append(v / 1e3)
+            per_token.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        if ps is not None:
+            c._sock = ps.s
+    return per_token, per_layer, total, computing, phases
 
 
 def prefill_once(c, sh, sid, n, rng, reps):
@@ -218,12 +285,17 @@ def torch_reference(sh, nsess, context, tokens, device):
 def _torch_reference(torch, F, sh, nsess, context, tokens, device):
     L, qh, kvh, d = sh["layers"], sh["q_heads"], sh["kv_heads"], sh["head_dim"]
     dt = torch.bfloat16
-    cap = context + tokens
+    cap = context + tokens + 1
+    # One contiguous cache per layer, sized to the run, [sessions, kv heads,
+    # positions, d]. A decode step's q heads of one kv head are that head's
+    # query rows: q as [sessions, kv heads, q/kv heads, d] against the cache
+    # is GQA decode as plain SDPA, which its fused kernels take (SDPA with
+    # enable_gqa over the sliced cache fell back to the math kernel on the H200:
+    # ~60 ms per 32-layer token; repeat_interleave copied the cache per step).
     kc = [torch.randn(nsess, kvh, cap, d, dtype=dt, device=device) for _ in range(L)]
     vc = [torch.randn(nsess, kvh, cap, d, dtype=dt, device=device) for _ in range(L)]
-    q = torch.randn(nsess, qh, 1, d, dtype=dt, device=device)
+    q = torch.randn(nsess, kvh, qh // kvh, d, dtype=dt, device=device)
     knew = torch.randn(nsess, kvh, 1, d, dtype=dt, device=device)
-    rep = qh // kvh
 
     def sync():
         if device == "cuda":
@@ -233,20 +305,16 @@ def _torch_reference(torch, F, sh, nsess, context, tokens, device):
         for l in range(L):
             kc[l][:, :, pos:pos + 1] = knew
             vc[l][:, :, pos:pos + 1] = knew
-            k = kc[l][:, :, :pos + 1]
-            v = vc[l][:, :, :pos + 1]
-            if rep > 1:
-                k = k.repeat_interleave(rep, dim=1)
-                v = v.repeat_interleave(rep, dim=1)
-            F.scaled_dot_product_attention(q, k, v)
+            F.scaled_dot_product_attention(q, kc[l][:, :, :pos + 1], vc[l][:, :, :pos + 1])
         sync()
 
     one(context)  # warm-up
     out = []
     for t in range(tokens):
         t0 = time.perf_counter()
-        one(context + t)
+        one(context + 1 + t)
         out.append((time.perf_counter() - t0) * 1e6)
+    del kc, vc
     return out
 
 
@@ -264,6 +332,39 @@ def ipc_ready(a):
     return torch.cuda.is_available()
 
 
+CUDA_TRACE_RE = re.compile(r"event=cuda_trace\b(.*)$")
+
+
+def log_size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def case_traces(log_path, start, end):
+    """The daemon's last step_trace line of kind decode and last cuda_trace line
+    written while one case ran (bytes start..end of its log): a window of that
+    case's own steps when the case ran at least two windows (the first may hold
+    the fill's). ({phase: p50}, {interval: median}); empty when none."""
+    with open(log_path, "rb") as f:
+        f.seek(start)
+        text = f.read(max(0, end - start)).decode(errors="replace")
+    st, cu = {}, {}
+    for line in text.splitlines():
+        m = TRACE_RE.search(line)
+        if m and m.group(1) == "decode":
+            st = {k: float(p50) for k, p50, _ in re.findall(r"(\w+)_us=([\d.]+)/([\d.]+)", m.group(3))}
+        m = CUDA_TRACE_RE.search(line)
+        if m:
+            cu = {k: float(v) for k, v in re.findall(r"(\w+)_us=(-?[\d.]+)", m.group(1))}
+            for k in ("completed_by_loop", "graph_steps"):
+                g = re.search(k + r"=(\d+)", m.group(1))
+                if g:
+                    cu[k] = int(g.group(1))
+    return st, cu
+
+
 def parse_trace(log_path):
     """step_trace lines of the daemon's log: [{kind, steps, phases{name: (p50, p90)}}]."""
     out = []
@@ -277,6 +378,49 @@ def parse_trace(log_path):
                 ph[k] = (float(p50), float(p90))
             out.append({"kind": m.group(1), "steps": int(m.group(2)), "phases": ph})
     return out
+
+
+# The breakdown's columns: (heading, where, key). Client phases are p50 of
+# each layer step's; the daemon's are the p50 of its step_trace window
+# (docs/operations.md, --step-trace) and the medians of its cuda_trace window
+# (--cuda-trace: enqueue = submission to the end of the launches, dev = the
+# device's h2d + write + attend + d2h, notice = the poller's (or the loop's)
+# lag after the device finished, hop = from there to the loop thread).
+BREAKDOWN = [("RT", "case", "layer_p50_us"),
+             ("c.encode", "client", "encode"), ("c.send", "client", "send"),
+             ("c.wait", "client", "wait"), ("c.read", "client", "read"),
+             ("c.parse", "client", "parse"),
+             ("d.read", "st", "read"), ("d.decode", "st", "decode"), ("d.admit", "st", "admit"),
+             ("d.scan", "st", "scan"), ("d.queue", "st", "queue"), ("d.compute", "st", "compute"),
+             ("d.encode", "st", "encode"), ("d.write", "st", "write"), ("d.total", "st", "total"),
+             ("cu.enqueue", "cu", "enqueue"), ("cu.dev", "cu", "dev"),
+             ("cu.notice", "cu", "callback_after_device"), ("cu.hop", "cu", "callback_to_loop")]
+
+
+def print_breakdown(cases):
+    """One row per case: where its layer step's time went (p50s, us; they need
+    not add up). c.wait minus d.total is the time neither side accounts for:
+    the daemon's wake-up to read the request, the response's write and the
+    client's wake-up."""
+    print("| breakdown (p50 us) | sessions | " + " | ".join(h for h, _, _ in BREAKDOWN) +
+          " | c.wait - d.total |")
+    print("|---|---|" + "---|" * (len(BREAKDOWN) + 1))
+    for c in cases:
+        if "client_p50_us" not in c:
+            continue
+        cu = dict(c.get("cuda_trace_p50_us") or {})
+        if cu:
+            cu["dev"] = sum(cu.get(k, 0.0) for k in ("h2d", "write", "attend", "d2h"))
+        src = {"case": c, "client": c["client_p50_us"], "st": c.get("step_trace_p50_us") or {},
+               "cu": cu}
+        cells = []
+        for _, where, key in BREAKDOWN:
+            v = src[where].get(key)
+            cells.append("-" if v is None else "%.1f" % v)
+        tot = src["st"].get("total", c.get("daemon_total_p50_us"))
+        gap = c["client_p50_us"]["wait"] - tot if tot is not None else None
+        print(f"| {c['transport']} | {c['sessions']} | " + " | ".join(cells) +
+              f" | {'-' if gap is None else '%.1f' % gap} |")
 
 
 def save(a, results):
@@ -300,12 +444,20 @@ def main():
     ap.add_argument("--prefill-reps", type=int, default=5)
     ap.add_argument("--transports", default="unix,tcp", help="comma list of unix, tcp, ipc")
     ap.add_argument("--kv-memory", default=None, help="default 0 on cuda (90%% free), 512M on cpu")
-    ap.add_argument("--trace-window", type=int, default=256)
+    ap.add_argument("--trace-window", type=int, default=None,
+                    help="steps per step_trace line (default 256; with --breakdown a case's "
+                    "layer steps / 2, at most 256, so each case has a window of its own)")
     ap.add_argument("--no-step-trace", action="store_true",
                     help="for a daemon older than --step-trace (a baseline): no phase table")
     ap.add_argument("--no-cuda-trace", action="store_true",
                     help="without --cuda-trace (its events cost a little per step; no device phases)")
     ap.add_argument("--daemon-arg", action="append", default=[], help="extra attnd flag")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="where each case's layer step went: the client's phases (encode, send, "
+                    "wait, read, parse) beside the daemon's step_trace and cuda_trace of that case")
+    ap.add_argument("--spin", type=int, default=0,
+                    help="the client busy-polls each answer up to US microseconds (set_spin)")
+    ap.add_argument("--no-torch", action="store_true", help="no in-process PyTorch column")
     ap.add_argument("--json")
     ap.add_argument("--log", help="keep the daemon's log here")
     a = ap.parse_args()
@@ -316,6 +468,18 @@ def main():
     a.prefill = a.prefill if a.prefill is not None else (512 if cpu else 4096)
     a.kv_memory = a.kv_memory or ("512M" if cpu else "0")
     transports = [t for t in a.transports.split(",") if t]
+    if a.trace_window is None:
+        a.trace_window = max(8, min(256, a.tokens * sh["layers"] // 2)) if a.breakdown else 256
+
+    # PyTorch's in-process loop first, before the daemon takes 90% of the
+    # device's memory for its pool (beside it, the larger cases ran out).
+    torch_by_n = {}
+    if not a.no_torch:
+        for n in sorted(set(a.sessions)):
+            ref = torch_reference(sh, n, context, a.tokens, a.backend)
+            torch_by_n[n] = pct(ref, 0.5) if ref else None
+            print(f"torch in-process, {n} sessions: token p50 "
+                  f"{'%.0f us' % torch_by_n[n] if torch_by_n[n] else 'n/a'}", flush=True)
 
     tmp = tempfile.mkdtemp(prefix="attnd-bench-e2e-")
     log_path = os.path.join(tmp, "attnd.log")
@@ -353,14 +517,24 @@ def main():
                     for name, cl in ((tr, c), ("ipc", cipc)):
                         if cl is None:
                             continue
-                        pt, pl, tot, comp = decode_loop(cl, sh, sess[:n], lens, a.tokens, rng,
-                                                        ipc=cl is cipc)
-                        results["cases"].append({
+                        if a.spin and hasattr(cl, "set_spin"):
+                            cl.set_spin(a.spin)
+                        off0 = log_size(log_path)
+                        pt, pl, tot, comp, ph = decode_loop(cl, sh, sess[:n], lens, a.tokens, rng,
+                                                            ipc=cl is cipc, breakdown=a.breakdown)
+                        case = {
                             "transport": name, "sessions": n,
                             "token_p50_us": pct(pt, 0.5), "token_p90_us": pct(pt, 0.9),
                             "layer_p50_us": pct(pl, 0.5), "layer_p90_us": pct(pl, 0.9),
                             "daemon_total_p50_us": pct(tot, 0.5),
-                            "computing_p50_us": pct(comp, 0.5)})
+                            "computing_p50_us": pct(comp, 0.5),
+                            "torch_token_p50_us": torch_by_n.get(n)}
+                        if ph is not None:
+                            case["client_p50_us"] = {k: pct(v, 0.5) for k, v in ph.items()}
+                            st, cu = case_traces(log_path, off0, log_size(log_path))
+                            case["step_trace_p50_us"] = st
+                            case["cuda_trace_p50_us"] = cu
+                        results["cases"].append(case)
                         save(a, results)
                 for s in sess:
                     c.close_session(s)
@@ -375,10 +549,6 @@ def main():
                                                "rt_p50_us": p50, "bytes": nbytes,
                                                "gb_s": nbytes / p50 / 1e3})
                     save(a, results)
-        for case in results["cases"]:
-            if case["transport"] == transports[0] and "skipped" not in case:
-                ref = torch_reference(sh, case["sessions"], context, a.tokens, a.backend)
-                case["torch_token_p50_us"] = pct(ref, 0.5) if ref else None
     finally:
         p.send_signal(signal.SIGTERM)
         try:
@@ -393,8 +563,6 @@ def main():
         shutil.copy(log_path, a.log)
     shutil.rmtree(tmp, ignore_errors=True)
 
-    torch_by_n = {c["sessions"]: c.get("torch_token_p50_us") for c in results["cases"]
-                  if "skipped" not in c}
     print(f"# attnd e2e: backend {a.backend}, {sh['layers']} layers, {sh['q_heads']}/"
           f"{sh['kv_heads']} heads, d {sh['head_dim']}, context {context}, "
           f"{a.tokens} tokens per case")
@@ -409,7 +577,7 @@ def main():
         print(f"| {c['transport']} | {c['sessions']} | {c['token_p50_us']:.0f} | "
               f"{c['token_p90_us']:.0f} | {c['layer_p50_us']:.1f} | "
               f"{c['daemon_total_p50_us']:.1f} | {c['computing_p50_us']:.1f} | "
-              f"{'%.0f' % t if t else 'n/a (no torch)'} |")
+              f"{'%.0f' % t if t else 'n/a'} |")
     for f in results["fill"]:
         print(f"fill {f['transport']}: {f['sessions']} sessions x {f['tokens']} tokens, kv_only "
               f"pipelined over the layers: {f['seconds']:.2f} s, {f['gb_s']:.2f} GB/s of k+v")
@@ -424,6 +592,8 @@ def main():
         for t in results["trace"]:
             cells = ["%.0f/%.0f" % t["phases"][k] if k in t["phases"] else "-" for k in phases]
             print(f"| {t['kind']} | {t['steps']} | " + " | ".join(cells) + " |")
+    if a.breakdown:
+        print_breakdown(results["cases"])
     print(f"daemon exit status after SIGTERM: {rc}")
     save(a, results)
     return 0 if rc == 0 else 1

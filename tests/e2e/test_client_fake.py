@@ -5,6 +5,7 @@ or not the real daemon has landed; the same paths run against it in
 test_health.py, test_sessions.py and test_tiny_llama.py."""
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -120,6 +121,36 @@ class PythonClientTest(FakeCase):
         with attnd.Client(self.path, timeout=10, bf16="uint16") as c:
             c.open_session([1])
             self.assertEqual(c.model.head_dim, m.head_dim)
+
+    def test_spin_and_kernel_timeout(self):
+        """set_spin reads the same answers (non-blocking reads first); the
+        connection's timeout is the kernel's (no poll() per call) and a silent
+        daemon still fails the read as a timeout."""
+        m = self.fake.m
+        rng = np.random.default_rng(5)
+        q = attnd.f32_to_bf16(rng.standard_normal((3, m.q_heads, m.head_dim)).astype(np.float32))
+        k = attnd.f32_to_bf16(rng.standard_normal((3, m.kv_heads, m.head_dim)).astype(np.float32))
+        with attnd.Client(self.path, timeout=10) as c:
+            self.assertIsNone(c._sock.gettimeout())  # blocking: SO_RCVTIMEO keeps the timeout
+            sid, _ = c.open_session([1, 2, 3])
+            plan = c.plan([attnd.Item(sid, 0, 3, tokens=[1, 2, 3])])
+            plain = c.step(0, q, k, k, plan=plan).out
+            c.set_spin(200)
+            for _ in range(3):
+                np.testing.assert_array_equal(c.step(0, q, k, k, plan=plan).out, plain)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        quiet = os.path.join(self.tmp.name, "quiet.sock")
+        srv.bind(quiet)
+        srv.listen(1)
+        try:
+            with attnd.Client(quiet, timeout=0.2) as c:
+                r = pb.Request()
+                r.health.SetInParent()
+                rid = c.send(r)
+                with self.assertRaisesRegex(attnd.AttndConnectionError, "timed out"):
+                    c.recv(rid)
+        finally:
+            srv.close()
 
     def test_bf16_helpers_round_to_nearest_even(self):
         x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 0.0, np.inf], np.float32)

@@ -42,6 +42,60 @@ class FramesTest(unittest.TestCase):
         self.assertEqual(got, want)
         self.assertTrue(got.step.HasField("v"))
 
+    def test_plan_step_frame_is_protobufs_message(self):
+        """step_frame_plan writes a plan's Step (no protobuf message) as the same
+        Request protobuf builds, zero fields left out, for ids, layers and plan
+        ids across their varint and fixed64 ranges; the frame length it returns
+        is the frame's."""
+        self.assertTrue(_frames._FAST)
+        rng = np.random.default_rng(4)
+        q = rng.integers(0, 1 << 16, (2, 4, 64), dtype=np.uint16)
+        k = rng.integers(0, 1 << 16, (2, 2, 64), dtype=np.uint16)
+        for rid, layer, plan, lse, fp32 in [(1, 0, 1, False, False), (300, 79, (1 << 64) - 1, True, True),
+                                            (0, 1, 0, False, True), ((1 << 40) + 3, 1 << 20, 12345, True, False)]:
+            pieces, n = _frames.step_frame_plan(rid, layer, plan, lse, fp32,
+                                                [("q", pb.DTYPE_BF16, q.shape, q),
+                                                 ("k", pb.DTYPE_BF16, k.shape, k),
+                                                 ("v", pb.DTYPE_BF16, k.shape, k)])
+            frame = b"".join(bytes(memoryview(p)) for p in pieces)
+            self.assertEqual(n, len(frame))
+            self.assertEqual(int.from_bytes(frame[:4], "big"), len(frame) - 4)
+            got = pb.Request()
+            got.ParseFromString(frame[4:])
+            want = pb.Request(id=rid)
+            want.step.layer, want.step.plan = layer, plan
+            want.step.want_lse, want.step.fp32_out = lse, fp32
+            for name, a in (("q", q), ("k", k), ("v", k)):
+                t = getattr(want.step, name)
+                t.dtype = pb.DTYPE_BF16
+                t.shape.extend(a.shape)
+                t.data = a.tobytes()
+            self.assertEqual(got, want)
+            # Field for field what protobuf writes (its order aside).
+            self.assertEqual(sorted(frame[4:]), sorted(want.SerializeToString()))
+
+    def test_ref_step_frame_is_protobufs_message(self):
+        """step_frame_refs (a Step by reference, no protobuf message) frames the
+        same Request protobuf builds from the same TensorRefs."""
+        refs = {}
+        for i, name in enumerate(("q_ref", "k_ref", "v_ref", "out_ref", "lse_ref")):
+            m = pb.TensorRef(buffer=3 + i, offset=256 * i * 1000, dtype=pb.DTYPE_BF16)
+            m.shape.extend([5, 2 + i, 64])
+            refs[name] = m
+        for rid, layer, plan, lse in [(1, 0, 7, False), (1 << 33, 31, (1 << 64) - 1, True)]:
+            names = ["q_ref", "k_ref", "v_ref", "out_ref"] + (["lse_ref"] if lse else [])
+            frame = _frames.step_frame_refs(rid, layer, plan, lse, False,
+                                            [(n, refs[n].SerializeToString()) for n in names])
+            self.assertEqual(int.from_bytes(frame[:4], "big"), len(frame) - 4)
+            got = pb.Request()
+            got.ParseFromString(frame[4:])
+            want = pb.Request(id=rid)
+            want.step.layer, want.step.plan, want.step.want_lse = layer, plan, lse
+            for n in names:
+                getattr(want.step, n).CopyFrom(refs[n])
+            self.assertEqual(got, want)
+            self.assertEqual(len(frame) - 4, len(want.SerializeToString()))
+
     def test_cut_step_answer(self):
         rng = np.random.default_rng(4)
         out = rng.integers(0, 1 << 16, (1000, 4, 64), dtype=np.uint16)  # 512 KB

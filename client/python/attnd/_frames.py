@@ -68,6 +68,34 @@ def _tensor_head(dtype: int, shape: Tuple[int, ...]) -> bytes:
     return out + (_ld_head(_SHAPE, len(dims)) + dims if dims else b"")
 
 
+@functools.lru_cache(maxsize=512)
+def _tensor_field(name: str, dtype: int, shape: Tuple[int, ...], nbytes: int) -> bytes:
+    """Everything of a q, k or v Tensor field but its data bytes: the field's tag
+    and length, dtype, shape and the data field's tag and length. A decode loop
+    sends the same few shapes step after step: built once each."""
+    hdr = _tensor_head(dtype, shape)
+    # An empty data field is left out, as protobuf itself would.
+    dhead = _ld_head(_DATA, nbytes) if nbytes else b""
+    return _ld_head(_STEP_IN[name], len(hdr) + len(dhead) + nbytes) + hdr + dhead
+
+
+def _frame(first: bytes, step: bytes,
+           tensors: Sequence[Tuple[str, int, Tuple[int, ...], Any]]) -> Tuple[List[Any], int]:
+    """A Step request's frame as pieces for sendmsg and its length with the 4-byte
+    prefix: first (the Request's fields before its step), step (the StepRequest's
+    fields but q, k and v), then each tensor's field, its data where it lies."""
+    pieces: List[Any] = [b""]
+    body = 0
+    for name, dtype, shape, buf in tensors:
+        mv = _bytes_view(buf)
+        thead = _tensor_field(name, int(dtype), tuple(shape), mv.nbytes)
+        pieces += [thead, mv]
+        body += len(thead) + mv.nbytes
+    first += _ld_head(_REQ_STEP, len(step) + body) + step
+    pieces[0] = (len(first) + body).to_bytes(4, "big") + first
+    return pieces, 4 + len(first) + body
+
+
 def step_frame(req: Any, tensors: Sequence[Tuple[str, int, Tuple[int, ...], Any]]) -> List[Any]:
     """The frame of a Step request as pieces for sendmsg: req (a pb.Request whose
     step holds no q, k or v) and tensors [(name, dtype, shape, buffer)], each buffer
@@ -80,19 +108,65 @@ def step_frame(req: Any, tensors: Sequence[Tuple[str, int, Tuple[int, ...], Any]
         h.CopyFrom(req)
         h.ClearField("step")
         first = h.SerializeToString()
-    pieces: List[Any] = []
-    body = 0
-    for name, dtype, shape, buf in tensors:
-        mv = _bytes_view(buf)
-        hdr = _tensor_head(int(dtype), tuple(int(s) for s in shape))
-        # An empty data field is left out, as protobuf itself would.
-        dhead = _ld_head(_DATA, mv.nbytes) if mv.nbytes else b""
-        thead = _ld_head(_STEP_IN[name], len(hdr) + len(dhead) + mv.nbytes) + hdr + dhead
-        pieces += [thead, mv]
-        body += len(thead) + mv.nbytes
-    first += _ld_head(_REQ_STEP, len(step) + body) + step
-    n = len(first) + body
-    return [n.to_bytes(4, "big") + first] + pieces
+    return _frame(first, step, tensors)[0]
+
+
+_SF = {n: pb.StepRequest.DESCRIPTOR.fields_by_name[n].number
+       for n in ("layer", "plan", "want_lse", "fp32_out")}
+# The fast path below writes these as protobuf would; it is taken only while
+# the message is as it writes it (the types and a Request of id and call alone).
+_FAST = _REQ_ONLY_ID and [pb.StepRequest.DESCRIPTOR.fields_by_name[n].type for n in
+                          ("layer", "plan", "want_lse", "fp32_out")] == [
+    pb.StepRequest.DESCRIPTOR.fields_by_name["layer"].TYPE_UINT32,
+    pb.StepRequest.DESCRIPTOR.fields_by_name["plan"].TYPE_FIXED64,
+    pb.StepRequest.DESCRIPTOR.fields_by_name["want_lse"].TYPE_BOOL,
+    pb.StepRequest.DESCRIPTOR.fields_by_name["fp32_out"].TYPE_BOOL]
+_T_LAYER = _varint(_SF["layer"] << 3)
+_T_PLAN = _varint(_SF["plan"] << 3 | 1)
+_T_LSE = _varint(_SF["want_lse"] << 3) + b"\x01"
+_T_FP32 = _varint(_SF["fp32_out"] << 3) + b"\x01"
+_T_ID = _varint(_ID << 3)
+
+
+def _step_scalars(layer: int, plan: int, want_lse: bool, fp32_out: bool) -> bytes:
+    """A StepRequest's layer, plan, want_lse and fp32_out as protobuf writes them
+    (proto3: zero and false left out)."""
+    step = b""
+    if layer:
+        step += _T_LAYER + _varint(layer)
+    if plan:
+        step += _T_PLAN + plan.to_bytes(8, "little")
+    if want_lse:
+        step += _T_LSE
+    if fp32_out:
+        step += _T_FP32
+    return step
+
+
+def step_frame_plan(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: bool,
+                    tensors: Sequence[Tuple[str, int, Tuple[int, ...], Any]]) -> Tuple[List[Any], int]:
+    """step_frame for a Step of a plan (no inline items) without a protobuf message:
+    its few scalar fields written here (a decode step's layer loop sends thousands
+    a second; building and serializing a Request cost ~10 us of Python each).
+    Returns (pieces, frame bytes). Callers use it only while _FAST holds (else
+    they build the message)."""
+    return _frame(_T_ID + _varint(rid) if rid else b"", _step_scalars(layer, plan, want_lse, fp32_out),
+                  tensors)
+
+
+_REF = {n: pb.StepRequest.DESCRIPTOR.fields_by_name[n].number
+        for n in ("q_ref", "k_ref", "v_ref", "out_ref", "lse_ref")}
+
+
+def step_frame_refs(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: bool,
+                    refs: Sequence[Tuple[str, bytes]]) -> bytes:
+    """The whole frame of a Step of a plan by reference (docs/protocol.md §5a):
+    refs [(field name, a serialized TensorRef)], as protobuf would write the
+    Request (the same _FAST condition as step_frame_plan)."""
+    step = _step_scalars(layer, plan, want_lse, fp32_out)
+    step += b"".join(_ld_head(_REF[name], len(b)) + b for name, b in refs)
+    body = (_T_ID + _varint(rid) if rid else b"") + _ld_head(_REQ_STEP, len(step)) + step
+    return len(body).to_bytes(4, "big") + body
 
 
 def _fields(buf: Any, pos: int, end: int):
@@ -184,9 +258,24 @@ def put_back(resp: Any, buf: bytearray, spans: Dict[str, Tuple[int, int]]) -> No
         getattr(resp.step, name).data = bytes(memoryview(buf)[s:e])
 
 
-def sendmsg_all(sock: Any, pieces: List[Any]) -> None:
-    """sendmsg of every piece, resumed after short writes."""
-    views = [_bytes_view(p) for p in pieces]
+def sendmsg_all(sock: Any, pieces: List[Any], total: int = -1) -> None:
+    """sendmsg of every piece, resumed after short writes. total (the pieces' bytes,
+    when the caller knows it): one sendmsg of the pieces as they are first (they
+    must then be bytes or byte views), the common case of a small frame."""
+    if 0 <= total and len(pieces) <= 512:
+        n = sock.sendmsg(pieces)
+        if n == total:
+            return
+        views = [_bytes_view(p) for p in pieces]
+        while n > 0 and views:  # a short write: the rest as below
+            if n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    else:
+        views = [_bytes_view(p) for p in pieces]
     while views:
         n = sock.sendmsg(views[:512])
         while n > 0 and views:

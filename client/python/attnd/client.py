@@ -7,10 +7,12 @@ protobuf runtime (no nanopb, no gRPC).
 """
 
 import dataclasses
+import errno
 import os
 import socket
 import struct
 import threading
+import time
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple,
                     Union)
 
@@ -98,6 +100,28 @@ def default_socket() -> str:
         if os.path.exists(c):
             return c
     return first
+
+
+def _kernel_timeout(s: socket.socket, timeout: Optional[float]) -> None:
+    """A connected socket made blocking, its timeout kept by the kernel
+    (SO_RCVTIMEO / SO_SNDTIMEO) rather than by Python: with settimeout, every
+    send and recv is a poll() and then the call itself (two system calls per
+    read or write of a step's frame). A timed-out call then fails with EAGAIN,
+    reported as a timeout (_io_error)."""
+    if timeout is None:
+        return
+    sec = max(float(timeout), 1e-3)
+    tv = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    s.settimeout(None)
+
+
+def _io_error(what: str, address: Any, e: OSError) -> "errors.AttndConnectionError":
+    """An I/O failure on the connection, a kernel timeout (EAGAIN) named as one."""
+    if isinstance(e, (BlockingIOError, socket.timeout)) or e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+        return errors.AttndConnectionError(f"{what} attnd at {address}: timed out")
+    return errors.AttndConnectionError(f"{what} attnd at {address}: {e}")
 
 
 # ---- session ids ----
@@ -396,6 +420,7 @@ class Client:
         # body come in one recv (_recv_exact).
         self._rbuf = bytearray(_READ_AHEAD)
         self._rpos = self._rlen = 0
+        self._spin_ns = 0
         self._model: Optional["ModelShape"] = None
         self._session_epoch: Dict[int, int] = {}
         self._sock: Optional[socket.socket] = self._connect(self.address, timeout)
@@ -418,16 +443,16 @@ class Client:
             if isinstance(address, tuple):
                 s = socket.create_connection(address, timeout=timeout)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return s
-            if "/" in address:
+            elif "/" in address:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.settimeout(timeout)
                 s.connect(address)
-                return s
-            host, _, port = address.rpartition(":")
-            host = host.strip("[]")
-            s = socket.create_connection((host, int(port)), timeout=timeout)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                host, _, port = address.rpartition(":")
+                host = host.strip("[]")
+                s = socket.create_connection((host, int(port)), timeout=timeout)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _kernel_timeout(s, timeout)
             return s
         except (OSError, ValueError) as e:
             raise errors.AttndConnectionError(f"cannot connect to attnd at {address}: {e}") from None
@@ -448,6 +473,48 @@ class Client:
             raise errors.AttndConnectionError(f"the client of attnd at {self.address} is closed")
         return self._sock
 
+    def set_spin(self, us: int) -> None:
+        """Busy-polls for each answer up to us microseconds (non-blocking reads)
+        before blocking in the kernel: the wake-up of a sleeping reader is spared
+        when the answer comes within that time, at the cost of one CPU core while
+        waiting (attnctl bench --spin, attnd_client_set_spin; docs/operations.md,
+        "Small steps: latency or throughput"). 0 (the default) never spins."""
+        self._spin_ns = max(0, int(us)) * 1000
+
+    def _recv_into(self, view: Any, n: int) -> int:
+        """One read of up to n bytes (spinning first when set_spin asked)."""
+        sock = self._conn()
+        try:
+            if self._spin_ns:
+                end = time.perf_counter_ns() + self._spin_ns
+                while True:
+                    try:
+                        k = sock.recv_into(view, n, socket.MSG_DONTWAIT)
+                        break
+                    except BlockingIOError:
+                        if time.perf_counter_ns() >= end:
+                            k = sock.recv_into(view, n)
+                            break
+            else:
+                k = sock.recv_into(view, n)
+        except OSError as e:
+            raise _io_error("read from", self.address, e) from None
+        if k == 0:
+            raise errors.AttndConnectionError(f"attnd at {self.address} closed the connection")
+        return k
+
+    def _ahead(self, need: int) -> None:
+        """At least need (<= _READ_AHEAD) bytes in the read-ahead buffer from
+        _rpos: what is there moved to its start if the rest does not fit, then
+        reads of whatever the daemon sent (one read for a small answer)."""
+        if self._rpos + need > _READ_AHEAD:
+            have = self._rlen - self._rpos
+            self._rbuf[:have] = self._rbuf[self._rpos:self._rlen]
+            self._rpos, self._rlen = 0, have
+        mv = memoryview(self._rbuf)
+        while self._rlen - self._rpos < need:
+            self._rlen += self._recv_into(mv[self._rlen:], _READ_AHEAD - self._rlen)
+
     def _recv_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
         view = memoryview(buf)
@@ -457,24 +524,14 @@ class Client:
             self._rpos += got
         while got < n:
             if n - got < _READ_AHEAD:  # small: whatever the daemon sent, into the read-ahead
-                try:
-                    k = self._conn().recv_into(self._rbuf, _READ_AHEAD)
-                except OSError as e:
-                    raise errors.AttndConnectionError(f"read from attnd at {self.address}: {e}") from None
-                if k == 0:
-                    raise errors.AttndConnectionError(f"attnd at {self.address} closed the connection")
-                take = min(k, n - got)
+                self._rpos = self._rlen = 0
+                self._ahead(1)
+                take = min(self._rlen, n - got)
                 view[got:got + take] = memoryview(self._rbuf)[:take]
                 got += take
-                self._rpos, self._rlen = take, k
+                self._rpos = take
                 continue
-            try:
-                k = self._conn().recv_into(view[got:], n - got)
-            except OSError as e:
-                raise errors.AttndConnectionError(f"read from attnd at {self.address}: {e}") from None
-            if k == 0:
-                raise errors.AttndConnectionError(f"attnd at {self.address} closed the connection")
-            got += k
+            got += self._recv_into(view[got:], n - got)
         return buf
 
     # -- raw requests --
@@ -491,17 +548,43 @@ class Client:
             try:
                 self._conn().sendall(struct.pack(">I", len(data)) + data)
             except OSError as e:
-                raise errors.AttndConnectionError(f"write to attnd at {self.address}: {e}") from None
+                raise _io_error("write to", self.address, e) from None
             return int(req.id)
+
+    def _send_built(self, build: Callable[[int], bytes]) -> int:
+        """Sends the frame build(id) makes for the next request id; returns the id."""
+        with self._send_lock:
+            rid = self._next_id
+            self._next_id += 1
+            frame = build(rid)
+            if not 4 < len(frame) <= _MAX_FRAME + 4:
+                raise errors.InvalidArgument(f"request of {len(frame) - 4} bytes does not fit a frame")
+            try:
+                self._conn().sendall(frame)
+            except OSError as e:
+                raise _io_error("write to", self.address, e) from None
+            return rid
 
     def _read_response(self) -> Tuple["Response", Any]:
         """The next Response, and (frame, spans) when a step's large out/lse data
         were cut out of it (_frames.cut_step), else None."""
-        (n,) = struct.unpack(">I", self._recv_exact(4))
+        self._ahead(4)
+        p = self._rpos
+        n = int.from_bytes(self._rbuf[p:p + 4], "big")
         if n == 0 or n > _MAX_FRAME:
             raise errors.AttndConnectionError(f"bad frame length {n} from attnd")
-        buf = self._recv_exact(n)
         resp = pb.Response()
+        if n < _frames.CUT_MIN:
+            # A small answer (a decode step's): parsed from the read-ahead
+            # buffer with one copy, no frame buffer of its own.
+            self._rpos = p + 4
+            self._ahead(n)
+            p = self._rpos
+            resp.ParseFromString(bytes(self._rbuf[p:p + n]))
+            self._rpos = p + n
+            return resp, None
+        self._rpos = p + 4
+        buf = self._recv_exact(n)
         if n >= _frames.CUT_MIN:
             try:
                 rest, spans = _frames.cut_step(buf)
@@ -731,6 +814,25 @@ class Client:
 
     def _bytes_send(self, layer: int, q: Any, k: Any, v: Any, items: Optional[Sequence[Item]],
                     plan: int, want_lse: bool, fp32_out: bool) -> int:
+        if not items and _frames._FAST:
+            # A step of a plan: framed without a protobuf message (_frames.step_frame_plan).
+            tensors = []
+            for name, arr in (("q", q), ("k", k), ("v", v)):
+                if arr is not None:
+                    dt, shape, data = self._wire(arr, name)
+                    tensors.append((name, dt, shape, data))
+            with self._send_lock:
+                rid = self._next_id
+                self._next_id += 1
+                pieces, n = _frames.step_frame_plan(rid, int(layer), int(plan), bool(want_lse),
+                                                    bool(fp32_out), tensors)
+                if not 0 < n - 4 <= _MAX_FRAME:
+                    raise errors.InvalidArgument(f"request of {n - 4} bytes does not fit a frame")
+                try:
+                    _frames.sendmsg_all(self._conn(), pieces, n)
+                except OSError as e:
+                    raise _io_error("write to", self.address, e) from None
+                return rid
         req = pb.Request()
         st = req.step
         st.layer = int(layer)
@@ -759,9 +861,9 @@ class Client:
             if not 0 < n <= _MAX_FRAME:
                 raise errors.InvalidArgument(f"request of {n} bytes does not fit a frame")
             try:
-                _frames.sendmsg_all(self._conn(), pieces)
+                _frames.sendmsg_all(self._conn(), pieces, n + 4)
             except OSError as e:
-                raise errors.AttndConnectionError(f"write to attnd at {self.address}: {e}") from None
+                raise _io_error("write to", self.address, e) from None
             return int(req.id)
 
     def step_recv(self, id: int, torch_device: Any = None, as_torch: bool = False) -> StepResult:

@@ -23,6 +23,7 @@ import ctypes
 import threading
 from typing import Any, Dict, Optional, Tuple
 
+from . import _frames
 from . import errors
 
 _HANDLE_BYTES = 64
@@ -217,6 +218,10 @@ class IpcState:
         # driver call. Holding the tensor keeps its memory, so the mapping holds.
         self._kept: Dict[int, Tuple[Any, int, int, int]] = {}
         self._uuids: Dict[Any, str] = {}  # torch device -> its UUID
+        self._same: Dict[Any, bool] = {}  # torch device -> it is the daemon's
+        # (data_ptr, dtype, shape, strides) of a kept tensor -> its TensorRef,
+        # serialized (ref_bytes): a decode loop names the same few tensors every step.
+        self._ref_bytes: Dict[Tuple[Any, ...], bytes] = {}
         self._lock = threading.Lock()
         # request id -> (DoneSignal, value) of steps sent with one, until answered
         self._done: Dict[int, Tuple["DoneSignal", int]] = {}
@@ -263,6 +268,8 @@ class IpcState:
             return False
         if self.mode == "auto" and nbytes < self.AUTO_MIN_BYTES and not small:
             return False
+        if self._same.get(dev):  # checked before: the daemon's device (its answer is kept)
+            return True
         theirs = self._daemon_uuid()
         try:
             ours = self._uuids.get(dev) or self._uuids.setdefault(dev, device_uuid(dev))
@@ -277,6 +284,7 @@ class IpcState:
                     f"zero-copy: the tensors are on {ours}, the daemon runs on "
                     f"{theirs or 'no CUDA device'}")
             return False
+        self._same[dev] = True
         return True
 
     def ref(self, t: Any, out: Any) -> None:
@@ -307,6 +315,23 @@ class IpcState:
             have = (buf, size)
         return have[0], ptr - base
 
+    def ref_bytes(self, t: Any) -> bytes:
+        """ref() as a serialized TensorRef, made once per kept tensor (the same
+        address, dtype, shape and strides: the same allocation and offset while
+        it is kept; unkeep and release_all forget them)."""
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        b = self._ref_bytes.get(key)
+        if b is not None:
+            return b
+        m = _pb().TensorRef()
+        self.ref(t, m)
+        b = m.SerializeToString()
+        with self._lock:
+            kept = self._kept.get(key[0])
+            if kept is not None and len(self._ref_bytes) < 1024:
+                self._ref_bytes[key] = b
+        return b
+
     def keep(self, t: Any) -> None:
         """Registers the allocation of the contiguous torch CUDA tensor t now and
         remembers where t lies in it, for as long as this connection lives: later refs
@@ -324,13 +349,18 @@ class IpcState:
         """Forgets a tensor keep() remembered (its allocation stays registered)."""
         with self._lock:
             self._kept.pop(t.data_ptr(), None)
+            self._ref_bytes.clear()
 
-    @staticmethod
-    def _fill_meta(t: Any, out: Any) -> None:
-        import torch
+    _dts: Optional[Dict[Any, int]] = None  # torch dtype -> wire dtype, made once
 
-        dts = {torch.bfloat16: _pb().DTYPE_BF16, torch.float16: _pb().DTYPE_FP16,
-               torch.float32: _pb().DTYPE_FP32}
+    @classmethod
+    def _fill_meta(cls, t: Any, out: Any) -> None:
+        dts = cls._dts
+        if dts is None:
+            import torch
+
+            dts = cls._dts = {torch.bfloat16: _pb().DTYPE_BF16, torch.float16: _pb().DTYPE_FP16,
+                              torch.float32: _pb().DTYPE_FP32}
         if t.dtype not in dts:
             raise ValueError(f"zero-copy: unsupported dtype {t.dtype}")
         out.dtype = dts[t.dtype]
@@ -342,6 +372,7 @@ class IpcState:
             bufs = [b for b, _ in self._bufs.values()]
             self._bufs.clear()
             self._kept.clear()
+            self._ref_bytes.clear()
         for b in bufs:
             try:
                 self.client.release_buffer(b)
@@ -377,6 +408,24 @@ def step_send(client: Any, layer: int, q: Any, k: Any, v: Any, items: Any, plan:
                           dtype=torch.float32 if fp32_out else act, device=dev)
     if q is not None and want_lse and lse is None:
         lse = torch.empty((q.shape[0], m.q_heads), dtype=torch.float32, device=dev)
+    if not items and _frames._FAST:
+        # A plan's step: its frame written from the tensors' serialized refs,
+        # no protobuf message (_frames.step_frame_refs).
+        refs = []
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t is not None:
+                if t.dtype != act:
+                    raise ValueError(f"zero-copy: {name} must be {act} (the daemon's activation dtype)")
+                refs.append((name + "_ref", st_ipc.ref_bytes(t)))
+        if out is not None:
+            refs.append(("out_ref", st_ipc.ref_bytes(out)))
+        if lse is not None:
+            refs.append(("lse_ref", st_ipc.ref_bytes(lse)))
+        # The daemon reads q, k and v as soon as the step arrives: they must be written.
+        torch.cuda.current_stream(dev).synchronize()
+        rid = client._send_built(lambda i: _frames.step_frame_refs(i, int(layer), int(plan), bool(want_lse),
+                                                                   bool(fp32_out), refs))
+        return rid, out, lse
     pb = _pb()
     req = pb.Request()
     st = req.step
