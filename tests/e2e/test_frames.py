@@ -95,6 +95,21 @@ class FramesTest(unittest.TestCase):
                 getattr(want.step, n).CopyFrom(refs[n])
             self.assertEqual(got, want)
             self.assertEqual(len(frame) - 4, len(want.SerializeToString()))
+        # With a done signal (field 14, after the refs).
+        done = pb.DoneSignal(buffer=9, offset=4096, value=(1 << 40) + 3)
+        names = ["q_ref", "k_ref", "v_ref", "out_ref"]
+        frame = _frames.step_frame_refs(5, 2, 11, False, False,
+                                        [(n, refs[n].SerializeToString()) for n in names]
+                                        + [("done", done.SerializeToString())])
+        got = pb.Request()
+        got.ParseFromString(frame[4:])
+        want = pb.Request(id=5)
+        want.step.layer, want.step.plan = 2, 11
+        for n in names:
+            getattr(want.step, n).CopyFrom(refs[n])
+        want.step.done.CopyFrom(done)
+        self.assertEqual(got, want)
+        self.assertEqual(frame[4:], want.SerializeToString())
 
     def test_cut_step_answer(self):
         rng = np.random.default_rng(4)

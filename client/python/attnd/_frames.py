@@ -155,14 +155,14 @@ def step_frame_plan(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: b
 
 
 _REF = {n: pb.StepRequest.DESCRIPTOR.fields_by_name[n].number
-        for n in ("q_ref", "k_ref", "v_ref", "out_ref", "lse_ref")}
+        for n in ("q_ref", "k_ref", "v_ref", "out_ref", "lse_ref", "done")}
 
 
 def step_frame_refs(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: bool,
                     refs: Sequence[Tuple[str, bytes]]) -> bytes:
     """The whole frame of a Step of a plan by reference (docs/protocol.md §5a):
-    refs [(field name, a serialized TensorRef)], as protobuf would write the
-    Request (the same _FAST condition as step_frame_plan)."""
+    refs [(field name, a serialized TensorRef, or "done" and a serialized
+    DoneSignal last)], as protobuf would write the Request (the same _FAST condition as step_frame_plan)."""
     step = _step_scalars(layer, plan, want_lse, fp32_out)
     step += b"".join(_ld_head(_REF[name], len(b)) + b for name, b in refs)
     body = (_T_ID + _varint(rid) if rid else b"") + _ld_head(_REQ_STEP, len(step)) + step

@@ -421,10 +421,18 @@ def step_send(client: Any, layer: int, q: Any, k: Any, v: Any, items: Any, plan:
             refs.append(("out_ref", st_ipc.ref_bytes(out)))
         if lse is not None:
             refs.append(("lse_ref", st_ipc.ref_bytes(lse)))
+        value = done.arm() if done is not None else 0
+        if done is not None:
+            d = _pb().DoneSignal()
+            done.fill(d, value)
+            refs.append(("done", d.SerializeToString()))
         # The daemon reads q, k and v as soon as the step arrives: they must be written.
         torch.cuda.current_stream(dev).synchronize()
         rid = client._send_built(lambda i: _frames.step_frame_refs(i, int(layer), int(plan), bool(want_lse),
                                                                    bool(fp32_out), refs))
+        if done is not None:
+            with st_ipc._lock:
+                st_ipc._done[rid] = (done, value)
         return rid, out, lse
     pb = _pb()
     req = pb.Request()
