@@ -62,7 +62,7 @@ class _Driver:
                                 ("cuStreamWriteValue64", [vp, u64, u64, ctypes.c_uint]),
                                 ("cuStreamCreate", [vp, ctypes.c_uint]),
                                 ("cuStreamSynchronize", [vp]),
-                                ("cuMemcpyDtoHAsync_v2", [vp, u64, ctypes.c_size_t, vp])):
+                                ("cuMemcpyDtoHAsync", [vp, u64, ctypes.c_size_t, vp])):
                     for name in (f + "_v2", f):
                         fn = getattr(lib, name, None)
                         if fn is not None:
