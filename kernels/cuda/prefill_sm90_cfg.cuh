@@ -13,7 +13,13 @@ constexpr int kThreads = 384; // producer warpgroup + two consumer warpgroups
 constexpr int kCvt = 96;      // finishing threads (producer warps 1-3)
 constexpr int kBMq = 128;     // query vectors per CTA (64 per consumer warpgroup)
 constexpr int kMaxFlags = 1024;
+// Registers per thread after setmaxnreg (384 threads share 64 K): 16-bit
+// caches in the activation dtype, whose producer warpgroup only copies, 40 /
+// 232; converted types 64 / 216, so that the finishing loop keeps its units
+// and the merged producer's state in registers (sched bit 12 spilled 52-68
+// bytes at 40, 4 at 56; no consumer spills at 216, ptxas -warn-spills).
 constexpr int kRegsProducer = 40, kRegsConsumer = 232;
+constexpr int kRegsProducerCvt = 72, kRegsConsumerCvt = 208;
 
 // Tile shapes and the shared-memory layout of one instantiation (bytes from a
 // 1024-aligned base; every operand tile is 1024-aligned for the swizzle).
@@ -23,6 +29,8 @@ template <int D, int DT, int KV> struct Cfg {
       (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) || (KV == ATTND_KV_FP16 && DT == ATTND_DT_FP16);
   static constexpr bool kDyn = K::kDyn;
   static constexpr bool kStatic = K::kStatic;
+  static constexpr int kRegsP = kDirect ? kRegsProducer : kRegsProducerCvt;
+  static constexpr int kRegsC = kDirect ? kRegsConsumer : kRegsConsumerCvt;
   // The P V product's operand dtype, P's shift and the dynamic types'
   // V-scale reference: the tiled kernel's (Tiled::PDT, tiled_kernel.cuh), so
   // that both round P the same way.
