@@ -45,9 +45,10 @@ struct Variant {
 // experiment with wrong output), on the converted cache types the earlier
 // conversion instructions (old_cvt: the same values), none at all (nocvt:
 // timing only, wrong output), the opt-in bank-conflict-free unit order
-// (cvt_swz), the producer warp converting too (cvt4), the next round's
-// loads ahead of the stores (cvt_pf) and their combinations, then the tiled
-// kernel. A row runs the
+// (cvt_swz), the producer warp converting too (cvt4), the other form of the
+// finishing loop (cvt_pf: the next round's loads ahead of the stores, or for
+// static int8 / fp8, whose default that is, not) and their combinations,
+// then the tiled kernel. A row runs the
 // variants its flags ask for (Row.all_variants bits, below).
 static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   attnd_cuda_opts_t o = {};

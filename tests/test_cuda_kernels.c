@@ -51,7 +51,8 @@ static int g_cases[ATTND_KV_COUNT_];
  * on the Hopper prefill path, the converted types' earlier conversion
  * instructions (sm90_sched 512), the opt-in unit order of the finishing
  * warps (sm90_sched 2048), the producer warp converting too (4096) and the
- * next round's loads ahead of the stores (8192, prefill_sm90.cuh). */
+ * other form of the finishing loop (8192: the next round's loads ahead of the
+ * stores, or not, prefill_sm90.cuh). */
 #define N_OPTS 9
 static const attnd_cuda_opts_t k_opts[N_OPTS] = {
     {.split = 0},

@@ -36,7 +36,7 @@ struct Ring {
   // its conversions, ring_finish), else warps 1-3 (nfin = kCvt).
   bool merged;
   int nfin;
-  bool pf; // converted types, sched bit 13: the next round's loads before this round's stores
+  bool pf; // the next round's loads before this round's stores (Cfg::kPf, sched bit 13)
   __device__ __forceinline__ uint32_t bar(int i) const {
     return bar0 + 8u * (uint32_t)i;
   }
@@ -172,12 +172,12 @@ __device__ __forceinline__ void ring_finish(const Sm90Params &P, const Ring &g, 
   auto next_tile = [&](int t) { return g.template next_tile<C::kNF>(t); };
   int i = 0;
   int pt = 0, pi = 0; // prod: the next tile to copy and its ordinal
-  if (!C::kDirect && prod) {
+  if (!KvT<KV>::k16 && prod) {
     pdl_wait(); // the cache is written by the previous kernel
     pt = next_tile(0);
   }
   for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
-    if constexpr (!C::kDirect) {
+    if constexpr (!KvT<KV>::k16) { // 8-bit and int4 caches only (Cfg::kRegsP)
       if (g.merged) {
         if (prod) {
           for (; pt < ntiles && pi < i + kS; pt = next_tile(pt + 1), pi++) {
@@ -230,10 +230,10 @@ __device__ __forceinline__ void ring_finish(const Sm90Params &P, const Ring &g, 
       // next quarter the opposite (the default mapping gives a quarter warp one
       // key: its 8 units fall on 4 slots, two operand chunks apart; ncu:
       // 10.6 wavefronts per shared store request where 4 is the floor).
-      // pf (sched bit 13, opt-in): the next round's two loads issued before
-      // this round's conversion and stores (one round of 16-byte units in
-      // flight behind the arithmetic; 8 more live registers: spilled at 40,
-      // fits the converted types' 64).
+      // pf (Cfg::kPf, static int8 / fp8; sched bit 13 the other form): the
+      // next round's two loads issued before this round's conversion and
+      // stores (one round of 16-byte units in flight behind the arithmetic;
+      // 8 more live registers: spilled at 40, fits Cfg::kRegsP's 72).
       auto convert_tile = [&](auto fast, auto swz, auto pf) {
         auto unit = [&](int u, int &key, int &cu) {
           if constexpr (decltype(swz)::value) {
@@ -319,9 +319,15 @@ __device__ __forceinline__ void ring_finish(const Sm90Params &P, const Ring &g, 
           }
         }
         if (!done) {
-          if (g.pf && g.cvt == 0)
-            convert_tile(FF{}, F0{}, T1{});
-          else
+          // pf: 8-bit and int4 caches only (at the 16-bit caches' 40
+          // registers its loop spills)
+          if constexpr (!KvT<KV>::k16) {
+            if (g.pf && g.cvt == 0) {
+              convert_tile(FF{}, F0{}, T1{});
+              done = true;
+            }
+          }
+          if (!done)
             convert_tile(FF{}, F0{}, F0{});
         }
       }

@@ -5,7 +5,7 @@
 //
 // One CTA per (item, kv head, tile of kBMq = 128 query vectors, KV split), 384
 // threads in three warpgroups:
-//   warpgroup 0, producer (40 registers; converted types 72, Cfg::kRegsP):
+//   warpgroup 0, producer (40 registers; 8-bit and int4 caches 72, Cfg::kRegsP):
 //     warp 0 lane 0 issues the copies of
 //     each live key tile into the stage (TMA 4-D tiles, 128B-swizzled, for
 //     16-bit caches in the activation dtype; 1-D bulk copies of the raw rows
@@ -14,7 +14,7 @@
 //     operand tiles (values as stored, exact: K in the activation dtype, V in
 //     Cfg::PDT), keys past the visible range are zeroed in the V (and
 //     converted K) tile so that P = 0 never meets a non-finite V;
-//   warpgroups 1 and 2, consumers (232 registers; converted types 208): 64
+//   warpgroups 1 and 2, consumers (232 registers; 8-bit and int4 caches 208): 64
 //     query vectors each;
 //     S = Q K^T (wgmma, both operands in shared memory; a second product from
 //     q's lo half for per-channel static scales), the online softmax in
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool raw_early = !C::kDirect && !(P.sched & 64);
   // Converted types, sched bit 12 (with raw_early): the producer warp
   // converts too, 128 finishing threads (prefill_sm90_copy.cuh, ring_finish).
-  const bool merged = raw_early && (P.sched & 4096) != 0;
+  const bool merged = !KvT<KV>::k16 && raw_early && (P.sched & 4096) != 0;
   const int nfin = merged ? 128 : kCvt;
   // 16-bit caches in the activation dtype at D 256 (two stages; 8.0 vs 10.6
   // ms on the H200, causal B4 S8192; sched bit 8 turns it off) and, opt-in,
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                (P.sched & 2048) != 0,
                merged,
                nfin,
-               (P.sched & 8192) != 0};
+               C::kPf != ((P.sched & 8192) != 0)};
   auto next_tile = [&](int t) -> int { return g.template next_tile<C::kNF>(t); };
 
   const int wg = tid >> 7;
