@@ -35,7 +35,7 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr int kRegsP = K::k16 ? kRegsProducer : kRegsProducerCvt;
   static constexpr int kRegsC = K::k16 ? kRegsConsumer : kRegsConsumerCvt;
   // The finishing loop loads the next round's units before this round's
-  // stores by default for static int8 / fp8 (5.7% / 3.2% faster on the
+  // stores by default for static int8 / fp8 (5.7% / 3.1% faster on the
   // H200, the append; the dynamic types and int4 within 1%); sched bit 13
   // selects the other form.
   static constexpr bool kPf = kStatic && !K::kI4;
