@@ -16,6 +16,8 @@
 // environment variables: the kernels read none). ATTND_BENCH_FILTER (comma-
 // separated substrings) runs only the rows whose name holds one;
 // ATTND_BENCH_VARIANTS (comma-separated names) runs exactly those variants.
+#include <time.h>
+
 #include "bench_common.cuh"
 
 // B items of n new tokens over ctx - n cached ones (ctx keys in all), 32 q / 8 kv
@@ -42,8 +44,11 @@ struct Variant {
 // pingpong; pp_serial: no intra-warpgroup overlap; no softmax: a timing
 // experiment with wrong output), on the converted cache types the earlier
 // conversion instructions (old_cvt: the same values), none at all (nocvt:
-// timing only, wrong output) and the opt-in bank-conflict-free unit order
-// (cvt_swz), then the tiled kernel. A row runs the
+// timing only, wrong output), the opt-in bank-conflict-free unit order
+// (cvt_swz), the producer warp converting too (cvt4), the other form of the
+// finishing loop (cvt_pf: the next round's loads ahead of the stores, or for
+// static int8 / fp8, whose default that is, not) and their combinations,
+// then the tiled kernel. A row runs the
 // variants its flags ask for (Row.all_variants bits, below).
 static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   attnd_cuda_opts_t o = {};
@@ -57,21 +62,27 @@ struct VariantSel {
   Variant v;
   int when; // the row's all_variants bits that run it (V_BASE: every row)
 };
-static const VariantSel kVariants[] = {{{"pp", variant_opts(0, 0, 0)}, V_BASE},
-                                       {{"old", variant_opts(0, 16 | 32 | 64 | 256, 0)}, V_BASE},
-                                       {{"ffma", variant_opts(0, 8, 0)}, V_SCHED},
-                                       {{"old_q", variant_opts(0, 16, 0)}, V_SCHED},
-                                       {{"old_iv", variant_opts(0, 32, 0)}, V_IV},
-                                       {{"old_raw", variant_opts(0, 64, 0)}, V_RAW},
-                                       {{"kvsplit", variant_opts(0, 128, 0)}, V_SCHED},
-                                       {{"no_kvsplit", variant_opts(0, 256, 0)}, V_SCHED},
-                                       {{"nopp", variant_opts(0, 1, 0)}, V_SCHED},
-                                       {{"pp_serial", variant_opts(0, 2, 0)}, V_SCHED},
-                                       {{"pp_nosoftmax", variant_opts(0, 4, 0)}, V_SCHED},
-                                       {{"old_cvt", variant_opts(0, 512, 0)}, V_CVT},
-                                       {{"nocvt", variant_opts(0, 1024, 0)}, V_CVT},
-                                       {{"cvt_swz", variant_opts(0, 2048, 0)}, V_CVT},
-                                       {{"tiled", variant_opts(1, 0, 0)}, V_BASE}};
+static const VariantSel kVariants[] = {
+    {{"pp", variant_opts(0, 0, 0)}, V_BASE},
+    {{"old", variant_opts(0, 16 | 32 | 64 | 256, 0)}, V_BASE},
+    {{"ffma", variant_opts(0, 8, 0)}, V_SCHED},
+    {{"old_q", variant_opts(0, 16, 0)}, V_SCHED},
+    {{"old_iv", variant_opts(0, 32, 0)}, V_IV},
+    {{"old_raw", variant_opts(0, 64, 0)}, V_RAW},
+    {{"kvsplit", variant_opts(0, 128, 0)}, V_SCHED},
+    {{"no_kvsplit", variant_opts(0, 256, 0)}, V_SCHED},
+    {{"nopp", variant_opts(0, 1, 0)}, V_SCHED},
+    {{"pp_serial", variant_opts(0, 2, 0)}, V_SCHED},
+    {{"pp_nosoftmax", variant_opts(0, 4, 0)}, V_SCHED},
+    {{"old_cvt", variant_opts(0, 512, 0)}, V_CVT},
+    {{"nocvt", variant_opts(0, 1024, 0)}, V_CVT},
+    {{"cvt_swz", variant_opts(0, 2048, 0)}, V_CVT},
+    {{"cvt4", variant_opts(0, 4096, 0)}, V_CVT},
+    {{"cvt_pf", variant_opts(0, 8192, 0)}, V_CVT},
+    {{"cvt4_pf", variant_opts(0, 4096 | 8192, 0)}, V_CVT},
+    {{"cvt4_swz", variant_opts(0, 4096 | 2048, 0)}, V_CVT},
+    {{"cvt4_swz_pf", variant_opts(0, 4096 | 2048 | 8192, 0)}, V_CVT},
+    {{"tiled", variant_opts(1, 0, 0)}, V_BASE}};
 
 // Whether the comma-separated list holds name exactly.
 static bool name_listed(const char *list, const char *name) {
@@ -122,7 +133,12 @@ int main() {
     }
   }
   // all_variants: which variants beyond pp, old and tiled (V_SCHED, V_IV, V_RAW, V_CVT).
+  // causal_d256_bf16 also runs first and last of all rows (its pp only, as
+  // _first and _last): 609.8 TFLOP/s in one H200 round, 536-541 in two
+  // later ones with the same SASS; where in a process run it sits, and the
+  // clock at that moment (the wall time ends each line), tell clocks from code.
   const Row rows[] = {
+      {"causal_d256_bf16_first", ATTND_KV_BF16, 256, 4, S_, S_, ATTND_MASK_CAUSAL, 0, -1, 1},
       {"causal_d128_bf16", ATTND_KV_BF16, 128, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
       {"causal_d64_bf16", ATTND_KV_BF16, 64, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
       {"causal_d256_bf16", ATTND_KV_BF16, 256, 4, S_, S_, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
@@ -150,9 +166,10 @@ int main() {
       {"small_1x512_over0", ATTND_KV_BF16, 128, 1, 512, 512, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
       {"small_1x512_over8192", ATTND_KV_BF16, 128, 1, 8704, 512, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
       {"small_64x64_over2048", ATTND_KV_BF16, 128, 64, 2112, 64, ATTND_MASK_CAUSAL, 0, V_SCHED, 1},
+      {"causal_d256_bf16_last", ATTND_KV_BF16, 256, 4, S_, S_, ATTND_MASK_CAUSAL, 0, -1, 1},
   };
-  printf("\n%-34s %-12s %9s %9s %6s\n", "prefill (32/8 heads, bs 64)", "variant", "ms", "TFLOP/s",
-         "splits");
+  printf("\n%-34s %-12s %9s %9s %6s %s\n", "prefill (32/8 heads, bs 64)", "variant", "ms",
+         "TFLOP/s", "splits", "UTC");
   for (const Row &r : rows) {
     char nm[96];
     snprintf(nm, sizeof nm, "prefill_%s", r.name);
@@ -186,13 +203,19 @@ int main() {
     std::vector<float> ref_l;
     for (const VariantSel &vs : kVariants) {
       const Variant &v = vs.v;
-      if (only ? !name_listed(only, v.name) : !(vs.when & (r.all_variants | V_BASE)))
-        continue;
+      if (r.all_variants < 0 ? strcmp(v.name, "pp") != 0
+          : only             ? !name_listed(only, v.name)
+                             : !(vs.when & (r.all_variants | V_BASE)))
+        continue; // all_variants -1: pp only
       const float ms = median_ms(
           [&] { CKA(attnd_cuda_attend_opts(&S.s, &S.b, S.ws, S.ws_bytes, nullptr, &v.opts)); }, 2,
           iters);
       const double tf = flops / (ms * 1e-3) / 1e12;
-      printf("%-34s %-12s %9.3f %9.1f %6d\n", r.name, v.name, ms, tf, splits);
+      timespec now;
+      clock_gettime(CLOCK_REALTIME, &now);
+      const long sod = now.tv_sec % 86400;
+      printf("%-34s %-12s %9.3f %9.1f %6d %02ld:%02ld:%02ld.%01ld\n", r.name, v.name, ms, tf,
+             splits, sod / 3600, sod / 60 % 60, sod % 60, now.tv_nsec / 100000000);
       if (check) {
         CK(cudaMemset(S.b.out, 0xff, no * 2));
         CK(cudaMemset(S.b.lse, 0xff, nl * 4));

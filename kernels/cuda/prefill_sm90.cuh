@@ -55,7 +55,14 @@ namespace attnd {
 // the same values); bit 10 = converted types: no conversion at all (timing
 // only: the output is wrong); bit 11 = opt-in, int8/fp8 caches with 8 or 16
 // raw units a row (D 128, 256): the finishing warps take the units in a
-// bank-conflict-free order (prefill_sm90_copy.cuh; the same values). This is
+// bank-conflict-free order (prefill_sm90_copy.cuh; the same values); bit 12 =
+// opt-in, 8-bit and int4 caches (not with bit 6): the producer warp converts too,
+// 128 finishing threads instead of 96, its lane 0 issuing each tile's copies
+// between its conversions (the same values; measured 7-18% slower on the
+// H200); bit 13 = 8-bit and int4 caches: the other form of the finishing loop
+// (static int8 / fp8 load the next round's units before this round's stores
+// by default, Cfg::kPf; the other types then do, static int8 / fp8 do not;
+// the same values). Bit 11 measured 2-4% slower than the default. This is
 // attnd_cuda_opts_t.sm90_sched with bit 0 inverted (0 there is the default).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).

@@ -13,7 +13,16 @@ constexpr int kThreads = 384; // producer warpgroup + two consumer warpgroups
 constexpr int kCvt = 96;      // finishing threads (producer warps 1-3)
 constexpr int kBMq = 128;     // query vectors per CTA (64 per consumer warpgroup)
 constexpr int kMaxFlags = 1024;
+// Registers per thread after setmaxnreg (384 threads share 64 K): 16-bit
+// caches, whose producer warpgroup only copies (or converts a word per
+// pair), 40 / 232; the 8-bit and int4 caches 72 / 208, so that the finishing
+// loop's units and the opt-in forms' state stay in registers (sched bits 12
+// and 13 spilled 52-68 bytes at 40 and 12 at 64; no spill at 72 / 208,
+// ptxas -warn-spills). On the H200 (bench/RESULTS.md, prefill5) 72 / 208 ran
+// the append over the dynamic types 11% faster, static int8 / fp8 2-3%,
+// int4 the same; the fp16 cache under bf16 6% slower (kept at 40 / 232).
 constexpr int kRegsProducer = 40, kRegsConsumer = 232;
+constexpr int kRegsProducerCvt = 72, kRegsConsumerCvt = 208;
 
 // Tile shapes and the shared-memory layout of one instantiation (bytes from a
 // 1024-aligned base; every operand tile is 1024-aligned for the swizzle).
@@ -23,6 +32,13 @@ template <int D, int DT, int KV> struct Cfg {
       (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) || (KV == ATTND_KV_FP16 && DT == ATTND_DT_FP16);
   static constexpr bool kDyn = K::kDyn;
   static constexpr bool kStatic = K::kStatic;
+  static constexpr int kRegsP = K::k16 ? kRegsProducer : kRegsProducerCvt;
+  static constexpr int kRegsC = K::k16 ? kRegsConsumer : kRegsConsumerCvt;
+  // The finishing loop loads the next round's units before this round's
+  // stores by default for static int8 / fp8 (5.7% / 3.1% faster on the
+  // H200, the append; the dynamic types and int4 within 1%); sched bit 13
+  // selects the other form.
+  static constexpr bool kPf = kStatic && !K::kI4;
   // The P V product's operand dtype, P's shift and the dynamic types'
   // V-scale reference: the tiled kernel's (Tiled::PDT, tiled_kernel.cuh), so
   // that both round P the same way.

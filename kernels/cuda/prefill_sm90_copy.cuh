@@ -31,6 +31,12 @@ struct Ring {
   // (bit 10, timing only: the operand tiles keep whatever they held).
   int cvt;
   bool swz; // converted 8-bit types: the bank-conflict-free unit order (sched bit 11)
+  // Converted types, sched bit 12: the producer warp converts too (nfin =
+  // 128 finishing threads, warp 0 lane 0 issuing each tile's copies between
+  // its conversions, ring_finish), else warps 1-3 (nfin = kCvt).
+  bool merged;
+  int nfin;
+  bool pf; // the next round's loads before this round's stores (Cfg::kPf, sched bit 13)
   __device__ __forceinline__ uint32_t bar(int i) const {
     return bar0 + 8u * (uint32_t)i;
   }
@@ -42,6 +48,36 @@ struct Ring {
     return t;
   }
 };
+
+// Converted types: the 1-D bulk copies of live tile t's raw rows (and the
+// dynamic types' scales) into raw stage s, completing on raw_full (the
+// caller has waited for the stage to be free).
+template <int D, int DT, int KV>
+__device__ __forceinline__ void ring_copy_raw(const FlashParams &F, const Ring &g, int t, int s) {
+  using C = Cfg<D, DT, KV>;
+  constexpr int BN = C::BN, RB = C::RB;
+  const int R = min(F.bs, BN), nbox = BN / R;
+  const int bs_shift = __ffs(F.bs) - 1, bs_mask = F.bs - 1;
+  const size_t v_region = (size_t)F.kv_heads * F.bs * RB;
+  const int j0 = g.jfirst + t * BN, kvh = g.kvh;
+  const int nvalid = min(nbox, (g.lastkey - j0) / R + 1);
+  const uint32_t bar = g.bar(s);
+  const uint32_t per = 2u * R * RB + (C::kDyn ? 2u * R * 4u : 0u);
+  mbar_arrive_expect_tx(bar, (uint32_t)nvalid * per);
+  const uint32_t dRaw = smem_u32(g.smem + C::kRaw + s * C::kRawStage), dS = dRaw + 2 * BN * RB;
+  for (int b = 0; b < nvalid; b++) {
+    const int j = j0 + b * R, blk = g.bt[j >> bs_shift], ro = j & bs_mask;
+    const uint8_t *src = F.cache + (size_t)blk * F.block_bytes + (size_t)(kvh * F.bs + ro) * RB;
+    bulk_load(dRaw + b * R * RB, src, R * RB, bar);
+    bulk_load(dRaw + BN * RB + b * R * RB, src + v_region, R * RB, bar);
+    if constexpr (C::kDyn) {
+      const uint8_t *ss =
+          F.cache + (size_t)blk * F.block_bytes + 2 * v_region + (size_t)(kvh * F.bs + ro) * 4;
+      bulk_load(dS + b * R * 4, ss, R * 4, bar);
+      bulk_load(dS + BN * 4 + b * R * 4, ss + (size_t)F.kv_heads * F.bs * 4, R * 4, bar);
+    }
+  }
+}
 
 // The producer (warp 0, lane 0): every copy of every live tile, in order.
 template <int D, int DT, int KV>
@@ -107,39 +143,53 @@ __device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g)
         }
       }
     } else {
-      const uint32_t per = 2u * R * RB + (C::kDyn ? 2u * R * 4u : 0u);
-      mbar_arrive_expect_tx(BAR(s), (uint32_t)nvalid * per);
-      const uint32_t dRaw = smem_u32(smem + C::kRaw + s * C::kRawStage), dS = dRaw + 2 * BN * RB;
-      for (int b = 0; b < nvalid; b++) {
-        const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
-        const uint8_t *src = F.cache + (size_t)blk * F.block_bytes + (size_t)(kvh * F.bs + ro) * RB;
-        bulk_load(dRaw + b * R * RB, src, R * RB, BAR(s));
-        bulk_load(dRaw + BN * RB + b * R * RB, src + v_region, R * RB, BAR(s));
-        if constexpr (C::kDyn) {
-          const uint8_t *ss =
-              F.cache + (size_t)blk * F.block_bytes + 2 * v_region + (size_t)(kvh * F.bs + ro) * 4;
-          bulk_load(dS + b * R * 4, ss, R * 4, BAR(s));
-          bulk_load(dS + BN * 4 + b * R * 4, ss + (size_t)F.kv_heads * F.bs * 4, R * 4, BAR(s));
-        }
-      }
+      ring_copy_raw<D, DT, KV>(F, g, t, s);
     }
   }
 }
 
-// The finishing warps (producer warps 1-3, thread ct of kCvt): converted
-// tiles into operand tiles, and what lies past the visible keys zeroed.
+// The finishing warps (producer warps 1-3, thread ct of kCvt; with
+// Ring::merged every producer warp, below): converted tiles into operand
+// tiles, and what lies past the visible keys zeroed.
+// Converted types with sched bit 12 (Ring::merged): every thread of the
+// producer warpgroup (ct = its index, 0-127), and warp 0 lane 0 (prod) also
+// issues the copies, each tile's before the conversion of the tile kS - 1
+// back (the raw stage it fills was released by the conversion of the tile
+// before that, which this thread has finished; the wait is for the other
+// warps'), so that the copies run as far ahead as with a producer of its
+// own, and 128 threads instead of 96 share each tile (a tile of 64 keys at
+// D 128, 512 units of K and of V: 4 rounds each instead of 5 or 6).
 template <int D, int DT, int KV>
-__device__ __forceinline__ void ring_finish(const Ring &g, int ct) {
+__device__ __forceinline__ void ring_finish(const Sm90Params &P, const Ring &g, int ct, bool prod) {
   using C = Cfg<D, DT, KV>;
   constexpr int BN = C::BN, CH = C::CH, RB = C::RB;
   constexpr uint32_t KT = C::KT;
   uint8_t *const smem = g.smem;
   const int ntiles = g.ntiles, jfirst = g.jfirst, lastkey = g.lastkey, kS = g.kS;
+  const int nfin = g.nfin;
   const bool raw_early = g.raw_early;
   auto BAR = [&](int i) { return g.bar(i); };
   auto next_tile = [&](int t) { return g.template next_tile<C::kNF>(t); };
   int i = 0;
+  int pt = 0, pi = 0; // prod: the next tile to copy and its ordinal
+  if (!KvT<KV>::k16 && prod) {
+    pdl_wait(); // the cache is written by the previous kernel
+    pt = next_tile(0);
+  }
   for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
+    if constexpr (!KvT<KV>::k16) { // 8-bit and int4 caches only (Cfg::kRegsP)
+      if (g.merged) {
+        if (prod) {
+          for (; pt < ntiles && pi < i + kS; pt = next_tile(pt + 1), pi++) {
+            if (pi >= kS) // the tile kS back is converted (raw_empty)
+              mbar_wait_wd(BAR(13 + pi % kS), ((pi / kS) - 1) & 1);
+            ring_copy_raw<D, DT, KV>(P.f, g, pt, pi % kS);
+          }
+        }
+        if (ct < 32)
+          __syncwarp(); // warp 0 converts together again
+      }
+    }
     const int j0 = jfirst + t * BN;
     const int lim = min(BN, lastkey + 1 - j0); // keys [lim, BN) of the tile are never visible
     const int s = i % kS;
@@ -180,9 +230,12 @@ __device__ __forceinline__ void ring_finish(const Ring &g, int ct) {
       // next quarter the opposite (the default mapping gives a quarter warp one
       // key: its 8 units fall on 4 slots, two operand chunks apart; ncu:
       // 10.6 wavefronts per shared store request where 4 is the floor).
-      auto convert_tile = [&](auto fast, auto swz) {
-        for (int u = ct; u < BN * UPR; u += kCvt) {
-          int key, cu;
+      // pf (Cfg::kPf, static int8 / fp8; sched bit 13 the other form): the
+      // next round's two loads issued before this round's conversion and
+      // stores (one round of 16-byte units in flight behind the arithmetic;
+      // 8 more live registers: spilled at 40, fits Cfg::kRegsP's 72).
+      auto convert_tile = [&](auto fast, auto swz, auto pf) {
+        auto unit = [&](int u, int &key, int &cu) {
           if constexpr (decltype(swz)::value) {
             const int b = u % (2 * UPR), qi = b >> 3, lq = b & 7;
             cu = ((qi >> 1) << 3) | lq;
@@ -191,11 +244,20 @@ __device__ __forceinline__ void ring_finish(const Ring &g, int ct) {
             key = u / UPR;
             cu = u % UPR;
           }
-          uint4 rk = make_uint4(0, 0, 0, 0), rv = make_uint4(0, 0, 0, 0);
-          if (key < lim) {
+        };
+        auto load = [&](int u, uint4 &rk, uint4 &rv) {
+          int key, cu;
+          unit(u, key, cu);
+          rk = make_uint4(0, 0, 0, 0);
+          rv = make_uint4(0, 0, 0, 0);
+          if (u < BN * UPR && key < lim) {
             rk = *reinterpret_cast<const uint4 *>(raw + key * RB + cu * 16);
             rv = *reinterpret_cast<const uint4 *>(raw + BN * RB + key * RB + cu * 16);
           }
+        };
+        auto put = [&](int u, const uint4 &rk, const uint4 &rv) {
+          int key, cu;
+          unit(u, key, cu);
           const int e0 = cu * EPU, q0 = (e0 & 63) >> 3;
           const uint32_t off = (e0 >> 6) * BN * 128 + key * 128;
           uint32_t o[EPU / 2];
@@ -215,28 +277,59 @@ __device__ __forceinline__ void ring_finish(const Ring &g, int ct) {
           for (int q = 0; q < EPU / 8; q++)
             *reinterpret_cast<uint4 *>(opV + off + (((q0 + q) ^ (key & 7)) << 4)) =
                 make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+        };
+        if constexpr (decltype(pf)::value) {
+          uint4 rk, rv;
+          load(ct, rk, rv);
+          for (int u = ct; u < BN * UPR; u += nfin) {
+            uint4 nk, nv;
+            load(u + nfin, nk, nv);
+            put(u, rk, rv);
+            rk = nk;
+            rv = nv;
+          }
+        } else {
+          for (int u = ct; u < BN * UPR; u += nfin) {
+            uint4 rk, rv;
+            load(u, rk, rv);
+            put(u, rk, rv);
+          }
         }
       };
       // The types convert16_fast changes (int8 into bf16, int4) get both
-      // loops; the others one.
+      // instruction forms; the 8-bit types with 8 or 16 units a row the swz
+      // order; each default and swz loop with and without pf.
       constexpr bool kFastForm =
           (KvT<KV>::kInt8 && (DT == ATTND_DT_BF16 || C::PDT == ATTND_DT_BF16)) || KvT<KV>::kI4;
       constexpr bool kSwzForm = (KvT<KV>::kInt8 || KvT<KV>::kFp8) && UPR % 8 == 0;
       using F0 = std::integral_constant<bool, false>;
+      using T1 = std::integral_constant<bool, true>;
       using FF = std::integral_constant<bool, kFastForm>;
-      bool done = false;
-      if constexpr (kSwzForm) {
-        if (g.swz && g.cvt == 0) {
-          convert_tile(FF{}, std::integral_constant<bool, true>{});
-          done = true;
+      if (g.cvt == 1 && kFastForm) {
+        convert_tile(F0{}, F0{}, F0{});
+      } else if (g.cvt != 2) {
+        bool done = false;
+        if constexpr (kSwzForm) {
+          if (g.swz && g.cvt == 0) {
+            if (g.pf)
+              convert_tile(FF{}, T1{}, T1{});
+            else
+              convert_tile(FF{}, T1{}, F0{});
+            done = true;
+          }
         }
-      }
-      if (done) {
-      } else if (g.cvt == 0 || !kFastForm) {
-        if (g.cvt != 2)
-          convert_tile(FF{}, F0{});
-      } else if (g.cvt == 1) {
-        convert_tile(F0{}, F0{});
+        if (!done) {
+          // pf: 8-bit and int4 caches only (at the 16-bit caches' 40
+          // registers its loop spills)
+          if constexpr (!KvT<KV>::k16) {
+            if (g.pf && g.cvt == 0) {
+              convert_tile(FF{}, F0{}, T1{});
+              done = true;
+            }
+          }
+          if (!done)
+            convert_tile(FF{}, F0{}, F0{});
+        }
       }
       if constexpr (C::kDyn) {
         // The stage's scales, where the consumers read them; keys past the
@@ -244,7 +337,7 @@ __device__ __forceinline__ void ring_finish(const Ring &g, int ct) {
         // as the tiled kernel's zero-filled copies.
         const float *rs = reinterpret_cast<const float *>(raw + 2 * BN * RB);
         float *ss = reinterpret_cast<float *>(smem + C::kScl + s * C::kSclStage);
-        for (int k = ct; k < 2 * BN; k += kCvt)
+        for (int k = ct; k < 2 * BN; k += nfin)
           ss[k] = (k % BN) < lim ? rs[k] : 0.f;
       }
       if (raw_early)

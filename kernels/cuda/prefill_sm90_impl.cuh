@@ -5,7 +5,8 @@
 //
 // One CTA per (item, kv head, tile of kBMq = 128 query vectors, KV split), 384
 // threads in three warpgroups:
-//   warpgroup 0, producer (40 registers): warp 0 lane 0 issues the copies of
+//   warpgroup 0, producer (40 registers; 8-bit and int4 caches 72, Cfg::kRegsP):
+//     warp 0 lane 0 issues the copies of
 //     each live key tile into the stage (TMA 4-D tiles, 128B-swizzled, for
 //     16-bit caches in the activation dtype; 1-D bulk copies of the raw rows
 //     for every other cache type); warps 1-3 finish the stage: quantized and
@@ -13,7 +14,8 @@
 //     operand tiles (values as stored, exact: K in the activation dtype, V in
 //     Cfg::PDT), keys past the visible range are zeroed in the V (and
 //     converted K) tile so that P = 0 never meets a non-finite V;
-//   warpgroups 1 and 2, consumers (232 registers): 64 query vectors each;
+//   warpgroups 1 and 2, consumers (232 registers; 8-bit and int4 caches 208): 64
+//     query vectors each;
 //     S = Q K^T (wgmma, both operands in shared memory; a second product from
 //     q's lo half for per-channel static scales), the online softmax in
 //     registers, O += P V (wgmma, P from registers, V N-major).
@@ -130,6 +132,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // operand tiles. Copy latency then overlaps the products instead of adding
   // to each conversion (sched bit 6: the producer waits for empty, as before).
   const bool raw_early = !C::kDirect && !(P.sched & 64);
+  // Converted types, sched bit 12 (with raw_early): the producer warp
+  // converts too, 128 finishing threads (prefill_sm90_copy.cuh, ring_finish).
+  const bool merged = !KvT<KV>::k16 && raw_early && (P.sched & 4096) != 0;
+  const int nfin = merged ? 128 : kCvt;
   // 16-bit caches in the activation dtype at D 256 (two stages; 8.0 vs 10.6
   // ms on the H200, causal B4 S8192; sched bit 8 turns it off) and, opt-in,
   // at D <= 128 (sched bit 7; 4-5% slower there): K and V of a stage on
@@ -143,12 +149,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int st = 0; st < C::kStages; st++) {
       mbar_init(BAR(st), 1);
-      mbar_init(BAR(4 + st), kCvt);
+      mbar_init(BAR(4 + st), nfin);
       mbar_init(BAR(8 + st), 256);
     }
     mbar_init(BAR(12), 1);
     for (int st = 0; st < C::kStages; st++) {
-      mbar_init(BAR(13 + st), C::kDirect ? 1 : kCvt); // fullV, else raw_empty
+      mbar_init(BAR(13 + st), C::kDirect ? 1 : nfin); // fullV, else raw_empty
       mbar_init(BAR(3 + 4 * st), 256);                // emptyK
     }
     mbar_init_fence();
@@ -186,26 +192,42 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int lastkey = hi;                                         // hi <= kv_len - 1
   const int cvt = (P.sched & 1024) ? 2 : (P.sched & 512) ? 1 : 0; // Ring::cvt
-  const Ring g{smem,    sFlags, bt,  bar0,      kind,    ntiles, jfirst,
-               lastkey, kS,     kvh, raw_early, kvsplit, cvt,    (P.sched & 2048) != 0};
+  const Ring g{smem,
+               sFlags,
+               bt,
+               bar0,
+               kind,
+               ntiles,
+               jfirst,
+               lastkey,
+               kS,
+               kvh,
+               raw_early,
+               kvsplit,
+               cvt,
+               (P.sched & 2048) != 0,
+               merged,
+               nfin,
+               C::kPf != ((P.sched & 8192) != 0)};
   auto next_tile = [&](int t) -> int { return g.template next_tile<C::kNF>(t); };
 
   const int wg = tid >> 7;
   if (wg == 0) {
-    regs_dec<kRegsProducer>();
-    if (warp == 0) {
+    regs_dec<C::kRegsP>();
+    if (warp == 0 && !merged) {
       // ---- producer: one thread issues every copy (prefill_sm90_copy.cuh) ----
       if (lane == 0)
         ring_produce<D, DT, KV>(P, g);
       return;
     }
-    // ---- finishing warps 1-3: convert, zero what lies past the visible keys ----
-    ring_finish<D, DT, KV>(g, tid - 32);
+    // ---- finishing warps 1-3 (merged: 0-3, warp 0 lane 0 also copying):
+    // convert, zero what lies past the visible keys ----
+    ring_finish<D, DT, KV>(P, g, merged ? tid : tid - 32, merged && tid == 0);
     return;
   }
 
   // ---- consumers ----
-  regs_inc<kRegsConsumer>();
+  regs_inc<C::kRegsC>();
   const int c = wg - 1, t128 = tid & 127, cw = t128 >> 5;
   // Static K scale, as the tiled kernel: per kv head in the fp32 score scale;
   // per channel (int4 always) in q as q s / 2^e, 2^e >= every s_d, kept as an
