@@ -2,14 +2,14 @@
 """generate() tokens/s of a random-weight Llama with attnd attention, beside sdpa.
 
     bench_generate.py --attnd BUILD/daemon/attnd [--layers 8] [--batch 1,16]
-                      [--prompt 128] [--new 64] [--modes sdpa,socket,ipc]
+                      [--prompt 128] [--new 64] [--modes sdpa,socket,ipc,overlap]
                       [--budget 120] [--json FILE]
 
 The model: transformers' LlamaConfig with 8 layers, 32 q / 8 kv heads, head_dim
 128 (hidden 4096, intermediate 14336, vocab 32000), random weights (transformers'
 own init, std 0.02), bf16, on cuda:0. Spawns attnd on the CUDA backend with the
 model's shape (--rope none: transformers rotates q and k itself) and, per batch
-size, times model.generate() (greedy, exactly --new tokens) three ways in the
+size, times model.generate() (greedy, exactly --new tokens) four ways in the
 same process:
 
   sdpa    transformers' own attention and DynamicCache;
@@ -18,7 +18,11 @@ same process:
           one host-to-device copy of the output);
   ipc     the same adapter with same-host zero-copy (attnd.Client(ipc=True)): each
           layer's q, k and v copied into that layer's staging tensors on the GPU,
-          registered once, and the daemon writes the output into a staging tensor.
+          registered once, and the daemon writes the output into a staging tensor;
+  overlap the ipc adapter with AttndAdapter(overlap=True): each layer's output handed
+          on at its done signal (the model's stream waits for it on the device), the
+          step's answer read during the next layer's (its tokens must equal ipc's:
+          same kernels, same order).
 
 Reported per (mode, batch): tokens/s of the whole generate() (prefill included),
 the decode rate (tokens after the first, from generate(new) minus generate(1)),
@@ -138,7 +142,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--modes", default="sdpa,socket,ipc")
+    ap.add_argument("--modes", default="sdpa,socket,ipc,overlap")
     ap.add_argument("--kv-memory", default="8G")
     ap.add_argument("--budget", type=float, default=150.0,
                     help="seconds: cases that would start later are skipped")
@@ -168,12 +172,12 @@ def main():
         for m in modes:
             if m == "sdpa":
                 continue
-            clients[m] = attnd.Client(sock, timeout=120, ipc=(m == "ipc"))
-            adapters[m] = attnd.hf.AttndAdapter(clients[m])
+            clients[m] = attnd.Client(sock, timeout=120, ipc=(m in ("ipc", "overlap")))
+            adapters[m] = attnd.hf.AttndAdapter(clients[m], overlap=(m == "overlap"))
         for b in [int(x) for x in a.batch.split(",") if x]:
             g = torch.Generator().manual_seed(b)
             ids = torch.randint(0, 32000, (b, a.prompt), generator=g).to("cuda:0")
-            ref = ref_logits = None
+            ref = ref_logits = ipc_toks = None
             for m in modes:
                 if time.monotonic() - t_start > a.budget:
                     res["cases"].append({"mode": m, "batch": b, "skipped": "budget"})
@@ -194,6 +198,10 @@ def main():
                 case = {"mode": m, "batch": b, "generate_s": s_new, "first_token_s": s_one,
                         "tokens_per_s": b * a.new / s_new,
                         "decode_tokens_per_s": b * (a.new - 1) / max(s_new - s_one, 1e-9)}
+                if m == "ipc":
+                    ipc_toks = toks
+                if m == "overlap" and ipc_toks is not None:
+                    case["tokens_equal_ipc"] = bool(torch.equal(toks, ipc_toks))
                 if m == "sdpa":
                     ref, ref_logits = toks, logits
                 elif ref is not None:
@@ -214,7 +222,9 @@ def main():
                       + (f", rows agree with sdpa for {case['tokens_before_divergence']:.1f} "
                          f"tokens (first token {100 * case['first_token_same']:.0f}%), prompt "
                          f"logits rel L2 {case['prompt_logits_rel_l2']:.1e}"
-                         if "tokens_before_divergence" in case else ""), flush=True)
+                         if "tokens_before_divergence" in case else "")
+                      + (f", tokens equal ipc's: {case['tokens_equal_ipc']}"
+                         if "tokens_equal_ipc" in case else ""), flush=True)
                 if a.json:
                     with open(a.json, "w") as f:
                         json.dump(res, f, indent=1)

@@ -115,6 +115,7 @@ class _Sequences:
 
     def drop(self):
         """Closes the sessions (best effort: a restarted daemon has lost them anyway)."""
+        self.runner.drain()
         for sid in self.sessions:
             try:
                 self.runner.client.close_session(sid)
@@ -139,6 +140,7 @@ class _Sequences:
         indices = [int(i) for i in indices]
         if not self.sessions:
             return
+        self.runner.drain()
         c = self.runner.client
         used, new = set(), []
         for i in indices:
@@ -157,6 +159,7 @@ class _Sequences:
         self.plan = None
 
     def truncate(self, length):
+        self.runner.drain()
         for sid in self.sessions:
             self.runner.client.truncate(sid, length)
         self.len = {layer: min(n, length) for layer, n in self.len.items()}
@@ -177,17 +180,40 @@ class AttndRunner:
         self.shape = client.health().model
         self.steps = 0
         self.plans = 0
+        # (request id, layer) of steps sent with a done signal whose answers are
+        # still to be read (step(done=...)): read at the next step or drain().
+        self._inflight = []
+
+    def drain(self) -> None:
+        """Reads the answers of steps whose outputs were handed on at their done
+        signal (step(done=...)). One that failed raises: its output was already used."""
+        pend, self._inflight = self._inflight, []
+        for i, (rid, layer) in enumerate(pend):
+            try:
+                self.client.step_recv(rid)
+            except errors.AttndError as e:
+                for r, _ in pend[i + 1:]:  # read the rest: nothing is left pending
+                    try:
+                        self.client.step_recv(r)
+                    except errors.AttndError:
+                        pass
+                raise RuntimeError(f"attnd: layer {layer}'s step failed after its output was "
+                                   f"handed on (AttndAdapter(overlap=True)): {e}; the forward pass "
+                                   "that used it is wrong, run it again") from e
 
     def sequences(self, prefix: bool = False, salt: bytes = b"") -> "_Sequences":
         return _Sequences(self, prefix, salt)
 
     def step(self, seqs: "_Sequences", layer: int, q: Any, k: Any, v: Any,
              start: int, tokens: Sequence[Sequence[int]], mask: Optional["_client.Mask"] = None,
-             fp32_out: bool = False, out: Any = None) -> Any:
+             fp32_out: bool = False, out: Any = None, done: Any = None) -> Any:
         """q [rows*n, q_heads, D], k and v [rows*n, kv_heads, D] (numpy or torch, rows in
         order), tokens: rows lists of n ids. Returns out [rows*n, q_heads, D] (numpy, or
         torch for torch inputs). out: for torch CUDA inputs sent by reference, the tensor
-        the daemon writes (a reused staging tensor).
+        the daemon writes (a reused staging tensor). done: for those, an
+        attnd.ipc.DoneSignal of this layer's: the step is sent, the current stream waits
+        for the signal on the device, and out is returned at once; the answer is read
+        at the next step (or drain()), and a failure there raises.
 
         Rows whose leading positions attnd already holds (a prefix-cache hit of a
         sequences(prefix=True)) send only the rest; their held rows' outputs are zeros,
@@ -210,10 +236,23 @@ class AttndRunner:
         key = (start, n, tuple(firsts), mask_key, tuple(tuple(t) for t in tokens))
         items = [_client.Item(sid, f, end - f, tokens=list(t[f - start:]), mask=mask)
                  for sid, t, f in zip(seqs.sessions, tokens, firsts)]
+        if done is not None and not (is_torch and q.is_cuda):
+            done = None
+        if done is None or seqs.plan is None or seqs.plan[1] != key:
+            self.drain()  # a plan made now must not end a step still unanswered
+        res = None
         for attempt in (0, 1):
             if seqs.plan is None or seqs.plan[1] != key:
                 seqs.plan = (self.client.plan(items), key)
                 self.plans += 1
+            if done is not None:
+                rid = self.client.step_send(layer, q, k, v, plan=seqs.plan[0], fp32_out=fp32_out,
+                                            out=out, done=done)
+                self.drain()  # the earlier layers' answers, there by now
+                self._inflight.append((rid, layer))
+                done.wait()
+                out_t = self.client._ipc_out[rid][0]
+                break
             try:
                 res = self.client.step(layer, q, k, v, plan=seqs.plan[0], fp32_out=fp32_out,
                                        out=out)
@@ -229,7 +268,7 @@ class AttndRunner:
             if r < len(seqs.cached) and f < seqs.cached[r]:
                 seqs.cached[r] = f
         self.steps += 1
-        out = res.out
+        out = res.out if res is not None else out_t
         if sel is not None:
             if is_torch:
                 full = _torch().zeros((rows * n,) + tuple(out.shape[1:]), dtype=out.dtype,
@@ -325,13 +364,22 @@ class AttndAdapter:
 
     client: an attnd.Client. name: the attention implementation's name.
     fp32_out: ask attnd for fp32 outputs (default: when the model computes in fp32).
+    overlap: for steps by reference, hand each layer's output on as soon as the
+    daemon's kernels have written it (a done signal per layer that the model's
+    stream waits for on the device, docs/protocol.md §5a) and read the step's answer
+    during the next layer's: the model's own work no longer waits for the answer
+    (bench/bench_done.py: 1.4x per token in a decode loop). The price: a step that
+    fails after its output was handed on (a plan that ended meanwhile, a device
+    error) fails the forward pass (RuntimeError) instead of being retried.
     """
 
     def __init__(self, client: "_client.Client", name: str = DEFAULT_NAME,
-                 fp32_out: Optional[bool] = None) -> None:
+                 fp32_out: Optional[bool] = None, overlap: bool = False) -> None:
         self.client = client
         self.name = name
         self.fp32_out = fp32_out
+        self.overlap = overlap
+        self._done = {}  # layer -> attnd.ipc.DoneSignal (overlap)
         self.runner = AttndRunner(client)
         self.shape = self.runner.shape
         self._nocache = self.runner.sequences()
@@ -448,6 +496,7 @@ class AttndAdapter:
 
     def close(self) -> None:
         """Closes every session this adapter opened."""
+        self.runner.drain()
         for c in list(self._caches):
             c.close()
         self._nocache.drop()
@@ -574,14 +623,22 @@ class AttndAdapter:
         dt = self.shape.dtype
         fp32 = self.fp32_out if self.fp32_out is not None else query.dtype == _torch().float32
         staged = self._stage(layer, query, key, value, fp32) if query.is_cuda else None
+        done = None
         if staged is not None:
             q, k, v, out = staged
+            if self.overlap:
+                done = self._done.get(layer)
+                if done is None or done.tensor.device != query.device:
+                    from . import ipc as _ipc
+
+                    done = self._done[layer] = _ipc.DoneSignal(self.client, query.device)
         else:
             q = _act(query.transpose(1, 2).reshape(b * n, hq, d), dt)
             k = _act(key.transpose(1, 2).reshape(b * n, hkv, d), dt)
             v = _act(value.transpose(1, 2).reshape(b * n, hkv, d), dt)
             out = None
-        return self.runner.step(seqs, layer, q, k, v, start, tokens, mask, fp32_out=fp32, out=out)
+        return self.runner.step(seqs, layer, q, k, v, start, tokens, mask, fp32_out=fp32, out=out,
+                                done=done)
 
     def _stage(self, layer, query, key, value, fp32):
         """Same-host zero-copy: the layer's q, k and v copied (one kernel each, the
