@@ -18,7 +18,9 @@ change nothing, and so is a registration larger than its allocation; every
 layer's step pipelined by reference into staging tensors registered once gives
 the bytes path's outputs, and a NaN in a later item's k names that item; a stream
 that waits for a step's done signal reads its outputs before the response is read,
-and a refused step's signal is raised by the client when the error arrives."""
+and a refused step's signal is raised by the client when the error arrives; attnd.hf's
+runner handing each layer's output on at its done signal gives the blocking runner's
+outputs bit for bit and reports a failed step at the next one."""
 import os
 import unittest
 
@@ -268,6 +270,53 @@ class GpuIpcTest(DaemonTestCase):
                     c.call(req)
                 self.assertIn("done", e.exception.message)
             self.assertEqual([x.len for x in c.list_sessions() if x.session == s], [2 * n])
+
+    def test_overlapped_runner_matches_the_blocking_one(self):
+        # attnd.hf's runner with a done signal per layer (AttndAdapter(overlap=True))
+        # against the blocking runner, two decode tokens through every layer over
+        # the same inputs: every layer's output is handed on before its answer is
+        # read, and the outputs are bit-equal. Then a NaN in the overlapped runner's
+        # k at layer 1: the failure surfaces at the next step as RuntimeError, and
+        # the stream that waited for layer 1's signal goes on (released).
+        import attnd.hf
+
+        with self.daemon.client(ipc=True) as ca, self.daemon.client(ipc=True) as cb:
+            m = ca.model
+            g = torch.Generator().manual_seed(13)
+            ra, rb = attnd.hf.AttndRunner(ca), attnd.hf.AttndRunner(cb)
+            sa, sb = ra.sequences(), rb.sequences()
+            sigs = [attnd_ipc.DoneSignal(ca, self.dev) for _ in range(m.layers)]
+            rows = 2
+            outs = {l: torch.empty(rows, m.q_heads, m.head_dim, dtype=torch.bfloat16,
+                                   device=self.dev) for l in range(m.layers)}
+            for t in outs.values():
+                ca.ipc.keep(t)
+            for start, n in ((0, 5), (5, 1), (6, 1)):
+                toks = [[start + i for i in range(n)] for _ in range(rows)]
+                for layer in range(m.layers):
+                    q = self.rand(g, rows * n, m.q_heads, m.head_dim)
+                    kv = self.rand(g, rows * n, m.kv_heads, m.head_dim)
+                    out = outs[layer] if n == 1 else None
+                    oa = ra.step(sa, layer, q, kv, kv, start, toks, out=out, done=sigs[layer])
+                    early = oa.clone()  # behind the wait, before the answer was read
+                    ob = rb.step(sb, layer, q, kv, kv, start, toks)
+                    torch.cuda.synchronize()
+                    self.assertTrue(torch.equal(early.view(torch.int16), ob.view(torch.int16)))
+                ra.drain()
+            self.assertEqual(ra.steps, rb.steps)
+            q = self.rand(g, rows, m.q_heads, m.head_dim)
+            kv = self.rand(g, rows, m.kv_heads, m.head_dim)
+            bad = kv.clone()
+            bad[1, 0, 0] = float("nan")
+            toks = [[7] for _ in range(rows)]
+            ra.step(sa, 0, q, kv, kv, 7, toks, out=outs[0], done=sigs[0])
+            ra.step(sa, 1, q, bad, bad, 7, toks, out=outs[1], done=sigs[1])
+            with self.assertRaises(RuntimeError) as e:
+                ra.step(sa, 2, q, kv, kv, 7, toks, out=outs[2], done=sigs[2])
+            self.assertIn("layer 1", str(e.exception))
+            torch.cuda.synchronize()  # layer 1's signal was released: no hang
+            self.assertEqual(sigs[1].reached(), sigs[1].value)
+            ra.drain()
 
     def test_pipelined_steps_by_reference_into_kept_staging(self):
         # Every layer's step sent before any answer is read (step_send/step_recv),

@@ -188,6 +188,9 @@ class AttndRunner:
         """Reads the answers of steps whose outputs were handed on at their done
         signal (step(done=...)). One that failed raises: its output was already used."""
         pend, self._inflight = self._inflight, []
+        self._read(pend)
+
+    def _read(self, pend) -> None:
         for i, (rid, layer) in enumerate(pend):
             try:
                 self.client.step_recv(rid)
@@ -248,10 +251,10 @@ class AttndRunner:
             if done is not None:
                 rid = self.client.step_send(layer, q, k, v, plan=seqs.plan[0], fp32_out=fp32_out,
                                             out=out, done=done)
-                self.drain()  # the earlier layers' answers, there by now
-                self._inflight.append((rid, layer))
+                prev, self._inflight = self._inflight, [(rid, layer)]
                 done.wait()
                 out_t = self.client._ipc_out[rid][0]
+                self._read(prev)  # the earlier layers' answers, there by now
                 break
             try:
                 res = self.client.step(layer, q, k, v, plan=seqs.plan[0], fp32_out=fp32_out,
