@@ -80,8 +80,8 @@ typedef struct {
   attnd_tensor_t out, lse;
   /* With device: NULL, or an 8-byte aligned DEVICE word of a registered
    * buffer that the backend raises to done_value (max(word, done_value))
-   * after the step's kernels, for a step that completes without error
-   * (docs/protocol.md, the done signal). */
+   * after the step's kernels (docs/protocol.md, the done signal; a step
+   * that fails may leave it). */
   void *done;
   uint64_t done_value;
 } attnd_step_req_t;
