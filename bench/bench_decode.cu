@@ -73,9 +73,9 @@ double pct(double gbps, double roof) { return 100.0 * gbps / roof; }
 double decode_row(const char *nm, Setup &S, double copy, double read, bool diag) {
   const attnd_cuda_opts_t dflt = {}, item = {0, 2, 0, 0}, nopdl = {0, 0, 0, 1};
   // The decode kernel's load-path variants (attnd_cuda_opts_t.debug, results
-  // exact): the other chunk copy (4, the refill-read copy, for the 16-bit
-  // types and int4; 32, the per-piece copy, for the 1-byte types, whose
-  // default is 4's); the other lookahead (below).
+  // exact): the other chunk copy, the refill-read one (4 for the 16-bit types
+  // and int4, 32 for the 1-byte types; every type's default is the per-piece
+  // copy); the other lookahead (below).
   // pfown (64): each CTA's own rows prefetched into L2 by the bulk copy
   // engine ~32 KB ahead, with either split. ATTND_BENCH_DEC_DEBUG ORs bits into
   // the default launch (a profiler's first decode launch then runs them).

@@ -19,7 +19,7 @@ template <int KV, int D> constexpr int dec_minb(bool tr) {
 }
 
 // Sizes and shared-memory layout of one instantiation. PV16_ (launch option
-// debug 32768, dec_piece_any): the dynamic types under bf16 activations take
+// debug 32768, decode_kernel PV16): the dynamic types under bf16 activations take
 // the P V product in fp16 (kPv16, below); no effect elsewhere.
 template <int D_, int DT_, int KV_, bool TR_, bool PV16_ = false> struct Dec {
   static constexpr int D = D_, DT = DT_, KV = KV_;
@@ -352,7 +352,7 @@ __device__ __forceinline__ void dec_prefetch_l2(const void *p, uint32_t n) {
 // DRAM 64 bytes at a time.
 // Every offset comes from the parameters (constant bank) and kvh, so that
 // nothing of it stays in registers through the key loop (the refill-read copy
-// the 1-byte types use keeps no DecCopy state live there).
+// of debug 32 keeps no DecCopy state live there).
 template <class C> __device__ __forceinline__ void dec_prefetch_own(const DecodeParams &P, int kvh, int32_t blk) {
   const size_t vreg = (size_t)P.kv_heads * P.bs * C::RB, rowbase = (size_t)kvh * P.bs;
   const uint8_t *b = P.cache + (size_t)blk * P.block_bytes;
