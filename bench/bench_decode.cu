@@ -73,9 +73,9 @@ double pct(double gbps, double roof) { return 100.0 * gbps / roof; }
 double decode_row(const char *nm, Setup &S, double copy, double read, bool diag) {
   const attnd_cuda_opts_t dflt = {}, item = {0, 2, 0, 0}, nopdl = {0, 0, 0, 1};
   // The decode kernel's load-path variants (attnd_cuda_opts_t.debug, results
-  // exact): the other chunk copy (4, the refill-read copy, for the 16-bit
-  // types and int4; 32, the per-piece copy, for the 1-byte types, whose
-  // default is 4's); the other lookahead (below).
+  // exact): the other chunk copy, the refill-read one (4 for the 16-bit types
+  // and int4, 32 for the 1-byte types; every type's default is the per-piece
+  // copy); the other lookahead (below).
   // pfown (64): each CTA's own rows prefetched into L2 by the bulk copy
   // engine ~32 KB ahead, with either split. ATTND_BENCH_DEC_DEBUG ORs bits into
   // the default launch (a profiler's first decode launch then runs them).
@@ -102,6 +102,10 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
                           ahm = {8192 | 4096, 2, 0, 0};
   const Timed hmt = time_attend(S, &hmo), flt = time_attend(S, &flo), alt = time_attend(S, &alo),
               aht = time_attend(S, &ahm);
+  // pv16 (debug 32768): the dynamic types' P V in fp16 under bf16 activations
+  // (Dec::kPv16; the default elsewhere).
+  const attnd_cuda_opts_t pvo = {32768, 0, 0, 0};
+  const Timed pvt = time_attend(S, &pvo);
   const float wus = 1e3f * median_ms([&] { CKA(attnd_cuda_write(&S.s, &S.b, nullptr)); }, 3, 20);
   const double gbps = S.cache_bytes / (a.us * 1e-6) / 1e9;
   // ATTND_BENCH_DEC_L2PF set: also debug 16 (whole blocks prefetched into L2),
@@ -112,31 +116,32 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
     snprintf(l2pf, sizeof l2pf, " | l2pf %7.1f", time_attend(S, &pf).us);
   }
   printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | alt-copy %7.1f "
-         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f | hm %7.1f | flat %7.1f | mis %7.1f %5.1f%% | mis hm %7.1f%s\n",
+         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f | hm %7.1f | flat %7.1f | mis %7.1f %5.1f%% | mis hm %7.1f | pv16 %7.1f %5.1f%%%s\n",
          nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us,
          pct(S.cache_bytes / (po.us * 1e-6) / 1e9, read), pi.us, cl.us, hmt.us, flt.us, alt.us,
-         pct(S.cache_bytes / (alt.us * 1e-6) / 1e9, read), aht.us, l2pf);
+         pct(S.cache_bytes / (alt.us * 1e-6) / 1e9, read), aht.us, pvt.us, pct(S.cache_bytes / (pvt.us * 1e-6) / 1e9, read),
+         l2pf);
   char extra[256] = "";
   if (diag) {
     const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0}, nmi = {2, 2, 0, 0}, nmh = {2 | 4096, 2, 0, 0},
-                            nma = {2 | 8192, 0, 0, 0};
+                            nma = {2 | 8192, 0, 0, 0}, nlp = {1 | 32768, 0, 0, 0};
     const Timed x = time_attend(S, &nl), y = time_attend(S, &nm2), w = time_attend(S, &nmi), h = time_attend(S, &nmh),
-                z = time_attend(S, &nma);
+                z = time_attend(S, &nma), xp = time_attend(S, &nlp);
     printf("%-34s   no-load %7.1f us, no-math %7.1f us, no-math per-item %7.1f us, no-math hm %7.1f us, no-math mis "
-           "%7.1f us\n",
-           "", x.us, y.us, w.us, h.us, z.us);
+           "%7.1f us, no-load pv16 %7.1f us\n",
+           "", x.us, y.us, w.us, h.us, z.us, xp.us);
     snprintf(extra, sizeof extra,
              ", \"us_no_load\": %.1f, \"us_no_math\": %.1f, \"us_no_math_per_item\": %.1f, \"us_no_math_hm\": %.1f"
-             ", \"us_no_math_mis\": %.1f",
-             x.us, y.us, w.us, h.us, z.us);
+             ", \"us_no_math_mis\": %.1f, \"us_no_load_pv16\": %.1f",
+             x.us, y.us, w.us, h.us, z.us, xp.us);
   }
   jrow(nm,
        "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "
        "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"us_ref_copy\": %.1f, \"us_alt_ahead\": %.1f, "
-       "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"us_hm\": %.1f, \"us_flat\": %.1f, \"us_mis\": %.1f, \"us_mis_hm\": %.1f, "
+       "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"us_hm\": %.1f, \"us_flat\": %.1f, \"us_mis\": %.1f, \"us_mis_hm\": %.1f, \"us_pv16\": %.1f, "
        "\"bytes\": %.0f%s",
        a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us, pi.us,
-       cl.us, hmt.us, flt.us, alt.us, aht.us, S.cache_bytes, extra);
+       cl.us, hmt.us, flt.us, alt.us, aht.us, pvt.us, S.cache_bytes, extra);
   return pct(gbps, read);
 }
 
@@ -151,7 +156,7 @@ void rows_main(double copy, double read, double base_pct[ATTND_KV_COUNT_]) {
         continue;
       Setup S;
       setup(S, (attnd_kv_type_t)kv, sh[0], sh[1], 1, ATTND_MASK_CAUSAL, 0, nullptr);
-      const bool diag = kv == ATTND_KV_BF16 || kv == ATTND_KV_INT8_DYNAMIC || kv == ATTND_KV_INT4;
+      const bool diag = kv == ATTND_KV_BF16 || kv == ATTND_KV_INT8_DYNAMIC || kv == ATTND_KV_FP8_DYNAMIC || kv == ATTND_KV_INT4;
       const double p = decode_row(nm, S, copy, read, diag);
       if (sh[0] == 64)
         base_pct[kv] = p;

@@ -47,7 +47,10 @@ static int g_cases[ATTND_KV_COUNT_];
  * per-item split merged inside thread-block clusters (debug 256), its CTAs
  * head-major (debug 4096: the same pieces in another order), the decode
  * stages at their old offset, off a 128-byte boundary (debug 8192) and the
- * converted types' chunks all in flight (debug 512, their former default);
+ * converted types' chunks all in flight (debug 512, their former default),
+ * the 1-byte types' refill-read chunk copy (debug 32, their former default)
+ * and the dynamic types' P V product in fp16 under bf16 activations (debug
+ * 32768);
  * on the Hopper prefill path, the converted types' earlier conversion
  * instructions (sm90_sched 512), the opt-in unit order of the finishing
  * warps (sm90_sched 2048), the producer warp converting too (4096) and the
@@ -56,13 +59,13 @@ static int g_cases[ATTND_KV_COUNT_];
 #define N_OPTS 9
 static const attnd_cuda_opts_t k_opts[N_OPTS] = {
     {.split = 0},
-    {.split = 2},
-    {.split = 1, .min_chunks = 2, .sm90_sched = 4096},
-    {.split = 0, .no_pdl = 1, .debug = 512 | 8192},
-    {.split = 1, .min_chunks = 150, .sm90_sched = 2048},
+    {.split = 2, .debug = 32768},
+    {.split = 1, .min_chunks = 2, .debug = 32, .sm90_sched = 4096},
+    {.split = 0, .no_pdl = 1, .debug = 512 | 8192 | 32},
+    {.split = 1, .min_chunks = 150, .sm90_sched = 2048, .debug = 32768},
     {.split = 2, .min_chunks = 4, .debug = 64 | 4096 | 8192},
     {.split = 1, .min_chunks = 2, .debug = 64 | 128 | 8192, .sm90_sched = 8192},
-    {.split = 2, .debug = 256 | 4096, .sm90_sched = 512},
+    {.split = 2, .debug = 256 | 4096 | 32768, .sm90_sched = 512},
     {.split = 0, .debug = 256 | 64, .sm90_sched = 2048 | 4096 | 8192}};
 
 static double case_run(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,

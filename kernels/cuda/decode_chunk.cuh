@@ -26,6 +26,52 @@ template <class C> struct DecAcc {
   float sig;               // kSigma: the power of two V's scales are taken relative to
 };
 
+// P' (times V's scale) as a P V operand: rounded to PDT, or under kPv16 to
+// bf16 first (the tiled kernel's operand) and then carried exactly in fp16
+// (decode_layout.cuh, Dec::kPv16).
+template <class C> __device__ __forceinline__ typename Act<C::PDT>::T dec_pop(float x) {
+  if constexpr (C::kPv16)
+    return Act<C::PDT>::from_f(__bfloat162float(__float2bfloat16_rn(x)));
+  else
+    return Act<C::PDT>::from_f(x);
+}
+template <class C> __device__ __forceinline__ uint32_t dec_ppack2(float lo, float hi) {
+  if constexpr (C::kPv16)
+    return Act<C::PDT>::pack2(__bfloat162float(__float2bfloat16_rn(lo)),
+                              __bfloat162float(__float2bfloat16_rn(hi)));
+  else
+    return Act<C::PDT>::pack2(lo, hi);
+}
+
+// The chunks of a piece that need the per-element mask, as two bounds: chunk
+// [j0, j0 + n) needs it iff j0 < lo or j0 + n - 1 > hi, the same predicate as
+// tile_needs_mask (primitives.cuh) term by term, computed once per piece (the
+// per-chunk test is ~12 integer instructions of every chunk: 838 -> 814 SASS
+// instructions in the int8_dynamic key loop, its masked path left out). The
+// static 8-bit types and int4 keep the per-chunk test (dec_piece). Interval
+// masks: every chunk (lo = INT_MAX).
+struct DecMaskBounds {
+  int lo, hi;
+};
+__device__ __forceinline__ DecMaskBounds dec_mask_bounds(const attnd_kitem_t &it, int pmin, int pmax, int klo,
+                                                         int khi, int win) {
+  const int kind = it.mask_kind, mp = it.mask_param;
+  DecMaskBounds b;
+  b.lo = klo;                                // j0 < lo
+  b.hi = min(khi, it.start + it.n - 1);      // j1 > hi, j1 >= kv_len
+  if (win > 0)
+    b.lo = max(b.lo, pmax - win + 1);        // j0 <= pmax - win
+  if (kind == ATTND_MASK_CAUSAL || kind == ATTND_MASK_SLIDING)
+    b.hi = min(b.hi, pmin);                  // j1 > pmin
+  if (kind == ATTND_MASK_SLIDING)
+    b.lo = max(b.lo, pmax - mp + 1);         // j0 < pmax - mp + 1
+  if (kind == ATTND_MASK_PREFIX_LM)
+    b.hi = min(b.hi, max(pmin, mp - 1));     // j1 > pmin && j1 >= mp
+  if (kind == ATTND_MASK_INTERVALS)
+    b.lo = 0x7fffffff;
+  return b;
+}
+
 // Masks one score of key j for the vector at absolute position p. The layer's
 // window and soft-cap are read from the kernel parameters (constant bank, no
 // registers held through the key loop).
@@ -34,6 +80,11 @@ __device__ __forceinline__ float dec_mask(const DecodeParams &P, const DecPiece 
              ? x
              : -INFINITY;
 }
+
+// 1 / x for a power of two x in [2^-126, 2^126] (exact; kSigma's references
+// stay below 2^122: a dynamic scale is at most FLT_MAX / 127), by its bits:
+// no division and its slow-path call per chunk.
+__device__ __forceinline__ float pow2_rcp(float x) { return __uint_as_float(0x7f000000u - __float_as_uint(x)); }
 
 // kSigma: raises the warp's V-scale reference to cover this chunk's largest
 // scale (vmax, already reduced over the warp); returns the factor O is
@@ -142,7 +193,7 @@ __device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPie
     vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 8));
     vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 16));
     beta = dec_sigma(acc, vm);
-    vinv = 1.f / acc.sig; // a power of two: exact
+    vinv = pow2_rcp(acc.sig);
   }
 #pragma unroll
   for (int vi = 0; vi < 2; vi++) {
@@ -164,8 +215,8 @@ __device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPie
     acc.l[vi] = (e >> 1) ? acc.l[vi] + pe : acc.l[vi] * alpha[vi] + pe;
     float pv = pe;
     if constexpr (C::K::kDyn)
-      pv *= C::kSigma ? sVsc[key] * vinv : sVsc[key];
-    const typename PA::T pr = PA::from_f(pv);
+      pv *= C::kSigma ? sVsc[key] * vinv * C::kVShift : sVsc[key];
+    const typename PA::T pr = dec_pop<C>(pv);
     sP[v * KS + key] = pr;
     if constexpr (!C::K::kDyn)
       acc.lt[vi] = (e >> 1) ? acc.lt[vi] + PA::to_f(pr) : acc.lt[vi] * alpha[vi] + PA::to_f(pr);
@@ -275,7 +326,7 @@ __device__ __forceinline__ void dec_chunk_rows(const DecodeParams &P, const DecP
     vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
     vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));
     beta = dec_sigma(acc, vm);
-    vinv = 1.f / acc.sig;
+    vinv = pow2_rcp(acc.sig);
   }
 #pragma unroll
   for (int ri = 0; ri < 2; ri++) {
@@ -299,11 +350,11 @@ __device__ __forceinline__ void dec_chunk_rows(const DecodeParams &P, const DecP
     if constexpr (C::K::kDyn) {
       float2 vs = *reinterpret_cast<const float2 *>(sVsc + nt * 8 + 2 * c4);
       if constexpr (C::kSigma) {
-        vs.x *= vinv;
-        vs.y *= vinv;
+        vs.x = vs.x * vinv * C::kVShift;
+        vs.y = vs.y * vinv * C::kVShift;
       }
-      pa[nt * 2 + 0] = PA::pack2(p0 * vs.x, p1 * vs.y);
-      pa[nt * 2 + 1] = PA::pack2(p2 * vs.x, p3 * vs.y);
+      pa[nt * 2 + 0] = dec_ppack2<C>(p0 * vs.x, p1 * vs.y);
+      pa[nt * 2 + 1] = dec_ppack2<C>(p2 * vs.x, p3 * vs.y);
     } else {
       pa[nt * 2 + 0] = PA::pack2(p0, p1);
       pa[nt * 2 + 1] = PA::pack2(p2, p3);

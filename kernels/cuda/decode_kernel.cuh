@@ -112,7 +112,7 @@ __device__ __forceinline__ void dec_finish(const DecodeParams &P, uint8_t *smem,
     const float Ls = sL[r], Ln = C::K::kDyn ? Ls : sLt[r];
     float f = Ls > 0.f ? ex2(acc.m[ri] - sM[r]) / Ln : 0.f;
     if constexpr (C::kSigma)
-      f *= acc.sig; // O was accumulated relative to this warp's V-scale reference
+      f *= C::kPv16 ? acc.sig * 0x1p-14f : acc.sig; // O was accumulated relative to sig (times kVShift)
     if constexpr (C::TR) {
 #pragma unroll
       for (int mt = 0; mt < C::NO; mt++)
@@ -394,6 +394,12 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     pc.zc[i] = C::K::kI4 && P.cap2 > 0.f ? sC[v] : 0.f;
   }
   const int pmin = it.start, pmax = it.start + it.n - 1;
+  // The piece's mask bounds (dec_mask_bounds) where the registers allow:
+  // the 16-bit and dynamic types. The static 8-bit types and int4 sit at
+  // their 128-register bound and spilled 4-56 bytes with them (in registers
+  // or re-read from shared memory alike): they keep the per-chunk test.
+  constexpr bool kMb = C::K::k16 || C::K::kDyn;
+  const DecMaskBounds mb = kMb ? dec_mask_bounds(it, pmin, pmax, klo, khi, P.window) : DecMaskBounds{0, 0};
   // Stage of chunk n, counted without a division (NS is 3 to 6).
   int stage = 0;
   for (int n = 0; n < cnt; n++) {
@@ -438,7 +444,8 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
     if (no_math)
       continue;
     const int j0 = jfirst + (warp + NW * n) * KS;
-    const bool need_mask = tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS, P.window);
+    const bool need_mask = kMb ? j0 < mb.lo || j0 + (KS - 1) > mb.hi
+                               : tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS, P.window);
     if constexpr (C::TR) {
       if (need_mask)
         dec_chunk_tr<C, true>(P, pc, sb, qb, sQ, sP, j0, acc);
@@ -531,10 +538,12 @@ template <class C> __device__ int dec_prefix(const DecodeParams &P, int *pre, in
   return (int)min((long long)P.mctas, w);
 }
 
-template <int D, int DT, int KV, bool TR>
+// PV16: the kPv16 form (launch option debug 32768, Dec::kPv16), a kernel of
+// its own (one kernel holding both pieces spilled ~300 bytes at 128 registers).
+template <int D, int DT, int KV, bool TR, bool PV16 = false>
 __global__ void __launch_bounds__(kDecWarps * 32, Dec<D, DT, KV, TR>::MINB)
     decode_kernel(const __grid_constant__ DecodeParams P) {
-  using C = Dec<D, DT, KV, TR>;
+  using C = Dec<D, DT, KV, TR, PV16>;
   extern __shared__ __align__(16) uint8_t smem[];
   pdl_trigger(); // the merge may launch now; it waits for this grid's end
   if (!P.flat) {
@@ -652,6 +661,23 @@ cudaError_t launch_decode_one(const DecodeParams &p, dim3 grid, size_t extra_sme
     attr_done = true;
   }
   (void)extra_smem;
+  using C16 = Dec<D, DT, KV, TR, true>;
+  if constexpr (C16::kPv16) {
+    static_assert(C16::kBytes == C::kBytes, "one layout");
+    if (p.debug & 32768) {
+      static bool attr16 = false;
+      if (!attr16) {
+        cudaError_t e = cudaFuncSetAttribute(decode_kernel<D, DT, KV, TR, true>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kBytes);
+        if (e != cudaSuccess)
+          return e;
+        attr16 = true;
+      }
+      if (p.cluster > 1)
+        return launch_decode_cluster(decode_kernel<D, DT, KV, TR, true>, grid, dim3(C::NTH), C::kBytes, pdl, st, p);
+      return launch_ex(decode_kernel<D, DT, KV, TR, true>, grid, dim3(C::NTH), C::kBytes, pdl, st, p);
+    }
+  }
   if (p.cluster > 1)
     return launch_decode_cluster(decode_kernel<D, DT, KV, TR>, grid, dim3(C::NTH), C::kBytes, pdl, st, p);
   return launch_ex(decode_kernel<D, DT, KV, TR>, grid, dim3(C::NTH), C::kBytes, pdl, st, p);

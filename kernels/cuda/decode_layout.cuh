@@ -18,8 +18,10 @@ template <int KV, int D> constexpr int dec_minb(bool tr) {
   return KvT<KV>::k16 ? (D == 64 ? 3 : D == 128 ? 2 : 1) : (D == 256 ? 2 : (tr || D == 64) ? 4 : 3);
 }
 
-// Sizes and shared-memory layout of one instantiation.
-template <int D_, int DT_, int KV_, bool TR_> struct Dec {
+// Sizes and shared-memory layout of one instantiation. PV16_ (launch option
+// debug 32768, decode_kernel PV16): the dynamic types under bf16 activations take
+// the P V product in fp16 (kPv16, below); no effect elsewhere.
+template <int D_, int DT_, int KV_, bool TR_, bool PV16_ = false> struct Dec {
   static constexpr int D = D_, DT = DT_, KV = KV_;
   static constexpr bool TR = TR_;
   using K = KvT<KV>;
@@ -49,12 +51,26 @@ template <int D_, int DT_, int KV_, bool TR_> struct Dec {
   // bound, bench/RESULTS.md decode round 3).
   static constexpr int KDT = DT == ATTND_DT_BF16 && KV == ATTND_KV_BF16 ? ATTND_DT_BF16 : ATTND_DT_FP16;
   static constexpr bool kBf16Split = K::kStatic && DT == ATTND_DT_BF16;
+  // kPv16: a dynamic type under bf16 activations with P V in fp16 (launch
+  // option debug 32768). P' vs is rounded to bf16 exactly as the tiled kernel
+  // rounds its P V operand, then carried as fp16 times 2^14 / sig (kSigma's
+  // power-of-two reference; kVShift), an exact scaling for every value of at
+  // least 2^-31 sig (bf16's 8 significant bits fit fp16's normal range and
+  // its top subnormals), so the products are the bf16 path's times a power of
+  // two; V's bytes then become operands as for the fp16 activations (int8: one
+  // PRMT and one HADD2 per pair instead of a PRMT, two LOP3 and a subtraction;
+  // e4m3: one conversion instead of four instructions through fp32).
+  static constexpr bool kPv16 = PV16_ && K::kDyn && DT == ATTND_DT_BF16;
   static constexpr int PDT = (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) ? ATTND_DT_BF16
+                             : kPv16                                      ? ATTND_DT_FP16
                              : K::kDyn                                    ? DT
                                                                           : ATTND_DT_FP16;
   static constexpr bool kQScale = KDT != DT;
   static constexpr bool kSigma = K::kDyn && PDT == ATTND_DT_FP16;
-  static constexpr float kPShift = PDT == ATTND_DT_FP16 ? 14.f : 0.f;
+  // P' = P 2^kPShift: kPv16 keeps P unshifted (the tiled kernel's P under
+  // bf16 activations: ex2 of the same argument) and scales P' vs by kVShift.
+  static constexpr float kPShift = PDT == ATTND_DT_FP16 && !kPv16 ? 14.f : 0.f;
+  static constexpr float kVShift = kPv16 ? 16384.f : 1.f;
   // A lane's share of one K row, in 16-byte pieces (int4 at D 64: one 8-byte piece).
   static constexpr int KSB = RB / 4;                 // bytes
   static constexpr int NKP = KSB >= 16 ? KSB / 16 : 1;
@@ -336,7 +352,7 @@ __device__ __forceinline__ void dec_prefetch_l2(const void *p, uint32_t n) {
 // DRAM 64 bytes at a time.
 // Every offset comes from the parameters (constant bank) and kvh, so that
 // nothing of it stays in registers through the key loop (the refill-read copy
-// the 1-byte types use keeps no DecCopy state live there).
+// of debug 32 keeps no DecCopy state live there).
 template <class C> __device__ __forceinline__ void dec_prefetch_own(const DecodeParams &P, int kvh, int32_t blk) {
   const size_t vreg = (size_t)P.kv_heads * P.bs * C::RB, rowbase = (size_t)kvh * P.bs;
   const uint8_t *b = P.cache + (size_t)blk * P.block_bytes;

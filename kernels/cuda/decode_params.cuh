@@ -59,8 +59,11 @@ struct DecodeParams {
   int debug;           // attnd_cuda_opts_t.debug: 1 skip K/V loads, 2 skip math; 4, 8, 16, 64, 128 load-path variants;
                        // 256 the cluster merge (decode_cluster.cuh); 4096 the per-item split's CTAs
                        // head-major (decode_kernel), 8192 the stages at the old offset,
-                       // 64 bytes past a 128-byte boundary (Dec<>::kStagePad); host only: 32 and 512 the other
-                       // copy / lookahead than the type's default (split_plan.cu, launch_decode)
+                       // 64 bytes past a 128-byte boundary (Dec<>::kStagePad); host only: 32 the refill-read copy
+                       // for the 1-byte types, 512 the other lookahead than the type's default
+                       // (split_plan.cu, launch_decode);
+                       // 32768 the dynamic types under bf16 activations
+                       // take P V in fp16 (Dec::kPv16, a kernel of its own: launch_decode_one)
 };
 
 // Offsets in the workspace of the flat split.

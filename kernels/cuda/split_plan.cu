@@ -272,14 +272,17 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
   p.nsplit = pl.nsplit;
   p.split_keys = pl.split_keys;
   p.cluster = pl.cluster;
-  // The chunk copy: the 1-byte caches (int8, fp8 and their dynamic forms) use
-  // the copy that reads the block table at each refill, which ran 2-7% faster
-  // for them on the H200 than the per-piece copy the 16-bit types and int4
-  // gain from (bench/RESULTS.md, decode after decode-perf); debug 32 forces
-  // the per-piece copy for a timing A/B. Both are exact.
+  // The chunk copy: every type uses the per-piece copy (dec_issue). The 1-byte
+  // caches (int8, fp8 and their dynamic forms) used the copy that reads the
+  // block table at each refill, 2-7% faster for them before the stages were
+  // aligned (bench/RESULTS.md, decode after decode-perf); with aligned stages
+  // the per-piece copy runs 7-12% faster for them (decode6: B64 ctx4096
+  // int8_dynamic 174.7 -> 153.3 us, fp8_dynamic 170.5 -> 150.7, int8 155.1 ->
+  // 143.7, fp8 152.0 -> 143.4). Debug 32 restores the refill-read copy for the
+  // 1-byte types (timing A/B); both are exact.
   p.debug = o.debug;
   const bool one_byte = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8 || attnd_kv_type_dynamic(s->kv);
-  if (one_byte && !(o.debug & 32))
+  if (one_byte && (o.debug & 32))
     p.debug |= 4;
   // Chunks in flight per warp: the converted types (1-byte and int4) keep one
   // ahead of the one being computed, not NS - 1: faster or even in every row

@@ -20,9 +20,9 @@
 #            DECODE_BASE_BENCH's build (if packed): its B64 rows      ~12 s
 #         4. bench/torch_reference.py: copy, read, decode, b1        ~30 s
 #         5. bench_kernels' small-batch rows (B1 / B8 at ctx 4096)    ~20 s
-#         6. ncu: DRAM throughput of the B64 int8 decode; its no-math
-#            launch beside bench_loads' kcopy (warp states); the B1 bf16
-#            write kernel's warp states and source counters          ~35 s
+#         6. ncu: the B64 int8_dynamic and fp8_dynamic decode in both P V
+#            forms (debug 0 / 32768: instructions, DRAM, warp states); the B1
+#            bf16 write kernel's warp states and source counters      ~45 s
 #         7. bench_kernels' uneven rows, with what is left            ~15 s
 #       and prints a summary last; logs and JSON go to $OUT/logs.tar.xz.
 #   DIR/run.sh quick                     (GPU machine) the load-path A/B alone,
@@ -141,21 +141,17 @@ run() {
   local m=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
   m=$m,lts__t_sector_hit_rate.pct,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active
   {
-    echo "== B64 int8 decode, default"
-    ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
-      ncu --clock-control none --metrics "$m" -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
-    # The load path alone, inside the kernel and outside it: the decode
-    # kernel's no-math launch (debug 2) against bench_loads' kcopy_ref one
-    # chunk ahead (dec_issue_ref, the 1-byte types' default copy, in the
-    # kernel's configuration and cut: the RB 128 launch after the 324 of RB 256
-    # (three cuts, two stage offsets) and the 18 of RB 128's kcopy_issue), warp states side by side.
-    echo "== B64 int8 decode, no-math (debug 2), warp states"
-    ATTND_BENCH_DEC_DEBUG=2 ATTND_BENCH_FILTER=decode_B64_ctx4096_int8 timeout -k 5 "$(lim 20)" \
-      ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" --section WarpStateStats \
-      -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
-    echo "== bench_loads kcopy_ref RB 128, one chunk ahead, warp states"
-    timeout -k 5 "$(lim 20)" ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" \
-      --section WarpStateStats -k 'regex:k_kcopy' --launch-skip 342 --launch-count 1 ./bench_loads
+    # The dynamic types' two P V forms (debug 32768: fp16 under bf16
+    # activations, Dec::kPv16): instructions issued and warp states.
+    local kvd dbg
+    for kvd in int8_dynamic fp8_dynamic; do
+      for dbg in 0 32768; do
+        echo "== B64 $kvd decode, debug $dbg"
+        ATTND_BENCH_DEC_DEBUG=$dbg ATTND_BENCH_FILTER=decode_B64_ctx4096_$kvd timeout -k 5 "$(lim 20)" \
+          ncu --clock-control none --metrics "$m,smsp__inst_executed.sum" --section WarpStateStats \
+          -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
+      done
+    done
     echo "== B1 bf16 sequence: write kernel (warp states, source counters)"
     ATTND_BENCH_FILTER=small_B1_ctx4096_bf16 ATTND_BENCH_SMALL_ALONE=1 timeout -k 5 "$(lim 20)" \
       ncu --clock-control none --metrics "$m" --section WarpStateStats --section LaunchStats \
@@ -177,7 +173,7 @@ run() {
     sed -n '/^read roof/p;/^best per/,$p' "$out/loads.log"
     grep -c MISMATCH "$out/loads.log"
     grep -E "^read_bw [0-9]+ GB/s" "$out/bench_main.log"
-    grep -E "^decode_B" "$out/bench_main.log" | grep -v _w | sed -E 's/ +/ /g' | cut -c1-400
+    grep -E "^decode_B" "$out/bench_main.log" | grep -v _w | sed -E 's/ +/ /g' | cut -c1-520
     grep -E "no-load" "$out/bench_main.log"
     grep -E "^decode_B" "$out/bench_base.log" 2>/dev/null | awk '{printf "base %s %s %s | item %s\n", $1, $2, $4, $9}'
     grep -E "^kcopy" "$out/loads.log"
