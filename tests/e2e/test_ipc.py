@@ -308,15 +308,22 @@ class GpuIpcTest(DaemonTestCase):
             kv = self.rand(g, rows, m.kv_heads, m.head_dim)
             bad = kv.clone()
             bad[1, 0, 0] = float("nan")
-            toks = [[7] for _ in range(rows)]
-            ra.step(sa, 0, q, kv, kv, 7, toks, out=outs[0], done=sigs[0])
-            ra.step(sa, 1, q, bad, bad, 7, toks, out=outs[1], done=sigs[1])
-            with self.assertRaises(RuntimeError) as e:
-                ra.step(sa, 2, q, kv, kv, 7, toks, out=outs[2], done=sigs[2])
-            self.assertIn("layer 1", str(e.exception))
-            torch.cuda.synchronize()  # layer 1's signal was released: no hang
-            self.assertEqual(sigs[1].reached(), sigs[1].value)
-            ra.drain()
+            try:
+                toks = [[7] for _ in range(rows)]
+                ra.step(sa, 0, q, kv, kv, 7, toks, out=outs[0], done=sigs[0])
+                ra.step(sa, 1, q, bad, bad, 7, toks, out=outs[1], done=sigs[1])
+                # The next step (the next token's first layer, a new plan) reads
+                # layer 1's answer first and fails, sending nothing.
+                with self.assertRaises(RuntimeError) as e:
+                    ra.step(sa, 0, q, kv, kv, 8, [[8] for _ in range(rows)], out=outs[0],
+                            done=sigs[0])
+                self.assertIn("layer 1", str(e.exception))
+                torch.cuda.synchronize()  # layer 1's signal was released: no hang
+                self.assertEqual(sigs[1].reached(), sigs[1].value)
+                self.assertEqual(ra._inflight, [])
+            finally:  # whatever failed above, no stream of this process stays waiting
+                for sg in sigs:
+                    sg.release(sg.value)
 
     def test_pipelined_steps_by_reference_into_kept_staging(self):
         # Every layer's step sent before any answer is read (step_send/step_recv),
