@@ -1,5 +1,5 @@
 # round-step.sh: the time budget and step runner of the staged GPU rounds
-# (gpu-prefill-ab.sh, gpu-prefill4.sh), sourced by them; their stage copies it
+# (gpu-prefill-ab.sh, gpu-prefill5.sh), sourced by them; their stage copies it
 # beside run.sh. Expects $budget (seconds) to be set and $out when a step runs.
 t0=$(date +%s)
 summary=()
