@@ -55,6 +55,16 @@ def ref_step(layer, items, **refs):
     return req
 
 
+def with_bytes(c, req, **arrays):
+    """Sets req.step's q, k, v (the names given) to tensors with bytes, as c sends them."""
+    for name, a in arrays.items():
+        dt, shape, data = c._wire(a, name)
+        t = getattr(req.step, name)
+        t.dtype = dt
+        t.shape.extend(shape)
+        t.data = bytes(memoryview(data))
+
+
 def register_req(handle=HANDLE, size=1 << 20, uuid="GPU-00000000-0000-0000-0000-000000000000"):
     req = pb.Request()
     req.register_buffer.cuda_ipc_handle = handle
@@ -119,24 +129,14 @@ class RefusalTest(DaemonTestCase):
             kv = rng.standard_normal((n, m.kv_heads, m.head_dim), dtype=np.float32)
             req = pb.Request()
             req.step.CopyFrom(ref_step(0, it, out=(77, 0, bf, [n, m.q_heads, m.head_dim])).step)
-            for name, a in (("q", q), ("k", kv), ("v", kv)):
-                dt, shape, data = c._wire(a, name)
-                t = getattr(req.step, name)
-                t.dtype = dt
-                t.shape.extend(shape)
-                t.data = bytes(memoryview(data))
+            with_bytes(c, req, q=q, k=kv, v=kv)
             with self.assertRaises(attnd.InvalidArgument) as e:
                 c.call(req)
             self.assertIn("all bytes or all refs", e.exception.message)
             # A done signal on a step with bytes: refused, naming it.
             req = pb.Request()
             req.step.CopyFrom(ref_step(0, it).step)
-            for name, a in (("q", q), ("k", kv), ("v", kv)):
-                dt, shape, data = c._wire(a, name)
-                t = getattr(req.step, name)
-                t.dtype = dt
-                t.shape.extend(shape)
-                t.data = bytes(memoryview(data))
+            with_bytes(c, req, q=q, k=kv, v=kv)
             req.step.done.buffer, req.step.done.offset, req.step.done.value = 77, 0, 1
             with self.assertRaises(attnd.InvalidArgument) as e:
                 c.call(req)

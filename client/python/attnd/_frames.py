@@ -258,6 +258,17 @@ def put_back(resp: Any, buf: bytearray, spans: Dict[str, Tuple[int, int]]) -> No
         getattr(resp.step, name).data = bytes(memoryview(buf)[s:e])
 
 
+def _consume(views: List[memoryview], n: int) -> None:
+    """Drops the first n bytes that a write took from views (in place)."""
+    while n > 0 and views:
+        if n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
 def sendmsg_all(sock: Any, pieces: List[Any], total: int = -1) -> None:
     """sendmsg of every piece, resumed after short writes. total (the pieces' bytes,
     when the caller knows it): one sendmsg of the pieces as they are first (they
@@ -267,24 +278,11 @@ def sendmsg_all(sock: Any, pieces: List[Any], total: int = -1) -> None:
         if n == total:
             return
         views = [_bytes_view(p) for p in pieces]
-        while n > 0 and views:  # a short write: the rest as below
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _consume(views, n)  # a short write: the rest as below
     else:
         views = [_bytes_view(p) for p in pieces]
     while views:
-        n = sock.sendmsg(views[:512])
-        while n > 0 and views:
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _consume(views, sock.sendmsg(views[:512]))
         while views and views[0].nbytes == 0:
             views.pop(0)
 
