@@ -167,6 +167,7 @@ void setup_ex(Setup &S, const BenchShape &sh, const std::vector<int> &ctx, int n
   hb.meta = d_meta;
   hb.total_kv = (int)T;
   hb.max_kv_len = maxctx;
+  hb.kv_sum = koff[B];
   hb.max_n = maxctx;
   hb.k = k;
   hb.v = v;

@@ -148,6 +148,8 @@ typedef struct {
                                 * other item in items[]. 0: none. */
   int32_t max_kv_len;          /* max over items of start + n (planning hint) */
   int32_t max_n;               /* max over items of n (planning hint) */
+  int64_t kv_sum;              /* sum over items of start + n (planning hint: how
+                                * even the contexts are; 0: unknown) */
   void *q;                     /* [Tq][q_heads][head_dim] dtype; rotated in place by phase 1 */
   const void *k;               /* [T][kv_heads][head_dim] dtype */
   const void *v;               /* [T][kv_heads][head_dim] dtype */

@@ -301,6 +301,7 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
   const size_t es = dt_size(s->dtype);
   attnd_kitem_t items[8];
   int src[8], n = 0, maxl = 1;
+  int64_t ksum = 0;
   for (int i = 0; i < nitems; i++)
     if (ti[i].has_q && ti[i].n > H) {
       items[n] = full_items[i];
@@ -310,6 +311,7 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
       items[n].kv_row = n * H;
       if (ti[i].start + ti[i].n > maxl)
         maxl = ti[i].start + ti[i].n;
+      ksum += ti[i].start + ti[i].n;
       src[n++] = i;
     }
   if (n == 0)
@@ -361,8 +363,10 @@ static void check_hit(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti
 #ifndef ATTND_HARNESS_OLD_API
   b.window = o->window;
   b.sinks = d_sinks;
+  b.kv_sum = ksum;
 #else
   (void)d_sinks;
+  (void)ksum;
 #endif
   int rc = do_write(s, &b, o);
   if (rc)
@@ -585,6 +589,7 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
   /* 2. The step: write + attend over the mixed batch. */
   attnd_kitem_t items[8];
   int T = 0, Tq = 0, maxl = 1, maxn = 1;
+  int64_t ksum = 0; /* attnd_kbatch_t.kv_sum, as the daemon fills it */
   for (int i = 0; i < nitems; i++) {
     items[i] = (attnd_kitem_t){.start = ti[i].start,
                                .n = ti[i].n,
@@ -604,6 +609,7 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
       Tq += ti[i].n;
     if (ti[i].start + ti[i].n > maxl)
       maxl = ti[i].start + ti[i].n;
+    ksum += ti[i].start + ti[i].n;
     if (ti[i].n > maxn)
       maxn = ti[i].n;
   }
@@ -661,6 +667,7 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
     d_sinks = dev_copy(o->sinks, sizeof(float) * QH);
   b.window = o->window;
   b.sinks = d_sinks;
+  b.kv_sum = ksum;
   variants |= o->window > 0 || o->sinks;
 #endif
   int rc = do_write(s, &b, o);

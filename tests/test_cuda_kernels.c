@@ -324,6 +324,79 @@ static void test_long_history(void **state) {
   }
 }
 
+/* Even decode batches that are not small ((item, kv head) pairs above the SM
+ * count), every cache type: for the 1-byte types the split plan reads the
+ * batch's kv_sum and runs one CTA per (item, kv head) without a merge (1 part);
+ * debug 65536 (kv_sum ignored), an uneven batch, a sliding layer and the
+ * 16-bit and int4 caches keep the flat split (several parts). Every run against
+ * the float64 oracle, and the two plans of one batch against each other. */
+static void test_even_decode(void **state) {
+  (void)state;
+  if (skip_without_gpu() || unselected("test_even_decode")) {
+    skip();
+    return;
+  }
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    fail_msg("SM count: %s", cudaGetErrorString(cudaGetLastError()));
+  const int KVH = 32, nitems = 8; /* 256 pairs */
+  if (nitems * KVH <= sms) {
+    print_message("%d SMs: every batch of 8 items is small here; skipping\n", sms);
+    skip();
+    return;
+  }
+  static const attnd_cuda_opts_t dflt = {0}, nosum = {.debug = 65536};
+  const int pw = pairwise_mode();
+  for (int kv = 0; kv < ATTND_KV_COUNT_; kv++) {
+    if (pw && kv != ATTND_KV_INT8_DYNAMIC && kv != ATTND_KV_BF16)
+      continue;
+    const int one_byte = kv == ATTND_KV_INT8 || kv == ATTND_KV_FP8 ||
+                         attnd_kv_type_dynamic((attnd_kv_type_t)kv);
+    for (int c = 0; c < 3; c++) { /* 0 even, 1 uneven, 2 even in a sliding layer */
+      attnd_kshape_t s = {.q_heads = 4 * KVH,
+                          .kv_heads = KVH,
+                          .head_dim = 64,
+                          .block_size = c == 1 ? 32 : 16,
+                          .dtype = (kv & 1) ? ATTND_DT_FP16 : ATTND_DT_BF16,
+                          .kv = (attnd_kv_type_t)kv,
+                          .rope = ATTND_ROPE_NEOX,
+                          .rope_theta = 10000.0,
+                          .rotary_dim = 0};
+      s.softmax_scale = (float)(1.0 / sqrt(64.0));
+      tcase_item_t ti[8];
+      for (int i = 0; i < nitems; i++) {
+        /* even: 200..219 keys (>= 0.9 of the longest); uneven: 100..119 and one of
+         * 240. Spans under 256 keys: the per-item plan does not split them. */
+        ti[i] = (tcase_item_t){.hist = c == 1 ? (i == 3 ? 239 : 99 + harness_rnd(20))
+                                              : 199 + harness_rnd(20),
+                               .n = 1,
+                               .has_q = 1,
+                               .mask_kind = ATTND_MASK_CAUSAL};
+        ti[i].start = ti[i].hist;
+      }
+      int parts[2];
+      for (int k = 0; k < 2; k++) {
+        case_opts_t o = {.out_fp32 = 1, .use_ws = 1, .opts = k ? &nosum : &dflt,
+                         .window = c == 2 ? 200 : 0};
+        case_result_t r;
+        run_case(&s, 4000 + 8 * kv + 2 * c + k, ti, nitems, &o, &r);
+        record(s.kv, r.cuda_err);
+        parts[k] = r.splits;
+      }
+      const int want_one = one_byte && c == 0;
+      if (want_one ? parts[0] != 1 : parts[0] != parts[1])
+        fail_msg("kv %s case %d: %d parts by default, %d without kv_sum (want %s)",
+                 attnd_kv_type_name(s.kv), c, parts[0], parts[1],
+                 want_one ? "1 by default" : "the same plan");
+      if (parts[1] <= 1)
+        fail_msg("kv %s case %d: the plan without kv_sum did not split (%d parts): the test "
+                 "compares nothing",
+                 attnd_kv_type_name(s.kv), c, parts[1]);
+    }
+  }
+}
+
 /* Per-layer variants (docs/numerics.md): a sliding layer's window (smaller
  * than a block, than the history, larger than everything), logit soft-capping
  * (strong and Gemma-like), sink logits (moderate, huge, tiny, some items
@@ -504,7 +577,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_device_count), cmocka_unit_test(test_prefill_matrix),
       cmocka_unit_test(test_matrix),       cmocka_unit_test(test_decode_matrix),
-      cmocka_unit_test(test_long_history), cmocka_unit_test(test_variants_matrix),
+      cmocka_unit_test(test_long_history), cmocka_unit_test(test_even_decode),
+      cmocka_unit_test(test_variants_matrix),
       cmocka_unit_test(test_report),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

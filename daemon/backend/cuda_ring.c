@@ -273,6 +273,7 @@ static void enqueue_chunk(cu_backend_t *be, cu_run_t *r, int slot) {
   db.total_kv = ch->tkv;
   db.q_only_rows = ch->qo;
   db.max_kv_len = ch->max_kv;
+  db.kv_sum = 0; /* a chunk's own sum is not kept: the plan takes it as unknown */
   db.max_n = ch->max_n;
   db.q = ch->tq ? dp + ch->off_q : NULL;
   db.k = dp + ch->off_k;

@@ -123,6 +123,7 @@ void attnd_qonly_batch(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const att
     }
     if ((int32_t)L > b->max_kv_len)
       b->max_kv_len = (int32_t)L;
+    b->kv_sum += L;
     if ((int32_t)m > b->max_n)
       b->max_n = (int32_t)m;
   }

@@ -361,6 +361,7 @@ static void batch_item(attnd_engine_t *e, attnd_ejob_t *j, uint32_t i, const att
   }
   if ((int32_t)kv_len > b->max_kv_len)
     b->max_kv_len = (int32_t)kv_len;
+  b->kv_sum += kv_len;
   if ((int32_t)it->n > b->max_n)
     b->max_n = (int32_t)it->n;
 }

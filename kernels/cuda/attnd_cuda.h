@@ -53,7 +53,8 @@ typedef struct {
                    * copy), 8 one chunk in flight ahead instead of all stages,
                    * 16 whole blocks prefetched into L2 a block ahead, 32
                    * the per-piece copy where 4's copy is the default (the
-                   * 1-byte cache types) */
+                   * 1-byte cache types), 65536 the split plan without
+                   * attnd_kbatch_t.kv_sum (as if unknown) */
   int split;      /* decode batches: 0 choose (kernels/cuda/README.md), 1 flat
                    * split (every CTA the same number of key chunks), 2 per-item
                    * split */

@@ -181,6 +181,18 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
       clustered();
       return 0;
     }
+    // Even contexts (the batch's kv_sum within 10% of nitems x the longest),
+    // a full layer, the 1-byte cache types, a batch that is not small: one CTA
+    // per (item, kv head) and no merge. The flat split is there for uneven
+    // batches; on even ones its pieces and merge cost the 1-byte types 4-6%
+    // (B64 ctx 4096 on the H200: int8 141.1 vs 146.5 us, int8_dynamic 147.6
+    // vs 154.9, bench/RESULTS.md). kv_sum is the same for a head shard and
+    // its model, so both cut alike. Debug 65536 plans as if kv_sum were
+    // unknown (A/B); both are exact.
+    const bool one_byte = s->kv == ATTND_KV_INT8 || s->kv == ATTND_KV_FP8 || attnd_kv_type_dynamic(s->kv);
+    if (pl->nsplit == 1 && one_byte && b->window == 0 && !small_batch && b->kv_sum > 0 &&
+        !(o.debug & 65536) && b->kv_sum * 10 >= (int64_t)9 * b->nitems * b->max_kv_len)
+      return 0;
     pl->nsplit = 1;
     pl->split_keys = 0;
   }
