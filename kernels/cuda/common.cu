@@ -1,4 +1,6 @@
 // common.cu: device detection and the per-thread error message of the C API.
+#include <atomic>
+
 #include <stdio.h>
 #include <string.h>
 
@@ -27,13 +29,23 @@ int set_invalid(const char *file, int line, const char *what) {
   return ATTND_CUDA_EINVAL;
 }
 
+// Per device, asked once: the planners call it several times per launch.
 int num_sms() {
+  constexpr int kDevs = 64;
+  static std::atomic<int> g_n[kDevs];
   int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+  if (cudaGetDevice(&dev) != cudaSuccess) {
     cudaGetLastError();
     return 132;
   }
+  if (dev >= 0 && dev < kDevs && (n = g_n[dev].load(std::memory_order_relaxed)) > 0)
+    return n;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+    cudaGetLastError();
+    return 132;
+  }
+  if (dev >= 0 && dev < kDevs)
+    g_n[dev].store(n, std::memory_order_relaxed);
   return n;
 }
 
