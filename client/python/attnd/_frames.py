@@ -307,10 +307,10 @@ def _sig_heads(sig: Tuple[Tuple[str, int, Tuple[int, ...], int], ...], want_lse:
     """What a Step of one tensor signature sig ((name, dtype, shape, nbytes) of
     each of q, k, v given) writes the same step after step: the want_lse and
     fp32_out fields, each tensor's field but its data (_tensor_field), and the
-    bytes of all of them with the data. Built once per signature."""
+    bytes of the tensor fields with their data. Built once per signature."""
     flags = (_T_LSE if want_lse else b"") + (_T_FP32 if fp32_out else b"")
     heads = tuple(_tensor_field(name, int(dtype), tuple(shape), nbytes) for name, dtype, shape, nbytes in sig)
-    return flags, heads, len(flags) + sum(len(h) for h in heads) + sum(s[3] for s in sig)
+    return flags, heads, sum(len(h) for h in heads) + sum(s[3] for s in sig)
 
 
 def step_frame_sig(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: bool,
@@ -322,10 +322,10 @@ def step_frame_sig(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: bo
     sig's nbytes: sent as it is). The same message as step_frame_plan's, field
     for field. Returns (pieces, frame bytes). Only while _FAST holds."""
     flags, heads, const = _sig_heads(sig, want_lse, fp32_out)
-    scal = (_T_LAYER + (_V[layer] if layer < 16384 else _varint(layer)) if layer else b"") + \
+    scal = (_T_LAYER + (_V[layer] if 0 <= layer < 16384 else _varint(layer)) if layer else b"") + \
         (_T_PLAN + plan.to_bytes(8, "little") if plan else b"") + flags
     slen = len(scal) + const
-    first = (_T_ID + (_V[rid] if rid < 16384 else _varint(rid)) if rid else b"") + _REQ_STEP_TAG + \
+    first = (_T_ID + (_V[rid] if 0 <= rid < 16384 else _varint(rid)) if rid else b"") + _REQ_STEP_TAG + \
         (_V[slen] if slen < 16384 else _varint(slen))
     body = len(first) + slen
     if not heads:
