@@ -248,7 +248,11 @@ class FastFramesTest(unittest.TestCase):
         empty = np.zeros((0, 4, 64), np.uint16)
         for r in [_answer(5, 0, out16), _answer(1 << 40, 0x1234567890ABCDEF, out32, lse),
                   _answer(300, 7, out16, lse[:1], timing=None), _answer(2, 1, empty, status=False),
-                  _answer(3, 0, None)]:
+                  _answer(3, 0, None), _answer(6, 0, out16.reshape(1, 2, 128)),
+                  _answer(8, 0, np.zeros((2, 4, 64), np.uint16), lse), _answer(8, 0, out32.reshape(4, 2, 64), lse),
+                  _answer(8, 0, np.zeros((4, 2, 64), np.uint16), lse)] * 2:
+            # Twice each (a layout seen is compared, not walked again), and answers
+            # of one length but other shapes.
             body = bytearray(b"xy" + r.SerializeToString())
             got = _frames.parse_step_ok(body, 2, len(body))
             self.assertIsNotNone(got, r)
@@ -285,6 +289,18 @@ class FastFramesTest(unittest.TestCase):
             self.assertIsNone(_frames.parse_step_ok(bytearray(b), 0, len(b)), b[:40])
 
 
+def counted(c):
+    """c with a count of the answers its fast path parsed by hand (c.hand)."""
+    c.hand = 0
+    ok_result = c._ok_result
+
+    def count(*a):
+        c.hand += 1
+        return ok_result(*a)
+    c._ok_result = count
+    return c
+
+
 class ServedClientTest(unittest.TestCase):
     """Client.step_recv's fast path against answers written here by hand: the
     same StepResult as the general path, the same errors, epoch handling and
@@ -303,7 +319,7 @@ class ServedClientTest(unittest.TestCase):
         self.tmp.cleanup()
 
     def client(self, **kw):
-        c = ac.Client(self.path, timeout=10, **kw)
+        c = counted(ac.Client(self.path, timeout=10, **kw))
         self.peer, _ = self.srv.accept()
         self.addCleanup(self.peer.close)
         self.addCleanup(c.close)
@@ -346,7 +362,7 @@ class ServedClientTest(unittest.TestCase):
                       _answer(12, 11, None)):
                 a, b = self.both(c, r)
                 self.assertSameResult(a, b)
-            self.assertEqual(c.epoch, 11)
+            self.assertEqual((c.epoch, c.hand), (11, 4))
             c.close()
             self.peer.close()
 
@@ -361,7 +377,7 @@ class ServedClientTest(unittest.TestCase):
             self.answer(r)
             with self.assertRaises(attnd.FailedPrecondition) as cm:
                 c.step_recv(4)
-            self.assertEqual((cm.exception.code, c.epoch), (9, 5))
+            self.assertEqual((cm.exception.code, c.epoch, c.hand), (9, 5, 0))
         c._fast_steps = True
         # Answers to other ids first: kept, then found by their own step_recv.
         self.answer(_answer(21, 5, out16 + 1), _answer(22, 5, out16 + 2), _answer(20, 5, out16))
@@ -389,7 +405,7 @@ class FastStepDaemonTest(DaemonTestCase):
         (numpy bf16 bits, fp16-free float32 rounding, fp32 out, lse) equal the
         general path's, step for step (each layer stepped twice: a rewrite)."""
         rng = np.random.default_rng(8)
-        with self.daemon.client() as c, self.engine_needed():
+        with counted(self.daemon.client()) as c, self.engine_needed():
             m = c.model
             sid, _ = c.open_session()
             plan = c.plan([attnd.Item(sid, 0, 3, tokens=[1, 2, 3])])
@@ -412,6 +428,7 @@ class FastStepDaemonTest(DaemonTestCase):
                                 self.assertEqual((x.dtype, x.shape), (y.dtype, y.shape))
                                 self.assertEqual(x.tobytes(), y.tobytes())
                     self.assertEqual(res[0].lse is not None, bool(kw))
+            self.assertEqual(c.hand, 2 * 3 * m.layers)  # every fast step's answer parsed by hand
             # Bad input: the same error either way, nothing sent.
             for fast in (True, False):
                 c._fast_steps = fast

@@ -967,24 +967,25 @@ class Client:
         rid, _, tspan, out, lse = ok
         mv = memoryview(self._rbuf)
         timing = pb.Timing.FromString(bytes(mv[tspan[0]:tspan[1]])) if tspan else pb.Timing()
-        res = []
-        for spec, bf16 in ((out, self.bf16), (lse, "auto")):
-            if spec is None:
-                res.append(None)
-                continue
-            dtype, shape, s, e = spec
-            data = bytes(mv[s:e])
-            if torch_out:
-                res.append(_tensor_to_torch(_Wire(dtype, shape, data), torch_device))
-                continue
-            a = np.frombuffer(data, dtype=_NP_DT[dtype], count=(e - s) // _ITEMSIZE[dtype]).reshape(shape)
-            if dtype == DTYPE_BF16:
-                if bf16 == "float32":
+        if torch_out:
+            return StepResult(out=out and _tensor_to_torch(_Wire(out[0], out[1], bytes(mv[out[2]:out[3]])),
+                                                           torch_device),
+                              lse=lse and _tensor_to_torch(_Wire(lse[0], lse[1], bytes(mv[lse[2]:lse[3]])),
+                                                           torch_device),
+                              timing=timing, id=rid)
+        if out is not None:
+            # Read-only over bytes, as np.frombuffer of protobuf's data makes it.
+            a = np.ndarray(out[1], _NP_DT[out[0]], bytes(mv[out[2]:out[3]]))
+            if out[0] == DTYPE_BF16 and self.bf16 != "uint16":
+                if self.bf16 == "float32":
                     a = bf16_to_f32(a)
-                elif bf16 == "auto" and BFLOAT16 is not None:
+                elif self.bf16 == "auto" and BFLOAT16 is not None:
                     a = a.view(BFLOAT16)
-            res.append(a)
-        return StepResult(out=res[0], lse=res[1], timing=timing, id=rid)
+            out = a
+        if lse is not None:
+            a = np.ndarray(lse[1], _NP_DT[lse[0]], bytes(mv[lse[2]:lse[3]]))
+            lse = a.view(BFLOAT16) if lse[0] == DTYPE_BF16 and BFLOAT16 is not None else a
+        return StepResult(out=out, lse=lse, timing=timing, id=rid)
 
     def _bytes_send(self, layer: int, q: Any, k: Any, v: Any, items: Optional[Sequence[Item]],
                     plan: int, want_lse: bool, fp32_out: bool) -> int:
