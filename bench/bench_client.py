@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """The Python client's own cost of a small (decode-shaped) Step over the Unix socket.
 
-    bench_client.py [--attnd BUILD/daemon/attnd] [--ctx 300] [--iters 3000]
-                    [--path old,new] [--lse] [--json FILE]
+    bench_client.py [--attnd BUILD/daemon/attnd] [--backend cpu|cuda] [--ctx 300]
+                    [--iters 3000] [--rounds 3] [--path old,new] [--lse] [--json FILE]
 
-Spawns attnd on the CPU backend (32 layers, 32 q / 8 kv heads, d128, bf16),
-opens one session of --ctx tokens (prefilled), plans one decode token after
-them and sends the Steps of that plan layer after layer (a second Step of a
+Spawns attnd (the CPU backend unless --backend cuda; 32 layers, 32 q / 8 kv
+heads, d128, bf16), opens one session of --ctx tokens (prefilled), plans one
+decode token after them and sends the Steps of that plan layer after layer (a second Step of a
 layer is a rewrite: the session's length stays put). Per path it reports the
 medians, in microseconds, of:
 
@@ -45,9 +45,9 @@ from attnd import client as ac  # noqa: E402
 LAYERS, QH, KVH, D = 32, 32, 8, 128
 
 
-def spawn(binary, tmp):
+def spawn(binary, tmp, backend="cpu"):
     sock = os.path.join(tmp, "attnd.sock")
-    args = [binary, "--backend", "cpu", "--socket", sock, "--listen", "", "--metrics", "",
+    args = [binary, "--backend", backend, "--socket", sock, "--listen", "", "--metrics", "",
             "--state-dir", tmp, "--kv-memory", "512M", "--layers", str(LAYERS), "--q-heads", str(QH),
             "--kv-heads", str(KVH), "--head-dim", str(D), "--block-size", "16"]
     log = open(os.path.join(tmp, "attnd.log"), "wb")
@@ -126,6 +126,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attnd", default=os.environ.get("ATTND_BIN")
                     or os.path.join(HERE, "..", "build-cpu", "daemon", "attnd"))
+    ap.add_argument("--backend", default="cpu", help="the daemon's backend: cpu or cuda")
     ap.add_argument("--ctx", type=int, default=300)
     ap.add_argument("--iters", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
@@ -135,7 +136,7 @@ def main():
     a = ap.parse_args()
     paths = a.path.split(",")
     tmp = tempfile.mkdtemp(prefix="attnd-bench-client-")
-    proc, sock = spawn(a.attnd, tmp)
+    proc, sock = spawn(a.attnd, tmp, a.backend)
     rng = np.random.default_rng(1)
     try:
         with attnd.Client(sock, timeout=30) as c:
@@ -161,7 +162,7 @@ def main():
         proc.wait(20)
         shutil.rmtree(tmp, ignore_errors=True)
     med = {p: {n: statistics.median(xs) / 1000 for n, xs in r.items()} for p, r in res.items()}
-    print(f"decode step: 1 token, ctx {a.ctx}, {QH}/{KVH} heads, d{D}, bf16, lse {a.lse}; "
+    print(f"{a.backend} daemon, decode step: 1 token, ctx {a.ctx}, {QH}/{KVH} heads, d{D}, bf16, lse {a.lse}; "
           f"{a.rounds} x {a.iters} steps per path; medians in us")
     names = ("encode", "send", "wait", "recv+parse", "step")
     print(f"{'path':6s}" + "".join(f"{n:>12s}" for n in names))
