@@ -9,7 +9,6 @@ socket and the CPU daemon equal to the general path's."""
 import os
 import socket
 import tempfile
-import threading
 import unittest
 
 import numpy as np
