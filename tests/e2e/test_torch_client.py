@@ -66,6 +66,31 @@ class TorchClientTest(DaemonTestCase):
             with self.assertRaises(ValueError):
                 c.step_send(0, q[0], kv, kv, items=[attnd.Item(sid, 1, 1, tokens=[2])])
 
+    def test_fast_path_equals_general_path(self):
+        """torch CPU tensors through Client's fast path (a Step of a plan) and its
+        general path: the same torch outputs, for contiguous bf16, a strided
+        view and float32 with grad (rounded by torch), blocking and pipelined."""
+        with self.daemon.client() as c:
+            m = c.model
+            sid, _ = c.open_session()
+            plan = c.plan([attnd.Item(sid, 0, 2, tokens=[1, 2])])
+            g = torch.Generator().manual_seed(7)
+            q = torch.randn(2, m.q_heads, m.head_dim, generator=g).to(torch.bfloat16)
+            k = torch.randn(m.kv_heads, 2, m.head_dim, generator=g).to(torch.bfloat16).transpose(0, 1)
+            v = torch.randn(2, m.kv_heads, m.head_dim, generator=g).requires_grad_()
+            res = []
+            for fast in (True, False):
+                c._fast_steps = fast
+                res.append(c.step(0, q, k, v, plan=plan, want_lse=True))
+                res.append(c.step_recv(c.step_send(0, q, k, v, plan=plan, want_lse=True), as_torch=True))
+            c._fast_steps = True
+            for r in res:
+                self.assertIsInstance(r.out, torch.Tensor)
+                self.assertEqual((r.out.dtype, r.lse.dtype), (torch.bfloat16, torch.float32))
+                self.assertEqual(tuple(r.out.shape), (2, m.q_heads, m.head_dim))
+                self.assertTrue(torch.equal(r.out.view(torch.int16), res[0].out.view(torch.int16)))
+                self.assertTrue(torch.equal(r.lse, res[0].lse))
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -293,3 +293,233 @@ def tensor_view(buf: bytearray, span: Optional[Tuple[int, int]], itemsize: int) 
         return None
     off = aligned_span(buf, span, itemsize)
     return off, (span[1] - span[0]) // itemsize
+
+
+# ---- a decode loop's steps: frame heads per tensor signature, OK answers by hand ----
+
+# The varints of small numbers (request ids, layers): a lookup, not a loop.
+_V = [_varint(i) for i in range(1 << 14)]
+
+
+@functools.lru_cache(maxsize=256)
+def _sig_heads(sig: Tuple[Tuple[str, int, Tuple[int, ...], int], ...], want_lse: bool,
+               fp32_out: bool) -> Tuple[bytes, Tuple[bytes, ...], int]:
+    """What a Step of one tensor signature sig ((name, dtype, shape, nbytes) of
+    each of q, k, v given) writes the same step after step: the want_lse and
+    fp32_out fields, each tensor's field but its data (_tensor_field), and the
+    bytes of the tensor fields with their data. Built once per signature."""
+    flags = (_T_LSE if want_lse else b"") + (_T_FP32 if fp32_out else b"")
+    heads = tuple(_tensor_field(name, int(dtype), tuple(shape), nbytes) for name, dtype, shape, nbytes in sig)
+    return flags, heads, sum(len(h) for h in heads) + sum(s[3] for s in sig)
+
+
+def step_frame_sig(rid: int, layer: int, plan: int, want_lse: bool, fp32_out: bool,
+                   sig: Tuple[Tuple[str, int, Tuple[int, ...], int], ...],
+                   bufs: Sequence[Any]) -> Tuple[List[Any], int]:
+    """step_frame_plan with the frame's heads cached per tensor signature
+    (_sig_heads): a repeat Step writes only its request id, layer and plan, then
+    the tensors' buffers (bufs, in sig's order, each a C-contiguous buffer of
+    sig's nbytes: sent as it is). The same message as step_frame_plan's, field
+    for field. Returns (pieces, frame bytes). Only while _FAST holds."""
+    flags, heads, const = _sig_heads(sig, want_lse, fp32_out)
+    scal = (_T_LAYER + (_V[layer] if 0 <= layer < 16384 else _varint(layer)) if layer else b"") + \
+        (_T_PLAN + plan.to_bytes(8, "little") if plan else b"") + flags
+    slen = len(scal) + const
+    first = (_T_ID + (_V[rid] if 0 <= rid < 16384 else _varint(rid)) if rid else b"") + _REQ_STEP_TAG + \
+        (_V[slen] if slen < 16384 else _varint(slen))
+    body = len(first) + slen
+    if not heads:
+        return [body.to_bytes(4, "big") + first + scal], 4 + body
+    pieces: List[Any] = [body.to_bytes(4, "big") + first + scal + heads[0], bufs[0]]
+    for i in range(1, len(heads)):
+        pieces += [heads[i], bufs[i]]
+    return pieces, 4 + body
+
+
+_REQ_STEP_TAG = _varint(_REQ_STEP << 3 | 2)
+_DTYPE_SIZE = {pb.DTYPE_FP32: 4, pb.DTYPE_FP16: 2, pb.DTYPE_BF16: 2, pb.DTYPE_INT32: 4}
+# The answer's field keys parse_step_ok knows (one byte each but the step's).
+_K_ID = _ID << 3
+_K_STATUS = pb.Response.DESCRIPTOR.fields_by_name["status"].number << 3 | 2
+_K_EPOCH = pb.Response.DESCRIPTOR.fields_by_name["epoch"].number << 3 | 1
+_K_TIMING = pb.Response.DESCRIPTOR.fields_by_name["timing"].number << 3 | 2
+_K_STEP = _varint(_RESP_STEP << 3 | 2)
+_K_OUT = pb.StepResponse.DESCRIPTOR.fields_by_name["out"].number << 3 | 2
+_K_LSE = pb.StepResponse.DESCRIPTOR.fields_by_name["lse"].number << 3 | 2
+_K_TDTYPE = _DTYPE << 3
+_K_TSHAPE = _SHAPE << 3 | 2
+_K_TDATA = _DATA << 3 | 2
+# The hand parse below holds while the messages are as it reads them.
+_PARSE_OK = (len(_K_STEP) == 2 and max(_K_ID, _K_STATUS, _K_EPOCH, _K_TIMING, _K_OUT, _K_LSE, _K_TDTYPE,
+                                       _K_TSHAPE, _K_TDATA) < 0x80
+             and pb.Response.DESCRIPTOR.fields_by_name["epoch"].type
+             == pb.Response.DESCRIPTOR.fields_by_name["epoch"].TYPE_FIXED64
+             and pb.Response.DESCRIPTOR.fields_by_name["id"].type
+             == pb.Response.DESCRIPTOR.fields_by_name["id"].TYPE_UINT64
+             and [f.name for f in pb.StepResponse.DESCRIPTOR.fields] == ["out", "lse"]
+             and [f.name for f in pb.Tensor.DESCRIPTOR.fields] == ["dtype", "shape", "data"])
+
+
+def _uvarint(buf: Any, pos: int) -> Tuple[int, int]:
+    """(value, position after) of the varint at buf[pos] (ValueError past 10 bytes)."""
+    b = buf[pos]
+    if b < 0x80:
+        return b, pos + 1
+    n = b & 0x7F
+    shift = 7
+    pos += 1
+    while True:
+        b = buf[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _step_tensor(buf: Any, pos: int, end: int) -> Optional[Tuple[int, Tuple[int, ...], int, int]]:
+    """(dtype, shape, data start, data end) of the Tensor in buf[pos:end], or
+    None when it is unusual (a field twice or unknown, shape unpacked, a dtype
+    of no known size, data not the shape's bytes): the full parse says."""
+    dtype = seen = 0
+    shape: Tuple[int, ...] = ()
+    ds = de = pos
+    while pos < end:
+        key = buf[pos]
+        pos += 1
+        if key == _K_TDTYPE and not seen & 1:
+            dtype, pos = _uvarint(buf, pos)
+            seen |= 1
+        elif key == _K_TSHAPE and not seen & 2:
+            n, pos = _uvarint(buf, pos)
+            e = pos + n
+            if e > end:
+                return None
+            dims = []
+            while pos < e:
+                d, pos = _uvarint(buf, pos)
+                if d >> 32:
+                    return None
+                dims.append(d)
+            if pos != e:
+                return None
+            shape = tuple(dims)
+            seen |= 2
+        elif key == _K_TDATA and not seen & 4:
+            n, ds = _uvarint(buf, pos)
+            pos = de = ds + n
+            seen |= 4
+        else:
+            return None
+    size = _DTYPE_SIZE.get(dtype)
+    if pos != end or size is None:
+        return None
+    for d in shape:
+        size *= d
+    if de - ds != size:
+        return None
+    return dtype, shape, ds, de
+
+
+def parse_step_ok(buf: Any, pos: int, end: int) -> Optional[Tuple[int, int, Optional[Tuple[int, int]],
+                                                                   Any, Any]]:
+    """An OK Step answer (the Response's body in buf[pos:end]) without a
+    protobuf message: (id, epoch, (start, end) of its Timing's bytes or None,
+    out, lse), out and lse each None or (dtype, shape, data start, data end).
+    None for anything else (a status other than an empty one, another call's answer, unknown or repeated
+    fields, anything malformed): the caller parses it with protobuf then, which
+    says what it is. Only while _PARSE_OK holds."""
+    try:
+        return _parse_step_ok(buf, pos, end)
+    except (IndexError, ValueError):
+        return None
+
+
+# A StepResponse's layouts seen, by its length: (the bytes from its start to
+# out's data, where lse's head starts and its data start, those head bytes,
+# out and lse as (dtype, shape, data start, data end) from the start, or
+# None). A decode loop's answers differ in their data alone: a repeat is two
+# byte compares, not a walk of its fields.
+_LAYOUTS: Dict[int, Tuple[bytes, int, int, bytes, Any, Any]] = {}
+
+
+def _remember(buf: Any, sp: int, se: int, out: Any, lse: Any) -> None:
+    """Keeps the layout of the StepResponse in buf[sp:se] (out first, data last
+    in each tensor: the daemon's order), parsed into out and lse."""
+    if len(_LAYOUTS) >= 64:
+        _LAYOUTS.clear()
+    if out is None:
+        return
+    o = (out[0], out[1], out[2] - sp, out[3] - sp)
+    if lse is None:
+        if out[3] != se:
+            return
+        _LAYOUTS[se - sp] = (bytes(buf[sp:out[2]]), o[3], o[3], b"", o, None)
+        return
+    if lse[3] != se:
+        return
+    _LAYOUTS[se - sp] = (bytes(buf[sp:out[2]]), o[3], lse[2] - sp, bytes(buf[out[3]:lse[2]]), o,
+                         (lse[0], lse[1], lse[2] - sp, lse[3] - sp))
+
+
+def _parse_step_ok(buf: Any, pos: int, end: int) -> Any:
+    rid = epoch = seen = 0
+    timing = out = lse = None
+    while pos < end:
+        key = buf[pos]
+        pos += 1
+        if key == _K_ID and not seen & 1:
+            rid, pos = _uvarint(buf, pos)
+            seen |= 1
+        elif key == _K_EPOCH and not seen & 2:
+            epoch = int.from_bytes(buf[pos:pos + 8], "little")
+            pos += 8
+            seen |= 2
+        elif key == _K_STATUS and buf[pos] == 0 and not seen & 16:
+            pos += 1  # an empty Status: OK (what the daemon writes)
+            seen |= 16
+        elif key == _K_TIMING and not seen & 4:
+            n, ts = _uvarint(buf, pos)
+            pos = ts + n
+            timing = (ts, pos)
+            seen |= 4
+        elif key == _K_STEP[0] and buf[pos] == _K_STEP[1] and not seen & 8:
+            n, pos = _uvarint(buf, pos + 1)
+            se = pos + n
+            if se > end:
+                return None
+            lay = _LAYOUTS.get(n)
+            if lay is not None and buf[pos:pos + len(lay[0])] == lay[0] and \
+                    buf[pos + lay[1]:pos + lay[2]] == lay[3]:
+                # The layout of an earlier answer, its heads compared byte for byte.
+                o, l = lay[4], lay[5]
+                out = o and (o[0], o[1], pos + o[2], pos + o[3])
+                lse = l and (l[0], l[1], pos + l[2], pos + l[3])
+                pos = se
+            else:
+                sp = pos
+                while pos < se:
+                    key = buf[pos]
+                    n, vs = _uvarint(buf, pos + 1)
+                    pos = vs + n
+                    if pos > se:
+                        return None
+                    if key == _K_OUT and out is None and lse is None:
+                        out = _step_tensor(buf, vs, pos)
+                        if out is None:
+                            return None
+                    elif key == _K_LSE and lse is None:
+                        lse = _step_tensor(buf, vs, pos)
+                        if lse is None:
+                            return None
+                    else:
+                        return None
+                _remember(buf, sp, se, out, lse)
+            seen |= 8
+        else:  # a status of a code or message, another field, a field twice
+            return None
+    if pos != end or rid >> 64:
+        return None
+    return rid, epoch, timing, out, lse

@@ -337,6 +337,34 @@ def _tensor_to_numpy(t: Any, bf16: str = "auto", frame: Optional[bytearray] = No
     raise errors.AttndError(f"response tensor has unknown dtype {t.dtype}", code=13)
 
 
+# The fast path's tensors (Client._fast_tensors, Client._ok_result).
+_U2 = np.dtype("<u2")
+_FAST_NP = {_U2: DTYPE_BF16, np.dtype("<f2"): DTYPE_FP16}
+if BFLOAT16 is not None:
+    _FAST_NP[BFLOAT16] = DTYPE_BF16
+_NP_DT = {DTYPE_FP32: np.dtype("<f4"), DTYPE_FP16: np.dtype("<f2"), DTYPE_INT32: np.dtype("<i4"),
+          DTYPE_BF16: _U2}
+_TORCH_DT: Dict[Any, int] = {}
+
+
+def _torch_dtypes() -> Dict[Any, int]:
+    """torch bf16 and fp16 -> their wire dtypes ("int16": torch.int16), once torch is in use."""
+    if not _TORCH_DT:
+        import torch
+
+        _TORCH_DT.update({torch.bfloat16: DTYPE_BF16, torch.float16: DTYPE_FP16, "int16": torch.int16})
+    return _TORCH_DT
+
+
+class _Wire:
+    """A response tensor's dtype, shape and data bytes, as _tensor_to_torch reads a pb.Tensor."""
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, dtype: int, shape: Tuple[int, ...], data: bytes) -> None:
+        self.dtype, self.shape, self.data = dtype, shape, data
+
+
 class Session:
     """A session opened by Client.session(): closes itself when used as a context
     manager, and knows the epoch it was opened under (stale() after a restart)."""
@@ -396,6 +424,13 @@ class Client:
     then step_recv(id) in any order) can be mixed. A Client is safe to share
     between threads for sends and receives, but one thread at a time does each.
     """
+
+    # A decode loop's steps (a plan; numpy arrays or torch CPU tensors) go a
+    # shorter way: frame heads cached per tensor signature
+    # (_frames.step_frame_sig), an OK answer parsed by hand
+    # (_frames.parse_step_ok). False: the general path alone, the same
+    # results (bench/bench_client.py compares the two).
+    _fast_steps = True
 
     def __init__(self, address: Optional[Address] = None, token: Optional[str] = None,
                  timeout: Optional[float] = None,
@@ -596,19 +631,25 @@ class Client:
         resp.ParseFromString(bytes(buf))
         return resp, None
 
+    def _await(self, id: Optional[int], got: Optional[Tuple["Response", Any]] = None) -> Tuple["Response", Any]:
+        """(Response, cut) of id (None: the next one), the answers of other ids
+        kept; got: an answer already read (_recv_step_fast's). _recv_lock held."""
+        if got is None:
+            if id is None and self._pending:
+                return self._pending.pop(next(iter(self._pending)))
+            if id is not None and id in self._pending:
+                return self._pending.pop(id)
+            got = self._read_response()
+        while True:
+            # id 0 is about the connection itself: whoever waits must see it.
+            if id is None or got[0].id == id or got[0].id == 0:
+                return got
+            self._pending[got[0].id] = got
+            got = self._read_response()
+
     def _recv_cut(self, id: Optional[int], check: bool) -> Tuple["Response", Any]:
         with self._recv_lock:
-            if id is None and self._pending:
-                resp, cut = self._pending.pop(next(iter(self._pending)))
-            elif id is not None and id in self._pending:
-                resp, cut = self._pending.pop(id)
-            else:
-                while True:
-                    resp, cut = self._read_response()
-                    # id 0 is about the connection itself: whoever waits must see it.
-                    if id is None or resp.id == id or resp.id == 0:
-                        break
-                    self._pending[resp.id] = (resp, cut)
+            resp, cut = self._await(id)
         if check:
             self._check(resp)
         return resp, cut
@@ -626,18 +667,22 @@ class Client:
 
     def _check(self, resp: "Response") -> None:
         if resp.epoch:
-            if self.epoch and resp.epoch != self.epoch:
-                old = self.epoch
-                self.epoch = resp.epoch
-                self.epoch_changed = True
-                self._session_epoch.clear()
-                if callable(self.on_epoch_change):
-                    self.on_epoch_change(old, resp.epoch)
-                elif self.on_epoch_change == "raise":
-                    raise errors.EpochChanged(old, resp.epoch, resp.id)
-            self.epoch = resp.epoch
+            self._epoch_seen(resp.epoch, resp.id)
         if resp.HasField("status") and resp.status.code != 0:
             raise errors.error_for(resp.status.code, resp.status.message, resp.id, resp.epoch)
+
+    def _epoch_seen(self, epoch: int, rid: int) -> None:
+        """An answer's (nonzero) epoch: a change reported as on_epoch_change says."""
+        if self.epoch and epoch != self.epoch:
+            old = self.epoch
+            self.epoch = epoch
+            self.epoch_changed = True
+            self._session_epoch.clear()
+            if callable(self.on_epoch_change):
+                self.on_epoch_change(old, epoch)
+            elif self.on_epoch_change == "raise":
+                raise errors.EpochChanged(old, epoch, rid)
+        self.epoch = epoch
 
     def call(self, req: "Request") -> "Response":
         """Sends a Request and waits for its Response (raises on a non-OK status)."""
@@ -806,11 +851,141 @@ class Client:
         done: an attnd.ipc.DoneSignal the daemon raises on the device once out and lse
         are written (the step must go by reference), for done.wait().
         """
+        if self._fast_steps and not items and done is None and _frames._FAST:
+            fast = self._fast_tensors(q, k, v)
+            if fast is not None:
+                return self._fast_send(layer, plan, want_lse, fp32_out, fast[0], fast[1])
         rid = _ipc.try_step_send(self, layer, q, k, v, items, plan, want_lse, fp32_out, out, lse,
                                  done=done)
         if rid is not None:
             return rid
         return self._bytes_send(layer, q, k, v, items, plan, want_lse, fp32_out)
+
+    def _fast_tensors(self, q: Any, k: Any, v: Any) -> Optional[Tuple[Tuple[Tuple[str, int, Tuple[int, ...], int], ...],
+                                                                      List[Any], bool]]:
+        """A step's q, k and v for the fast path (a Step of a plan whose tensors
+        are numpy arrays, torch CPU tensors or anything else _wire takes):
+        (signature for _frames.step_frame_sig, buffers, whether any is torch), or
+        None (a torch tensor off the CPU: the general path, which may go by reference).
+        The bytes _wire sends (the same conversions and errors, in the same
+        order); contiguous bf16 and fp16 go as they lie, checked in a few
+        attribute reads."""
+        sig: List[Tuple[str, int, Tuple[int, ...], int]] = []
+        bufs: List[Any] = []
+        torch_in = False
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            if a is None:
+                continue
+            if type(a) is np.ndarray:
+                dt = _FAST_NP.get(a.dtype)
+                if dt is not None and a.ndim == 3 and a.flags.c_contiguous:
+                    if a.dtype is not _U2 and dt == DTYPE_BF16:
+                        a = a.view(_U2)  # ml_dtypes bfloat16: its bits
+                    sig.append((name, dt, a.shape, a.nbytes))
+                    bufs.append(a)
+                    continue
+            elif _is_torch(a):
+                if a.device.type != "cpu":
+                    return None
+                torch_in = True
+                dt = _torch_dtypes().get(a.dtype)
+                if dt is not None and a.dim() == 3 and a.is_contiguous():
+                    b = a.detach().view(_torch_dtypes()["int16"]).numpy()
+                    sig.append((name, dt, b.shape, b.nbytes))
+                    bufs.append(b)
+                    continue
+            dt, shape, b = self._wire(a, name)
+            b = _frames._bytes_view(b)
+            sig.append((name, dt, tuple(shape), b.nbytes))
+            bufs.append(b)
+        return tuple(sig), bufs, torch_in
+
+    def _fast_frame(self, rid: int, layer: int, plan: int, q: Any, k: Any, v: Any, want_lse: bool,
+                    fp32_out: bool) -> Tuple[List[Any], int]:
+        """The fast path's frame of a Step of a plan (pieces, bytes), for numpy or
+        torch CPU q, k, v (bench/bench_client.py times it alone)."""
+        fast = self._fast_tensors(q, k, v)
+        assert fast is not None
+        return _frames.step_frame_sig(rid, int(layer), int(plan), bool(want_lse), bool(fp32_out),
+                                      fast[0], fast[1])
+
+    def _fast_send(self, layer: int, plan: int, want_lse: bool, fp32_out: bool,
+                   sig: Tuple[Tuple[str, int, Tuple[int, ...], int], ...], bufs: List[Any]) -> int:
+        """Sends a Step of a plan framed by _frames.step_frame_sig; returns its id."""
+        with self._send_lock:
+            rid = self._next_id
+            self._next_id += 1
+            pieces, n = _frames.step_frame_sig(rid, int(layer), int(plan), bool(want_lse), bool(fp32_out),
+                                               sig, bufs)
+            if not 0 < n - 4 <= _MAX_FRAME:
+                raise errors.InvalidArgument(f"request of {n - 4} bytes does not fit a frame")
+            try:
+                _frames.sendmsg_all(self._conn(), pieces, n)
+            except OSError as e:
+                raise _io_error("write to", self.address, e) from None
+            return rid
+
+    def _recv_step_fast(self, id: int, torch_device: Any, torch_out: bool) -> StepResult:
+        """step_recv of a Step answered in one small frame: an OK answer of this id
+        is read from the read-ahead buffer and parsed by hand
+        (_frames.parse_step_ok), its out and lse copied out of the buffer once
+        (as protobuf's parse would); anything else (answers kept for later, a
+        large frame, another id, a status, fields the hand parse does not know)
+        goes the general way (_await, _check), with the same bookkeeping."""
+        res = None
+        with self._recv_lock:
+            got = None
+            if not self._pending:
+                self._ahead(4)
+                p = self._rpos
+                n = int.from_bytes(self._rbuf[p:p + 4], "big")
+                if 0 < n < _frames.CUT_MIN:
+                    self._rpos = p + 4
+                    self._ahead(n)
+                    p = self._rpos
+                    ok = _frames.parse_step_ok(self._rbuf, p, p + n)
+                    if ok is not None and ok[0] == id and id:
+                        res = self._ok_result(ok, torch_device, torch_out)
+                    else:
+                        resp = pb.Response()
+                        resp.ParseFromString(bytes(self._rbuf[p:p + n]))
+                        got = (resp, None)
+                    self._rpos = p + n
+            if res is None:
+                resp, cut = self._await(id, got)
+        if res is not None:
+            if ok[1]:
+                self._epoch_seen(ok[1], id)
+            return res
+        self._check(resp)
+        return self._step_result(resp, cut, torch_device, torch_out)
+
+    def _ok_result(self, ok: Any, torch_device: Any, torch_out: bool) -> StepResult:
+        """The StepResult of _frames.parse_step_ok's answer in the read-ahead buffer:
+        what _step_result makes of protobuf's parse of it (the tensors' bytes
+        copied once, arrays of them read-only as protobuf's bytes make them)."""
+        rid, _, tspan, out, lse = ok
+        mv = memoryview(self._rbuf)
+        timing = pb.Timing.FromString(bytes(mv[tspan[0]:tspan[1]])) if tspan else pb.Timing()
+        if torch_out:
+            return StepResult(out=out and _tensor_to_torch(_Wire(out[0], out[1], bytes(mv[out[2]:out[3]])),
+                                                           torch_device),
+                              lse=lse and _tensor_to_torch(_Wire(lse[0], lse[1], bytes(mv[lse[2]:lse[3]])),
+                                                           torch_device),
+                              timing=timing, id=rid)
+        if out is not None:
+            # Read-only over bytes, as np.frombuffer of protobuf's data makes it.
+            a = np.ndarray(out[1], _NP_DT[out[0]], bytes(mv[out[2]:out[3]]))
+            if out[0] == DTYPE_BF16 and self.bf16 != "uint16":
+                if self.bf16 == "float32":
+                    a = bf16_to_f32(a)
+                elif self.bf16 == "auto" and BFLOAT16 is not None:
+                    a = a.view(BFLOAT16)
+            out = a
+        if lse is not None:
+            a = np.ndarray(lse[1], _NP_DT[lse[0]], bytes(mv[lse[2]:lse[3]]))
+            lse = a.view(BFLOAT16) if lse[0] == DTYPE_BF16 and BFLOAT16 is not None else a
+        return StepResult(out=out, lse=lse, timing=timing, id=rid)
 
     def _bytes_send(self, layer: int, q: Any, k: Any, v: Any, items: Optional[Sequence[Item]],
                     plan: int, want_lse: bool, fp32_out: bool) -> int:
@@ -879,10 +1054,16 @@ class Client:
             self.ipc.answered(id, True)
             out, lse = self._ipc_out.pop(id)
             return StepResult(out=out, lse=lse, timing=resp.timing, id=resp.id)
+        torch_out = as_torch or torch_device is not None
+        if self._fast_steps and _frames._PARSE_OK:
+            return self._recv_step_fast(id, torch_device, torch_out)
         resp, cut = self._recv_cut(id, True)
+        return self._step_result(resp, cut, torch_device, torch_out)
+
+    def _step_result(self, resp: "Response", cut: Any, torch_device: Any, torch_out: bool) -> StepResult:
+        """A checked Step answer as its StepResult (numpy, or torch when torch_out)."""
         sr = resp.step
         frame, spans = cut if cut is not None else (None, {})
-        torch_out = as_torch or torch_device is not None
         res = {}
         for name in ("out", "lse"):
             if not sr.HasField(name):
@@ -900,6 +1081,11 @@ class Client:
              fp32_out: bool = False, out: Any = None, lse: Any = None) -> StepResult:
         """One blocking Step; see step_send(). torch tensors in: torch tensors out,
         on the device of the first of q, k, v given (bf16 stays bf16)."""
+        if self._fast_steps and not items and _frames._FAST:
+            fast = self._fast_tensors(q, k, v)
+            if fast is not None:
+                rid = self._fast_send(layer, plan, want_lse, fp32_out, fast[0], fast[1])
+                return self.step_recv(rid, as_torch=fast[2])
         t = next((x for x in (q, k, v) if x is not None and _is_torch(x)), None)
         rid = _ipc.try_step_send(self, layer, q, k, v, items, plan, want_lse, fp32_out, out, lse)
         if rid is not None:
