@@ -43,7 +43,7 @@ stage)
   for lib in libuv.so.1 libcmocka.so.0 libinih.so.1 libxxhash.so.0 libhttp_parser.so.2.9 libjansson.so.4; do
     cp -L "/usr/lib/x86_64-linux-gnu/$lib" "$tmp/bin/$lib"
   done
-  (cd "$here" && tar -cf - client/python/attnd bench/bench_e2e.py tests/e2e tests/tolerance.h) | tar -C "$tmp/src" -xf -
+  (cd "$here" && tar -cf - client/python/attnd bench/bench_e2e.py bench/bench_client.py tests/e2e tests/tolerance.h) | tar -C "$tmp/src" -xf -
   (cd "$here" && git archive "${GPU_SMALL_OLD:-main}" client/python/attnd) | tar -C "$tmp/old" -xf -
   (cd "$here" && git rev-parse --short HEAD) >"$tmp/COMMIT"
   find "$tmp" -name __pycache__ -prune -exec rm -rf {} +
@@ -108,6 +108,13 @@ e2e=("$py" "$S/bench/bench_e2e.py" --attnd "$B/attnd" --backend cuda --context 4
   --kv-memory 48G --transports unix,ipc)
 brk() { grep -E "^\| (breakdown|unix|ipc) " "$out/$1.log" | grep -v "^| step_trace" | head -16; }
 
+# 1b. the Python client's fast path: its tests with torch present, then its
+# own cost per step (old and new path, one process) against the CUDA daemon.
+step client_tests 40 bash -c "cd '$S/tests/e2e' && ATTND_E2E_BACKEND=cuda ATTND_BIN='$B/attnd' ATTND_BUILD_DIR='$B' $py run.py test_frames test_torch_client"
+grep -E "^(Ran|OK|FAILED)|SKIPPED|Error|error:" "$out/client_tests.log" | head -12
+step bench_client 40 "$py" "$S/bench/bench_client.py" --attnd "$B/attnd" --backend cuda --iters 1500 --rounds 3 \
+  --json "$out/bench_client.json"
+grep -vE "^\s*$" "$out/bench_client.log" | tail -12
 # 2. the breakdown, defaults (+ --cuda-trace), PyTorch column first.
 step e2e_breakdown 55 "${e2e[@]}" --sessions 1,16,64 --tokens 8 --breakdown --json "$out/e2e_breakdown.json"
 brk e2e_breakdown
