@@ -253,6 +253,156 @@ __device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPie
   }
 }
 
+// Two chunks of a warp in the transposed form (Dec::kPair): chunks A (keys
+// from j0, stage sbA) and B (from j1, stage sbB) scored as two independent
+// products, one running-max update and one O rescale for both, P^T of both
+// to the warp's two [vector][key] tiles (sP, sP + 8 KS), then O^T += V^T P^T
+// over both. The reference m is an integer (softmax_ref), so P' of a key is
+// the single-chunk loop's value whenever both loops reach the same m; only
+// the order of the normalizer's additions differs.
+template <class C, bool MASK>
+__device__ __forceinline__ void dec_chunk2_tr(const DecodeParams &P, const DecPiece &pc, const uint8_t *sbA,
+                                              const uint8_t *sbB, const uint32_t (*qb)[2],
+                                              const typename Act<C::KDT>::T *sQ, typename Act<C::PDT>::T *sP,
+                                              int j0, int j1, DecAcc<C> &acc) {
+  using PA = Act<C::PDT>;
+  constexpr int KS = C::KS;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
+  const uint8_t *sbs[2] = {sbA, sbB};
+  const int js[2] = {j0, j1};
+
+  float s[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    float t2[4] = {0.f, 0.f, 0.f, 0.f};
+    s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
+    if constexpr (C::K::kStatic) {
+      if (pc.lo_pass)
+        dec_scores_tr<C, true>(sbs[h], qb, sQ, s[h], t2);
+      else
+        dec_scores_tr<C, false>(sbs[h], qb, sQ, s[h], t2);
+    } else {
+      dec_scores_tr<C, false>(sbs[h], qb, sQ, s[h], t2);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+      s[h][e] += t2[e];
+  }
+  if (C::K::kStatic && pc.qlo_cols) {
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        s[h][e] += __shfl_xor_sync(0xffffffffu, s[h][e], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const float *sKs = reinterpret_cast<const float *>(sbs[h] + 2 * KS * C::RB);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int key = g + 8 * (e >> 1);
+      float x = s[h][e] * pc.sl2;
+      if constexpr (C::K::kDyn)
+        x *= sKs[key];
+      s[h][e] = x;
+    }
+  }
+  if (P.cap2 > 0.f) {
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        s[h][e] = softcap2(s[h][e], P.cap2, P.icap2, pc.zc[e & 1]);
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int h = 0; h < 2; h++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int key = g + 8 * (e >> 1);
+      float x = s[h][e];
+      if constexpr (MASK)
+        x = dec_mask(P, pc, x, js[h] + key, pc.prow[e & 1]);
+      s[h][e] = x;
+      mx[e & 1] = fmaxf(mx[e & 1], x);
+    }
+  float alpha[2], beta = 1.f, vinv = 1.f;
+  if constexpr (C::kSigma) {
+    const float *va = reinterpret_cast<const float *>(sbA + 2 * KS * C::RB) + KS;
+    const float *vb = reinterpret_cast<const float *>(sbB + 2 * KS * C::RB) + KS;
+    float vm = fmaxf(fmaxf(va[g], va[g + 8]), fmaxf(vb[g], vb[g + 8]));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 4));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 8));
+    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 16));
+    beta = dec_sigma(acc, vm);
+    vinv = pow2_rcp(acc.sig);
+  }
+#pragma unroll
+  for (int vi = 0; vi < 2; vi++) {
+    mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 4));
+    mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 8));
+    mx[vi] = fmaxf(mx[vi], __shfl_xor_sync(0xffffffffu, mx[vi], 16));
+    float mnew;
+    const float mref = softmax_ref(acc.m[vi], mx[vi], mnew);
+    alpha[vi] = ex2(acc.m[vi] - mref);
+    acc.m[vi] = mnew;
+    mx[vi] = mref;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const float *sVsc = reinterpret_cast<const float *>(sbs[h] + 2 * KS * C::RB) + KS;
+    typename PA::T *sPh = sP + h * 8 * KS;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int key = g + 8 * (e >> 1), v = 2 * c4 + (e & 1), vi = e & 1;
+      const bool first = h == 0 && (e >> 1) == 0;
+      const float pe = ex2((s[h][e] - mx[vi]) + C::kPShift);
+      acc.l[vi] = first ? acc.l[vi] * alpha[vi] + pe : acc.l[vi] + pe;
+      float pv = pe;
+      if constexpr (C::K::kDyn)
+        pv *= C::kSigma ? sVsc[key] * vinv * C::kVShift : sVsc[key];
+      const typename PA::T pr = dec_pop<C>(pv);
+      sPh[v * KS + key] = pr;
+      if constexpr (!C::K::kDyn)
+        acc.lt[vi] = first ? acc.lt[vi] * alpha[vi] + PA::to_f(pr) : acc.lt[vi] + PA::to_f(pr);
+    }
+  }
+  __syncwarp();
+  uint32_t pb[2][2];
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    pb[h][0] = *reinterpret_cast<const uint32_t *>(sP + h * 8 * KS + g * KS + 2 * c4);
+    pb[h][1] = *reinterpret_cast<const uint32_t *>(sP + h * 8 * KS + g * KS + 2 * c4 + 8);
+  }
+  const float r0 = alpha[0] * beta, r1 = alpha[1] * beta;
+  if (__any_sync(0xffffffffu, r0 != 1.f || r1 != 1.f)) {
+#pragma unroll
+    for (int i = 0; i < C::NO; i++) {
+      acc.o[i][0] *= r0;
+      acc.o[i][1] *= r1;
+      acc.o[i][2] *= r0;
+      acc.o[i][3] *= r1;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const uint8_t *sV = sbs[h] + KS * C::RB;
+#pragma unroll
+    for (int p = 0; p < C::NVP; p++) {
+      uint32_t x[4][C::VPW];
+#pragma unroll
+      for (int k = 0; k < 4; k++)
+        v_piece<C>(sV, 2 * c4 + (k & 1) + (k >> 1) * 8, g, p, x[k]);
+#pragma unroll
+      for (int jj = 0; jj < C::CPP; jj += 2) {
+        const uint32_t a[4] = {v_pair<C>(x[0], x[1], jj), v_pair<C>(x[0], x[1], jj + 1),
+                               v_pair<C>(x[2], x[3], jj), v_pair<C>(x[2], x[3], jj + 1)};
+        mma16816<C::PDT>(acc.o[(p * C::CPP + jj) / 2], a, pb[h][0], pb[h][1]);
+      }
+    }
+  }
+}
+
 // One chunk in the rows form: S = q K^T, online softmax, O += P V (MASK as above).
 template <class C, bool MASK>
 __device__ __forceinline__ void dec_chunk_rows(const DecodeParams &P, const DecPiece &pc, const uint8_t *sb,

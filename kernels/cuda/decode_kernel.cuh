@@ -205,7 +205,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   float *sVs = reinterpret_cast<float *>(smem + C::kVs);
   float *sMisc = reinterpret_cast<float *>(smem + C::kMisc);
   float *sC = sMisc, *scratch = sMisc + 64;
-  auto *sP = reinterpret_cast<typename Act<C::PDT>::T *>(smem + C::kP) + warp * 8 * KS;
+  auto *sP = reinterpret_cast<typename Act<C::PDT>::T *>(smem + C::kP) + warp * 8 * KS * (C::kPairC ? 2 : 1);
   // The stages start on a 128-byte boundary (kStagePad): 64 bytes off it,
   // every warp's 16-byte cp.async rows straddled one more shared-memory line
   // and the loads ran at 74% of the read roof instead of 89-92% (bf16;
@@ -229,7 +229,9 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   // block at the refill that starts one (dec_prefetch_l2).
   const bool ref_copy = P.debug & 4;
   const bool pf_blocks = (P.debug & 16) && kvh == 0;
-  const int la = (P.debug & 8) ? 1 : NS - 1; // chunks issued ahead
+  // The paired loop (Dec::kPair) issues every stage before its first pair,
+  // then two chunks per pair: the chunks of the pair after next.
+  const int la = C::kPair ? NS : (P.debug & 8) ? 1 : NS - 1; // chunks issued ahead
   // Bit 64 (exact: a hint): this CTA's own K and V rows of the block pfb
   // blocks past each refill that starts a block go to L2 through the bulk
   // copy engine (one request per 1..32 KB region instead of 16-byte
@@ -240,7 +242,7 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   auto pf_own = [&]() { return (P.debug & 64) != 0; };
   auto pfb = [&]() { return max(1, ((P.debug & 128) ? 65536 : 32768) / (2 * P.bs * C::RB)); };
 #pragma unroll
-  for (int n = 0; n < NS - 1; n++) {
+  for (int n = 0; n < (C::kPair ? NS : NS - 1); n++) {
     if (n < cnt && n < la && !no_load) {
       if (ref_copy)
         dec_issue_ref<C>(P, bt, kvh, chunk_key(n), khi, myStages + n * C::kStage, lane);
@@ -402,6 +404,53 @@ __device__ void dec_piece(const DecodeParams &P, uint8_t *smem, const attnd_kite
   const DecMaskBounds mb = kMb ? dec_mask_bounds(it, pmin, pmax, klo, khi, P.window) : DecMaskBounds{0, 0};
   // Stage of chunk n, counted without a division (NS is 3 to 6).
   int stage = 0;
+  if constexpr (C::kPair) {
+    // Pairs (n, n + 1): the stages of the previous pair take chunks n + NS - 2
+    // and n + NS - 1 (one commit group each, empty past the last chunk), then
+    // the warp waits for chunk n + 1 (NS - 2 groups after it stay in flight).
+    // The timing options of the copy (debug 4, 8, 16, 64) do not apply.
+    for (int n = 0; n < cnt; n += 2) {
+      if (n >= 2) {
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+          const int c = n + NS - 2 + q;
+          if (c < cnt && !no_load) {
+            const int st = stage + NS - 2 + q >= NS ? stage + q - 2 : stage + NS - 2 + q;
+            dec_issue<C>(P, cpy, nblk, chunk_key(c), khi, sStages + st * C::kStage, lane);
+            if (c + 1 < cnt)
+              nblk = bt[chunk_key(c + 1) >> cpy.lbs];
+          }
+          cp_async_commit();
+        }
+      }
+      cp_async_wait<NS - 2>();
+      __syncwarp();
+      const int sB = stage == NS - 1 ? 0 : stage + 1;
+      const uint8_t *sbA = myStages + stage * C::kStage, *sbB = myStages + sB * C::kStage;
+      stage = sB == NS - 1 ? 0 : sB + 1;
+      if (no_math)
+        continue;
+      const int j0 = chunk_key(n);
+      if (n + 1 < cnt) {
+        const int j1 = chunk_key(n + 1);
+        const bool need_mask = kMb ? j0 < mb.lo || j1 + (KS - 1) > mb.hi
+                                   : tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS, P.window) ||
+                                         tile_needs_mask(it, pmin, pmax, klo, khi, j1, KS, P.window);
+        if (need_mask)
+          dec_chunk2_tr<C, true>(P, pc, sbA, sbB, qb, sQ, sP, j0, j1, acc);
+        else
+          dec_chunk2_tr<C, false>(P, pc, sbA, sbB, qb, sQ, sP, j0, j1, acc);
+      } else {
+        const bool need_mask = kMb ? j0 < mb.lo || j0 + (KS - 1) > mb.hi
+                                   : tile_needs_mask(it, pmin, pmax, klo, khi, j0, KS, P.window);
+        if (need_mask)
+          dec_chunk_tr<C, true>(P, pc, sbA, qb, sQ, sP, j0, acc);
+        else
+          dec_chunk_tr<C, false>(P, pc, sbA, qb, sQ, sP, j0, acc);
+      }
+      __syncwarp(); // the pair's stages are refilled next iteration
+    }
+  } else
   for (int n = 0; n < cnt; n++) {
     // The stage of chunk n - 1 is free (the warp passed its end): refill it.
     if (n + la < cnt) {

@@ -9,6 +9,15 @@
 namespace attnd {
 
 constexpr int dec_clamp(int x, int lo, int hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+// The paired key loop (decode_kernel.cuh, dec_piece): a warp takes two of its
+// chunks per step, one online-softmax update for both (32 keys), so that the
+// two chunks' products are independent chains and the per-chunk bookkeeping
+// is paid once per pair. Built in or not (CMake ATTND_DECODE_PAIR), for the
+// TR form of the converted cache types.
+#ifndef ATTND_DECODE_PAIR
+#define ATTND_DECODE_PAIR 0
+#endif
 constexpr size_t dec_max(size_t a, size_t b) { return a > b ? a : b; }
 
 // Resident CTAs per SM each instantiation is built for (registers and
@@ -31,7 +40,13 @@ template <int D_, int DT_, int KV_, bool TR_, bool PV16_ = false> struct Dec {
   static constexpr int MV = TR ? 8 : 16;                         // vectors of one product
   static constexpr int NO = TR ? D / 16 : D / 8;                 // O tiles per lane
   static constexpr int LD = D + 8;                               // padded q row: conflict-free ldmatrix
-  static constexpr int MINB = dec_minb<KV, D>(TR);
+  // kPairC: a candidate for the paired key loop (ATTND_DECODE_PAIR, below):
+  // the TR form of a converted cache type. kPair: a candidate whose stages
+  // hold two chunks being computed and two in flight (NS >= 4).
+  static constexpr bool kPairC = ATTND_DECODE_PAIR && TR_ && !K::k16;
+  // A paired 1-byte d128 loop needs four stages (16 KB a warp): three CTAs
+  // per SM (more registers each, two chains per warp) instead of four.
+  static constexpr int MINB = kPairC && D == 128 && !K::kI4 ? 3 : dec_minb<KV, D>(TR);
   // Operand dtypes of the two products. fp16 for the first product wherever
   // the stored values are exact in it (every cache but bf16): int8 bytes
   // become operands in two instructions per pair and e4m3 pairs in one,
@@ -88,9 +103,10 @@ template <int D_, int DT_, int KV_, bool TR_, bool PV16_ = false> struct Dec {
   static constexpr size_t kVs = kQlo + (!TR && K::kStatic ? (size_t)16 * LD * 2 : 0); // [2][D] v scale, zero
   static constexpr size_t kMisc = kVs + (K::kStatic ? (size_t)2 * D * 4 : 0); // [16] c, M, L, Lt; [16] scratch
   static constexpr size_t kP = kMisc + 80 * 4;                                 // TR: [warps][8][16] P
-  static constexpr size_t kStages = kP + (TR ? (size_t)NW * 8 * KS * 2 : 0);
+  static constexpr size_t kStages = kP + (TR ? (size_t)NW * 8 * KS * 2 * (kPairC ? 2 : 1) : 0);
   static constexpr int kAvail = 233472 / MINB - 1024 - (int)kStages;
   static constexpr int NS = dec_clamp(kAvail / (NW * kStage), 2, 6); // cp.async stages per warp
+  static constexpr bool kPair = kPairC && NS >= 4;
   // After the key loop the stage area holds the merge: [warps][16] m, l, lt, then [warps][MV][D] o.
   static constexpr size_t kMerge = ((size_t)3 * NW * 16 + (size_t)NW * MV * D) * 4;
   static constexpr size_t kStageArea = dec_max((size_t)NW * NS * kStage, kMerge);
