@@ -13,8 +13,10 @@ constexpr int dec_clamp(int x, int lo, int hi) { return x < lo ? lo : x > hi ? h
 // The paired key loop (decode_kernel.cuh, dec_piece): a warp takes two of its
 // chunks per step, one online-softmax update for both (32 keys), so that the
 // two chunks' products are independent chains and the per-chunk bookkeeping
-// is paid once per pair. Built in or not (CMake ATTND_DECODE_PAIR), for the
-// TR form of the converted cache types.
+// is paid once per pair. int4 (TR form, D <= 128) always: 17% fewer
+// instructions, 1-2% faster at d128, 14% at d64 (H100, bench/RESULTS.md).
+// CMake ATTND_DECODE_PAIR extends it to the 1-byte types (A/B only: they ran
+// 4-15% slower with it, the d128 ones at 3 CTAs per SM for its four stages).
 #ifndef ATTND_DECODE_PAIR
 #define ATTND_DECODE_PAIR 0
 #endif
@@ -40,10 +42,11 @@ template <int D_, int DT_, int KV_, bool TR_, bool PV16_ = false> struct Dec {
   static constexpr int MV = TR ? 8 : 16;                         // vectors of one product
   static constexpr int NO = TR ? D / 16 : D / 8;                 // O tiles per lane
   static constexpr int LD = D + 8;                               // padded q row: conflict-free ldmatrix
-  // kPairC: a candidate for the paired key loop (ATTND_DECODE_PAIR, below):
-  // the TR form of a converted cache type. kPair: a candidate whose stages
-  // hold two chunks being computed and two in flight (NS >= 4).
-  static constexpr bool kPairC = ATTND_DECODE_PAIR && TR_ && !K::k16;
+  // kPairC: a candidate for the paired key loop (below): the TR form of int4
+  // at head dims 64 and 128 (its default), and with ATTND_DECODE_PAIR of every
+  // converted type. kPair: a candidate whose stages hold two chunks being
+  // computed and two in flight (NS >= 4).
+  static constexpr bool kPairC = TR_ && !K::k16 && (ATTND_DECODE_PAIR || (K::kI4 && D_ <= 128));
   // A paired 1-byte d128 loop needs four stages (16 KB a warp): three CTAs
   // per SM (more registers each, two chains per warp) instead of four.
   static constexpr int MINB = kPairC && D == 128 && !K::kI4 ? 3 : dec_minb<KV, D>(TR);
