@@ -58,6 +58,7 @@ typedef struct {
 
 extern uint64_t g_rng;
 extern double g_hit_worst;
+extern double g_hit_worst_kv[ATTND_KV_COUNT_]; /* per cache type */
 extern int g_hit_checks;
 extern int g_hit_asked; /* cases that asked for the prefix-hit check (out_fp32, check_hit) */
 /* The A/B of check_ab: batches compared, those whose outputs differed in some bit

@@ -545,8 +545,9 @@ static void test_report(void **state) {
                 g_ab_checks, g_ab_differ, g_ab_worst, ATTND_TOL_AB_ROWS, g_ab_worst_short,
                 ATTND_TOL_AB_SHORT);
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
-    print_message("kv %-13s cases %3d  max rel L2 %.3e  (bound %.0e)\n", attnd_kv_type_name(kv),
-                  g_cases[kv], g_max_err[kv], harness_bound(kv));
+    print_message("kv %-13s cases %3d  max rel L2 %.3e  (bound %.0e)  prefix hit worst %.3e\n",
+                  attnd_kv_type_name(kv), g_cases[kv], g_max_err[kv], harness_bound(kv),
+                  g_hit_worst_kv[kv]);
 }
 
 static void test_device_count(void **state) {
