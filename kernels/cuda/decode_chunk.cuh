@@ -96,9 +96,16 @@ template <class C> __device__ __forceinline__ float dec_sigma(DecAcc<C> &acc, fl
   return beta;
 }
 
-// S^T = K q^T of one chunk into two accumulators (transposed form). LO: a
-// second product with the lo halves of q (rows 8..15 of sQ); a template
-// argument so that the one-product path issues no predicated-off HMMA.
+// S^T = K q^T of one chunk (transposed form). LO: a second product with the
+// lo halves of q (rows 8..15 of sQ); a template argument so that the
+// one-product path issues no predicated-off HMMA. The converted types split
+// the head dim's 16-column steps over two accumulators (sa even, sb2 odd:
+// half the dependency chain). The 16-bit caches keep one chain, the steps in
+// order as the prefill kernel's Q K^T takes them: a prefix hit's few rows,
+// which come here, then get the scores of the full step's prefill bit for bit
+// and P the same bf16 rounding (two chains moved a score by an ulp, which
+// flipped a P's rounding now and then: up to 1.2e-4 rel L2 between a hit and
+// the full step at d256).
 template <class C, bool LO>
 __device__ __forceinline__ void dec_scores_tr(const uint8_t *sK, const uint32_t (*qb)[2],
                                               const typename Act<C::KDT>::T *sQ, float *sa, float *sb2) {
@@ -120,9 +127,10 @@ __device__ __forceinline__ void dec_scores_tr(const uint8_t *sK, const uint32_t 
       for (int h = 0; h < 2; h++) {
         const uint32_t a[4] = {k_op<C>(w0, u + h, 0), k_op<C>(w1, u + h, 0), k_op<C>(w0, u + h, 1),
                                k_op<C>(w1, u + h, 1)};
-        mma16816<C::KDT>(h ? sb2 : sa, a, qb[t + h][0], qb[t + h][1]);
+        float *acc = (h && !C::K::k16) ? sb2 : sa;
+        mma16816<C::KDT>(acc, a, qb[t + h][0], qb[t + h][1]);
         if constexpr (LO)
-          mma16816<C::KDT>(h ? sb2 : sa, a, ql[2 * h], ql[2 * h + 1]);
+          mma16816<C::KDT>(acc, a, ql[2 * h], ql[2 * h + 1]);
       }
     }
   }
@@ -143,7 +151,7 @@ __device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPie
   const uint8_t *sK = sb, *sV = sb + KS * C::RB;
   const float *sKs = reinterpret_cast<const float *>(sb + 2 * KS * C::RB), *sVsc = sKs + KS;
 
-  // S^T: 16 keys x 8 vectors; two accumulators halve the dependency chain.
+  // S^T: 16 keys x 8 vectors (sb2: the odd steps of the converted types).
   float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb2[4] = {0.f, 0.f, 0.f, 0.f};
   if constexpr (C::K::kStatic) {
     if (pc.lo_pass)
@@ -155,9 +163,11 @@ __device__ __forceinline__ void dec_chunk_tr(const DecodeParams &P, const DecPie
   }
   // Element e: key g + 8 (e >> 1), vector 2c + (e & 1). Soft-capping: a
   // branch per chunk, uniform over the CTA.
+  if constexpr (!C::K::k16) {
 #pragma unroll
-  for (int e = 0; e < 4; e++)
-    sa[e] += sb2[e];
+    for (int e = 0; e < 4; e++)
+      sa[e] += sb2[e];
+  }
   if (C::K::kStatic && pc.qlo_cols) {
 #pragma unroll
     for (int e = 0; e < 4; e++)
