@@ -55,6 +55,7 @@ static void test_defaults(void **state) {
   assert_int_equal(c.session_idle_s, 600);
   assert_int_equal(c.max_frame, 512ull << 20);
   assert_int_equal(c.max_inflight, 1ull << 30);
+  assert_int_equal(c.socket_buffer, 4ull << 20);
   assert_int_equal(c.max_connections, 1024);
   assert_int_equal(c.max_sessions, 65536);
   assert_int_equal(c.max_plans, 64);
@@ -189,6 +190,12 @@ static void test_sizes(void **state) {
   assert_int_equal(parse_validate(&c, mf), 0);
   assert_int_equal(c.max_frame, 1ull << 20);
   assert_int_equal(c.max_inflight, 4ull << 20);
+  const char *sb[] = {"--socket-buffer=0", NULL};
+  assert_int_equal(parse_validate(&c, sb), 0);
+  assert_int_equal(c.socket_buffer, 0);
+  const char *sb2[] = {"--socket-buffer", "16M", NULL};
+  assert_int_equal(parse_validate(&c, sb2), 0);
+  assert_int_equal(c.socket_buffer, 16ull << 20);
 }
 
 static void test_errors(void **state) {
@@ -217,6 +224,8 @@ static void test_errors(void **state) {
       {{"--block-size", "48"}, "--block-size 48"},
       {{"--rotary-dim", "33"}, "--rotary-dim 33"},
       {{"--max-frame", "2G"}, "--max-frame"},
+      {{"--socket-buffer", "2G"}, "--socket-buffer 2147483648: must be at most 1G"},
+      {{"--socket-buffer", "4Q"}, "--socket-buffer: '4Q' is not a size"},
       {{"--max-frame", "1G", "--max-inflight", "512M"}, "--max-inflight"},
       {{"--cuda-ring", "64K"}, "--cuda-ring 65536: must be 0 (the default) or at least 1M"},
       {{"--cuda-ring", "1G", "--cuda-pinned-max", "512M"}, "--cuda-ring 1073741824: must fit"},

@@ -77,6 +77,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->kv_memory = 0; /* backend default: 1G on CPU, 90% of free memory on CUDA */
   c->session_idle_s = 600;
   c->max_frame = 512ull << 20;
+  c->socket_buffer = 4ull << 20;
   c->max_inflight = 1ull << 30;
   c->max_connections = 1024;
   c->max_sessions = 65536;
@@ -217,6 +218,8 @@ int attnd_config_validate(attnd_config_t *c, char *err, size_t errlen) {
     ERR("--max-frame %llu: must be at least 16 bytes", (unsigned long long)c->max_frame);
   if (c->max_frame >= (1ull << 31))
     ERR("--max-frame %llu: must be below 2G (2^31)", (unsigned long long)c->max_frame);
+  if (c->socket_buffer > (1ull << 30))
+    ERR("--socket-buffer %llu: must be at most 1G", (unsigned long long)c->socket_buffer);
   if (c->max_inflight < c->max_frame)
     ERR("--max-inflight %llu: must be >= --max-frame %llu", (unsigned long long)c->max_inflight,
         (unsigned long long)c->max_frame);

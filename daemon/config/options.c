@@ -294,6 +294,7 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
   SIZE("kv-memory", kv_memory)
   SIZE("max-frame", max_frame)
   SIZE("max-inflight", max_inflight)
+  SIZE("socket-buffer", socket_buffer)
   INT("worker-threads", worker_threads, 0, 1024)
   SIZE("engine-offload-bytes", engine_offload_bytes)
   SIZE("engine-chunk-keys", engine_chunk_keys)

@@ -119,6 +119,7 @@ struct attnd_server_s {
   attnd_list_t conns;
   int open; /* listeners + connections not yet freed */
   int draining, finishing, done;
+  int sndbuf_logged; /* the socket_buffer line (listen.c) is logged once */
   uv_timer_t drain_timer;
   /* Ends connections past the Hello deadline, the frame deadline or the idle
    * timeout (limits.c). */

@@ -31,8 +31,27 @@ static void on_unix_conn(uv_stream_t *server, int status) {
   struct ucred cred;
   socklen_t cl = sizeof(cred);
   uint64_t identity = ATTND_IDENTITY_ANON;
-  if (uv_fileno(&c->h.handle, &fd) == 0 && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0)
+  int have_fd = uv_fileno(&c->h.handle, &fd) == 0;
+  if (have_fd && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0)
     identity = (uint64_t)cred.uid;
+  /* A Unix stream socket's bytes in flight are bounded by the sender's
+   * buffer alone: the kernel's default (~208K) cuts a 32 MiB answer into
+   * ~160 writes, each a wake-up of both sides. Best effort: the kernel caps
+   * it at net.core.wmem_max. TCP keeps its own autotuning. */
+  if (have_fd && s->cfg->socket_buffer) {
+    int v = (int)s->cfg->socket_buffer, got = 0;
+    socklen_t gl = sizeof(got);
+    int rc = setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof(v));
+    if (!s->sndbuf_logged) {
+      /* Once: what the kernel made of it (Linux doubles the value for its
+       * own bookkeeping, after capping it at net.core.wmem_max). */
+      s->sndbuf_logged = 1;
+      if (rc != 0 || getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &got, &gl) != 0)
+        got = -1;
+      ATTND_LOGI("socket_buffer", "requested=%d effective=%d%s", v, got,
+                 got >= 0 && (long)got < 2L * v ? " capped=net.core.wmem_max" : "");
+    }
+  }
   char peer[32];
   snprintf(peer, sizeof(peer), "uid:%llu", (unsigned long long)identity);
   attnd_conn_start(s, c, identity, 0, peer);

@@ -102,6 +102,9 @@ def default_socket() -> str:
     return first
 
 
+_UNIX_SNDBUF = 4 << 20
+
+
 def _kernel_timeout(s: socket.socket, timeout: Optional[float]) -> None:
     """A connected socket made blocking, its timeout kept by the kernel
     (SO_RCVTIMEO / SO_SNDTIMEO) rather than by Python: with settimeout, every
@@ -480,6 +483,14 @@ class Client:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             elif "/" in address:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                # A Unix stream socket holds at most the sender's buffer in
+                # flight: a large step's request goes out in 4 MiB writes,
+                # not the kernel's default ~208K (best effort: the kernel
+                # caps it at net.core.wmem_max).
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _UNIX_SNDBUF)
+                except OSError:
+                    pass
                 s.settimeout(timeout)
                 s.connect(address)
             else:
