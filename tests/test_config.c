@@ -55,7 +55,7 @@ static void test_defaults(void **state) {
   assert_int_equal(c.session_idle_s, 600);
   assert_int_equal(c.max_frame, 512ull << 20);
   assert_int_equal(c.max_inflight, 1ull << 30);
-  assert_int_equal(c.socket_buffer, 4ull << 20);
+  assert_int_equal(c.socket_buffer, 0);
   assert_int_equal(c.max_connections, 1024);
   assert_int_equal(c.max_sessions, 65536);
   assert_int_equal(c.max_plans, 64);
@@ -190,9 +190,9 @@ static void test_sizes(void **state) {
   assert_int_equal(parse_validate(&c, mf), 0);
   assert_int_equal(c.max_frame, 1ull << 20);
   assert_int_equal(c.max_inflight, 4ull << 20);
-  const char *sb[] = {"--socket-buffer=0", NULL};
+  const char *sb[] = {"--socket-buffer=4M", NULL};
   assert_int_equal(parse_validate(&c, sb), 0);
-  assert_int_equal(c.socket_buffer, 0);
+  assert_int_equal(c.socket_buffer, 4ull << 20);
   const char *sb2[] = {"--socket-buffer", "16M", NULL};
   assert_int_equal(parse_validate(&c, sb2), 0);
   assert_int_equal(c.socket_buffer, 16ull << 20);

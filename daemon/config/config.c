@@ -77,7 +77,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->kv_memory = 0; /* backend default: 1G on CPU, 90% of free memory on CUDA */
   c->session_idle_s = 600;
   c->max_frame = 512ull << 20;
-  c->socket_buffer = 4ull << 20;
+  c->socket_buffer = 0;
   c->max_inflight = 1ull << 30;
   c->max_connections = 1024;
   c->max_sessions = 65536;

@@ -92,7 +92,7 @@ typedef struct {
   int session_idle_s;            /* --session-idle, default 600 */
   uint64_t max_frame;            /* --max-frame, default 512M, < 2^31 */
   uint64_t max_inflight;         /* --max-inflight bytes per connection, >= max_frame */
-  uint64_t socket_buffer;        /* --socket-buffer: Unix connections' SO_SNDBUF (0: kernel's) */
+  uint64_t socket_buffer;        /* --socket-buffer: Unix connections' SO_SNDBUF (0, the default: kernel's) */
   int max_connections;           /* --max-connections */
   int max_sessions;              /* --max-sessions */
   int max_sessions_per_identity; /* --max-sessions-per-identity; 0 = max_sessions / 4 */

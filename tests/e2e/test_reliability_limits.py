@@ -173,13 +173,26 @@ class LimitsTest(unittest.TestCase):
             pushed_loose, _, codes_loose = self.push(d, nreq, T)
         finally:
             self.finish(d)
+        # --socket-buffer: answers in the daemon's send buffer are written, so
+        # it lets in at most twice that many more request bytes (Linux doubles
+        # SO_SNDBUF), and no more.
+        sbuf = 2 * 1024 * 1024
+        d = self.start(["--max-frame", str(frame), "--max-inflight", str(frame),
+                        "--socket-buffer", str(sbuf)])
+        try:
+            pushed_sb, _, codes_sb = self.push(d, nreq, T)
+        finally:
+            self.finish(d)
         print(f"max-inflight: {nreq} x {total // nreq} B pipelined without reading: the daemon let in "
-              f"{pushed} B with --max-inflight {frame}, {pushed_loose} B with 256M")
+              f"{pushed} B with --max-inflight {frame}, {pushed_loose} B with 256M, "
+              f"{pushed_sb} B with --max-inflight {frame} --socket-buffer {sbuf}")
         self.assertEqual(set(codes), {OK})
         self.assertEqual(set(codes_loose), {OK})
+        self.assertEqual(set(codes_sb), {OK})
         # Socket buffers hold some; the daemon itself holds at most about one frame more than the limit.
         self.assertLess(pushed, 3 * 1024 * 1024)
         self.assertLess(pushed, pushed_loose)
+        self.assertLess(pushed_sb, 3 * 1024 * 1024 + 2 * sbuf)
 
 
 class ConnectionLimitsTest(unittest.TestCase):
