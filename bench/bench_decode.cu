@@ -191,6 +191,13 @@ void rows_sweep(double copy, double read, const double base_pct[ATTND_KV_COUNT_]
       printf("%-34s %8.1f %7.0f %6.1f%% %8.2fx %s\n", nm, a.us, gbps, p, rel, fabs(rel - 1.0) > 0.1 ? "(>10%)" : "");
       jrow(nm, "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"rel_base\": %.3f, \"splits\": %d",
            a.us, gbps, p, pct(gbps, copy), rel, a.splits);
+      // ATTND_BENCH_SWEEP_DIAG set: the decode rows' launch variants and
+      // no-load / no-math diagnosis of this shape too (a row "<name>_diag").
+      if (getenv("ATTND_BENCH_SWEEP_DIAG")) {
+        char dn[112];
+        snprintf(dn, sizeof dn, "%s_diag", nm);
+        decode_row(dn, S, copy, read, true);
+      }
       teardown(S);
     }
 }
