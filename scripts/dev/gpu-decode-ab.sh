@@ -18,10 +18,13 @@
 #         3. the decode rows (B64 ctx4096, B8 ctx32768, every type), change
 #            and base alternating, twice each                          ~120 s
 #         4. the sweep rows (d64, d256, GQA 1/8/16, block 16/128) of the
-#            converted types, change and base                          ~40 s
-#         5. bench/torch_reference.py: copy, read, decode (cuDNN)     ~30 s
-#         6. ncu: B64 int8 and int4 decode, change and base (instructions,
-#            warp states)                                              ~60 s
+#            converted types and d256 of bf16/fp16, change and base     ~40 s
+#         5. GQA 16's diagnosis rows (ATTND_BENCH_SWEEP_DIAG: launch
+#            variants, no-load / no-math; int8, fp8_dynamic, int4), change ~20 s
+#         6. bench/torch_reference.py: copy, read, decode (cuDNN)     ~30 s
+#         7. ncu: B64 int8, int4 and fp8_dynamic decode, change and base,
+#            and GQA 16 int8 (change; with occupancy) (instructions, warp
+#            states)                                                   ~70 s
 #       then a summary ($OUT/summary.txt); logs in $OUT/logs.tar.xz.
 set -u
 
@@ -117,6 +120,8 @@ run() {
       sw="$sw${sw:+,}sweep_B64_ctx4096_${t}_$kv"
     done
   done
+  # The 16-bit types' longest score chain (one in-order chain, 16 steps at d256).
+  sw="$sw,sweep_B64_ctx4096_d256_bf16,sweep_B64_ctx4096_d256_fp16"
   for b in change base; do
     local bin=./bench_kernels
     [ "$b" = base ] && bin=./bench_kernels_base
@@ -124,6 +129,13 @@ run() {
     OUT=$out/sweep_$b ATTND_BENCH_FILTER="$sw" timeout -k 5 "$(lim 40)" $bin >"$out/sweep_$b.log" 2>&1
   done
   times="$times sweep=$(($(date +%s) - s))"
+  # GQA 16 (the rows form), change build only: the decode rows' launch
+  # variants and no-load / no-math times on its shape (bench/README.md).
+  s=$(date +%s)
+  OUT=$out ATTND_BENCH_SWEEP_DIAG=1 \
+    ATTND_BENCH_FILTER=sweep_B64_ctx4096_gqa16_int8,sweep_B64_ctx4096_gqa16_fp8_dynamic,sweep_B64_ctx4096_gqa16_int4 \
+    timeout -k 5 "$(lim 40)" ./bench_kernels >"$out/gqa16_diag.log" 2>&1
+  times="$times gqa16_diag=$(($(date +%s) - s))"
   s=$(date +%s)
   OUT=$out PYTHONUNBUFFERED=1 ATTND_REF_SECTIONS=copy,read,decode \
     timeout -k 5 "$(lim 45)" python3 torch_reference.py >"$out/reference.log" 2>&1
@@ -142,6 +154,10 @@ run() {
           -k 'regex:decode_kernel' --launch-count 1 $bin
       done
     done
+    echo "== change B64 gqa16 int8 decode"
+    ATTND_BENCH_FILTER=sweep_B64_ctx4096_gqa16_int8 timeout -k 5 "$(lim 20)" \
+      ncu --clock-control none --metrics "$m" --section WarpStateStats --section Occupancy \
+      -k 'regex:decode_kernel' --launch-count 1 ./bench_kernels
   } >"$out/ncu.log" 2>&1
   times="$times ncu=$(($(date +%s) - s))"
   {
@@ -161,9 +177,11 @@ run() {
       echo "-- sweep, $b"
       grep -E "^sweep_" "$out/sweep_$b.log" | awk '{printf "%s %s %s %s\n", $1, $2, $3, $4}'
     done
+    echo "-- gqa16 diagnosis (change)"
+    grep -E "_diag|no-load|no-math" "$out/gqa16_diag.log" | sed 's/  */ /g' | head -20
     grep -E "decode_bf16_cudnn|read_bw|copy_bw" "$out/reference.log" | head -8
     grep -E "^== |gpu__time_duration|dram__throughput|inst_executed|issue_active|warps_active|Warp Cycles Per Issued|Stall" \
-      "$out/ncu.log" | head -60
+      "$out/ncu.log" | head -80
   } | tee "$out/summary.txt"
   cp "$out/summary.txt" "$dst/"
   tar -C "$out" -cJf "$dst/logs.tar.xz" .
