@@ -102,10 +102,10 @@ template <class C> __device__ __forceinline__ float dec_sigma(DecAcc<C> &acc, fl
 // the head dim's 16-column steps over two accumulators (sa even, sb2 odd:
 // half the dependency chain). The 16-bit caches keep one chain, the steps in
 // order as the prefill kernel's Q K^T takes them: a prefix hit's few rows,
-// which come here, then get the scores of the full step's prefill bit for bit
-// and P the same bf16 rounding (two chains moved a score by an ulp, which
-// flipped a P's rounding now and then: up to 1.2e-4 rel L2 between a hit and
-// the full step at d256).
+// which come here, then stay within ulps of the full step's prefill (two
+// chains moved a score by an ulp, which flipped a P's bf16 rounding now and
+// then: up to 1.2e-4 rel L2 between a hit and the full step at d256; one
+// chain: <= 2.3e-7 on an H100, bench/RESULTS.md).
 template <class C, bool LO>
 __device__ __forceinline__ void dec_scores_tr(const uint8_t *sK, const uint32_t (*qb)[2],
                                               const typename Act<C::KDT>::T *sQ, float *sa, float *sb2) {
