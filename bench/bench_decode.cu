@@ -17,7 +17,8 @@
 //               inside clusters (debug 256), timed with CUDA events
 //               around it, one sequence at a time (median) and as a CUDA graph
 //               of sequences (mean); inputs rotate among setups so that the
-//               cache is not L2-resident.
+//               cache is not L2-resident; the step_* columns run the layer
+//               step through attnd_cuda_step (one fused launch).
 #include <math.h>
 
 #include "bench_common.cuh"
@@ -107,6 +108,17 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   const attnd_cuda_opts_t pvo = {32768, 0, 0, 0};
   const Timed pvt = time_attend(S, &pvo);
   const float wus = 1e3f * median_ms([&] { CKA(attnd_cuda_write(&S.s, &S.b, nullptr)); }, 3, 20);
+  // The whole step through attnd_cuda_step (the fused launch where its plan
+  // allows), and the same unfused (write kernel, then the attention).
+  const attnd_cuda_opts_t nfo = [] {
+    attnd_cuda_opts_t x = {};
+    x.no_fuse = 1;
+    return x;
+  }();
+  const int fused = attnd_cuda_step_fused(&S.s, &S.b, S.ws_bytes, nullptr);
+  const float sus = 1e3f * median_ms([&] { CKA(attnd_cuda_step(&S.s, &S.b, S.ws, S.ws_bytes, nullptr)); }, 3, 20);
+  const float snf =
+      1e3f * median_ms([&] { CKA(attnd_cuda_step_opts(&S.s, &S.b, S.ws, S.ws_bytes, nullptr, &nfo)); }, 3, 20);
   const double gbps = S.cache_bytes / (a.us * 1e-6) / 1e9;
   // ATTND_BENCH_DEC_L2PF set: also debug 16 (whole blocks prefetched into L2),
   // a bulk-copy-engine path the tests do not run: its own process in a round.
@@ -116,11 +128,11 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
     snprintf(l2pf, sizeof l2pf, " | l2pf %7.1f", time_attend(S, &pf).us);
   }
   printf("%-34s %8.1f %7.0f %6.1f%% %6.1f%% %5d | per-item %7.1f (%d) | no-pdl %7.1f | write %5.1f | alt-copy %7.1f "
-         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f | hm %7.1f | flat %7.1f | mis %7.1f %5.1f%% | mis hm %7.1f | pv16 %7.1f %5.1f%%%s\n",
+         "| alt-ahead %7.1f | pfown %7.1f %5.1f%% | pfown per-item %7.1f | cluster %7.1f | hm %7.1f | flat %7.1f | mis %7.1f %5.1f%% | mis hm %7.1f | pv16 %7.1f %5.1f%% | step %7.1f (fused %d) | step-nofuse %7.1f%s\n",
          nm, a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us,
          pct(S.cache_bytes / (po.us * 1e-6) / 1e9, read), pi.us, cl.us, hmt.us, flt.us, alt.us,
          pct(S.cache_bytes / (alt.us * 1e-6) / 1e9, read), aht.us, pvt.us, pct(S.cache_bytes / (pvt.us * 1e-6) / 1e9, read),
-         l2pf);
+         sus, fused, snf, l2pf);
   char extra[256] = "";
   if (diag) {
     const attnd_cuda_opts_t nl = {1, 0, 0, 0}, nm2 = {2, 0, 0, 0}, nmi = {2, 2, 0, 0}, nmh = {2 | 4096, 2, 0, 0},
@@ -139,9 +151,9 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
        "\"us\": %.1f, \"GBps\": %.1f, \"pct_read\": %.1f, \"pct_copy\": %.1f, \"splits\": %d, \"us_per_item\": %.1f, "
        "\"splits_per_item\": %d, \"us_no_pdl\": %.1f, \"write_us\": %.1f, \"us_ref_copy\": %.1f, \"us_alt_ahead\": %.1f, "
        "\"us_pfown\": %.1f, \"us_pfown_per_item\": %.1f, \"us_cluster\": %.1f, \"us_hm\": %.1f, \"us_flat\": %.1f, \"us_mis\": %.1f, \"us_mis_hm\": %.1f, \"us_pv16\": %.1f, "
-       "\"bytes\": %.0f%s",
+       "\"step_us\": %.1f, \"step_fused\": %d, \"step_nofuse_us\": %.1f, \"bytes\": %.0f%s",
        a.us, gbps, pct(gbps, read), pct(gbps, copy), a.splits, b.us, b.splits, c.us, wus, r.us, l.us, po.us, pi.us,
-       cl.us, hmt.us, flt.us, alt.us, aht.us, pvt.us, S.cache_bytes, extra);
+       cl.us, hmt.us, flt.us, alt.us, aht.us, pvt.us, sus, fused, snf, S.cache_bytes, extra);
   return pct(gbps, read);
 }
 
@@ -241,8 +253,13 @@ void rows_uneven(double copy, double read) {
 struct SmallSeq {
   std::vector<Setup> S;
   cudaStream_t st;
+  bool step = false; // attnd_cuda_step (the fused launch where it applies)
   void run(int i, const attnd_cuda_opts_t *o) {
     Setup &x = S[i % S.size()];
+    if (step) {
+      CKA(attnd_cuda_step_opts(&x.s, &x.b, x.ws, x.ws_bytes, st, o));
+      return;
+    }
     CKA(attnd_cuda_write_opts(&x.s, &x.b, st, o));
     CKA(attnd_cuda_attend_opts(&x.s, &x.b, x.ws, x.ws_bytes, st, o));
   }
@@ -300,11 +317,18 @@ void rows_small(double read) {
   struct V {
     const char *name;
     attnd_cuda_opts_t o;
+    bool step;
   } vs[] = {{"flat8", {0, 1, 8, 0}},   {"flat4", {0, 1, 4, 0}},   {"flat16", {0, 1, 16, 0}},
             {"flat32", {0, 1, 32, 0}}, {"peritem", {0, 2, 0, 0}}, {"flat8_nopdl", {0, 1, 8, 1}},
             {"item16", {0, 2, 16, 0}}, {"item32", {0, 2, 32, 0}}, {"item64", {0, 2, 64, 0}},
             {"default", {0, 0, 0, 0}},
-            {"cluster", {256, 2, 0, 0}}, {"cluster_i32", {256, 2, 32, 0}}, {"cluster_auto", {256, 0, 0, 0}}};
+            {"cluster", {256, 2, 0, 0}}, {"cluster_i32", {256, 2, 32, 0}}, {"cluster_auto", {256, 0, 0, 0}},
+            // attnd_cuda_step: the fused launch (write inside the decode kernel, parts merged in
+            // clusters) with its own plan, then with fewer and longer parts, and the step unfused.
+            {"step", {0, 0, 0, 0}, true},           {"step_i32", {256, 2, 32, 0}, true},
+            {"step_i64", {256, 2, 64, 0}, true},    {"step_i8", {256, 2, 8, 0}, true},
+            {"step_nofuse", {}, true}};
+  vs[sizeof vs / sizeof vs[0] - 1].o.no_fuse = 1;
   printf("\n%-30s %8s %8s %8s   (us of device time per layer step: write + attention + merge)\n",
          "small batches, ctx 4096", "single", "graph", "floor");
   for (int B : Bs)
@@ -341,6 +365,9 @@ void rows_small(double read) {
         if (getenv("ATTND_BENCH_SMALL_ALONE"))
           break;
         float su, gu;
+        q.step = v.step;
+        if (v.step && v.o.no_fuse == 0 && !attnd_cuda_step_fused(&q.S[0].s, &q.S[0].b, q.S[0].ws_bytes, &v.o))
+          printf("%-22s %-12s (not fused: write kernel, then attention)\n", nm, v.name);
         time_small(q, &v.o, &su, &gu);
         printf("%-22s %-12s %8.1f %8.1f %8.1f\n", nm, v.name, su, gu, floor_us);
         char buf[160];

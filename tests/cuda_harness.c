@@ -189,6 +189,7 @@ static int do_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws,
 
 int g_ab_checks, g_ab_differ;
 double g_ab_worst, g_ab_worst_short;
+int g_step_cases, g_step_fused;
 
 #ifndef ATTND_HARNESS_OLD_API
 
@@ -673,17 +674,35 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
   b.kv_sum = ksum;
   variants |= o->window > 0 || o->sinks;
 #endif
-  int rc = do_write(s, &b, o);
-  if (rc)
-    fail_msg("write: %d %s", rc, attnd_cuda_last_error());
+  int rc;
+  res->fused = 0;
 #ifndef ATTND_HARNESS_OLD_API
   res->splits = attnd_cuda_attend_splits_opts(s, &b, ws_bytes, o->opts);
+  if (o->step && !getenv("ATTND_GPU_TEST_SM90_SCHED")) {
+    /* Both phases in one call: the fused launch where the batch allows it. */
+    res->fused = attnd_cuda_step_fused(s, &b, ws_bytes, o->opts);
+    g_step_cases++;
+    g_step_fused += res->fused;
+    rc = attnd_cuda_step_opts(s, &b, d_ws, ws_bytes, NULL, o->opts);
+    if (rc)
+      fail_msg("step: %d %s", rc, attnd_cuda_last_error());
+  } else {
+    rc = do_write(s, &b, o);
+    if (rc)
+      fail_msg("write: %d %s", rc, attnd_cuda_last_error());
+    rc = do_attend(s, &b, d_ws, ws_bytes, o);
+    if (rc)
+      fail_msg("attend: %d %s", rc, attnd_cuda_last_error());
+  }
 #else
+  rc = do_write(s, &b, o);
+  if (rc)
+    fail_msg("write: %d %s", rc, attnd_cuda_last_error());
   res->splits = attnd_cuda_attend_splits(s, &b, ws_bytes);
-#endif
   rc = do_attend(s, &b, d_ws, ws_bytes, o);
   if (rc)
     fail_msg("attend: %d %s", rc, attnd_cuda_last_error());
+#endif
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpy(out, d_out, out_bytes, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(lse, d_lse, sizeof(float) * Tq * QH, cudaMemcpyDeviceToHost));

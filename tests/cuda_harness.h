@@ -47,6 +47,8 @@ typedef struct {
   int window;          /* attnd_kbatch_t.window: 0 full layer, else the sliding window */
   const float *sinks;  /* host [q_heads] sink logits, or NULL */
   unsigned sink_items; /* bit i: item i has ATTND_ITEM_SINK */
+  int step;            /* both phases through attnd_cuda_step (the fused launch where
+                        * it applies) instead of attnd_cuda_write, then attend */
 #endif
 } case_opts_t;
 
@@ -54,6 +56,7 @@ typedef struct {
   double cuda_err, cpu_err; /* worst rel L2 over the case's items */
   double worst_ratio;       /* worst over items of cuda_err / (2 cpu_err + floor): > 1 fails */
   int splits;               /* attnd_cuda_attend_splits of the step */
+  int fused;                /* the step ran as the fused launch (case_opts_t.step) */
 } case_result_t;
 
 extern uint64_t g_rng;
@@ -65,6 +68,7 @@ extern int g_hit_asked; /* cases that asked for the prefix-hit check (out_fp32, 
  * (0 would mean both runs took the same kernel), worst rel L2 for items of >= 8
  * rows (ATTND_TOL_AB_ROWS) and of fewer (ATTND_TOL_AB_SHORT). */
 extern int g_ab_checks, g_ab_differ;
+extern int g_step_cases, g_step_fused; /* cases run with case_opts_t.step, and those fused */
 extern double g_ab_worst, g_ab_worst_short;
 
 int harness_rnd(int n);

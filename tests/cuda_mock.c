@@ -340,6 +340,15 @@ int attnd_cuda_attend_splits(const attnd_kshape_t *s, const attnd_kbatch_t *b,
   return 1;
 }
 
+/* The step: both phases queued in order (the mock never fuses). */
+int attnd_cuda_step(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
+                    size_t workspace_bytes, void *stream) {
+  int rc = attnd_cuda_write(s, b, stream);
+  if (rc != 0 || b->total_q <= 0)
+    return rc;
+  return attnd_cuda_attend(s, b, workspace, workspace_bytes, stream);
+}
+
 /* Same-host zero-copy: "device" memory is host memory, so a mock handle is
  * simply the address, in the handle's first 8 bytes (the test registers
  * its own memory), and the allocation's size in the next 8 (0: 1 GiB). A

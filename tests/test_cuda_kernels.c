@@ -75,7 +75,8 @@ static double case_run(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int
                    .per_channel = per_channel,
                    .check_hit = 1,
                    .check_ab = 1,
-                   .opts = &k_opts[ncase % N_OPTS]};
+                   .opts = &k_opts[ncase % N_OPTS],
+                   .step = ((ncase / N_OPTS) & 1) == 0};
   case_result_t r;
   run_case(s, ncase, ti, nitems, &o, &r);
   return r.cuda_err;
@@ -177,7 +178,7 @@ static void test_decode_matrix(void **state) {
   static const int dims[3] = {64, 128, 256}, bss[4] = {16, 32, 64, 128}, groups[4] = {1, 4, 8, 16};
   static const int masks[5] = {ATTND_MASK_CAUSAL, ATTND_MASK_INTERVALS, ATTND_MASK_SLIDING,
                                ATTND_MASK_PREFIX_LM, ATTND_MASK_FULL};
-  const int pw = pairwise_mode();
+  const int pw = pairwise_mode(), fused0 = g_step_fused;
   int ncase = 0;
   for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
     for (int di = 0; di < 3; di++)
@@ -220,6 +221,9 @@ static void test_decode_matrix(void **state) {
         record(s.kv, e);
         ncase++;
       }
+  /* Half the cases step through attnd_cuda_step: its fused launch must have run. */
+  if (!pw)
+    assert_true(g_step_fused > fused0);
 }
 
 /* Prefill-shaped batches, the Hopper path's cases (prefill_sm90.cuh): chunked
@@ -517,6 +521,7 @@ static void test_variants_matrix(void **state) {
                          .check_hit = 1,
                          .check_ab = 1,
                          .opts = &k_opts[ncase % 5],
+                         .step = ncase & 1,
                          .window = window,
                          .sinks = sk,
                          .sink_items = ncase % 3 == 1 ? 0x5u : 0xfu};
@@ -525,6 +530,231 @@ static void test_variants_matrix(void **state) {
         record(s.kv, r.cuda_err);
         ncase++;
       }
+}
+
+/* ---- the fused step (attnd_cuda_step) ----------------------------------- */
+
+#define CKS(call)                                                                                  \
+  do {                                                                                             \
+    cudaError_t e_ = (call);                                                                       \
+    if (e_ != cudaSuccess)                                                                         \
+      fail_msg("%s:%d %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                 \
+  } while (0)
+
+static void *dev_rand(attnd_dtype_t dt, size_t n, double mag) {
+  void *h = malloc(2 * n + 16), *d = NULL;
+  for (size_t i = 0; i < n; i++)
+    oracle_to_dtype(dt, h, i, mag * ((double)(oracle_rng_next(&g_rng) >> 11) * 0x1p-53 * 2.0 - 1.0));
+  CKS(cudaMalloc(&d, 2 * n + 16));
+  CKS(cudaMemcpy(d, h, 2 * n, cudaMemcpyHostToDevice));
+  free(h);
+  return d;
+}
+
+static void *dev_floats(size_t n, double lo, double hi, int integer) {
+  float *h = malloc(sizeof(float) * n + 16);
+  void *d = NULL;
+  for (size_t i = 0; i < n; i++) {
+    const double u = (double)(oracle_rng_next(&g_rng) >> 11) * 0x1p-53;
+    h[i] = (float)(integer ? floor(lo + u * (hi - lo)) : lo + u * (hi - lo));
+  }
+  CKS(cudaMalloc(&d, sizeof(float) * n + 16));
+  CKS(cudaMemcpy(d, h, sizeof(float) * n, cudaMemcpyHostToDevice));
+  free(h);
+  return d;
+}
+
+static int bytes_equal(const void *da, const void *db, size_t n) {
+  uint8_t *a = malloc(n + 1), *b = malloc(n + 1);
+  CKS(cudaMemcpy(a, da, n, cudaMemcpyDeviceToHost));
+  CKS(cudaMemcpy(b, db, n, cudaMemcpyDeviceToHost));
+  const int eq = memcmp(a, b, n) == 0;
+  free(a);
+  free(b);
+  return eq;
+}
+
+/* attnd_cuda_step's fused launch against attnd_cuda_write followed by
+ * attnd_cuda_attend under the same launch options (a per-item plan it keeps:
+ * parts merged in clusters, or one part per (item, kv head)), from the same
+ * cache over histories an earlier write-only batch wrote: q (rotated in
+ * place), the whole cache, out and lse must come out equal bit for bit, over
+ * every cache type x head dim, GQA 1/4/8/16, block sizes 16-128, RoPE kinds,
+ * partial rotary dims, split-context positions and a rewrite of an item's
+ * last token. Every case must have run fused (and not with no_fuse), so a
+ * fused path that stopped applying fails here. */
+static void test_step_fused(void **state) {
+  (void)state;
+  if (skip_without_gpu() || unselected("test_step_fused")) {
+    skip();
+    return;
+  }
+  static const int dims[3] = {64, 128, 256}, bss[4] = {16, 32, 64, 128}, groups[4] = {1, 4, 8, 16};
+  const int pw = pairwise_mode();
+  int ncase = 0, nfused = 0;
+  for (int kv = 0; kv < ATTND_KV_COUNT_; kv++)
+    for (int di = 0; di < 3; di++)
+      for (int r = 0; r < 2; r++) {
+        if (pw && (kv + di + r) % 3 != 0)
+          continue;
+        const int bi = (kv + di + 2 * r) % 4, G = groups[(kv + 2 * di + r) % 4];
+        attnd_kshape_t s = {.kv_heads = G >= 8 ? 1 : 2,
+                            .head_dim = dims[di],
+                            .block_size = bss[bi],
+                            .dtype = (ncase & 1) ? ATTND_DT_FP16 : ATTND_DT_BF16,
+                            .kv = (attnd_kv_type_t)kv,
+                            .rope = (attnd_rope_t)(ncase % 3),
+                            .rope_theta = 10000.0,
+                            .rotary_dim = ncase % 4 == 3 ? dims[di] / 2 : 0};
+        s.q_heads = s.kv_heads * G;
+        s.softmax_scale = (float)(1.0 / sqrt((double)s.head_dim));
+        const int D = s.head_dim, KVH = s.kv_heads, QH = s.q_heads, bs = s.block_size;
+        const int nitems = 1 + ncase % 3;
+        attnd_kitem_t hist_items[3], items[3];
+        int nblk = 0, T = 0, H = 0, maxl = 0, maxn = 0;
+        int start[3], n[3];
+        for (int i = 0; i < nitems; i++) {
+          start[i] = 20 + harness_rnd(i == 0 ? 1200 : 400);
+          n[i] = 1 + harness_rnd(16 / G);
+          if (i == 1 && ncase % 2 == 0)
+            start[i]--; /* a rewrite of the last cached token */
+          nblk += (start[i] + n[i] + bs - 1) / bs;
+        }
+        int32_t *meta = malloc(sizeof(int32_t) * (nblk + 16));
+        int *perm = malloc(sizeof(int) * (nblk + 1));
+        for (int b = 0; b < nblk; b++)
+          perm[b] = b;
+        for (int b = nblk - 1; b > 0; b--) {
+          const int j = harness_rnd(b + 1), t = perm[b];
+          perm[b] = perm[j];
+          perm[j] = t;
+        }
+        int moff = 0;
+        for (int i = 0; i < nitems; i++) {
+          const int hist = start[i] + (i == 1 && ncase % 2 == 0 ? 1 : 0);
+          const int nb = (start[i] + n[i] + bs - 1) / bs;
+          for (int b = 0; b < nb; b++)
+            meta[moff + b] = perm[moff + b];
+          hist_items[i] = (attnd_kitem_t){.start = 0, .n = hist, .q_row = -1, .kv_row = H,
+                                          .mask_kind = ATTND_MASK_CAUSAL, .block_table = moff};
+          items[i] = (attnd_kitem_t){.start = start[i], .n = n[i], .q_row = T, .kv_row = T,
+                                     .mask_kind = (ncase + i) % 4 == 1 ? ATTND_MASK_FULL : ATTND_MASK_CAUSAL,
+                                     .block_table = moff,
+                                     .pos_base = ncase % 5 == 4 ? 1000 : 0};
+          H += hist;
+          T += n[i];
+          moff += nb;
+          if (start[i] + n[i] > maxl)
+            maxl = start[i] + n[i];
+          if (n[i] > maxn)
+            maxn = n[i];
+        }
+        const size_t bb = attnd_kv_block_bytes(&s), cache_bytes = bb * (size_t)nblk;
+        const int per_channel = kv == ATTND_KV_INT4 || (ncase & 2);
+        const size_t nsc = per_channel ? (size_t)KVH * D : (size_t)KVH;
+        void *d_sc[4] = {NULL, NULL, NULL, NULL};
+        if (attnd_kv_type_static((attnd_kv_type_t)kv)) {
+          const double lo = kv == ATTND_KV_INT4 ? 0.2 : 0.01, hi = kv == ATTND_KV_INT4 ? 0.4 : 0.03;
+          d_sc[0] = dev_floats(nsc, lo, hi, 0);
+          d_sc[1] = dev_floats(nsc, lo, hi, 0);
+          if (kv == ATTND_KV_INT4) {
+            d_sc[2] = dev_floats(nsc, 4.0, 12.0, 1);
+            d_sc[3] = dev_floats(nsc, 4.0, 12.0, 1);
+          }
+        }
+        void *d_meta = NULL, *d_hitems = NULL, *d_items = NULL, *cache[2] = {NULL, NULL};
+        CKS(cudaMalloc(&d_meta, sizeof(int32_t) * (moff + 1)));
+        CKS(cudaMemcpy(d_meta, meta, sizeof(int32_t) * moff, cudaMemcpyHostToDevice));
+        CKS(cudaMalloc(&d_hitems, sizeof(attnd_kitem_t) * nitems));
+        CKS(cudaMemcpy(d_hitems, hist_items, sizeof(attnd_kitem_t) * nitems, cudaMemcpyHostToDevice));
+        CKS(cudaMalloc(&d_items, sizeof(attnd_kitem_t) * nitems));
+        CKS(cudaMemcpy(d_items, items, sizeof(attnd_kitem_t) * nitems, cudaMemcpyHostToDevice));
+        for (int c = 0; c < 2; c++)
+          CKS(cudaMalloc(&cache[c], cache_bytes));
+        CKS(cudaMemset(cache[0], 0, cache_bytes));
+        /* The histories, by the write kernel. */
+        void *hk = dev_rand(s.dtype, (size_t)H * KVH * D, 2.0), *hv = dev_rand(s.dtype, (size_t)H * KVH * D, 2.0);
+        attnd_kbatch_t hb = {.items = d_hitems, .nitems = nitems, .meta = d_meta, .total_kv = H,
+                             .max_kv_len = maxl, .max_n = maxl, .k = hk, .v = hv, .cache = cache[0],
+                             .block_bytes = bb, .k_scale = d_sc[0], .v_scale = d_sc[1], .k_zero = d_sc[2],
+                             .v_zero = d_sc[3], .scale_per_channel = per_channel};
+        assert_int_equal(attnd_cuda_write(&s, &hb, NULL), 0);
+        CKS(cudaMemcpy(cache[1], cache[0], cache_bytes, cudaMemcpyDeviceToDevice));
+        void *q[2], *out[2], *lse[2];
+        q[0] = dev_rand(s.dtype, (size_t)T * QH * D, 2.0);
+        CKS(cudaMalloc(&q[1], 2 * (size_t)T * QH * D));
+        CKS(cudaMemcpy(q[1], q[0], 2 * (size_t)T * QH * D, cudaMemcpyDeviceToDevice));
+        void *k = dev_rand(s.dtype, (size_t)T * KVH * D, 2.0), *v = dev_rand(s.dtype, (size_t)T * KVH * D, 2.0);
+        const int out32 = ncase % 3 == 2;
+        const size_t ob = (out32 ? 4 : 2) * (size_t)T * QH * D;
+        for (int c = 0; c < 2; c++) {
+          CKS(cudaMalloc(&out[c], ob));
+          CKS(cudaMalloc(&lse[c], sizeof(float) * T * QH));
+          CKS(cudaMemset(out[c], 0xff, ob));
+          CKS(cudaMemset(lse[c], 0xff, sizeof(float) * T * QH));
+        }
+        const size_t ws_bytes = attnd_cuda_attend_workspace(&s, T);
+        void *ws = NULL;
+        CKS(cudaMalloc(&ws, ws_bytes));
+        /* Parts merged in clusters (2 chunks a part at least: many parts), or
+         * one part per (item, kv head). */
+        const attnd_cuda_opts_t o = ncase % 2 ? (attnd_cuda_opts_t){.split = 2, .min_chunks = 4096}
+                                              : (attnd_cuda_opts_t){.split = 2, .min_chunks = 2, .debug = 256};
+        attnd_cuda_opts_t nf = o;
+        nf.no_fuse = 1;
+        attnd_kbatch_t b[2];
+        for (int c = 0; c < 2; c++)
+          b[c] = (attnd_kbatch_t){.items = d_items, .nitems = nitems, .meta = d_meta, .total_q = T,
+                                  .total_kv = T, .max_kv_len = maxl, .max_n = maxn, .q = q[c], .k = k,
+                                  .v = v, .out = out[c], .out_fp32 = out32, .lse = lse[c],
+                                  .cache = cache[c], .block_bytes = bb, .k_scale = d_sc[0],
+                                  .v_scale = d_sc[1], .k_zero = d_sc[2], .v_zero = d_sc[3],
+                                  .scale_per_channel = per_channel};
+        assert_int_equal(attnd_cuda_step_fused(&s, &b[1], ws_bytes, &nf), 0);
+        const int fused = attnd_cuda_step_fused(&s, &b[1], ws_bytes, &o);
+        if (!fused)
+          fail_msg("step case %d kv %s D %d G %d bs %d: not fused", ncase, attnd_kv_type_name(kv), D, G, bs);
+        nfused += fused;
+        int rc = attnd_cuda_write_opts(&s, &b[0], NULL, &o);
+        if (rc == 0)
+          rc = attnd_cuda_attend_opts(&s, &b[0], ws, ws_bytes, NULL, &o);
+        assert_int_equal(rc, 0);
+        CKS(cudaDeviceSynchronize());
+        rc = attnd_cuda_step_opts(&s, &b[1], ws, ws_bytes, NULL, &o);
+        if (rc)
+          fail_msg("step case %d: %d %s", ncase, rc, attnd_cuda_last_error());
+        CKS(cudaDeviceSynchronize());
+        const char *what = !bytes_equal(cache[0], cache[1], cache_bytes)          ? "cache"
+                           : !bytes_equal(q[0], q[1], 2 * (size_t)T * QH * D)      ? "q"
+                           : !bytes_equal(out[0], out[1], ob)                       ? "out"
+                           : !bytes_equal(lse[0], lse[1], sizeof(float) * T * QH) ? "lse"
+                                                                                    : NULL;
+        if (what)
+          fail_msg("step case %d kv %s D %d G %d bs %d rope %d items %d (%s): fused %s differs from write + "
+                   "attend",
+                   ncase, attnd_kv_type_name(kv), D, G, bs, (int)s.rope, nitems,
+                   ncase % 2 ? "one part" : "clusters", what);
+        for (int c = 0; c < 2; c++) {
+          cudaFree(cache[c]);
+          cudaFree(q[c]);
+          cudaFree(out[c]);
+          cudaFree(lse[c]);
+        }
+        for (int j = 0; j < 4; j++)
+          cudaFree(d_sc[j]);
+        cudaFree(ws);
+        cudaFree(k);
+        cudaFree(v);
+        cudaFree(hk);
+        cudaFree(hv);
+        cudaFree(d_meta);
+        cudaFree(d_hitems);
+        cudaFree(d_items);
+        free(meta);
+        free(perm);
+        ncase++;
+      }
+  print_message("fused step vs write + attend: %d cases, %d fused, every byte equal\n", ncase, nfused);
 }
 
 static void test_report(void **state) {
@@ -540,6 +770,7 @@ static void test_report(void **state) {
    * matrix alone, e.g. long histories with bf16 outputs, may ask for none). */
   if (g_hit_asked > 0)
     assert_true(g_hit_checks > 0);
+  print_message("steps through attnd_cuda_step: %d cases, %d of them fused\n", g_step_cases, g_step_fused);
   print_message("Hopper path vs tiled kernel (A/B, fp32 out): %d batches, %d with differing bits, "
                 "worst rel L2 %.3e (items >= 8 rows, bound %.1e), %.3e (shorter, bound %.0e)\n",
                 g_ab_checks, g_ab_differ, g_ab_worst, ATTND_TOL_AB_ROWS, g_ab_worst_short,
@@ -579,7 +810,7 @@ int main(void) {
       cmocka_unit_test(test_device_count), cmocka_unit_test(test_prefill_matrix),
       cmocka_unit_test(test_matrix),       cmocka_unit_test(test_decode_matrix),
       cmocka_unit_test(test_long_history), cmocka_unit_test(test_even_decode),
-      cmocka_unit_test(test_variants_matrix),
+      cmocka_unit_test(test_variants_matrix), cmocka_unit_test(test_step_fused),
       cmocka_unit_test(test_report),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

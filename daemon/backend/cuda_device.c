@@ -26,7 +26,7 @@
  * fit CU_STAGE_MIN is copied once (one memcpy each) into a pinned buffer of
  * a pool made at start (two per stream; with all out, jobs wait in
  * submission order for one to come back), one H2D copy moves it to the
- * stream's device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H
+ * stream's device buffer, then attnd_cuda_step (write, attention), one D2H
  * copy of out (+ lse) back into the pinned buffer, and the completion. A
  * larger step goes through the ring in chunks (cuda_ring.c), its copies on
  * two copy streams per layer stream beside the kernels; one that cannot be

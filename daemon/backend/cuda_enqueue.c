@@ -5,7 +5,7 @@
  * submission order), its small unordered ones on the priority twin of that
  * stream; different layers overlap on different streams. A STEP: items and meta (and, for small
  * steps, q, k and v) are copied into a pinned buffer, one H2D copy moves everything to the stream's
- * device buffer, then attnd_cuda_write, attnd_cuda_attend, one D2H copy of out (+ lse) and the
+ * device buffer, then attnd_cuda_step (the write, the attention), one D2H copy of out (+ lse) and the
  * completion marker (cuda_complete.c); with --cuda-graphs, a small step's sequence is captured
  * and goes as one graph launch (cuda_graph.c). A COPY is one D2D cudaMemcpyAsync per block pair
  * within the layer's pool, a SCALES job one H2D copy into the layer's scales. Nothing here waits
@@ -197,13 +197,8 @@ static void enqueue_kernels(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db, u
   attnd_job_t *job = r->job;
   const attnd_kshape_t *s = &be->base.shape;
   cu_stream_t *cs = &be->streams[r->stream];
-  int rc = attnd_cuda_write(s, db, cs->st);
-  if (rc) {
-    attnd_cu_run_fail_kernel(r, rc);
-    return;
-  }
-  attnd_cu_trace_mark(r, 2, cs->st);
   int attend = db->total_q > 0 && job->out_bytes;
+  int rc;
   if (attend) {
     /* The workspace made at start serves every step (it never grows while
      * serving), but for the one-shot path's, which allocates anyway. */
@@ -215,11 +210,22 @@ static void enqueue_kernels(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db, u
       /* The workspace only speeds up long contexts: run without it. */
       cudaGetLastError();
     }
-    rc = attnd_cuda_attend(s, db, cs->ws, cs->ws ? cs->wcap : 0, cs->st);
+    /* Both phases: a decode step as one fused launch where it can be
+     * (attnd_cuda_step); cuda_trace's kwrite phase is then empty and the
+     * write is inside attend. */
+    attnd_cu_trace_mark(r, 2, cs->st);
+    rc = attnd_cuda_step(s, db, cs->ws, cs->ws ? cs->wcap : 0, cs->st);
     if (rc) {
       attnd_cu_run_fail_kernel(r, rc);
       return;
     }
+  } else {
+    rc = attnd_cuda_write(s, db, cs->st);
+    if (rc) {
+      attnd_cu_run_fail_kernel(r, rc);
+      return;
+    }
+    attnd_cu_trace_mark(r, 2, cs->st);
   }
   attnd_cu_trace_mark(r, 3, cs->st);
   if (job->device_io) {

@@ -20,7 +20,7 @@
  * that is the backend's pinned memory (backend.h inputs_pinned; consecutive
  * pieces' rows in one copy), else through the host slot, which a host
  * function on that stream fills from the engine's memory first; on the
- * layer's stream, attnd_cuda_write and attnd_cuda_attend; on the copy
+ * layer's stream, attnd_cuda_step (write and attention); on the copy
  * stream d2h, its out rows come back, by DMA straight into a pinned output
  * buffer (outputs_pinned; lse rows through the host slot, copied at the
  * chunk's completion), else through the host slot and a second host
@@ -280,17 +280,13 @@ static void enqueue_chunk(cu_backend_t *be, cu_run_t *r, int slot) {
   db.v = dp + ch->off_v;
   db.out = attend ? dp + ch->off_out : NULL;
   db.lse = attend && r->plan->lrow ? (float *)(dp + ch->off_lse) : NULL;
-  int rc = attnd_cuda_write(s, &db, ks);
+  /* Both phases (attnd_cuda_step: one fused launch for a decode chunk where
+   * it can be), or the write alone. */
+  int rc = attend ? attnd_cuda_step(s, &db, cs->ws, cs->ws ? cs->wcap : 0, ks)
+                  : attnd_cuda_write(s, &db, ks);
   if (rc) {
     attnd_cu_run_fail_kernel(c, rc);
     goto enqueued;
-  }
-  if (attend) {
-    rc = attnd_cuda_attend(s, &db, cs->ws, cs->ws ? cs->wcap : 0, ks);
-    if (rc) {
-      attnd_cu_run_fail_kernel(c, rc);
-      goto enqueued;
-    }
   }
   RUN_CU(c, join(be, &ch->ev_k, ks, ds));
   at = 2;

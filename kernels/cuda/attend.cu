@@ -98,6 +98,52 @@ int launch_tiled(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspa
   return 0;
 }
 
+// The fused step (attnd_cuda_step): a decode batch whose every item has q
+// and new k/v rows (no write-only or attend-only items), under a per-item
+// plan of one part per (item, kv head) or of clusters; *fo: the options it
+// launches with. The plan is the batch's own where it is one; else (the flat
+// split, or parts the merge kernel would merge: several CTAs reading an
+// item's q with no point at which all have) the per-item split merged in
+// clusters of parts of at least 32 chunks (512 keys), where its CTAs are at
+// most one per SM: clusters over a fuller GPU ran 20-40% slower than the
+// flat split (B8 ctx 4096, bench/RESULTS.md). The rest run the write
+// kernel, then the attention.
+bool plan_fused(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,
+                attnd_cuda_opts_t *fo) {
+  if (o.no_fuse || o.split == 1 || !is_decode(s, b) || b->q_only_rows != 0 || b->total_kv <= 0 ||
+      b->total_q != b->total_kv || !b->k || !b->v || !b->out)
+    return false;
+  DecodePlan pl;
+  *fo = o;
+  plan_decode(s, b, ws_bytes, *fo, &pl);
+  if (!pl.flat && (pl.nsplit == 1 || pl.cluster > 1))
+    return true;
+  fo->split = 2;
+  fo->debug |= 256;
+  if (fo->min_chunks <= 0)
+    fo->min_chunks = 32;
+  plan_decode(s, b, ws_bytes, *fo, &pl);
+  return !pl.flat &&
+         (pl.nsplit == 1 || (pl.cluster > 1 && (long)b->nitems * s->kv_heads * pl.nsplit <= (long)num_sms()));
+}
+
+// attnd_cuda_attend's checks of a batch with q rows.
+int attend_check(const attnd_kshape_t *s, const attnd_kbatch_t *b) {
+  if (attnd_kshape_check(s) != 0)
+    return set_invalid(__FILE__, __LINE__, "unsupported shape");
+  if (!b->cache || !b->items || !b->meta || !b->q || !b->out)
+    return set_invalid(__FILE__, __LINE__, "batch without cache, items, meta, q or out");
+  if (attnd_kv_type_static(s->kv) && (!b->k_scale || !b->v_scale))
+    return set_invalid(__FILE__, __LINE__, "static cache type without scales");
+  if (s->kv == ATTND_KV_INT4 && (!b->k_zero || !b->v_zero))
+    return set_invalid(__FILE__, __LINE__, "int4 cache without zero points");
+  if (b->window < 0)
+    return set_invalid(__FILE__, __LINE__, "negative window");
+  if (!(s->softcap >= 0.f) || isinf(s->softcap))
+    return set_invalid(__FILE__, __LINE__, "softcap not a finite value >= 0");
+  return 0;
+}
+
 } // namespace
 } // namespace attnd
 
@@ -127,16 +173,9 @@ extern "C" int attnd_cuda_attend_opts(const attnd_kshape_t *s, const attnd_kbatc
     return set_invalid(__FILE__, __LINE__, "unsupported shape");
   if (b->total_q <= 0 || b->nitems <= 0 || b->max_n <= 0)
     return 0;
-  if (!b->cache || !b->items || !b->meta || !b->q || !b->out)
-    return set_invalid(__FILE__, __LINE__, "batch without cache, items, meta, q or out");
-  if (attnd_kv_type_static(s->kv) && (!b->k_scale || !b->v_scale))
-    return set_invalid(__FILE__, __LINE__, "static cache type without scales");
-  if (s->kv == ATTND_KV_INT4 && (!b->k_zero || !b->v_zero))
-    return set_invalid(__FILE__, __LINE__, "int4 cache without zero points");
-  if (b->window < 0)
-    return set_invalid(__FILE__, __LINE__, "negative window");
-  if (!(s->softcap >= 0.f) || isinf(s->softcap))
-    return set_invalid(__FILE__, __LINE__, "softcap not a finite value >= 0");
+  const int rc = attend_check(s, b);
+  if (rc != 0)
+    return rc;
   const attnd_cuda_opts_t &o = opts ? *opts : k_default_opts;
   cudaStream_t st = (cudaStream_t)stream;
   if (!workspace)
@@ -149,4 +188,45 @@ extern "C" int attnd_cuda_attend_opts(const attnd_kshape_t *s, const attnd_kbatc
 extern "C" int attnd_cuda_attend(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
                                  size_t workspace_bytes, void *stream) {
   return attnd_cuda_attend_opts(s, b, workspace, workspace_bytes, stream, nullptr);
+}
+
+extern "C" int attnd_cuda_step_fused(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t workspace_bytes,
+                                     const attnd_cuda_opts_t *opts) {
+  attnd_cuda_opts_t fo;
+  if (attnd_kshape_check(s) != 0 || b->total_q <= 0 || b->nitems <= 0 || b->max_n <= 0)
+    return 0;
+  return plan_fused(s, b, workspace_bytes, opts ? *opts : k_default_opts, &fo) ? 1 : 0;
+}
+
+extern "C" int attnd_cuda_step_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
+                                    size_t workspace_bytes, void *stream, const attnd_cuda_opts_t *opts) {
+  if (attnd_kshape_check(s) != 0)
+    return set_invalid(__FILE__, __LINE__, "unsupported shape");
+  if (!workspace)
+    workspace_bytes = 0;
+  const bool attend = b->total_q > 0 && b->nitems > 0 && b->max_n > 0;
+  if (attend) {
+    // Every check of both phases before anything is enqueued: a batch the
+    // attention refuses changes nothing.
+    int rc = attend_check(s, b);
+    if (rc != 0)
+      return rc;
+    attnd_cuda_opts_t fo;
+    if (plan_fused(s, b, workspace_bytes, opts ? *opts : k_default_opts, &fo)) {
+      if (!b->cache || !b->items || !b->meta)
+        return set_invalid(__FILE__, __LINE__, "batch without cache, items or meta");
+      rc = launch_decode(s, b, workspace, workspace_bytes, fo, (cudaStream_t)stream, true);
+      if (rc != kDecNotFused)
+        return rc;
+    }
+  }
+  int rc = attnd_cuda_write_opts(s, b, stream, opts);
+  if (rc != 0 || !attend)
+    return rc;
+  return attnd_cuda_attend_opts(s, b, workspace, workspace_bytes, stream, opts);
+}
+
+extern "C" int attnd_cuda_step(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
+                               size_t workspace_bytes, void *stream) {
+  return attnd_cuda_step_opts(s, b, workspace, workspace_bytes, stream, nullptr);
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "tiled_params.cuh"
+#include "write_row.cuh"
 
 namespace attnd {
 
@@ -64,6 +65,17 @@ struct DecodeParams {
                        // (split_plan.cu, launch_decode);
                        // 32768 the dynamic types under bf16 activations
                        // take P V in fp16 (Dec::kPv16, a kernel of its own: launch_decode_one)
+  // The fused step (attnd_cuda_step, decode_kernel.cuh): phase 1 inside the
+  // attention launch. fuse = 1 only with the per-item split, one part per
+  // (item, kv head) or the parts of one cluster. The CTA whose keys hold an
+  // item's new token writes that token's k and v rows of its kv head
+  // (write_row.cuh) before it reads them; every CTA rotates its q as it loads
+  // it, and part 0 writes the rotated q back in place once its cluster has
+  // read it, so that q, the cache, out and lse come out as the write kernel
+  // followed by this kernel would leave them, bit for bit.
+  int fuse;
+  const void *k, *v;   // [T][kv_heads][D] the step's new rows (fuse)
+  RopeParams rp;       // fuse
 };
 
 // Offsets in the workspace of the flat split.
@@ -115,8 +127,12 @@ struct DecodePlan {
 };
 int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,
                 DecodePlan *pl);
+// fuse: the fused step (DecodeParams.fuse) under a plan that allows it
+// (attend.cu, plan_fused); returns kDecNotFused, having launched nothing,
+// where the cluster launch is refused.
+constexpr int kDecNotFused = 1;
 int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, size_t ws_bytes,
-                  const attnd_cuda_opts_t &o, cudaStream_t st);
+                  const attnd_cuda_opts_t &o, cudaStream_t st, bool fuse = false);
 size_t flat_workspace_bytes(int nctas, int max_vec, int d, int nitems);
 
 // Enqueues the merge of the partial states into p.out and p.lse.

@@ -175,9 +175,17 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
   // Model kv heads, never the held count: a head shard plans as its model.
   constexpr long kFlatSpan = 4096;
   const bool small_batch = (long)b->nitems * attnd_kshape_model_kv_heads(s) <= (long)num_sms();
+  // The rows form (9-16 query vectors an item: GQA 16, or GQA 4 with 3-4
+  // tokens) runs 3 CTAs an SM; where the per-item plan splits a batch that is
+  // not small over at most kFlatSpan keys, its parts come in several waves
+  // and a merge: the flat split's one wave ran 15-20% faster there (GQA 16,
+  // B64 ctx 4096 on the H100: int8 272.7 vs 340.6 us, int8_dynamic 271.9 vs
+  // 327.8, fp8_dynamic 266.2 vs 324.2, int4 262.4 vs 304.1; bench/RESULTS.md),
+  // so that case takes the flat split. The transposed form keeps the per-item
+  // split there (B64 ctx 4096 bf16: 2 parts, 92-93% of the read roof).
   if (o.split == 0) {
     pl->nsplit = plan_splits(s, b, ws_bytes, occ, kDecMaxVec, &pl->split_keys, cl_keys > 2 * kBN ? cl_keys : 2 * kBN);
-    if (pl->nsplit > 1 && (span > kFlatSpan || !small_batch)) {
+    if (pl->nsplit > 1 && (span > kFlatSpan || (!small_batch && pl->tr))) {
       clustered();
       return 0;
     }
@@ -247,10 +255,19 @@ int plan_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_byte
 }
 
 int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, size_t ws_bytes,
-                  const attnd_cuda_opts_t &o, cudaStream_t st) {
+                  const attnd_cuda_opts_t &o, cudaStream_t st, bool fuse) {
   DecodePlan pl;
   plan_decode(s, b, ws_bytes, o, &pl);
   DecodeParams p;
+  // The fused step (attend.cu, plan_fused: a per-item plan of one part or of
+  // clusters): phase 1 inside this launch.
+  p.fuse = fuse ? 1 : 0;
+  p.k = b->k;
+  p.v = b->v;
+  if (fuse)
+    rope_params_fill(s, &p.rp);
+  else
+    p.rp.rope = ATTND_ROPE_NONE;
   p.items = b->items;
   p.meta = b->meta;
   p.q = b->q;
@@ -312,6 +329,8 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
     // not): the same parts through the workspace and the merge kernel (the
     // plan kept within the workspace either way).
     cudaGetLastError();
+    if (fuse)
+      return kDecNotFused; // nothing launched: the caller runs the write kernel, then this plan unfused
     pl.cluster = 0;
     p.cluster = 0;
     e = with_types<RunF>(s->head_dim, s->dtype, s->kv, pl.tr, p, grid, pdl, st);

@@ -12,9 +12,11 @@
 #   bash DIR/run.sh                               (GPU machine) within AB_SECONDS
 #       (default 400), each step under a timeout of at most what is left:
 #         1. test_cuda_kernels one matrix per process (decode, mixed, long
-#            history, variants), test_cuda_numerics, test_cuda_scaleout and
-#            memcheck over the pairwise decode matrix, side by side    ~80 s
-#         2. racecheck over the pairwise decode matrix                 ~40 s
+#            history, variants, the fused step), test_cuda_numerics,
+#            test_cuda_scaleout and memcheck over the pairwise decode matrix
+#            and fused-step cases, side by side                        ~80 s
+#         2. racecheck over the pairwise decode matrix and fused step  ~50 s
+#         2b. the small-batch sequences (B1 / B8), change and base      ~20 s
 #         3. the decode rows (B64 ctx4096, B8 ctx32768, every type), change
 #            and base alternating, twice each                          ~120 s
 #         4. the sweep rows (d64, d256, GQA 1/8/16, block 16/128) of the
@@ -76,7 +78,7 @@ run() {
   local s times=""
   s=$(date +%s)
   local t pids=() names=()
-  for t in test_decode_matrix test_matrix test_long_history test_variants_matrix test_even_decode; do
+  for t in test_decode_matrix test_matrix test_long_history test_variants_matrix test_even_decode test_step_fused; do
     ATTND_GPU_TEST_ONLY=$t timeout -k 5 "$(lim 90)" ./test_cuda_kernels >"$out/test_$t.log" 2>&1 &
     pids+=($!)
     names+=("$t")
@@ -91,6 +93,10 @@ run() {
     compute-sanitizer --tool memcheck --error-exitcode 3 ./test_cuda_kernels >"$out/memcheck.log" 2>&1 &
   pids+=($!)
   names+=(memcheck)
+  ATTND_GPU_TEST_PAIRWISE=1 ATTND_GPU_TEST_ONLY=test_step_fused timeout -k 5 "$(lim 90)" \
+    compute-sanitizer --tool memcheck --error-exitcode 3 ./test_cuda_kernels >"$out/memcheck_step.log" 2>&1 &
+  pids+=($!)
+  names+=(memcheck_step)
   local i rcs=""
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}"
@@ -101,7 +107,22 @@ run() {
   ATTND_GPU_TEST_PAIRWISE=1 ATTND_GPU_TEST_ONLY=test_decode_matrix timeout -k 5 "$(lim 60)" \
     compute-sanitizer --tool racecheck --error-exitcode 3 ./test_cuda_kernels >"$out/racecheck.log" 2>&1
   rcs="$rcs racecheck=$?"
+  ATTND_GPU_TEST_PAIRWISE=1 ATTND_GPU_TEST_ONLY=test_step_fused timeout -k 5 "$(lim 40)" \
+    compute-sanitizer --tool racecheck --error-exitcode 3 ./test_cuda_kernels >"$out/racecheck_step.log" 2>&1
+  rcs="$rcs racecheck_step=$?"
   times="$times racecheck=$(($(date +%s) - s))"
+  # The small-batch launch sequences (B1 / B8 at ctx 4096: write + attention
+  # + merge, and the change's attnd_cuda_step columns), change and base.
+  s=$(date +%s)
+  local sm=small_B1_ctx4096_bf16,small_B8_ctx4096_bf16,small_B1_ctx4096_int8_dynamic,small_B1_ctx4096_int4
+  sm=$sm,small_B8_ctx4096_fp8
+  for b in change base; do
+    local bin=./bench_kernels
+    [ "$b" = base ] && bin=./bench_kernels_base
+    mkdir -p "$out/small_$b"
+    OUT=$out/small_$b ATTND_BENCH_FILTER=$sm timeout -k 5 "$(lim 40)" $bin >"$out/small_$b.log" 2>&1
+  done
+  times="$times small=$(($(date +%s) - s))"
   local rows=decode_B64_ctx4096_,decode_B8_ctx32768_ r b
   s=$(date +%s)
   for r in 1 2; do
@@ -165,7 +186,12 @@ run() {
     echo "rc:$rcs; seconds:$times"
     grep -E "\[  PASSED|\[  FAILED|FAIL|prefix hit .* vs full|worst ratio per|^split context:|> 1e-|rel L2 .* >|^seed" \
       "$out"/test_test_*.log "$out/numerics.log" "$out/scaleout.log" 2>/dev/null | sed "s#$out/##" | head -40
-    grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$out/memcheck.log" "$out/racecheck.log"
+    grep -hE "ERROR SUMMARY|RACECHECK SUMMARY|fused step vs|attnd_cuda_step:" "$out/memcheck.log" "$out/racecheck.log" \
+      "$out/memcheck_step.log" "$out/racecheck_step.log" "$out/test_test_step_fused.log" "$out/test_test_decode_matrix.log"
+    for b in change base; do
+      echo "-- small, $b"
+      grep -E "^small_" "$out/small_$b.log" | sed 's/  */ /g'
+    done
     for r in 1 2; do
       for b in change base; do
         echo "-- $b, run $r"
