@@ -110,13 +110,12 @@ double decode_row(const char *nm, Setup &S, double copy, double read, bool diag)
   const float wus = 1e3f * median_ms([&] { CKA(attnd_cuda_write(&S.s, &S.b, nullptr)); }, 3, 20);
   // The whole step through attnd_cuda_step (the fused launch where its plan
   // allows), and the same unfused (write kernel, then the attention).
-  const attnd_cuda_opts_t nfo = [] {
-    attnd_cuda_opts_t x = {};
-    x.no_fuse = 1;
-    return x;
-  }();
-  const int fused = attnd_cuda_step_fused(&S.s, &S.b, S.ws_bytes, nullptr);
-  const float sus = 1e3f * median_ms([&] { CKA(attnd_cuda_step(&S.s, &S.b, S.ws, S.ws_bytes, nullptr)); }, 3, 20);
+  attnd_cuda_opts_t nfo = {}, fuo = {};
+  nfo.fuse = -1;
+  fuo.fuse = 1;
+  const int fused = attnd_cuda_step_fused(&S.s, &S.b, S.ws_bytes, &fuo);
+  const float sus =
+      1e3f * median_ms([&] { CKA(attnd_cuda_step_opts(&S.s, &S.b, S.ws, S.ws_bytes, nullptr, &fuo)); }, 3, 20);
   const float snf =
       1e3f * median_ms([&] { CKA(attnd_cuda_step_opts(&S.s, &S.b, S.ws, S.ws_bytes, nullptr, &nfo)); }, 3, 20);
   const double gbps = S.cache_bytes / (a.us * 1e-6) / 1e9;
@@ -328,7 +327,10 @@ void rows_small(double read) {
             {"step", {0, 0, 0, 0}, true},           {"step_i32", {256, 2, 32, 0}, true},
             {"step_i64", {256, 2, 64, 0}, true},    {"step_i8", {256, 2, 8, 0}, true},
             {"step_nofuse", {}, true}};
-  vs[sizeof vs / sizeof vs[0] - 1].o.no_fuse = 1;
+  for (auto &v : vs)
+    if (v.step)
+      v.o.fuse = 1;
+  vs[sizeof vs / sizeof vs[0] - 1].o.fuse = -1;
   printf("\n%-30s %8s %8s %8s   (us of device time per layer step: write + attention + merge)\n",
          "small batches, ctx 4096", "single", "graph", "floor");
   for (int B : Bs)
@@ -366,7 +368,7 @@ void rows_small(double read) {
           break;
         float su, gu;
         q.step = v.step;
-        if (v.step && v.o.no_fuse == 0 && !attnd_cuda_step_fused(&q.S[0].s, &q.S[0].b, q.S[0].ws_bytes, &v.o))
+        if (v.step && v.o.fuse > 0 && !attnd_cuda_step_fused(&q.S[0].s, &q.S[0].b, q.S[0].ws_bytes, &v.o))
           printf("%-22s %-12s (not fused: write kernel, then attention)\n", nm, v.name);
         time_small(q, &v.o, &su, &gu);
         printf("%-22s %-12s %8.1f %8.1f %8.1f\n", nm, v.name, su, gu, floor_us);

@@ -680,10 +680,15 @@ void run_case(const attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int ni
   res->splits = attnd_cuda_attend_splits_opts(s, &b, ws_bytes, o->opts);
   if (o->step && !getenv("ATTND_GPU_TEST_SM90_SCHED")) {
     /* Both phases in one call: the fused launch where the batch allows it. */
-    res->fused = attnd_cuda_step_fused(s, &b, ws_bytes, o->opts);
+    attnd_cuda_opts_t so = {0};
+    if (o->opts)
+      so = *o->opts;
+    if (so.fuse == 0)
+      so.fuse = 1; /* the fused launch is opt-in */
+    res->fused = attnd_cuda_step_fused(s, &b, ws_bytes, &so);
     g_step_cases++;
     g_step_fused += res->fused;
-    rc = attnd_cuda_step_opts(s, &b, d_ws, ws_bytes, NULL, o->opts);
+    rc = attnd_cuda_step_opts(s, &b, d_ws, ws_bytes, NULL, &so);
     if (rc)
       fail_msg("step: %d %s", rc, attnd_cuda_last_error());
   } else {

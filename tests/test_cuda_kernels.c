@@ -581,7 +581,7 @@ static int bytes_equal(const void *da, const void *db, size_t n) {
  * place), the whole cache, out and lse must come out equal bit for bit, over
  * every cache type x head dim, GQA 1/4/8/16, block sizes 16-128, RoPE kinds,
  * partial rotary dims, split-context positions and a rewrite of an item's
- * last token. Every case must have run fused (and not with no_fuse), so a
+ * last token. Every case must have run fused (with fuse = 1; not with 0 or -1), so a
  * fused path that stopped applying fails here. */
 static void test_step_fused(void **state) {
   (void)state;
@@ -698,10 +698,11 @@ static void test_step_fused(void **state) {
         CKS(cudaMalloc(&ws, ws_bytes));
         /* Parts merged in clusters (2 chunks a part at least: many parts), or
          * one part per (item, kv head). */
-        const attnd_cuda_opts_t o = ncase % 2 ? (attnd_cuda_opts_t){.split = 2, .min_chunks = 4096}
-                                              : (attnd_cuda_opts_t){.split = 2, .min_chunks = 2, .debug = 256};
-        attnd_cuda_opts_t nf = o;
-        nf.no_fuse = 1;
+        const attnd_cuda_opts_t o = ncase % 2 ? (attnd_cuda_opts_t){.split = 2, .min_chunks = 4096, .fuse = 1}
+                                              : (attnd_cuda_opts_t){.split = 2, .min_chunks = 2, .debug = 256, .fuse = 1};
+        attnd_cuda_opts_t nf = o, dflt = o;
+        nf.fuse = -1;
+        dflt.fuse = 0;
         attnd_kbatch_t b[2];
         for (int c = 0; c < 2; c++)
           b[c] = (attnd_kbatch_t){.items = d_items, .nitems = nitems, .meta = d_meta, .total_q = T,
@@ -711,6 +712,7 @@ static void test_step_fused(void **state) {
                                   .v_scale = d_sc[1], .k_zero = d_sc[2], .v_zero = d_sc[3],
                                   .scale_per_channel = per_channel};
         assert_int_equal(attnd_cuda_step_fused(&s, &b[1], ws_bytes, &nf), 0);
+        assert_int_equal(attnd_cuda_step_fused(&s, &b[1], ws_bytes, &dflt), 0); /* off by default */
         const int fused = attnd_cuda_step_fused(&s, &b[1], ws_bytes, &o);
         if (!fused)
           fail_msg("step case %d kv %s D %d G %d bs %d: not fused", ncase, attnd_kv_type_name(kv), D, G, bs);

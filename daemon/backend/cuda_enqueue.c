@@ -210,9 +210,9 @@ static void enqueue_kernels(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db, u
       /* The workspace only speeds up long contexts: run without it. */
       cudaGetLastError();
     }
-    /* Both phases: a decode step as one fused launch where it can be
-     * (attnd_cuda_step); cuda_trace's kwrite phase is then empty and the
-     * write is inside attend. */
+    /* Both phases (attnd_cuda_step: the write kernel, then the attention,
+     * under its default options); where a step runs as one fused launch,
+     * cuda_trace's kwrite phase is empty and the write is inside attend. */
     attnd_cu_trace_mark(r, 2, cs->st);
     rc = attnd_cuda_step(s, db, cs->ws, cs->ws ? cs->wcap : 0, cs->st);
     if (rc) {

@@ -280,8 +280,8 @@ static void enqueue_chunk(cu_backend_t *be, cu_run_t *r, int slot) {
   db.v = dp + ch->off_v;
   db.out = attend ? dp + ch->off_out : NULL;
   db.lse = attend && r->plan->lrow ? (float *)(dp + ch->off_lse) : NULL;
-  /* Both phases (attnd_cuda_step: one fused launch for a decode chunk where
-   * it can be), or the write alone. */
+  /* Both phases (attnd_cuda_step under its default options), or the write
+   * alone. */
   int rc = attend ? attnd_cuda_step(s, &db, cs->ws, cs->ws ? cs->wcap : 0, ks)
                   : attnd_cuda_write(s, &db, ks);
   if (rc) {

@@ -108,9 +108,15 @@ int launch_tiled(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspa
 // most one per SM: clusters over a fuller GPU ran 20-40% slower than the
 // flat split (B8 ctx 4096, bench/RESULTS.md). The rest run the write
 // kernel, then the attention.
+// attnd_cuda_opts_t.fuse 0: off until the fused launch is measured faster
+// than the two-launch sequence (its first form ran 2-4 us slower at B1 ctx
+// 4096 on the H100, bench/RESULTS.md).
+constexpr int kFuseDefault = -1;
+
 bool plan_fused(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,
                 attnd_cuda_opts_t *fo) {
-  if (o.no_fuse || o.split == 1 || !is_decode(s, b) || b->q_only_rows != 0 || b->total_kv <= 0 ||
+  const int want = o.fuse != 0 ? o.fuse : kFuseDefault;
+  if (want < 0 || o.split == 1 || !is_decode(s, b) || b->q_only_rows != 0 || b->total_kv <= 0 ||
       b->total_q != b->total_kv || !b->k || !b->v || !b->out)
     return false;
   DecodePlan pl;

@@ -68,8 +68,9 @@ typedef struct {
                    * one, bit 2 no softmax at all (results wrong) */
   int sm90_gchunk; /* Hopper path: (item, kv head) groups whose query tiles
                     * launch together (0: enough to fill the GPU once) */
-  int no_fuse;    /* attnd_cuda_step: 1 the write kernel, then the attention,
-                   * never the fused launch (A/B checks and timing) */
+  int fuse;       /* attnd_cuda_step: 1 the fused launch where the batch's
+                   * plan allows it, -1 never (the write kernel, then the
+                   * attention), 0 the default (off: kernels/cuda/README.md) */
 } attnd_cuda_opts_t;
 
 /* Phase 1: RoPE on q (in place) and the new k, rounding to the activation
@@ -93,12 +94,12 @@ int attnd_cuda_attend_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b, voi
 
 /* Both phases of a step: attnd_cuda_write, then (for a batch with q rows)
  * attnd_cuda_attend, with the same results bit for bit (q rotated in place,
- * the cache, out and lse). A decode batch whose every item has q and new
- * k/v rows runs as one launch where its plan allows (the fused step,
- * kernels/cuda/README.md): the decode kernel's CTA whose keys hold a new
- * token writes that token's row before reading it, no write kernel runs and
- * split parts merge inside clusters. Every check of both phases comes before
- * anything is enqueued. */
+ * the cache, out and lse). With attnd_cuda_opts_t.fuse, a decode batch whose
+ * every item has q and new k/v rows runs as one launch where its plan allows
+ * (the fused step, kernels/cuda/README.md): the decode kernel's CTA whose
+ * keys hold a new token writes that token's row before reading it, no write
+ * kernel runs and split parts merge inside clusters. Every check of both
+ * phases comes before anything is enqueued. */
 int attnd_cuda_step(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
                     size_t workspace_bytes, void *stream);
 int attnd_cuda_step_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
