@@ -109,8 +109,8 @@ int launch_tiled(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspa
 // flat split (B8 ctx 4096, bench/RESULTS.md). The rest run the write
 // kernel, then the attention.
 // attnd_cuda_opts_t.fuse 0: off until the fused launch is measured faster
-// than the two-launch sequence (its first form ran 2-4 us slower at B1 ctx
-// 4096 on the H100, bench/RESULTS.md).
+// than the two-launch sequence (at B1 ctx 4096 on the H100 its first form
+// ran 2-4 us slower, the second 2.4-5.3 us; bench/RESULTS.md).
 constexpr int kFuseDefault = -1;
 
 bool plan_fused(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t ws_bytes, const attnd_cuda_opts_t &o,
