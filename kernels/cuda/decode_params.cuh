@@ -65,7 +65,7 @@ struct DecodeParams {
                        // (split_plan.cu, launch_decode);
                        // 32768 the dynamic types under bf16 activations
                        // take P V in fp16 (Dec::kPv16, a kernel of its own: launch_decode_one)
-  // The fused step (attnd_cuda_step, decode_kernel.cuh): phase 1 inside the
+  // The fused step (attnd_cuda_step, decode_fused.cuh): phase 1 inside the
   // attention launch. fuse = 1 only with the per-item split, one part per
   // (item, kv head) or the parts of one cluster. The CTA whose keys hold an
   // item's new token writes that token's k and v rows of its kv head
@@ -109,7 +109,7 @@ __host__ __device__ inline long long flat_clip(int c, int nctas, long long w, lo
 // the model's CTA count used, and the first model CTA this daemon runs.
 constexpr int kFlatPrefixExtra = 3;
 
-// The decode kernel of one instantiation (decode_kernel.cuh): launch, resident
+// The decode kernel of one instantiation (decode_launch.cuh): launch, resident
 // CTAs per SM, most items a flat split can scan.
 template <int D, int DT, int KV, bool TR>
 cudaError_t launch_decode_one(const DecodeParams &p, dim3 grid, size_t extra_smem, bool pdl, cudaStream_t st);
