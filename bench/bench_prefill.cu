@@ -47,8 +47,10 @@ struct Variant {
 // timing only, wrong output), the opt-in bank-conflict-free unit order
 // (cvt_swz), the producer warp converting too (cvt4), the other form of the
 // finishing loop (cvt_pf: the next round's loads ahead of the stores, or for
-// static int8 / fp8, whose default that is, not) and their combinations,
-// then the tiled kernel. A row runs the
+// static int8 / fp8, whose default that is, not) and their combinations
+// (the 8-bit and int4 caches at D <= 128 compile the default form only: there
+// these equal pp), the fourth warpgroup of finishing warps idle (cvt3: 96
+// finishing threads instead of 224, same values), then the tiled kernel. A row runs the
 // variants its flags ask for (Row.all_variants bits, below).
 static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   attnd_cuda_opts_t o = {};
@@ -82,6 +84,7 @@ static const VariantSel kVariants[] = {
     {{"cvt4_pf", variant_opts(0, 4096 | 8192, 0)}, V_CVT},
     {{"cvt4_swz", variant_opts(0, 4096 | 2048, 0)}, V_CVT},
     {{"cvt4_swz_pf", variant_opts(0, 4096 | 2048 | 8192, 0)}, V_CVT},
+    {{"cvt3", variant_opts(0, 16384, 0)}, V_CVT},
     {{"tiled", variant_opts(1, 0, 0)}, V_BASE}};
 
 // Whether the comma-separated list holds name exactly.

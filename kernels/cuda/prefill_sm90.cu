@@ -101,9 +101,9 @@ bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p, const attnd_cu
 int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems,
                 const attnd_cuda_opts_t &o, cudaStream_t st) {
   // The kernel's bit 0 means pingpong on; the option's bit 0 turns it off.
-  // Bits 3-6 and 8-9 select earlier forms, bits 7 and 11-13 opt-in ones,
+  // Bits 3-6, 8-9 and 14 select earlier forms, bits 7 and 11-13 opt-in ones,
   // bit 10 a timing experiment (prefill_sm90.cuh).
-  const int sched = (o.sm90_sched & 16383) ^ 1, gchunk = o.sm90_gchunk;
+  const int sched = (o.sm90_sched & 32767) ^ 1, gchunk = o.sm90_gchunk;
   switch (s->head_dim) {
   case 64:
     return dispatch_dt<64>(s->dtype, s->kv, p, sched, gchunk, nitems, st);

@@ -62,7 +62,10 @@ namespace attnd {
 // H200); bit 13 = 8-bit and int4 caches: the other form of the finishing loop
 // (static int8 / fp8 load the next round's units before this round's stores
 // by default, Cfg::kPf; the other types then do, static int8 / fp8 do not;
-// the same values). Bit 11 measured 2-4% slower than the default. This is
+// the same values); bit 14 = 8-bit and int4 caches: the fourth warpgroup of
+// finishing warps idle (the earlier 384-thread split's 96 finishing threads,
+// at the 512-thread kernel's registers; the same values). Bit 11 measured
+// 2-4% slower than the default. This is
 // attnd_cuda_opts_t.sm90_sched with bit 0 inverted (0 there is the default).
 // The grid is one-dimensional over (item, kv head) groups x query tiles
 // (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).

@@ -11,6 +11,15 @@ namespace sm90 {
 
 constexpr int kThreads = 384; // producer warpgroup + two consumer warpgroups
 constexpr int kCvt = 96;      // finishing threads (producer warps 1-3)
+// The 8-bit and int4 caches add a fourth warpgroup of finishing warps (warps
+// 12-15, Cfg::kThreads 512; sched bit 14 leaves it idle, the 384-thread split):
+// a tile's conversion is then shared by 224 threads instead of 96, so its
+// latency (the bound of the converted appends: bench/RESULTS.md) is 2-3 rounds
+// of units per thread instead of 5-6, and every scheduler has two finishing
+// warps. Registers at 512 threads (64 K / 512 = 128 at launch): 56 for the
+// producer and the fourth warpgroup, 200 for the consumers.
+constexpr int kThreads4 = 512;
+constexpr int kRegsProducerCvt4 = 56, kRegsConsumerCvt4 = 200;
 constexpr int kBMq = 128;     // query vectors per CTA (64 per consumer warpgroup)
 constexpr int kMaxFlags = 1024;
 // Registers per thread after setmaxnreg (384 threads share 64 K): 16-bit
@@ -32,8 +41,15 @@ template <int D, int DT, int KV> struct Cfg {
       (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) || (KV == ATTND_KV_FP16 && DT == ATTND_DT_FP16);
   static constexpr bool kDyn = K::kDyn;
   static constexpr bool kStatic = K::kStatic;
-  static constexpr int kRegsP = K::k16 ? kRegsProducer : kRegsProducerCvt;
-  static constexpr int kRegsC = K::k16 ? kRegsConsumer : kRegsConsumerCvt;
+  // The fourth warpgroup of finishing warps (above): the caches that are not
+  // 16-bit, at D <= 128 (at D 256 the P V product's wgmma needs more than the
+  // 128 registers a thread of 512 has at launch: ptxas refuses it).
+  static constexpr bool kWg3 = !K::k16 && D <= 128;
+  static constexpr int kThreads = kWg3 ? kThreads4 : sm90::kThreads;
+  static constexpr int kRegsP = K::k16 ? kRegsProducer : kWg3 ? kRegsProducerCvt4 : kRegsProducerCvt;
+  static constexpr int kRegsC = K::k16 ? kRegsConsumer : kWg3 ? kRegsConsumerCvt4 : kRegsConsumerCvt;
+  static_assert((kWg3 ? 2 * kRegsP + 2 * kRegsC : kRegsP + 2 * kRegsC) * 128 <= 65536,
+                "the warpgroups' registers after setmaxnreg fit the register file");
   // The finishing loop loads the next round's units before this round's
   // stores by default for static int8 / fp8 (5.7% / 3.1% faster on the
   // H200, the append; the dynamic types and int4 within 1%); sched bit 13

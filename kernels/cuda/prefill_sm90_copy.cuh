@@ -178,7 +178,7 @@ __device__ __forceinline__ void ring_finish(const Sm90Params &P, const Ring &g, 
   }
   for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
     if constexpr (!KvT<KV>::k16) { // 8-bit and int4 caches only (Cfg::kRegsP)
-      if (g.merged) {
+      if (!C::kWg3 && g.merged) {
         if (prod) {
           for (; pt < ntiles && pi < i + kS; pt = next_tile(pt + 1), pi++) {
             if (pi >= kS) // the tile kS back is converted (raw_empty)
@@ -305,7 +305,13 @@ __device__ __forceinline__ void ring_finish(const Sm90Params &P, const Ring &g, 
       using F0 = std::integral_constant<bool, false>;
       using T1 = std::integral_constant<bool, true>;
       using FF = std::integral_constant<bool, kFastForm>;
-      if (g.cvt == 1 && kFastForm) {
+      if constexpr (C::kWg3) {
+        // 512 threads (Cfg::kWg3): the default form only, so that the
+        // finishing code fits its 56 registers (the opt-in forms, sched bits
+        // 9, 11 and 13, measured no faster with 96 threads; bit 10 stays).
+        if (g.cvt != 2)
+          convert_tile(FF{}, F0{}, std::integral_constant<bool, C::kPf>{});
+      } else if (g.cvt == 1 && kFastForm) {
         convert_tile(F0{}, F0{}, F0{});
       } else if (g.cvt != 2) {
         bool done = false;

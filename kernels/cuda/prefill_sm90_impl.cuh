@@ -53,7 +53,7 @@ namespace sm90 {
 // only), a template argument so that the default softmax stays straight-line
 // code (as runtime branches, both forms measured ~10% slower on the H200).
 template <int D, int DT, int KV, bool LO, bool FF>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ Sm90Params P) {
 #if ATTND_SM90_DEVICE
   using C = Cfg<D, DT, KV>;
@@ -134,8 +134,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool raw_early = !C::kDirect && !(P.sched & 64);
   // Converted types, sched bit 12 (with raw_early): the producer warp
   // converts too, 128 finishing threads (prefill_sm90_copy.cuh, ring_finish).
-  const bool merged = !KvT<KV>::k16 && raw_early && (P.sched & 4096) != 0;
-  const int nfin = merged ? 128 : kCvt;
+  const bool merged = !KvT<KV>::k16 && !C::kWg3 && raw_early && (P.sched & 4096) != 0;
+  // The fourth warpgroup converts too unless sched bit 14 (Cfg::kWg3): its
+  // threads are finishing threads nfin0 .. nfin0 + 127.
+  const bool wg3 = C::kWg3 && !(P.sched & 16384);
+  const int nfin0 = merged ? 128 : kCvt, nfin = nfin0 + (wg3 ? 128 : 0);
   // 16-bit caches in the activation dtype at D 256 (two stages; 8.0 vs 10.6
   // ms on the H200, causal B4 S8192; sched bit 8 turns it off) and, opt-in,
   // at D <= 128 (sched bit 7; 4-5% slower there): K and V of a stage on
@@ -167,7 +170,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int NQ = D / 16, UQ = D / 8; // units per thread, 16-byte units per q row
   const bool q_batch = !(P.sched & 16);
   uint4 qv[NQ];
-  if (tid >= 128 && q_batch) {
+  if (tid >= 128 && tid < 384 && q_batch) {
     pdl_wait(); // q is rotated in place by the previous kernel
     const int cq = (tid >> 7) - 1;
 #pragma unroll
@@ -187,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // bit 2: only the causal / window ranges mask it, classify_tiles_sm90).
   if (kind == ATTND_MASK_INTERVALS)
     classify_tiles_sm90<BN>(it, iv, kv_len, lo, hi, jfirst, ntiles, C::kNF, pmin, pmax, win,
-                            kThreads / 32, sFlags);
+                            C::kThreads / 32, sFlags);
   __syncthreads();
 
   const int lastkey = hi;                                         // hi <= kv_len - 1
@@ -212,6 +215,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto next_tile = [&](int t) -> int { return g.template next_tile<C::kNF>(t); };
 
   const int wg = tid >> 7;
+  if (wg == 3) {
+    // ---- the fourth warpgroup (8-bit and int4 caches): finishing warps ----
+    regs_dec<C::kRegsP>();
+    if (wg3)
+      ring_finish<D, DT, KV>(P, g, nfin0 + (tid - 384), false);
+    return;
+  }
   if (wg == 0) {
     regs_dec<C::kRegsP>();
     if (warp == 0 && !merged) {

@@ -22,7 +22,7 @@ cudaError_t launch_k(const Sm90Params &P, dim3 grid, bool pdl, cudaStream_t st) 
       return e;
     attr_done = true;
   }
-  return launch_ex(prefill_sm90_kernel<D, DT, KV, LO, FF>, grid, dim3(kThreads), C::kBytes, pdl, st,
+  return launch_ex(prefill_sm90_kernel<D, DT, KV, LO, FF>, grid, dim3(C::kThreads), C::kBytes, pdl, st,
                    P);
 }
 } // namespace sm90
