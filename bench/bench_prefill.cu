@@ -48,8 +48,8 @@ struct Variant {
 // (cvt_swz), the producer warp converting too (cvt4), the other form of the
 // finishing loop (cvt_pf: the next round's loads ahead of the stores, or for
 // static int8 / fp8, whose default that is, not) and their combinations
-// (the 8-bit and int4 caches at D <= 128 compile the default form only: there
-// these equal pp), the fourth warpgroup of finishing warps idle (cvt3: 96
+// (the dynamic types at D <= 128 compile the default form only: there these
+// equal pp), the fourth warpgroup of finishing warps idle (cvt3: 96
 // finishing threads instead of 224, same values), then the tiled kernel. A row runs the
 // variants its flags ask for (Row.all_variants bits, below).
 static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {

@@ -61,6 +61,8 @@ typedef struct {
 
 extern uint64_t g_rng;
 extern double g_hit_worst;
+extern double g_hit_sumsq; /* prefix hit: sum of squared errors, checks over the RMS bound */
+extern int g_hit_over;
 extern double g_hit_worst_kv[ATTND_KV_COUNT_]; /* per cache type */
 extern int g_hit_checks;
 extern int g_hit_asked; /* cases that asked for the prefix-hit check (out_fp32, check_hit) */

@@ -62,7 +62,7 @@ namespace attnd {
 // H200); bit 13 = 8-bit and int4 caches: the other form of the finishing loop
 // (static int8 / fp8 load the next round's units before this round's stores
 // by default, Cfg::kPf; the other types then do, static int8 / fp8 do not;
-// the same values); bit 14 = 8-bit and int4 caches: the fourth warpgroup of
+// the same values); bit 14 = dynamic types at D <= 128: the fourth warpgroup of
 // finishing warps idle (the earlier 384-thread split's 96 finishing threads,
 // at the 512-thread kernel's registers; the same values). Bit 11 measured
 // 2-4% slower than the default. This is

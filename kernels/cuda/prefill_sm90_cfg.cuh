@@ -11,8 +11,8 @@ namespace sm90 {
 
 constexpr int kThreads = 384; // producer warpgroup + two consumer warpgroups
 constexpr int kCvt = 96;      // finishing threads (producer warps 1-3)
-// The 8-bit and int4 caches add a fourth warpgroup of finishing warps (warps
-// 12-15, Cfg::kThreads 512; sched bit 14 leaves it idle, the 384-thread split):
+// The dynamic types add a fourth warpgroup of finishing warps (warps 12-15,
+// Cfg::kThreads 512, D <= 128; sched bit 14 leaves it idle):
 // a tile's conversion is then shared by 224 threads instead of 96, so its
 // latency (the bound of the converted appends: bench/RESULTS.md) is 2-3 rounds
 // of units per thread instead of 5-6, and every scheduler has two finishing
@@ -41,10 +41,13 @@ template <int D, int DT, int KV> struct Cfg {
       (KV == ATTND_KV_BF16 && DT == ATTND_DT_BF16) || (KV == ATTND_KV_FP16 && DT == ATTND_DT_FP16);
   static constexpr bool kDyn = K::kDyn;
   static constexpr bool kStatic = K::kStatic;
-  // The fourth warpgroup of finishing warps (above): the caches that are not
-  // 16-bit, at D <= 128 (at D 256 the P V product's wgmma needs more than the
-  // 128 registers a thread of 512 has at launch: ptxas refuses it).
-  static constexpr bool kWg3 = !K::k16 && D <= 128;
+  // The fourth warpgroup of finishing warps (above): the dynamic types at D
+  // <= 128 (at D 256 the P V product's wgmma needs more than the 128
+  // registers a thread of 512 has at launch: ptxas refuses it). On the H100
+  // (bench/RESULTS.md) it ran the append over int8_dynamic / fp8_dynamic 9% /
+  // 8% faster and causal over fp8_dynamic 8%, but static fp8 and int4 5-6%
+  // slower and static int8 1-3% slower: those keep 384 threads.
+  static constexpr bool kWg3 = kDyn && D <= 128;
   static constexpr int kThreads = kWg3 ? kThreads4 : sm90::kThreads;
   static constexpr int kRegsP = K::k16 ? kRegsProducer : kWg3 ? kRegsProducerCvt4 : kRegsProducerCvt;
   static constexpr int kRegsC = K::k16 ? kRegsConsumer : kWg3 ? kRegsConsumerCvt4 : kRegsConsumerCvt;
