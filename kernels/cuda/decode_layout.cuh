@@ -24,9 +24,14 @@ constexpr size_t dec_max(size_t a, size_t b) { return a > b ? a : b; }
 
 // Resident CTAs per SM each instantiation is built for (registers and
 // shared memory are sized to it): 16-bit caches move twice the bytes per key
-// and need fewer CTAs in flight.
+// and need fewer CTAs in flight. The rows form (9-16 query vectors: GQA 16,
+// several tokens an item) of the converted types at D 128 was built for 3
+// (170 registers) and ran GQA 16 at 61-65% of the read roof, latency bound
+// (no-load and no-math variants within 10% of the full kernel); at 4 (128
+// registers: 0-20 bytes of spills, ptxas -warn-spills) it has a third more
+// warps to hide the chain (bench/RESULTS.md).
 template <int KV, int D> constexpr int dec_minb(bool tr) {
-  return KvT<KV>::k16 ? (D == 64 ? 3 : D == 128 ? 2 : 1) : (D == 256 ? 2 : (tr || D == 64) ? 4 : 3);
+  return KvT<KV>::k16 ? (D == 64 ? 3 : D == 128 ? 2 : 1) : (D == 256 ? 2 : 4);
 }
 
 // Sizes and shared-memory layout of one instantiation. PV16_ (launch option
