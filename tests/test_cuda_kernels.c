@@ -223,8 +223,10 @@ static void test_decode_matrix(void **state) {
         record(s.kv, e);
         ncase++;
       }
-  /* Half the cases step through attnd_cuda_step: its fused launch must have run. */
-  if (!pw)
+  /* Half the cases step through attnd_cuda_step: its fused launch must have
+   * run (not under ATTND_GPU_TEST_SM90_SCHED, where the harness runs the two
+   * phases apart so that every Hopper launch takes the bits). */
+  if (!pw && !getenv("ATTND_GPU_TEST_SM90_SCHED"))
     assert_true(g_step_fused > fused0);
 }
 
