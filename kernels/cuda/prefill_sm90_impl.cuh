@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
 
   const int wg = tid >> 7;
   if (wg == 3) {
-    // ---- the fourth warpgroup (8-bit and int4 caches): finishing warps ----
+    // ---- the fourth warpgroup (dynamic types, D <= 128): finishing warps ----
     regs_dec<C::kRegsP>();
     if (wg3)
       ring_finish<D, DT, KV>(P, g, nfin0 + (tid - 384), false);
