@@ -55,13 +55,8 @@ budget=${AB_SECONDS:-228}
 . "$here/round-step.sh"
 
 run() {
-  out=${OUT:-$PWD/gpu-out}
-  mkdir -p "$out"
   local w
-  w=$(mktemp -d)
-  tar -C "$w" -xJf "$here/ab.tar.xz" || exit 1
-  cd "$w" || exit 1
-  export LD_LIBRARY_PATH=$w${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  round_unpack "$here/ab.tar.xz"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >"$out/gpu.txt" 2>&1
   step test_cuda_kernels 95 test.log ./test_cuda_kernels
   local pw=1

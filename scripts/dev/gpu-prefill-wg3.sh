@@ -35,13 +35,8 @@ budget=${WG3_SECONDS:-290}
 . "$here/round-step.sh"
 
 run() {
-  out=${OUT:-$PWD/gpu-out}
-  mkdir -p "$out"
   local w
-  w=$(mktemp -d)
-  tar -C "$w" -xJf "$here/p5.tar.xz" || exit 1
-  cd "$w" || exit 1
-  export LD_LIBRARY_PATH=$w${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  round_unpack "$here/p5.tar.xz"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >"$out/gpu.txt" 2>&1
   env ATTND_GPU_TEST_PAIRWISE=1 ./test_cuda_numerics >"$out/numerics.log" 2>&1 &
   local npid=$!

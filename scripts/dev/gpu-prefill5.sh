@@ -88,13 +88,8 @@ budget=${P5_SECONDS:-225}
 . "$here/round-step.sh"
 
 run() {
-  out=${OUT:-$PWD/gpu-out}
-  mkdir -p "$out"
   local w ncu cp
-  w=$(mktemp -d)
-  tar -C "$w" -xJf "$here/p5.tar.xz" || exit 1
-  cd "$w" || exit 1
-  export LD_LIBRARY_PATH=$w${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  round_unpack "$here/p5.tar.xz"
   local gpu
   gpu=$(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit --format=csv,noheader 2>&1)
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \

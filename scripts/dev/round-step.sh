@@ -27,3 +27,15 @@ step() {
   { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && res=timeout
   summary+=("$(printf '%-20s %-8s %5s  %s' "$name" "$res" "$took" "$log")")
 }
+
+# round_unpack ARCHIVE: sets $out (OUT, else ./gpu-out; created) and $w (a fresh
+# folder), unpacks ARCHIVE there, cd's into it and puts its libraries first on
+# LD_LIBRARY_PATH.
+round_unpack() {
+  out=${OUT:-$PWD/gpu-out}
+  mkdir -p "$out"
+  w=$(mktemp -d)
+  tar -C "$w" -xJf "$1" || exit 1
+  cd "$w" || exit 1
+  export LD_LIBRARY_PATH=$w${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
