@@ -22,6 +22,9 @@ constexpr int kThreads4 = 512;
 constexpr int kRegsProducerCvt4 = 56, kRegsConsumerCvt4 = 200;
 constexpr int kBMq = 128;     // query vectors per CTA (64 per consumer warpgroup)
 constexpr int kMaxFlags = 1024;
+// mbarriers of one CTA (prefill_sm90_impl.cuh numbers them): 0-15 the stage
+// ring's, 16-18 the 16-bit caches' tail tiles, one per stage.
+constexpr int kNBar = 20;
 // Registers per thread after setmaxnreg (384 threads share 64 K): 16-bit
 // caches, whose producer warpgroup only copies (or converts a word per
 // pair), 40 / 232; the 8-bit and int4 caches 72 / 208, so that the finishing
@@ -90,7 +93,7 @@ template <int D, int DT, int KV> struct Cfg {
   // keys) and read there by the consumers, so that the raw stage is free once
   // converted (raw_empty, as the other converted types).
   static constexpr uint32_t kSclStage = kDyn ? 2 * BN * 4 : 0;
-  static constexpr uint32_t kTail = 16 * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
+  static constexpr uint32_t kTail = kNBar * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
   // Pipeline stages: three where shared memory allows (16-bit caches at D <=
   // 128; converted types where three operand and raw stages fit beside every
   // tile flag and the alignment slack: every converted type at D <= 128, the
@@ -108,7 +111,7 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr int kNF = kFlags + kMaxFlags + kTail <= 232448 ? kMaxFlags : 512;
   static constexpr uint32_t kC = kFlags + kNF; // int4: [kBMq] fp32 q'.z_k
   static constexpr uint32_t kBar = kC + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
-  static constexpr uint32_t kEnd = kBar + 16 * 8; // mbarriers
+  static constexpr uint32_t kEnd = kBar + kNBar * 8; // mbarriers
   // Slack to align the base to 1024 bytes by hand where it fits; else the
   // kernel relies on dynamic shared memory starting 1024-aligned (it checks).
   static constexpr uint32_t kSlack = kEnd + 1024 <= 232448 ? 1024 : 0;
@@ -203,12 +206,12 @@ __device__ __forceinline__ void convert16_fast(const uint4 &rv, uint32_t *out) {
 // bit 2: no interval of any in-range key of the tile meets the rows [pmin,
 // pmax], so the tile's per-element mask is the causal / window / range one
 // alone (the cheap per-row ranges instead of four interval reads per key; the
-// diagonal tiles of a document mask). nw warps from warp 0.
+// diagonal tiles of a document mask). nw warps from warp w0.
 template <int BN>
 __device__ void classify_tiles_sm90(const attnd_kitem_t &it, const int32_t *iv, int kv_len, int lo,
                                     int hi, int jfirst, int ntiles, int nflags, int pmin, int pmax,
-                                    int win, int nw, uint8_t *flags) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = min(ntiles, nflags);
+                                    int win, int nw, int w0, uint8_t *flags) {
+  const int warp = (threadIdx.x >> 5) - w0, lane = threadIdx.x & 31, n = min(ntiles, nflags);
   // Two tiles per warp and round, every read at a key clamped into [lo, hi]
   // (0 <= lo <= hi < kv_len when any tile runs) instead of under a branch:
   // 8 BN / 32 loads of a lane in flight together (tiles past n are computed

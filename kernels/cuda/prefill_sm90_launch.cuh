@@ -28,7 +28,8 @@ cudaError_t launch_k(const Sm90Params &P, dim3 grid, bool pdl, cudaStream_t st) 
 } // namespace sm90
 
 template <int D, int DT, int KV>
-int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st) {
+int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int ctas, int nitems,
+                  cudaStream_t st) {
   using C = sm90::Cfg<D, DT, KV>;
   Sm90Params P;
   memset(&P, 0, sizeof P);
@@ -68,7 +69,17 @@ int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaS
   P.qtiles = (int)tiles;
   P.gchunk = (int)chunk;
   P.ngroups_items = nitems;
-  dim3 grid((unsigned)(tiles * groups), 1u, (unsigned)p.nsplit);
+  // Persistent: one CTA per SM (each holds an SM: shared memory, registers)
+  // over the units, the KV splits sharing the SMs, or ctas CTAs over x where
+  // the options say (tests: several units per CTA on small batches); sched
+  // bit 15, one per unit.
+  const long units = tiles * groups;
+  long gx = units;
+  if (!(sched & 32768)) {
+    const long per = ctas > 0 ? ctas : num_sms() / (p.nsplit > 1 ? p.nsplit : 1);
+    gx = per < 1 ? 1 : per < units ? per : units;
+  }
+  dim3 grid((unsigned)gx, 1u, (unsigned)p.nsplit);
   // q's hi + lo split: per-channel static scales (int4 always).
   cudaError_t e;
   // The FFMA score form (sched bit 3): 16-bit caches in the activation dtype only.
@@ -86,17 +97,17 @@ int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaS
 }
 
 #define ATTND_SM90_INST(KVT)                                                                       \
-  template int launch_sm90_t<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,           \
+  template int launch_sm90_t<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int, int, \
                                                      cudaStream_t);                                \
-  template int launch_sm90_t<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,          \
+  template int launch_sm90_t<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int, int, \
                                                       cudaStream_t);                               \
-  template int launch_sm90_t<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,          \
+  template int launch_sm90_t<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int, int, \
                                                       cudaStream_t);                               \
-  template int launch_sm90_t<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,           \
+  template int launch_sm90_t<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int, int, \
                                                      cudaStream_t);                                \
-  template int launch_sm90_t<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,          \
+  template int launch_sm90_t<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int, int, \
                                                       cudaStream_t);                               \
-  template int launch_sm90_t<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,          \
+  template int launch_sm90_t<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int, int, \
                                                       cudaStream_t);
 
 } // namespace attnd

@@ -168,6 +168,17 @@ template <int N> __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
     asm volatile("" : "+r"(r[i])::"memory");
 }
 
+// A copy of x the compiler cannot see through: values derived from it inside
+// a loop are computed there, not hoisted out of it (and kept live across it).
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+template <class T> __device__ __forceinline__ T *opaque(T *p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "matrix
 // descriptor"): start address, leading and stride byte offsets in 16-byte
 // units; bits 62-63 = 1 selects the 128B swizzle. Tiles start 1024-aligned, so
