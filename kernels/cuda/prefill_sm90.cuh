@@ -71,11 +71,17 @@ namespace attnd {
 // Units are (item, kv head) groups x query tiles (qtiles per group), taken
 // gchunk groups at a time (nitems * kv_heads groups); the grid's x runs over
 // them (persistent: at most one CTA per SM, each taking every gridDim.x-th).
+// qmap (qtma 1): q as {head_dim, q_heads, total_q} 16-bit elements, box {64,
+// group, 128 / group}, 128-byte swizzle: one query tile's 64-column chunk, in
+// the Q operand's layout (where the group divides 128 and q needs no static
+// scale, prefill_sm90_launch.cuh).
 struct Sm90Params { // 64-byte aligned through CUtensorMap
   CUtensorMap tmap;
+  CUtensorMap qmap;
   FlashParams f;
   int sched;
   int qtiles, gchunk, ngroups_items;
+  int qtma;
 };
 
 // 1 when this launch runs on the Hopper path: the device is compute

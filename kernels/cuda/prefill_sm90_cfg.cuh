@@ -23,17 +23,19 @@ constexpr int kRegsProducerCvt4 = 56, kRegsConsumerCvt4 = 200;
 constexpr int kBMq = 128;     // query vectors per CTA (64 per consumer warpgroup)
 constexpr int kMaxFlags = 1024;
 // mbarriers of one CTA (prefill_sm90_impl.cuh numbers them): 0-15 the stage
-// ring's, 16-18 the 16-bit caches' tail tiles, one per stage.
-constexpr int kNBar = 20;
+// ring's, 16-18 the 16-bit caches' tail tiles, one per stage, 19-20 the Q
+// tile's (full, empty).
+constexpr int kNBar = 21;
 // Registers per thread after setmaxnreg (384 threads share 64 K): 16-bit
-// caches, whose producer warpgroup only copies (or converts a word per
-// pair), 40 / 232; the 8-bit and int4 caches 72 / 208, so that the finishing
+// caches, whose producer warpgroup only copies (or zeroes a tail tile's
+// rows), 48 / 232 (48 + 2 x 232 = 512: the producer's loop over the units of
+// the persistent grid spilled at 40); the 8-bit and int4 caches 72 / 208, so that the finishing
 // loop's units and the opt-in forms' state stay in registers (sched bits 12
 // and 13 spilled 52-68 bytes at 40 and 12 at 64; no spill at 72 / 208,
 // ptxas -warn-spills). On the H200 (bench/RESULTS.md, prefill5) 72 / 208 ran
 // the append over the dynamic types 11% faster, static int8 / fp8 2-3%,
 // int4 the same; the fp16 cache under bf16 6% slower (kept at 40 / 232).
-constexpr int kRegsProducer = 40, kRegsConsumer = 232;
+constexpr int kRegsProducer = 48, kRegsConsumer = 232;
 constexpr int kRegsProducerCvt = 72, kRegsConsumerCvt = 208;
 
 // Tile shapes and the shared-memory layout of one instantiation (bytes from a

@@ -90,10 +90,11 @@ __device__ __forceinline__ void ring_copy_raw(const FlashParams &F, const Ring &
 // (or, with kvsplit, V's on it instead of fullV), and the barrier it skips
 // gets a plain arrival, so that every stage barrier completes once per tile.
 // first: the CTA's first unit (the descriptor prefetch, the wait for the
-// previous kernel).
-template <int D, int DT, int KV>
+// previous kernel). after_first(): called once, after the first live tile's
+// copies are issued (at once when the unit has none): the unit's Q tile.
+template <int D, int DT, int KV, class AfterFirst>
 __device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g, int &i,
-                                             bool first) {
+                                             bool first, AfterFirst &&after_first) {
   using C = Cfg<D, DT, KV>;
   constexpr int BN = C::BN, CH = C::CH, RB = C::RB;
   constexpr uint32_t KT = C::KT;
@@ -110,9 +111,17 @@ __device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g,
   if (first) {
     if constexpr (C::kDirect)
       tma_prefetch_desc(&P.tmap);
-    pdl_wait(); // the cache is written by the previous kernel
+    if (P.qtma)
+      tma_prefetch_desc(&P.qmap);
+    pdl_wait(); // the cache (and q) are written by the previous kernel
   }
-  for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
+  int t = next_tile(0);
+  const int i0 = i;
+  if (t >= ntiles)
+    after_first();
+  for (; t < ntiles; t = next_tile(t + 1), i++) {
+    if (i == i0 + 1)
+      after_first();
     const int j0 = jfirst + t * BN;
     const bool tail = lastkey + 1 - j0 < BN;
     const int nvalid = min(nbox, (lastkey - j0) / R + 1);
@@ -164,6 +173,8 @@ __device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g,
       ring_copy_raw<D, DT, KV>(F, g, t, s);
     }
   }
+  if (i == i0 + 1)
+    after_first(); // the unit's only tile
 }
 
 // The finishing warps (producer warps 1-3, thread ct of kCvt; with

@@ -189,6 +189,8 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
       mbar_init(BAR(3 + 4 * st), 256);                // emptyK
       mbar_init(BAR(16 + st), 1);                     // a 16-bit cache's tail tile
     }
+    mbar_init(BAR(19), 1);   // Q full (P.qtma: the copy engine's bytes)
+    mbar_init(BAR(20), 256); // Q empty (the consumers' last Q K^T of a unit done)
     mbar_init_fence();
   }
   __syncthreads();
@@ -239,6 +241,7 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
     regs_dec<C::kRegsP>();
     int gi = 0;         // ordinal of the CTA's next live tile
     uint32_t tails = 0; // 16-bit caches: the parity of each stage's tail barrier
+    uint32_t un = 0;    // live units before this one (Q barriers' parity)
     bool first = true;
     for (int u = blockIdx.x; u < nunits; u += gridDim.x) {
       const Unit U = make_unit<BN>(P, u, split);
@@ -251,14 +254,32 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
         if (wg3)
           ring_finish<D, DT, KV>(P, g, nfin0 + (tid - 384), false, gi, tails, first);
       } else if (warp == 0 && !merged) {
-        if (lane == 0)
-          ring_produce<D, DT, KV>(P, g, gi, first);
+        if (lane == 0) {
+          // The unit's Q tile (P.qtma), after its first key tile's copies,
+          // once the consumers' last Q K^T of the unit before is done: CH
+          // 64-column chunks of 128 vectors (128 / G rows x the group's G
+          // heads) into the Q operand's layout.
+          const int qx = U.kvh * U.G, qy = U.it.q_row + U.v0 / U.G;
+          auto q_copy = [&]() {
+            if (!P.qtma)
+              return;
+            if (un > 0)
+              mbar_wait_wd(BAR(20), (un - 1) & 1u);
+            mbar_arrive_expect_tx(BAR(19), (uint32_t)kBMq * D * 2u);
+            const uint32_t dQ = smem_u32(smem + C::kQ);
+#pragma unroll
+            for (int ch = 0; ch < D / 64; ch++)
+              tma_load_3d(dQ + ch * kBMq * 128, &P.qmap, ch * 64, qx, qy, BAR(19));
+          };
+          ring_produce<D, DT, KV>(P, g, gi, first, q_copy);
+        }
         __syncwarp();
       } else {
         // convert, zero what lies past the visible keys
         ring_finish<D, DT, KV>(P, g, merged ? tid : tid - 32, merged && tid == 0, gi, tails, first);
       }
       first = false;
+      un++;
     }
     return;
   }
@@ -300,10 +321,17 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
       }
     }
   };
-  if (q_batch) {
-    pdl_wait(); // q is rotated in place by the previous kernel
+  // P.qtma: q comes by the copy engine (the producer's q_copy) instead.
+  // kPre: the next unit's q loaded under the last P V of a unit (converted
+  // types at D <= 128); elsewhere at the unit's start (held across the
+  // epilogue, D 256's 64 registers of q and the 16-bit caches' 232-register
+  // key loop spilled).
+  constexpr bool kPre = !C::kDirect && D <= 128;
+  const bool qreg = q_batch && !P.qtma;
+  pdl_wait(); // q is rotated in place by the previous kernel (and out may be its input)
+  if (kPre && qreg)
     load_q(blockIdx.x);
-  }
+  uint32_t un = 0; // live units before this one (Q barriers' parity)
   int gi = 0;         // ordinal of the CTA's next live tile (as the copy side's)
   uint32_t tails = 0; // 16-bit caches: the parity of each stage's full barrier, used by tail tiles
   for (int u = blockIdx.x; u < nunits; u += gridDim.x) {
@@ -316,10 +344,12 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
   const int cw = t128 >> 5;
   const Unit U = make_unit<BN>(P, u, split);
   if (!U.live) {
-    if (q_batch)
+    if (kPre && qreg)
       load_q(u + gridDim.x);
     continue;
   }
+  if (!kPre && qreg)
+    load_q(u);
   if (U.kind == ATTND_MASK_INTERVALS)
     unit_flags(U, true);
   const Ring g = ring_of(U);
@@ -382,12 +412,13 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
       if constexpr (lo_pass)
         *reinterpret_cast<uint4 *>(sQlo + off) = vlo;
     };
-    if (q_batch) {
+    if (P.qtma) {
+      mbar_wait(BAR(19), un & 1u); // the producer's copy of this unit's Q tile
+    } else if (q_batch) {
 #pragma unroll
       for (int k = 0; k < NQ; k++)
         put(t128 + k * 128, qv[k]);
     } else {
-      pdl_wait(); // q is rotated in place by the previous kernel
       for (int u = t128; u < 64 * UQ; u += 128) {
         const int v = u / UQ, cu = u % UQ, vv = v0 + c * 64 + v;
         uint4 val = make_uint4(0, 0, 0, 0);
@@ -400,8 +431,10 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
         put(u, val);
       }
     }
-    fence_proxy_async();
-    named_sync(1 + c, 128);
+    if (!P.qtma) {
+      fence_proxy_async();
+      named_sync(1 + c, 128);
+    }
     if constexpr (KV == ATTND_KV_INT4) {
       // q'.(u - z) = q'.u - q'.z: the second term is the same for every key
       // of a row, so the scores leave it out and the lse takes it out (fp64
@@ -734,7 +767,15 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
       wait_tail(s); // the tail tile: the finishing warps zeroed V's rows past the keys
   };
   int t = next_tile(0);
-  bool preloaded = false;
+  bool preloaded = false, qfree = false;
+  // P.qtma: the producer may bring the next unit's Q tile once this unit's
+  // last Q K^T is done (tile t's, when no live tile follows it).
+  auto q_release = [&](int tt) {
+    if (P.qtma && next_tile(tt + 1) >= ntiles) {
+      mbar_arrive(BAR(20));
+      qfree = true;
+    }
+  };
   if (t < ntiles) {
     const int i0 = gi, s0 = i0 % kS;
     if (pp && c == 1)
@@ -752,6 +793,7 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
     fence_regs(sacc);
     if (kvsplit)
       mbar_arrive(BAR(3 + 4 * s0)); // emptyK of the first tile's stage
+    q_release(t);
     softmax(t, s0, alpha, beta);
     to_p(s0, alpha); // O is still 0: nothing to rescale
     int sprev = s0, i = i0 + 1, tprev = t;
@@ -775,6 +817,7 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
       fence_regs(sacc);
       if (kvsplit)
         mbar_arrive(BAR(3 + 4 * s)); // the stage's K is read
+      q_release(t);
       softmax(t, s, alpha, beta);
       wgmma_wait<0>();
       fence_regs(o);
@@ -795,7 +838,7 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
     wgmma_commit();
     if (pp && c == 0)
       named_arrive(other, 256); // consumer 1's last turn; consumer 0 takes none after this
-    if (q_batch) { // the next unit's q, under this P V (its registers are free: sacc is)
+    if (kPre && qreg) { // the next unit's q, under this P V (its registers are free: sacc is)
       load_q(u + gridDim.x);
       preloaded = true;
     }
@@ -804,8 +847,10 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
     mbar_arrive(BAR(8 + sprev));
     gi = i;
   }
-  if (q_batch && !preloaded)
+  if (kPre && qreg && !preloaded)
     load_q(u + gridDim.x);
+  if (P.qtma && !qfree)
+    mbar_arrive(BAR(20)); // a unit with no key tile: Q was never read
 
   // ---- epilogue (tiled_write): row sums across the quad, normalize, write ----
 #pragma unroll
@@ -878,6 +923,7 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
       }
     }
   }
+  un++;
   } // units
 #endif // ATTND_SM90_DEVICE
 }

@@ -58,6 +58,25 @@ int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int ctas, int nit
     if (r != CUDA_SUCCESS)
       return set_error(__FILE__, __LINE__, "cuTensorMapEncodeTiled", cudaErrorInvalidValue);
   }
+  // q by the copy engine (the producer, a unit's Q tile under the products
+  // of the unit before) where a query tile is whole rows of whole GQA groups
+  // (the group divides 128) and q goes into the products as it is (no
+  // per-channel static scale: those, and int4, keep the consumers' loads and
+  // their hi + lo split); sched bit 4 (q a unit at a time) keeps the loads too.
+  const bool lo = KV == ATTND_KV_INT4 || (C::kStatic && p.per_channel);
+  if (!lo && !(sched & 16) && p.group >= 1 && p.group <= 128 && 128 % p.group == 0 &&
+      ((uintptr_t)p.q & 15) == 0) {
+    TensorMapEncodeFn enc = tensor_map_encoder();
+    const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)p.q_heads, (cuuint64_t)p.total_q};
+    const cuuint64_t strides[2] = {(cuuint64_t)D * 2, (cuuint64_t)p.q_heads * D * 2};
+    const cuuint32_t box[3] = {64, (cuuint32_t)p.group, (cuuint32_t)(128 / p.group)};
+    const cuuint32_t estr[3] = {1, 1, 1};
+    if (enc && enc(&P.qmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, (void *)p.q, dims, strides, box,
+                   estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS)
+      P.qtma = 1;
+  }
   const long tiles = ((long)p.max_vec + sm90::kBMq - 1) / sm90::kBMq;
   const long groups = (long)nitems * p.kv_heads;
   if (tiles * groups > 0x7fffffffL)

@@ -95,6 +95,15 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void *tmap, int 
                : "memory");
 #endif
 }
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tmap, int c0, int c1, int c2,
+                                            uint32_t bar) {
+#if ATTND_SM90_DEVICE
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+               "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+               : "memory");
+#endif
+}
 // A contiguous byte range (16-byte aligned, a multiple of 16 bytes) into shared memory.
 __device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes,
                                           uint32_t bar) {
