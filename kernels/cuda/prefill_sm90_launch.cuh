@@ -62,9 +62,11 @@ int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int ctas, int nit
   // of the unit before) where a query tile is whole rows of whole GQA groups
   // (the group divides 128) and q goes into the products as it is (no
   // per-channel static scale: those, and int4, keep the consumers' loads and
-  // their hi + lo split); sched bit 4 (q a unit at a time) keeps the loads too.
+  // their hi + lo split); sched bit 4 (q a unit at a time) keeps the loads too,
+  // and so does bit 12 (the producer warp converting: its lane 0 copies from
+  // the finishing loop, which issues no Q tile).
   const bool lo = KV == ATTND_KV_INT4 || (C::kStatic && p.per_channel);
-  if (!lo && !(sched & 16) && p.group >= 1 && p.group <= 128 && 128 % p.group == 0 &&
+  if (!lo && !(sched & (16 | 4096)) && p.group >= 1 && p.group <= 128 && 128 % p.group == 0 &&
       ((uintptr_t)p.q & 15) == 0) {
     TensorMapEncodeFn enc = tensor_map_encoder();
     const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)p.q_heads, (cuuint64_t)p.total_q};
