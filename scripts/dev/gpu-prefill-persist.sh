@@ -10,15 +10,16 @@
 #       to DIR/run.sh.
 #   bash DIR/run.sh                            (GPU machine)
 #       each step under a timeout of at most what is left of PERSIST_SECONDS
-#       (default 520), logs to $OUT:
+#       (default 450), logs to $OUT:
 #         1. test_cuda_kernels (every matrix) beside test_cuda_numerics
 #            (pairwise)                                                  ~90 s
 #         2. compute-sanitizer racecheck, then memcheck, over the prefill
 #            matrix's pairwise cover (its option cycle holds 1-3 CTA grids,
 #            several query tiles per CTA)                                ~60 s
-#         3. bench_prefill: every bf16 row with pp and unit; the converted
-#            append and causal rows with pp and unit                     ~90 s
+#         3. bench_prefill: every bf16 row with pp and unit              ~60 s
 #         4. bench/torch_reference.py (prefill, flex, append)            ~70 s
+#         5. bench_prefill: the converted append and causal rows with pp
+#            and unit                                                    ~40 s
 #       and prints a summary last (also $OUT/summary.txt).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -31,7 +32,7 @@ build() {
   cp "$0" "$1/run.sh"
 }
 
-budget=${PERSIST_SECONDS:-520}
+budget=${PERSIST_SECONDS:-450}
 # shellcheck source=round-step.sh
 . "$here/round-step.sh"
 
@@ -50,11 +51,11 @@ run() {
     compute-sanitizer --tool memcheck --error-exitcode 3 ./test_cuda_kernels
   step bench_bf16 80 prefill-bf16.log env -u OUT ATTND_BENCH_PREFILL=all ATTND_BENCH_VARIANTS=pp,unit \
     ATTND_BENCH_FILTER=bf16 ./bench_prefill
+  step torch_reference 80 reference.log env OUT="$out" PYTHONUNBUFFERED=1 \
+    ATTND_REF_SECTIONS=prefill,flex,append python3 torch_reference.py
   step bench_cvt 60 prefill-cvt.log env -u OUT ATTND_BENCH_PREFILL=all ATTND_BENCH_VARIANTS=pp,unit \
     ATTND_BENCH_FILTER=append2048_over6144_int8,append2048_over6144_fp8,append2048_over6144_int4,causal_d128_int8,causal_d128_fp8_dynamic \
     ./bench_prefill
-  step torch_reference 80 reference.log env OUT="$out" PYTHONUNBUFFERED=1 \
-    ATTND_REF_SECTIONS=prefill,flex,append python3 torch_reference.py
   {
     echo "GPU: $(cat "$out/gpu.txt")"
     grep -E "FAIL|PASSED|rel L2 .* >|Hopper path vs|prefix hit|seed" "$out/test.log" | head -16
