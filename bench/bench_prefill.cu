@@ -50,8 +50,7 @@ struct Variant {
 // static int8 / fp8, whose default that is, not) and their combinations
 // (the dynamic types at D <= 128 compile the default form only: there these
 // equal pp), the fourth warpgroup of finishing warps idle (cvt3: 96
-// finishing threads instead of 224, same values), one CTA per query tile
-// instead of the persistent grid (unit: same values), then the tiled kernel. A row runs the
+// finishing threads instead of 224, same values), then the tiled kernel. A row runs the
 // variants its flags ask for (Row.all_variants bits, below).
 static attnd_cuda_opts_t variant_opts(int sm90, int sched, int gchunk) {
   attnd_cuda_opts_t o = {};
@@ -86,7 +85,6 @@ static const VariantSel kVariants[] = {
     {{"cvt4_swz", variant_opts(0, 4096 | 2048, 0)}, V_CVT},
     {{"cvt4_swz_pf", variant_opts(0, 4096 | 2048 | 8192, 0)}, V_CVT},
     {{"cvt3", variant_opts(0, 16384, 0)}, V_CVT},
-    {{"unit", variant_opts(0, 32768, 0)}, V_BASE},
     {{"tiled", variant_opts(1, 0, 0)}, V_BASE}};
 
 // Whether the comma-separated list holds name exactly.

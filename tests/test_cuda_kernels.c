@@ -57,21 +57,18 @@ static int g_cases[ATTND_KV_COUNT_];
  * other form of the finishing loop (8192: the next round's loads ahead of the
  * stores, or not, prefill_sm90.cuh) and, for the dynamic types at head
  * dims up to 128, the fourth warpgroup of finishing warps left idle
- * (16384: 96 finishing threads instead of 224); the persistent grid at 1, 2
- * and 3 CTAs (sm90_ctas: every CTA then takes several query tiles, of
- * several items and masks, as a full GPU does on large batches) and one
- * CTA per query tile (sm90_sched 32768). */
+ * (16384: 96 finishing threads instead of 224). */
 #define N_OPTS 9
 static const attnd_cuda_opts_t k_opts[N_OPTS] = {
     {.split = 0},
     {.split = 2, .debug = 32768},
-    {.split = 1, .min_chunks = 2, .debug = 32, .sm90_sched = 4096, .sm90_ctas = 2},
-    {.split = 0, .no_pdl = 1, .debug = 512 | 8192 | 32, .sm90_sched = 16384, .sm90_ctas = 1},
-    {.split = 1, .min_chunks = 150, .sm90_sched = 2048 | 32768, .debug = 32768},
-    {.split = 2, .min_chunks = 4, .debug = 64 | 4096 | 8192, .sm90_ctas = 3},
-    {.split = 1, .min_chunks = 2, .debug = 64 | 128 | 8192, .sm90_sched = 8192, .sm90_ctas = 2},
-    {.split = 2, .debug = 256 | 4096 | 32768, .sm90_sched = 512 | 16384, .sm90_ctas = 1},
-    {.split = 0, .debug = 256 | 64, .sm90_sched = 2048 | 4096 | 8192, .sm90_ctas = 3}};
+    {.split = 1, .min_chunks = 2, .debug = 32, .sm90_sched = 4096},
+    {.split = 0, .no_pdl = 1, .debug = 512 | 8192 | 32, .sm90_sched = 16384},
+    {.split = 1, .min_chunks = 150, .sm90_sched = 2048, .debug = 32768},
+    {.split = 2, .min_chunks = 4, .debug = 64 | 4096 | 8192},
+    {.split = 1, .min_chunks = 2, .debug = 64 | 128 | 8192, .sm90_sched = 8192},
+    {.split = 2, .debug = 256 | 4096 | 32768, .sm90_sched = 512 | 16384},
+    {.split = 0, .debug = 256 | 64, .sm90_sched = 2048 | 4096 | 8192}};
 
 static double case_run(attnd_kshape_t *s, int ncase, const tcase_item_t *ti, int nitems,
                        int out_fp32, int use_ws, int per_channel) {

@@ -68,8 +68,6 @@ typedef struct {
                    * one, bit 2 no softmax at all (results wrong) */
   int sm90_gchunk; /* Hopper path: (item, kv head) groups whose query tiles
                     * launch together (0: enough to fill the GPU once) */
-  int sm90_ctas;   /* Hopper path: CTAs of the persistent grid over the query
-                    * tiles (0: one per SM, shared by the KV splits) */
   int fuse;       /* attnd_cuda_step: 1 the fused launch where the batch's
                    * plan allows it, -1 never (the write kernel, then the
                    * attention), 0 the default (off: kernels/cuda/README.md) */

@@ -32,34 +32,32 @@ int device_cc() {
 }
 
 template <int D, int DT>
-int dispatch_kv(int kv, const FlashParams &p, int sched, int gchunk, int ctas, int nitems,
-                cudaStream_t st) {
+int dispatch_kv(int kv, const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st) {
   switch (kv) {
   case ATTND_KV_BF16:
-    return launch_sm90_t<D, DT, ATTND_KV_BF16>(p, sched, gchunk, ctas, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_BF16>(p, sched, gchunk, nitems, st);
   case ATTND_KV_FP16:
-    return launch_sm90_t<D, DT, ATTND_KV_FP16>(p, sched, gchunk, ctas, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_FP16>(p, sched, gchunk, nitems, st);
   case ATTND_KV_INT8:
-    return launch_sm90_t<D, DT, ATTND_KV_INT8>(p, sched, gchunk, ctas, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_INT8>(p, sched, gchunk, nitems, st);
   case ATTND_KV_FP8:
-    return launch_sm90_t<D, DT, ATTND_KV_FP8>(p, sched, gchunk, ctas, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_FP8>(p, sched, gchunk, nitems, st);
   case ATTND_KV_INT8_DYNAMIC:
-    return launch_sm90_t<D, DT, ATTND_KV_INT8_DYNAMIC>(p, sched, gchunk, ctas, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_INT8_DYNAMIC>(p, sched, gchunk, nitems, st);
   case ATTND_KV_FP8_DYNAMIC:
-    return launch_sm90_t<D, DT, ATTND_KV_FP8_DYNAMIC>(p, sched, gchunk, ctas, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_FP8_DYNAMIC>(p, sched, gchunk, nitems, st);
   case ATTND_KV_INT4:
-    return launch_sm90_t<D, DT, ATTND_KV_INT4>(p, sched, gchunk, ctas, nitems, st);
+    return launch_sm90_t<D, DT, ATTND_KV_INT4>(p, sched, gchunk, nitems, st);
   default:
     return set_invalid(__FILE__, __LINE__, "unknown cache type");
   }
 }
 
 template <int D>
-int dispatch_dt(int dt, int kv, const FlashParams &p, int sched, int gchunk, int ctas, int nitems,
+int dispatch_dt(int dt, int kv, const FlashParams &p, int sched, int gchunk, int nitems,
                 cudaStream_t st) {
-  return dt == ATTND_DT_BF16
-             ? dispatch_kv<D, ATTND_DT_BF16>(kv, p, sched, gchunk, ctas, nitems, st)
-             : dispatch_kv<D, ATTND_DT_FP16>(kv, p, sched, gchunk, ctas, nitems, st);
+  return dt == ATTND_DT_BF16 ? dispatch_kv<D, ATTND_DT_BF16>(kv, p, sched, gchunk, nitems, st)
+                             : dispatch_kv<D, ATTND_DT_FP16>(kv, p, sched, gchunk, nitems, st);
 }
 
 } // namespace
@@ -103,16 +101,16 @@ bool sm90_eligible(const attnd_kshape_t *s, const FlashParams &p, const attnd_cu
 int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems,
                 const attnd_cuda_opts_t &o, cudaStream_t st) {
   // The kernel's bit 0 means pingpong on; the option's bit 0 turns it off.
-  // Bits 3-6, 8-9, 14 and 15 select earlier forms, bits 7 and 11-13 opt-in
-  // ones, bit 10 a timing experiment (prefill_sm90.cuh).
-  const int sched = (o.sm90_sched & 65535) ^ 1, gchunk = o.sm90_gchunk, ctas = o.sm90_ctas;
+  // Bits 3-6, 8-9 and 14 select earlier forms, bits 7 and 11-13 opt-in ones,
+  // bit 10 a timing experiment (prefill_sm90.cuh).
+  const int sched = (o.sm90_sched & 32767) ^ 1, gchunk = o.sm90_gchunk;
   switch (s->head_dim) {
   case 64:
-    return dispatch_dt<64>(s->dtype, s->kv, p, sched, gchunk, ctas, nitems, st);
+    return dispatch_dt<64>(s->dtype, s->kv, p, sched, gchunk, nitems, st);
   case 128:
-    return dispatch_dt<128>(s->dtype, s->kv, p, sched, gchunk, ctas, nitems, st);
+    return dispatch_dt<128>(s->dtype, s->kv, p, sched, gchunk, nitems, st);
   case 256:
-    return dispatch_dt<256>(s->dtype, s->kv, p, sched, gchunk, ctas, nitems, st);
+    return dispatch_dt<256>(s->dtype, s->kv, p, sched, gchunk, nitems, st);
   default:
     return set_invalid(__FILE__, __LINE__, "head dim of the Hopper path");
   }

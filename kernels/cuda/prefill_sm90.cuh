@@ -64,24 +64,16 @@ namespace attnd {
 // by default, Cfg::kPf; the other types then do, static int8 / fp8 do not;
 // the same values); bit 14 = dynamic types at D <= 128: the fourth warpgroup of
 // finishing warps idle (the earlier 384-thread split's 96 finishing threads,
-// at the 512-thread kernel's registers; the same values); bit 15 = one CTA
-// per unit (query tile), the earlier grid, instead of the persistent grid
-// (the same values). Bit 11 measured 2-4% slower than the default. This is
+// at the 512-thread kernel's registers; the same values). Bit 11 measured
+// 2-4% slower than the default. This is
 // attnd_cuda_opts_t.sm90_sched with bit 0 inverted (0 there is the default).
-// Units are (item, kv head) groups x query tiles (qtiles per group), taken
-// gchunk groups at a time (nitems * kv_heads groups); the grid's x runs over
-// them (persistent: at most one CTA per SM, each taking every gridDim.x-th).
-// qmap (qtma 1): q as {head_dim, q_heads, total_q} 16-bit elements, box {64,
-// group, 128 / group}, 128-byte swizzle: one query tile's 64-column chunk, in
-// the Q operand's layout (where the group divides 128 and q needs no static
-// scale, prefill_sm90_launch.cuh).
+// The grid is one-dimensional over (item, kv head) groups x query tiles
+// (qtiles per group), taken gchunk groups at a time (nitems * kv_heads groups).
 struct Sm90Params { // 64-byte aligned through CUtensorMap
   CUtensorMap tmap;
-  CUtensorMap qmap;
   FlashParams f;
   int sched;
   int qtiles, gchunk, ngroups_items;
-  int qtma;
 };
 
 // 1 when this launch runs on the Hopper path: the device is compute
@@ -95,8 +87,7 @@ int launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems,
 
 // Per (head dim, activation dtype, cache type); defined in prefill_sm90_launch.cuh.
 template <int D, int DT, int KV>
-int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int ctas, int nitems,
-                  cudaStream_t st);
+int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st);
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda
 // link); NULL when the driver has none.

@@ -22,20 +22,15 @@ constexpr int kThreads4 = 512;
 constexpr int kRegsProducerCvt4 = 56, kRegsConsumerCvt4 = 200;
 constexpr int kBMq = 128;     // query vectors per CTA (64 per consumer warpgroup)
 constexpr int kMaxFlags = 1024;
-// mbarriers of one CTA (prefill_sm90_impl.cuh numbers them): 0-15 the stage
-// ring's, 16-18 the 16-bit caches' tail tiles, one per stage, 19-20 the Q
-// tile's (full, empty).
-constexpr int kNBar = 21;
 // Registers per thread after setmaxnreg (384 threads share 64 K): 16-bit
-// caches, whose producer warpgroup only copies (or zeroes a tail tile's
-// rows), 48 / 232 (48 + 2 x 232 = 512: the producer's loop over the units of
-// the persistent grid spilled at 40); the 8-bit and int4 caches 72 / 208, so that the finishing
+// caches, whose producer warpgroup only copies (or converts a word per
+// pair), 40 / 232; the 8-bit and int4 caches 72 / 208, so that the finishing
 // loop's units and the opt-in forms' state stay in registers (sched bits 12
 // and 13 spilled 52-68 bytes at 40 and 12 at 64; no spill at 72 / 208,
 // ptxas -warn-spills). On the H200 (bench/RESULTS.md, prefill5) 72 / 208 ran
 // the append over the dynamic types 11% faster, static int8 / fp8 2-3%,
 // int4 the same; the fp16 cache under bf16 6% slower (kept at 40 / 232).
-constexpr int kRegsProducer = 48, kRegsConsumer = 232;
+constexpr int kRegsProducer = 40, kRegsConsumer = 232;
 constexpr int kRegsProducerCvt = 72, kRegsConsumerCvt = 208;
 
 // Tile shapes and the shared-memory layout of one instantiation (bytes from a
@@ -95,7 +90,7 @@ template <int D, int DT, int KV> struct Cfg {
   // keys) and read there by the consumers, so that the raw stage is free once
   // converted (raw_empty, as the other converted types).
   static constexpr uint32_t kSclStage = kDyn ? 2 * BN * 4 : 0;
-  static constexpr uint32_t kTail = kNBar * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
+  static constexpr uint32_t kTail = 16 * 8 + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
   // Pipeline stages: three where shared memory allows (16-bit caches at D <=
   // 128; converted types where three operand and raw stages fit beside every
   // tile flag and the alignment slack: every converted type at D <= 128, the
@@ -113,7 +108,7 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr int kNF = kFlags + kMaxFlags + kTail <= 232448 ? kMaxFlags : 512;
   static constexpr uint32_t kC = kFlags + kNF; // int4: [kBMq] fp32 q'.z_k
   static constexpr uint32_t kBar = kC + (KV == ATTND_KV_INT4 ? kBMq * 4 : 0);
-  static constexpr uint32_t kEnd = kBar + kNBar * 8; // mbarriers
+  static constexpr uint32_t kEnd = kBar + 16 * 8; // mbarriers
   // Slack to align the base to 1024 bytes by hand where it fits; else the
   // kernel relies on dynamic shared memory starting 1024-aligned (it checks).
   static constexpr uint32_t kSlack = kEnd + 1024 <= 232448 ? 1024 : 0;
@@ -208,12 +203,12 @@ __device__ __forceinline__ void convert16_fast(const uint4 &rv, uint32_t *out) {
 // bit 2: no interval of any in-range key of the tile meets the rows [pmin,
 // pmax], so the tile's per-element mask is the causal / window / range one
 // alone (the cheap per-row ranges instead of four interval reads per key; the
-// diagonal tiles of a document mask). nw warps from warp w0.
+// diagonal tiles of a document mask). nw warps from warp 0.
 template <int BN>
 __device__ void classify_tiles_sm90(const attnd_kitem_t &it, const int32_t *iv, int kv_len, int lo,
                                     int hi, int jfirst, int ntiles, int nflags, int pmin, int pmax,
-                                    int win, int nw, int w0, uint8_t *flags) {
-  const int warp = (threadIdx.x >> 5) - w0, lane = threadIdx.x & 31, n = min(ntiles, nflags);
+                                    int win, int nw, uint8_t *flags) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = min(ntiles, nflags);
   // Two tiles per warp and round, every read at a key clamped into [lo, hi]
   // (0 <= lo <= hi < kv_len when any tile runs) instead of under a branch:
   // 8 BN / 32 loads of a lane in flight together (tiles past n are computed

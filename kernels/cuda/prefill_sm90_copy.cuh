@@ -15,13 +15,10 @@
 namespace attnd {
 namespace sm90 {
 
-// What the copy side and the consumers of one CTA share for one unit (query
-// tile): the stage ring (kS stages of Cfg's layout from smem, mbarrier i at
-// bar0 + 8 i), the unit's live key tiles (ntiles of BN keys from jfirst,
-// interval tiles whose flag bit 0 is set skipped, the visible keys ending at
-// lastkey) and the pipeline's choices. The ring runs on over the CTA's units:
-// each role counts the live tiles it has taken (the ordinal i of a tile, its
-// stage i % kS and barrier parity (i / kS) & 1).
+// What the copy side and the consumers of one CTA share: the stage ring
+// (kS stages of Cfg's layout from smem, mbarrier i at bar0 + 8 i), the live
+// key tiles (ntiles of BN keys from jfirst, interval tiles whose flag bit 0 is
+// set skipped, the visible keys ending at lastkey) and the pipeline's choices.
 struct Ring {
   uint8_t *smem;
   const uint8_t *flags; // FlashMask interval tile flags (kind ATTND_MASK_INTERVALS)
@@ -82,19 +79,9 @@ __device__ __forceinline__ void ring_copy_raw(const FlashParams &F, const Ring &
   }
 }
 
-// The producer (warp 0, lane 0): every copy of every live tile of one unit,
-// in order; i is the ordinal of the unit's first live tile, and comes back
-// past its last. A 16-bit cache's tail tile (the last tile, when it reaches
-// past the visible keys) lands on its stage's tail barrier (BAR(16 + s), for
-// the finishing warps, which zero V's rows past the keys) instead of raw_full
-// (or, with kvsplit, V's on it instead of fullV), and the barrier it skips
-// gets a plain arrival, so that every stage barrier completes once per tile.
-// first: the CTA's first unit (the descriptor prefetch, the wait for the
-// previous kernel). after_first(): called once, after the first live tile's
-// copies are issued (at once when the unit has none): the unit's Q tile.
-template <int D, int DT, int KV, class AfterFirst>
-__device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g, int &i,
-                                             bool first, AfterFirst &&after_first) {
+// The producer (warp 0, lane 0): every copy of every live tile, in order.
+template <int D, int DT, int KV>
+__device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g) {
   using C = Cfg<D, DT, KV>;
   constexpr int BN = C::BN, CH = C::CH, RB = C::RB;
   constexpr uint32_t KT = C::KT;
@@ -108,22 +95,12 @@ __device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g,
   const int R = min(F.bs, BN), nbox = BN / R; // rows per copy: one paged block or one tile
   const int bs_shift = __ffs(F.bs) - 1, bs_mask = F.bs - 1;
   const size_t v_region = (size_t)F.kv_heads * F.bs * RB;
-  if (first) {
-    if constexpr (C::kDirect)
-      tma_prefetch_desc(&P.tmap);
-    if (P.qtma)
-      tma_prefetch_desc(&P.qmap);
-    pdl_wait(); // the cache (and q) are written by the previous kernel
-  }
-  int t = next_tile(0);
-  const int i0 = i;
-  if (t >= ntiles)
-    after_first();
-  for (; t < ntiles; t = next_tile(t + 1), i++) {
-    if (i == i0 + 1)
-      after_first();
+  if constexpr (C::kDirect)
+    tma_prefetch_desc(&P.tmap);
+  pdl_wait(); // the cache is written by the previous kernel
+  int i = 0;
+  for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
     const int j0 = jfirst + t * BN;
-    const bool tail = lastkey + 1 - j0 < BN;
     const int nvalid = min(nbox, (lastkey - j0) / R + 1);
     const int s = i % kS;
     if (i >= kS && !kvsplit) // the stage's tile kS back is done with: raw_empty, else empty
@@ -143,9 +120,7 @@ __device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g,
       }
       if (i >= kS) // and their P V
         mbar_wait_wd(BAR(8 + s), ((i / kS) - 1) & 1);
-      const uint32_t vb = tail ? BAR(16 + s) : BAR(13 + s);
-      if (tail)
-        mbar_arrive(BAR(13 + s)); // fullV's phase of this tile, with no bytes
+      const uint32_t vb = lastkey + 1 - j0 < BN ? BAR(12) : BAR(13 + s);
       mbar_arrive_expect_tx(vb, bytes);
       for (int b = 0; b < nvalid; b++) {
         const int j = j0 + b * R, blk = bt[j >> bs_shift], ro = j & bs_mask;
@@ -155,9 +130,7 @@ __device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g,
                       F.kv_heads + kvh, blk, vb);
       }
     } else if constexpr (C::kDirect) {
-      const uint32_t bar = tail ? BAR(16 + s) : BAR(s);
-      if (tail)
-        mbar_arrive(BAR(s)); // raw_full's phase of this tile, with no bytes
+      const uint32_t bar = lastkey + 1 - j0 < BN ? BAR(12) : BAR(s);
       mbar_arrive_expect_tx(bar, (uint32_t)nvalid * 2u * (uint32_t)R * D * 2u);
       const uint32_t dK = smem_u32(smem + C::kOp + s * 2 * KT), dV = dK + KT;
       for (int b = 0; b < nvalid; b++) {
@@ -173,8 +146,6 @@ __device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g,
       ring_copy_raw<D, DT, KV>(F, g, t, s);
     }
   }
-  if (i == i0 + 1)
-    after_first(); // the unit's only tile
 }
 
 // The finishing warps (producer warps 1-3, thread ct of kCvt; with
@@ -188,11 +159,8 @@ __device__ __forceinline__ void ring_produce(const Sm90Params &P, const Ring &g,
 // warps'), so that the copies run as far ahead as with a producer of its
 // own, and 128 threads instead of 96 share each tile (a tile of 64 keys at
 // D 128, 512 units of K and of V: 4 rounds each instead of 5 or 6).
-// One unit's tiles; i as ring_produce's; tails: per stage s (bit s), the
-// parity of the next wait on its tail barrier BAR(16 + s) (16-bit caches).
 template <int D, int DT, int KV>
-__device__ __forceinline__ void ring_finish(const Sm90Params &P, const Ring &g, int ct, bool prod,
-                                            int &i, uint32_t &tails, bool first) {
+__device__ __forceinline__ void ring_finish(const Sm90Params &P, const Ring &g, int ct, bool prod) {
   using C = Cfg<D, DT, KV>;
   constexpr int BN = C::BN, CH = C::CH, RB = C::RB;
   constexpr uint32_t KT = C::KT;
@@ -202,10 +170,10 @@ __device__ __forceinline__ void ring_finish(const Sm90Params &P, const Ring &g, 
   const bool raw_early = g.raw_early;
   auto BAR = [&](int i) { return g.bar(i); };
   auto next_tile = [&](int t) { return g.template next_tile<C::kNF>(t); };
-  int pt = 0, pi = i; // prod: the next tile to copy and its ordinal
+  int i = 0;
+  int pt = 0, pi = 0; // prod: the next tile to copy and its ordinal
   if (!KvT<KV>::k16 && prod) {
-    if (first)
-      pdl_wait(); // the cache is written by the previous kernel
+    pdl_wait(); // the cache is written by the previous kernel
     pt = next_tile(0);
   }
   for (int t = next_tile(0); t < ntiles; t = next_tile(t + 1), i++) {
@@ -227,11 +195,10 @@ __device__ __forceinline__ void ring_finish(const Sm90Params &P, const Ring &g, 
     const int s = i % kS;
     uint8_t *opK = smem + C::kOp + s * 2 * KT, *opV = opK + KT;
     if constexpr (C::kDirect) {
-      // Only a unit's last tile can reach past the visible keys; the
+      // Only the CTA's last tile can reach past the visible keys; the
       // consumers wait for the copy engine directly on every other tile.
       if (lim < BN) {
-        mbar_wait_wd(BAR(16 + s), (tails >> s) & 1u);
-        tails ^= 1u << s;
+        mbar_wait_wd(BAR(12), 0);
         const int rows = BN - lim, n16 = CH * rows * 8;
         for (int u = ct; u < n16; u += kCvt) {
           const int c = u / (rows * 8), r = lim + (u % (rows * 8)) / 8, q = u & 7;

@@ -3,13 +3,7 @@
 // the instantiations, for the prefill_sm90_<kv>.cu files); the copy side is
 // prefill_sm90_copy.cuh.
 //
-// Units of work: (item, kv head, tile of kBMq = 128 query vectors), per KV
-// split (blockIdx.z). The grid is persistent: at most one CTA per SM over x,
-// each taking units blockIdx.x, blockIdx.x + gridDim.x, ... in the launch
-// order of unit_coords (sched bit 15: one CTA per unit, the earlier grid), so
-// that a unit's first copies and q loads run under the last products of the
-// unit before instead of after a CTA's launch, barrier set-up and
-// epilogue (a ~5 us cost per unit on the H100: bench/RESULTS.md). 384
+// One CTA per (item, kv head, tile of kBMq = 128 query vectors, KV split), 384
 // threads in three warpgroups:
 //   warpgroup 0, producer (40 registers; 8-bit and int4 caches 72, Cfg::kRegsP):
 //     warp 0 lane 0 issues the copies of
@@ -52,63 +46,6 @@
 namespace attnd {
 namespace sm90 {
 
-// Unit u of the grid (a query tile of kBMq vectors of one (item, kv head)
-// group) -> its group and tile. Groups are taken P.gchunk at a time, their
-// tiles interleaved heaviest (last) first, so that the units resident
-// together read the same few groups' K/V from L2.
-__device__ __forceinline__ void unit_coords(const Sm90Params &P, int u, int &group, int &qt) {
-  const int per = P.gchunk * P.qtiles, chunk = u / per, r = u % per;
-  const int ng = P.f.kv_heads * P.ngroups_items, kk = min(P.gchunk, ng - chunk * P.gchunk);
-  group = chunk * P.gchunk + r % kk;
-  qt = P.qtiles - 1 - r / kk;
-}
-
-// What every role of a CTA derives from a unit: its item, kv head and query
-// vectors [v0, vend) of nvec, their positions [pmin, pmax], the keys any of
-// them may see [lo, hi] (primitives.cuh, key_range; cut to the split's part)
-// and the key tiles over them (ntiles of BN from jfirst). live: the unit has
-// query vectors (every role skips the others).
-struct Unit {
-  attnd_kitem_t it;
-  int item, kvh, G, nvec, v0, vend, kv_len, pmin, pmax, kind, mp, lo, hi, jfirst, ntiles;
-  const int32_t *iv, *bt;
-  bool live;
-};
-
-template <int BN>
-__device__ __forceinline__ Unit make_unit(const Sm90Params &P, int u, int split) {
-  const FlashParams &F = P.f;
-  Unit U;
-  int group, qt;
-  unit_coords(P, u, group, qt);
-  U.item = group / F.kv_heads;
-  U.kvh = group % F.kv_heads;
-  U.it = F.items[U.item];
-  const attnd_kitem_t &it = U.it;
-  U.G = F.group;
-  U.nvec = it.n * U.G;
-  U.v0 = qt * kBMq;
-  U.live = it.q_row >= 0 && U.v0 < U.nvec;
-  U.kv_len = it.start + it.n;
-  U.vend = min(U.v0 + kBMq, U.nvec);
-  U.pmin = it.start + U.v0 / U.G;
-  U.pmax = it.start + (U.vend - 1) / U.G;
-  U.kind = it.mask_kind;
-  U.mp = it.mask_param;
-  U.iv = U.kind == ATTND_MASK_INTERVALS ? F.meta + it.intervals : nullptr;
-  U.bt = F.meta + it.block_table;
-  const int win = F.window;
-  key_range(it, U.pmin, U.pmax, win, U.lo, U.hi);
-  if (F.nsplit > 1) {
-    const int b0 = win > 0 ? U.lo : 0; // a sliding layer's parts cover its window only
-    U.lo = max(U.lo, b0 + split * F.split_keys);
-    U.hi = min(U.hi, b0 + (split + 1) * F.split_keys - 1);
-  }
-  U.jfirst = (U.lo / BN) * BN;
-  U.ntiles = (U.hi >= U.lo && U.hi >= U.jfirst) ? (U.hi - U.jfirst) / BN + 1 : 0;
-  return U;
-}
-
 // LO: q split into hi + lo halves with a second Q K^T product (per-channel
 // static scales; int4 always), a template argument so that no branch sits
 // between the wgmma instructions (ptxas would fence them). FF: scores to P
@@ -135,21 +72,53 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
 
   pdl_trigger();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int split = blockIdx.z, win = F.window;
-  // The CTA's units: blockIdx.x, then every gridDim.x-th (the grid is persistent).
-  const int nunits = P.qtiles * F.kv_heads * P.ngroups_items;
+  // blockIdx.x -> (item, kv head) group and query tile. Groups are taken P.gchunk
+  // at a time, their tiles interleaved heaviest (last) first, so that the CTAs
+  // resident together read the same few groups' K/V from L2.
+  int group, qt;
+  {
+    const int per = P.gchunk * P.qtiles, chunk = blockIdx.x / per, r = blockIdx.x % per;
+    const int ng = F.kv_heads * P.ngroups_items, kk = min(P.gchunk, ng - chunk * P.gchunk);
+    group = chunk * P.gchunk + r % kk;
+    qt = P.qtiles - 1 - r / kk;
+  }
+  const int item = group / F.kv_heads, kvh = group % F.kv_heads;
+  const attnd_kitem_t it = F.items[item];
+  if (it.q_row < 0)
+    return;
+  const int G = F.group, nvec = it.n * G;
+  const int v0 = qt * kBMq;
+  if (v0 >= nvec)
+    return;
+  const int split = blockIdx.z;
+  const int kv_len = it.start + it.n;
+  const int vend = min(v0 + kBMq, nvec);
+  const int pmin = it.start + v0 / G, pmax = it.start + (vend - 1) / G;
+  const int kind = it.mask_kind, mp = it.mask_param;
+  const int32_t *iv = kind == ATTND_MASK_INTERVALS ? F.meta + it.intervals : nullptr;
+  const int32_t *bt = F.meta + it.block_table;
+
+  // Keys any row of this CTA may see (primitives.cuh), cut to the split's part.
+  const int win = F.window;
+  int lo, hi;
+  key_range(it, pmin, pmax, win, lo, hi);
+  if (F.nsplit > 1) {
+    const int b0 = win > 0 ? lo : 0; // a sliding layer's parts cover its window only
+    lo = max(lo, b0 + split * F.split_keys);
+    hi = min(hi, b0 + (split + 1) * F.split_keys - 1);
+  }
+  const int jfirst = (lo / BN) * BN;
+  const int ntiles = (hi >= lo && hi >= jfirst) ? (hi - jfirst) / BN + 1 : 0;
 
   uint8_t *sFlags = smem + C::kFlags;
   const uint32_t bar0 = smem_u32(smem + C::kBar);
   // Per stage s: BAR(s) raw_full (the copy engine's bytes landed), BAR(4 + s)
   // full (finishing warps done: converted tiles, and 16-bit tail tiles only),
-  // BAR(8 + s) empty (consumers done with the stage). BAR(16 + s): the bytes
-  // of a 16-bit cache's tail tile (a unit's last tile, when it reaches past
-  // the visible keys) land there instead of on raw_full, for the finishing
-  // warps, which wait for no other tile (ring_produce: raw_full still
-  // completes once per tile). Every barrier's phases thus follow the tile
-  // ordinal of the CTA (Ring), but full and the tail barriers of the 16-bit
-  // caches, used by tail tiles only: their waits keep a parity per stage.
+  // BAR(8 + s) empty (consumers done with the stage). BAR(12): the bytes of
+  // a 16-bit cache's tail tile (the last tile, when it reaches past the
+  // visible keys) land there instead of on raw_full, so that the finishing
+  // warps, which wait for no other tile, wait on a barrier used once (a
+  // parity wait on raw_full could pass on a phase two uses back).
   // Stages in use: C::kStages, but for the converted types with a third
   // stage (prefill_sm90_cfg.cuh), sched bit 6 runs two of them (the earlier
   // pipeline, for the A/B).
@@ -176,189 +145,100 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
   // barriers of their own, so that K's
   // copy waits only for the consumers' Q K^T of the tile kS back (emptyK,
   // BAR(3 + 4 s)) and V's for their P V (empty), and the consumers wait for V
-  // (fullV, BAR(13 + s); the tail tile's V still lands on BAR(16 + s)) only
-  // before the P V that reads it, a tile after its Q K^T: each copy gets a
-  // tile more to land (two stages at D 256).
+  // (fullV, BAR(13 + s); the tail tile's V still lands on BAR(12)) only before
+  // the P V that reads it, a tile after its Q K^T: each copy gets a tile more
+  // to land (two stages at D 256).
   const bool kvsplit = C::kDirect && (D == 256 ? !(P.sched & 256) : (P.sched & 128) != 0);
   if (tid == 0) {
     for (int st = 0; st < C::kStages; st++) {
       mbar_init(BAR(st), 1);
       mbar_init(BAR(4 + st), nfin);
       mbar_init(BAR(8 + st), 256);
+    }
+    mbar_init(BAR(12), 1);
+    for (int st = 0; st < C::kStages; st++) {
       mbar_init(BAR(13 + st), C::kDirect ? 1 : nfin); // fullV, else raw_empty
       mbar_init(BAR(3 + 4 * st), 256);                // emptyK
-      mbar_init(BAR(16 + st), 1);                     // a 16-bit cache's tail tile
     }
-    mbar_init(BAR(19), 1);   // Q full (P.qtma: the copy engine's bytes)
-    mbar_init(BAR(20), 256); // Q empty (the consumers' last Q K^T of a unit done)
     mbar_init_fence();
   }
+  // Consumers: this warpgroup's q rows, every 16-byte unit's load issued
+  // at once into registers (one thread's D / 16 units), before the
+  // classification and the CTA barrier, so that one memory latency, not
+  // D / 16 of them in a row, precedes the first product (sched bit 4: the
+  // unit-at-a-time loop below, for the A/B). Zeros past the last vector.
+  constexpr int NQ = D / 16, UQ = D / 8; // units per thread, 16-byte units per q row
+  const bool q_batch = !(P.sched & 16);
+  uint4 qv[NQ];
+  if (tid >= 128 && tid < 384 && q_batch) {
+    pdl_wait(); // q is rotated in place by the previous kernel
+    const int cq = (tid >> 7) - 1;
+#pragma unroll
+    for (int k = 0; k < NQ; k++) {
+      const int u = (tid & 127) + k * 128, v = u / UQ, cu = u % UQ, vv = v0 + cq * 64 + v;
+      qv[k] = make_uint4(0, 0, 0, 0);
+      if (vv < nvec) {
+        const int r = vv / G, h = kvh * G + vv % G;
+        qv[k] =
+            *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
+                                             ((size_t)(it.q_row + r) * F.q_heads + h) * D + cu * 8);
+      }
+    }
+  }
+  // FlashMask intervals: every key tile classified once, as the tiled kernel
+  // does (skipped: each key masked for every row; bit 1: masked per element;
+  // bit 2: only the causal / window ranges mask it, classify_tiles_sm90).
+  if (kind == ATTND_MASK_INTERVALS)
+    classify_tiles_sm90<BN>(it, iv, kv_len, lo, hi, jfirst, ntiles, C::kNF, pmin, pmax, win,
+                            C::kThreads / 32, sFlags);
   __syncthreads();
 
+  const int lastkey = hi;                                         // hi <= kv_len - 1
   const int cvt = (P.sched & 1024) ? 2 : (P.sched & 512) ? 1 : 0; // Ring::cvt
-  auto ring_of = [&](const Unit &U) -> Ring {
-    return Ring{smem,
-                sFlags,
-                U.bt,
-                bar0,
-                U.kind,
-                U.ntiles,
-                U.jfirst,
-                U.hi, // lastkey: hi <= kv_len - 1
-                kS,
-                U.kvh,
-                raw_early,
-                kvsplit,
-                cvt,
-                (P.sched & 2048) != 0,
-                merged,
-                nfin,
-                C::kPf != ((P.sched & 8192) != 0)};
-  };
-  // FlashMask intervals: every key tile of the unit classified once, as the
-  // tiled kernel does (skipped: each key masked for every row; bit 1: masked
-  // per element; bit 2: only the causal / window ranges mask it,
-  // classify_tiles_sm90), by the consumer warps, between two CTA barriers
-  // (named barrier 5, every thread): the first so that no role still works on
-  // the unit before (whose flags these overwrite), the second so that every
-  // role reads these. (A unit of any other mask needs no barrier: the roles
-  // run apart, the copies of a unit's first tiles under the last tiles of the
-  // unit before.)
-  auto unit_flags = [&](const Unit &U, bool classify) {
-    __syncwarp();
-    named_sync(5, C::kThreads);
-    if (classify)
-      classify_tiles_sm90<BN>(U.it, U.iv, U.kv_len, U.lo, U.hi, U.jfirst, U.ntiles, C::kNF, U.pmin,
-                              U.pmax, win, 8, 4, sFlags);
-    named_sync(5, C::kThreads);
-  };
+  const Ring g{smem,
+               sFlags,
+               bt,
+               bar0,
+               kind,
+               ntiles,
+               jfirst,
+               lastkey,
+               kS,
+               kvh,
+               raw_early,
+               kvsplit,
+               cvt,
+               (P.sched & 2048) != 0,
+               merged,
+               nfin,
+               C::kPf != ((P.sched & 8192) != 0)};
+  auto next_tile = [&](int t) -> int { return g.template next_tile<C::kNF>(t); };
 
   const int wg = tid >> 7;
-  if (wg == 0 || wg == 3) {
-    // ---- the copy side: the producer (warp 0, lane 0 issues every copy,
-    // prefill_sm90_copy.cuh), finishing warps 1-3 (merged: 0-3, warp 0 lane 0
-    // also copying) and the fourth warpgroup's (dynamic types, D <= 128) ----
+  if (wg == 3) {
+    // ---- the fourth warpgroup (dynamic types, D <= 128): finishing warps ----
     regs_dec<C::kRegsP>();
-    int gi = 0;         // ordinal of the CTA's next live tile
-    uint32_t tails = 0; // 16-bit caches: the parity of each stage's tail barrier
-    uint32_t un = 0;    // live units before this one (Q barriers' parity)
-    bool first = true;
-    for (int u = blockIdx.x; u < nunits; u += gridDim.x) {
-      const Unit U = make_unit<BN>(P, u, split);
-      if (!U.live)
-        continue;
-      if (U.kind == ATTND_MASK_INTERVALS)
-        unit_flags(U, false);
-      const Ring g = ring_of(U);
-      if (wg == 3) {
-        if (wg3)
-          ring_finish<D, DT, KV>(P, g, nfin0 + (tid - 384), false, gi, tails, first);
-      } else if (warp == 0 && !merged) {
-        if (lane == 0) {
-          // The unit's Q tile (P.qtma), after its first key tile's copies,
-          // once the consumers' last Q K^T of the unit before is done: CH
-          // 64-column chunks of 128 vectors (128 / G rows x the group's G
-          // heads) into the Q operand's layout.
-          const int qx = U.kvh * U.G, qy = U.it.q_row + U.v0 / U.G;
-          auto q_copy = [&]() {
-            if (!P.qtma)
-              return;
-            if (un > 0)
-              mbar_wait_wd(BAR(20), (un - 1) & 1u);
-            mbar_arrive_expect_tx(BAR(19), (uint32_t)kBMq * D * 2u);
-            const uint32_t dQ = smem_u32(smem + C::kQ);
-#pragma unroll
-            for (int ch = 0; ch < D / 64; ch++)
-              tma_load_3d(dQ + ch * kBMq * 128, &P.qmap, ch * 64, qx, qy, BAR(19));
-          };
-          ring_produce<D, DT, KV>(P, g, gi, first, q_copy);
-        }
-        __syncwarp();
-      } else {
-        // convert, zero what lies past the visible keys
-        ring_finish<D, DT, KV>(P, g, merged ? tid : tid - 32, merged && tid == 0, gi, tails, first);
-      }
-      first = false;
-      un++;
+    if (wg3)
+      ring_finish<D, DT, KV>(P, g, nfin0 + (tid - 384), false);
+    return;
+  }
+  if (wg == 0) {
+    regs_dec<C::kRegsP>();
+    if (warp == 0 && !merged) {
+      // ---- producer: one thread issues every copy (prefill_sm90_copy.cuh) ----
+      if (lane == 0)
+        ring_produce<D, DT, KV>(P, g);
+      return;
     }
+    // ---- finishing warps 1-3 (merged: 0-3, warp 0 lane 0 also copying):
+    // convert, zero what lies past the visible keys ----
+    ring_finish<D, DT, KV>(P, g, merged ? tid : tid - 32, merged && tid == 0);
     return;
   }
 
   // ---- consumers ----
   regs_inc<C::kRegsC>();
-  const int c = wg - 1, t128_k = tid & 127, lane_k = lane;
-  uint8_t *const smem_k = smem;
-  // This warpgroup's q rows of unit u, every 16-byte unit's load issued at
-  // once into registers (one thread's D / 16 units), so that one memory
-  // latency, not D / 16 of them in a row, precedes the first product: the
-  // first unit's before anything else, each later unit's under the last P V
-  // of the unit before (sched bit 4: the unit-at-a-time loop below, after
-  // the unit's start, for the A/B). Zeros past the last vector, and for a
-  // unit that does not run.
-  constexpr int NQ = D / 16, UQ = D / 8; // units per thread, 16-byte units per q row
-  const bool q_batch = !(P.sched & 16);
-  uint4 qv[NQ];
-  auto load_q = [&](int u) {
-#pragma unroll
-    for (int k = 0; k < NQ; k++)
-      qv[k] = make_uint4(0, 0, 0, 0);
-    if (u >= nunits)
-      return;
-    int group, qt;
-    unit_coords(P, u, group, qt);
-    const int qi = group / F.kv_heads, qh = group % F.kv_heads;
-    const int q_row = F.items[qi].q_row, qn = F.items[qi].n * F.group;
-    if (q_row < 0)
-      return;
-#pragma unroll
-    for (int k = 0; k < NQ; k++) {
-      const int uu = t128_k + k * 128, v = uu / UQ, cu = uu % UQ, vv = qt * kBMq + c * 64 + v;
-      if (vv < qn) {
-        const int r = vv / F.group, h = qh * F.group + vv % F.group;
-        qv[k] = *reinterpret_cast<const uint4 *>(reinterpret_cast<const T *>(F.q) +
-                                                 ((size_t)(q_row + r) * F.q_heads + h) * D +
-                                                 cu * 8);
-      }
-    }
-  };
-  // P.qtma: q comes by the copy engine (the producer's q_copy) instead.
-  // kPre: the next unit's q loaded under the last P V of a unit (converted
-  // types at D <= 128); elsewhere at the unit's start (held across the
-  // epilogue, D 256's 64 registers of q and the 16-bit caches' 232-register
-  // key loop spilled).
-  constexpr bool kPre = !C::kDirect && D <= 128;
-  const bool qreg = q_batch && !P.qtma;
-  pdl_wait(); // q is rotated in place by the previous kernel (and out may be its input)
-  if (kPre && qreg)
-    load_q(blockIdx.x);
-  uint32_t un = 0; // live units before this one (Q barriers' parity)
-  int gi = 0;         // ordinal of the CTA's next live tile (as the copy side's)
-  uint32_t tails = 0; // 16-bit caches: the parity of each stage's full barrier, used by tail tiles
-  for (int u = blockIdx.x; u < nunits; u += gridDim.x) {
-  // The CTA's constants again, opaque (sm90_primitives.cuh): what the unit's
-  // code derives from them (descriptors, swizzled offsets) is computed per
-  // unit, not hoisted out of the unit loop into registers held across it
-  // (ptxas then spilled at the consumers' 232).
-  uint8_t *const smem = opaque(smem_k);
-  const int lane = opaque(lane_k), t128 = opaque(t128_k);
-  const int cw = t128 >> 5;
-  const Unit U = make_unit<BN>(P, u, split);
-  if (!U.live) {
-    if (kPre && qreg)
-      load_q(u + gridDim.x);
-    continue;
-  }
-  if (!kPre && qreg)
-    load_q(u);
-  if (U.kind == ATTND_MASK_INTERVALS)
-    unit_flags(U, true);
-  const Ring g = ring_of(U);
-  auto next_tile = [&](int t) -> int { return g.template next_tile<C::kNF>(t); };
-  const attnd_kitem_t it = U.it;
-  const int item = U.item, kvh = U.kvh, G = U.G, nvec = U.nvec, v0 = U.v0, vend = U.vend,
-            kv_len = U.kv_len, pmin = U.pmin, pmax = U.pmax, kind = U.kind, mp = U.mp, lo = U.lo,
-            hi = U.hi, jfirst = U.jfirst, ntiles = U.ntiles, lastkey = U.hi;
-  const int32_t *iv = U.iv;
+  const int c = wg - 1, t128 = tid & 127, cw = t128 >> 5;
   // Static K scale, as the tiled kernel: per kv head in the fp32 score scale;
   // per channel (int4 always) in q as q s / 2^e, 2^e >= every s_d, kept as an
   // exact hi + lo pair of operands (sQ, sQlo: a second Q K^T product), and
@@ -412,13 +292,12 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
       if constexpr (lo_pass)
         *reinterpret_cast<uint4 *>(sQlo + off) = vlo;
     };
-    if (P.qtma) {
-      mbar_wait(BAR(19), un & 1u); // the producer's copy of this unit's Q tile
-    } else if (q_batch) {
+    if (q_batch) {
 #pragma unroll
       for (int k = 0; k < NQ; k++)
         put(t128 + k * 128, qv[k]);
     } else {
+      pdl_wait(); // q is rotated in place by the previous kernel
       for (int u = t128; u < 64 * UQ; u += 128) {
         const int v = u / UQ, cu = u % UQ, vv = v0 + c * 64 + v;
         uint4 val = make_uint4(0, 0, 0, 0);
@@ -431,10 +310,8 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
         put(u, val);
       }
     }
-    if (!P.qtma) {
-      fence_proxy_async();
-      named_sync(1 + c, 128);
-    }
+    fence_proxy_async();
+    named_sync(1 + c, 128);
     if constexpr (KV == ATTND_KV_INT4) {
       // q'.(u - z) = q'.u - q'.z: the second term is the same for every key
       // of a row, so the scores leave it out and the lse takes it out (fp64
@@ -744,19 +621,11 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
   // Tile i (stage s) is ready: the copy engine's barrier for 16-bit tiles that
   // need no fix-up, else the finishing warps' (used once per CTA for those).
   // kvsplit: K only here (BAR(s), the tail tile's too), V in wait_v.
-  // Tail tiles of 16-bit caches: the finishing warps' full barrier, which
-  // only tail tiles use (a parity per stage).
-  auto wait_tail = [&](int s) {
-    mbar_wait(BAR(4 + s), (tails >> s) & 1u);
-    tails ^= 1u << s;
-  };
   auto wait_tile = [&](int t, int s, int i) {
     if (C::kDirect && (kvsplit || lastkey + 1 - (jfirst + t * BN) >= BN))
       mbar_wait(BAR(s), (i / kS) & 1);
-    else if (C::kDirect)
-      wait_tail(s);
     else
-      mbar_wait(BAR(4 + s), (i / kS) & 1);
+      mbar_wait(BAR(4 + s), C::kDirect ? 0 : (i / kS) & 1);
   };
   auto wait_v = [&](int t, int s, int i) {
     if (!kvsplit)
@@ -764,39 +633,28 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
     if (lastkey + 1 - (jfirst + t * BN) >= BN)
       mbar_wait(BAR(13 + s), (i / kS) & 1);
     else
-      wait_tail(s); // the tail tile: the finishing warps zeroed V's rows past the keys
+      mbar_wait(BAR(4 + s), 0); // the tail tile: the finishing warps zeroed V's rows past the keys
   };
   int t = next_tile(0);
-  bool preloaded = false, qfree = false;
-  // P.qtma: the producer may bring the next unit's Q tile once this unit's
-  // last Q K^T is done (tile t's, when no live tile follows it).
-  auto q_release = [&](int tt) {
-    if (P.qtma && next_tile(tt + 1) >= ntiles) {
-      mbar_arrive(BAR(20));
-      qfree = true;
-    }
-  };
   if (t < ntiles) {
-    const int i0 = gi, s0 = i0 % kS;
     if (pp && c == 1)
       named_arrive(3, 256); // consumer 0 issues first
     float alpha[2], beta;
-    wait_tile(t, s0, i0);
+    wait_tile(t, 0, 0);
     if (pp)
       named_sync(me, 256);
     wgmma_fence();
-    issue_qk(s0);
+    issue_qk(0);
     wgmma_commit();
     if (pp)
       named_arrive(other, 256);
     wgmma_wait<0>();
     fence_regs(sacc);
     if (kvsplit)
-      mbar_arrive(BAR(3 + 4 * s0)); // emptyK of the first tile's stage
-    q_release(t);
-    softmax(t, s0, alpha, beta);
-    to_p(s0, alpha); // O is still 0: nothing to rescale
-    int sprev = s0, i = i0 + 1, tprev = t;
+      mbar_arrive(BAR(3)); // emptyK of stage 0
+    softmax(t, 0, alpha, beta);
+    to_p(0, alpha); // O is still 0: nothing to rescale
+    int sprev = 0, i = 1, tprev = t;
     for (t = next_tile(t + 1); t < ntiles; t = next_tile(t + 1), i++) {
       const int s = i % kS;
       wait_tile(t, s, i);
@@ -817,7 +675,6 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
       fence_regs(sacc);
       if (kvsplit)
         mbar_arrive(BAR(3 + 4 * s)); // the stage's K is read
-      q_release(t);
       softmax(t, s, alpha, beta);
       wgmma_wait<0>();
       fence_regs(o);
@@ -838,19 +695,10 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
     wgmma_commit();
     if (pp && c == 0)
       named_arrive(other, 256); // consumer 1's last turn; consumer 0 takes none after this
-    if (kPre && qreg) { // the next unit's q, under this P V (its registers are free: sacc is)
-      load_q(u + gridDim.x);
-      preloaded = true;
-    }
     wgmma_wait<0>();
     fence_regs(o);
     mbar_arrive(BAR(8 + sprev));
-    gi = i;
   }
-  if (kPre && qreg && !preloaded)
-    load_q(u + gridDim.x);
-  if (P.qtma && !qfree)
-    mbar_arrive(BAR(20)); // a unit with no key tile: Q was never read
 
   // ---- epilogue (tiled_write): row sums across the quad, normalize, write ----
 #pragma unroll
@@ -923,8 +771,6 @@ __global__ void __launch_bounds__(Cfg<D, DT, KV>::kThreads, 1)
       }
     }
   }
-  un++;
-  } // units
 #endif // ATTND_SM90_DEVICE
 }
 

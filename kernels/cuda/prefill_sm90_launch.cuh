@@ -28,8 +28,7 @@ cudaError_t launch_k(const Sm90Params &P, dim3 grid, bool pdl, cudaStream_t st) 
 } // namespace sm90
 
 template <int D, int DT, int KV>
-int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int ctas, int nitems,
-                  cudaStream_t st) {
+int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int nitems, cudaStream_t st) {
   using C = sm90::Cfg<D, DT, KV>;
   Sm90Params P;
   memset(&P, 0, sizeof P);
@@ -58,27 +57,6 @@ int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int ctas, int nit
     if (r != CUDA_SUCCESS)
       return set_error(__FILE__, __LINE__, "cuTensorMapEncodeTiled", cudaErrorInvalidValue);
   }
-  // q by the copy engine (the producer, a unit's Q tile under the products
-  // of the unit before) where a query tile is whole rows of whole GQA groups
-  // (the group divides 128) and q goes into the products as it is (no
-  // per-channel static scale: those, and int4, keep the consumers' loads and
-  // their hi + lo split); sched bit 4 (q a unit at a time) keeps the loads too,
-  // and so does bit 12 (the producer warp converting: its lane 0 copies from
-  // the finishing loop, which issues no Q tile).
-  const bool lo = KV == ATTND_KV_INT4 || (C::kStatic && p.per_channel);
-  if (!lo && !(sched & (16 | 4096)) && p.group >= 1 && p.group <= 128 && 128 % p.group == 0 &&
-      ((uintptr_t)p.q & 15) == 0) {
-    TensorMapEncodeFn enc = tensor_map_encoder();
-    const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)p.q_heads, (cuuint64_t)p.total_q};
-    const cuuint64_t strides[2] = {(cuuint64_t)D * 2, (cuuint64_t)p.q_heads * D * 2};
-    const cuuint32_t box[3] = {64, (cuuint32_t)p.group, (cuuint32_t)(128 / p.group)};
-    const cuuint32_t estr[3] = {1, 1, 1};
-    if (enc && enc(&P.qmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, (void *)p.q, dims, strides, box,
-                   estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS)
-      P.qtma = 1;
-  }
   const long tiles = ((long)p.max_vec + sm90::kBMq - 1) / sm90::kBMq;
   const long groups = (long)nitems * p.kv_heads;
   if (tiles * groups > 0x7fffffffL)
@@ -90,17 +68,7 @@ int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int ctas, int nit
   P.qtiles = (int)tiles;
   P.gchunk = (int)chunk;
   P.ngroups_items = nitems;
-  // Persistent: one CTA per SM (each holds an SM: shared memory, registers)
-  // over the units, the KV splits sharing the SMs, or ctas CTAs over x where
-  // the options say (tests: several units per CTA on small batches); sched
-  // bit 15, one per unit.
-  const long units = tiles * groups;
-  long gx = units;
-  if (!(sched & 32768)) {
-    const long per = ctas > 0 ? ctas : num_sms() / (p.nsplit > 1 ? p.nsplit : 1);
-    gx = per < 1 ? 1 : per < units ? per : units;
-  }
-  dim3 grid((unsigned)gx, 1u, (unsigned)p.nsplit);
+  dim3 grid((unsigned)(tiles * groups), 1u, (unsigned)p.nsplit);
   // q's hi + lo split: per-channel static scales (int4 always).
   cudaError_t e;
   // The FFMA score form (sched bit 3): 16-bit caches in the activation dtype only.
@@ -118,17 +86,17 @@ int launch_sm90_t(const FlashParams &p, int sched, int gchunk, int ctas, int nit
 }
 
 #define ATTND_SM90_INST(KVT)                                                                       \
-  template int launch_sm90_t<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int, int, \
+  template int launch_sm90_t<64, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,           \
                                                      cudaStream_t);                                \
-  template int launch_sm90_t<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int, int, \
+  template int launch_sm90_t<128, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,          \
                                                       cudaStream_t);                               \
-  template int launch_sm90_t<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int, int, \
+  template int launch_sm90_t<256, ATTND_DT_BF16, KVT>(const FlashParams &, int, int, int,          \
                                                       cudaStream_t);                               \
-  template int launch_sm90_t<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int, int, \
+  template int launch_sm90_t<64, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,           \
                                                      cudaStream_t);                                \
-  template int launch_sm90_t<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int, int, \
+  template int launch_sm90_t<128, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,          \
                                                       cudaStream_t);                               \
-  template int launch_sm90_t<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int, int, \
+  template int launch_sm90_t<256, ATTND_DT_FP16, KVT>(const FlashParams &, int, int, int,          \
                                                       cudaStream_t);
 
 } // namespace attnd

@@ -95,15 +95,6 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void *tmap, int 
                : "memory");
 #endif
 }
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tmap, int c0, int c1, int c2,
-                                            uint32_t bar) {
-#if ATTND_SM90_DEVICE
-  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-               " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-               "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-               : "memory");
-#endif
-}
 // A contiguous byte range (16-byte aligned, a multiple of 16 bytes) into shared memory.
 __device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes,
                                           uint32_t bar) {
@@ -175,17 +166,6 @@ template <int N> __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; i++)
     asm volatile("" : "+r"(r[i])::"memory");
-}
-
-// A copy of x the compiler cannot see through: values derived from it inside
-// a loop are computed there, not hoisted out of it (and kept live across it).
-__device__ __forceinline__ int opaque(int x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-template <class T> __device__ __forceinline__ T *opaque(T *p) {
-  asm volatile("" : "+l"(p));
-  return p;
 }
 
 // Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "matrix
