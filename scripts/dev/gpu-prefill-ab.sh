@@ -57,7 +57,6 @@ budget=${AB_SECONDS:-228}
 run() {
   local w
   round_unpack "$here/ab.tar.xz"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >"$out/gpu.txt" 2>&1
   step test_cuda_kernels 95 test.log ./test_cuda_kernels
   local pw=1
   [ "${AB_NUMERICS_PAIRWISE:-0}" = 1 ] || pw=0

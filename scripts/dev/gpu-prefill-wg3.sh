@@ -37,7 +37,6 @@ budget=${WG3_SECONDS:-290}
 run() {
   local w
   round_unpack "$here/p5.tar.xz"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >"$out/gpu.txt" 2>&1
   env ATTND_GPU_TEST_PAIRWISE=1 ./test_cuda_numerics >"$out/numerics.log" 2>&1 &
   local npid=$!
   step test_cuda_kernels 110 test.log ./test_cuda_kernels

@@ -29,11 +29,13 @@ step() {
 }
 
 # round_unpack ARCHIVE: sets $out (OUT, else ./gpu-out; created) and $w (a fresh
-# folder), unpacks ARCHIVE there, cd's into it and puts its libraries first on
-# LD_LIBRARY_PATH.
+# folder), records the GPU in $out/gpu.txt (name, driver, clocks), unpacks
+# ARCHIVE there, cd's into it and puts its libraries first on LD_LIBRARY_PATH.
 round_unpack() {
   out=${OUT:-$PWD/gpu-out}
   mkdir -p "$out"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader \
+    >"$out/gpu.txt" 2>&1
   w=$(mktemp -d)
   tar -C "$w" -xJf "$1" || exit 1
   cd "$w" || exit 1
