@@ -30,6 +30,11 @@ constexpr int kMaxFlags = 1024;
 // ptxas -warn-spills). On the H200 (bench/RESULTS.md, prefill5) 72 / 208 ran
 // the append over the dynamic types 11% faster, static int8 / fp8 2-3%,
 // int4 the same; the fp16 cache under bf16 6% slower (kept at 40 / 232).
+// The budget is what the CTA holds at launch, not the register file: 384
+// threads launch at 168 registers each (64 K / 384 rounded down to a multiple
+// of 8), so the warpgroups' counts after setmaxnreg sum to at most 3 x 168 =
+// 504 (40 + 2 x 232); a setmaxnreg.inc past what the others released waits
+// forever (48 / 232, 512 in all, hung every launch on the H100).
 constexpr int kRegsProducer = 40, kRegsConsumer = 232;
 constexpr int kRegsProducerCvt = 72, kRegsConsumerCvt = 208;
 
@@ -51,8 +56,13 @@ template <int D, int DT, int KV> struct Cfg {
   static constexpr int kThreads = kWg3 ? kThreads4 : sm90::kThreads;
   static constexpr int kRegsP = K::k16 ? kRegsProducer : kWg3 ? kRegsProducerCvt4 : kRegsProducerCvt;
   static constexpr int kRegsC = K::k16 ? kRegsConsumer : kWg3 ? kRegsConsumerCvt4 : kRegsConsumerCvt;
-  static_assert((kWg3 ? 2 * kRegsP + 2 * kRegsC : kRegsP + 2 * kRegsC) * 128 <= 65536,
-                "the warpgroups' registers after setmaxnreg fit the register file");
+  // Registers per thread at launch (__launch_bounds__(kThreads, 1)): 64 K
+  // over the threads, in multiples of 8; setmaxnreg moves registers between
+  // the warpgroups of the CTA, within that allocation.
+  static constexpr int kRegsLaunch = (65536 / kThreads) / 8 * 8;
+  static_assert((kWg3 ? 2 * kRegsP + 2 * kRegsC : kRegsP + 2 * kRegsC) <=
+                    (kThreads / 128) * kRegsLaunch,
+                "the warpgroups' registers after setmaxnreg fit the CTA's allocation at launch");
   // The finishing loop loads the next round's units before this round's
   // stores by default for static int8 / fp8 (5.7% / 3.1% faster on the
   // H200, the append; the dynamic types and int4 within 1%); sched bit 13
