@@ -85,6 +85,9 @@ static const VariantSel kVariants[] = {
     {{"cvt4_swz", variant_opts(0, 4096 | 2048, 0)}, V_CVT},
     {{"cvt4_swz_pf", variant_opts(0, 4096 | 2048 | 8192, 0)}, V_CVT},
     {{"cvt3", variant_opts(0, 16384, 0)}, V_CVT},
+#ifdef ATTND_SM90_BASE // another commit's kernels, built in (bench/prefill.cmake)
+    {{"base", variant_opts(0, 1 << 20, 0)}, V_BASE},
+#endif
     {{"tiled", variant_opts(1, 0, 0)}, V_BASE}};
 
 // Whether the comma-separated list holds name exactly.

@@ -6,3 +6,8 @@ if(ATTND_HAVE_CUDA AND TARGET attnd_kernels_cuda)
   target_link_libraries(bench_prefill PRIVATE attnd_kernels_cuda)
   set_target_properties(bench_prefill PROPERTIES CUDA_RUNTIME_LIBRARY Static)
 endif()
+# The "base" variant: another commit's Hopper prefill kernels, built in
+# (kernels/cuda/CMakeLists.txt, ATTND_SM90_BASE_DIR).
+if(TARGET bench_prefill AND ATTND_SM90_BASE_DIR)
+  target_compile_definitions(bench_prefill PRIVATE ATTND_SM90_BASE=1)
+endif()

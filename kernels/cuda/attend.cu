@@ -12,6 +12,14 @@
 #include "decode_params.cuh"
 #include "prefill_sm90.cuh"
 
+#ifdef ATTND_SM90_BASE
+namespace attnd {
+// Another commit's Hopper prefill launch, built in for a development A/B.
+int base_launch_sm90(const attnd_kshape_t *s, const FlashParams &p, int nitems,
+                     const attnd_cuda_opts_t &o, cudaStream_t st);
+} // namespace attnd
+#endif
+
 namespace attnd {
 namespace {
 
@@ -80,7 +88,12 @@ int launch_tiled(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspa
     p.ws_lse = p.ws_o + (size_t)p.nsplit * b->total_q * s->q_heads * s->head_dim;
   }
   if (sm90_eligible(s, p, o)) { // prefill-shaped batches on Hopper: wgmma + TMA (prefill_sm90.cuh)
+#ifdef ATTND_SM90_BASE // development A/B (kernels/cuda/CMakeLists.txt, ATTND_SM90_BASE_DIR)
+    const int rc = (o.sm90_sched & (1 << 20)) ? base_launch_sm90(s, p, b->nitems, o, st)
+                                              : launch_sm90(s, p, b->nitems, o, st);
+#else
     const int rc = launch_sm90(s, p, b->nitems, o, st);
+#endif
     if (rc != 0)
       return rc;
     return p.nsplit > 1 ? launch_merge_split(s, b, p.ws_o, p.ws_lse, p.nsplit, p.pdl != 0, st) : 0;
