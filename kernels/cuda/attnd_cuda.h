@@ -65,7 +65,9 @@ typedef struct {
                    * tiled kernel (A/B checks and timing) */
   int sm90_sched; /* Hopper path, timing only: bit 0 no pingpong between the
                    * consumer warpgroups, bit 1 no softmax / P V overlap inside
-                   * one, bit 2 no softmax at all (results wrong) */
+                   * one, bit 2 no softmax at all (results wrong); bit 20
+                   * another commit's kernels, in a build configured with
+                   * ATTND_SM90_BASE_DIR (development A/B; else ignored) */
   int sm90_gchunk; /* Hopper path: (item, kv head) groups whose query tiles
                     * launch together (0: enough to fill the GPU once) */
   int fuse;       /* attnd_cuda_step: 1 the fused launch where the batch's
