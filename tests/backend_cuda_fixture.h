@@ -130,5 +130,6 @@ void test_ring_fault(void **state);
 /* --cuda-completion loop and --cuda-graphs (test_backend_cuda_small.c). */
 void test_loop_completion(void **state);
 void test_graph_steps(void **state);
+void test_graph_replay(void **state);
 
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

@@ -349,6 +349,25 @@ int attnd_cuda_step(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *work
   return attnd_cuda_attend(s, b, workspace, workspace_bytes, stream);
 }
 
+/* The launch print: what the mock's step would queue (the shape, the batch
+ * but for the planning hints, which the CPU kernels do not read, and the
+ * workspace), so that equal prints queue equal operations. */
+uint64_t attnd_cuda_step_print(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
+                               size_t workspace_bytes) {
+  attnd_kbatch_t c = *b;
+  c.max_kv_len = 0;
+  c.kv_sum = 0;
+  uint64_t h = 0xcbf29ce484222325ull;
+  const unsigned char *p[4] = {(const unsigned char *)s, (const unsigned char *)&c,
+                               (const unsigned char *)&workspace,
+                               (const unsigned char *)&workspace_bytes};
+  const size_t n[4] = {sizeof(*s), sizeof(c), sizeof(workspace), sizeof(workspace_bytes)};
+  for (int i = 0; i < 4; i++)
+    for (size_t j = 0; j < n[i]; j++)
+      h = (h ^ p[i][j]) * 0x100000001b3ull;
+  return h ? h : 1;
+}
+
 /* Same-host zero-copy: "device" memory is host memory, so a mock handle is
  * simply the address, in the handle's first 8 bytes (the test registers
  * its own memory), and the allocation's size in the next 8 (0: 1 GiB). A

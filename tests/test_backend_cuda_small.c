@@ -16,7 +16,9 @@
  * --cuda-graphs (daemon/backend/cuda_graph.c): the same chain gives the same
  * outputs and order with small steps launched as graphs, exactly the steps
  * expected go as graphs, and a refused update makes a new graph; the suite
- * and the fault test (a faulting graph) run again under --graphs. */
+ * and the fault test (a faulting graph) run again under --graphs. With
+ * --cuda-graph-replay, a step whose launch print and staging buffers equal
+ * its graph's launches that graph as it is (test_graph_replay). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,8 +36,10 @@ void attnd_cuda_mock_refuse_updates(int n) __attribute__((weak));
  * token 0, layer 1 token 0, layer 0 token 1, ...; odd tokens with fp32
  * outputs: two decode shapes), all back to back, on a fresh CUDA backend
  * with g_opts; checks every output and lse against the CPU backend's and
- * each layer's completion order; returns the CUDA backend's stats. */
-static attnd_backend_stats_t run_chain(void) {
+ * each layer's completion order; returns the CUDA backend's stats. seq: the
+ * CUDA backend gets one job at a time, each after the one before finished
+ * (a decode loop at depth 1). */
+static attnd_backend_stats_t run_chain(int seq) {
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   uv_loop_t loop;
   assert_int_equal(uv_loop_init(&loop), 0);
@@ -77,7 +81,11 @@ static attnd_backend_stats_t run_chain(void) {
     job_from_spec(&jg[i], &sp[i], &dummy);
   }
   run_all(&loop, cpu, jc, NJOBS);
-  run_all(&loop, gpu, jg, NJOBS);
+  if (seq)
+    for (int i = 0; i < NJOBS; i++)
+      run_all(&loop, gpu, &jg[i], 1);
+  else
+    run_all(&loop, gpu, jg, NJOBS);
   double worst = 0, worst_lse = 0;
   for (int i = 0; i < NJOBS; i++) {
     if (jg[i].job.status)
@@ -127,7 +135,7 @@ void test_loop_completion(void **state) {
   /* --hostfn-min=0: every job here has an lse to copy out, so the loop must
    * leave all of them to the poller thread. */
   const int handoff = g_opts.cuda_hostfn_min == 0;
-  attnd_backend_stats_t st = run_chain();
+  attnd_backend_stats_t st = run_chain(0);
   /* The poller thread stands by while the loop polls (its window outlasts
    * the test here): the loop completes every job, or none when each has a
    * copy to leave to the poller. */
@@ -143,15 +151,37 @@ void test_graph_steps(void **state) {
   (void)state;
   SKIP_WITHOUT_GPU();
   g_opts.cuda_graphs = 1;
-  attnd_backend_stats_t st = run_chain();
+  attnd_backend_stats_t st = run_chain(0);
   assert_int_equal(st.graph_steps, (uint64_t)LAYERS * (DECODES - 2));
   if (attnd_cuda_mock_graph_launches)
     assert_int_equal(st.graph_builds, (uint64_t)LAYERS * 2);
   g_opts.cuda_graphs = 2;
   if (attnd_cuda_mock_refuse_updates)
     attnd_cuda_mock_refuse_updates(2);
-  st = run_chain();
+  st = run_chain(0);
   assert_int_equal(st.graph_steps, (uint64_t)NJOBS);
   if (attnd_cuda_mock_refuse_updates)
     assert_int_equal(st.graph_builds, (uint64_t)LAYERS * 3 + 2);
+}
+
+/* --cuda-graph-replay: the chain one step at a time, graphs from a shape's
+ * first step. Each layer has a prefill shape and two decode shapes (bf16 and
+ * fp32 outputs), DECODES / 2 steps of each; a shape's first step is
+ * captured, and its later ones find the same launches (the contexts grow
+ * inside the items in device memory; the plan of these short contexts stays)
+ * and the same staging buffer (handed back to the shape), so they launch the
+ * graph as it is: DECODES - 2 per layer. Outputs and lse as the CPU
+ * backend's throughout (run_chain). Replay off: every step captured. */
+void test_graph_replay(void **state) {
+  (void)state;
+  SKIP_WITHOUT_GPU();
+  g_opts.cuda_graphs = 2;
+  g_opts.cuda_graph_replay = 1;
+  attnd_backend_stats_t st = run_chain(1);
+  assert_int_equal(st.graph_steps, (uint64_t)NJOBS);
+  assert_int_equal(st.graph_replays, (uint64_t)LAYERS * (DECODES - 2));
+  g_opts.cuda_graph_replay = 0;
+  st = run_chain(1);
+  assert_int_equal(st.graph_steps, (uint64_t)NJOBS);
+  assert_int_equal(st.graph_replays, 0);
 }

@@ -22,6 +22,7 @@ void attnd_backend_opts_defaults(attnd_backend_opts_t *o) {
   memset(o, 0, sizeof(*o));
   o->cuda_hostfn_min = (uint64_t)64 << 10; /* about 6 us of memcpy (bench/RESULTS.md) */
   o->chunk_keys = (uint64_t)1 << 14;      /* --engine-chunk-keys */
+  o->cuda_graph_replay = 1;               /* --cuda-graph-replay */
 }
 
 void attnd_backend_check_host(attnd_job_t *job) {

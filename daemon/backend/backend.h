@@ -136,6 +136,7 @@ typedef struct {
                            * polling (--cuda-completion loop) */
   uint64_t graph_steps;   /* CUDA: small steps launched as one graph (--cuda-graphs) */
   uint64_t graph_builds;  /* CUDA: executable graphs made (new shapes, refused updates) */
+  uint64_t graph_replays; /* CUDA: of graph_steps, those launched as they were (no capture) */
 } attnd_backend_stats_t;
 
 /* --cuda-completion loop's polling window (attnd_backend_opts_t
@@ -229,6 +230,8 @@ typedef struct {
   int cuda_graphs;           /* CUDA: 1 = small steps as one graph launch per
                               * shape (--cuda-graphs); 2 = from a shape's first
                               * step, not its second (tests) */
+  int cuda_graph_replay;     /* CUDA: 1 = a graphed step whose launches equal its
+                              * graph's launches it as it is (no capture) */
   uint64_t chunk_keys;       /* a step whose attention reads more keys per q head
                               * (summed over its rows) is large: the CPU backend
                               * cuts it into chunks of about this much, the CUDA

@@ -109,6 +109,7 @@ static void cu_stats(attnd_backend_t *base, attnd_backend_stats_t *st) {
   st->loop_done = be->loop_completions;
   st->graph_steps = be->graph_steps;
   st->graph_builds = be->graph_builds;
+  st->graph_replays = be->graph_replays;
 }
 
 /* Frees the device and pinned memory; the struct itself goes in the async
@@ -281,6 +282,7 @@ static void apply_opts(cu_backend_t *be, const attnd_backend_opts_t *o) {
   be->loop_spin_us = be->poll ? (uint64_t)o->cuda_spin_us : 0;
   be->chunk_keys = o->chunk_keys;
   be->graphs = o->cuda_graphs;
+  be->graph_replay = o->cuda_graph_replay;
   if (o->cuda_trace)
     be->trace = attnd_xcalloc(1, sizeof(cu_trace_t));
 }

@@ -323,7 +323,9 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
   int cerr = cudaSuccess;
   if (job->device_io)
     return enqueue_step_device(be, r, &db, &lo);
-  r->stage = attnd_cu_stage_get(be, lo.total, 0, &cerr);
+  /* The staging buffer of this shape's graph where it is free (a graph
+   * launches again as it is only over the buffers it was made with). */
+  r->stage = attnd_cu_stage_get_pref(be, lo.total, attnd_cu_graph_stage_hint(be, r), &cerr);
   if (!r->stage) {
     if (cerr == cudaSuccess)
       return 1;
@@ -350,9 +352,18 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
   uint8_t *dp = cs->dbuf;
   if (hostfn)
     RUN_CU(r, cudaLaunchHostFunc(cs->st, attnd_cu_stage_inputs_fn, r));
+  db.items = (const attnd_kitem_t *)dp;
+  db.meta = (const int32_t *)(dp + lo.off_meta);
+  db.q = job->q_bytes ? dp + lo.off_q : NULL;
+  db.k = dp + lo.off_k;
+  db.v = dp + lo.off_v;
+  db.out = job->out_bytes ? dp + lo.off_out : NULL;
+  db.lse = job->lse_bytes && hb->lse ? (float *)(dp + lo.off_lse) : NULL;
   attnd_cu_trace_begin(be, r);
   attnd_cu_trace_mark(r, 0, cs->st);
-  graph = attnd_cu_graph_begin(be, r);
+  graph = attnd_cu_graph_begin(be, r, &db, hp, dp);
+  if (graph == 2)
+    return 0; /* launched: the stream's graph of this step, as it was */
 sequence:
   if (direct) {
     RUN_CU(r, cudaMemcpyAsync(dp, hp, lo.off_q, cudaMemcpyHostToDevice, cs->st));
@@ -369,13 +380,6 @@ sequence:
     RUN_CU(r, cudaMemcpyAsync(dp, hp, lo.in_bytes, cudaMemcpyHostToDevice, cs->st));
   }
   attnd_cu_trace_mark(r, 1, cs->st);
-  db.items = (const attnd_kitem_t *)dp;
-  db.meta = (const int32_t *)(dp + lo.off_meta);
-  db.q = job->q_bytes ? dp + lo.off_q : NULL;
-  db.k = dp + lo.off_k;
-  db.v = dp + lo.off_v;
-  db.out = job->out_bytes ? dp + lo.off_out : NULL;
-  db.lse = job->lse_bytes && hb->lse ? (float *)(dp + lo.off_lse) : NULL;
   enqueue_kernels(be, r, &db, hp, dp, &lo);
 enqueued:
   if (graph) {

@@ -15,7 +15,22 @@
  * seen once), so graph memory is made lazily, a few hundred KiB per shape,
  * at most CU_GRAPHS per stream. An update the runtime refuses (the kernels
  * chose another topology, e.g. a split with a merge) makes a new executable
- * graph in that slot. A capture that fails for any reason but a dead
+ * graph in that slot.
+ *
+ * Replay (--cuda-graph-replay, on by default): capturing and updating cost
+ * more host time than the direct calls (every call recorded, then the
+ * runtime's comparison of two graphs). Most steps of a decode loop launch
+ * exactly what the step before them did on that layer: the staging
+ * buffers are the stream's, the kernels read the new context from the items
+ * in device memory, and the plan (parts, CTAs) changes only every few dozen
+ * tokens. So a slot is one shape of one layer and keeps the launch print of
+ * what its graph holds (attnd_cuda_step_print: every kernel, grid and
+ * argument, computed on the host without enqueuing) and its staging
+ * buffers; a step with the same print and buffers launches the graph as it
+ * is: one cudaGraphLaunch. The staging buffer of a shape's graph is handed
+ * out to that shape's next step where it is free (cuda_enqueue.c). Steps
+ * with inputs or outputs in pinned frames (their addresses change each
+ * step) and write-only steps are captured as before. A capture that fails for any reason but a dead
  * device is thrown away and the same calls are made directly; after a few
  * such failures graphs are turned off with a warning. A faulting graph
  * fails its step like any faulting kernel: the completion event reports
@@ -38,6 +53,7 @@ static uint64_t mix(uint64_t h, uint64_t v) {
 static uint64_t shape_key(const attnd_job_t *job) {
   const attnd_kbatch_t *b = &job->batch;
   uint64_t h = 0x2545f4914f6cdd1dull;
+  h = mix(h, (uint64_t)job->layer);
   h = mix(h, (uint64_t)b->nitems);
   h = mix(h, (uint64_t)b->total_q);
   h = mix(h, (uint64_t)b->q_only_rows);
@@ -71,17 +87,62 @@ static cu_graph_t *victim(cu_stream_t *cs) {
     cudaGraphExecDestroy(v->exec);
   v->exec = NULL;
   v->key = 0;
+  v->print = 0;
+  v->hp = v->dp = NULL;
   return v;
 }
 
-int attnd_cu_graph_begin(cu_backend_t *be, cu_run_t *r) {
+static int graphable(const cu_backend_t *be, const cu_run_t *r) {
   const attnd_job_t *job = r->job;
-  if (!be->graphs || r->path != 1 || job->kind != ATTND_JOB_STEP || job->device_io ||
-      atomic_load(&be->dead))
+  return be->graphs && r->path == 1 && job->kind == ATTND_JOB_STEP && !job->device_io &&
+         !atomic_load(&be->dead);
+}
+
+const uint8_t *attnd_cu_graph_stage_hint(cu_backend_t *be, cu_run_t *r) {
+  if (!graphable(be, r) || !be->graph_replay)
+    return NULL;
+  const cu_graph_t *g = find(&be->streams[r->stream], shape_key(r->job));
+  return g && g->exec ? g->hp : NULL;
+}
+
+/* The stream's graph g, launched as it is (no capture). */
+static void launch_as_is(cu_backend_t *be, cu_run_t *r, cu_graph_t *g) {
+  cu_stream_t *cs = &be->streams[r->stream];
+  r->graphed = 1;
+  g->used = ++be->graph_tick;
+  attnd_cu_trace_mark_graph(r, 1, cs->st);
+  attnd_cu_trace_mark_graph(r, 2, cs->st);
+  cudaError_t e = cudaGraphLaunch(g->exec, cs->st);
+  if (e != cudaSuccess) {
+    attnd_cu_run_fail_cuda(r, __FILE__, __LINE__, "cudaGraphLaunch", e);
+    return;
+  }
+  attnd_cu_trace_mark_graph(r, 3, cs->st);
+  attnd_cu_trace_mark_graph(r, 4, cs->st);
+  be->graph_steps++;
+  be->graph_replays++;
+}
+
+int attnd_cu_graph_begin(cu_backend_t *be, cu_run_t *r, const attnd_kbatch_t *db,
+                         const uint8_t *hp, const uint8_t *dp) {
+  const attnd_job_t *job = r->job;
+  r->gprint = 0;
+  if (!graphable(be, r))
     return 0;
   cu_stream_t *cs = &be->streams[r->stream];
   const uint64_t key = shape_key(job);
   cu_graph_t *g = find(cs, key);
+  /* Replayable: staged inputs and outputs (their copies' addresses are the
+   * staging buffers'), and the attention (the launch print covers
+   * attnd_cuda_step's launches). */
+  if (be->graph_replay && !job->inputs_pinned && !job->outputs_pinned && db->total_q > 0 &&
+      job->out_bytes) {
+    r->gprint = attnd_cuda_step_print(&be->base.shape, db, cs->ws, cs->ws ? cs->wcap : 0);
+    if (g && g->exec && r->gprint && g->print == r->gprint && g->hp == hp && g->dp == dp) {
+      launch_as_is(be, r, g);
+      return 2;
+    }
+  }
   if (!g && be->graphs == 1) {
     /* First step of this shape: run directly, remember the shape. */
     g = victim(cs);
@@ -154,6 +215,11 @@ int attnd_cu_graph_end(cu_backend_t *be, cu_run_t *r) {
   cudaGraphDestroy(graph);
   g->key = key;
   g->used = ++be->graph_tick;
+  /* What the exec now holds: the next step with the same print and buffers
+   * launches it as it is. */
+  g->print = r->gprint;
+  g->hp = r->stage ? r->stage->p : NULL;
+  g->dp = cs->dbuf;
   /* The trace's marks inside the graph were not recorded: the whole
    * sequence shows as the attend interval (cuda_trace.c). */
   attnd_cu_trace_mark_graph(r, 1, cs->st);

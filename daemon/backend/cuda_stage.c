@@ -205,6 +205,21 @@ cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *ce
   return s;
 }
 
+cu_stage_t *attnd_cu_stage_get_pref(cu_backend_t *be, size_t need, const uint8_t *pref, int *cerr) {
+  if (pref)
+    for (cu_stage_t **pp = &be->free_stages; *pp; pp = &(*pp)->next)
+      if ((*pp)->p == pref && (*pp)->cap >= need) {
+        cu_stage_t *s = *pp;
+        *pp = s->next;
+        s->next = NULL;
+        be->stages_out++;
+        be->big_out += s->cap > CU_STAGE_MIN;
+        *cerr = cudaSuccess;
+        return s;
+      }
+  return attnd_cu_stage_get(be, need, 0, cerr);
+}
+
 void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s) {
   if (!s)
     return;

@@ -84,9 +84,10 @@ _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE
  * batch of up to this many rows gets all the splits it asks for; a larger
  * one splits less (the workspace never grows while serving). */
 #define CU_WS_ROWS 128
-/* --cuda-graphs: executable graphs kept per stream, one per step shape
- * (cuda_graph.c), the least recently used replaced. */
-#define CU_GRAPHS 4
+/* --cuda-graphs: executable graphs kept per stream, one per step shape and
+ * layer (cuda_graph.c; a stream serves two layers of a 32-layer model), the
+ * least recently used replaced. */
+#define CU_GRAPHS 8
 
 typedef struct cu_backend_s cu_backend_t;
 typedef struct cu_ring_plan_s cu_ring_plan_t; /* internal_ring.h */
@@ -116,6 +117,7 @@ typedef struct cu_run_s {
   uint64_t t_enq, t_cb;
   int by_loop;          /* completed by the loop thread's own polling (--cuda-completion loop) */
   int graphed;          /* its sequence is captured / went as one graph launch (cuda_graph.c) */
+  uint64_t gprint;      /* the captured sequence's launch print (0: not replayable) */
   cudaEvent_t done_ev;  /* polled completion: recorded behind the run's work */
   cudaEvent_t fence_ev; /* an ordered run's wait for its layer's priority stream */
   /* The ring (cuda_ring.c). A large step's run has a plan and holds ring
@@ -141,10 +143,15 @@ typedef struct {
   int ngraph; /* of the window's steps, launched as one graph (cuda_graph.c) */
 } cu_trace_t;
 
-/* A step shape's executable graph on one stream (cuda_graph.c); exec NULL:
- * the shape was seen once (it runs directly; the next one is captured). */
+/* A step shape's executable graph of one layer on one stream (cuda_graph.c);
+ * exec NULL: the shape was seen once (it runs directly; the next one is
+ * captured). print, hp, dp: what the exec holds (the kernels' launch print,
+ * attnd_cuda_step_print; the staging buffers its copies use), so that a
+ * step with the same ones launches it again as it is; print 0: unknown. */
 typedef struct {
   uint64_t key, used;
+  uint64_t print;
+  const uint8_t *hp, *dp;
   cudaGraphExec_t exec;
 } cu_graph_t;
 
@@ -245,7 +252,8 @@ struct cu_backend_s {
   /* --cuda-graphs (cuda_graph.c): 0 off, 1 from a shape's second step, 2
    * from its first (tests); counts for stats and the trace. */
   int graphs;
-  uint64_t graph_tick, graph_steps, graph_builds, graph_update_fails, graph_capture_fails;
+  int graph_replay; /* --cuda-graph-replay: a step whose launches equal its graph's launches it unchanged */
+  uint64_t graph_tick, graph_steps, graph_replays, graph_builds, graph_update_fails, graph_capture_fails;
   cudaEvent_t *evfree; /* recycled done events (loop thread) */
   int nevfree, evcap;
   /* Same-host zero-copy (cuda_ipc.c): the CHECK jobs' device state, one
@@ -278,6 +286,8 @@ static inline int attnd_cu_sticky(cudaError_t e) {
  * the pool is at its cap and buffers held by running jobs will come back
  * (the caller waits); force ignores the cap (tiny internal uploads). */
 cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *cerr);
+/* The same, taking the free pooled buffer at pref where there is one. */
+cu_stage_t *attnd_cu_stage_get_pref(cu_backend_t *be, size_t need, const uint8_t *pref, int *cerr);
 void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s);
 /* Pinned memory for a large request frame's body or step output (backend.h host_alloc),
  * or NULL (too small to be worth it, the frame pool at its cap, or a buffer
@@ -328,9 +338,17 @@ int attnd_cu_device_batch(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db);
 
 /* ---- cuda_graph.c: small steps as graphs (loop thread) ---- */
 
-/* 1 when r's sequence (H2D, kernels, D2H) is to be captured: capture has
- * begun on its stream; 0 to enqueue it directly. */
-int attnd_cu_graph_begin(cu_backend_t *be, cu_run_t *r);
+/* The pinned staging buffer the stream's graph of r's shape and layer
+ * copies through (its last capture or launch), NULL if none: enqueue_step
+ * takes that one where it is free, so that the graph can run again as it is. */
+const uint8_t *attnd_cu_graph_stage_hint(cu_backend_t *be, cu_run_t *r);
+/* r's sequence (H2D from hp to dp, the kernels of db, D2H back into hp):
+ * 2 when it went as a launch of the stream's graph for it, unchanged (the
+ * same launch print and buffers: no capture, no update; nothing left to
+ * enqueue); 1 when it is to be captured (capture has begun on its stream);
+ * 0 to enqueue it directly. */
+int attnd_cu_graph_begin(cu_backend_t *be, cu_run_t *r, const attnd_kbatch_t *db,
+                         const uint8_t *hp, const uint8_t *dp);
 /* Ends the capture that attnd_cu_graph_begin began and, unless r failed,
  * updates the stream's graph of that shape (or makes one) and launches it:
  * 0. 1 when the capture gave nothing to launch and the device is alive: r's

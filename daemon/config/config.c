@@ -103,6 +103,7 @@ void attnd_config_defaults(attnd_config_t *c) {
   c->cuda_completion = ATTND_COMPLETION_POLL;
   c->cuda_trace = 0;
   c->cuda_graphs = 0;
+  c->cuda_graph_replay = 1;
   c->step_trace = 0;
   c->busy_poll_us = 0;
 }

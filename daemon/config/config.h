@@ -148,6 +148,7 @@ typedef struct {
   attnd_completion_t cuda_completion; /* --cuda-completion poll|callback|loop */
   int cuda_trace;                     /* --cuda-trace: log where steps' time goes */
   int cuda_graphs;                    /* --cuda-graphs: small steps as one graph launch */
+  int cuda_graph_replay;              /* --cuda-graph-replay: a graph launched as it is where it can */
   int step_trace;                     /* --step-trace N: log steps' phases every N (0 off) */
   int busy_poll_us;                   /* --busy-poll-us: the loop polls this long after RPC
                                        * activity instead of sleeping (0 off) */

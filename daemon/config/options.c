@@ -377,6 +377,8 @@ static int set_option(attnd_config_t *c, int from, const char *prefix, const cha
     return parse_bool(name, v, &c->cuda_trace, err, errlen);
   if (strcmp(name, "cuda-graphs") == 0)
     return parse_bool(name, v, &c->cuda_graphs, err, errlen);
+  if (strcmp(name, "cuda-graph-replay") == 0)
+    return parse_bool(name, v, &c->cuda_graph_replay, err, errlen);
   ERR("unknown option '%s%s'", prefix, name_in);
 #undef STR
 #undef INT

@@ -66,6 +66,7 @@ static int create_backend(attnd_engine_t *e, const attnd_config_t *cfg, char *er
   bo.cuda_spin_us = cfg->cuda_completion == ATTND_COMPLETION_LOOP ? ATTND_CUDA_LOOP_SPIN_US : 0;
   bo.cuda_trace = cfg->cuda_trace;
   bo.cuda_graphs = cfg->cuda_graphs;
+  bo.cuda_graph_replay = cfg->cuda_graph_replay;
   bo.chunk_keys = cfg->engine_chunk_keys;
   if (use_cuda)
     return attnd_backend_cuda_create(&e->be, e->loop, &e->shape, e->layers, &bo, err, errlen);
@@ -281,6 +282,7 @@ void attnd_engine_stats(attnd_engine_t *e, attnd_engine_stats_t *st) {
     st->loop_done = bs.loop_done;
     st->graph_steps = bs.graph_steps;
     st->graph_builds = bs.graph_builds;
+    st->graph_replays = bs.graph_replays;
   }
 }
 

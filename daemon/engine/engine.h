@@ -167,6 +167,7 @@ typedef struct {
   uint64_t loop_done;     /* CUDA runs the loop thread's own polling completed */
   uint64_t graph_steps;   /* CUDA small steps launched as one graph */
   uint64_t graph_builds;  /* CUDA executable graphs made */
+  uint64_t graph_replays; /* CUDA graph steps launched as they were (no capture) */
 } attnd_engine_stats_t;
 
 typedef struct {

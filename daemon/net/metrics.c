@@ -293,6 +293,9 @@ int attnd_metrics_render(const attnd_metrics_src_t *src, char **out, size_t *len
          es.loop_done);
   SIMPLE("attnd_cuda_graph_steps_total", "counter",
          "Small steps launched as one CUDA graph (--cuda-graphs).", es.graph_steps);
+  SIMPLE("attnd_cuda_graph_replays_total", "counter",
+         "Graphed small steps launched as their graph was, without a capture (--cuda-graph-replay).",
+         es.graph_replays);
   SIMPLE("attnd_cuda_graph_builds_total", "counter",
          "Executable CUDA graphs made (new step shapes, refused updates).", es.graph_builds);
 #undef SIMPLE

@@ -8,6 +8,7 @@
 // values become template arguments here: head dim, activation dtype and cache
 // type; block size, scale mode and masks stay runtime values.
 #include <math.h>
+#include <string.h>
 
 #include "decode_params.cuh"
 #include "prefill_sm90.cuh"
@@ -55,6 +56,7 @@ bool is_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b) {
 int launch_tiled(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace, size_t workspace_bytes,
                  const attnd_cuda_opts_t &o, cudaStream_t st) {
   FlashParams p;
+  memset(&p, 0, sizeof p); // every byte set: attnd_cuda_step_print
   p.items = b->items;
   p.meta = b->meta;
   p.q = b->q;
@@ -248,4 +250,16 @@ extern "C" int attnd_cuda_step_opts(const attnd_kshape_t *s, const attnd_kbatch_
 extern "C" int attnd_cuda_step(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
                                size_t workspace_bytes, void *stream) {
   return attnd_cuda_step_opts(s, b, workspace, workspace_bytes, stream, nullptr);
+}
+
+extern "C" uint64_t attnd_cuda_step_print(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
+                                          size_t workspace_bytes) {
+  LaunchPrint lp = {0xcbf29ce484222325ull};
+  LaunchPrint *const outer = t_print;
+  t_print = &lp;
+  const int rc = attnd_cuda_step_opts(s, b, workspace, workspace_bytes, nullptr, nullptr);
+  t_print = outer;
+  if (rc != 0)
+    return 0;
+  return lp.h ? lp.h : 1;
 }

@@ -106,6 +106,16 @@ int attnd_cuda_step(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *work
                     size_t workspace_bytes, void *stream);
 int attnd_cuda_step_opts(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
                          size_t workspace_bytes, void *stream, const attnd_cuda_opts_t *opts);
+/* A fingerprint of what attnd_cuda_step(s, b, workspace, workspace_bytes, any
+ * stream) would enqueue: every kernel, grid, block, shared memory size,
+ * launch attribute and argument (device pointers included), folded into 64
+ * bits, computed on the host without enqueuing anything (no stream, no device
+ * wait). Equal prints mean the same launches, so a CUDA graph captured from
+ * one such call may be launched again for the other unchanged (the daemon's
+ * graph replay). 0 where attnd_cuda_step would refuse the batch, else never 0.
+ * The planning hints max_kv_len and kv_sum count only where they change a plan. */
+uint64_t attnd_cuda_step_print(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *workspace,
+                               size_t workspace_bytes);
 /* 1 where attnd_cuda_step would run this batch as the fused launch (for
  * tests and benchmarks), else 0. */
 int attnd_cuda_step_fused(const attnd_kshape_t *s, const attnd_kbatch_t *b, size_t workspace_bytes,

@@ -10,6 +10,7 @@
 namespace attnd {
 
 static thread_local char g_err[256];
+thread_local LaunchPrint *t_print = nullptr;
 
 static bool sticky(cudaError_t e) { return attnd_cuda_error_sticky(e) != 0; }
 

@@ -96,9 +96,38 @@ __host__ __device__ __forceinline__ bool kv_dynamic(int kv) {
 
 int num_sms();
 
+// Launch prints (attnd_cuda_step_print): while the calling thread has one
+// set, launch_ex and launch_decode_cluster fold what they would launch (the
+// kernel, grid, block, shared memory, attributes and every argument's bytes)
+// into it and return cudaSuccess without launching anything.
+struct LaunchPrint {
+  uint64_t h;
+};
+extern thread_local LaunchPrint *t_print;
+inline void print_bytes(LaunchPrint *p, const void *bytes, size_t n) {
+  const unsigned char *c = static_cast<const unsigned char *>(bytes);
+  uint64_t h = p->h;
+  for (size_t i = 0; i < n; i++)
+    h = (h ^ c[i]) * 0x100000001b3ull; // FNV-1a
+  p->h = h;
+}
+template <class K, class... Args>
+void print_launch(LaunchPrint *p, K kernel, dim3 grid, dim3 block, size_t smem, unsigned attrs,
+                  const Args &...args) {
+  const void *fn = reinterpret_cast<const void *>(kernel);
+  print_bytes(p, &fn, sizeof fn);
+  const unsigned v[8] = {grid.x, grid.y, grid.z, block.x, block.y, block.z, (unsigned)smem, attrs};
+  print_bytes(p, v, sizeof v);
+  (print_bytes(p, &args, sizeof(args)), ...);
+}
+
 // Launches with the programmatic-serialization attribute (PDL) when pdl.
 template <class K, class... Args>
 cudaError_t launch_ex(K kernel, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t st, Args... args) {
+  if (LaunchPrint *lp = t_print) {
+    print_launch(lp, kernel, grid, block, smem, pdl ? 1u : 0u, args...);
+    return cudaSuccess;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

@@ -95,6 +95,10 @@ __device__ __forceinline__ void dec_cluster_merge(const DecodeParams &P, uint8_t
 template <class K, class... Args>
 cudaError_t launch_decode_cluster(K kernel, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t st,
                                   Args... args) {
+  if (LaunchPrint *lp = t_print) {
+    print_launch(lp, kernel, grid, block, smem, 2u | (pdl ? 1u : 0u), args...);
+    return cudaSuccess;
+  }
   if (grid.z > 8) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess)

@@ -5,6 +5,7 @@
 // CTAs to fill the GPU. decode_params.cuh describes both cuts.
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "decode_params.cuh"
 
@@ -259,6 +260,9 @@ int launch_decode(const attnd_kshape_t *s, const attnd_kbatch_t *b, void *ws, si
   DecodePlan pl;
   plan_decode(s, b, ws_bytes, o, &pl);
   DecodeParams p;
+  // Every byte set (padding and the fields this plan leaves unused too), so
+  // that equal batches give equal launch arguments (attnd_cuda_step_print).
+  memset(&p, 0, sizeof p);
   // The fused step (attend.cu, plan_fused: a per-item plan of one part or of
   // clusters): phase 1 inside this launch.
   p.fuse = fuse ? 1 : 0;

@@ -135,7 +135,13 @@ extern "C" int attnd_cuda_write_opts(const attnd_kshape_t *s, const attnd_kbatch
   if (s->kv == ATTND_KV_INT4 && (!b->k_zero || !b->v_zero))
     return set_invalid(__FILE__, __LINE__, "int4 cache without zero points");
   WriteParams P;
+  memset(&P, 0, sizeof P); // every byte set: attnd_cuda_step_print
   P.b = *b;
+  // Planning hints the write kernel does not read, cleared so that a decode
+  // step's write launch does not change with its context length (a graph of
+  // the step replays unchanged, attnd_cuda_step_print).
+  P.b.max_kv_len = 0;
+  P.b.kv_sum = 0;
   P.q_heads = s->q_heads;
   P.kv_heads = s->kv_heads;
   P.d = s->head_dim;
