@@ -33,7 +33,8 @@
 # decode case once per small-step mode, same build, same run (A/B): base (the
 # defaults), loop (--cuda-completion loop), graphs (--cuda-graphs), both, and
 # parts joined by + (trace: --cuda-trace, e.g. both+trace; hf64: --cuda-hostfn-min
-# 64K, frames and outputs of 64 KiB and more pinned); rows of a mode
+# 64K, frames and outputs of 64 KiB and more pinned; capture: --cuda-graph-replay
+# false, every graphed step captured and updated); rows of a mode
 # other than base are named decode_SxP_MODE. It always ends
 # with the summary table, then one line:
 #   GPU-HOSTPATH SUMMARY: pass=N fail=M skip=K | case=result ...
@@ -227,6 +228,7 @@ mode_args() { # MODE: the daemon's flags of a small-step mode (parts joined by +
     trace) echo --cuda-trace ;;
     busy) echo --busy-poll-us 300 ;;
     hf64) echo --cuda-hostfn-min 64K ;;
+    capture) echo --cuda-graph-replay false ;;
     *) echo "unknown GPU_HOSTPATH_MODES part '$p'" >&2 ;;
     esac
   done
