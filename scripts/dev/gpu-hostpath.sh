@@ -62,6 +62,7 @@ summary() {
     echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     local r
     for r in "${rows[@]}"; do echo "$r"; done
+    [ -f "$out/counters.txt" ] && cat "$out/counters.txt"
     echo "GPU-HOSTPATH SUMMARY: pass=$npass fail=$nfail skip=$nskip | ${results[*]}"
   } | tee "$out/summary.txt"
 }
@@ -177,7 +178,7 @@ run_case() {
   fi
   local dtmp dpid port addr i sub sname bargs t idx
   dtmp=$(mktemp -d /tmp/gpu-hostpath-XXXXXX)
-  "$attnd_bin" --socket "$dtmp/attnd.sock" --listen 127.0.0.1:0 --metrics "" --state-dir "$dtmp" \
+  "$attnd_bin" --socket "$dtmp/attnd.sock" --listen 127.0.0.1:0 --metrics 127.0.0.1:0 --state-dir "$dtmp" \
     "${shape[@]}" --layers "$layers" --step-trace "$tn" "$@" >"$out/attnd-$name.log" 2>&1 &
   dpid=$!
   for _ in $(seq 1 600); do
@@ -202,6 +203,12 @@ run_case() {
     timeout "$t" "$attnctl_bin" "${addr[@]}" --json bench $bargs >"$out/$sname.json" 2>"$out/$sname.err"
     rcs+=($?)
   done
+  # The daemon's graph counters after the case (steps graphed, replayed, graphs made).
+  local mport
+  mport=$(sed -n 's/.*event=metrics_listening addr=[^ ]* port=\([0-9]*\).*/\1/p' "$out/attnd-$name.log" | head -1)
+  if [ -n "$mport" ]; then
+    echo "$name $(timeout 5 "$py" -c 'import sys,urllib.request as u; print(" ".join(l.split(" ")[0][17:]+"="+l.split(" ")[1] for l in u.urlopen("http://127.0.0.1:%s/metrics" % sys.argv[1]).read().decode().splitlines() if l.startswith("attnd_cuda_graph")))' "$mport" 2>&1 | tail -1)" >>"$out/counters.txt"
+  fi
   kill -TERM $dpid 2>/dev/null
   wait $dpid
   rm -rf "$dtmp"
