@@ -131,5 +131,6 @@ void test_ring_fault(void **state);
 void test_loop_completion(void **state);
 void test_graph_steps(void **state);
 void test_graph_replay(void **state);
+void test_graph_replay_layers(void **state);
 
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

@@ -775,6 +775,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup(test_loop_completion, reset_modes),
       cmocka_unit_test_setup(test_graph_steps, reset_modes),
       cmocka_unit_test_setup(test_graph_replay, reset_modes),
+      cmocka_unit_test_setup(test_graph_replay_layers, reset_modes),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }

@@ -38,21 +38,25 @@ void attnd_cuda_mock_refuse_updates(int n) __attribute__((weak));
  * with g_opts; checks every output and lse against the CPU backend's and
  * each layer's completion order; returns the CUDA backend's stats. seq: the
  * CUDA backend gets one job at a time, each after the one before finished
- * (a decode loop at depth 1). */
-static attnd_backend_stats_t run_chain(int seq) {
+ * (a decode loop at depth 1). layers: the backends' layer count (LAYERS in
+ * run_chain). */
+static attnd_backend_stats_t run_chain_layers(int seq, int layers) {
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   uv_loop_t loop;
   assert_int_equal(uv_loop_init(&loop), 0);
   char err[256] = "";
   attnd_backend_t *cpu = NULL, *gpu = NULL;
   assert_int_equal(
-      attnd_backend_cpu_create(&cpu, &loop, &s, LAYERS, opts(64ull << 20), err, sizeof(err)), 0);
+      attnd_backend_cpu_create(&cpu, &loop, &s, layers, opts(64ull << 20), err, sizeof(err)), 0);
   assert_int_equal(
-      attnd_backend_cuda_create(&gpu, &loop, &s, LAYERS, opts(64ull << 20), err, sizeof(err)), 0);
-  tjob_spec_t sp[NJOBS];
-  int layer_of[NJOBS];
+      attnd_backend_cuda_create(&gpu, &loop, &s, layers, opts(64ull << 20), err, sizeof(err)), 0);
+  const int njobs = layers * PER_LAYER;
+  tjob_spec_t *sp = calloc((size_t)njobs, sizeof(*sp));
+  int *layer_of = calloc((size_t)njobs, sizeof(int));
+  tjob_t *jc = calloc((size_t)njobs, sizeof(*jc)), *jg = calloc((size_t)njobs, sizeof(*jg));
+  assert_true(sp && layer_of && jc && jg);
   int n = 0;
-  for (int l = 0; l < LAYERS; l++) {
+  for (int l = 0; l < layers; l++) {
     titem_t pre = {.start = 0,
                    .n = 20,
                    .has_q = 1,
@@ -63,7 +67,7 @@ static attnd_backend_stats_t run_chain(int seq) {
     spec_step(&sp[n++], l, &pre, 1, 0, 1);
   }
   for (int t = 0; t < DECODES; t++)
-    for (int l = 0; l < LAYERS; l++) {
+    for (int l = 0; l < layers; l++) {
       titem_t dec = {.start = 20 + t,
                      .n = 1,
                      .has_q = 1,
@@ -73,21 +77,20 @@ static attnd_backend_stats_t run_chain(int seq) {
       layer_of[n] = l;
       spec_step(&sp[n++], l, &dec, 1, t % 2, 1);
     }
-  assert_int_equal(n, NJOBS);
-  tjob_t jc[NJOBS], jg[NJOBS];
+  assert_int_equal(n, njobs);
   int dummy = 0;
-  for (int i = 0; i < NJOBS; i++) {
+  for (int i = 0; i < njobs; i++) {
     job_from_spec(&jc[i], &sp[i], &dummy);
     job_from_spec(&jg[i], &sp[i], &dummy);
   }
-  run_all(&loop, cpu, jc, NJOBS);
+  run_all(&loop, cpu, jc, njobs);
   if (seq)
-    for (int i = 0; i < NJOBS; i++)
+    for (int i = 0; i < njobs; i++)
       run_all(&loop, gpu, &jg[i], 1);
   else
-    run_all(&loop, gpu, jg, NJOBS);
+    run_all(&loop, gpu, jg, njobs);
   double worst = 0, worst_lse = 0;
-  for (int i = 0; i < NJOBS; i++) {
+  for (int i = 0; i < njobs; i++) {
     if (jg[i].job.status)
       fail_msg("cuda job %d: %s", i, jg[i].job.message);
     assert_int_equal(jc[i].job.status, 0);
@@ -112,20 +115,26 @@ static attnd_backend_stats_t run_chain(int seq) {
   gpu->ops->stats(gpu, &st);
   print_message("%d jobs: %llu completed by the loop, %llu as graphs (%llu made); worst rel L2 "
                 "%.3e, worst |lse - cpu| - 1e-4 (1 + |cpu|) %.3e\n",
-                NJOBS, (unsigned long long)st.loop_done, (unsigned long long)st.graph_steps,
+                njobs, (unsigned long long)st.loop_done, (unsigned long long)st.graph_steps,
                 (unsigned long long)st.graph_builds, worst, worst_lse);
   assert_true(worst <= ATTND_TOL_BACKENDS);
   assert_true(worst_lse <= ATTND_TOL_CUDA_LSE_ABS);
-  for (int i = 0; i < NJOBS; i++) {
+  for (int i = 0; i < njobs; i++) {
     job_free(&jc[i]);
     job_free(&jg[i]);
     spec_free(&sp[i]);
   }
+  free(sp);
+  free(layer_of);
+  free(jc);
+  free(jg);
   cpu->ops->destroy(cpu);
   destroy_and_close(&loop, gpu);
   assert_int_equal(uv_loop_close(&loop), 0);
   return st;
 }
+
+static attnd_backend_stats_t run_chain(int seq) { return run_chain_layers(seq, LAYERS); }
 
 void test_loop_completion(void **state) {
   (void)state;
@@ -188,4 +197,21 @@ void test_graph_replay(void **state) {
   st = run_chain(1);
   assert_int_equal(st.graph_steps, (uint64_t)NJOBS);
   assert_int_equal(st.graph_replays, 0);
+}
+
+/* More layers than streams (40 layers on 8 streams, 5 a stream): a decode
+ * loop visits a stream's layers in turn, three shapes each (the prefill and
+ * two decode shapes), 15 a stream. Every slot must hold until its shape comes
+ * back: with fewer slots than that the least recently used is always the
+ * next one needed and nothing would replay. */
+void test_graph_replay_layers(void **state) {
+  (void)state;
+  SKIP_WITHOUT_GPU();
+  g_opts.cuda_graphs = 2;
+  g_opts.cuda_graph_replay = 1;
+  const int layers = 40;
+  attnd_backend_stats_t st = run_chain_layers(1, layers);
+  assert_int_equal(st.graph_steps, (uint64_t)layers * PER_LAYER);
+  assert_int_equal(st.graph_replays, (uint64_t)layers * (DECODES - 2));
+  assert_int_equal(st.graph_builds, (uint64_t)layers * 3);
 }

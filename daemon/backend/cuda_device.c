@@ -119,6 +119,9 @@ static void release(cu_backend_t *be) {
   attnd_cu_graphs_release(be);
   for (int i = 0; i < 2 * be->nstreams; i++) {
     cu_stream_t *cs = &be->streams[i];
+    free(cs->graphs);
+    cs->graphs = NULL;
+    cs->ngraphs = 0;
     if (!cs->st)
       continue;
     if (cs->dbuf)
@@ -296,6 +299,17 @@ static int create_streams(cu_backend_t *be, int layers, char *err, size_t errlen
     return ATTND_ECUDA;
   }
   be->nstreams = layers < CU_MAX_STREAMS ? layers : CU_MAX_STREAMS;
+  /* Graph slots (cuda_graph.c): CU_GRAPHS_PER_LAYER for each layer a layer
+   * stream serves (layer % nstreams); CU_GRAPHS_MIN on the priority twins
+   * (unordered steps, the few that jump the queue). */
+  int per_stream = (layers + be->nstreams - 1) / be->nstreams * CU_GRAPHS_PER_LAYER;
+  if (per_stream < CU_GRAPHS_MIN)
+    per_stream = CU_GRAPHS_MIN;
+  for (int i = 0; i < 2 * be->nstreams; i++) {
+    int n = i < be->nstreams ? per_stream : CU_GRAPHS_MIN;
+    be->streams[i].graphs = attnd_xcalloc((size_t)n, sizeof(cu_graph_t));
+    be->streams[i].ngraphs = n;
+  }
   for (int i = 0; i < 2 * be->nstreams; i++)
     if ((e = cudaStreamCreateWithPriority(&be->streams[i].st, cudaStreamNonBlocking,
                                           i < be->nstreams ? least : greatest)) != cudaSuccess) {

@@ -9,11 +9,12 @@
  * parameters (cudaGraphExecUpdate: the new staging pointers, the layer's
  * pool, the kernels' plan for this context) and is launched once. A step
  * shape is everything that sizes the sequence: items, rows, meta, tensor
- * bytes, lse, pinned inputs or outputs. Each stream keeps CU_GRAPHS shapes,
- * the least recently used replaced; a shape gets its executable graph at
+ * bytes, lse, pinned inputs or outputs. Each stream keeps CU_GRAPHS_PER_LAYER
+ * shapes for each layer it serves (internal.h), the least recently used
+ * replaced; a shape gets its executable graph at
  * its second step (its first runs directly: no graph memory for a shape
  * seen once), so graph memory is made lazily, a few hundred KiB per shape,
- * at most CU_GRAPHS per stream. An update the runtime refuses (the kernels
+ * at most ngraphs per stream. An update the runtime refuses (the kernels
  * chose another topology, e.g. a split with a merge) makes a new executable
  * graph in that slot.
  *
@@ -68,7 +69,7 @@ static uint64_t shape_key(const attnd_job_t *job) {
 }
 
 static cu_graph_t *find(cu_stream_t *cs, uint64_t key) {
-  for (int i = 0; i < CU_GRAPHS; i++)
+  for (int i = 0; i < cs->ngraphs; i++)
     if (cs->graphs[i].key == key)
       return &cs->graphs[i];
   return NULL;
@@ -77,7 +78,7 @@ static cu_graph_t *find(cu_stream_t *cs, uint64_t key) {
 /* The slot a new shape takes: an empty one, else the least recently used. */
 static cu_graph_t *victim(cu_stream_t *cs) {
   cu_graph_t *v = &cs->graphs[0];
-  for (int i = 0; i < CU_GRAPHS; i++) {
+  for (int i = 0; i < cs->ngraphs; i++) {
     if (!cs->graphs[i].key)
       return &cs->graphs[i];
     if (cs->graphs[i].used < v->used)
@@ -237,7 +238,7 @@ int attnd_cu_graph_end(cu_backend_t *be, cu_run_t *r) {
 
 void attnd_cu_graphs_release(cu_backend_t *be) {
   for (int i = 0; i < 2 * be->nstreams; i++)
-    for (int j = 0; j < CU_GRAPHS; j++) {
+    for (int j = 0; j < be->streams[i].ngraphs; j++) {
       cu_graph_t *g = &be->streams[i].graphs[j];
       if (g->exec)
         cudaGraphExecDestroy(g->exec);

@@ -84,10 +84,15 @@ _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE
  * batch of up to this many rows gets all the splits it asks for; a larger
  * one splits less (the workspace never grows while serving). */
 #define CU_WS_ROWS 128
-/* --cuda-graphs: executable graphs kept per stream, one per step shape and
- * layer (cuda_graph.c; a stream serves two layers of a 32-layer model), the
- * least recently used replaced. */
-#define CU_GRAPHS 8
+/* --cuda-graphs: executable graph slots per stream, one per step shape and
+ * layer (cuda_graph.c), the least recently used replaced: CU_GRAPHS_PER_LAYER
+ * for each layer the stream serves (a layer of an 80-layer model shares its
+ * stream with nine others; a decode loop's steps visit them in turn, so
+ * fewer slots than its layers' shapes would replace every one before it is
+ * used again), at least CU_GRAPHS_MIN. A slot is ~40 bytes; its graph is
+ * made only when its shape comes back. */
+#define CU_GRAPHS_PER_LAYER 3
+#define CU_GRAPHS_MIN 8
 
 typedef struct cu_backend_s cu_backend_t;
 typedef struct cu_ring_plan_s cu_ring_plan_t; /* internal_ring.h */
@@ -160,7 +165,8 @@ typedef struct {
   /* A layer stream's copy streams (the ring's chunks: H2D on h2d, D2H on
    * d2h, kernels on st, joined by events), NULL on the priority twins. */
   cudaStream_t h2d, d2h;
-  cu_graph_t graphs[CU_GRAPHS];
+  cu_graph_t *graphs; /* ngraphs slots (CU_GRAPHS_PER_LAYER) */
+  int ngraphs;
   uint8_t *dbuf; /* device staging: inputs then outputs of the running job */
   size_t dcap;
   void *ws; /* attention workspace */
