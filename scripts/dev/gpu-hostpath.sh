@@ -38,6 +38,8 @@
 # other than base are named decode_SxP_MODE. It always ends
 # with the summary table, then one line:
 #   GPU-HOSTPATH SUMMARY: pass=N fail=M skip=K | case=result ...
+# GPU_HOSTPATH_SESSIONS and GPU_HOSTPATH_LAYERS change the decode cases' sessions
+# (default "1 16 64") and the daemon's layers (default 8).
 # GPU_STEP_BACKEND=cpu: the same on the CPU backend with cheap compute (every
 # layer a sliding window of 1 key, so the host path dominates) and fewer
 # sessions, from build/ (to check the script anywhere).
@@ -120,6 +122,10 @@ else
   shape=(--backend cuda --kv-memory 24G)
   big_sessions=16 dec_sessions=(1 16 64) dec_prompt=4096 dec_layers=8 dec_steps=64
 fi
+# GPU_HOSTPATH_SESSIONS="1 16" and GPU_HOSTPATH_LAYERS=80 change the decode cases'
+# sessions and the daemon's layers (e.g. an 80-layer model's streams, 10 layers each).
+[ -n "${GPU_HOSTPATH_SESSIONS:-}" ] && read -r -a dec_sessions <<<"$GPU_HOSTPATH_SESSIONS"
+dec_layers=${GPU_HOSTPATH_LAYERS:-$dec_layers}
 
 # row NAME JSONFILE LOGFILE KIND INDEX: one summary row from attnctl's JSON and
 # the daemon's INDEX-th step_trace line of KIND (prefill or decode; -1: the last).
