@@ -109,6 +109,12 @@ typedef struct {
   uint64_t done_value; /* what the step raises it to */
 } devio_t;
 void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d);
+/* The same in *block (host_alloc'd here when NULL, else reused: the same
+ * addresses step after step, as a client that keeps its buffers). */
+void io_in_block(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d, uint8_t **block);
+/* After the step: out and lse copied back into the job's own buffers, which
+ * it points at again; the block stays the caller's. */
+void io_out(attnd_job_t *j, devio_t *d);
 void test_ipc_ops(void **state);
 
 /* --fault (backend_cuda_fault.c). */
@@ -132,5 +138,6 @@ void test_loop_completion(void **state);
 void test_graph_steps(void **state);
 void test_graph_replay(void **state);
 void test_graph_replay_layers(void **state);
+void test_graph_replay_devio(void **state);
 
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

@@ -13,6 +13,11 @@
  * memory anyway. out and lse are poisoned (NaN); the step raises a done
  * signal's word there too. */
 void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d) {
+  uint8_t *b = NULL;
+  io_in_block(gpu, j, d, &b);
+}
+
+void io_in_block(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d, uint8_t **block) {
   static uint64_t seq; /* done values, distinct per step */
   size_t off[6], len[6] = {j->q_bytes, j->kv_bytes, j->kv_bytes, j->out_bytes, j->lse_bytes, 8};
   size_t n = 0;
@@ -20,7 +25,9 @@ void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d) {
     off[i] = n;
     n += (len[i] + 255) & ~(size_t)255;
   }
-  uint8_t *b = gpu->ops->host_alloc(gpu, n ? n : 256);
+  if (!*block)
+    *block = gpu->ops->host_alloc(gpu, n ? n : 256);
+  uint8_t *b = *block;
   assert_non_null(b); /* --cuda-hostfn-min 0: every block is pinned */
   if (j->q_bytes)
     memcpy(b + off[0], j->batch.q, j->q_bytes);
@@ -42,6 +49,16 @@ void io_in_pinned(attnd_backend_t *gpu, attnd_job_t *j, devio_t *d) {
   d->done_value = ++seq << 8 | 0x5a;
   j->done = d->done;
   j->done_value = d->done_value;
+}
+
+void io_out(attnd_job_t *j, devio_t *d) {
+  if (j->out_bytes)
+    memcpy(d->out, j->batch.out, j->out_bytes);
+  if (j->batch.lse)
+    memcpy(d->lse, j->batch.lse, j->lse_bytes);
+  j->batch.out = d->out;
+  j->batch.lse = d->lse;
+  d->block = NULL;
 }
 
 static void check_done(attnd_job_t *j) {

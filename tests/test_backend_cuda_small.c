@@ -39,8 +39,10 @@ void attnd_cuda_mock_refuse_updates(int n) __attribute__((weak));
  * each layer's completion order; returns the CUDA backend's stats. seq: the
  * CUDA backend gets one job at a time, each after the one before finished
  * (a decode loop at depth 1). layers: the backends' layer count (LAYERS in
- * run_chain). */
-static attnd_backend_stats_t run_chain_layers(int seq, int layers) {
+ * run_chain). devio (with seq): each CUDA step over client memory
+ * (backend.h device_io), the same pinned block for every step of a shape and
+ * layer, as a same-host client that keeps its tensors. */
+static attnd_backend_stats_t run_chain_layers(int seq, int layers, int devio) {
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   uv_loop_t loop;
   assert_int_equal(uv_loop_init(&loop), 0);
@@ -84,9 +86,22 @@ static attnd_backend_stats_t run_chain_layers(int seq, int layers) {
     job_from_spec(&jg[i], &sp[i], &dummy);
   }
   run_all(&loop, cpu, jc, njobs);
+  uint8_t **blocks = calloc((size_t)layers * 3, sizeof(uint8_t *));
+  assert_non_null(blocks);
   if (seq)
-    for (int i = 0; i < njobs; i++)
+    for (int i = 0; i < njobs; i++) {
+      devio_t d;
+      memset(&d, 0, sizeof(d));
+      if (devio) /* the prefill's block, and one for each decode shape */
+        io_in_block(gpu, &jg[i].job, &d,
+                    &blocks[layer_of[i] * 3 + (sp[i].Tq > 1 ? 2 : sp[i].fp32_out)]);
       run_all(&loop, gpu, &jg[i], 1);
+      if (devio) {
+        assert_true(*d.done == d.done_value); /* raised after the kernels, graph or not */
+        assert_memory_equal(jg[i].job.batch.q, sp[i].q, jg[i].job.q_bytes); /* q as sent */
+        io_out(&jg[i].job, &d);
+      }
+    }
   else
     run_all(&loop, gpu, jg, njobs);
   double worst = 0, worst_lse = 0;
@@ -124,6 +139,10 @@ static attnd_backend_stats_t run_chain_layers(int seq, int layers) {
     job_free(&jg[i]);
     spec_free(&sp[i]);
   }
+  for (int i = 0; i < layers * 3; i++)
+    if (blocks[i])
+      gpu->ops->host_free(gpu, blocks[i]);
+  free(blocks);
   free(sp);
   free(layer_of);
   free(jc);
@@ -134,7 +153,7 @@ static attnd_backend_stats_t run_chain_layers(int seq, int layers) {
   return st;
 }
 
-static attnd_backend_stats_t run_chain(int seq) { return run_chain_layers(seq, LAYERS); }
+static attnd_backend_stats_t run_chain(int seq) { return run_chain_layers(seq, LAYERS, 0); }
 
 void test_loop_completion(void **state) {
   (void)state;
@@ -210,8 +229,24 @@ void test_graph_replay_layers(void **state) {
   g_opts.cuda_graphs = 2;
   g_opts.cuda_graph_replay = 1;
   const int layers = 40;
-  attnd_backend_stats_t st = run_chain_layers(1, layers);
+  attnd_backend_stats_t st = run_chain_layers(1, layers, 0);
   assert_int_equal(st.graph_steps, (uint64_t)layers * PER_LAYER);
   assert_int_equal(st.graph_replays, (uint64_t)layers * (DECODES - 2));
   assert_int_equal(st.graph_builds, (uint64_t)layers * 3);
+}
+
+/* Same-host zero-copy (backend.h device_io): a client stepping over the same
+ * tensors each time (q, k, v, out, lse at the same addresses for a shape)
+ * replays as a staged step does, DECODES - 2 steps per layer; the done
+ * signal (after the graph) is raised every step, the client's q is left as
+ * sent, outputs and lse are the CPU backend's. */
+void test_graph_replay_devio(void **state) {
+  (void)state;
+  SKIP_WITHOUT_GPU();
+  g_opts.cuda_hostfn_min = 0; /* every block pinned */
+  g_opts.cuda_graphs = 2;
+  g_opts.cuda_graph_replay = 1;
+  attnd_backend_stats_t st = run_chain_layers(1, LAYERS, 1);
+  assert_int_equal(st.graph_steps, (uint64_t)NJOBS);
+  assert_int_equal(st.graph_replays, (uint64_t)LAYERS * (DECODES - 2));
 }

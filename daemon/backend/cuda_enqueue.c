@@ -257,7 +257,8 @@ static int enqueue_step_device(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db
   const attnd_kbatch_t *hb = &job->batch;
   cu_stream_t *cs = &be->streams[r->stream];
   int cerr = cudaSuccess;
-  r->stage = attnd_cu_stage_get(be, lo->off_q, 0, &cerr);
+  int graph = 0; /* the sequence below is being captured (cuda_graph.c) */
+  r->stage = attnd_cu_stage_get_pref(be, lo->off_q, attnd_cu_graph_stage_hint(be, r), &cerr);
   if (!r->stage) {
     if (cerr == cudaSuccess)
       return 1;
@@ -271,14 +272,6 @@ static int enqueue_step_device(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db
     memcpy(hp + lo->off_meta, hb->meta, lo->meta);
   RUN_CU(r, attnd_cu_dev_reserve(cs, (void **)&cs->dbuf, &cs->dcap, lo->total, CU_DBUF_MIN));
   uint8_t *dp = cs->dbuf;
-  attnd_cu_trace_begin(be, r);
-  attnd_cu_trace_mark(r, 0, cs->st);
-  RUN_CU(r, cudaMemcpyAsync(dp, hp, lo->off_q, cudaMemcpyHostToDevice, cs->st));
-  /* cudaMemcpyDefault: the address says where q is (client device memory;
-   * pinned host memory in the backend's test), with unified addressing. */
-  if (job->q_bytes)
-    RUN_CU(r, cudaMemcpyAsync(dp + lo->off_q, hb->q, job->q_bytes, cudaMemcpyDefault, cs->st));
-  attnd_cu_trace_mark(r, 1, cs->st);
   db->items = (const attnd_kitem_t *)dp;
   db->meta = (const int32_t *)(dp + lo->off_meta);
   db->q = job->q_bytes ? dp + lo->off_q : NULL;
@@ -286,8 +279,27 @@ static int enqueue_step_device(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db
   db->v = hb->v;
   db->out = job->out_bytes ? hb->out : NULL;
   db->lse = job->lse_bytes ? hb->lse : NULL;
+  attnd_cu_trace_begin(be, r);
+  attnd_cu_trace_mark(r, 0, cs->st);
+  /* A client that steps over the same tensors each time (the same q, k, v,
+   * out and lse addresses) launches its shape's graph as it is. */
+  graph = attnd_cu_graph_begin(be, r, db, hp, dp);
+  if (graph == 2)
+    return 0;
+sequence:
+  RUN_CU(r, cudaMemcpyAsync(dp, hp, lo->off_q, cudaMemcpyHostToDevice, cs->st));
+  /* cudaMemcpyDefault: the address says where q is (client device memory;
+   * pinned host memory in the backend's test), with unified addressing. */
+  if (job->q_bytes)
+    RUN_CU(r, cudaMemcpyAsync(dp + lo->off_q, hb->q, job->q_bytes, cudaMemcpyDefault, cs->st));
+  attnd_cu_trace_mark(r, 1, cs->st);
   enqueue_kernels(be, r, db, hp, dp, lo);
 enqueued:
+  if (graph) {
+    graph = 0;
+    if (attnd_cu_graph_end(be, r))
+      goto sequence; /* nothing captured to launch: the same calls, directly */
+  }
   return 0;
 }
 

@@ -29,9 +29,12 @@
  * argument, computed on the host without enqueuing) and its staging
  * buffers; a step with the same print and buffers launches the graph as it
  * is: one cudaGraphLaunch. The staging buffer of a shape's graph is handed
- * out to that shape's next step where it is free (cuda_enqueue.c). Steps
- * with inputs or outputs in pinned frames (their addresses change each
- * step) and write-only steps are captured as before. A capture that fails for any reason but a dead
+ * out to that shape's next step where it is free (cuda_enqueue.c). A step
+ * over client memory (same-host zero-copy, backend.h device_io) replays
+ * when its tensors' addresses are those its graph was made with (a client
+ * that keeps its buffers). Steps with inputs or outputs in pinned frames
+ * (their addresses change each step) and write-only steps are captured as
+ * before. A capture that fails for any reason but a dead
  * device is thrown away and the same calls are made directly; after a few
  * such failures graphs are turned off with a warning. A faulting graph
  * fails its step like any faulting kernel: the completion event reports
@@ -64,7 +67,7 @@ static uint64_t shape_key(const attnd_job_t *job) {
   h = mix(h, job->kv_bytes);
   h = mix(h, job->out_bytes);
   h = mix(h, job->lse_bytes && b->lse ? job->lse_bytes : 0);
-  h = mix(h, (uint64_t)(job->inputs_pinned | job->outputs_pinned << 1));
+  h = mix(h, (uint64_t)(job->inputs_pinned | job->outputs_pinned << 1 | job->device_io << 2));
   return h ? h : 1;
 }
 
@@ -90,13 +93,13 @@ static cu_graph_t *victim(cu_stream_t *cs) {
   v->key = 0;
   v->print = 0;
   v->hp = v->dp = NULL;
+  v->qsrc = NULL;
   return v;
 }
 
 static int graphable(const cu_backend_t *be, const cu_run_t *r) {
   const attnd_job_t *job = r->job;
-  return be->graphs && r->path == 1 && job->kind == ATTND_JOB_STEP && !job->device_io &&
-         !atomic_load(&be->dead);
+  return be->graphs && r->path == 1 && job->kind == ATTND_JOB_STEP && !atomic_load(&be->dead);
 }
 
 const uint8_t *attnd_cu_graph_stage_hint(cu_backend_t *be, cu_run_t *r) {
@@ -134,12 +137,14 @@ int attnd_cu_graph_begin(cu_backend_t *be, cu_run_t *r, const attnd_kbatch_t *db
   const uint64_t key = shape_key(job);
   cu_graph_t *g = find(cs, key);
   /* Replayable: staged inputs and outputs (their copies' addresses are the
-   * staging buffers'), and the attention (the launch print covers
-   * attnd_cuda_step's launches). */
+   * staging buffers'), or client memory (its addresses: q's copy source
+   * below, k, v, out and lse in the kernels' arguments), and the attention
+   * (the launch print covers attnd_cuda_step's launches). */
   if (be->graph_replay && !job->inputs_pinned && !job->outputs_pinned && db->total_q > 0 &&
       job->out_bytes) {
     r->gprint = attnd_cuda_step_print(&be->base.shape, db, cs->ws, cs->ws ? cs->wcap : 0);
-    if (g && g->exec && r->gprint && g->print == r->gprint && g->hp == hp && g->dp == dp) {
+    if (g && g->exec && r->gprint && g->print == r->gprint && g->hp == hp && g->dp == dp &&
+        g->qsrc == (job->device_io ? job->batch.q : NULL)) {
       launch_as_is(be, r, g);
       return 2;
     }
@@ -221,6 +226,7 @@ int attnd_cu_graph_end(cu_backend_t *be, cu_run_t *r) {
   g->print = r->gprint;
   g->hp = r->stage ? r->stage->p : NULL;
   g->dp = cs->dbuf;
+  g->qsrc = r->job->device_io ? r->job->batch.q : NULL;
   /* The trace's marks inside the graph were not recorded: the whole
    * sequence shows as the attend interval (cuda_trace.c). */
   attnd_cu_trace_mark_graph(r, 1, cs->st);

@@ -157,6 +157,7 @@ typedef struct {
   uint64_t key, used;
   uint64_t print;
   const uint8_t *hp, *dp;
+  const void *qsrc; /* a device_io step's q: its copy's source in the graph */
   cudaGraphExec_t exec;
 } cu_graph_t;
 
