@@ -89,7 +89,7 @@ _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE
  * for each layer the stream serves (a layer of an 80-layer model shares its
  * stream with nine others; a decode loop's steps visit them in turn, so
  * fewer slots than its layers' shapes would replace every one before it is
- * used again), at least CU_GRAPHS_MIN. A slot is ~40 bytes; its graph is
+ * used again), at least CU_GRAPHS_MIN. A slot is ~60 bytes; its graph is
  * made only when its shape comes back. */
 #define CU_GRAPHS_PER_LAYER 3
 #define CU_GRAPHS_MIN 8
