@@ -139,5 +139,6 @@ void test_graph_steps(void **state);
 void test_graph_replay(void **state);
 void test_graph_replay_layers(void **state);
 void test_graph_replay_devio(void **state);
+void test_graph_replay_pairs(void **state);
 
 #endif /* ATTND_TESTS_BACKEND_CUDA_FIXTURE_H */

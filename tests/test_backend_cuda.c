@@ -777,6 +777,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup(test_graph_replay, reset_modes),
       cmocka_unit_test_setup(test_graph_replay_layers, reset_modes),
       cmocka_unit_test_setup(test_graph_replay_devio, reset_modes),
+      cmocka_unit_test_setup(test_graph_replay_pairs, reset_modes),
   };
   return cmocka_run_group_tests_name("backend_cuda", tests, NULL, NULL);
 }

@@ -41,8 +41,11 @@ void attnd_cuda_mock_refuse_updates(int n) __attribute__((weak));
  * (a decode loop at depth 1). layers: the backends' layer count (LAYERS in
  * run_chain). devio (with seq): each CUDA step over client memory
  * (backend.h device_io), the same pinned block for every step of a shape and
- * layer, as a same-host client that keeps its tensors. */
-static attnd_backend_stats_t run_chain_layers(int seq, int layers, int devio) {
+ * layer, as a same-host client that keeps its tensors. pairs (with seq): two
+ * sessions a layer, each step of the one submitted together with the same
+ * step of the other (two micro-batches of one shape in flight at once: fp32
+ * outputs on neither, so one decode shape). */
+static attnd_backend_stats_t run_chain_layers(int seq, int layers, int devio, int pairs) {
   attnd_kshape_t s = make_shape(ATTND_KV_BF16);
   uv_loop_t loop;
   assert_int_equal(uv_loop_init(&loop), 0);
@@ -52,33 +55,27 @@ static attnd_backend_stats_t run_chain_layers(int seq, int layers, int devio) {
       attnd_backend_cpu_create(&cpu, &loop, &s, layers, opts(64ull << 20), err, sizeof(err)), 0);
   assert_int_equal(
       attnd_backend_cuda_create(&gpu, &loop, &s, layers, opts(64ull << 20), err, sizeof(err)), 0);
-  const int njobs = layers * PER_LAYER;
+  const int ways = pairs ? 2 : 1;
+  const int njobs = layers * PER_LAYER * ways;
   tjob_spec_t *sp = calloc((size_t)njobs, sizeof(*sp));
   int *layer_of = calloc((size_t)njobs, sizeof(int));
   tjob_t *jc = calloc((size_t)njobs, sizeof(*jc)), *jg = calloc((size_t)njobs, sizeof(*jg));
   assert_true(sp && layer_of && jc && jg);
   int n = 0;
-  for (int l = 0; l < layers; l++) {
-    titem_t pre = {.start = 0,
-                   .n = 20,
-                   .has_q = 1,
-                   .mask = ATTND_MASK_CAUSAL,
-                   .table = {2 * l, 2 * l + 1},
-                   .nb = 2};
-    layer_of[n] = l;
-    spec_step(&sp[n++], l, &pre, 1, 0, 1);
-  }
-  for (int t = 0; t < DECODES; t++)
-    for (int l = 0; l < layers; l++) {
-      titem_t dec = {.start = 20 + t,
-                     .n = 1,
-                     .has_q = 1,
-                     .mask = ATTND_MASK_CAUSAL,
-                     .table = {2 * l, 2 * l + 1},
-                     .nb = 2};
-      layer_of[n] = l;
-      spec_step(&sp[n++], l, &dec, 1, t % 2, 1);
-    }
+  /* t -1: the prefills; session w of layer l owns blocks 2 (2l + w) and the next. */
+  for (int t = -1; t < DECODES; t++)
+    for (int l = 0; l < layers; l++)
+      for (int w = 0; w < ways; w++) {
+        const int b0 = 2 * (ways * l + w);
+        titem_t it = {.start = t < 0 ? 0 : 20 + t,
+                      .n = t < 0 ? 20 : 1,
+                      .has_q = 1,
+                      .mask = ATTND_MASK_CAUSAL,
+                      .table = {b0, b0 + 1},
+                      .nb = 2};
+        layer_of[n] = l;
+        spec_step(&sp[n++], l, &it, 1, t >= 0 && !pairs && t % 2, 1);
+      }
   assert_int_equal(n, njobs);
   int dummy = 0;
   for (int i = 0; i < njobs; i++) {
@@ -88,7 +85,10 @@ static attnd_backend_stats_t run_chain_layers(int seq, int layers, int devio) {
   run_all(&loop, cpu, jc, njobs);
   uint8_t **blocks = calloc((size_t)layers * 3, sizeof(uint8_t *));
   assert_non_null(blocks);
-  if (seq)
+  if (seq && pairs)
+    for (int i = 0; i < njobs; i += 2)
+      run_all(&loop, gpu, &jg[i], 2);
+  else if (seq)
     for (int i = 0; i < njobs; i++) {
       devio_t d;
       memset(&d, 0, sizeof(d));
@@ -119,8 +119,9 @@ static attnd_backend_stats_t run_chain_layers(int seq, int layers, int devio) {
       if (!(dl <= worst_lse))
         worst_lse = isfinite(dl) ? dl : INFINITY;
     }
-    /* Per-layer order: every earlier job of its layer finished before it. */
-    for (int j = 0; j < i; j++)
+    /* Per-layer order: every earlier job of its layer finished before it
+     * (among the jobs submitted together: done_seq counts per run_all). */
+    for (int j = seq ? i - i % ways : 0; j < i; j++)
       if (layer_of[j] == layer_of[i] && jg[j].done_seq > jg[i].done_seq)
         fail_msg("layer %d: job %d finished before job %d", layer_of[i], i, j);
   }
@@ -153,7 +154,7 @@ static attnd_backend_stats_t run_chain_layers(int seq, int layers, int devio) {
   return st;
 }
 
-static attnd_backend_stats_t run_chain(int seq) { return run_chain_layers(seq, LAYERS, 0); }
+static attnd_backend_stats_t run_chain(int seq) { return run_chain_layers(seq, LAYERS, 0, 0); }
 
 void test_loop_completion(void **state) {
   (void)state;
@@ -229,7 +230,7 @@ void test_graph_replay_layers(void **state) {
   g_opts.cuda_graphs = 2;
   g_opts.cuda_graph_replay = 1;
   const int layers = 40;
-  attnd_backend_stats_t st = run_chain_layers(1, layers, 0);
+  attnd_backend_stats_t st = run_chain_layers(1, layers, 0, 0);
   assert_int_equal(st.graph_steps, (uint64_t)layers * PER_LAYER);
   assert_int_equal(st.graph_replays, (uint64_t)layers * (DECODES - 2));
   assert_int_equal(st.graph_builds, (uint64_t)layers * 3);
@@ -246,7 +247,24 @@ void test_graph_replay_devio(void **state) {
   g_opts.cuda_hostfn_min = 0; /* every block pinned */
   g_opts.cuda_graphs = 2;
   g_opts.cuda_graph_replay = 1;
-  attnd_backend_stats_t st = run_chain_layers(1, LAYERS, 1);
+  attnd_backend_stats_t st = run_chain_layers(1, LAYERS, 1, 0);
   assert_int_equal(st.graph_steps, (uint64_t)NJOBS);
   assert_int_equal(st.graph_replays, (uint64_t)LAYERS * (DECODES - 2));
+}
+
+/* Two micro-batches of one shape on each layer, both in flight at once:
+ * they take two staging buffers, and each buffer keeps its own graph
+ * (CU_GRAPH_COPIES), so after the first pair of each shape (the prefills,
+ * the first decodes: four graphs a layer) every step replays, 2 (DECODES - 1)
+ * a layer. One graph a shape would replay one of each pair and capture the
+ * other over the buffer its graph no longer holds. */
+void test_graph_replay_pairs(void **state) {
+  (void)state;
+  SKIP_WITHOUT_GPU();
+  g_opts.cuda_graphs = 2;
+  g_opts.cuda_graph_replay = 1;
+  attnd_backend_stats_t st = run_chain_layers(1, LAYERS, 0, 1);
+  assert_int_equal(st.graph_steps, (uint64_t)LAYERS * PER_LAYER * 2);
+  assert_int_equal(st.graph_replays, (uint64_t)LAYERS * 2 * (DECODES - 1));
+  assert_int_equal(st.graph_builds, (uint64_t)LAYERS * 4);
 }

@@ -258,7 +258,7 @@ static int enqueue_step_device(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db
   cu_stream_t *cs = &be->streams[r->stream];
   int cerr = cudaSuccess;
   int graph = 0; /* the sequence below is being captured (cuda_graph.c) */
-  r->stage = attnd_cu_stage_get_pref(be, lo->off_q, attnd_cu_graph_stage_hint(be, r), &cerr);
+  r->stage = attnd_cu_graph_stage_get(be, r, lo->off_q, &cerr);
   if (!r->stage) {
     if (cerr == cudaSuccess)
       return 1;
@@ -337,7 +337,7 @@ static int enqueue_step(cu_backend_t *be, cu_run_t *r) {
     return enqueue_step_device(be, r, &db, &lo);
   /* The staging buffer of this shape's graph where it is free (a graph
    * launches again as it is only over the buffers it was made with). */
-  r->stage = attnd_cu_stage_get_pref(be, lo.total, attnd_cu_graph_stage_hint(be, r), &cerr);
+  r->stage = attnd_cu_graph_stage_get(be, r, lo.total, &cerr);
   if (!r->stage) {
     if (cerr == cudaSuccess)
       return 1;

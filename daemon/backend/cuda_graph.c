@@ -29,7 +29,10 @@
  * argument, computed on the host without enqueuing) and its staging
  * buffers; a step with the same print and buffers launches the graph as it
  * is: one cudaGraphLaunch. The staging buffer of a shape's graph is handed
- * out to that shape's next step where it is free (cuda_enqueue.c). A step
+ * out to that shape's next step where it is free (cuda_enqueue.c); a shape
+ * keeps up to CU_GRAPH_COPIES graphs, each over its own buffer, so that two
+ * of its steps in flight at once (two micro-batches of a layer) each find
+ * theirs. A step
  * over client memory (same-host zero-copy, backend.h device_io) replays
  * when its tensors' addresses are those its graph was made with (a client
  * that keeps its buffers). Steps with inputs or outputs in pinned frames
@@ -102,11 +105,39 @@ static int graphable(const cu_backend_t *be, const cu_run_t *r) {
   return be->graphs && r->path == 1 && job->kind == ATTND_JOB_STEP && !atomic_load(&be->dead);
 }
 
-const uint8_t *attnd_cu_graph_stage_hint(cu_backend_t *be, cu_run_t *r) {
-  if (!graphable(be, r) || !be->graph_replay)
-    return NULL;
-  const cu_graph_t *g = find(&be->streams[r->stream], shape_key(r->job));
-  return g && g->exec ? g->hp : NULL;
+cu_stage_t *attnd_cu_graph_stage_get(cu_backend_t *be, cu_run_t *r, size_t need, int *cerr) {
+  const uint8_t *pref[CU_GRAPH_COPIES];
+  int n = 0;
+  if (graphable(be, r) && be->graph_replay) {
+    const cu_stream_t *cs = &be->streams[r->stream];
+    const uint64_t key = shape_key(r->job);
+    for (int i = 0; i < cs->ngraphs && n < CU_GRAPH_COPIES; i++)
+      if (cs->graphs[i].key == key && cs->graphs[i].exec && cs->graphs[i].hp)
+        pref[n++] = cs->graphs[i].hp;
+  }
+  return attnd_cu_stage_get_pref(be, need, pref, n, cerr);
+}
+
+/* The slot a capture of key over the staging buffer hp goes into: the
+ * shape's graph over hp, or its placeholder (a shape seen once); with replay
+ * a new slot while the shape has fewer than CU_GRAPH_COPIES graphs (NULL:
+ * the caller takes a victim), else its least recently used one. Without
+ * replay a shape has one graph, updated by every step. */
+static cu_graph_t *slot_for(const cu_backend_t *be, cu_stream_t *cs, uint64_t key,
+                            const uint8_t *hp) {
+  cu_graph_t *lru = NULL;
+  int n = 0;
+  for (int i = 0; i < cs->ngraphs; i++) {
+    cu_graph_t *g = &cs->graphs[i];
+    if (g->key != key)
+      continue;
+    if (!g->exec || !be->graph_replay || g->hp == hp)
+      return g;
+    n++;
+    if (!lru || g->used < lru->used)
+      lru = g;
+  }
+  return n < CU_GRAPH_COPIES ? NULL : lru;
 }
 
 /* The stream's graph g, launched as it is (no capture). */
@@ -143,10 +174,14 @@ int attnd_cu_graph_begin(cu_backend_t *be, cu_run_t *r, const attnd_kbatch_t *db
   if (be->graph_replay && !job->inputs_pinned && !job->outputs_pinned && db->total_q > 0 &&
       job->out_bytes) {
     r->gprint = attnd_cuda_step_print(&be->base.shape, db, cs->ws, cs->ws ? cs->wcap : 0);
-    if (g && g->exec && r->gprint && g->print == r->gprint && g->hp == hp && g->dp == dp &&
-        g->qsrc == (job->device_io ? job->batch.q : NULL)) {
-      launch_as_is(be, r, g);
-      return 2;
+    const void *qsrc = job->device_io ? job->batch.q : NULL;
+    for (int i = 0; r->gprint && i < cs->ngraphs; i++) {
+      cu_graph_t *c = &cs->graphs[i];
+      if (c->key == key && c->exec && c->print == r->gprint && c->hp == hp && c->dp == dp &&
+          c->qsrc == qsrc) {
+        launch_as_is(be, r, c);
+        return 2;
+      }
     }
   }
   if (!g && be->graphs == 1) {
@@ -195,7 +230,7 @@ int attnd_cu_graph_end(cu_backend_t *be, cu_run_t *r) {
     return capture_failed(be, r, "cudaStreamEndCapture", e);
   }
   const uint64_t key = shape_key(r->job);
-  cu_graph_t *g = find(cs, key);
+  cu_graph_t *g = slot_for(be, cs, key, r->stage ? r->stage->p : NULL);
   if (g && g->exec) {
     cudaGraphExecUpdateResultInfo info;
     if (cudaGraphExecUpdate(g->exec, graph, &info) != cudaSuccess) {

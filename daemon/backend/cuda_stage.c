@@ -205,10 +205,11 @@ cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *ce
   return s;
 }
 
-cu_stage_t *attnd_cu_stage_get_pref(cu_backend_t *be, size_t need, const uint8_t *pref, int *cerr) {
-  if (pref)
+cu_stage_t *attnd_cu_stage_get_pref(cu_backend_t *be, size_t need, const uint8_t *const *pref,
+                                    int npref, int *cerr) {
+  for (int i = 0; i < npref; i++)
     for (cu_stage_t **pp = &be->free_stages; *pp; pp = &(*pp)->next)
-      if ((*pp)->p == pref && (*pp)->cap >= need) {
+      if ((*pp)->p == pref[i] && (*pp)->cap >= need) {
         cu_stage_t *s = *pp;
         *pp = s->next;
         s->next = NULL;

@@ -91,8 +91,13 @@ _Static_assert(ATTND_CUDA_EDEVICE == ATTND_KERNEL_EDEVICE, "attnd_cuda.h EDEVICE
  * fewer slots than its layers' shapes would replace every one before it is
  * used again), at least CU_GRAPHS_MIN. A slot is ~60 bytes; its graph is
  * made only when its shape comes back. */
-#define CU_GRAPHS_PER_LAYER 3
+#define CU_GRAPHS_PER_LAYER 4
 #define CU_GRAPHS_MIN 8
+/* Graphs kept of one shape and layer, each over its own staging buffer: two
+ * steps of a shape in flight at once (two micro-batches of a layer, or more
+ * layer steps in flight than layers) take two buffers, and each goes on
+ * replaying its own. */
+#define CU_GRAPH_COPIES 2
 
 typedef struct cu_backend_s cu_backend_t;
 typedef struct cu_ring_plan_s cu_ring_plan_t; /* internal_ring.h */
@@ -293,8 +298,10 @@ static inline int attnd_cu_sticky(cudaError_t e) {
  * the pool is at its cap and buffers held by running jobs will come back
  * (the caller waits); force ignores the cap (tiny internal uploads). */
 cu_stage_t *attnd_cu_stage_get(cu_backend_t *be, size_t need, int force, int *cerr);
-/* The same, taking the free pooled buffer at pref where there is one. */
-cu_stage_t *attnd_cu_stage_get_pref(cu_backend_t *be, size_t need, const uint8_t *pref, int *cerr);
+/* The same, taking the first of the npref pooled buffers at pref that is
+ * free, where there is one. */
+cu_stage_t *attnd_cu_stage_get_pref(cu_backend_t *be, size_t need, const uint8_t *const *pref,
+                                    int npref, int *cerr);
 void attnd_cu_stage_put(cu_backend_t *be, cu_stage_t *s);
 /* Pinned memory for a large request frame's body or step output (backend.h host_alloc),
  * or NULL (too small to be worth it, the frame pool at its cap, or a buffer
@@ -345,10 +352,11 @@ int attnd_cu_device_batch(cu_backend_t *be, cu_run_t *r, attnd_kbatch_t *db);
 
 /* ---- cuda_graph.c: small steps as graphs (loop thread) ---- */
 
-/* The pinned staging buffer the stream's graph of r's shape and layer
- * copies through (its last capture or launch), NULL if none: enqueue_step
- * takes that one where it is free, so that the graph can run again as it is. */
-const uint8_t *attnd_cu_graph_stage_hint(cu_backend_t *be, cu_run_t *r);
+/* A pinned staging buffer of need bytes for r (attnd_cu_stage_get's
+ * contract): one that a graph of r's shape and layer on its stream copies
+ * through where one of those is free, so that the graph can run again as it
+ * is. */
+cu_stage_t *attnd_cu_graph_stage_get(cu_backend_t *be, cu_run_t *r, size_t need, int *cerr);
 /* r's sequence (H2D from hp to dp, the kernels of db, D2H back into hp):
  * 2 when it went as a launch of the stream's graph for it, unchanged (the
  * same launch print and buffers: no capture, no update; nothing left to
